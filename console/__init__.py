@@ -1,0 +1,1 @@
+"""Aerie console: the operator-side Textual app and CLI."""

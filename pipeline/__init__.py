@@ -1,0 +1,1 @@
+"""Aerie pipeline: the stages and the run model that run on the container."""

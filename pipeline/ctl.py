@@ -1,0 +1,84 @@
+"""Control entry point on the executing host: ``python -m pipeline.ctl RUN ACTION [STAGE]``.
+
+The console and the ``aerie`` CLI never signal processes themselves: they run this (as a local
+subprocess, or through the SSH connection on the container). It validates the stage id, queues a
+request in the run dir, makes sure a supervisor is running, and waits for the supervisor's answer.
+
+Actions: ``status`` (prints state.json), ``ensure`` (start a supervisor if none holds the lock),
+``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``.
+
+Exit codes: 0 done; 2 usage error, unknown run or unknown stage; 3 refused by the supervisor
+(e.g. pausing a stage that is not running); 4 no answer from the supervisor in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipeline.rundir import RunDir, read_json
+from pipeline.supervisor import spawn_detached, supervisor_alive
+
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 2, 3, 4
+ACTIONS = ("status", "ensure", "pause", "resume", "kill", "retry", "skip")
+
+
+def ensure_supervisor(run: RunDir) -> bool:
+    """Start a supervisor unless one runs; returns True when one was started."""
+    if supervisor_alive(run):
+        return False
+    spawn_detached(run.root)
+    return True
+
+
+def request(run: RunDir, action: str, stage: str, timeout_s: float = 15.0, **extra: object) -> tuple[int, str]:
+    path = run.submit_request(action, stage, **extra)
+    ensure_supervisor(run)
+    done = run.requests_dir / "done" / path.name
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ans = read_json(done)
+        if ans is not None:
+            return (EXIT_OK if ans.get("ok") else EXIT_REFUSED), str(ans.get("message", ""))
+        time.sleep(0.05)
+    return EXIT_TIMEOUT, f"no answer from the supervisor of {run.root} within {timeout_s:g}s (request left queued)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.ctl")
+    ap.add_argument("run", type=Path)
+    ap.add_argument("action", choices=ACTIONS)
+    ap.add_argument("stage", nargs="?")
+    ap.add_argument("--fresh", action="store_true", help="retry: clear the stage's outputs first")
+    ap.add_argument("--timeout", type=float, default=15.0)
+    args = ap.parse_args(argv)
+    run = RunDir(args.run)
+    if not run.exists():
+        print(f"error: {run.root}: no such run (no plan.toml / stages/ there)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.action == "status":
+        state = read_json(run.state_path) or {"stages": []}
+        state["supervisor_alive"] = supervisor_alive(run)
+        print(json.dumps(state))
+        return EXIT_OK
+    if args.action == "ensure":
+        started = ensure_supervisor(run)
+        print("supervisor started" if started else "supervisor already running")
+        return EXIT_OK
+    if not args.stage:
+        print(f"error: {args.action} needs a stage id", file=sys.stderr)
+        return EXIT_USAGE
+    if args.stage not in run.stage_ids():
+        print(f"error: {run.root}: unknown stage {args.stage!r} (stages: {', '.join(run.stage_ids())})", file=sys.stderr)
+        return EXIT_USAGE
+    extra = {"fresh": True} if args.fresh else {}
+    code, msg = request(run, args.action, args.stage, timeout_s=args.timeout, **extra)
+    print(msg if code == EXIT_OK else f"error: {msg}", file=sys.stdout if code == EXIT_OK else sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

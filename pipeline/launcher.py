@@ -1,0 +1,108 @@
+"""The launcher wrapper: ``python -m pipeline.launcher RUN STAGE ATTEMPT``.
+
+The supervisor starts this in a new session (so it leads a fresh process group), detached, with
+stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
+
+1. records its pid, pgid and kernel start time in ``proc.json`` (atomically),
+2. writes the ``started`` event and a banner line in the log,
+3. runs the stage (a built-in ``python -m pipeline.X`` or the operator's ``/bin/sh -c`` command)
+   as a child in the same process group, with the ``AERIE_*`` environment,
+4. writes ``exit.json`` and the ``finished`` event when the child ends.
+
+It survives SIGTERM (ignored here, so the child's death is still recorded); a SIGKILL to the
+group ends it too, and the supervisor then records the exit on its behalf.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.events import EventWriter
+from pipeline.plan import StageSpec
+from pipeline.procs import ProcIdentity
+from pipeline.rundir import RunDir, read_json, write_json
+from pipeline.runtime import ENV_ATTEMPT, ENV_INPUTS, ENV_OUT, ENV_PLAN, ENV_RUN, ENV_STAGE
+
+
+def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
+    if spec.run:
+        return [python, "-m", spec.run, "--plan", str(run.plan_path), "--stage", spec.id, *spec.args]
+    assert spec.command is not None
+    return ["/bin/sh", "-c", spec.command]
+
+
+def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
+    sd = run.stage(spec.id)
+    inputs = {dep: str(run.stage(dep).out) for dep in spec.after}
+    env = dict(os.environ)
+    env.update(spec.env)
+    env.update({
+        ENV_RUN: str(run.root), ENV_STAGE: spec.id, ENV_ATTEMPT: str(attempt), ENV_OUT: str(sd.out),
+        ENV_INPUTS: json.dumps(inputs), ENV_PLAN: str(run.plan_path), "PYTHONUNBUFFERED": "1",
+    })
+    # Built-in stages import `pipeline` from wherever the launcher did.
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3:
+        print("usage: python -m pipeline.launcher RUN STAGE ATTEMPT", file=sys.stderr)
+        return 2
+    run, stage_id, attempt = RunDir(argv[0]), argv[1], int(argv[2])
+    sd = run.stage(stage_id)
+    spec = StageSpec.from_dict(read_json(sd.spec))
+    ident = ProcIdentity.of_self()
+    write_json(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()})
+    sd.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    events = EventWriter(sd.events)
+    argv_child = stage_argv(spec, run, sys.executable)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
+    print(f"===== $ {' '.join(argv_child)}", flush=True)
+    events.emit("started", attempt=attempt, pid=ident.pid, pgid=ident.pgid)
+    try:
+        child = subprocess.Popen(
+            argv_child, stdin=subprocess.DEVNULL, env=stage_env(spec, run, attempt), cwd=str(sd.out),
+            preexec_fn=lambda: (signal.signal(signal.SIGTERM, signal.SIG_DFL), signal.signal(signal.SIGINT, signal.SIG_DFL)),
+        )
+    except OSError as exc:
+        print(f"aerie: cannot start stage: {exc}", flush=True)
+        write_json(sd.exit, {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)})
+        events.emit("finished", status="failed", returncode=127, detail=str(exc))
+        return 127
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:
+            continue
+    sig = -rc if rc < 0 else None
+    sig_name = signal.Signals(sig).name if sig else None
+    killed = sd.record_for(sd.kill_marker, attempt)
+    if rc == 0:
+        status = "succeeded"
+    elif killed:
+        # A service the supervisor stopped because its users were done has done its job.
+        status = "succeeded" if killed.get("reason") == "stop" else "killed"
+    else:
+        status = "failed"
+    write_json(sd.exit, {"attempt": attempt, "returncode": rc, "signal": sig_name, "t": time.time()})
+    events.emit("finished", status=status, returncode=rc, detail=sig_name)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,496 @@
+"""The plan: a TOML file describing one run, loaded, validated and expanded into a stage DAG.
+
+A plan names where the run executes, its run directory, the target model, the datasets and the
+stages. A ``[[stage]]`` entry is either a built-in ``pipeline.*`` stage (``run = "pipeline.prep"``)
+or an operator shell command (``command = "..."``); ``for_each = "dataset"`` expands one entry into
+one stage per dataset (``prep.ultrachat`` ...), optionally filtered with ``when = {kind = ...}``.
+Dependencies (``after``) may use ``{dataset}`` and globs (``"prep.*"``). ``uses`` names service
+stages (an inference server) that must be *ready* while the stage runs; a stage that is ``after``
+a service waits until the service has been stopped.
+
+Every error names the plan file and the key (``stage[3].after``), so a typo never costs an hour.
+This module needs only the standard library: it runs on the container and in the console.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import importlib.util
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+DATASET_KINDS = ("target-native", "prompt-only")
+EXECUTOR_KINDS = ("local", "ssh")
+# Top-level tables besides the core ones hold per-stage-family settings, read by those stages.
+CORE_KEYS = {"run", "executor", "resources", "target", "datasets", "stage"}
+SECTION_KEYS = {"prep", "regen", "serve", "extract", "vocab", "train", "bench", "telemetry", "alerts", "ui", "deploy"}
+STAGE_KEYS = {
+    "id", "run", "command", "for_each", "when", "args", "after", "uses", "service", "cpu", "gpus",
+    "output_bytes", "retry", "env", "skip", "pause_grace_s", "kill_grace_s", "description", "label",
+}
+DATASET_KEYS = {"name", "source", "kind", "quota", "path", "split", "config", "options"}
+
+
+class PlanError(ValueError):
+    """A plan problem, always naming the file and the key."""
+
+    def __init__(self, file: Path | str, key: str, message: str) -> None:
+        self.file, self.key = str(file), key
+        super().__init__(f"{file}: {key}: {message}" if key else f"{file}: {message}")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    source: str
+    kind: str
+    quota: int
+    path: str | None = None
+    split: str | None = None
+    config: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 1  # 1 = no automatic retry
+    backoff_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One expanded stage, as the supervisor runs it."""
+
+    id: str
+    family: str  # the [[stage]] entry's id: groups the 10 preps as one block on the board
+    run: str | None = None  # built-in module, e.g. "pipeline.prep"
+    command: str | None = None  # operator shell command
+    dataset: str | None = None
+    args: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    uses: tuple[str, ...] = ()
+    service: bool = False
+    cpu: int = 1
+    gpus: tuple[int, ...] = ()
+    output_bytes: int = 0
+    retry: RetryPolicy = RetryPolicy()
+    env: dict[str, str] = field(default_factory=dict)
+    skip: bool = False
+    pause_grace_s: float = 10.0
+    kill_grace_s: float = 10.0
+    description: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "family": self.family, "run": self.run, "command": self.command,
+            "dataset": self.dataset, "args": list(self.args), "after": list(self.after),
+            "uses": list(self.uses), "service": self.service, "cpu": self.cpu, "gpus": list(self.gpus),
+            "output_bytes": self.output_bytes,
+            "retry": {"max_attempts": self.retry.max_attempts, "backoff_s": self.retry.backoff_s},
+            "env": dict(self.env), "skip": self.skip, "pause_grace_s": self.pause_grace_s,
+            "kill_grace_s": self.kill_grace_s, "description": self.description,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StageSpec:
+        r = d.get("retry") or {}
+        return cls(
+            id=d["id"], family=d.get("family", d["id"]), run=d.get("run"), command=d.get("command"),
+            dataset=d.get("dataset"), args=tuple(d.get("args", ())), after=tuple(d.get("after", ())),
+            uses=tuple(d.get("uses", ())), service=bool(d.get("service")), cpu=int(d.get("cpu", 1)),
+            gpus=tuple(d.get("gpus", ())), output_bytes=int(d.get("output_bytes", 0)),
+            retry=RetryPolicy(int(r.get("max_attempts", 1)), float(r.get("backoff_s", 30.0))),
+            env=dict(d.get("env", {})), skip=bool(d.get("skip")),
+            pause_grace_s=float(d.get("pause_grace_s", 10.0)), kill_grace_s=float(d.get("kill_grace_s", 10.0)),
+            description=d.get("description", ""),
+        )
+
+
+@dataclass(frozen=True)
+class Executor:
+    kind: str = "local"
+    host: str | None = None
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    remote_dir: str | None = None
+    python: str = "python3"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    path: Path
+    name: str
+    run_dir: Path
+    executor: Executor
+    cpu_slots: int
+    gpus: tuple[int, ...]
+    target: dict[str, Any]
+    datasets: list[Dataset]
+    stages: list[StageSpec]
+    sections: dict[str, dict[str, Any]]
+    raw: dict[str, Any]
+    resources: dict[str, Any] = field(default_factory=dict)
+
+    def stage(self, stage_id: str) -> StageSpec:
+        for s in self.stages:
+            if s.id == stage_id:
+                return s
+        raise KeyError(stage_id)
+
+    def dataset(self, name: str) -> Dataset:
+        for d in self.datasets:
+            if d.name == name:
+                return d
+        raise PlanError(self.path, "datasets", f"no dataset named {name!r}")
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(self.sections.get(name, {}))
+
+    def order(self) -> list[str]:
+        return topo_order(self.path, self.stages)
+
+    def dependants(self, stage_id: str) -> list[str]:
+        return [s.id for s in self.stages if stage_id in s.after or stage_id in s.uses]
+
+
+# --------------------------------------------------------------------------------------------
+def _type(file: Path, key: str, value: Any, types: type | tuple[type, ...], what: str) -> Any:
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise PlanError(file, key, f"expected {what}, got {value!r}")
+    if not isinstance(value, types):
+        raise PlanError(file, key, f"expected {what}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _str_list(file: Path, key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    _type(file, key, value, list, "a list of strings")
+    for i, v in enumerate(value):
+        _type(file, f"{key}[{i}]", v, str, "a string")
+    return list(value)
+
+
+def builtin_stage_exists(module: str) -> bool:
+    """A built-in stage is any ``pipeline.<name>`` module that has a ``__main__`` entry."""
+    if not module.startswith("pipeline.") or module.count(".") != 1:
+        return False
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
+
+
+def load(path: Path | str, run_dir: Path | str | None = None) -> Plan:
+    """Read, validate and expand a plan file. ``run_dir`` overrides ``[run] dir``."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(path, "", "plan file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError(path, "", f"not valid TOML: {exc}") from None
+    # A plan frozen into a run dir resolves relative paths against where the original plan lived.
+    origin = path.parent / "plan-origin.json"
+    base = None
+    if origin.is_file():
+        try:
+            base = Path(json.loads(origin.read_text())["base"])
+        except (ValueError, KeyError):
+            base = None
+    return from_dict(raw, path, run_dir, base=base)
+
+
+def from_dict(raw: dict[str, Any], path: Path, run_dir: Path | str | None = None, base: Path | None = None) -> Plan:
+    base = base or path.parent.absolute()
+    for key in raw:
+        if key not in CORE_KEYS | SECTION_KEYS:
+            raise PlanError(path, key, f"unknown top-level key (known: {', '.join(sorted(CORE_KEYS | SECTION_KEYS))})")
+    run = _type(path, "run", raw.get("run", {}), dict, "a table")
+    name = _type(path, "run.name", run.get("name", path.stem), str, "a string")
+    if run_dir is None:
+        d = _type(path, "run.dir", run.get("dir"), str, "a string (the run directory)")
+        run_dir = Path(d).expanduser()
+        if not run_dir.is_absolute():
+            run_dir = base / run_dir
+    executor = _executor(path, raw.get("executor", {}))
+
+    res = _type(path, "resources", raw.get("resources", {}), dict, "a table")
+    cpu_slots = _type(path, "resources.cpu_slots", res.get("cpu_slots", 4), int, "an integer")
+    if cpu_slots < 1:
+        raise PlanError(path, "resources.cpu_slots", "must be at least 1")
+    gpus = res.get("gpus", [])
+    _type(path, "resources.gpus", gpus, list, "a list of GPU ids")
+    for i, g in enumerate(gpus):
+        _type(path, f"resources.gpus[{i}]", g, int, "an integer GPU id")
+
+    target = _type(path, "target", raw.get("target", {}), dict, "a table")
+    if "model" in target:
+        _type(path, "target.model", target["model"], str, "a string")
+    if "max_length" in target:
+        _type(path, "target.max_length", target["max_length"], int, "an integer")
+
+    datasets = _datasets(path, raw.get("datasets", []), base)
+    sections = {}
+    for key in SECTION_KEYS:
+        if key in raw:
+            sections[key] = _type(path, key, raw[key], dict, "a table")
+    stages = _stages(path, raw.get("stage", []), datasets, cpu_slots, tuple(gpus))
+    plan = Plan(
+        path=path, name=name, run_dir=Path(run_dir), executor=executor, cpu_slots=cpu_slots,
+        gpus=tuple(gpus), target=target, datasets=datasets, stages=stages, sections=sections, raw=raw,
+        resources=res,
+    )
+    plan.order()  # raises on cycles
+    return plan
+
+
+def _executor(path: Path, ex: Any) -> Executor:
+    _type(path, "executor", ex, dict, "a table")
+    kind = ex.get("kind", "local")
+    if kind not in EXECUTOR_KINDS:
+        raise PlanError(path, "executor.kind", f"must be one of {', '.join(EXECUTOR_KINDS)}, got {kind!r}")
+    known = {"kind", "host", "user", "port", "identity", "remote_dir", "python", "options"}
+    for k in ex:
+        if k not in known:
+            raise PlanError(path, f"executor.{k}", f"unknown key (known: {', '.join(sorted(known))})")
+    if kind == "ssh" and not ex.get("host"):
+        raise PlanError(path, "executor.host", "an ssh executor needs a host (an alias from ~/.ssh/config works)")
+    if kind == "ssh" and not ex.get("remote_dir"):
+        raise PlanError(path, "executor.remote_dir", "an ssh executor needs the remote run directory")
+    port = ex.get("port")
+    if port is not None:
+        _type(path, "executor.port", port, int, "an integer")
+    return Executor(
+        kind=kind, host=ex.get("host"), user=ex.get("user"), port=port, identity=ex.get("identity"),
+        remote_dir=ex.get("remote_dir"), python=ex.get("python", "python3"), options=dict(ex.get("options", {})),
+    )
+
+
+def _datasets(path: Path, items: Any, base: Path) -> list[Dataset]:
+    _type(path, "datasets", items, list, "an array of tables ([[datasets]])")
+    out: list[Dataset] = []
+    seen: set[str] = set()
+    for i, d in enumerate(items):
+        key = f"datasets[{i}]"
+        _type(path, key, d, dict, "a table")
+        for k in d:
+            if k not in DATASET_KEYS:
+                raise PlanError(path, f"{key}.{k}", f"unknown key (known: {', '.join(sorted(DATASET_KEYS))})")
+        name = _type(path, f"{key}.name", d.get("name"), str, "a string")
+        if not name or not set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789_-"):
+            raise PlanError(path, f"{key}.name", f"{name!r}: use lowercase letters, digits, '-' and '_'")
+        if name in seen:
+            raise PlanError(path, f"{key}.name", f"duplicate dataset name {name!r}")
+        seen.add(name)
+        source = _type(path, f"{key}.source", d.get("source"), str, "a string")
+        kind = d.get("kind")
+        if kind not in DATASET_KINDS:
+            raise PlanError(path, f"{key}.kind", f"must be one of {', '.join(DATASET_KINDS)}, got {kind!r}")
+        quota = _type(path, f"{key}.quota", d.get("quota"), int, "an integer number of samples")
+        if quota < 1:
+            raise PlanError(path, f"{key}.quota", "must be at least 1")
+        p = d.get("path")
+        if p is not None:
+            _type(path, f"{key}.path", p, str, "a string")
+            if not Path(p).expanduser().is_absolute():
+                p = str(base / p)
+        out.append(Dataset(name, source, kind, quota, p, d.get("split"), d.get("config"), dict(d.get("options", {}))))
+    return out
+
+
+def _subst(value: str, ds: Dataset | None) -> str:
+    if ds is None:
+        return value
+    return value.replace("{dataset}", ds.name).replace("{kind}", ds.kind).replace("{source}", ds.source)
+
+
+def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpus: tuple[int, ...]) -> list[StageSpec]:
+    _type(path, "stage", items, list, "an array of tables ([[stage]])")
+    entries: list[tuple[str, dict, Dataset | None]] = []
+    expanded: list[StageSpec] = []
+    raw_deps: list[tuple[str, list[str], list[str]]] = []
+    families: set[str] = set()
+    for i, s in enumerate(items):
+        key = f"stage[{i}]"
+        _type(path, key, s, dict, "a table")
+        for k in s:
+            if k not in STAGE_KEYS:
+                raise PlanError(path, f"{key}.{k}", f"unknown key (known: {', '.join(sorted(STAGE_KEYS))})")
+        sid = _type(path, f"{key}.id", s.get("id"), str, "a string")
+        if not sid or not set(sid) <= set("abcdefghijklmnopqrstuvwxyz0123456789_-"):
+            raise PlanError(path, f"{key}.id", f"{sid!r}: use lowercase letters, digits, '-' and '_'")
+        if sid in families:
+            raise PlanError(path, f"{key}.id", f"duplicate stage id {sid!r}")
+        families.add(sid)
+        run, command = s.get("run"), s.get("command")
+        if (run is None) == (command is None):
+            raise PlanError(path, key, "give exactly one of 'run' (a built-in pipeline.* stage) or 'command'")
+        if run is not None:
+            _type(path, f"{key}.run", run, str, "a string")
+            if not builtin_stage_exists(run):
+                raise PlanError(path, f"{key}.run", f"unknown stage {run!r}: not a built-in pipeline.* stage")
+        else:
+            _type(path, f"{key}.command", command, str, "a string")
+        fe = s.get("for_each")
+        if fe is not None and fe != "dataset":
+            raise PlanError(path, f"{key}.for_each", f"only 'dataset' is supported, got {fe!r}")
+        when = _type(path, f"{key}.when", s.get("when", {}), dict, "a table")
+        for wk in when:
+            if wk not in ("kind", "name", "source"):
+                raise PlanError(path, f"{key}.when.{wk}", "can filter on kind, name or source")
+        if when and fe is None:
+            raise PlanError(path, f"{key}.when", "'when' needs for_each = \"dataset\"")
+        args = _str_list(path, f"{key}.args", s.get("args", []))
+        after = _str_list(path, f"{key}.after", s.get("after", []))
+        uses = _str_list(path, f"{key}.uses", s.get("uses", []))
+        cpu = _type(path, f"{key}.cpu", s.get("cpu", 1), int, "an integer")
+        if not 0 <= cpu <= cpu_slots:
+            raise PlanError(path, f"{key}.cpu", f"{cpu} slots requested but resources.cpu_slots is {cpu_slots}")
+        sg = s.get("gpus", [])
+        if sg == "all":
+            sg = list(gpus)
+        _type(path, f"{key}.gpus", sg, list, "a list of GPU ids or \"all\"")
+        for j, g in enumerate(sg):
+            _type(path, f"{key}.gpus[{j}]", g, int, "an integer")
+            if g not in gpus:
+                raise PlanError(path, f"{key}.gpus[{j}]", f"GPU {g} is not in resources.gpus {list(gpus)}")
+        ob = _type(path, f"{key}.output_bytes", s.get("output_bytes", 0), int, "an integer number of bytes")
+        retry = _type(path, f"{key}.retry", s.get("retry", {}), dict, "a table")
+        for rk in retry:
+            if rk not in ("max_attempts", "backoff_s"):
+                raise PlanError(path, f"{key}.retry.{rk}", "known keys: max_attempts, backoff_s")
+        ma = _type(path, f"{key}.retry.max_attempts", retry.get("max_attempts", 1), int, "an integer")
+        bo = _type(path, f"{key}.retry.backoff_s", retry.get("backoff_s", 30.0), int | float, "a number")
+        env = _type(path, f"{key}.env", s.get("env", {}), dict, "a table of strings")
+        for ek, ev in env.items():
+            _type(path, f"{key}.env.{ek}", ev, str, "a string")
+        for gk in ("pause_grace_s", "kill_grace_s"):
+            if gk in s:
+                _type(path, f"{key}.{gk}", s[gk], int | float, "a number of seconds")
+        targets = [d for d in datasets if all(getattr(d, wk) == wv for wk, wv in when.items())] if fe else [None]
+        if fe and not datasets:
+            raise PlanError(path, f"{key}.for_each", "for_each = \"dataset\" but the plan has no [[datasets]]")
+        for ds in targets:
+            stage_id = f"{sid}.{ds.name}" if ds else sid
+            stage_args = [_subst(a, ds) for a in args]
+            if run is not None and ds is not None and "--dataset" not in stage_args:
+                stage_args = ["--dataset", ds.name, *stage_args]
+            spec = StageSpec(
+                id=stage_id, family=sid, run=run, command=_subst(command, ds) if command else None,
+                dataset=ds.name if ds else None, args=tuple(stage_args), service=bool(s.get("service", False)),
+                cpu=cpu, gpus=tuple(sg), output_bytes=ob, retry=RetryPolicy(ma, float(bo)),
+                env={k: _subst(v, ds) for k, v in env.items()}, skip=bool(s.get("skip", False)),
+                pause_grace_s=float(s.get("pause_grace_s", 10.0)), kill_grace_s=float(s.get("kill_grace_s", 10.0)),
+                description=str(s.get("description", "")),
+            )
+            expanded.append(spec)
+            entries.append((key, s, ds))
+            raw_deps.append((key, [_subst(a, ds) for a in after], [_subst(u, ds) for u in uses]))
+    ids = [s.id for s in expanded]
+    services = {s.id for s in expanded if s.service}
+    out: list[StageSpec] = []
+    for spec, (key, after, uses) in zip(expanded, raw_deps, strict=True):
+        dep_ids = _resolve(path, f"{key}.after", after, ids, spec.id)
+        use_ids = _resolve(path, f"{key}.uses", uses, ids, spec.id)
+        for u in use_ids:
+            if u not in services:
+                raise PlanError(path, f"{key}.uses", f"{u!r} is not a service stage (service = true)")
+        out.append(replace(spec, after=tuple(dep_ids), uses=tuple(use_ids)))
+    return out
+
+
+def _resolve(path: Path, key: str, patterns: list[str], ids: list[str], self_id: str) -> list[str]:
+    out: list[str] = []
+    for pat in patterns:
+        if any(c in pat for c in "*?["):
+            hits = [i for i in ids if fnmatch.fnmatchcase(i, pat) and i != self_id]
+            # A glob may legitimately match nothing (no prompt-only datasets): that is not an error.
+        else:
+            if pat not in ids:
+                raise PlanError(path, key, f"unknown stage {pat!r} (stages: {', '.join(ids)})")
+            hits = [pat]
+        for h in hits:
+            if h == self_id:
+                raise PlanError(path, key, f"stage {self_id!r} depends on itself")
+            if h not in out:
+                out.append(h)
+    return out
+
+
+def topo_order(path: Path, stages: list[StageSpec]) -> list[str]:
+    """Plan order made dependency-consistent; raises :class:`PlanError` naming a cycle."""
+    by_id = {s.id: s for s in stages}
+    state: dict[str, int] = {}
+    order: list[str] = []
+    stack: list[str] = []
+
+    def visit(sid: str) -> None:
+        st = state.get(sid, 0)
+        if st == 2:
+            return
+        if st == 1:
+            cycle = stack[stack.index(sid):] + [sid]
+            raise PlanError(path, "stage", "dependency cycle: " + " -> ".join(cycle))
+        state[sid] = 1
+        stack.append(sid)
+        for dep in (*by_id[sid].after, *by_id[sid].uses):
+            visit(dep)
+        stack.pop()
+        state[sid] = 2
+        order.append(sid)
+
+    for s in stages:
+        visit(s.id)
+    return order
+
+
+def render_dag(plan: Plan) -> str:
+    """A text rendering of the DAG for ``aerie plan check``: families, then each stage's edges."""
+    lines = [f"plan {plan.name}  ({plan.path})", f"  executor: {plan.executor.kind}"
+             + (f" {plan.executor.host}" if plan.executor.host else ""), f"  run dir:  {plan.run_dir}",
+             f"  resources: {plan.cpu_slots} CPU slots, GPUs {list(plan.gpus) or 'none'}",
+             f"  datasets: {len(plan.datasets)} ({sum(d.quota for d in plan.datasets):,} samples)", ""]
+    by_id = {s.id: s for s in plan.stages}
+    level: dict[str, int] = {}
+    for sid in plan.order():
+        s = by_id[sid]
+        level[sid] = 1 + max((level[d] for d in (*s.after, *s.uses)), default=-1)
+    fam_rows: dict[str, list[StageSpec]] = {}
+    for sid in sorted(plan.order(), key=lambda i: level[i]):
+        fam_rows.setdefault(by_id[sid].family, []).append(by_id[sid])
+    for fam, specs in fam_rows.items():
+        first = specs[0]
+        what = first.run or f"$ {first.command}"
+        tags = []
+        if first.service:
+            tags.append("service")
+        if first.gpus:
+            tags.append(f"gpus {','.join(map(str, first.gpus))}")
+        tags.append(f"cpu {first.cpu}")
+        lines.append(f"[{level[first.id]}] {fam}  ({what}; {'; '.join(tags)})" + (f"  x{len(specs)}" if len(specs) > 1 else ""))
+        for s in specs:
+            deps = ", ".join(_compress(list(s.after))) or "-"
+            uses = f"  uses {', '.join(s.uses)}" if s.uses else ""
+            lines.append(f"      {s.id:<28} after {deps}{uses}")
+    return "\n".join(lines)
+
+
+def _compress(ids: list[str]) -> list[str]:
+    """Show ``prep.a, prep.b, ... prep.j`` as ``prep.* (10)``."""
+    fams: dict[str, list[str]] = {}
+    for i in ids:
+        fams.setdefault(i.split(".")[0] if "." in i else i, []).append(i)
+    out = []
+    for fam, members in fams.items():
+        if len(members) > 2 and all("." in m for m in members):
+            out.append(f"{fam}.* ({len(members)})")
+        else:
+            out.extend(members)
+    return out

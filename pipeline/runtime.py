@@ -1,0 +1,139 @@
+"""The stage side of the run model: what a running stage uses to report and to honour pauses.
+
+A built-in stage does::
+
+    ctx = StageContext.from_cli(args)        # or StageContext.from_env()
+    for batch in work:
+        ctx.safe_point()                      # blocks here while a pause is requested
+        ...
+        ctx.progress(done, total, unit="rows")
+    ctx.metric("loss", 1.23, step=10)
+
+Under the supervisor the launcher sets ``AERIE_*`` variables (run dir, stage id, attempt, out dir,
+inputs); run by hand (``python -m pipeline.prep --plan P --dataset D --out DIR``) events go to a
+file in the out dir and a short form to stderr, so every stage is also a plain program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline import plan as plan_mod
+from pipeline.events import EventWriter, make
+from pipeline.rundir import RunDir
+
+ENV_RUN = "AERIE_RUN_DIR"
+ENV_STAGE = "AERIE_STAGE_ID"
+ENV_ATTEMPT = "AERIE_ATTEMPT"
+ENV_OUT = "AERIE_OUT"
+ENV_INPUTS = "AERIE_INPUTS"
+ENV_PLAN = "AERIE_PLAN"
+
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments every built-in stage accepts."""
+    ap.add_argument("--plan", type=Path, default=os.environ.get(ENV_PLAN), help="plan file")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default: the stage's out/)")
+    ap.add_argument("--stage", default=os.environ.get(ENV_STAGE), help="stage id (set by the launcher)")
+
+
+class StageContext:
+    """Events, pause handling and paths for one running stage."""
+
+    def __init__(self, stage_id: str, out: Path, events_path: Path, plan_path: Path | None,
+                 run_dir: Path | None = None, attempt: int = 1, inputs: dict[str, Path] | None = None,
+                 echo: bool = False) -> None:
+        self.stage_id = stage_id
+        self.out = out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.plan_path = plan_path
+        self.run_dir = run_dir
+        self.attempt = attempt
+        self.inputs = inputs or {}
+        self._writer = EventWriter(events_path)
+        self._echo = echo
+        self._pause_flag = (RunDir(run_dir).stage(stage_id).pause_flag if run_dir else None)
+        self._last_progress = 0.0
+        self._plan: plan_mod.Plan | None = None
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, out: Path | None = None, plan_path: Path | None = None, stage_id: str | None = None) -> StageContext:
+        run = os.environ.get(ENV_RUN)
+        sid = stage_id or os.environ.get(ENV_STAGE) or "standalone"
+        if run:
+            sd = RunDir(run).stage(sid)
+            inputs = {k: Path(v) for k, v in json.loads(os.environ.get(ENV_INPUTS, "{}")).items()}
+            return cls(sid, Path(os.environ.get(ENV_OUT, sd.out)), sd.events,
+                       plan_path or Path(os.environ.get(ENV_PLAN, RunDir(run).plan_path)), Path(run),
+                       int(os.environ.get(ENV_ATTEMPT, "1")), inputs)
+        if out is None:
+            raise SystemExit("not under the supervisor: pass --out DIR for the stage's outputs")
+        return cls(sid, out, out / "events.jsonl", plan_path, echo=True)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> StageContext:
+        return cls.from_env(out=args.out, plan_path=args.plan, stage_id=args.stage)
+
+    @property
+    def plan(self) -> plan_mod.Plan:
+        if self._plan is None:
+            if self.plan_path is None:
+                raise SystemExit("no plan: pass --plan PLAN")
+            self._plan = plan_mod.load(self.plan_path, run_dir=self.run_dir)
+        return self._plan
+
+    # -- events -----------------------------------------------------------------------------
+    def emit(self, type_: str, **data: Any) -> None:
+        ev = make(type_, **data)
+        self._writer.write(ev)
+        if self._echo:
+            print(f"[{self.stage_id}] {ev.to_json()}", file=sys.stderr, flush=True)
+
+    def progress(self, done: float, total: float | None = None, unit: str = "items", key: str | None = None,
+                 force: bool = False, **extra: Any) -> None:
+        """Report progress; rate-limited to ~4/s unless ``force`` (always force the last one)."""
+        now = time.monotonic()
+        if not force and now - self._last_progress < 0.25 and (total is None or done < total):
+            return
+        self._last_progress = now
+        self.emit("progress", done=done, total=total, unit=unit, key=key, **extra)
+
+    def metric(self, name: str, value: float, step: int | None = None, **extra: Any) -> None:
+        self.emit("metric", name=name, value=float(value), step=step, **extra)
+
+    def message(self, text: str, level: str = "info", code: str | None = None, **extra: Any) -> None:
+        self.emit("message", text=text, level=level, code=code, **extra)
+
+    def health(self, state: str, **extra: Any) -> None:
+        self.emit("health", state=state, **extra)
+
+    # -- pause ------------------------------------------------------------------------------
+    def pause_requested(self) -> bool:
+        return self._pause_flag is not None and self._pause_flag.exists()
+
+    def safe_point(self, poll_s: float = 0.2) -> None:
+        """Call between units of work: blocks while a pause is requested, announcing it once."""
+        if not self.pause_requested():
+            return
+        self.message("paused at a safe point", code="paused")
+        while self.pause_requested():
+            time.sleep(poll_s)
+        self.message("resumed", code="resumed")
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def fail(ctx: StageContext | None, text: str, code: int = 1) -> None:
+    """Stop the stage with a clear error (an ``error`` message event, then exit ``code``)."""
+    if ctx is not None:
+        ctx.message(text, level="error")
+    print(f"error: {text}", file=sys.stderr, flush=True)
+    raise SystemExit(code)

@@ -1,0 +1,571 @@
+"""The supervisor: schedules a run's stages from the files in its run directory.
+
+``python -m pipeline.supervisor RUN`` runs on the executing host, detached from any console.
+Each tick it derives every stage's state from the run directory (see :mod:`pipeline.rundir`),
+carries out queued control requests, enforces pause and kill grace periods, starts ready stages
+whose resources are free, stops services nobody needs any more and writes ``state.json``.
+
+Because state is *derived* from files the launchers wrote, a new supervisor started on an existing
+run dir (after the old one was SIGKILLed, or on another day) re-attaches: running stages stay
+running, finished ones keep their result, and nothing is started twice (a ``launch.json`` intent
+is written before every spawn, and a launch whose launcher never reported is failed, not retried).
+An ``flock`` on ``supervisor.lock`` keeps one supervisor per run dir.
+
+States: pending -> ready -> running <-> paused -> succeeded | failed | killed; upstream-failed and
+skipped. Services (``service = true``) are running until stopped; they report ``health``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import plan as plan_mod
+from pipeline.events import EventTail, EventWriter
+from pipeline.plan import Plan, StageSpec
+from pipeline.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.rundir import RunDir, StageDir, read_json, write_atomic, write_json
+
+TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
+SATISFIED = ("succeeded", "skipped")
+BROKEN = ("failed", "killed", "upstream-failed")
+LAUNCH_TIMEOUT_S = 30.0
+
+AdmissionCheck = Callable[[StageSpec, "Supervisor"], "str | None"]
+
+
+@dataclass
+class StageStatus:
+    """The derived state of one stage, as written to ``state.json``."""
+
+    id: str
+    family: str
+    dataset: str | None
+    state: str = "pending"
+    attempt: int = 1
+    pid: int | None = None
+    pgid: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    returncode: int | None = None
+    reason: str = ""  # why it failed / why it waits
+    health: str | None = None
+    progress: dict[str, Any] | None = None
+    pausing: bool = False
+    retry_at: float | None = None
+    service: bool = False
+    gpus: list[int] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)
+    uses: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """What the supervisor remembers from a stage's event stream (current attempt only)."""
+
+    tail: EventTail
+    attempt_seen: int = 0
+    health: str | None = None
+    progress: dict[str, Any] | None = None
+    paused_ack_t: float = 0.0
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
+    """Create (or re-open) the run directory for ``plan``; refuses a dir holding another plan."""
+    run = RunDir(run_dir or plan.run_dir)
+    text = plan.path.read_text()
+    if run.plan_path.exists():
+        if run.plan_path.read_text() != text:
+            raise SupervisorError(
+                f"{run.root} already holds a different plan; attach to it (aerie attach {run.root}) "
+                "or choose a new run directory"
+            )
+        return run
+    run.root.mkdir(parents=True, exist_ok=True)
+    for spec in plan.stages:
+        sd = run.stage(spec.id)
+        sd.path.mkdir(parents=True, exist_ok=True)
+        write_json(sd.spec, spec.to_dict())
+        if not sd.attempt_file.exists():
+            write_json(sd.attempt_file, {"attempt": 1, "t": time.time()})
+    write_json(run.root / "order.json", plan.order())
+    write_json(run.root / "plan-origin.json", {"base": str(plan.path.parent.absolute()), "path": str(plan.path.absolute())})
+    # The plan goes last: its presence marks a complete run dir.
+    write_atomic(run.plan_path, text)
+    return run
+
+
+class Supervisor:
+    def __init__(self, run: RunDir, python: str = sys.executable, poll_s: float = 0.5,
+                 admission: list[AdmissionCheck] | None = None) -> None:
+        if not run.exists():
+            raise SupervisorError(f"{run.root}: not a run directory (no plan.toml / stages/)")
+        self.run = run
+        self.python = python
+        self.poll_s = poll_s
+        self.plan = plan_mod.load(run.plan_path, run_dir=run.root)
+        self.specs: dict[str, StageSpec] = {}
+        for sid in run.stage_ids():
+            self.specs[sid] = StageSpec.from_dict(read_json(run.stage(sid).spec))
+        self.order = list(self.specs)
+        self.tracked = {sid: _Tracked(EventTail(run.stage(sid).events)) for sid in self.order}
+        self.children: dict[str, subprocess.Popen] = {}
+        self.status: dict[str, StageStatus] = {}
+        self.admission: list[AdmissionCheck] = list(admission or [])
+        self._last_written: str = ""
+        self._last_write_t = 0.0
+        self._lock_fd: int | None = None
+        self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
+
+    # ----------------------------------------------------------------------------------- utils
+    def log(self, text: str) -> None:
+        self.log_fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
+    def acquire_lock(self) -> bool:
+        fd = os.open(self.run.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        ident = ProcIdentity.of_self()
+        write_json(self.run.supervisor_path, {**ident.to_dict(), "t": time.time()})
+        return True
+
+    def sd(self, sid: str) -> StageDir:
+        return self.run.stage(sid)
+
+    # ------------------------------------------------------------------------------ derivation
+    def _read_events(self, sid: str) -> None:
+        tr = self.tracked[sid]
+        chunk = tr.tail.read()
+        for ev in chunk.events:
+            if ev.type == "started":
+                tr.attempt_seen = int(ev.get("attempt", 0))
+                tr.health, tr.progress, tr.paused_ack_t = None, None, 0.0
+            elif ev.type == "progress":
+                tr.progress = {"done": ev.get("done"), "total": ev.get("total"), "unit": ev.get("unit"), "t": ev.t}
+            elif ev.type == "health":
+                tr.health = ev.get("state")
+            elif ev.type == "message" and ev.get("code") == "paused":
+                tr.paused_ack_t = ev.t
+            elif ev.type == "message" and ev.get("code") == "resumed":
+                tr.paused_ack_t = 0.0
+
+    def derive(self, sid: str) -> StageStatus:
+        spec = self.specs[sid]
+        sd = self.sd(sid)
+        attempt = sd.attempt()
+        self._read_events(sid)
+        tr = self.tracked[sid]
+        st = StageStatus(id=sid, family=spec.family, dataset=spec.dataset, attempt=attempt, service=spec.service,
+                         gpus=list(spec.gpus), after=list(spec.after), uses=list(spec.uses))
+        current = tr.attempt_seen == attempt
+        st.health = tr.health if current else None
+        st.progress = tr.progress if current else None
+        proc = sd.record_for(sd.proc, attempt)
+        launch = sd.record_for(sd.launch, attempt)
+        if proc:
+            ident = ProcIdentity.from_dict(proc)
+            st.pid, st.pgid, st.started_at = ident.pid, ident.pgid, proc.get("t")
+            alive = ident.is_alive()
+            ex = sd.record_for(sd.exit, attempt)
+            if alive and ex is None:
+                pause = sd.pause_flag.exists()
+                acked = current and tr.paused_ack_t > 0
+                st.state = "paused" if pause and (acked or ident.is_stopped()) else "running"
+                st.pausing = pause and st.state == "running"
+                return st
+            if ex is None:
+                ex = self._record_lost(sid, attempt, "the stage's launcher died without recording an exit")
+            return self._finished(st, sd, ex, attempt)
+        if launch:
+            ex = sd.record_for(sd.exit, attempt)
+            if ex:
+                return self._finished(st, sd, ex, attempt)
+            child = self.children.get(sid)
+            age = time.time() - float(launch.get("t", 0))
+            if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
+                ex = self._record_lost(sid, attempt, "the launcher never reported its pid")
+                return self._finished(st, sd, ex, attempt)
+            st.state, st.reason = "running", "starting"
+            return st
+        # Not started in this attempt.
+        if spec.skip or sd.record_for(sd.path / "skip.json", attempt):
+            st.state = "skipped"
+            return st
+        return self._waiting(st, spec)
+
+    def _finished(self, st: StageStatus, sd: StageDir, ex: dict, attempt: int) -> StageStatus:
+        st.finished_at = ex.get("t")
+        st.returncode = ex.get("returncode")
+        killed = sd.record_for(sd.kill_marker, attempt)
+        if st.returncode == 0 or (killed and killed.get("reason") == "stop"):
+            st.state = "succeeded"
+        elif killed:
+            st.state, st.reason = "killed", killed.get("reason", "operator")
+        else:
+            st.state = "failed"
+            st.reason = ex.get("detail") or (f"exit {st.returncode}" if st.returncode is not None else "lost")
+            spec = self.specs[st.id]
+            if attempt < spec.retry.max_attempts:
+                st.retry_at = float(ex.get("t", time.time())) + spec.retry.backoff_s * (2 ** (attempt - 1))
+        st.pausing = False
+        return st
+
+    def _record_lost(self, sid: str, attempt: int, why: str) -> dict:
+        sd = self.sd(sid)
+        # Re-read: the launcher may have written it between our checks.
+        ex = sd.record_for(sd.exit, attempt)
+        if ex:
+            return ex
+        killed = sd.record_for(sd.kill_marker, attempt)
+        ex = {"attempt": attempt, "returncode": None, "signal": "KILL" if killed else None, "t": time.time(),
+              "detail": why, "recorded_by": "supervisor"}
+        write_json(sd.exit, ex)
+        with EventWriter(sd.events) as w:
+            w.emit("finished", status="killed" if killed else "failed", detail=why)
+        self.log(f"{sid}: attempt {attempt}: {why}")
+        return ex
+
+    def _waiting(self, st: StageStatus, spec: StageSpec) -> StageStatus:
+        deps = [(d, self.status.get(d)) for d in spec.after]
+        for d, ds in deps:
+            if ds and ds.state in BROKEN and ds.retry_at is None:
+                st.state, st.reason = "upstream-failed", f"{d} {ds.state}"
+                return st
+        for u in spec.uses:
+            us = self.status.get(u)
+            if us and us.state in TERMINAL and us.state != "skipped":
+                st.state, st.reason = "upstream-failed", f"service {u} {us.state}"
+                return st
+        waiting = [d for d, ds in deps if not ds or ds.state not in SATISFIED]
+        if waiting:
+            st.state, st.reason = "pending", "after " + ", ".join(waiting[:3]) + (" …" if len(waiting) > 3 else "")
+            return st
+        for u in spec.uses:
+            us = self.status.get(u)
+            if not us or us.state != "running" or us.health != "ready":
+                st.state, st.reason = "pending", f"waiting for {u} to be ready"
+                return st
+        st.state = "ready"
+        return st
+
+    def refresh(self) -> None:
+        # Plan order is dependency-consistent, so each stage sees its deps' fresh state.
+        for sid in self.order:
+            self.status[sid] = self.derive(sid)
+
+    # ------------------------------------------------------------------------------- actions
+    def identity(self, sid: str) -> ProcIdentity | None:
+        sd = self.sd(sid)
+        proc = sd.record_for(sd.proc, sd.attempt())
+        return ProcIdentity.from_dict(proc) if proc else None
+
+    def _signal(self, sid: str, sig: int) -> bool:
+        ident = self.identity(sid)
+        if ident is None:
+            return False
+        try:
+            return signal_group(ident, sig)
+        except StrangerError as exc:
+            self.log(f"{sid}: {exc}")
+            return False
+
+    def do_pause(self, sid: str) -> str:
+        st = self.status[sid]
+        if st.state != "running":
+            raise SupervisorError(f"{sid} is {st.state}, not running: nothing to pause")
+        write_json(self.sd(sid).pause_flag, {"attempt": st.attempt, "t": time.time()})
+        return f"{sid}: pause requested (safe point, then SIGSTOP after {self.specs[sid].pause_grace_s:g}s)"
+
+    def do_resume(self, sid: str) -> str:
+        sd = self.sd(sid)
+        st = self.status[sid]
+        if not sd.pause_flag.exists() and st.state != "paused":
+            raise SupervisorError(f"{sid} is {st.state}, not paused")
+        sd.pause_flag.unlink(missing_ok=True)
+        self._signal(sid, signal.SIGCONT)
+        return f"{sid}: resumed"
+
+    def do_kill(self, sid: str, reason: str = "operator") -> str:
+        st = self.status[sid]
+        if st.state not in ("running", "paused"):
+            raise SupervisorError(f"{sid} is {st.state}, not running: nothing to kill")
+        sd = self.sd(sid)
+        write_json(sd.kill_marker, {"attempt": st.attempt, "t": time.time(), "reason": reason})
+        sd.pause_flag.unlink(missing_ok=True)
+        self._signal(sid, signal.SIGTERM)
+        self._signal(sid, signal.SIGCONT)  # a stopped group must run to act on SIGTERM
+        self.log(f"{sid}: SIGTERM to pgid {st.pgid} ({reason})")
+        return f"{sid}: SIGTERM sent to process group {st.pgid}; SIGKILL after {self.specs[sid].kill_grace_s:g}s"
+
+    def do_retry(self, sid: str, fresh: bool = False) -> str:
+        st = self.status[sid]
+        if st.state not in ("failed", "killed", "upstream-failed", "skipped"):
+            raise SupervisorError(f"{sid} is {st.state}: only failed, killed or skipped stages can be retried")
+        if st.state == "upstream-failed":
+            raise SupervisorError(f"{sid} is upstream-failed ({st.reason}): retry the failed upstream stage")
+        sd = self.sd(sid)
+        if fresh:
+            sd.clear_outputs(self.run)
+        sd.pause_flag.unlink(missing_ok=True)
+        write_json(sd.attempt_file, {"attempt": st.attempt + 1, "t": time.time(), "fresh": fresh})
+        return f"{sid}: attempt {st.attempt + 1} queued" + (" (outputs cleared)" if fresh else "")
+
+    def do_skip(self, sid: str) -> str:
+        st = self.status[sid]
+        if st.state not in ("pending", "ready", "upstream-failed", "failed", "killed"):
+            raise SupervisorError(f"{sid} is {st.state}: only a stage that is not running can be skipped")
+        sd = self.sd(sid)
+        att = st.attempt + (1 if st.state in ("failed", "killed") else 0)
+        write_json(sd.attempt_file, {"attempt": att, "t": time.time()})
+        write_json(sd.path / "skip.json", {"attempt": att, "t": time.time()})
+        return f"{sid}: skipped"
+
+    def handle_requests(self) -> None:
+        done_dir = self.run.requests_dir / "done"
+        for path, req in self.run.pending_requests():
+            sid, action = req.get("stage", ""), req.get("action", "")
+            ok, msg = True, ""
+            try:
+                if sid not in self.specs:
+                    raise SupervisorError(f"unknown stage {sid!r}")
+                fn = {"pause": self.do_pause, "resume": self.do_resume, "kill": self.do_kill,
+                      "skip": self.do_skip}.get(action)
+                if action == "retry":
+                    msg = self.do_retry(sid, fresh=bool(req.get("fresh")))
+                elif fn is not None:
+                    msg = fn(sid)
+                else:
+                    raise SupervisorError(f"unknown action {action!r}")
+                self.status[sid] = self.derive(sid)
+            except SupervisorError as exc:
+                ok, msg = False, str(exc)
+            self.log(f"request {action} {sid}: {'ok' if ok else 'refused'}: {msg}")
+            write_json(done_dir / path.name, {**req, "ok": ok, "message": msg, "done_t": time.time()})
+            path.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------------------- scheduling
+    def _held(self) -> tuple[int, set[int]]:
+        cpu, gpus = 0, set()
+        for sid, st in self.status.items():
+            if st.state in ("running", "paused"):
+                cpu += self.specs[sid].cpu
+                gpus |= set(self.specs[sid].gpus)
+        return cpu, gpus
+
+    def why_not_admitted(self, spec: StageSpec) -> str | None:
+        cpu, gpus = self._held()
+        if cpu + spec.cpu > self.plan.cpu_slots:
+            return f"waiting for CPU slots ({cpu}/{self.plan.cpu_slots} in use)"
+        busy = gpus & set(spec.gpus)
+        if busy:
+            holders = [s for s, st in self.status.items() if st.state in ("running", "paused")
+                       and set(self.specs[s].gpus) & busy]
+            return f"waiting for GPUs {sorted(busy)} (held by {', '.join(holders)})"
+        for check in self.admission:
+            why = check(spec, self)
+            if why:
+                return why
+        return None
+
+    def launch(self, sid: str) -> None:
+        sd = self.sd(sid)
+        attempt = sd.attempt()
+        sd.pause_flag.unlink(missing_ok=True)
+        write_json(sd.launch, {"attempt": attempt, "t": time.time(), "supervisor": os.getpid()})
+        logfh = open(sd.log, "ab")  # noqa: SIM115
+        try:
+            child = subprocess.Popen(
+                [self.python, "-m", "pipeline.launcher", str(self.run.root), sid, str(attempt)],
+                stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=str(self.run.root), env=_env_with_pipeline(),
+            )
+        finally:
+            logfh.close()
+        self.children[sid] = child
+        self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
+
+    def schedule(self) -> None:
+        now = time.time()
+        for sid in self.order:
+            st = self.status[sid]
+            if st.state == "failed" and st.retry_at is not None and now >= st.retry_at:
+                self.log(f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})")
+                self.do_retry(sid)
+                self.status[sid] = self.derive(sid)
+                st = self.status[sid]
+            if st.state != "ready":
+                continue
+            why = self.why_not_admitted(self.specs[sid])
+            if why:
+                st.state, st.reason = "pending", why
+                continue
+            self.launch(sid)
+            self.status[sid] = self.derive(sid)
+
+    def enforce(self) -> None:
+        """Pause and kill grace periods; stop services nobody needs any more."""
+        now = time.time()
+        for sid, st in self.status.items():
+            sd = self.sd(sid)
+            spec = self.specs[sid]
+            if st.pausing:
+                flag = read_json(sd.pause_flag) or {}
+                if now - float(flag.get("t", now)) > spec.pause_grace_s and not flag.get("stopped"):
+                    self._signal(sid, signal.SIGSTOP)
+                    write_json(sd.pause_flag, {**flag, "stopped": now})
+                    self.log(f"{sid}: no safe point within {spec.pause_grace_s:g}s: SIGSTOP to pgid {st.pgid}")
+            killed = sd.record_for(sd.kill_marker, st.attempt)
+            if killed and st.state in ("running", "paused") and not killed.get("sigkill"):
+                if now - float(killed["t"]) > spec.kill_grace_s:
+                    self._signal(sid, signal.SIGKILL)
+                    write_json(sd.kill_marker, {**killed, "sigkill": now})
+                    self.log(f"{sid}: still alive after {spec.kill_grace_s:g}s: SIGKILL to pgid {st.pgid}")
+            if spec.service and st.state in ("running", "paused") and not killed and self._service_idle(sid):
+                self.do_kill(sid, reason="stop")
+                self.log(f"{sid}: service no longer needed: stopping it")
+        for sid, child in list(self.children.items()):
+            if child.poll() is not None:
+                del self.children[sid]
+
+    def _service_idle(self, sid: str) -> bool:
+        users = [s for s in self.order if sid in self.specs[s].uses]
+        waiting_after = [s for s in self.order if sid in self.specs[s].after]
+        others = [s for s in self.order if not self.specs[s].service]
+        if users:
+            return all(self.status[u].state in TERMINAL for u in users)
+        if waiting_after:
+            return True
+        return bool(others) and all(self.status[o].state in TERMINAL for o in others)
+
+    # ---------------------------------------------------------------------------------- loop
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "run": self.plan.name, "run_dir": str(self.run.root), "executor": self.plan.executor.kind,
+            "supervisor": {"pid": os.getpid(), "t": time.time()},
+            "stages": [asdict(self.status[s]) for s in self.order],
+            "done": self.finished(),
+        }
+
+    def write_state(self, force: bool = False) -> None:
+        snap = self.snapshot()
+        body = repr(snap["stages"])
+        now = time.time()
+        if force or body != self._last_written or now - self._last_write_t > 5.0:
+            write_json(self.run.state_path, snap)
+            self._last_written, self._last_write_t = body, now
+
+    def finished(self) -> bool:
+        return all(st.state in TERMINAL and st.retry_at is None for st in self.status.values())
+
+    def tick(self) -> None:
+        self.refresh()
+        self.handle_requests()
+        self.enforce()
+        self.schedule()
+        self.write_state()
+
+    def run_forever(self, exit_when_done: bool = True) -> int:
+        if not self.acquire_lock():
+            print(f"a supervisor is already running for {self.run.root}", file=sys.stderr)
+            return 0
+        self.log(f"supervisor {os.getpid()} attached to {self.run.root}")
+        stop = False
+
+        def _stop(*_: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        while not stop:
+            self.tick()
+            if exit_when_done and self.finished() and not any(True for _ in self.run.pending_requests()):
+                self.write_state(force=True)
+                self.log("every stage is finished: supervisor exits")
+                break
+            time.sleep(self.poll_s)
+        self.write_state(force=True)
+        return 0
+
+
+def _env_with_pipeline() -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
+    """Start ``python -m pipeline.supervisor RUN`` in its own session; returns its pid."""
+    run = RunDir(run_root)
+    with open(run.supervisor_log, "ab") as logfh:
+        p = subprocess.Popen([python, "-m", "pipeline.supervisor", str(run.root)], stdin=subprocess.DEVNULL,
+                             stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
+                             cwd=str(run.root), env=_env_with_pipeline())
+    return p.pid
+
+
+def supervisor_alive(run: RunDir) -> bool:
+    """True when some process holds the run's supervisor lock."""
+    if not run.lock_path.exists():
+        return False
+    fd = os.open(run.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def default_admission() -> list[AdmissionCheck]:
+    """Admission checks every supervisor applies besides CPU/GPU slots (extended by later modules)."""
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.supervisor", description=__doc__.split("\n")[0])
+    ap.add_argument("run", nargs="?", help="run directory")
+    ap.add_argument("--create", metavar="PLAN", help="create the run directory from PLAN first")
+    ap.add_argument("--detach", action="store_true", help="start in the background and return")
+    ap.add_argument("--poll", type=float, default=0.5)
+    args = ap.parse_args(argv)
+    try:
+        if args.create:
+            plan = plan_mod.load(args.create, run_dir=args.run)
+            run = create_run(plan, Path(args.run) if args.run else None)
+        elif args.run:
+            run = RunDir(args.run)
+        else:
+            ap.error("give a run directory or --create PLAN")
+        if args.detach:
+            if not supervisor_alive(run):
+                spawn_detached(run.root)
+            print(run.root)
+            return 0
+        return Supervisor(run, poll_s=args.poll, admission=default_admission()).run_forever()
+    except (plan_mod.PlanError, SupervisorError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

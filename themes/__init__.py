@@ -1,0 +1,1 @@
+"""Aerie themes: the console look as data."""
