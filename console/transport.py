@@ -1,0 +1,130 @@
+"""Transports: how the console reaches the run directory and the host's control entry point.
+
+The console's model never opens files or processes itself; it asks a transport for
+(1) byte ranges of run-dir files from an offset (event streams, logs, state.json),
+(2) control commands (``python -m pipeline.ctl RUN ACTION STAGE``) executed on the host,
+(3) creating a run and starting its supervisor there.
+
+:class:`LocalTransport` does this on this machine (file reads in a worker thread, subprocesses
+through asyncio). The SSH transport does the same through one asyncssh connection. Every method
+is a coroutine: nothing here blocks the UI loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass
+class ConnectionStatus:
+    """What the header shows: where the run executes and whether we can reach it."""
+
+    host: str = "local"
+    state: str = "connected"  # connected | connecting | disconnected
+    retries: int = 0
+    rtt_ms: float | None = None
+    detail: str = ""
+
+    def label(self) -> str:
+        if self.state == "disconnected":
+            return f"{self.host}: disconnected — retrying ({self.retries})"
+        if self.state == "connecting":
+            return f"{self.host}: connecting…"
+        rtt = f" · rtt {self.rtt_ms:.0f} ms" if self.rtt_ms is not None else ""
+        return f"{self.host}{rtt}"
+
+
+@dataclass
+class ReadResult:
+    """Bytes read from ``offset``; ``size`` is the file's size (-1 when it does not exist)."""
+
+    data: bytes
+    size: int
+    ino: int = 0
+
+
+@dataclass
+class CtlResult:
+    returncode: int
+    stdout: str
+    stderr: str = ""
+
+    @property
+    def message(self) -> str:
+        return (self.stdout.strip() or self.stderr.strip()).replace("error: ", "", 1)
+
+
+class Transport(Protocol):
+    status: ConnectionStatus
+    run_root: str
+
+    async def read_many(self, reqs: list[tuple[str, int]], max_bytes: int = 1 << 20) -> list[ReadResult]:
+        """For each (run-relative path, offset): the bytes appended since ``offset``."""
+        ...
+
+    async def ctl(self, *args: str) -> CtlResult:
+        """Run ``python -m pipeline.ctl RUN *args`` on the executing host."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def _read_one(root: Path, rel: str, offset: int, max_bytes: int) -> ReadResult:
+    path = root / rel
+    try:
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if st.st_size <= offset:
+                return ReadResult(b"", st.st_size, st.st_ino)
+            fh.seek(offset)
+            return ReadResult(fh.read(min(max_bytes, st.st_size - offset)), st.st_size, st.st_ino)
+    except FileNotFoundError:
+        return ReadResult(b"", -1)
+
+
+@dataclass
+class LocalTransport:
+    """The run directory is on this machine."""
+
+    run_root: str
+    python: str = sys.executable
+    status: ConnectionStatus = field(default_factory=ConnectionStatus)
+
+    async def read_many(self, reqs: list[tuple[str, int]], max_bytes: int = 1 << 20) -> list[ReadResult]:
+        root = Path(self.run_root)
+        return await asyncio.to_thread(lambda: [_read_one(root, rel, off, max_bytes) for rel, off in reqs])
+
+    async def ctl(self, *args: str) -> CtlResult:
+        proc = await asyncio.create_subprocess_exec(
+            self.python, "-m", "pipeline.ctl", self.run_root, *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+            env=_env(),
+        )
+        out, err = await proc.communicate()
+        return CtlResult(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+
+    async def close(self) -> None:
+        return None
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def start_local_run(plan_path: Path, run_dir: Path | None, python: str = sys.executable) -> tuple[int, str, str]:
+    """Create the run dir and start its supervisor detached (used by ``aerie run`` before the UI)."""
+    import subprocess
+
+    cmd = [python, "-m", "pipeline.supervisor", "--create", str(plan_path), "--detach"]
+    if run_dir is not None:
+        cmd.insert(3, str(run_dir))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), stdin=subprocess.DEVNULL)
+    return p.returncode, p.stdout.strip(), p.stderr.strip()

