@@ -5,7 +5,8 @@ subprocess, or through the SSH connection on the container). It validates the st
 request in the run dir, makes sure a supervisor is running, and waits for the supervisor's answer.
 
 Actions: ``status`` (prints state.json), ``ensure`` (start a supervisor if none holds the lock),
-``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``.
+``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
+admission checks: disk budget, GPU guard; recorded in the stage's events).
 
 Exit codes: 0 done; 2 usage error, unknown run or unknown stage; 3 refused by the supervisor
 (e.g. pausing a stage that is not running); 4 no answer from the supervisor in time.
@@ -23,7 +24,7 @@ from pipeline.rundir import RunDir, read_json
 from pipeline.supervisor import spawn_detached, supervisor_alive
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 2, 3, 4
-ACTIONS = ("status", "ensure", "pause", "resume", "kill", "retry", "skip")
+ACTIONS = ("status", "ensure", "pause", "resume", "kill", "retry", "skip", "force")
 
 
 def ensure_supervisor(run: RunDir) -> bool:

@@ -18,6 +18,7 @@ The run directory on the executing host is the single source of truth. Layout::
         stage.log               stdout+stderr of every attempt, with a banner per attempt
         pause                   present while a pause is requested (the stage polls it)
         kill.json               present when a kill was requested for attempt N
+        force.json              admission checks overridden for attempt N (``--force``)
         out/                    the stage's outputs (``--fresh`` clears this, nothing else)
 
 Every JSON state file is written atomically (temp file in the same directory, fsync, rename).
@@ -175,6 +176,7 @@ class StageDir:
     log = property(lambda self: self.path / "stage.log")
     pause_flag = property(lambda self: self.path / "pause")
     kill_marker = property(lambda self: self.path / "kill.json")
+    force_marker = property(lambda self: self.path / "force.json")
     out = property(lambda self: self.path / "out")
 
     def attempt(self) -> int:

@@ -337,6 +337,18 @@ class Supervisor:
         write_json(sd.path / "skip.json", {"attempt": att, "t": time.time()})
         return f"{sid}: skipped"
 
+    def do_force(self, sid: str) -> str:
+        """Let a stage past the admission checks (disk budget, GPU guard) once, recorded in its events."""
+        st = self.status[sid]
+        if st.state not in ("pending", "ready"):
+            raise SupervisorError(f"{sid} is {st.state}: --force applies to a stage waiting to start")
+        write_json(self.sd(sid).force_marker, {"attempt": st.attempt, "t": time.time()})
+        return f"{sid}: admission checks overridden for attempt {st.attempt}"
+
+    def forced(self, sid: str) -> bool:
+        sd = self.sd(sid)
+        return sd.record_for(sd.force_marker, sd.attempt()) is not None
+
     def handle_requests(self) -> None:
         done_dir = self.run.requests_dir / "done"
         for path, req in self.run.pending_requests():
@@ -346,7 +358,7 @@ class Supervisor:
                 if sid not in self.specs:
                     raise SupervisorError(f"unknown stage {sid!r}")
                 fn = {"pause": self.do_pause, "resume": self.do_resume, "kill": self.do_kill,
-                      "skip": self.do_skip}.get(action)
+                      "skip": self.do_skip, "force": self.do_force}.get(action)
                 if action == "retry":
                     msg = self.do_retry(sid, fresh=bool(req.get("fresh")))
                 elif fn is not None:
@@ -378,6 +390,8 @@ class Supervisor:
             holders = [s for s, st in self.status.items() if st.state in ("running", "paused")
                        and set(self.specs[s].gpus) & busy]
             return f"waiting for GPUs {sorted(busy)} (held by {', '.join(holders)})"
+        if self.forced(spec.id):
+            return None
         for check in self.admission:
             why = check(spec, self)
             if why:
@@ -400,6 +414,10 @@ class Supervisor:
             logfh.close()
         self.children[sid] = child
         self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
+        if self.forced(sid):
+            with EventWriter(sd.events) as w:
+                w.emit("message", level="warning", code="forced",
+                       text="started with --force: admission checks (disk budget, GPU guard) overridden")
 
     def schedule(self) -> None:
         now = time.time()
