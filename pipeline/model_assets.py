@@ -13,6 +13,7 @@ a hub id / local path for production (resolved by transformers as usual).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import os
@@ -59,17 +60,13 @@ def _convert_smollm2(dest: Path) -> None:
     # save_pretrained refuses a model that still carries the GGUF quantizer markers.
     for attr in ("hf_quantizer", "quantization_method"):
         if hasattr(model, attr):
-            try:
+            with contextlib.suppress(AttributeError):
                 setattr(model, attr, None)
-            except AttributeError:
-                pass
     if getattr(model.config, "quantization_config", None) is not None:
         model.config.quantization_config = None
     if hasattr(model, "is_quantized"):
-        try:
+        with contextlib.suppress(AttributeError):
             model.is_quantized = False
-        except AttributeError:
-            pass
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))

@@ -15,8 +15,8 @@ This module needs only the standard library: it runs on the container and in the
 from __future__ import annotations
 
 import fnmatch
-import json
 import importlib.util
+import json
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path

@@ -450,8 +450,8 @@ class Supervisor:
                     write_json(sd.pause_flag, {**flag, "stopped": now})
                     self.log(f"{sid}: no safe point within {spec.pause_grace_s:g}s: SIGSTOP to pgid {st.pgid}")
             killed = sd.record_for(sd.kill_marker, st.attempt)
-            if killed and st.state in ("running", "paused") and not killed.get("sigkill"):
-                if now - float(killed["t"]) > spec.kill_grace_s:
+            if (killed and st.state in ("running", "paused") and not killed.get("sigkill")
+                    and now - float(killed["t"]) > spec.kill_grace_s):
                     self._signal(sid, signal.SIGKILL)
                     write_json(sd.kill_marker, {**killed, "sigkill": now})
                     self.log(f"{sid}: still alive after {spec.kill_grace_s:g}s: SIGKILL to pgid {st.pgid}")

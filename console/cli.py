@@ -1,0 +1,214 @@
+"""The ``aerie`` command: the console, headless mode and the scriptable CLI, one supervisor.
+
+    aerie demo [--headless]                 the embedded demo run (bundled data, no GPU, no SSH)
+    aerie run PLAN [--headless]             create/attach the plan's run, start its supervisor, watch it
+    aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
+    aerie status RUN [--json]               one line (or JSON object) per stage
+    aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
+    aerie plan check PLAN                   validate a plan and print its DAG
+
+Exit codes: 0 ok (headless: every stage succeeded); 1 the run finished with stages not succeeded;
+2 usage error, bad plan, unknown run or stage; 3 the action was refused (e.g. pausing a stage
+that is not running); 4 the supervisor did not answer in time; 130 interrupted (stages keep running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from console.transport import LocalTransport, start_local_run
+from pipeline import plan as plan_mod
+from pipeline.rundir import RunDir, read_json
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
+CONTROL_ACTIONS = ("pause", "resume", "kill", "retry", "skip", "force")
+
+
+def aerie_home() -> Path:
+    return Path(os.environ.get("AERIE_HOME", Path.home() / ".local" / "share" / "aerie")).expanduser()
+
+
+def demo_plan_path() -> Path:
+    return Path(str(resources.files("pipeline") / "plans" / "demo.toml"))
+
+
+def err(text: str) -> None:
+    print(f"aerie: error: {text}", file=sys.stderr)
+
+
+def _watch(run_root: Path, headless: bool, theme: str | None, poll_s: float) -> int:
+    transport = LocalTransport(str(run_root))
+    if headless:
+        from console.headless import run_headless
+
+        return run_headless(transport)
+    from console.app import AerieApp
+
+    app = AerieApp(transport, poll_s=poll_s, theme=theme)
+    rc = app.run()
+    return rc or 0
+
+
+def _start(plan_path: Path, run_dir: Path | None) -> Path | int:
+    try:
+        plan = plan_mod.load(plan_path, run_dir=run_dir)
+    except plan_mod.PlanError as exc:
+        err(str(exc))
+        return EXIT_USAGE
+    if plan.executor.kind != "local":
+        return _start_remote(plan)
+    rc, out, stderr = start_local_run(plan_path, run_dir)
+    if rc != 0:
+        err(stderr.replace("error: ", "") or f"could not start the run (exit {rc})")
+        return EXIT_USAGE
+    return Path(out.splitlines()[-1])
+
+
+def _start_remote(plan: plan_mod.Plan) -> int:
+    err(f"{plan.path}: executor.kind = {plan.executor.kind!r}: the ssh executor is not available in this build")
+    return EXIT_USAGE
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir) if args.run_dir else aerie_home() / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
+    started = _start(demo_plan_path(), run_dir)
+    if isinstance(started, int):
+        return started
+    print(f"aerie demo: run directory {started}", file=sys.stderr)
+    return _watch(started, args.headless, args.theme, args.poll)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    started = _start(Path(args.plan), Path(args.run_dir) if args.run_dir else None)
+    if isinstance(started, int):
+        return started
+    return _watch(started, args.headless, args.theme, args.poll)
+
+
+def _open_run(path: str) -> RunDir | None:
+    run = RunDir(path)
+    if not run.exists():
+        err(f"{run.root}: no such run (expected plan.toml and stages/ there)")
+        return None
+    return run
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    run = _open_run(args.run)
+    if run is None:
+        return EXIT_USAGE
+    return _watch(run.root, args.headless, args.theme, args.poll)
+
+
+def _ctl(run: RunDir, *argv: str) -> tuple[int, str, str]:
+    res = asyncio.run(LocalTransport(str(run.root)).ctl(*argv))
+    return res.returncode, res.stdout, res.stderr
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    run = _open_run(args.run)
+    if run is None:
+        return EXIT_USAGE
+    state = read_json(run.state_path) or {"stages": []}
+    stages = state.get("stages", [])
+    if args.json:
+        for st in stages:
+            print(json.dumps({k: st.get(k) for k in ("id", "state", "attempt", "pid", "pgid", "started_at",
+                                                      "finished_at", "returncode", "reason", "health", "progress")}))
+        return EXIT_OK
+    for st in stages:
+        prog = st.get("progress") or {}
+        p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
+        print(f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip())
+    return EXIT_OK
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    run = _open_run(args.run)
+    if run is None:
+        return EXIT_USAGE
+    extra = ["--fresh"] if getattr(args, "fresh", False) else []
+    rc, out, stderr = _ctl(run, args.action, args.stage, *extra)
+    if out.strip():
+        print(out.strip())
+    if stderr.strip():
+        print("aerie: " + stderr.strip(), file=sys.stderr)
+    return rc
+
+
+def cmd_plan_check(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_mod.load(args.plan)
+    except plan_mod.PlanError as exc:
+        err(str(exc))
+        return EXIT_USAGE
+    print(plan_mod.render_dag(plan))
+    print(f"\nok: {len(plan.stages)} stages")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="aerie", description="Operations console for EAGLE-3 draft-model training runs.",
+                                 epilog="Exit codes:" + __doc__.split("Exit codes:")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def watch_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--headless", action="store_true", help="no UI: print progress lines; exit 0 iff all succeeded")
+        p.add_argument("--theme", default=None, help="console theme")
+        p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
+
+    p = sub.add_parser("demo", help="run the embedded demo (bundled data, no GPU, no SSH)")
+    p.add_argument("--run-dir", help="run directory (default: a new one under $AERIE_HOME/runs)")
+    watch_opts(p)
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("run", help="start (or re-attach to) the run a plan describes")
+    p.add_argument("plan")
+    p.add_argument("--run-dir", help="override the plan's [run] dir")
+    watch_opts(p)
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("attach", help="watch an existing run")
+    p.add_argument("run")
+    watch_opts(p)
+    p.set_defaults(fn=cmd_attach)
+
+    p = sub.add_parser("status", help="print every stage's state")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true", help="one JSON object per stage")
+    p.set_defaults(fn=cmd_status)
+
+    for action in CONTROL_ACTIONS:
+        p = sub.add_parser(action, help=f"{action} one stage")
+        p.add_argument("run")
+        p.add_argument("stage")
+        if action == "retry":
+            p.add_argument("--fresh", action="store_true", help="clear the stage's outputs (inside the run dir) first")
+        p.set_defaults(fn=cmd_control, action=action)
+
+    p = sub.add_parser("plan", help="plan tools")
+    psub = p.add_subparsers(dest="plan_cmd", required=True)
+    pc = psub.add_parser("check", help="validate a plan and print its DAG")
+    pc.add_argument("plan")
+    pc.set_defaults(fn=cmd_plan_check)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Formatting for the console: durations, rates, ETAs and text progress bars (humanized)."""
+
+from __future__ import annotations
+
+import humanize
+
+
+def duration(seconds: float | None) -> str:
+    """``3h 05m``, ``4m 12s``, ``9s`` — compact enough for a table column."""
+    if seconds is None:
+        return "—"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    m, s = divmod(s, 60)
+    if m < 60:
+        return f"{m}m {s:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h}h {m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d {h:02d}h"
+
+
+def rate(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    unit = unit or "items"
+    if value >= 100:
+        return f"{humanize.intword(int(value)) if value >= 1e6 else f'{value:,.0f}'} {unit}/s"
+    if value >= 1:
+        return f"{value:.1f} {unit}/s"
+    if value > 0:
+        return f"{value * 60:.1f} {unit}/min"
+    return f"0 {unit}/s"
+
+
+def count(value: float | None) -> str:
+    if value is None:
+        return "?"
+    if value >= 10_000:
+        return humanize.intword(int(value), format="%.1f").replace(" thousand", "K").replace(" million", "M")
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
+
+
+def bar(fraction: float | None, width: int = 12) -> str:
+    if fraction is None:
+        return "·" * width
+    filled = int(round(fraction * width * 8))
+    full, part = divmod(filled, 8)
+    partial = " ▏▎▍▌▋▊▉"[part] if part and full < width else ""
+    return ("█" * full + partial).ljust(width, "░")[:width]
+
+
+def size(nbytes: float | None) -> str:
+    return "—" if nbytes is None else humanize.naturalsize(nbytes, binary=True)

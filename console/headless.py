@@ -1,0 +1,74 @@
+"""Headless mode: the same run model without a UI, printing progress lines (CI, no terminal).
+
+Prints one line per state change and a progress line per running stage every ``every_s``
+seconds; returns 0 only when the run finished with every stage succeeded (or skipped).
+Ctrl-C detaches: the stages keep running under their supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import TextIO
+
+from console import fmt
+from console.model import RunModel, describe_event
+from console.transport import Transport
+
+
+async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float = 0.5, every_s: float = 10.0,
+                 timeout_s: float | None = None) -> int:
+    model = RunModel(transport)
+    seen_state: dict[str, tuple[str, int]] = {}
+    seen_events: dict[str, float] = {}
+    last_progress: dict[str, float] = {}
+    await transport.ctl("ensure")
+    start = time.monotonic()
+
+    def emit(text: str) -> None:
+        out.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        out.flush()
+
+    while True:
+        await model.poll()
+        now = time.time()
+        for sid in model.order:
+            st = model.stages[sid]
+            key = (st.display_state, st.attempt)
+            if seen_state.get(sid) != key:
+                seen_state[sid] = key
+                extra = f" — {st.reason}" if st.reason and st.state not in ("running", "succeeded") else ""
+                emit(f"{sid:<28} {st.display_state}" + (f" (attempt {st.attempt})" if st.attempt > 1 else "") + extra)
+            for ev in st.events:
+                if ev.t > seen_events.get(sid, 0.0) and ev.type == "message" and ev.get("level") in ("warning", "error"):
+                    emit(f"{sid:<28} {describe_event(ev)}")
+            if st.events:
+                seen_events[sid] = max(seen_events.get(sid, 0.0), st.events[-1].t)
+            if st.state == "running" and st.progress.t and now - last_progress.get(sid, 0) >= every_s:
+                last_progress[sid] = now
+                p = st.progress
+                eta = p.eta_s()
+                emit(f"{sid:<28} {fmt.count(p.done)}/{fmt.count(p.total)} {p.unit}"
+                     f"  {fmt.rate(p.rate(), p.unit)}" + (f"  ETA {fmt.duration(eta)}" if eta is not None else ""))
+        if model.loaded and model.done:
+            ok = model.all_succeeded()
+            counts = ", ".join(f"{n} {s}" for s, n in sorted(model.counts().items()))
+            emit(f"run {'succeeded' if ok else 'did not succeed'}: {counts}")
+            for sid in model.order:
+                st = model.stages[sid]
+                if "accept_len" in st.metrics:
+                    emit(f"{sid}: mean accepted length {st.metrics['accept_len']:.3f}")
+            return 0 if ok else 1
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            emit(f"timed out after {timeout_s:g}s; the run keeps going")
+            return 1
+        await asyncio.sleep(poll_s)
+
+
+def run_headless(transport: Transport, **kw: object) -> int:
+    try:
+        return asyncio.run(follow(transport, **kw))  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        print(f"\ndetached; the run keeps going. Re-attach: aerie attach {transport.run_root}", file=sys.stderr)
+        return 130

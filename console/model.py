@@ -1,0 +1,316 @@
+"""The console's run model: what the widgets read, built from the run directory through a transport.
+
+Each :meth:`RunModel.poll` asks the transport for what was appended since the last poll:
+``state.json`` (the supervisor's snapshot of every stage), each stage's ``events.jsonl`` from its
+byte offset, and the log tail of the stages being watched. Memory is bounded whatever the run's
+length: per stage the latest state, the latest value of each metric, a bounded window of progress
+samples (for rate and ETA), the last events and the last log lines. On attach the model starts
+near the end of long event files instead of replaying days of history.
+
+Widgets never see the transport: they read :class:`StageView` objects and redraw when
+:meth:`poll` reports that something changed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from console.transport import Transport
+from pipeline.events import Event, parse_lines, split_complete
+
+TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
+ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
+LOG_TAIL_BYTES = 64 << 10
+RATE_WINDOW_S = 120.0
+
+
+@dataclass
+class Progress:
+    done: float = 0.0
+    total: float | None = None
+    unit: str = ""
+    t: float = 0.0
+    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+
+    def add(self, t: float, done: float, total: float | None, unit: str) -> None:
+        if self.samples and done < self.samples[-1][1]:
+            self.samples.clear()  # a new attempt restarted the count
+        self.done, self.total, self.unit, self.t = done, total, unit or self.unit, t
+        self.samples.append((t, done))
+
+    @property
+    def fraction(self) -> float | None:
+        if not self.total:
+            return None
+        return max(0.0, min(1.0, self.done / self.total))
+
+    def rate(self, now: float | None = None) -> float | None:
+        """Units per second over the recent window (None until two samples exist)."""
+        if len(self.samples) < 2:
+            return None
+        t1, d1 = self.samples[-1]
+        horizon = t1 - RATE_WINDOW_S
+        t0, d0 = next(((t, d) for t, d in self.samples if t >= horizon), self.samples[0])
+        if t1 <= t0:
+            return None
+        return (d1 - d0) / (t1 - t0)
+
+    def eta_s(self) -> float | None:
+        r = self.rate()
+        if not r or r <= 0 or self.total is None:
+            return None
+        return max(0.0, (self.total - self.done) / r)
+
+
+@dataclass
+class StageView:
+    """Everything the board and the detail pane show about one stage."""
+
+    id: str
+    family: str
+    dataset: str | None = None
+    state: str = "pending"
+    attempt: int = 1
+    pid: int | None = None
+    pgid: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    returncode: int | None = None
+    reason: str = ""
+    health: str | None = None
+    pausing: bool = False
+    service: bool = False
+    retry_at: float | None = None
+    gpus: list[int] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)
+    progress: Progress = field(default_factory=Progress)
+    metrics: dict[str, float] = field(default_factory=dict)
+    events: deque[Event] = field(default_factory=lambda: deque(maxlen=50))
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=1000))
+    log_total: int = 0  # lines ever appended to ``log`` (it is bounded; this is not)
+    rejects: int = 0
+
+    def elapsed_s(self, now: float | None = None) -> float | None:
+        if self.started_at is None:
+            return None
+        end = self.finished_at if self.state in TERMINAL and self.finished_at else (now or time.time())
+        return max(0.0, end - self.started_at)
+
+    @property
+    def display_state(self) -> str:
+        if self.state == "running" and self.pausing:
+            return "pausing"
+        if self.state == "running" and self.service and self.health:
+            return self.health if self.health != "ready" else "ready"
+        if self.state == "running" and self.reason == "starting":
+            return "starting"
+        return self.state
+
+
+@dataclass
+class _Stream:
+    """Read position in one growing file."""
+
+    offset: int = 0
+    ino: int = 0
+    primed: bool = False  # False until the first read decided where to start
+    skip_partial: bool = False  # the next line is a fragment (we started mid-file)
+
+
+def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int) -> list[bytes]:
+    """Advance ``stream`` over ``data`` (read at ``stream.offset``); return the complete new lines.
+
+    A file that shrank or was replaced starts over. On the first read of a file longer than
+    ``tail_bytes`` the stream jumps to its last ``tail_bytes`` (read on the next poll) and drops
+    the first, partial line there, so attaching to a week-long run costs what an hour-long one does.
+    """
+    if size < 0:
+        return []
+    if (stream.ino and ino and ino != stream.ino) or size < stream.offset:
+        stream.offset, stream.primed, stream.skip_partial = 0, False, False
+        stream.ino = ino
+        return []
+    stream.ino = ino
+    if not stream.primed:
+        stream.primed = True
+        if size - stream.offset > tail_bytes:
+            stream.offset = size - tail_bytes
+            stream.skip_partial = True
+            return []
+    lines, used = split_complete(data)
+    stream.offset += used
+    if stream.skip_partial and lines:
+        lines = lines[1:]
+        stream.skip_partial = False
+    return lines
+
+
+class RunModel:
+    """The run as the console knows it. Call :meth:`poll` periodically (from a worker)."""
+
+    def __init__(self, transport: Transport, log_watch: int = 1) -> None:
+        self.transport = transport
+        self.run_name = ""
+        self.run_dir = transport.run_root
+        self.executor = "local"
+        self.stages: dict[str, StageView] = {}
+        self.order: list[str] = []
+        self.supervisor_pid: int | None = None
+        self.supervisor_t: float | None = None
+        self.done = False
+        self.error: str | None = None
+        self._state_raw = b""
+        self._events: dict[str, _Stream] = {}
+        self._logs: dict[str, _Stream] = {}
+        self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
+        self.log_watch = log_watch
+
+    # ------------------------------------------------------------------------------------------
+    def watch_log(self, stage_id: str | None) -> None:
+        """Tail this stage's log (the detail pane's stage); others are dropped to bound I/O."""
+        self.watched = [stage_id] if stage_id else []
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self.order)
+
+    def families(self) -> list[tuple[str, list[StageView]]]:
+        """Stages grouped by plan family, in plan order (the 10 preps read as one block)."""
+        out: dict[str, list[StageView]] = {}
+        for sid in self.order:
+            st = self.stages[sid]
+            out.setdefault(st.family, []).append(st)
+        return list(out.items())
+
+    def counts(self) -> dict[str, int]:
+        c: dict[str, int] = {}
+        for st in self.stages.values():
+            c[st.state] = c.get(st.state, 0) + 1
+        return c
+
+    def all_succeeded(self) -> bool:
+        return bool(self.stages) and all(s.state in ("succeeded", "skipped") for s in self.stages.values())
+
+    # ------------------------------------------------------------------------------------------
+    async def poll(self) -> set[str]:
+        """Read what is new; returns the ids of stages that changed ("*" for the whole run)."""
+        changed: set[str] = set()
+        reqs: list[tuple[str, int]] = [("state.json", 0)]
+        ev_ids = list(self.order)
+        for sid in ev_ids:
+            reqs.append((f"stages/{sid}/events.jsonl", self._events.setdefault(sid, _Stream()).offset))
+        log_ids = [s for s in self.watched if s in self.stages]
+        for sid in log_ids:
+            reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, _Stream()).offset))
+        try:
+            results = await self.transport.read_many(reqs)
+        except Exception as exc:  # a transport drop: keep what we have, say why
+            self.error = f"cannot read the run: {exc}"
+            return {"*"}
+        self.error = None
+        if results[0].size >= 0 and results[0].data != self._state_raw:
+            self._state_raw = results[0].data
+            changed |= self._apply_state(results[0].data)
+        for i, sid in enumerate(ev_ids, start=1):
+            if self._apply_events(sid, self._events[sid], results[i].data, results[i].size, results[i].ino):
+                changed.add(sid)
+        base = 1 + len(ev_ids)
+        for j, sid in enumerate(log_ids):
+            r = results[base + j]
+            if self._apply_log(sid, self._logs[sid], r.data, r.size, r.ino):
+                changed.add(sid)
+        # Streams for stages that just appeared in state.json start on the next poll.
+        return changed
+
+    def _apply_state(self, raw: bytes) -> set[str]:
+        try:
+            snap = json.loads(raw)
+        except ValueError:
+            return set()  # never torn (atomic rename), but be defensive
+        self.run_name = snap.get("run", self.run_name)
+        self.executor = snap.get("executor", self.executor)
+        sup = snap.get("supervisor") or {}
+        self.supervisor_pid, self.supervisor_t = sup.get("pid"), sup.get("t")
+        self.done = bool(snap.get("done"))
+        changed = {"*"}
+        order = []
+        for d in snap.get("stages", []):
+            sid = d["id"]
+            order.append(sid)
+            st = self.stages.get(sid)
+            if st is None:
+                st = self.stages[sid] = StageView(id=sid, family=d.get("family", sid))
+            before = (st.state, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at)
+            for key in ("dataset", "state", "attempt", "pid", "pgid", "started_at", "finished_at", "returncode",
+                        "reason", "health", "pausing", "service", "retry_at", "gpus", "after"):
+                if key in d:
+                    setattr(st, key, d[key])
+            prog = d.get("progress")
+            if prog and prog.get("t", 0) > st.progress.t:
+                st.progress.add(prog["t"], prog.get("done") or 0, prog.get("total"), prog.get("unit") or "")
+            if before != (st.state, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at):
+                changed.add(sid)
+        self.order = order
+        return changed
+
+    def _apply_events(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
+        lines = _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
+        st = self.stages.get(sid)
+        if not lines or st is None:
+            return False
+        events, _bad = parse_lines(lines)
+        for ev in events:
+            self._apply_event(st, ev)
+        return bool(events)
+
+    def _apply_event(self, st: StageView, ev: Event) -> None:
+        if ev.type == "progress":
+            if ev.t >= st.progress.t:
+                st.progress.add(ev.t, float(ev.get("done", 0)), ev.get("total"), ev.get("unit", ""))
+        elif ev.type == "metric":
+            name = str(ev.get("name"))
+            st.metrics[name] = float(ev.get("value", 0.0))
+            if name == "rejects":
+                st.rejects = int(ev.get("value", 0))
+        elif ev.type == "started":
+            st.metrics.clear()
+            st.progress = Progress()
+        if ev.type != "progress":
+            st.events.append(ev)
+
+    def _apply_log(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
+        lines = _consume(stream, data, size, ino, LOG_TAIL_BYTES)
+        if not lines:
+            return False
+        st = self.stages[sid]
+        st.log.extend(raw.decode(errors="replace") for raw in lines)
+        st.log_total += len(lines)
+        return True
+
+    def describe_event(self, ev: Event) -> str:
+        return describe_event(ev)
+
+
+def describe_event(ev: Event) -> str:
+    """One human line for an event (detail pane, headless output)."""
+    d = ev.data
+    if ev.type == "started":
+        return f"started attempt {d.get('attempt')} (pid {d.get('pid')})"
+    if ev.type == "finished":
+        rc = d.get("returncode")
+        return f"finished: {d.get('status')}" + (f" (rc {rc})" if rc not in (None, 0) else "") + (
+            f" {d['detail']}" if d.get("detail") else "")
+    if ev.type == "metric":
+        v = d.get("value")
+        return f"{d.get('name')} = {v:.4g}" if isinstance(v, float) else f"{d.get('name')} = {v}"
+    if ev.type == "message":
+        lvl = d.get("level", "info")
+        return (f"{lvl}: " if lvl != "info" else "") + str(d.get("text", ""))
+    if ev.type == "health":
+        return f"health: {d.get('state')}"
+    if ev.type == "progress":
+        return f"{d.get('done')}/{d.get('total')} {d.get('unit', '')}"
+    return ev.to_json()

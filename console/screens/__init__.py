@@ -1,0 +1,1 @@
+"""Console screens: help, confirmation dialog, full log."""

@@ -1,0 +1,1 @@
+"""Console widgets: they read the run model and never touch processes, files or SSH."""

@@ -1,0 +1,82 @@
+"""The detail pane: the selected stage's facts, its last events and the live tail of its log."""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Log, Static
+
+from console import fmt
+from console.model import StageView, describe_event
+
+
+class StageDetail(Vertical):
+    """Shows one stage. :meth:`show` switches stage; :meth:`sync` appends what is new."""
+
+    DEFAULT_CSS = """
+    StageDetail { width: 1fr; min-width: 40; border-left: solid $panel-lighten-2; padding: 0 1; }
+    StageDetail #facts { height: auto; }
+    StageDetail #events { height: auto; max-height: 12; color: $text-muted; }
+    StageDetail Log { height: 1fr; border-top: solid $panel-lighten-2; }
+    """
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.stage_id: str | None = None
+        self._log_count = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static("Select a stage", id="facts")
+        yield Static("", id="events")
+        yield Log(max_lines=1000, auto_scroll=True, id="stage-log")
+
+    def show(self, st: StageView | None) -> None:
+        if st is None or st.id != self.stage_id:
+            self.query_one(Log).clear()
+            self._log_count = 0
+        self.stage_id = st.id if st else None
+        self.sync(st)
+
+    def sync(self, st: StageView | None) -> None:
+        facts = self.query_one("#facts", Static)
+        if st is None:
+            facts.update("Select a stage (↑/↓)")
+            self.query_one("#events", Static).update("")
+            return
+        style = getattr(self.app, "state_style", lambda s: "")
+        t = Text()
+        t.append(st.id, style="bold")
+        t.append("  ")
+        t.append(st.display_state, style=style(st.display_state))
+        t.append(f"  attempt {st.attempt}\n")
+        if st.pid:
+            t.append(f"pid {st.pid} · pgid {st.pgid}")
+        if st.started_at:
+            t.append(f" · started {time.strftime('%H:%M:%S', time.localtime(st.started_at))}"
+                     f" · elapsed {fmt.duration(st.elapsed_s())}")
+        if st.returncode is not None:
+            t.append(f" · exit {st.returncode}")
+        if st.reason:
+            t.append(f"\n{st.reason}", style="italic")
+        if st.progress.t:
+            t.append(f"\n{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)} {st.progress.unit}"
+                     f" · {fmt.rate(st.progress.rate(), st.progress.unit)}")
+        if st.metrics:
+            shown = list(st.metrics.items())[-8:]
+            t.append("\n" + "  ".join(f"{k}={v:.4g}" for k, v in shown))
+        facts.update(t)
+        evs = [ev for ev in st.events if ev.type != "progress"][-8:]
+        lines = Text()
+        for ev in evs:
+            stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))
+            lvl = ev.get("level")
+            lines.append(f"{stamp} {describe_event(ev)}\n", style=style("failed") if lvl == "error" else "")
+        self.query_one("#events", Static).update(lines)
+        log = self.query_one(Log)
+        fresh = st.log_total - self._log_count
+        if fresh > 0:
+            log.write_lines(list(st.log)[-min(fresh, len(st.log)):])
+        self._log_count = st.log_total
