@@ -16,6 +16,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.color import Color, ColorParseError
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input, Static
@@ -109,11 +110,15 @@ class AerieApp(App[int]):
     def state_style(self, state: str) -> str:
         if state not in self._styles:
             v = self.get_css_variables()
-            color = v.get(f"state-{state}") or v.get(STATE_FALLBACK.get(state, "foreground"), "")
-            if color.startswith("auto") or not color:
-                color = v.get("foreground", "")
+            raw = v.get(f"state-{state}") or v.get(STATE_FALLBACK.get(state, "foreground"), "")
+            try:
+                color = Color.parse(raw)
+            except ColorParseError:
+                color = Color.parse(v.get("foreground", "white"))
+            if color.a < 1:  # Rich has no alpha: blend onto the background as the terminal would show it
+                color = Color.parse(v.get("background", "black")).blend(color.with_alpha(1), color.a)
             bold = state in ("failed", "killed", "upstream-failed", "unhealthy")
-            self._styles[state] = f"{'bold ' if bold else ''}{color}".strip()
+            self._styles[state] = f"{'bold ' if bold else ''}{color.hex6}"
         return self._styles[state]
 
     # ------------------------------------------------------------------------------ polling
