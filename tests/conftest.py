@@ -1,0 +1,21 @@
+"""Shared test setup: no hub access, a private AERIE_HOME, and helpers to run real plans.
+
+The model cache ($AERIE_CACHE, default ~/.cache/aerie) is shared on purpose: the bundled demo model
+is converted once per machine, not once per test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _aerie_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AERIE_HOME", str(tmp_path_factory.mktemp("aerie-home")))

@@ -1,0 +1,147 @@
+"""The plan: validation errors name the file and key; expansion and the DAG are right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import plan as plan_mod
+from tests.runs import ROOT, write_plan
+
+BASE = """
+[run]
+name = "t"
+dir = "run"
+[resources]
+cpu_slots = 4
+gpus = [0, 1]
+[[datasets]]
+name = "chat"
+source = "HuggingFaceH4/ultrachat_200k"
+kind = "prompt-only"
+quota = 100
+[[datasets]]
+name = "kimi"
+source = "kimi"
+kind = "target-native"
+quota = 50
+"""
+
+
+def load(tmp_path: Path, stages: str, base: str = BASE) -> plan_mod.Plan:
+    return plan_mod.load(write_plan(tmp_path, base + stages))
+
+
+def error(tmp_path: Path, stages: str, base: str = BASE) -> str:
+    with pytest.raises(plan_mod.PlanError) as exc:
+        load(tmp_path, stages, base)
+    return str(exc.value)
+
+
+def test_for_each_expands_per_dataset_with_filter_and_globs(tmp_path: Path) -> None:
+    plan = load(tmp_path, """
+[[stage]]
+id = "prep"
+command = "echo {dataset}"
+for_each = "dataset"
+[[stage]]
+id = "regen"
+command = "echo regen {dataset}"
+for_each = "dataset"
+when = { kind = "prompt-only" }
+after = ["prep.{dataset}"]
+[[stage]]
+id = "extract"
+command = "true"
+after = ["prep.*", "regen.*"]
+gpus = "all"
+""")
+    ids = [s.id for s in plan.stages]
+    assert ids == ["prep.chat", "prep.kimi", "regen.chat", "extract"]
+    assert plan.stage("regen.chat").after == ("prep.chat",)
+    assert plan.stage("prep.kimi").command == "echo kimi"
+    assert set(plan.stage("extract").after) == {"prep.chat", "prep.kimi", "regen.chat"}
+    assert plan.stage("extract").gpus == (0, 1)
+    assert plan.order().index("extract") > plan.order().index("regen.chat")
+    dag = plan_mod.render_dag(plan)
+    assert "regen.chat" in dag and "prep.*" not in dag.splitlines()[0]
+
+
+def test_unknown_builtin_stage_is_named(tmp_path: Path) -> None:
+    msg = error(tmp_path, '[[stage]]\nid = "x"\nrun = "pipeline.nosuchstage"\n')
+    assert "plan.toml" in msg and "stage[0].run" in msg and "pipeline.nosuchstage" in msg
+
+
+def test_missing_dependency_is_named(tmp_path: Path) -> None:
+    msg = error(tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\n[[stage]]\nid = "b"\ncommand = "true"\nafter = ["prepp"]\n')
+    assert "stage[1].after" in msg and "'prepp'" in msg
+
+
+def test_cycle_is_reported_with_its_path(tmp_path: Path) -> None:
+    msg = error(tmp_path, """
+[[stage]]
+id = "a"
+command = "true"
+after = ["c"]
+[[stage]]
+id = "b"
+command = "true"
+after = ["a"]
+[[stage]]
+id = "c"
+command = "true"
+after = ["b"]
+""")
+    assert "dependency cycle: a -> c -> b -> a" in msg
+
+
+@pytest.mark.parametrize(("snippet", "key"), [
+    ('[[stage]]\nid = "a"\ncommand = "true"\ncpu = "two"\n', "stage[0].cpu"),
+    ('[[stage]]\nid = "a"\ncommand = "true"\ngpus = [7]\n', "stage[0].gpus[0]"),
+    ('[[stage]]\nid = "a"\ncommand = "true"\nafterr = ["b"]\n', "stage[0].afterr"),
+    ('[[stage]]\nid = "a"\n', "stage[0]"),
+    ('[[stage]]\nid = "a"\ncommand = "true"\nuses = ["a"]\n', "stage[0].uses"),
+])
+def test_bad_stage_fields_are_named(tmp_path: Path, snippet: str, key: str) -> None:
+    assert f"{key}:" in error(tmp_path, snippet)
+
+
+def test_bad_dataset_field_is_named(tmp_path: Path) -> None:
+    base = BASE.replace("quota = 100", 'quota = "lots"')
+    assert "datasets[0].quota" in error(tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\n', base)
+    base = BASE.replace('kind = "prompt-only"', 'kind = "prompt_only"')
+    assert "datasets[0].kind" in error(tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\n', base)
+
+
+def test_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
+    path = write_plan(tmp_path, "[run\nname=1\n")
+    with pytest.raises(plan_mod.PlanError) as exc:
+        plan_mod.load(path)
+    assert str(path) in str(exc.value) and "TOML" in str(exc.value)
+
+
+def test_uses_must_name_a_service(tmp_path: Path) -> None:
+    msg = error(tmp_path, '[[stage]]\nid = "srv"\ncommand = "true"\n[[stage]]\nid = "a"\ncommand = "true"\nuses = ["srv"]\n')
+    assert "stage[1].uses" in msg and "not a service" in msg
+
+
+def test_plan_check_cli(tmp_path: Path) -> None:
+    good = write_plan(tmp_path, BASE + '[[stage]]\nid = "prep"\ncommand = "true"\nfor_each = "dataset"\n', "good.toml")
+    out = subprocess.run([sys.executable, "-m", "console.cli", "plan", "check", str(good)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "prep.chat" in out.stdout and "prep.kimi" in out.stdout and "ok: 2 stages" in out.stdout
+    bad = write_plan(tmp_path, BASE + '[[stage]]\nid = "a"\ncommand = "true"\nafter = ["zzz"]\n', "bad.toml")
+    out = subprocess.run([sys.executable, "-m", "console.cli", "plan", "check", str(bad)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert "bad.toml" in out.stderr and "stage[0].after" in out.stderr
+
+
+def test_shipped_plans_validate() -> None:
+    for path in [ROOT / "pipeline" / "plans" / "demo.toml", *sorted((ROOT / "examples").glob("*.toml"))]:
+        plan = plan_mod.load(path)
+        assert plan.stages, path
