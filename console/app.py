@@ -17,7 +17,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
-from textual.containers import Horizontal
+from textual.containers import Vertical
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input, Static
 
@@ -45,8 +45,6 @@ class AerieApp(App[int]):
     #filter { display: none; height: 3; }
     #filter.visible { display: block; }
     #main { height: 1fr; }
-    StageBoard { width: 3fr; }
-    StageDetail { width: 2fr; }
     """
     BINDINGS = [
         Binding("p", "pause", "Pause/resume"),
@@ -87,7 +85,7 @@ class AerieApp(App[int]):
     def compose(self) -> ComposeResult:
         yield Static("Aerie", id="header")
         yield Input(placeholder="filter stages (id or state) — Enter to apply, Esc to clear", id="filter")
-        with Horizontal(id="main"):
+        with Vertical(id="main"):
             yield StageBoard(id="board")
             yield StageDetail(id="detail")
         yield Static("", id="status-line")

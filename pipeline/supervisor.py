@@ -349,9 +349,11 @@ class Supervisor:
         sd = self.sd(sid)
         return sd.record_for(sd.force_marker, sd.attempt()) is not None
 
-    def handle_requests(self) -> None:
+    def handle_requests(self) -> int:
         done_dir = self.run.requests_dir / "done"
+        handled = 0
         for path, req in self.run.pending_requests():
+            handled += 1
             sid, action = req.get("stage", ""), req.get("action", "")
             ok, msg = True, ""
             try:
@@ -371,6 +373,7 @@ class Supervisor:
             self.log(f"request {action} {sid}: {'ok' if ok else 'refused'}: {msg}")
             write_json(done_dir / path.name, {**req, "ok": ok, "message": msg, "done_t": time.time()})
             path.unlink(missing_ok=True)
+        return handled
 
     # ---------------------------------------------------------------------------- scheduling
     def _held(self) -> tuple[int, set[int]]:
@@ -419,8 +422,9 @@ class Supervisor:
                 w.emit("message", level="warning", code="forced",
                        text="started with --force: admission checks (disk budget, GPU guard) overridden")
 
-    def schedule(self) -> None:
+    def schedule(self) -> int:
         now = time.time()
+        launched = 0
         for sid in self.order:
             st = self.status[sid]
             if st.state == "failed" and st.retry_at is not None and now >= st.retry_at:
@@ -435,7 +439,9 @@ class Supervisor:
                 st.state, st.reason = "pending", why
                 continue
             self.launch(sid)
+            launched += 1
             self.status[sid] = self.derive(sid)
+        return launched
 
     def enforce(self) -> None:
         """Pause and kill grace periods; stop services nobody needs any more."""
@@ -494,9 +500,11 @@ class Supervisor:
 
     def tick(self) -> None:
         self.refresh()
-        self.handle_requests()
+        acted = self.handle_requests()
         self.enforce()
-        self.schedule()
+        launched = self.schedule()
+        if acted or launched:
+            self.refresh()  # dependants of what just changed see it in this snapshot
         self.write_state()
 
     def run_forever(self, exit_when_done: bool = True) -> int:
@@ -556,7 +564,9 @@ def supervisor_alive(run: RunDir) -> bool:
 
 def default_admission() -> list[AdmissionCheck]:
     """Admission checks every supervisor applies besides CPU/GPU slots (extended by later modules)."""
-    return []
+    from pipeline.budget import disk_budget_check, gpu_guard_check
+
+    return [disk_budget_check, gpu_guard_check]
 
 
 def main(argv: list[str] | None = None) -> int:

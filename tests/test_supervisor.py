@@ -377,7 +377,7 @@ def test_resources_limit_concurrency(tmp_path: Path, cleanup: list) -> None:
         id = "c{i}"
         command = "echo start $(date +%s.%N) >> {log}; sleep 0.6; echo end $(date +%s.%N) >> {log}"
         """
-    body += f"""
+    body += """
         [[stage]]
         id = "g1"
         command = "sleep 0.3"

@@ -49,6 +49,7 @@ class StageBoard(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=False, **kw)  # type: ignore[arg-type]
         self.filter_text = ""
         self._keys: list[str] = []
+        self._last_members: set[str] = set()
 
     def on_mount(self) -> None:
         for name in COLUMNS:
@@ -71,6 +72,7 @@ class StageBoard(DataTable):
 
     def _visible(self, model: RunModel) -> list[tuple[str, StageView | None, list[StageView]]]:
         rows: list[tuple[str, StageView | None, list[StageView]]] = []
+        self._last_members = set()
         f = self.filter_text.lower()
         for fam, members in model.families():
             shown = [m for m in members if not f or f in m.id.lower() or f in m.display_state]
@@ -79,6 +81,7 @@ class StageBoard(DataTable):
             if len(members) > 1:
                 rows.append((GROUP_PREFIX + fam, None, shown))
                 rows.extend((m.id, m, []) for m in shown)
+                self._last_members.add(shown[-1].id)
             else:
                 rows.append((shown[0].id, shown[0], []))
         return rows
@@ -126,7 +129,8 @@ class StageBoard(DataTable):
             return (Text(f"▾ {fam} ({len(members)})", style="bold"), summary, "", fmt.duration(elapsed),
                     _bar(frac), f"{fmt.count(done)}/{fmt.count(total)}" if total else "", fmt.rate(rate, unit) if rate else "",
                     fmt.duration(eta) if eta else "", "")
-        label = ("  " + st.id) if st.family != st.id else st.id
+        branch = "└" if st.id in self._last_members else "├"
+        label = Text(f" {branch} {st.id}") if st.family != st.id else Text(st.id)
         state = st.display_state
         frac = st.progress.fraction
         done = (f"{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)}" if st.progress.total

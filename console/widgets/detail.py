@@ -6,21 +6,22 @@ import time
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Log, Static
 
 from console import fmt
 from console.model import StageView, describe_event
 
 
-class StageDetail(Vertical):
+class StageDetail(Horizontal):
     """Shows one stage. :meth:`show` switches stage; :meth:`sync` appends what is new."""
 
     DEFAULT_CSS = """
-    StageDetail { width: 1fr; min-width: 40; border-left: solid $panel-lighten-2; padding: 0 1; }
+    StageDetail { height: 14; border-top: solid $panel-lighten-2; }
+    StageDetail #info { width: 64; padding: 0 1; }
     StageDetail #facts { height: auto; }
-    StageDetail #events { height: auto; max-height: 12; color: $text-muted; }
-    StageDetail Log { height: 1fr; border-top: solid $panel-lighten-2; }
+    StageDetail #events { height: 1fr; color: $text-muted; }
+    StageDetail Log { width: 1fr; border-left: solid $panel-lighten-2; }
     """
 
     def __init__(self, **kw: object) -> None:
@@ -29,8 +30,9 @@ class StageDetail(Vertical):
         self._log_count = 0
 
     def compose(self) -> ComposeResult:
-        yield Static("Select a stage", id="facts")
-        yield Static("", id="events")
+        with Vertical(id="info"):
+            yield Static("Select a stage", id="facts")
+            yield Static("", id="events")
         yield Log(max_lines=1000, auto_scroll=True, id="stage-log")
 
     def show(self, st: StageView | None) -> None:
@@ -51,7 +53,7 @@ class StageDetail(Vertical):
         t.append(st.id, style="bold")
         t.append("  ")
         t.append(st.display_state, style=style(st.display_state))
-        t.append(f"  attempt {st.attempt}\n")
+        t.append(f"   attempt {st.attempt}\n")
         if st.pid:
             t.append(f"pid {st.pid} · pgid {st.pgid}")
         if st.started_at:
@@ -68,7 +70,7 @@ class StageDetail(Vertical):
             shown = list(st.metrics.items())[-8:]
             t.append("\n" + "  ".join(f"{k}={v:.4g}" for k, v in shown))
         facts.update(t)
-        evs = [ev for ev in st.events if ev.type != "progress"][-8:]
+        evs = [ev for ev in st.events if ev.type != "progress"][-6:]
         lines = Text()
         for ev in evs:
             stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))

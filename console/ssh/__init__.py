@@ -1,0 +1,1 @@
+"""The SSH executor's console side: one connection per host, the SSH transport, bootstrap + preflight."""

@@ -1,0 +1,421 @@
+"""One asyncssh connection per host, shared by every channel, kept alive and re-established on loss.
+
+:class:`HostConnection` owns the single SSH connection to the executing host. Commands, the
+remote agent's channel and SFTP are all channels on it, and a counter keeps the number of open
+sessions within the server's ``MaxSessions`` (OpenSSH's default is 10). Keepalives detect a dead
+peer; when the connection is lost, a background task reconnects with exponential backoff while
+:attr:`HostConnection.status` says ``disconnected — retrying (n)`` — callers get
+:class:`NotConnected` meanwhile, never a hang.
+
+Host keys are always checked against known_hosts (the plan's ``[executor] options.known_hosts``,
+else ssh's own: ``UserKnownHostsFile`` from the ssh config, else ``~/.ssh/known_hosts``). An
+unknown or changed key is refused with :class:`HostKeyError`, whose message says how to check the
+fingerprint and accept it; a config that disables checking (``UserKnownHostsFile none``) is
+refused too. ``~/.ssh/config`` aliases work because asyncssh reads the config (HostName, Port,
+User, IdentityFile, ProxyJump ...); ``user``/``port``/``identity`` from the plan override it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import shlex
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import asyncssh
+
+from console.transport import ConnectionStatus
+from pipeline.plan import Executor
+
+DEFAULT_MAX_SESSIONS = 10  # OpenSSH's MaxSessions default
+
+
+class SshError(RuntimeError):
+    """Something about the SSH connection, phrased for the operator."""
+
+
+class HostKeyError(SshError):
+    """The server's host key is not the one known_hosts has (or known_hosts has none): refused."""
+
+    def __init__(self, message: str, changed: bool = False, fingerprint: str = "") -> None:
+        super().__init__(message)
+        self.changed = changed
+        self.fingerprint = fingerprint
+
+
+class AuthError(SshError):
+    """The server refused our credentials."""
+
+
+class NotConnected(SshError, ConnectionError):
+    """The connection is down right now (a reconnect is under way)."""
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where to connect: the plan's ``[executor]`` (or an ``ssh://`` URL) plus connection settings."""
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    known_hosts: str | None = None  # a known_hosts file; None: ssh's own (config, ~/.ssh/known_hosts)
+    ssh_config: str | None = None  # an ssh client config; None: ~/.ssh/config
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    keepalive_s: float = 5.0
+    keepalive_count: int = 3
+    connect_timeout_s: float = 15.0
+
+    @classmethod
+    def from_executor(cls, ex: Executor) -> SshTarget:
+        if ex.kind != "ssh" or not ex.host:
+            raise SshError(f"executor {ex.kind!r} is not an ssh executor with a host")
+        o = ex.options
+
+        def path(key: str) -> str | None:
+            v = o.get(key)
+            return str(Path(v).expanduser()) if v else None
+
+        return cls(
+            host=ex.host, user=ex.user, port=ex.port,
+            identity=str(Path(ex.identity).expanduser()) if ex.identity else None,
+            known_hosts=path("known_hosts"), ssh_config=path("ssh_config"),
+            max_sessions=int(o.get("max_sessions", DEFAULT_MAX_SESSIONS)),
+            keepalive_s=float(o.get("keepalive_s", 5.0)), keepalive_count=int(o.get("keepalive_count", 3)),
+            connect_timeout_s=float(o.get("connect_timeout_s", 15.0)),
+        )
+
+    @property
+    def label(self) -> str:
+        """How the header names the host: as the operator wrote it."""
+        s = f"{self.user}@{self.host}" if self.user else self.host
+        return f"{s}:{self.port}" if self.port else s
+
+    def ssh_command(self) -> str:
+        """The equivalent OpenSSH command line (for messages telling the operator what to run)."""
+        parts = ["ssh"]
+        if self.port:
+            parts += ["-p", str(self.port)]
+        if self.identity:
+            parts += ["-i", self.identity]
+        if self.ssh_config:
+            parts += ["-F", self.ssh_config]
+        if self.known_hosts:
+            parts += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
+        parts.append(f"{self.user}@{self.host}" if self.user else self.host)
+        return shlex.join(parts)
+
+
+def parse_ssh_url(url: str) -> tuple[SshTarget, str]:
+    """``ssh://[user@]host[:port]/abs/run/dir`` (or ``.../~/runs/x``) -> target and remote run dir."""
+    parts = urlsplit(url)
+    if parts.scheme != "ssh" or not parts.hostname:
+        raise SshError(f"{url!r}: expected ssh://[user@]host[:port]/path/to/run")
+    path = unquote(parts.path)
+    if path.startswith("/~"):
+        path = path[1:]
+    if not path or path == "/":
+        raise SshError(f"{url!r}: no remote run directory after the host")
+    return SshTarget(host=parts.hostname, user=parts.username, port=parts.port), path
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class _Client(asyncssh.SSHClient):
+    """Remembers the host key the server offered, so a refusal can show its fingerprint."""
+
+    def __init__(self, owner: HostConnection) -> None:
+        self._owner = owner
+
+    def validate_host_public_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
+        self._owner._offered = (host, addr, port, key)
+        return False  # known_hosts already said no; never trust on first use silently
+
+
+class HostConnection:
+    """The one connection to a host. ``await connect()`` first; then run/open_process/sftp."""
+
+    def __init__(self, target: SshTarget, backoff_s: tuple[float, float] = (0.5, 15.0)) -> None:
+        self.target = target
+        self.status = ConnectionStatus(host=target.label, state="connecting")
+        self.backoff_s = backoff_s
+        self.drops = 0  # connections lost so far
+        self.fatal: SshError | None = None  # why reconnecting stopped (host key, credentials)
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._connected = asyncio.Event()
+        self._slots = asyncio.Semaphore(max(1, target.max_sessions))
+        self._in_use = 0
+        self._watch: asyncio.Task | None = None
+        self._closed = False
+        self._offered: tuple[str, str, int, asyncssh.SSHKey] | None = None
+        self._on_reconnect: list[Callable[[], Any]] = []
+
+    # -------------------------------------------------------------------------------- connect
+    def _connect_kwargs(self) -> dict[str, Any]:
+        t = self.target
+        kw: dict[str, Any] = {
+            "known_hosts": t.known_hosts if t.known_hosts else (),
+            "config": [t.ssh_config] if t.ssh_config else (),
+            "keepalive_interval": t.keepalive_s, "keepalive_count_max": t.keepalive_count,
+            "connect_timeout": t.connect_timeout_s, "login_timeout": t.connect_timeout_s,
+        }
+        if t.user:
+            kw["username"] = t.user
+        if t.port:
+            kw["port"] = t.port
+        if t.identity:
+            kw["client_keys"] = [t.identity]
+        return kw
+
+    def _known_hosts_files(self) -> list[str]:
+        """The known_hosts files this connection checks against; refuses a config that disables checking."""
+        kw = self._connect_kwargs()
+        try:
+            opts = asyncssh.SSHClientConnectionOptions(host=self.target.host, **kw)
+        except (OSError, ValueError, asyncssh.Error) as exc:
+            raise SshError(f"{self.target.label}: bad ssh settings: {exc}") from None
+        kh = opts.known_hosts
+        if kh is None:
+            raise HostKeyError(
+                f"{self.target.label}: your ssh config disables host key checking (UserKnownHostsFile none); "
+                "Aerie always checks host keys. Remove that setting for this host or set "
+                "[executor] options.known_hosts to a known_hosts file.")
+        files = [kh] if isinstance(kh, str) else [str(f) for f in kh] if isinstance(kh, list | tuple) else []
+        if not files:
+            files = [str(Path("~/.ssh/known_hosts").expanduser())]
+        return [str(Path(f).expanduser()) for f in files]
+
+    async def _open(self) -> None:
+        files = self._known_hosts_files()
+        kw = self._connect_kwargs()
+        if self.target.known_hosts and not Path(self.target.known_hosts).is_file():
+            raise HostKeyError(f"{self.target.label}: known_hosts file {self.target.known_hosts} does not exist; "
+                               f"create it by connecting once with: {self.target.ssh_command()}")
+        self._offered = None
+        try:
+            conn = await asyncssh.connect(self.target.host, client_factory=lambda: _Client(self), **kw)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise self._host_key_error(files, str(exc)) from None
+        except asyncssh.PermissionDenied:
+            who = self.target.user or "the configured user"
+            how = f"identity {self.target.identity}" if self.target.identity else "your ssh agent / default keys"
+            raise AuthError(f"{self.target.label}: permission denied for {who} with {how}; check [executor] user/"
+                            f"identity or your ssh config (try: {self.target.ssh_command()})") from None
+        except (TimeoutError, asyncssh.Error, OSError) as exc:
+            raise SshError(f"{self.target.label}: cannot connect: {exc or type(exc).__name__}") from None
+        self._conn = conn
+        self.status.state, self.status.retries, self.status.detail = "connected", 0, ""
+        self._connected.set()
+        for fn in list(self._on_reconnect):
+            fn()
+
+    def _host_key_error(self, files: list[str], raw: str) -> HostKeyError:
+        if self._offered is None:
+            return HostKeyError(f"{self.target.label}: host key refused: {raw}")
+        host, addr, port, key = self._offered
+        spec = host if port in (22, None) else f"[{host}]:{port}"
+        fp = key.get_fingerprint("sha256")
+        alg = key.get_algorithm()
+        existing = [f for f in files if Path(f).is_file()]
+        trusted: list[asyncssh.SSHKey] = []
+        with contextlib.suppress(Exception):
+            if existing:
+                trusted = list(asyncssh.match_known_hosts(existing, host, addr, port if port != 22 else None)[0])
+        kh = existing[0] if existing else files[0]
+        port_opt = f"-p {port} " if port not in (22, None) else ""
+        accept = (f"accept it with `ssh-keyscan {port_opt}{shlex.quote(host)} >> {shlex.quote(kh)}` "
+                  f"(or connect once with `{self.target.ssh_command()}` and answer yes)")
+        check = ("check it on the host itself (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`, or from the "
+                 "container's console)")
+        if trusted:
+            old = ", ".join(sorted({k.get_fingerprint('sha256') for k in trusted}))
+            return HostKeyError(
+                f"{self.target.label}: REFUSED: the host key of {spec} has CHANGED. known_hosts ({kh}) has {old}; "
+                f"the server now offers {alg} {fp}. This is what a man-in-the-middle looks like, or the container was "
+                f"rebuilt with a new key. Before trusting it, {check}. If it matches, remove the old entry with "
+                f"`ssh-keygen -R {shlex.quote(spec)} -f {shlex.quote(kh)}` and then {accept}.",
+                changed=True, fingerprint=fp)
+        return HostKeyError(
+            f"{self.target.label}: REFUSED: {spec} is not in known_hosts ({', '.join(files)}); the server offers "
+            f"{alg} {fp}. Aerie never trusts a host key on first use: {check}, then {accept}.",
+            changed=False, fingerprint=fp)
+
+    async def connect(self) -> HostConnection:
+        """Connect (once, strictly: errors are raised), then keep the connection up in the background."""
+        if self._conn is not None:
+            return self
+        self.status.state = "connecting"
+        if self.fatal:
+            raise self.fatal
+        try:
+            await self._open()
+        except SshError as exc:
+            self.status.state, self.status.detail = "disconnected", str(exc)
+            self.status.retries += 1
+            if isinstance(exc, HostKeyError | AuthError):
+                self.fatal = exc  # never hammer a host whose key or credentials were refused
+            raise
+        self._watch = asyncio.get_running_loop().create_task(self._keep_up())
+        return self
+
+    async def _keep_up(self) -> None:
+        while not self._closed:
+            conn = self._conn
+            assert conn is not None
+            await conn.wait_closed()
+            if self._closed:
+                return
+            self._conn = None
+            self._connected.clear()
+            self.drops += 1
+            self.status.state, self.status.rtt_ms, self.status.retries = "disconnected", None, 0
+            self.status.detail = "connection lost"
+            delay = self.backoff_s[0]
+            while not self._closed:
+                self.status.retries += 1
+                try:
+                    await self._open()
+                    break
+                except (HostKeyError, AuthError) as exc:
+                    # Retrying cannot fix a changed key or refused credentials: stop and say so.
+                    self.fatal = exc
+                    self.status.state, self.status.detail = "disconnected", str(exc)
+                    return
+                except SshError as exc:
+                    self.status.detail = str(exc)
+                await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
+                delay = min(delay * 2, self.backoff_s[1])
+
+    def on_reconnect(self, fn: Callable[[], Any]) -> None:
+        self._on_reconnect.append(fn)
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    async def wait_connected(self, timeout_s: float | None = None) -> None:
+        """Wait until the connection is up (raises :class:`SshError` if reconnecting gave up)."""
+        if self.fatal:
+            raise self.fatal
+        await asyncio.wait_for(self._connected.wait(), timeout_s)
+        if self.fatal:
+            raise self.fatal
+
+    def _require(self) -> asyncssh.SSHClientConnection:
+        if self._conn is None:
+            if self.fatal:
+                raise NotConnected(str(self.fatal))
+            raise NotConnected(f"{self.target.label}: disconnected — retrying ({self.status.retries})")
+        return self._conn
+
+    # -------------------------------------------------------------------------------- channels
+    @property
+    def sessions_in_use(self) -> int:
+        return self._in_use
+
+    async def _acquire(self) -> None:
+        await self._slots.acquire()
+        self._in_use += 1
+
+    def _release(self) -> None:
+        self._in_use -= 1
+        self._slots.release()
+
+    def _channel_error(self, exc: BaseException) -> SshError:
+        if isinstance(exc, asyncssh.ChannelOpenError):
+            return SshError(f"{self.target.label}: the server refused a new channel ({exc.reason}); its MaxSessions "
+                            f"may be below [executor] options.max_sessions = {self.target.max_sessions}")
+        if self._conn is None or isinstance(exc, asyncssh.ConnectionLost | asyncssh.DisconnectError | OSError):
+            return NotConnected(f"{self.target.label}: connection lost ({exc or type(exc).__name__})")
+        return SshError(f"{self.target.label}: {exc}")
+
+    async def run(self, command: str, input: str | None = None, timeout_s: float | None = 120.0) -> RunResult:
+        """Run one command (through the remote user's shell) on its own channel."""
+        conn = self._require()
+        await self._acquire()
+        try:
+            r = await conn.run(command, input=input, check=False, timeout=timeout_s)
+        except asyncssh.TimeoutError:
+            raise SshError(f"{self.target.label}: `{command[:80]}` did not finish within {timeout_s:g}s") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise self._channel_error(exc) from None
+        finally:
+            self._release()
+        rc = r.exit_status if r.exit_status is not None else 255
+        return RunResult(rc, str(r.stdout or ""), str(r.stderr or ""))
+
+    async def open_process(self, command: str) -> tuple[asyncssh.SSHClientProcess, Callable[[], None]]:
+        """A long-lived process channel (bytes I/O); call the returned function once when done with it."""
+        conn = self._require()
+        await self._acquire()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release()
+
+        try:
+            proc = await conn.create_process(command, encoding=None)
+        except (asyncssh.Error, OSError) as exc:
+            release()
+            raise self._channel_error(exc) from None
+        return proc, release
+
+    @contextlib.asynccontextmanager
+    async def sftp(self) -> AsyncIterator[asyncssh.SFTPClient]:
+        conn = self._require()
+        await self._acquire()
+        try:
+            try:
+                client = await conn.start_sftp_client()
+            except (asyncssh.Error, OSError) as exc:
+                raise self._channel_error(exc) from None
+            async with client:
+                yield client
+        finally:
+            self._release()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            with contextlib.suppress(Exception):
+                await conn.wait_closed()
+        self.status.state = "disconnected"
+        self.status.detail = "closed"
+
+    async def __aenter__(self) -> HostConnection:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def remote_env_prefix(pythonpath: str | None) -> str:
+    """Shell words that put ``pythonpath`` first on the remote ``PYTHONPATH`` (POSIX shells)."""
+    if not pythonpath:
+        return ""
+    return f"env PYTHONPATH={shlex.quote(pythonpath)}\"${{PYTHONPATH:+:$PYTHONPATH}}\" "
+
+
+def remote_python(python: str, pythonpath: str | None, *argv: str) -> str:
+    """The command line that runs ``python *argv`` on the host with Aerie's ``pipeline`` importable."""
+    return f"cd / && exec {remote_env_prefix(pythonpath)}{shlex.quote(python)} " + " ".join(shlex.quote(a) for a in argv)
+

@@ -1,0 +1,315 @@
+"""Bootstrap + preflight of an ssh plan, before its first stage: ``aerie preflight PLAN``.
+
+Over the one connection, in order, each step a named check in the report:
+
+1. **connection** — host key checked against known_hosts, credentials accepted;
+2. **python** — the plan's ``[executor] python`` runs on the host and is 3.11 or newer;
+3. **run dir** — the remote run directory is created (makedirs, so copying into a missing
+   directory cannot happen) and writable, and does not already hold a *different* plan;
+4. **pipeline** — Aerie's ``pipeline`` package imports there; if the host lacks it (or has one
+   speaking another agent protocol) this console's copy is uploaded by SFTP into
+   ``RUN/.aerie/pkg-<hash>/`` (``[executor] options.pipeline = "upload"`` forces it,
+   ``"installed"`` forbids it);
+5. **plan** — the plan is uploaded (atomically) and validated *on the host*, with the host's
+   ``pipeline``; every built-in stage module the plan uses must import there (a missing
+   ``torch`` is reported now, not an hour into the run);
+6. **disk** — free space at the run directory, refused when below the plan's declared outputs.
+
+Nothing is started when a check fails; :meth:`PreflightReport.render` lists every check with
+what to do. On success the report carries the :class:`RemoteLayout` (also written to
+``RUN/.aerie/layout.json`` for ``aerie attach``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import posixpath
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncssh
+
+import pipeline
+from console.ssh.connection import HostConnection, SshError, SshTarget, remote_python
+from console.ssh.transport import AGENT_PROTOCOL, LAYOUT_FILE, RemoteLayout
+from pipeline.plan import Plan
+
+UPLOADED_PLAN = "plan.submitted.toml"
+MIN_PYTHON = (3, 11)
+PIPELINE_MODES = ("auto", "upload", "installed")
+
+# Runs on the host with its own interpreter (any Python 3), reading one JSON argument. Only the
+# standard library, and careful to report rather than crash: an old or broken host is the point.
+PROBE = r'''
+import hashlib, importlib, json, os, sys
+a = json.loads(sys.argv[1])
+r = {"python": "%d.%d.%d" % tuple(sys.version_info[:3]), "executable": sys.executable,
+     "version_ok": tuple(sys.version_info[:2]) >= tuple(a["min_python"])}
+root = os.path.abspath(os.path.expanduser(a["root"]))
+r["root"] = root
+p = root
+while not os.path.isdir(p):
+    p = os.path.dirname(p)
+r["existing"] = p
+r["root_exists"] = p == root
+r["writable"] = os.access(p, os.W_OK | os.X_OK)
+try:
+    st = os.statvfs(p)
+    r["free_bytes"] = st.f_bavail * st.f_frsize
+except OSError as e:
+    r["free_error"] = str(e)
+plan = os.path.join(root, "plan.toml")
+if os.path.isfile(plan):
+    with open(plan, "rb") as fh:
+        r["plan_sha256"] = hashlib.sha256(fh.read()).hexdigest()
+try:
+    import pipeline.remote_agent as ra
+    r["pipeline_dir"] = os.path.dirname(os.path.abspath(ra.__file__))
+    r["protocol"] = getattr(ra, "PROTOCOL", None)
+except Exception as e:
+    r["pipeline_error"] = "%s: %s" % (type(e).__name__, e)
+if a.get("verify"):
+    try:
+        import pipeline.ctl, pipeline.launcher, pipeline.supervisor
+        from pipeline import plan as plan_mod
+        plan_mod.load(a["plan"], run_dir=root)
+    except Exception as e:
+        r["plan_error"] = "%s: %s" % (type(e).__name__, e)
+    errs = {}
+    for m in a.get("modules", []):
+        try:
+            importlib.import_module(m)
+        except BaseException as e:
+            errs[m] = "%s: %s" % (type(e).__name__, e)
+    r["module_errors"] = errs
+print(json.dumps(r))
+'''
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    warning: bool = False
+
+    def line(self) -> str:
+        mark = "✗" if not self.ok else "!" if self.warning else "✓"
+        return f"  {mark} {self.name:<10} {self.detail}"
+
+
+@dataclass
+class PreflightReport:
+    host: str
+    remote_dir: str
+    checks: list[Check] = field(default_factory=list)
+    layout: RemoteLayout | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def add(self, name: str, ok: bool, detail: str, warning: bool = False) -> bool:
+        self.checks.append(Check(name, ok, detail, warning))
+        return ok
+
+    def render(self) -> str:
+        head = f"preflight {self.host}:{self.remote_dir}"
+        lines = [head, *(c.line() for c in self.checks)]
+        failed = [c.name for c in self.checks if not c.ok]
+        if failed:
+            lines.append(f"REFUSED: {len(failed)} check(s) failed ({', '.join(failed)}); nothing was started.")
+        else:
+            lines.append(f"ready ({self.seconds:.1f}s): the run can start on {self.host}.")
+        return "\n".join(lines)
+
+
+def local_package() -> tuple[Path, list[Path], str]:
+    """This console's ``pipeline`` package: its directory, its files, and a hash of their content."""
+    root = Path(pipeline.__file__).resolve().parent
+    files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                   and p.suffix not in (".pyc", ".pyo"))
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return root, files, h.hexdigest()
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+async def _probe(conn: HostConnection, python: str, pythonpath: str | None, args: dict) -> tuple[dict | None, str]:
+    args = {"min_python": list(MIN_PYTHON), **args}
+    cmd = remote_python(python, pythonpath, "-", json.dumps(args))
+    r = await conn.run(cmd, input=PROBE, timeout_s=300.0)
+    if r.returncode == 127:
+        return None, f"{python!r} was not found on the host (set [executor] python to the interpreter's path)"
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1]), ""
+    except (ValueError, IndexError):
+        return None, f"{python!r} failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}"
+
+
+async def _write_atomic(sftp: asyncssh.SFTPClient, path: str, data: bytes) -> None:
+    tmp = f"{path}.partial-{secrets.token_hex(4)}"
+    async with sftp.open(tmp, "wb") as fh:
+        await fh.write(data)
+    try:
+        await sftp.posix_rename(tmp, path)
+    except asyncssh.SFTPOpUnsupported:
+        if await sftp.exists(path):
+            await sftp.remove(path)
+        await sftp.rename(tmp, path)
+
+
+async def _upload_package(sftp: asyncssh.SFTPClient, root: str) -> tuple[str, str]:
+    """Upload this console's ``pipeline`` under ``root/.aerie/pkg-<hash>/``; returns (dir, what happened)."""
+    src, files, digest = local_package()
+    final = posixpath.join(root, ".aerie", f"pkg-{digest[:12]}")
+    if await sftp.isdir(posixpath.join(final, "pipeline")):
+        return final, f"this console's pipeline is already on the host ({final})"
+    staging = f"{final}.partial-{secrets.token_hex(4)}"
+    dirs = sorted({posixpath.join(staging, "pipeline", *p.relative_to(src).parent.parts) for p in files})
+    for d in dirs:
+        await sftp.makedirs(d, exist_ok=True)
+    sem = asyncio.Semaphore(8)
+
+    async def put(p: Path) -> None:
+        async with sem:
+            await sftp.put(str(p), posixpath.join(staging, "pipeline", *p.relative_to(src).parts))
+
+    await asyncio.gather(*(put(p) for p in files))
+    try:
+        await sftp.rename(staging, final)
+    except asyncssh.SFTPError:
+        if not await sftp.isdir(final):  # not a concurrent bootstrap that won the race
+            raise
+        await sftp.rmtree(staging)
+    return final, f"uploaded this console's pipeline ({len(files)} files) to {final}"
+
+
+async def preflight(plan: Plan, conn: HostConnection | None = None) -> PreflightReport:
+    """Bootstrap and check ``plan``'s ssh executor; never raises for a failed check (see the report)."""
+    ex = plan.executor
+    t0 = time.monotonic()
+    target = conn.target if conn else SshTarget.from_executor(ex)
+    assert ex.remote_dir
+    rep = PreflightReport(host=target.label, remote_dir=ex.remote_dir)
+    own = conn is None
+    conn = conn or HostConnection(target)
+    try:
+        await _run_checks(plan, conn, rep)
+    except SshError as exc:  # the connection broke half-way
+        rep.add("connection", False, str(exc))
+    finally:
+        if own:
+            await conn.close()
+        rep.seconds = time.monotonic() - t0
+    return rep
+
+
+async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) -> None:
+    ex = plan.executor
+    mode = str(ex.options.get("pipeline", "auto"))
+    if mode not in PIPELINE_MODES:
+        rep.add("plan", False, f"{plan.path}: executor.options.pipeline: must be one of {', '.join(PIPELINE_MODES)}")
+        return
+    # 1. connection
+    if not conn.connected:
+        t = time.monotonic()
+        try:
+            await conn.connect()
+        except SshError as exc:
+            rep.add("connection", False, str(exc))
+            return
+        rep.add("connection", True, f"{conn.target.label}, host key verified ({(time.monotonic() - t) * 1000:.0f} ms)")
+    else:
+        rep.add("connection", True, f"{conn.target.label}, host key verified")
+    # 2. python (first probe, with the host's own environment)
+    info, err = await _probe(conn, ex.python, None, {"root": ex.remote_dir})
+    if info is None:
+        rep.add("python", False, err)
+        return
+    if not rep.add("python", bool(info["version_ok"]),
+                   f"{info['executable']} {info['python']}" + ("" if info["version_ok"] else
+                   f": Aerie needs Python {'.'.join(map(str, MIN_PYTHON))}+ on the host (set [executor] python)")):
+        return
+    python, root = str(info["executable"]), str(info["root"])
+    # 3. run dir
+    text = plan.path.read_bytes()
+    if info.get("plan_sha256") and info["plan_sha256"] != hashlib.sha256(text).hexdigest():
+        rep.add("run dir", False, f"{root} already holds a different plan: attach to it (aerie attach "
+                                  f"ssh://{conn.target.label}{root}) or set a new [executor] remote_dir")
+        return
+    if not info["writable"]:
+        rep.add("run dir", False, f"{info['existing']} is not writable by the ssh user: cannot create {root}")
+        return
+    async with conn.sftp() as sftp:
+        try:
+            await sftp.makedirs(posixpath.join(root, ".aerie"), exist_ok=True)
+        except asyncssh.SFTPError as exc:
+            rep.add("run dir", False, f"cannot create {root}: {exc.reason}")
+            return
+        existed = "exists, holding this plan (re-attaching)" if info.get("plan_sha256") else (
+            "exists" if info["root_exists"] else "created")
+        rep.add("run dir", True, f"{root} ({existed})")
+        # 4. pipeline package
+        pythonpath: str | None = None
+        native_ok = info.get("protocol") == AGENT_PROTOCOL
+        if mode == "installed" or (mode == "auto" and native_ok):
+            if not native_ok:
+                why = info.get("pipeline_error") or f"it speaks agent protocol {info.get('protocol')}, not {AGENT_PROTOCOL}"
+                rep.add("pipeline", False, f"the host's pipeline cannot be used ({why}) and options.pipeline = "
+                                           "\"installed\" forbids uploading this console's copy")
+                return
+            rep.add("pipeline", True, f"the host's own, from {info['pipeline_dir']}")
+        else:
+            try:
+                pythonpath, what = await _upload_package(sftp, root)
+            except (asyncssh.SFTPError, OSError) as exc:
+                rep.add("pipeline", False, f"uploading the pipeline package failed: {exc}")
+                return
+            why = "" if mode == "upload" else f" (the host has none: {info.get('pipeline_error', 'other protocol')})"
+            rep.add("pipeline", True, what + why)
+        # 5. plan: upload, then validate on the host with the host's pipeline
+        remote_plan = posixpath.join(root, UPLOADED_PLAN)
+        try:
+            await _write_atomic(sftp, remote_plan, text)
+        except asyncssh.SFTPError as exc:
+            rep.add("plan", False, f"uploading the plan to {remote_plan} failed: {exc.reason}")
+            return
+        modules = sorted({s.run for s in plan.stages if s.run})
+        checked, err = await _probe(conn, python, pythonpath,
+                                    {"root": root, "verify": True, "plan": remote_plan, "modules": modules})
+        if checked is None or "pipeline_error" in checked:
+            rep.add("plan", False, err or f"pipeline does not import on the host: {checked['pipeline_error']}")
+            return
+        if checked.get("plan_error"):
+            rep.add("plan", False, f"the host rejects the plan: {checked['plan_error']}")
+            return
+        bad = checked.get("module_errors") or {}
+        if bad:
+            rep.add("plan", False, "stage modules that do not import on the host: "
+                    + "; ".join(f"{m}: {e}" for m, e in bad.items()) + " (install the `pipeline` extra there)")
+            return
+        rep.add("plan", True, f"uploaded to {remote_plan}; valid on the host ({len(plan.stages)} stages"
+                + (f", modules {', '.join(modules)} import" if modules else "") + ")")
+        # 6. disk
+        declared = sum(s.output_bytes for s in plan.stages)
+        free = info.get("free_bytes")
+        if free is None:
+            rep.add("disk", False, f"cannot read free space at {root}: {info.get('free_error')}")
+            return
+        if declared and free < declared:
+            rep.add("disk", False, f"{_gib(free)} free at {root}, but the stages declare {_gib(declared)} of outputs")
+            return
+        rep.add("disk", True, f"{_gib(free)} free at {root}" + (f" (stages declare {_gib(declared)})" if declared else ""))
+        layout = RemoteLayout(root=root, python=python, pythonpath=pythonpath, plan=remote_plan)
+        await _write_atomic(sftp, posixpath.join(root, LAYOUT_FILE), layout.to_json().encode())
+        rep.layout = layout

@@ -1,0 +1,265 @@
+"""The SSH transport: the console's :class:`~console.transport.Transport` over one SSH connection.
+
+Reads and control actions go through one long-lived channel running ``python -m
+pipeline.remote_agent RUN`` on the host (JSON lines; see that module), so a poll costs one round
+trip, not a login shell. Everything else the console does is unchanged: the model asks for byte
+ranges from its own offsets, so after a reconnect it simply asks again from where it was — no
+event is lost and none is shown twice.
+
+While the connection is down, :meth:`SshTransport.read_many` raises :class:`NotConnected` at once
+(the model keeps what it has and the header says ``disconnected — retrying (n)``), and
+:meth:`SshTransport.ctl` answers exit code 255 without sending anything. A ``ctl`` whose channel
+died mid-flight is never re-sent (a retry must not be applied twice): the answer says it is
+unconfirmed and the board shows the real state once the connection is back.
+
+:class:`RemoteLayout` is what bootstrap recorded in ``RUN/.aerie/layout.json`` — the remote
+interpreter and where Aerie's ``pipeline`` lives there — so ``aerie attach`` needs only the host
+and the run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import asyncssh
+
+from console.ssh.connection import HostConnection, NotConnected, SshError, remote_python
+from console.transport import ConnectionStatus, CtlResult, ReadResult
+
+AGENT_PROTOCOL = 1  # must equal pipeline.remote_agent.PROTOCOL (checked at every agent start)
+LAYOUT_FILE = ".aerie/layout.json"
+EXIT_UNREACHABLE = 255  # like ssh(1): the command could not be delivered
+CALL_TIMEOUT_S = 60.0
+RTT_SMOOTHING = 0.3
+
+
+@dataclass
+class RemoteLayout:
+    """Where a run lives on the host and how to run Aerie's ``pipeline`` there."""
+
+    root: str  # absolute run directory on the host
+    python: str  # the host's interpreter (absolute, as resolved at bootstrap)
+    pythonpath: str | None = None  # the uploaded pipeline package's parent; None: the host's own
+    plan: str = ""  # the uploaded plan the run was created from
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, raw: bytes | str, where: str) -> RemoteLayout:
+        try:
+            d = json.loads(raw)
+            return cls(root=str(d["root"]), python=str(d["python"]), pythonpath=d.get("pythonpath"),
+                       plan=str(d.get("plan", "")))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SshError(f"{where}: corrupt layout file: {exc}") from None
+
+
+class _Agent:
+    """One running remote agent: request ids -> futures, a reader task, stderr kept for diagnostics."""
+
+    def __init__(self, proc: asyncssh.SSHClientProcess, release: Any, label: str) -> None:
+        self.proc = proc
+        self.release = release
+        self.label = label
+        self.pending: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.alive = True
+        self.stderr_tail: list[str] = []
+        loop = asyncio.get_running_loop()
+        self.reader = loop.create_task(self._read())
+        self.err_reader = loop.create_task(self._read_err())
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                line = await self.proc.stdout.readline()
+                if not line:
+                    break
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    self.stderr_tail.append(line.decode(errors="replace").rstrip())
+                    continue
+                fut = self.pending.pop(msg.get("id"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except (asyncssh.Error, OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._closed()
+
+    async def _read_err(self) -> None:
+        with contextlib.suppress(asyncssh.Error, OSError):
+            while True:
+                line = await self.proc.stderr.readline()
+                if not line:
+                    return
+                self.stderr_tail = (self.stderr_tail + [line.decode(errors="replace").rstrip()])[-20:]
+
+    def _closed(self) -> None:
+        self.alive = False
+        why = "; ".join(self.stderr_tail[-3:])
+        err = NotConnected(f"{self.label}: the remote agent's channel closed" + (f" ({why})" if why else ""))
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.pending.clear()
+        self.release()
+
+    async def call(self, op: str, timeout_s: float, **payload: Any) -> dict[str, Any]:
+        if not self.alive:
+            raise NotConnected(f"{self.label}: the remote agent's channel is closed")
+        rid = next(self.ids)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        try:
+            self.proc.stdin.write((json.dumps({"id": rid, "op": op, **payload}) + "\n").encode())
+            await self.proc.stdin.drain()
+        except (asyncssh.Error, OSError, BrokenPipeError) as exc:
+            self.pending.pop(rid, None)
+            raise NotConnected(f"{self.label}: connection lost ({exc or type(exc).__name__})") from None
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            self.pending.pop(rid, None)
+            raise NotConnected(f"{self.label}: no answer from the remote agent within {timeout_s:g}s") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.proc.stdin.write_eof()
+        with contextlib.suppress(Exception):
+            self.proc.close()
+
+
+class SshTransport:
+    """The run directory is on ``conn``'s host at ``layout.root``."""
+
+    def __init__(self, conn: HostConnection, layout: RemoteLayout, owns_connection: bool = True) -> None:
+        self.conn = conn
+        self.layout = layout
+        self.run_root = layout.root
+        self.owns_connection = owns_connection
+        self._agent: _Agent | None = None
+        self._lock: asyncio.Lock | None = None
+        self._ever_connected = conn.connected
+
+    @property
+    def status(self) -> ConnectionStatus:
+        return self.conn.status
+
+    # -------------------------------------------------------------------------------- agent
+    async def _ensure_agent(self) -> _Agent:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._agent is not None and self._agent.alive:
+                return self._agent
+            if not self._ever_connected:
+                # First use (e.g. inside the console's own event loop): connect strictly.
+                await self.conn.connect()
+                self._ever_connected = True
+            cmd = remote_python(self.layout.python, self.layout.pythonpath, "-m", "pipeline.remote_agent",
+                                self.layout.root)
+            proc, release = await self.conn.open_process(cmd)
+            agent = _Agent(proc, release, self.conn.target.label)
+            hello = await agent.call("hello", CALL_TIMEOUT_S)
+            if hello.get("protocol") != AGENT_PROTOCOL:
+                agent.close()
+                raise SshError(f"{self.conn.target.label}: the remote pipeline speaks agent protocol "
+                               f"{hello.get('protocol')}, this console {AGENT_PROTOCOL}: run `aerie preflight PLAN` "
+                               "to upload the matching pipeline package")
+            if not hello.get("exists"):
+                agent.close()
+                raise SshError(f"{self.conn.target.label}: no Aerie run at {self.layout.root} (no plan.toml there)")
+            self._agent = agent
+            return agent
+
+    async def _call(self, op: str, timeout_s: float = CALL_TIMEOUT_S, **payload: Any) -> dict[str, Any]:
+        agent = await self._ensure_agent()
+        t0 = time.perf_counter()
+        rep = await agent.call(op, timeout_s, **payload)
+        if op in ("ping", "read"):
+            ms = (time.perf_counter() - t0) * 1000
+            prev = self.status.rtt_ms
+            self.status.rtt_ms = ms if prev is None else prev + RTT_SMOOTHING * (ms - prev)
+        if not rep.get("ok"):
+            raise SshError(f"{self.conn.target.label}: remote agent: {rep.get('error')}")
+        return rep
+
+    # ---------------------------------------------------------------------------- interface
+    async def read_many(self, reqs: list[tuple[str, int]], max_bytes: int = 1 << 20) -> list[ReadResult]:
+        rep = await self._call("read", reqs=[[rel, int(off)] for rel, off in reqs], max_bytes=max_bytes)
+        return [ReadResult(base64.b64decode(b64), int(size), int(ino)) for b64, size, ino in rep["results"]]
+
+    async def ctl(self, *args: str) -> CtlResult:
+        what = " ".join(args)
+        try:
+            agent = await self._ensure_agent()
+        except SshError as exc:
+            return CtlResult(EXIT_UNREACHABLE, "", f"error: {exc}; `{what}` was not sent")
+        try:
+            rep = await agent.call("ctl", 180.0, args=list(args))
+        except NotConnected as exc:
+            return CtlResult(EXIT_UNREACHABLE, "", f"error: {exc}; `{what}` may or may not have been applied: "
+                             "the board shows the stage's real state once reconnected")
+        if not rep.get("ok"):
+            return CtlResult(EXIT_UNREACHABLE, "", f"error: remote agent: {rep.get('error')}")
+        return CtlResult(int(rep["rc"]), str(rep.get("stdout", "")), str(rep.get("stderr", "")))
+
+    async def ping(self) -> float:
+        """Round trip of a trivial request over the live channel, in seconds."""
+        t0 = time.perf_counter()
+        await self._call("ping")
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+        if self.owns_connection:
+            await self.conn.close()
+
+
+# ------------------------------------------------------------------------------------ helpers
+def sftp_path(path: str) -> str:
+    """SFTP does not expand ``~``: a path under the home directory is given relative to it."""
+    if path == "~":
+        return "."
+    return path[2:] if path.startswith("~/") else path
+
+
+async def load_layout(conn: HostConnection, remote_dir: str) -> RemoteLayout:
+    """Read the layout bootstrap recorded in a remote run dir (``aerie attach``)."""
+    where = f"{conn.target.label}:{remote_dir.rstrip('/')}/{LAYOUT_FILE}"
+    async with conn.sftp() as sftp:
+        try:
+            async with sftp.open(sftp_path(f"{remote_dir.rstrip('/')}/{LAYOUT_FILE}"), "rb") as fh:
+                raw = await fh.read()
+        except (asyncssh.SFTPNoSuchFile, asyncssh.SFTPNoSuchPath, asyncssh.SFTPFailure):
+            raise SshError(f"{where}: not found — no run bootstrapped by Aerie there "
+                           "(start one with `aerie run PLAN`)") from None
+    return RemoteLayout.from_json(raw, where)
+
+
+async def start_remote_run(conn: HostConnection, layout: RemoteLayout) -> str:
+    """Create the run from the uploaded plan and start its supervisor detached on the host.
+
+    The supervisor runs in its own session with stdin from /dev/null and output to its log, so it
+    and the stages it launches keep running when this connection (or the console) goes away.
+    Starting an existing run again only re-attaches (one supervisor per run dir, by flock).
+    """
+    cmd = remote_python(layout.python, layout.pythonpath, "-m", "pipeline.supervisor", "--create", layout.plan,
+                        layout.root, "--detach")
+    r = await conn.run(cmd, timeout_s=60.0)
+    if r.returncode != 0:
+        raise SshError(f"{conn.target.label}: starting the supervisor failed (exit {r.returncode}): "
+                       f"{(r.stderr or r.stdout).strip()[-800:]}")
+    return r.stdout.strip()

@@ -1,0 +1,135 @@
+"""The console through Textual's Pilot, on real runs driven by a real supervisor."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from console.app import AerieApp
+from console.screens.dialogs import ConfirmScreen, HelpScreen
+from console.transport import LocalTransport
+from console.widgets.board import StageBoard
+from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop
+
+WORKER = (
+    "import sys, time\nfrom pipeline.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "n = int(sys.argv[1])\nfor i in range(n):\n    ctx.safe_point()\n"
+    "    ctx.progress(i + 1, n, unit='steps', force=True)\n    time.sleep(0.05)\n"
+)
+
+
+async def until(pilot, pred, timeout: float = 20.0, what: str = "condition") -> None:  # noqa: ANN001
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def live_run(tmp_path: Path):  # noqa: ANN201
+    (tmp_path / "w.py").write_text(WORKER)
+    run = make_run(tmp_path, f"""
+        [run]
+        name = "live"
+        dir = "run"
+        [resources]
+        cpu_slots = 2
+        [[stage]]
+        id = "work"
+        command = "{sys.executable} {tmp_path / 'w.py'} 600"
+        kill_grace_s = 2
+        [[stage]]
+        id = "after-work"
+        command = "echo done"
+        after = ["work"]
+    """)
+    sup = start_supervisor(run)
+    yield run
+    stop(sup)
+    kill_run_stages(run)
+
+
+def states(app: AerieApp) -> dict[str, str]:
+    return {sid: st.state for sid, st in app.model.stages.items()}
+
+
+async def test_board_shows_states_kill_asks_and_retry_reruns(live_run) -> None:  # noqa: ANN001
+    app = AerieApp(LocalTransport(str(live_run.root)), poll_s=0.2)
+    async with app.run_test(size=(140, 36)) as pilot:
+        await until(pilot, lambda: states(app).get("work") == "running" and app.model.stages["work"].progress.t,
+                    what="work running with progress")
+        board = app.query_one(StageBoard)
+        assert board.row_count == 2
+        row = board.get_row("work")
+        assert str(row[1]) == "running" and "%" in str(row[4])
+        assert states(app)["after-work"] == "pending"
+
+        await pilot.press("k")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the confirmation dialog")
+        await pilot.press("n")
+        await pilot.pause(0.5)
+        assert states(app)["work"] == "running", "saying no kills nothing"
+
+        await pilot.press("k")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the confirmation dialog")
+        await pilot.press("y")
+        await until(pilot, lambda: states(app)["work"] == "killed", what="killed")
+        await until(pilot, lambda: states(app)["after-work"] == "upstream-failed", what="upstream-failed")
+        assert str(board.get_row("work")[1]) == "killed"
+
+        await pilot.press("r")
+        await until(pilot, lambda: states(app)["work"] == "running" and app.model.stages["work"].attempt == 2,
+                    what="attempt 2 running")
+        assert str(board.get_row("work")[2]) == "2"
+        assert states(app)["after-work"] == "pending"
+
+
+async def test_pause_key_pauses_and_resumes(live_run) -> None:  # noqa: ANN001
+    app = AerieApp(LocalTransport(str(live_run.root)), poll_s=0.2)
+    async with app.run_test(size=(140, 36)) as pilot:
+        await until(pilot, lambda: states(app).get("work") == "running", what="running")
+        await pilot.press("p")
+        await until(pilot, lambda: states(app)["work"] == "paused", what="paused")
+        done = app.model.stages["work"].progress.done
+        await pilot.pause(0.8)
+        assert app.model.stages["work"].progress.done == done
+        await pilot.press("p")
+        await until(pilot, lambda: app.model.stages["work"].progress.done > done, what="progress after resume")
+
+
+async def test_filter_help_and_quit_message(live_run) -> None:  # noqa: ANN001
+    app = AerieApp(LocalTransport(str(live_run.root)), poll_s=0.2)
+    async with app.run_test(size=(140, 36)) as pilot:
+        await until(pilot, lambda: app.model.loaded, what="loaded")
+        await pilot.press("slash")
+        await pilot.press(*"after")
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert app.query_one(StageBoard).row_count == 1
+        await pilot.press("escape")
+        await pilot.pause(0.2)
+        assert app.query_one(StageBoard).row_count == 2
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
+        await pilot.press("escape")
+        await pilot.press("q")
+    assert app.return_code == 0
+    assert states(app).get("work") == "running", "quitting the console leaves the stage running"
+
+
+def test_board_snapshot(snap_compare) -> None:  # noqa: ANN001
+    run = finished_run(Path("/tmp/aerie-snapshot"))
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2)
+
+    async def loaded(pilot) -> None:  # noqa: ANN001
+        await until(pilot, lambda: app.model.loaded and app.model.done, what="the finished run")
+        await pilot.press("down", "down")
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=(150, 34), run_before=loaded)
