@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.procs import ProcIdentity, read_stat
-from pipeline.rundir import RunDir
+from pipeline.rundir import RunDir, read_json
 
 FOREIGN = "foreign"
 MIB = 1 << 20
@@ -269,7 +269,7 @@ def proc_name(pid: int) -> str | None:
 
 
 def owner_map(run: RunDir | None) -> dict[int, str]:
-    """pgid -> stage id for the current attempt of every stage that recorded a process group.
+    """pgid -> stage id for the latest launched attempt of every stage that recorded a process group.
 
     A group whose leader has exited still counts while members remain (a pgid is not reused while
     its group exists), unless the leader's pid now belongs to a new process leading a new group.
@@ -279,8 +279,7 @@ def owner_map(run: RunDir | None) -> dict[int, str]:
         return out
     for sid in run.stage_ids():
         try:
-            sd = run.stage(sid)
-            proc = sd.record_for(sd.proc, sd.attempt())
+            proc = read_json(run.stage(sid).proc)
         except (ValueError, OSError):
             continue
         if not proc:
