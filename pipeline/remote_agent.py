@@ -1,0 +1,170 @@
+"""The remote agent: ``python -m pipeline.remote_agent RUN``, the console's one channel into a remote run.
+
+The SSH transport starts this once per connection on the executing host and speaks JSON lines
+over its stdin/stdout, so a console poll costs one round trip on an open channel instead of a
+login shell per command. It only reads files inside the run directory and runs
+``pipeline.ctl``; it never signals anything itself. When the channel closes (the console quit,
+the network dropped, sshd died) stdin reaches EOF and the agent exits; the supervisor and the
+stages, which run in their own sessions, are not affected.
+
+Requests (one JSON object per line, ``id`` echoed in the answer)::
+
+    {"id": 1, "op": "hello"}              -> {"protocol", "pid", "root", "exists", "python", "pipeline"}
+    {"id": 2, "op": "ping"}                                   -> {"t"}
+    {"id": 3, "op": "read", "reqs": [["state.json", 0], ["stages/a/events.jsonl", 812]],
+     "max_bytes": 1048576}                                    -> {"results": [[b64 data, size, ino], ...]}
+    {"id": 4, "op": "ctl", "args": ["kill", "train"]}         -> {"rc", "stdout", "stderr"}
+
+Every answer carries ``"ok": true`` or ``"ok": false, "error": "..."``. ``size`` is -1 for a
+missing file. ``read`` answers are bounded in total (:data:`READ_BUDGET`): a file whose share did
+not fit comes back short, and the reader simply continues from its new offset next time.
+Only the standard library and ``pipeline`` are used: this runs on the container.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+PROTOCOL = 1
+READ_BUDGET = 16 << 20  # bytes of file data in one read answer, all files together
+CTL_TIMEOUT_S = 120.0
+
+
+class AgentError(ValueError):
+    """A request the agent refuses (bad path, unknown op)."""
+
+
+def _safe_path(root: Path, rel: str) -> Path:
+    """``root/rel``, refusing absolute paths and anything that leaves the run directory."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\x00" in rel:
+        raise AgentError(f"bad run-relative path {rel!r}")
+    parts = Path(rel).parts
+    if ".." in parts:
+        raise AgentError(f"path {rel!r} leaves the run directory")
+    return root / rel
+
+
+def read_many(root: Path, reqs: list[Any], max_bytes: int, budget: int = READ_BUDGET) -> list[list[Any]]:
+    """For each ``[rel, offset]``: ``[base64 bytes from offset, file size, inode]`` (size -1: missing)."""
+    out: list[list[Any]] = []
+    left = budget
+    for item in reqs:
+        rel, offset = item[0], int(item[1])
+        path = _safe_path(root, rel)
+        try:
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                data = b""
+                if st.st_size > offset and left > 0:
+                    fh.seek(offset)
+                    data = fh.read(min(max_bytes, st.st_size - offset, left))
+                    left -= len(data)
+                out.append([base64.b64encode(data).decode("ascii"), st.st_size, st.st_ino])
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            out.append(["", -1, 0])
+    return out
+
+
+def run_ctl(root: Path, args: list[str], timeout_s: float = CTL_TIMEOUT_S) -> dict[str, Any]:
+    """``python -m pipeline.ctl ROOT *args`` with this interpreter and this ``pipeline``."""
+    if not all(isinstance(a, str) for a in args):
+        raise AgentError("ctl arguments must be strings")
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        p = subprocess.run([sys.executable, "-m", "pipeline.ctl", str(root), *args], capture_output=True,
+                           text=True, stdin=subprocess.DEVNULL, env=env, timeout=timeout_s, cwd="/")
+    except subprocess.TimeoutExpired:
+        return {"rc": 4, "stdout": "", "stderr": f"error: pipeline.ctl {' '.join(args)} gave no answer in {timeout_s:g}s"}
+    return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+
+
+class Agent:
+    """Serves one channel: reads inline (fast), ctl actions in threads (they wait for the supervisor)."""
+
+    def __init__(self, root: Path, out: BinaryIO) -> None:
+        self.root = root
+        self.out = out
+        self._lock = threading.Lock()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            self.out.write(line)
+            self.out.flush()
+
+    def answer(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "hello":
+            return {"protocol": PROTOCOL, "pid": os.getpid(), "root": str(self.root),
+                    "exists": (self.root / "plan.toml").is_file(), "python": sys.version.split()[0],
+                    "pipeline": str(Path(__file__).resolve().parent)}
+        if op == "ping":
+            return {"t": time.time()}
+        if op == "read":
+            return {"results": read_many(self.root, list(req.get("reqs") or []), int(req.get("max_bytes", 1 << 20)))}
+        if op == "ctl":
+            return run_ctl(self.root, list(req.get("args") or []), float(req.get("timeout", CTL_TIMEOUT_S)))
+        raise AgentError(f"unknown op {op!r}")
+
+    def handle(self, req: dict[str, Any]) -> None:
+        rid = req.get("id")
+        try:
+            reply = {"id": rid, "ok": True, **self.answer(req)}
+        except (AgentError, ValueError, TypeError, IndexError, OSError) as exc:
+            reply = {"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.send(reply)
+
+    def serve(self, inp: BinaryIO) -> int:
+        for raw in inp:
+            if not raw.strip():
+                continue
+            try:
+                req = json.loads(raw)
+                if not isinstance(req, dict):
+                    raise ValueError("a request is a JSON object")
+            except ValueError as exc:
+                self.send({"id": None, "ok": False, "error": f"bad request: {exc}"})
+                continue
+            if req.get("op") == "ctl":
+                # Not a daemon: an action already sent finishes and answers even if stdin closes.
+                threading.Thread(target=self._handle_quietly, args=(req,)).start()
+            else:
+                self.handle(req)
+        return 0
+
+    def _handle_quietly(self, req: dict[str, Any]) -> None:
+        # The channel may have gone away while a ctl action ran; its effect is in the run dir.
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            self.handle(req)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pipeline.remote_agent RUN", file=sys.stderr)
+        return 2
+    root = Path(argv[0]).expanduser().absolute()
+    # Our protocol owns fd 1; anything else printing to stdout would corrupt it, so point
+    # sys.stdout at stderr and keep a private handle on the real stdout.
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    sys.stdout = sys.stderr
+    agent = Agent(root, out)
+    try:
+        return agent.serve(sys.stdin.buffer)
+    except (BrokenPipeError, KeyboardInterrupt):
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
