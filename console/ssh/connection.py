@@ -33,6 +33,7 @@ from console.transport import ConnectionStatus
 from pipeline.plan import Executor
 
 DEFAULT_MAX_SESSIONS = 10  # OpenSSH's MaxSessions default
+CHANNEL_OPEN_TRIES = 6  # ~0.6 s of retries when the server refuses a channel (see _open_retrying)
 
 
 class SshError(RuntimeError):
@@ -339,12 +340,28 @@ class HostConnection:
             return NotConnected(f"{self.target.label}: connection lost ({exc or type(exc).__name__})")
         return SshError(f"{self.target.label}: {exc}")
 
+    async def _open_retrying(self, open_fn: Callable[[], Any]) -> Any:
+        """Open a channel, retrying briefly when the server refuses it.
+
+        A refused open never ran anything, so retrying is safe. It happens at the limit: the
+        server frees a session slot a moment after the client has seen the channel close.
+        """
+        delay = 0.02
+        for attempt in range(CHANNEL_OPEN_TRIES):
+            try:
+                return await open_fn()
+            except asyncssh.ChannelOpenError:
+                if attempt == CHANNEL_OPEN_TRIES - 1 or self._conn is None:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
+
     async def run(self, command: str, input: str | None = None, timeout_s: float | None = 120.0) -> RunResult:
         """Run one command (through the remote user's shell) on its own channel."""
         conn = self._require()
         await self._acquire()
         try:
-            r = await conn.run(command, input=input, check=False, timeout=timeout_s)
+            r = await self._open_retrying(lambda: conn.run(command, input=input, check=False, timeout=timeout_s))
         except asyncssh.TimeoutError:
             raise SshError(f"{self.target.label}: `{command[:80]}` did not finish within {timeout_s:g}s") from None
         except (asyncssh.Error, OSError) as exc:
@@ -367,7 +384,7 @@ class HostConnection:
                 self._release()
 
         try:
-            proc = await conn.create_process(command, encoding=None)
+            proc = await self._open_retrying(lambda: conn.create_process(command, encoding=None))
         except (asyncssh.Error, OSError) as exc:
             release()
             raise self._channel_error(exc) from None
@@ -379,7 +396,7 @@ class HostConnection:
         await self._acquire()
         try:
             try:
-                client = await conn.start_sftp_client()
+                client = await self._open_retrying(conn.start_sftp_client)
             except (asyncssh.Error, OSError) as exc:
                 raise self._channel_error(exc) from None
             async with client:

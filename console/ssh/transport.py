@@ -150,6 +150,7 @@ class SshTransport:
         self._agent: _Agent | None = None
         self._lock: asyncio.Lock | None = None
         self._ever_connected = conn.connected
+        self.remote_pipeline = ""  # where the agent's pipeline package lives on the host (diagnostics)
 
     @property
     def status(self) -> ConnectionStatus:
@@ -179,6 +180,7 @@ class SshTransport:
             if not hello.get("exists"):
                 agent.close()
                 raise SshError(f"{self.conn.target.label}: no Aerie run at {self.layout.root} (no plan.toml there)")
+            self.remote_pipeline = str(hello.get("pipeline", ""))
             self._agent = agent
             return agent
 
