@@ -1,0 +1,167 @@
+"""The SGLang launch command built from a plan: exact argv, plan errors, and SGLang's own parser."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeline import plan as plan_mod
+from pipeline.plan import PlanError
+from pipeline.serve.backends import launch
+from pipeline.sglang_args import settings_from_plan, sglang_argv
+
+BASE = """
+[run]
+name = "t"
+dir = "run"
+[resources]
+gpus = [0, 1, 2, 3, 4, 5, 6, 7]
+[target]
+model = "/models/Kimi-K2.5"
+max_length = 8192
+"""
+STAGES = """
+[[stage]]
+id = "serve"
+run = "pipeline.serve"
+service = true
+gpus = "all"
+"""
+
+
+def load(tmp_path: Path, extra: str) -> plan_mod.Plan:
+    p = tmp_path / "plan.toml"
+    p.write_text(textwrap.dedent(BASE) + textwrap.dedent(extra) + textwrap.dedent(STAGES))
+    return plan_mod.load(p)
+
+
+def test_plain_argv_from_plan(tmp_path):
+    plan = load(tmp_path, """
+        [serve]
+        mem_fraction_static = 0.85
+        port = 30000
+        extra_args = ["--enable-metrics"]
+    """)
+    s = settings_from_plan(plan, gpus=plan.stage("serve").gpus)
+    assert sglang_argv(s, python="python3") == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.5", "--tp", "8",
+        "--host", "127.0.0.1", "--port", "30000", "--mem-fraction-static", "0.85", "--context-length", "8192",
+        "--enable-metrics",
+    ]
+    argv, env = launch(s, "python3")
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+
+
+def test_eagle3_argv_from_plan(tmp_path):
+    plan = load(tmp_path, """
+        [serve]
+        model = "/models/target"
+        tp = 4
+        context_length = 4096
+        mem_fraction_static = 0.7
+        [deploy]
+        draft_model_path = "/ckpt/epoch_3_step_9000"
+        speculative_num_steps = 5
+        speculative_eagle_topk = 2
+        speculative_num_draft_tokens = 8
+        port = 30001
+    """)
+    s = settings_from_plan(plan, mode="eagle3", gpus=(0, 1, 2, 3))
+    assert sglang_argv(s, python="py") == [
+        "py", "-m", "sglang.launch_server", "--model-path", "/models/target", "--tp", "4", "--host", "127.0.0.1",
+        "--port", "30001", "--mem-fraction-static", "0.7", "--context-length", "4096",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/ckpt/epoch_3_step_9000",
+        "--speculative-num-steps", "5", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8",
+    ]
+
+
+def test_eagle3_defaults_and_relative_draft_path(tmp_path):
+    plan = load(tmp_path, """
+        [deploy]
+        draft_model_path = "ckpt/final"
+    """)
+    s = settings_from_plan(plan, mode="eagle3")
+    argv = sglang_argv(s)
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(tmp_path / "ckpt" / "final")
+    assert argv[argv.index("--speculative-num-steps") + 1] == "3"
+    assert argv[argv.index("--speculative-eagle-topk") + 1] == "1"
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "4"
+    assert argv[argv.index("--tp") + 1] == "1"  # no GPUs given: tp 1
+
+
+@pytest.mark.parametrize("extra,key,words", [
+    ('[serve]\nbackend = "vllm"', "serve.backend", "must be one of sglang, local"),
+    ('[serve]\nport = "30000"', "serve.port", "expected an integer port"),
+    ('[serve]\nport = 70000', "serve.port", "not a TCP port"),
+    ('[serve]\nmem_fraction_static = 1.5', "serve.mem_fraction_static", "between 0 and 1"),
+    ('[serve]\ntp = 16', "serve.tp", "needs 16 GPUs but the stage has 8"),
+    ('[serve]\nextra_args = ["--x", 3]', "serve.extra_args[1]", "expected a string"),
+    ('[serve]\nmem_frac = 0.8', "serve.mem_frac", "unknown key"),
+    ('[serve]\nstartup_timeout_s = 0', "serve.startup_timeout_s", "must be > 0"),
+])
+def test_plan_errors_name_file_and_key(tmp_path, extra, key, words):
+    plan = load(tmp_path, extra)
+    with pytest.raises(PlanError) as ei:
+        settings_from_plan(plan, gpus=plan.stage("serve").gpus)
+    msg = str(ei.value)
+    assert str(tmp_path / "plan.toml") in msg and f": {key}: " in msg and words in msg
+
+
+def test_eagle3_without_draft_is_an_error(tmp_path):
+    plan = load(tmp_path, "")
+    with pytest.raises(PlanError, match="deploy.draft_model_path: --mode eagle3 needs the draft checkpoint"):
+        settings_from_plan(plan, mode="eagle3")
+
+
+def _sglang_parser():
+    try:
+        from sglang.srt.server_args import prepare_server_args
+    except ImportError as exc:
+        pytest.skip(f"sglang is not importable here ({exc}); install it for this test with "
+                    "`pip install --no-deps -r .ci/sglang-parser-requirements.txt`")
+    return prepare_server_args
+
+
+@pytest.mark.slow
+def test_sglang_own_parser_accepts_our_argv(tmp_path):
+    """SGLang's real argument parser (pinned like the gpu extra) reads back exactly what we meant."""
+    prepare_server_args = _sglang_parser()
+    import sglang
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert f'"sglang=={sglang.__version__}"' in pyproject, "the tested sglang is not the gpu extra's pin"
+    plan = load(tmp_path, """
+        [serve]
+        mem_fraction_static = 0.85
+        served_model_name = "kimi"
+        extra_args = ["--enable-metrics", "--decode-log-interval", "20"]
+        [deploy]
+        draft_model_path = "/ckpt/final"
+        speculative_num_steps = 5
+        speculative_eagle_topk = 1
+        speculative_num_draft_tokens = 6
+    """)
+    for mode in ("plain", "eagle3"):
+        s = settings_from_plan(plan, mode=mode, gpus=plan.stage("serve").gpus)
+        argv = sglang_argv(s)
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        a = prepare_server_args(argv[3:])
+        assert (a.model_path, a.tp_size, a.host, a.port) == ("/models/Kimi-K2.5", 8, "127.0.0.1", 30000)
+        assert (a.mem_fraction_static, a.context_length, a.served_model_name) == (0.85, 8192, "kimi")
+        assert a.enable_metrics is True and a.decode_log_interval == 20
+        if mode == "eagle3":
+            assert a.speculative_algorithm == "EAGLE3"
+            assert a.speculative_draft_model_path == "/ckpt/final"
+            assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (5, 1, 6)
+        else:
+            assert a.speculative_algorithm is None
+
+
+@pytest.mark.slow
+def test_sglang_own_parser_rejects_a_bad_argv():
+    prepare_server_args = _sglang_parser()
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--model-path", "/m", "--tp", "eight"])
