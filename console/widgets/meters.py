@@ -1,0 +1,272 @@
+"""Meters: the GPU panel (one row per GPU), the disk meter and the host meter, fed by a TelemetryModel.
+
+Mount ``MetersPanel(model)`` and keep feeding the model (``model.feed(lines)`` or
+``model.ingest(data, size, ino)``): the panel redraws within ``poll_s`` whenever ``model.version``
+changed (or call :meth:`MetersPanel.sync` at once). A GPU row reads::
+
+    GPU0 H200    util ██████████ 100%  mem ▆▁▁▁▁▁▁▁▁▁ 9.1/140.4 GiB  62°C  635/700 W  gpuwork  ▁▁▃▇████
+
+Rows are mounted and removed as GPUs appear, from none (with the reason: no driver, waiting) to 8
+or more. Every colour comes from the theme through component classes (``$primary``, ``$warning``,
+``$error``...), so themes restyle the meters; nothing here names a colour.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widget import Widget
+from textual.widgets import Static
+
+from console.telemetry_model import GpuView, TelemetryModel, duration, size
+
+SPARK = "▁▂▃▄▅▆▇█"
+BAR_W = 10
+HOT_C = 85.0
+
+
+def bar(fraction: float | None, width: int = BAR_W) -> tuple[str, str]:
+    """(filled, empty) parts of a bar; eighths for the partial cell."""
+    if fraction is None:
+        return "", "·" * width
+    f = min(1.0, max(0.0, fraction))
+    eighths = int(round(f * width * 8))
+    full, part = divmod(eighths, 8)
+    filled = "█" * full + (" ▏▎▍▌▋▊▉"[part] if part and full < width else "")
+    return filled, "░" * (width - len(filled))
+
+
+def sparkline(values: list[float], width: int, top: float = 100.0) -> str:
+    """The last ``width`` values on an absolute 0..``top`` scale (left-padded while history fills)."""
+    if width <= 0:
+        return ""
+    vals = values[-width:]
+    top_i = len(SPARK) - 1
+    chars = [SPARK[min(top_i, max(0, int(round(v / top * top_i))))] if top else SPARK[0] for v in vals]
+    return " " * (width - len(chars)) + "".join(chars)
+
+
+def short_gpu_name(name: str) -> str:
+    for prefix in ("NVIDIA ", "Tesla "):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+class MeterLine(Widget):
+    """A one-line meter rendered as styled text; the styles are theme-driven component classes."""
+
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "meters--label", "meters--bar", "meters--bar-alt", "meters--bar-empty", "meters--muted",
+        "meters--ok", "meters--warning", "meters--error", "meters--owner", "meters--foreign", "meters--spark",
+    }
+    DEFAULT_CSS = """
+    MeterLine { height: 1; width: 1fr; }
+    MeterLine > .meters--label { color: $foreground; text-style: bold; }
+    MeterLine > .meters--bar { color: $primary; }
+    MeterLine > .meters--bar-alt { color: $secondary; }
+    MeterLine > .meters--bar-empty { color: $foreground-muted; }
+    MeterLine > .meters--muted { color: $foreground-muted; }
+    MeterLine > .meters--ok { color: $success; }
+    MeterLine > .meters--warning { color: $warning; text-style: bold; }
+    MeterLine > .meters--error { color: $error; text-style: bold; }
+    MeterLine > .meters--owner { color: $accent; }
+    MeterLine > .meters--foreign { color: $error; text-style: bold; }
+    MeterLine > .meters--spark { color: $primary; }
+    """
+
+    def __init__(self, model: TelemetryModel, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.model = model
+
+    def st(self, name: str) -> Style:
+        return self.get_component_rich_style(f"meters--{name}", partial=True)
+
+    def add_bar(self, t: Text, fraction: float | None, style: str = "bar", width: int = BAR_W) -> None:
+        filled, empty = bar(fraction, width)
+        t.append(filled, self.st(style))
+        t.append(empty, self.st("bar-empty"))
+
+
+class GpuRow(MeterLine):
+    """One GPU: util and memory bars, temperature, power, owning stage(s), util sparkline."""
+
+    def __init__(self, model: TelemetryModel, index: int, **kw: object) -> None:
+        super().__init__(model, **kw)
+        self.index = index
+
+    @property
+    def gpu(self) -> GpuView | None:
+        return self.model.gpus.get(self.index)
+
+    def render(self) -> Text:
+        g = self.gpu
+        t = Text(no_wrap=True, overflow="ellipsis")
+        if g is None:
+            return t
+        w = self.size.width
+        # Narrow terminals get shorter bars and owner column first; the sparkline takes what is left.
+        bw, ow, compact = (10, 22, False) if w >= 118 else ((6, 16, False) if w >= 92 else (4, 12, True))
+        t.append(f"GPU{g.index:<2} {short_gpu_name(g.name)[:8]:<8} ", self.st("label"))
+        if not compact:
+            t.append("util ", self.st("muted"))
+        self.add_bar(t, g.util / 100.0 if g.util is not None else None, width=bw)
+        t.append(f" {g.util:>3.0f}%  " if g.util is not None else "   —  ")
+        if not compact:
+            t.append("mem ", self.st("muted"))
+        self.add_bar(t, g.mem_fraction, "bar-alt", width=bw)
+        used = size(g.mem_used).replace(" GiB", "") if g.mem_total and g.mem_total >= 1 << 30 else size(g.mem_used)
+        t.append(f" {used}/{size(g.mem_total):<10} ")
+        hot = g.temp_c is not None and g.temp_c >= HOT_C
+        t.append(f"{g.temp_c:>3.0f}°C " if g.temp_c is not None else "  —°C ", self.st("warning") if hot else "")
+        if g.power_w is not None:
+            near_cap = bool(g.power_cap_w) and g.power_w >= 0.97 * float(g.power_cap_w or 0)
+            cap = f"/{g.power_cap_w:.0f}" if g.power_cap_w and not compact else ""
+            t.append(f"{g.power_w:>4.0f}{cap} W ".rjust(7 if compact else 11), self.st("warning") if near_cap else "")
+        else:
+            t.append("   — W " if compact else "     — W   ")
+        t.append(" ")
+        if g.ecc_uncorrected or g.xid_total:
+            t.append(f"ECC {g.ecc_uncorrected or 0} XID {g.xid_total}  ", self.st("error"))
+        owners = g.owners
+        label = ", ".join(owners) if owners else "idle"
+        label = label if len(label) <= ow else label[: ow - 1] + "…"
+        style = self.st("foreign") if g.has_foreign else (self.st("owner") if owners else self.st("muted"))
+        t.append(f"{label:<{ow}} ", style)
+        spark_w = max(0, w - t.cell_len)
+        t.append(sparkline(list(g.util_hist), spark_w), self.st("spark"))
+        return t
+
+
+class DiskMeter(MeterLine):
+    """The run-dir filesystem: a used bar, free space, growth rate, 'full in', fit of the projection."""
+
+    def render(self) -> Text:
+        d = self.model.disk
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append("disk     ", self.st("label"))
+        if d is None:
+            t.append("waiting for telemetry…", self.st("muted"))
+            return t
+        frac = d.used_fraction
+        text, level = d.status()
+        self.add_bar(t, frac, "error" if level == "error" else ("warning" if level == "warning" else "bar"))
+        t.append(f" {100 * frac:>3.0f}%  " if frac is not None else "   —  ")
+        t.append(text, self.st(level) if level != "ok" else "")
+        t.append(f"  {d.path}", self.st("muted"))
+        return t
+
+
+class HostMeter(MeterLine):
+    """Host CPU (all cores) and RAM, with a CPU sparkline."""
+
+    def render(self) -> Text:
+        h = self.model.host
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append("host     ", self.st("label"))
+        if h is None:
+            t.append("waiting for telemetry…", self.st("muted"))
+            return t
+        t.append("cpu ", self.st("muted"))
+        self.add_bar(t, h.cpu_pct / 100.0 if h.cpu_pct is not None else None)
+        cores = f" of {h.ncpu} cores" if h.ncpu else ""
+        t.append(f" {h.cpu_pct:>3.0f}%{cores}" if h.cpu_pct is not None else f"   —{cores}")
+        if h.load1 is not None:
+            t.append(f" · load {h.load1:.1f}", self.st("muted"))
+        t.append("  ram ", self.st("muted"))
+        mf = h.mem_fraction
+        self.add_bar(t, mf, "warning" if mf is not None and mf > 0.92 else "bar-alt")
+        t.append(f" {size(h.mem_used)}/{size(h.mem_total)}  ")
+        t.append(sparkline(list(h.cpu_hist), max(0, self.size.width - t.cell_len)), self.st("spark"))
+        return t
+
+
+class GpuPanel(Vertical):
+    """A row per GPU (mounted/removed as GPUs come and go), or why there are none."""
+
+    DEFAULT_CSS = """
+    GpuPanel { height: auto; }
+    GpuPanel > .gpu-note { height: 1; color: $foreground-muted; }
+    """
+
+    def __init__(self, model: TelemetryModel, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.model = model
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="gpu-note")
+
+    def sync(self) -> None:
+        note = self.query_one(".gpu-note", Static)
+        note.update(self.model.gpu_note)
+        note.display = not self.model.gpus
+        rows = {r.index: r for r in self.query(GpuRow)}
+        wanted = sorted(self.model.gpus)
+        for idx, row in rows.items():
+            if idx not in self.model.gpus:
+                row.remove()
+        new = [GpuRow(self.model, i, id=f"gpu-row-{i}") for i in wanted if i not in rows]
+        if new:
+            self.mount_all(new)
+            if rows:  # keep index order when a GPU appears between existing rows
+                self.sort_children(key=lambda w: getattr(w, "index", -1))
+        for row in rows.values():
+            row.refresh()
+
+
+class MetersPanel(Vertical):
+    """GPU panel, disk meter and host meter over one :class:`TelemetryModel`."""
+
+    DEFAULT_CSS = """
+    MetersPanel { height: auto; padding: 0 1; }
+    MetersPanel > .meters-title { height: 1; color: $foreground-muted; }
+    MetersPanel > .meters-title.-stale { color: $warning; }
+    """
+
+    def __init__(self, model: TelemetryModel, poll_s: float = 1.0, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.model = model
+        self.poll_s = poll_s
+        self._seen = -1
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="meters-title")
+        yield GpuPanel(self.model)
+        yield DiskMeter(self.model)
+        yield HostMeter(self.model)
+
+    def on_mount(self) -> None:
+        self.sync()
+        self.set_interval(self.poll_s, self._tick)
+
+    def _tick(self) -> None:
+        if self.model.version != self._seen:
+            self.sync()
+        else:
+            self._title()  # ages keep moving
+
+    def _title(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        m = self.model
+        n = len(m.gpus)
+        host = m.meta.get("host")
+        parts = [f"telemetry{' · ' + str(host) if host else ''} · {n} GPU{'s' if n != 1 else ''}"]
+        stale = m.stale(now)
+        if stale:
+            parts.append(f"last sample {duration(m.age_s(now))} ago")
+        title = self.query_one(".meters-title", Static)
+        title.update(" · ".join(parts))
+        title.set_class(stale, "-stale")
+
+    def sync(self) -> None:
+        """Redraw from the model now."""
+        self._seen = self.model.version
+        self._title()
+        self.query_one(GpuPanel).sync()
+        self.query_one(DiskMeter).refresh()
+        self.query_one(HostMeter).refresh()
