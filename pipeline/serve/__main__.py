@@ -1,0 +1,5 @@
+"""Entry point of ``python -m pipeline.serve``."""
+
+from pipeline.serve.stage import main
+
+raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""The command and environment that start each server backend.
+
+``sglang``: ``python -m sglang.launch_server …`` from :func:`pipeline.sglang_args.sglang_argv`, on
+the stage's GPUs (``CUDA_VISIBLE_DEVICES`` in NVML order). ``local``: ``transformers serve`` on
+the CPU with the model preloaded, an OpenAI-compatible server on the same ``/health`` and
+``/v1/chat/completions`` paths; a ``builtin:`` model resolves to the cached dense folder
+(:mod:`pipeline.model_assets`), since transformers cannot serve the GGUF directly.
+"""
+
+from __future__ import annotations
+
+from pipeline.sglang_args import ServerSettings, sglang_argv
+
+
+def local_argv(s: ServerSettings, python: str) -> list[str]:
+    from pipeline.model_assets import resolve
+
+    argv = [python, "-m", "transformers.cli.transformers", "serve", "--host", s.host, "--port", str(s.port),
+            "--device", "cuda" if s.gpus else "cpu", "--log-level", "info"]
+    if s.dtype:
+        argv += ["--dtype", s.dtype]
+    return [*argv, *s.extra_args, resolve(s.model)]
+
+
+def launch(s: ServerSettings, python: str) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env additions)`` for the server child."""
+    env: dict[str, str] = {}
+    if s.gpus:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbering = NVML numbering = the plan's GPU ids
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, s.gpus))
+    if s.backend == "local":
+        env.update({"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"})
+        return local_argv(s, python), env
+    return sglang_argv(s, python), env
