@@ -1,0 +1,168 @@
+"""Bench stage: does the draft work? Offline acceptance, or the online SGLang deploy benchmark.
+
+``python -m pipeline.bench --plan PLAN [--mode offline|online] [--input DIR ...] [--out DIR]``
+
+**offline** (default, runs anywhere): greedy speculative decoding of the target with the trained
+draft (the ``draft`` manifest of the train stage among the inputs) on held-out prompts (the rows
+of ``[bench] holdout`` that extraction and training never saw), ``[bench] steps`` draft tokens per
+verify step (SGLang's ``--speculative-num-steps``, topk 1). Reports ``accept_len`` (mean tokens per
+verify step, accepted + the target's own, at most ``steps + 1``) and ``accept_rate`` (share of draft
+tokens accepted) — shown on the board — and writes ``results.json``. ``[bench] check_lossless``
+also decodes plainly and fails if the outputs differ (they never should).
+
+**online** (GPU only): see ``pipeline.bench_online``; ``--label`` names the run (``plain`` /
+``eagle3``), the endpoint comes from the serve stage the bench stage ``uses``, and ``--baseline
+STAGE`` compares against an earlier online bench (speedup).
+
+Plan keys (``[bench]``): ``mode``, ``holdout`` (0.05), ``prompts`` (16), ``max_new_tokens`` (64),
+``steps`` (3), ``check_lossless`` (false), ``device``; online: ``concurrency``, ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.rundir import write_json
+from pipeline.runtime import StageContext, add_common_args, fail
+from pipeline.shards import ShardError, find_manifests, iter_rows
+
+MODES = ("offline", "online")
+
+
+def find_draft(inputs: list[Path]) -> tuple[dict, Path]:
+    for d in inputs:
+        for mpath, man in find_manifests(d):
+            if man.get("kind") == "draft":
+                return man, mpath.parent
+    raise ValueError(f"no trained draft among the inputs ({', '.join(map(str, inputs)) or 'none'}): "
+                     "put the train stage in 'after'")
+
+
+def heldout_prompts(man: dict, n: int, vocab_size: int) -> list[tuple[str, list[int]]]:
+    sources = [Path(p) for p in man.get("token_sources", [])]
+    holdout = float(man.get("holdout") or 0.0)
+    out = []
+    for row in iter_rows(sources, holdout, "heldout", vocab_size, man.get("max_length")):
+        p = row.prompt()
+        if 0 < p.size < row.num_tokens:
+            out.append((row.id, p.astype("int64").tolist()))
+        if len(out) >= n:
+            break
+    return out
+
+
+def eos_ids(model_id: str, target: Any) -> set[int]:
+    from pipeline.model_assets import load_tokenizer
+
+    ids: set[int] = set()
+    tok = load_tokenizer(model_id)
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    gen = getattr(target.model, "generation_config", None)
+    e = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(e, int):
+        ids.add(e)
+    elif isinstance(e, list):
+        ids.update(int(x) for x in e)
+    return ids
+
+
+def run_offline(ctx: StageContext, inputs: list[Path]) -> int:
+    from pipeline.eagle3_model import load_draft
+    from pipeline.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
+    from pipeline.target_capture import load_target
+
+    plan = ctx.plan
+    sec = plan.section("bench")
+    man, train_dir = find_draft(inputs)
+    model_id = str(plan.target.get("model") or man.get("target"))
+    steps = int(sec.get("steps", 3))
+    max_new = int(sec.get("max_new_tokens", 64))
+    n_prompts = int(sec.get("prompts", 16))
+    if steps < 1 or max_new < 2 or n_prompts < 1:
+        fail(ctx, f"{plan.path}: bench.steps >= 1, bench.max_new_tokens >= 2 and bench.prompts >= 1 are required")
+    dev = torch.device(sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev)
+    vocab = int(target.embed_weight.shape[0])
+    prompts = heldout_prompts(man, n_prompts, vocab)
+    if not prompts:
+        fail(ctx, "no held-out prompts: every row was used for training; raise [bench] holdout")
+    draft = load_draft(train_dir / man.get("path", "draft"), embed=target.embed_weight.detach().float(),
+                       dtype=dtype).to(dev)
+    drafter = Eagle3Drafter(draft)
+    eos = eos_ids(model_id, target)
+    check = bool(sec.get("check_lossless", False))
+    ctx.message(f"speculative decoding of {len(prompts)} held-out prompts, {steps} draft tokens per verify step, "
+                f"up to {max_new} new tokens")
+    per_prompt = []
+    accepted: list[int] = []
+    t0 = time.monotonic()
+    gen_tokens = 0
+    for i, (rid, prompt) in enumerate(prompts):
+        ctx.safe_point()
+        res = speculative_generate(target, drafter, prompt, steps, max_new, eos)
+        if check:
+            ref = greedy_generate(target, prompt, max_new, eos)
+            if ref != res.tokens:
+                fail(ctx, f"prompt {rid}: speculative output differs from greedy decoding (a bug): "
+                          f"{res.tokens[:16]} vs {ref[:16]}")
+        accepted.extend(res.accepted)
+        gen_tokens += len(res.tokens)
+        per_prompt.append({"id": rid, "prompt_tokens": len(prompt), "new_tokens": len(res.tokens),
+                           "verify_steps": res.steps, "accept_len": res.accept_len, "accepted": res.accepted})
+        ctx.progress(i + 1, len(prompts), unit="prompts")
+    elapsed = time.monotonic() - t0
+    if not accepted:
+        fail(ctx, "no verify step ran (every prompt ended at its first token)")
+    accept_len = sum(accepted) / len(accepted) + 1
+    accept_rate = sum(accepted) / (steps * len(accepted))
+    hist = [accepted.count(n) for n in range(steps + 1)]
+    summary = {"kind": "bench", "mode": "offline", "accept_len": accept_len, "accept_rate": accept_rate,
+               "max_accept_len": steps + 1, "steps": steps, "prompts": len(prompts), "verify_steps": len(accepted),
+               "new_tokens": gen_tokens, "accepted_histogram": hist, "elapsed_s": elapsed,
+               "draft": str(train_dir / man.get("path", "draft")), "lossless_checked": check}
+    write_json(ctx.out / "results.json", {**summary, "per_prompt": per_prompt})
+    write_json(ctx.out / "manifest.json", summary)
+    ctx.metric("accept_rate", accept_rate)
+    ctx.metric("verify_steps", len(accepted))
+    ctx.metric("accept_len", accept_len, max=steps + 1)
+    ctx.message(f"accept length {accept_len:.2f} of at most {steps + 1} ({accept_rate:.1%} of draft tokens accepted) "
+                f"over {len(accepted)} verify steps; histogram of accepted drafts 0..{steps}: {hist}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.splitlines()[0])
+    add_common_args(ap)
+    ap.add_argument("--mode", choices=MODES, default=None, help="default: [bench] mode, else offline")
+    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
+    ap.add_argument("--label", default=None, help="online: the name of this run (plain, eagle3)")
+    ap.add_argument("--baseline", default=None, help="online: an earlier online bench stage to compare with")
+    ap.add_argument("--url", default=None, help="online: the server's base URL (default: the used serve stage's)")
+    args = ap.parse_args(argv)
+    ctx = StageContext.from_cli(args)
+    mode = args.mode or ctx.plan.section("bench").get("mode", "offline")
+    if mode not in MODES:
+        fail(ctx, f"{ctx.plan.path}: bench.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    inputs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
+    try:
+        if mode == "offline":
+            return run_offline(ctx, inputs)
+        from pipeline.bench_online import run_online
+
+        return run_online(ctx, inputs, args)
+    except (ValueError, ShardError, json.JSONDecodeError) as exc:
+        fail(ctx, str(exc))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

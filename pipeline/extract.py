@@ -1,0 +1,240 @@
+"""Extraction stage: run the target over the prepped shards and store what EAGLE-3 training needs.
+
+``python -m pipeline.extract --plan PLAN [--input DIR ...] [--out DIR]``
+
+Reads every ``tokenized`` manifest of its inputs (``prompts`` manifests are skipped), leaves out the
+held-out rows (``[bench] holdout``), orders the rest by length and cuts them into shards of about
+``[extract] shard_tokens`` tokens; each shard is run through the target in batches of at most
+``batch_tokens`` padded tokens and written atomically (see ``pipeline.hidden_store``). A retry skips
+the shards already written, so a kill costs at most one shard. Events: progress in tokens, a
+``tokens_per_s`` metric per batch, ``projected_bytes`` before the first shard and ``actual_bytes``
+after each. With ``[extract] mode = "online"`` nothing is stored: the manifest only points training
+at the tokenized sources, and ``projected_bytes`` is 0.
+
+Plan keys (``[extract]``): ``mode``, ``aux_layers`` (default SpecForge's ``[1, L//2-1, L-4]``),
+``batch_tokens`` (8192), ``shard_tokens`` (262144), ``max_length`` (default ``[target] max_length``),
+``max_rows`` / ``max_tokens`` (caps, for demos), ``device`` and ``dtype`` (bf16 on GPU, fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import hidden_store as hs
+from pipeline.eagle3_model import default_aux_layers
+from pipeline.rundir import read_json, write_json
+from pipeline.runtime import StageContext, add_common_args, fail
+from pipeline.shards import Row, ShardError, holdout_fraction, iter_rows
+
+STATE_FILE = "extract-state.json"
+
+
+def pick_device(sec: dict[str, Any]) -> tuple[torch.device, torch.dtype]:
+    dev = sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(dev)
+    name = sec.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32")
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+              "float16": torch.float16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r} not supported (use one of {', '.join(dtypes)})")
+    return device, dtypes[name]
+
+
+def aux_layers_from(sec: dict[str, Any], num_layers: int, where: str) -> list[int]:
+    ids = sec.get("aux_layers")
+    if ids is None:
+        return default_aux_layers(num_layers)
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{where}: extract.aux_layers: expected a list of 3 layer ids, got {ids!r}")
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise ValueError(f"{where}: extract.aux_layers: layer {i} out of range (the target has {num_layers} layers)")
+    return list(ids)
+
+
+def plan_shards(rows: list[Row], shard_tokens: int) -> list[list[Row]]:
+    """Rows by length (longest first, then id), cut into shards of about ``shard_tokens`` tokens."""
+    ordered = sorted(rows, key=lambda r: (-r.num_tokens, r.id))
+    shards: list[list[Row]] = []
+    cur: list[Row] = []
+    n = 0
+    for r in ordered:
+        if cur and n + r.num_tokens > shard_tokens:
+            shards.append(cur)
+            cur, n = [], 0
+        cur.append(r)
+        n += r.num_tokens
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def length_batches(rows: list[Row], batch_tokens: int) -> list[list[Row]]:
+    """Consecutive rows (already sorted by length) in batches whose padded size fits the budget."""
+    out: list[list[Row]] = []
+    cur: list[Row] = []
+    longest = 0
+    for r in rows:
+        longest_new = max(longest, r.num_tokens)
+        if cur and longest_new * (len(cur) + 1) > batch_tokens:
+            out.append(cur)
+            cur, longest_new = [], r.num_tokens
+        cur.append(r)
+        longest = longest_new
+    if cur:
+        out.append(cur)
+    return out
+
+
+def fingerprint(rows: list[Row], aux: list[int], model: str) -> str:
+    h = hashlib.sha1(json.dumps([model, aux]).encode())
+    for r in rows:
+        h.update(f"{r.id}:{r.num_tokens};".encode())
+    return h.hexdigest()
+
+
+def collect_inputs(args: argparse.Namespace, ctx: StageContext) -> list[Path]:
+    dirs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
+    return dirs
+
+
+def run_batch(target: Any, batch: list[Row], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    longest = max(r.num_tokens for r in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for i, r in enumerate(batch):
+        ids[i, : r.num_tokens] = torch.from_numpy(r.input_ids.astype("int64"))
+        mask[i, : r.num_tokens] = 1
+    cap = target.capture(ids.to(device), attention_mask=mask.to(device))
+    am = target.argmax(cap.last_hidden)
+    out = []
+    for i, r in enumerate(batch):
+        n = r.num_tokens
+        out.append({
+            "aux": cap.aux[i, :n].to("cpu", torch.bfloat16), "last_hidden": cap.last_hidden[i, :n].to("cpu", torch.bfloat16),
+            "target_argmax": am[i, :n].to("cpu", torch.int32), "input_ids": torch.from_numpy(r.input_ids),
+            "loss_mask": torch.from_numpy(r.loss_mask),
+        })
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.extract", description=__doc__.splitlines()[0])
+    add_common_args(ap)
+    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
+    args = ap.parse_args(argv)
+    ctx = StageContext.from_cli(args)
+    try:
+        return run(ctx, collect_inputs(args, ctx))
+    except (ShardError, hs.StoreError, ValueError) as exc:
+        fail(ctx, str(exc))
+    return 1
+
+
+def run(ctx: StageContext, inputs: list[Path]) -> int:
+    from pipeline.target_capture import load_target, target_config
+
+    plan = ctx.plan
+    sec = plan.section("extract")
+    mode = hs.storage_mode(plan)
+    model_id = str(plan.target.get("model") or "")
+    if not model_id:
+        fail(ctx, f"{plan.path}: target.model is not set")
+    if not inputs:
+        fail(ctx, "no inputs: extraction needs the out dirs of the prep/regen stages (after = [...] in the plan)")
+    tcfg = target_config(model_id)
+    num_layers, hidden = int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
+    aux = aux_layers_from(sec, num_layers, str(plan.path))
+    holdout = holdout_fraction(plan)
+    max_length = sec.get("max_length", plan.target.get("max_length"))
+    rows = list(iter_rows(inputs, holdout, "train", int(tcfg.vocab_size), max_length))
+    rows = [r for r in rows if r.num_tokens >= 2 and r.loss_mask.any()]
+    if sec.get("max_rows"):
+        rows = rows[: int(sec["max_rows"])]
+    if sec.get("max_tokens"):
+        kept, n = [], 0
+        for r in rows:
+            if n + r.num_tokens > int(sec["max_tokens"]):
+                break
+            kept.append(r)
+            n += r.num_tokens
+        rows = kept
+    if not rows:
+        fail(ctx, f"no training rows in the inputs ({', '.join(map(str, inputs))}): every row is held out, empty or "
+                  "has no assistant tokens")
+    total_tokens = sum(r.num_tokens for r in rows)
+    per_token = hs.bytes_per_token(hidden, len(aux))
+    sources = [str(Path(p).absolute()) for p in inputs]
+    base_manifest = {"kind": hs.KIND, "format": hs.FORMAT, "mode": mode, "target": model_id, "hidden_size": hidden,
+                     "num_layers": num_layers, "aux_layer_ids": aux, "dtype": "bfloat16", "sources": sources,
+                     "holdout": holdout, "max_length": max_length, "rows": len(rows), "tokens": total_tokens}
+    if mode == "online":
+        ctx.metric("projected_bytes", 0)
+        write_json(ctx.out / "manifest.json", {**base_manifest, "bytes": 0, "shards": []})
+        ctx.metric("actual_bytes", 0)
+        ctx.message(f"online mode: nothing stored; training runs the target over {total_tokens:,} tokens "
+                    f"(offline would store {total_tokens * per_token / 1e9:.2f} GB)")
+        ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
+        return 0
+
+    shards = plan_shards(rows, int(sec.get("shard_tokens", 262144)))
+    fp = fingerprint(rows, aux, model_id)
+    state_path = ctx.out / STATE_FILE
+    state = read_json(state_path) or {}
+    if state.get("fingerprint") not in (None, fp):
+        fail(ctx, f"{state_path}: the inputs or settings changed since the partial extraction; retry with --fresh")
+    done: dict[str, dict] = state.get("done", {})
+    # A shard is done only if recorded *and* present (a stray file without a record is redone).
+    done = {k: v for k, v in done.items() if (ctx.out / k).is_file()}
+    projected = total_tokens * per_token
+    ctx.metric("projected_bytes", projected, tokens=total_tokens, bytes_per_token=per_token)
+    ctx.message(f"extracting {len(rows):,} rows / {total_tokens:,} tokens into {len(shards)} shards; "
+                f"aux layers {aux}; projected {projected / 1e9:.3f} GB"
+                + (f"; resuming with {len(done)} shards done" if done else ""))
+    device, dtype = pick_device(sec)
+    target = load_target(model_id, aux, dtype=dtype, device=device)
+    batch_tokens = int(sec.get("batch_tokens", 8192))
+    tokens_done = sum(v["tokens"] for v in done.values())
+    actual = sum(v["bytes"] for v in done.values())
+    ctx.progress(tokens_done, total_tokens, unit="tokens", force=True)
+    t_start, tok_start = time.monotonic(), tokens_done
+    for si, shard_rows in enumerate(shards):
+        name = hs.shard_name(si)
+        if name in done:
+            continue
+        captured: list[dict[str, torch.Tensor]] = []
+        for batch in length_batches(shard_rows, batch_tokens):
+            ctx.safe_point()
+            t0 = time.monotonic()
+            captured.extend(run_batch(target, batch, device))
+            n = sum(r.num_tokens for r in batch)
+            tokens_done += n
+            dt = max(time.monotonic() - t0, 1e-9)
+            ctx.metric("tokens_per_s", n / dt)
+            ctx.progress(tokens_done, total_tokens, unit="tokens")
+        size = hs.write_shard(ctx.out / name, captured, [r.id for r in shard_rows])
+        done[name] = {"rows": len(shard_rows), "tokens": sum(r.num_tokens for r in shard_rows), "bytes": size}
+        actual += size
+        write_json(state_path, {"fingerprint": fp, "done": done})
+        ctx.metric("actual_bytes", actual, shard=si)
+    manifest = {**base_manifest, "bytes": actual,
+                "shards": [{"file": hs.shard_name(i), **done[hs.shard_name(i)]} for i in range(len(shards))]}
+    write_json(ctx.out / "manifest.json", manifest)
+    elapsed = time.monotonic() - t_start
+    if tokens_done > tok_start:
+        ctx.metric("tokens_per_s", (tokens_done - tok_start) / max(elapsed, 1e-9), overall=True)
+    ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
+    ctx.message(f"extracted {total_tokens:,} tokens: {actual / 1e6:.1f} MB actual vs {projected / 1e6:.1f} MB projected")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

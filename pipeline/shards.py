@@ -1,0 +1,155 @@
+"""Reading the tokenized shards that prep / regen write, and the held-out split every EAGLE-3 stage shares.
+
+Input contract (docs/data-formats.md): an upstream out dir holds ``manifest.json`` with
+``{"kind": "tokenized", "shards": [{"file": ...}, ...]}`` (or sub-folders that each hold one), and
+Parquet shards with columns ``id``, ``input_ids`` (list<int32>), ``loss_mask`` (list<int8>, 1 on
+assistant tokens) and ``num_tokens``. Manifests of other kinds (``prompts``) are skipped.
+
+The held-out split is a pure function of the row id (a hash), so extraction, vocab, online training
+and the acceptance benchmark agree on it without talking to each other: ``[bench] holdout`` is the
+share of rows kept out of training (default 0.05), for the acceptance measurement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOKENIZED = "tokenized"
+REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask")
+DEFAULT_HOLDOUT = 0.05
+
+
+class ShardError(ValueError):
+    """Bad input data; the message names the file, the row and the field."""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8
+    source: str  # "file:row" for error messages
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def prompt(self) -> np.ndarray:
+        """The tokens before the first assistant token: what the acceptance benchmark generates from."""
+        nz = np.flatnonzero(self.loss_mask)
+        return self.input_ids[: int(nz[0])] if nz.size else self.input_ids
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    path: Path
+    rows: int | None
+    tokens: int | None
+
+
+def holdout_fraction(plan: Any) -> float:
+    v = plan.section("bench").get("holdout", DEFAULT_HOLDOUT)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
+        raise ShardError(f"{plan.path}: bench.holdout: expected a share in [0, 1), got {v!r}")
+    return float(v)
+
+
+def is_heldout(row_id: str, fraction: float) -> bool:
+    """Stable across processes and machines (not Python's salted ``hash``)."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha1(str(row_id).encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def find_manifests(out_dir: Path) -> list[tuple[Path, dict]]:
+    """Every ``manifest.json`` of an upstream out dir (top level, else one level of sub-folders)."""
+    out_dir = Path(out_dir)
+    top = out_dir / "manifest.json"
+    files = [top] if top.is_file() else sorted(out_dir.glob("*/manifest.json"))
+    found = []
+    for f in files:
+        try:
+            found.append((f, json.loads(f.read_text())))
+        except ValueError as exc:
+            raise ShardError(f"{f}: not valid JSON: {exc}") from None
+    return found
+
+
+def tokenized_shards(out_dirs: list[Path]) -> list[ShardRef]:
+    """The Parquet shards of every ``tokenized`` manifest under ``out_dirs``, in a stable order."""
+    refs: list[ShardRef] = []
+    for d in out_dirs:
+        for mpath, man in find_manifests(d):
+            if man.get("kind") != TOKENIZED:
+                continue
+            shards = man.get("shards")
+            if not isinstance(shards, list):
+                raise ShardError(f"{mpath}: 'shards' must be a list")
+            for i, s in enumerate(shards):
+                if not isinstance(s, dict) or not isinstance(s.get("file"), str):
+                    raise ShardError(f"{mpath}: shards[{i}].file must be a string")
+                p = mpath.parent / s["file"]
+                if not p.is_file():
+                    raise ShardError(f"{mpath}: shards[{i}].file {s['file']!r} does not exist ({p})")
+                refs.append(ShardRef(p, s.get("rows"), s.get("tokens", s.get("num_tokens"))))
+    return refs
+
+
+def manifest_token_total(out_dirs: list[Path]) -> int:
+    total = 0
+    for d in out_dirs:
+        for _, man in find_manifests(d):
+            if man.get("kind") == TOKENIZED:
+                total += int(man.get("tokens") or sum(int(s.get("tokens") or 0) for s in man.get("shards", [])))
+    return total
+
+
+def read_shard(path: Path, vocab_size: int | None = None, max_length: int | None = None) -> Iterator[Row]:
+    """Rows of one shard, validated; truncated to ``max_length`` tokens when given."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types
+        raise ShardError(f"{path}: cannot read as Parquet: {exc}") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ShardError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(table.column_names)})")
+    ids = table.column("id").to_pylist()
+    toks = table.column("input_ids").to_pylist()
+    masks = table.column("loss_mask").to_pylist()
+    for i, (rid, t, m) in enumerate(zip(ids, toks, masks, strict=True)):
+        where = f"{path}: row {i} (id={rid!r})"
+        if t is None or m is None:
+            raise ShardError(f"{where}: input_ids/loss_mask is null")
+        if len(t) != len(m):
+            raise ShardError(f"{where}: loss_mask has {len(m)} values but input_ids has {len(t)}")
+        ti = np.asarray(t, dtype=np.int64)
+        mi = np.asarray(m, dtype=np.int64)
+        if mi.size and (mi.min() < 0 or mi.max() > 1):
+            raise ShardError(f"{where}: loss_mask must hold only 0 and 1")
+        if ti.size and (ti.min() < 0 or (vocab_size is not None and ti.max() >= vocab_size)):
+            raise ShardError(f"{where}: input_ids out of range 0..{(vocab_size or 0) - 1} (got {ti.min()}..{ti.max()})")
+        if max_length is not None:
+            ti, mi = ti[:max_length], mi[:max_length]
+        yield Row(str(rid), ti.astype(np.int32), mi.astype(np.int8), f"{path.name}:{i}")
+
+
+def iter_rows(out_dirs: list[Path], holdout: float, split: str = "train", vocab_size: int | None = None,
+              max_length: int | None = None) -> Iterator[Row]:
+    """Rows of the ``train`` or ``heldout`` split over all tokenized inputs, in a stable order."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    want_held = split == "heldout"
+    for ref in tokenized_shards(out_dirs):
+        for row in read_shard(ref.path, vocab_size, max_length):
+            if is_heldout(row.id, holdout) == want_held:
+                yield row

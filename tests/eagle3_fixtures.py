@@ -1,0 +1,104 @@
+"""Shared helpers for the EAGLE-3 stage tests: real tokenized shards, plans, and stage runs.
+
+The shards are made exactly as the prep contract says (docs/data-formats.md): the real SmolLM2
+tokenizer's chat template, ``loss_mask`` 1 on the assistant tokens, Parquet with ``id``,
+``input_ids`` (list<int32>), ``loss_mask`` (list<int8>) and ``num_tokens``, and a ``tokenized``
+manifest. Not a test module (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+MODEL = "builtin:smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parent.parent
+
+FRUITS = ["apples", "pears", "plums", "cherries", "lemons", "grapes", "mangoes", "peaches"]
+
+
+def conversations(n: int) -> list[tuple[str, list[dict]]]:
+    """Small, regular chats (so a few training steps already learn something)."""
+    out = []
+    for i in range(n):
+        a, b = i % 7 + 2, i % 5 + 3
+        fruit = FRUITS[i % len(FRUITS)]
+        out.append((f"row-{i:04d}", [
+            {"role": "user", "content": f"I have {a} {fruit} and buy {b} more. How many {fruit} do I have?"},
+            {"role": "assistant", "content": f"You have {a} {fruit} and you buy {b} more, so you have "
+                                             f"{a + b} {fruit} in total. Enjoy your {fruit}!"},
+        ]))
+    return out
+
+
+def _ids(enc: object) -> list[int]:
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def write_tokenized(out: Path, n: int = 24, rows_per_shard: int = 12) -> Path:
+    """A ``tokenized`` out dir with ``n`` rows in Parquet shards; returns ``out``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.model_assets import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    out.mkdir(parents=True, exist_ok=True)
+    recs = []
+    for rid, msgs in conversations(n):
+        prompt = _ids(tok.apply_chat_template(msgs[:-1], tokenize=True, add_generation_prompt=True))
+        full = _ids(tok.apply_chat_template(msgs, tokenize=True))
+        assert full[: len(prompt)] == prompt
+        recs.append((rid, full, [0] * len(prompt) + [1] * (len(full) - len(prompt))))
+    shards = []
+    for si in range(0, n, rows_per_shard):
+        part = recs[si:si + rows_per_shard]
+        table = pa.table({
+            "id": pa.array([r[0] for r in part], pa.string()),
+            "input_ids": pa.array([r[1] for r in part], pa.list_(pa.int32())),
+            "loss_mask": pa.array([r[2] for r in part], pa.list_(pa.int8())),
+            "num_tokens": pa.array([len(r[1]) for r in part], pa.int32()),
+        })
+        name = f"shard-{si // rows_per_shard:05d}.parquet"
+        pq.write_table(table, out / name)
+        shards.append({"file": name, "rows": len(part), "tokens": sum(len(r[1]) for r in part)})
+    (out / "manifest.json").write_text(json.dumps({
+        "kind": "tokenized", "dataset": "fixture", "rows": n, "tokens": sum(s["tokens"] for s in shards),
+        "shards": shards}))
+    return out
+
+
+def write_plan(path: Path, **sections: dict) -> Path:
+    """A plan with no stages, the demo target and the given ``[section]`` tables."""
+    lines = ['[run]', 'name = "t"', f'dir = "{path.parent / "run"}"', "", "[target]",
+             f'model = "{MODEL}"', "max_length = 256", ""]
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        for k, v in table.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def run_stage(module: str, plan: Path, out: Path, inputs: list[Path], *extra: str,
+              check: bool = True) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", module, "--plan", str(plan), "--out", str(out)]
+    for i in inputs:
+        argv += ["--input", str(i)]
+    p = subprocess.run([*argv, *extra], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{module} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
+def events(out: Path) -> list:
+    from pipeline.events import read_all
+
+    return read_all(out / "events.jsonl")
+
+
+def metrics(out: Path, name: str) -> list:
+    return [e for e in events(out) if e.type == "metric" and e.get("name") == name]
