@@ -27,7 +27,6 @@ from pipeline.procs import ProcIdentity, read_stat
 from pipeline.rundir import RunDir, read_json
 
 FOREIGN = "foreign"
-MIB = 1 << 20
 
 
 class GpuUnavailable(RuntimeError):
