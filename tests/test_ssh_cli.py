@@ -1,0 +1,138 @@
+"""The ``aerie`` CLI and the console over SSH, as an operator uses them: ~/.ssh/config alias, real sshd.
+
+HOME points at a temporary directory holding ``.ssh/config`` (alias ``aerie-box``) and
+``.ssh/known_hosts``, so nothing here depends on the machine's own ssh setup and the plan names
+only the alias — exactly what an operator writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest_ssh import stop_remote_run
+from rich.text import Text
+from textual.widgets import Static
+
+from console.app import AerieApp
+from console.ssh.commands import start_remote
+from pipeline import plan as plan_mod
+
+pytest_plugins = ["conftest_ssh"]
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def home(sshd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "home"
+    (h / ".ssh").mkdir(parents=True)
+    kh = sshd.write_known_hosts(h / ".ssh" / "known_hosts")
+    cfg = h / ".ssh" / "config"
+    cfg.write_text(f"Host aerie-box\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+                   f"  IdentityFile {sshd.client_key}\n  UserKnownHostsFile {kh}\n")
+    monkeypatch.setenv("HOME", str(h))
+    return h
+
+
+@pytest.fixture
+def alias_plan(home: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[Path, Path]]]:
+    """A plan naming only the alias; the run it creates on the "remote" is stopped afterwards."""
+    remote = tmp_path / "remote" / "runs" / "cli"
+
+    def write(stages: str, python: str = sys.executable) -> tuple[Path, Path]:
+        plan = tmp_path / "cli.toml"
+        plan.write_text(
+            f'[run]\nname = "cli"\ndir = "local"\n\n[executor]\nkind = "ssh"\nhost = "aerie-box"\n'
+            f'remote_dir = "{remote}"\npython = "{python}"\n\n[resources]\ncpu_slots = 2\n\n{stages}')
+        return plan, remote
+
+    yield write
+    stop_remote_run(remote)
+
+
+def aerie(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "console.cli", *argv], capture_output=True, text=True,
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+TWO = ('[[stage]]\nid = "make"\ncommand = "echo hello > f; sleep 0.5"\n\n'
+       '[[stage]]\nid = "use"\nafter = ["make"]\ncommand = "cat ../../make/out/f"\n')
+
+
+def test_preflight_run_status_and_attach_from_the_command_line(alias_plan):
+    plan, remote = alias_plan(TWO)
+    p = aerie("preflight", str(plan))
+    assert p.returncode == 0, p.stderr
+    assert "preflight aerie-box:" in p.stderr and "ready" in p.stderr
+    assert not (remote / "stages").exists(), "preflight starts nothing"
+
+    p = aerie("run", str(plan), "--headless", "--poll", "0.2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "run succeeded" in p.stdout
+
+    url = f"ssh://aerie-box{remote}"
+    p = aerie("status", url)
+    assert p.returncode == 0, p.stderr
+    lines = {ln.split()[0]: ln.split()[1] for ln in p.stdout.splitlines()}
+    assert lines == {"make": "succeeded", "use": "succeeded"}
+
+    p = aerie("kill", url, "make")
+    assert p.returncode == 3 and "not running" in p.stderr
+
+    p = aerie("attach", str(plan), "--headless", "--poll", "0.2")
+    assert p.returncode == 0 and "run succeeded" in p.stdout
+
+
+def test_preflight_refusal_exits_2_with_the_failed_check(alias_plan):
+    plan, remote = alias_plan('[[stage]]\nid = "a"\ncommand = "true"\n', python="/no/such/python3")
+    p = aerie("preflight", str(plan))
+    assert p.returncode == 2
+    assert "✗ python" in p.stderr and "REFUSED" in p.stderr
+    p = aerie("run", str(plan), "--headless")
+    assert p.returncode == 2 and "REFUSED" in p.stderr
+    assert not remote.exists()
+
+
+async def test_console_header_shows_host_rtt_and_a_drop(alias_plan, tmp_path, sshd):
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nfrom pipeline.runtime import StageContext\nc = StageContext.from_env()\n"
+                      "for i in range(100):\n    c.progress(i + 1, 100, force=True)\n    time.sleep(0.05)\n")
+    plan, _remote = alias_plan(f'[[stage]]\nid = "slow"\ncommand = "{sys.executable} {script}"\n')
+    transport = await asyncio.to_thread(start_remote, plan_mod.load(plan))  # preflight, bootstrap, supervisor
+    assert not isinstance(transport, int)
+    transport.conn.backoff_s = (0.1, 0.5)
+    app = AerieApp(transport, poll_s=0.2)
+
+    def header() -> str:
+        c = app.query_one("#header", Static).content
+        return c.plain if isinstance(c, Text) else str(c)
+
+    async with app.run_test(size=(140, 30)) as pilot:
+        pilot.describe = lambda: f"header={header()!r} error={app.model.error!r}"  # type: ignore[attr-defined]
+        await _until(pilot, lambda: app.model.stages.get("slow") and app.model.stages["slow"].state == "running")
+        await _until(pilot, lambda: "rtt" in header())
+        assert "aerie-box" in header()
+        sshd.drop()
+        await _until(pilot, lambda: "disconnected — retrying" in header())
+        sshd.start()
+        await _until(pilot, lambda: "rtt" in header() and "disconnected" not in header())
+        await _until(pilot, lambda: app.model.stages["slow"].state == "succeeded", timeout=30)
+        assert app.model.stages["slow"].progress.done == 100
+    await transport.close()
+
+
+async def _until(pilot, pred, timeout: float = 20.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"timed out: {getattr(pilot, 'describe', lambda: '')()}")
