@@ -6,15 +6,20 @@ sshd (started in ~50 ms) so stopping, restarting or re-keying it never leaks int
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from runs import kill_run_stages
 from sshd import LoopbackSshd, sshd_available
 
 from console.ssh.connection import HostConnection, SshTarget
+from pipeline.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.rundir import RunDir, read_json
 
 
 @pytest.fixture
@@ -53,12 +58,18 @@ def fast_conn(target: SshTarget) -> Callable[..., HostConnection]:
 
 
 @pytest.fixture
-def ssh_plan(sshd: LoopbackSshd, known_hosts: Path, tmp_path: Path) -> Callable[..., Path]:
-    """Write an ssh plan for the loopback sshd; ``stages`` is the TOML of its [[stage]] tables."""
+def ssh_plan(sshd: LoopbackSshd, known_hosts: Path, tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """Write an ssh plan for the loopback sshd; ``stages`` is the TOML of its [[stage]] tables.
+
+    Afterwards the runs these plans created on the "remote" are stopped by their recorded
+    identities (stage groups, then the supervisor), so a failing test leaves nothing running.
+    """
+    remotes: list[Path] = []
 
     def write(stages: str, name: str = "plan.toml", remote_dir: Path | None = None, python: str = sys.executable,
               options: str = "", executor: str | None = None) -> Path:
         remote = remote_dir or tmp_path / "remote" / "not" / "yet" / "there" / "run"
+        remotes.append(remote)
         ex = executor or textwrap.dedent(f"""\
             host = "127.0.0.1"
             port = {sshd.port}
@@ -75,4 +86,18 @@ def ssh_plan(sshd: LoopbackSshd, known_hosts: Path, tmp_path: Path) -> Callable[
         path.write_text(body)
         return path
 
-    return write
+    yield write
+    for remote in remotes:
+        stop_remote_run(remote)
+
+
+def stop_remote_run(root: Path) -> None:
+    """Stop a run's stage groups and its supervisor by their recorded pid + start time (never by name)."""
+    run = RunDir(root)
+    if not run.exists():
+        return
+    kill_run_stages(run)
+    rec = read_json(run.supervisor_path)
+    if rec:
+        with contextlib.suppress(StrangerError, PermissionError):
+            signal_group(ProcIdentity.from_dict(rec), signal.SIGTERM)

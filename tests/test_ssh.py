@@ -286,3 +286,22 @@ async def test_channels_stay_within_the_servers_max_sessions(tmp_path, known_hos
 async def _until(pred, every_s: float = 0.05) -> None:
     while not pred():
         await asyncio.sleep(every_s)
+
+
+async def test_polls_cancelled_mid_connect_do_not_leak_channels(ssh_plan, fast_conn, target):
+    # The console's poll worker is exclusive: every tick cancels the previous poll, which may be
+    # in the middle of starting the remote agent (a login shell + python: ~0.3 s here).
+    first = ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n')
+    async with fast_conn() as setup:
+        layout = (await bootstrap(first, setup)).layout
+    conn = fast_conn(SshTarget(**{**target.__dict__, "max_sessions": 3}))
+    async with conn:
+        transport = SshTransport(conn, layout, owns_connection=False)
+        for _ in range(12):  # more than max_sessions cancelled starts
+            task = asyncio.get_running_loop().create_task(transport.read_many([("state.json", 0)]))
+            await asyncio.sleep(0.02)
+            task.cancel()
+        res = await asyncio.wait_for(transport.read_many([("plan.toml", 0)]), 20)
+        assert res[0].size > 0 and b"[executor]" in res[0].data
+        assert conn.sessions_in_use == 1  # just the agent's channel
+        await transport.close()

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 
 from console.ssh.connection import HostConnection, SshError, SshTarget, parse_ssh_url
 from console.ssh.preflight import preflight
@@ -26,11 +25,6 @@ EXIT_OK, EXIT_USAGE = 0, 2
 
 def _err(text: str) -> None:
     print(f"aerie: error: {text}", file=sys.stderr)
-
-
-def is_remote_arg(arg: str) -> bool:
-    """``aerie attach|status|kill ...`` names a run by ``ssh://`` URL or by its plan file."""
-    return arg.startswith("ssh://") or (arg.endswith(".toml") and Path(arg).is_file())
 
 
 def _load_ssh_plan(path: str) -> plan_mod.Plan | int:

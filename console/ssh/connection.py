@@ -388,6 +388,9 @@ class HostConnection:
         except (asyncssh.Error, OSError) as exc:
             release()
             raise self._channel_error(exc) from None
+        except BaseException:  # cancelled while opening: give the slot back
+            release()
+            raise
         return proc, release
 
     @contextlib.asynccontextmanager

@@ -129,8 +129,9 @@ class _Agent:
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            self.pending.pop(rid, None)
             raise NotConnected(f"{self.label}: no answer from the remote agent within {timeout_s:g}s") from None
+        finally:
+            self.pending.pop(rid, None)  # answered, timed out, or the caller was cancelled
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -148,7 +149,7 @@ class SshTransport:
         self.run_root = layout.root
         self.owns_connection = owns_connection
         self._agent: _Agent | None = None
-        self._lock: asyncio.Lock | None = None
+        self._starting: asyncio.Task | None = None
         self._ever_connected = conn.connected
         self.remote_pipeline = ""  # where the agent's pipeline package lives on the host (diagnostics)
 
@@ -158,31 +159,42 @@ class SshTransport:
 
     # -------------------------------------------------------------------------------- agent
     async def _ensure_agent(self) -> _Agent:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            if self._agent is not None and self._agent.alive:
-                return self._agent
-            if not self._ever_connected:
-                # First use (e.g. inside the console's own event loop): connect strictly.
-                await self.conn.connect()
-                self._ever_connected = True
-            cmd = remote_python(self.layout.python, self.layout.pythonpath, "-m", "pipeline.remote_agent",
-                                self.layout.root)
-            proc, release = await self.conn.open_process(cmd)
-            agent = _Agent(proc, release, self.conn.target.label)
+        """The live agent, starting one if needed.
+
+        The start runs as its own task that callers only wait on (shielded): the console's poll
+        worker is cancelled and re-issued every tick, and a start cut off half-way would leak a
+        channel (and a MaxSessions slot) each time.
+        """
+        if self._agent is not None and self._agent.alive:
+            return self._agent
+        if self._starting is None or self._starting.done():
+            self._starting = asyncio.get_running_loop().create_task(self._start_agent())
+            self._starting.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(self._starting)
+
+    async def _start_agent(self) -> _Agent:
+        if not self._ever_connected:
+            # First use (e.g. inside the console's own event loop): connect strictly.
+            await self.conn.connect()
+            self._ever_connected = True
+        cmd = remote_python(self.layout.python, self.layout.pythonpath, "-m", "pipeline.remote_agent",
+                            self.layout.root)
+        proc, release = await self.conn.open_process(cmd)
+        agent = _Agent(proc, release, self.conn.target.label)
+        try:
             hello = await agent.call("hello", CALL_TIMEOUT_S)
             if hello.get("protocol") != AGENT_PROTOCOL:
-                agent.close()
                 raise SshError(f"{self.conn.target.label}: the remote pipeline speaks agent protocol "
                                f"{hello.get('protocol')}, this console {AGENT_PROTOCOL}: run `aerie preflight PLAN` "
                                "to upload the matching pipeline package")
             if not hello.get("exists"):
-                agent.close()
                 raise SshError(f"{self.conn.target.label}: no Aerie run at {self.layout.root} (no plan.toml there)")
-            self.remote_pipeline = str(hello.get("pipeline", ""))
-            self._agent = agent
-            return agent
+        except BaseException:
+            agent.close()
+            raise
+        self.remote_pipeline = str(hello.get("pipeline", ""))
+        self._agent = agent
+        return agent
 
     async def _call(self, op: str, timeout_s: float = CALL_TIMEOUT_S, **payload: Any) -> dict[str, Any]:
         agent = await self._ensure_agent()
@@ -223,6 +235,8 @@ class SshTransport:
         return time.perf_counter() - t0
 
     async def close(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
         if self._agent is not None:
             self._agent.close()
             self._agent = None
