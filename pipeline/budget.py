@@ -1,22 +1,26 @@
 """Disk budget and GPU guard: projected output bytes, and the two admission checks.
 
 Every stage may declare ``output_bytes`` in the plan. Extraction (``run = "pipeline.extract"``)
-is projected from the plan and the upstream manifests instead::
+is projected from the plan and the upstream manifests instead, the way ``pipeline.extract`` and
+``pipeline.hidden_store`` store it::
 
-    bytes = tokens x captured layers x hidden size x dtype bytes
+    bytes = tokens x captured layers x hidden size x dtype bytes  (+ 9 B/token: ids, mask, argmax)
 
-with ``tokens`` the sum of ``"tokens"`` in the ``manifest.json`` of each upstream stage's out dir
-(or of its sub-folders), ``captured layers`` the aux layers EAGLE-3 fuses (``[extract]
-aux_layers``, default 3) plus the final hidden state (``capture_final``, default true), ``hidden
-size`` from ``[extract] hidden_size``, ``[target] hidden_size`` or the target's ``config.json``, and
-the dtype from ``[extract] dtype`` (default bf16). ``[extract] mode = "online"`` stores nothing.
+with ``tokens`` the sum of ``"tokens"`` of the ``tokenized`` manifests (``manifest.json`` of each
+upstream out dir, or of its sub-folders; ``prompts`` manifests carry none), capped by ``[extract]
+max_tokens`` / ``max_rows``; ``captured layers`` the three aux layers EAGLE-3 fuses (``[extract]
+aux_layers``) plus the final hidden state; ``hidden size`` from the target's ``config.json`` (local
+folder, bundled model or Hugging Face cache; ``[target] hidden_size`` overrides); stored as bf16.
+``[extract] mode = "online"`` (or ``[train] mode``) stores nothing. The held-out rows are counted
+too, so before the stage runs this is an upper bound; once it runs, the ``projected_bytes`` metric it
+emits replaces it.
 
 Before a stage starts the supervisor calls :func:`disk_budget_check`: it refuses when the bytes the
 stage still has to write exceed the free space of the run-dir filesystem minus ``[resources]
 disk_reserve_gb`` (default 1) minus what running stages have still to write. :func:`gpu_guard_check`
-refuses a stage that needs GPUs while any process it does not own holds one of them, naming the
-pid, its owner ("foreign" or a stage) and the GPU. ``python -m pipeline.ctl RUN force STAGE``
-overrides both once; the supervisor records that in the stage's events.
+refuses a stage that needs GPUs while any process holds one of them, naming the pid, its owner
+("foreign" or a stage) and the GPU. ``python -m pipeline.ctl RUN force STAGE`` overrides both once;
+the supervisor records that in the stage's events.
 """
 
 from __future__ import annotations
@@ -35,9 +39,6 @@ from pipeline.rundir import RunDir
 if TYPE_CHECKING:
     from pipeline.supervisor import Supervisor
 
-DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4,
-               "float": 4, "float8": 1, "fp8": 1, "float8_e4m3fn": 1}
-DEFAULT_AUX_LAYERS = 3
 DEFAULT_RESERVE_GB = 1.0
 GB = 10**9
 
@@ -73,27 +74,35 @@ class BudgetError(ValueError):
 
 
 # ------------------------------------------------------------------------------ projection
-def manifest_tokens(out_dir: Path) -> int | None:
-    """Sum of ``tokens`` in ``out_dir/manifest.json``, else in ``out_dir/*/manifest.json``."""
+STORED_DTYPE_BYTES = 2  # hidden states are stored as bf16 whatever the compute dtype
+EXTRA_BYTES_PER_TOKEN = 4 + 1 + 4  # input_ids int32, loss_mask int8, target_argmax int32
+TOKENIZED = "tokenized"
+
+
+def manifest_tokens(out_dir: Path) -> tuple[int, int] | None:
+    """(tokens, rows) of the ``tokenized`` manifests of ``out_dir`` (top level, else sub-folders)."""
     top = out_dir / "manifest.json"
     files = [top] if top.is_file() else sorted(out_dir.glob("*/manifest.json"))
-    if not files:
-        return None
-    total = 0
+    tokens, rows, found = 0, 0, False
     for f in files:
         try:
             doc = json.loads(f.read_text())
         except ValueError as exc:
             raise BudgetError(f"{f}: not valid JSON: {exc}") from None
-        tok = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict) or doc.get("kind", TOKENIZED) != TOKENIZED:
+            continue  # prompts for regeneration: nothing to extract from them
+        tok = doc.get("tokens")
         if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
             raise BudgetError(f"{f}: 'tokens' must be a non-negative integer, got {tok!r}")
-        total += tok
-    return total
+        tokens += tok
+        r = doc.get("rows")
+        rows += r if isinstance(r, int) and not isinstance(r, bool) and r > 0 else 0
+        found = True
+    return (tokens, rows) if found else None
 
 
 def _config_hidden_size(model: str) -> int | None:
-    """``hidden_size`` from the target's config.json, without loading the model."""
+    """``hidden_size`` from the target's config.json, without loading the model (or transformers)."""
     cfg: Path | None = None
     if model.startswith("builtin:"):
         from pipeline.model_assets import cache_dir
@@ -119,42 +128,72 @@ def _config_hidden_size(model: str) -> int | None:
     return int(hs) if isinstance(hs, int) else None
 
 
-def _int_key(plan: Plan, table: str, key: str, value: Any) -> int:
+def _positive_int(plan: Plan, key: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BudgetError(f"{plan.path}: {table}.{key}: expected a positive integer, got {value!r}")
+        raise BudgetError(f"{plan.path}: {key}: expected a positive integer, got {value!r}")
     return value
 
 
+def storage_mode(plan: Plan) -> str:
+    """``offline`` (hidden states stored) or ``online`` (nothing stored): ``[extract]``/``[train] mode``."""
+    mode = plan.section("extract").get("mode") or plan.section("train").get("mode") or "offline"
+    if mode not in ("offline", "online"):
+        raise BudgetError(f"{plan.path}: extract.mode: expected offline or online, got {mode!r}")
+    return str(mode)
+
+
+def emitted_projection(run: RunDir, sid: str, scan_bytes: int = 256 << 10) -> int | None:
+    """The ``projected_bytes`` metric a running extraction emitted (early in its events), if any."""
+    try:
+        with open(run.stage(sid).events, "rb") as fh:
+            head = fh.read(scan_bytes)
+    except OSError:
+        return None
+    found = None
+    for line in head.splitlines():
+        if b'"projected_bytes"' not in line:
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("type") == "metric" and ev.get("name") == "projected_bytes" and isinstance(ev.get("value"), int | float):
+            found = int(ev["value"])
+    return found
+
+
 def extraction_projection(spec: StageSpec, plan: Plan, run: RunDir) -> Projection | None:
-    """The projected bytes of an extraction stage; ``None`` when online or not yet computable."""
-    ext = plan.section("extract")
-    if ext.get("mode", "offline") == "online":
+    """The projected bytes of an extraction stage; ``None`` while it cannot be computed yet."""
+    if storage_mode(plan) == "online":
         return Projection(0, "online extraction stores nothing")
-    layers_v = ext.get("aux_layers", ext.get("layers", DEFAULT_AUX_LAYERS))
-    aux = len(layers_v) if isinstance(layers_v, list) else _int_key(plan, "extract", "aux_layers", layers_v)
-    layers = aux + (1 if ext.get("capture_final", True) else 0)
-    dtype = str(ext.get("dtype", "bfloat16"))
-    if dtype not in DTYPE_BYTES:
-        raise BudgetError(f"{plan.path}: extract.dtype: unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
-    if "hidden_size" in ext:
-        hidden = _int_key(plan, "extract", "hidden_size", ext["hidden_size"])
-    elif "hidden_size" in plan.target:
-        hidden = _int_key(plan, "target", "hidden_size", plan.target["hidden_size"])
+    emitted = emitted_projection(run, spec.id)
+    if emitted is not None:
+        return Projection(emitted, "projected_bytes reported by the stage")
+    ext = plan.section("extract")
+    aux_v = ext.get("aux_layers", [0, 0, 0])
+    if not isinstance(aux_v, list) or not aux_v:
+        raise BudgetError(f"{plan.path}: extract.aux_layers: expected a list of layer ids, got {aux_v!r}")
+    layers = len(aux_v) + 1  # + the final hidden state
+    if "hidden_size" in plan.target:
+        hidden = _positive_int(plan, "target.hidden_size", plan.target["hidden_size"])
     else:
         h = _config_hidden_size(str(plan.target.get("model", "")))
         if h is None:
             return None
         hidden = h
-    tokens, found = 0, False
+    tokens, rows, found = 0, 0, False
     for dep in spec.after:
-        t = manifest_tokens(run.stage(dep).out)
-        if t is not None:
-            tokens += t
-            found = True
+        got = manifest_tokens(run.stage(dep).out)
+        if got is not None:
+            tokens, rows, found = tokens + got[0], rows + got[1], True
     if not found:
         return None
-    b = extraction_bytes(tokens, layers, hidden, DTYPE_BYTES[dtype])
-    return Projection(b, f"{tokens:,} tokens x {layers} layers x hidden {hidden} x {DTYPE_BYTES[dtype]} B ({dtype})")
+    if ext.get("max_rows") and rows:
+        tokens = min(tokens, tokens * _positive_int(plan, "extract.max_rows", ext["max_rows"]) // rows)
+    if ext.get("max_tokens"):
+        tokens = min(tokens, _positive_int(plan, "extract.max_tokens", ext["max_tokens"]))
+    b = extraction_bytes(tokens, layers, hidden, STORED_DTYPE_BYTES) + tokens * EXTRA_BYTES_PER_TOKEN
+    return Projection(b, f"{tokens:,} tokens x {layers} layers x hidden {hidden} x {STORED_DTYPE_BYTES} B (bf16)")
 
 
 def projected_bytes(spec: StageSpec, plan: Plan, run: RunDir) -> Projection | None:

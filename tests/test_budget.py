@@ -50,53 +50,84 @@ name = "b"
 dir = "run"
 [target]
 model = "{model}"
+{target}
 [extract]
 {extract}
 [[stage]]
 id = "prep"
 command = "true"
 for_each = "dataset"
-{datasets}
+[[stage]]
+id = "extract"
+run = "pipeline.extract"
+after = ["prep.*"]
 """
 
 
-def _extract_setup(tmp_path: Path, extract: str, model: str = "x/none") -> tuple[plan_mod.Plan, RunDir, StageSpec]:
+def _extract_setup(tmp_path: Path, extract: str = "", model: str = "x/none",
+                   target: str = "hidden_size = 576") -> tuple[plan_mod.Plan, RunDir, StageSpec]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ds = "".join(f'[[datasets]]\nname = "{n}"\nsource = "s"\nkind = "target-native"\nquota = 10\n' for n in "ab")
-    run = make_run(tmp_path, EXTRACT_PLAN.format(model=model, extract=extract, datasets=ds))
+    ds = "".join(f'[[datasets]]\nname = "{n}"\nsource = "s"\nkind = "target-native"\nquota = 10\n' for n in "abc")
+    run = make_run(tmp_path, EXTRACT_PLAN.format(model=model, target=target, extract=extract) + ds)
     plan = plan_mod.load(run.plan_path, run_dir=run.root)
-    # pipeline.extract is another issue's stage; its spec is what the plan will expand to.
-    spec = StageSpec(id="extract", family="extract", run="pipeline.extract", after=("prep.a", "prep.b"))
-    return plan, run, spec
+    return plan, run, plan.stage("extract")
+
+
+def _manifests(run: RunDir) -> None:
+    write_json(run.stage("prep.a").out / "manifest.json", {"kind": "tokenized", "rows": 9, "tokens": 1200})
+    for shard, tok in (("s0", 300), ("s1", 500)):  # per-folder manifests are summed too
+        write_json(run.stage("prep.b").out / shard / "manifest.json", {"kind": "tokenized", "rows": 3, "tokens": tok})
+    write_json(run.stage("prep.c").out / "manifest.json", {"kind": "prompts", "rows": 40})  # nothing to extract
 
 
 def test_extraction_projection_reads_prep_manifests_and_the_plan(tmp_path: Path) -> None:
-    plan, run, spec = _extract_setup(tmp_path, 'aux_layers = [1, 14, 26]\nhidden_size = 576\ndtype = "bfloat16"')
+    plan, run, spec = _extract_setup(tmp_path, "aux_layers = [1, 14, 26]")
     assert budget.projected_bytes(spec, plan, run) is None  # prep has not written its manifests yet
-    write_json(run.stage("prep.a").out / "manifest.json", {"rows": 9, "tokens": 1200})
-    for shard, tok in (("s0", 300), ("s1", 500)):  # per-shard manifests are summed too
-        write_json(run.stage("prep.b").out / shard / "manifest.json", {"tokens": tok})
+    _manifests(run)
     proj = budget.projected_bytes(spec, plan, run)
     assert proj is not None
-    assert proj.bytes == 2000 * (3 + 1) * 576 * 2
+    assert proj.bytes == budget.extraction_bytes(2000, 3 + 1, 576, 2) + 2000 * 9
     assert "2,000 tokens x 4 layers x hidden 576" in proj.how
+    # The same bytes per token as the extraction stage's own store.
+    from pipeline import hidden_store
+
+    assert proj.bytes == 2000 * hidden_store.bytes_per_token(576, 3)
 
 
-def test_hidden_size_comes_from_the_target_config_and_online_stores_nothing(tmp_path: Path) -> None:
+def test_caps_online_mode_and_the_stage_own_projection(tmp_path: Path) -> None:
+    plan, run, spec = _extract_setup(tmp_path / "cap", "max_tokens = 1000")
+    _manifests(run)
+    assert budget.projected_bytes(spec, plan, run).bytes == 1000 * (4 * 576 * 2 + 9)
+    plan2, run2, spec2 = _extract_setup(tmp_path / "online", 'mode = "online"')
+    _manifests(run2)
+    assert budget.projected_bytes(spec2, plan2, run2).bytes == 0
+    # Once the stage runs, what it reports (held-out rows excluded) replaces the estimate.
+    plan3, run3, spec3 = _extract_setup(tmp_path / "emitted")
+    _manifests(run3)
+    from pipeline.events import EventWriter
+
+    with EventWriter(run3.stage("extract").events) as w:
+        w.emit("started", attempt=1, pid=1)
+        w.emit("metric", name="projected_bytes", value=1234567, tokens=1900)
+    proj = budget.projected_bytes(spec3, plan3, run3)
+    assert proj.bytes == 1234567 and "reported by the stage" in proj.how
+
+
+def test_hidden_size_comes_from_the_target_config(tmp_path: Path) -> None:
     model = tmp_path / "kimi"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 7168}}))
-    plan, run, spec = _extract_setup(tmp_path, "capture_final = false", model=str(model))
-    write_json(run.stage("prep.a").out / "manifest.json", {"tokens": 10})
-    assert budget.projected_bytes(spec, plan, run).bytes == 10 * 3 * 7168 * 2
-    plan2, run2, spec2 = _extract_setup(tmp_path / "o", 'mode = "online"')
-    assert budget.projected_bytes(spec2, plan2, run2).bytes == 0
+    plan, run, spec = _extract_setup(tmp_path / "p", model=str(model), target="")
+    _manifests(run)
+    assert budget.projected_bytes(spec, plan, run).bytes == 2000 * (4 * 7168 * 2 + 9)
+    plan2, run2, spec2 = _extract_setup(tmp_path / "unknown", target="")  # no config anywhere: cannot project
+    _manifests(run2)
+    assert budget.projected_bytes(spec2, plan2, run2) is None
 
 
 def test_a_bad_manifest_is_named_in_the_error(tmp_path: Path) -> None:
-    plan, run, spec = _extract_setup(tmp_path, "hidden_size = 64")
-    bad = run.stage("prep.a").out / "manifest.json"
-    write_json(bad, {"tokens": "lots"})
+    plan, run, spec = _extract_setup(tmp_path)
+    write_json(run.stage("prep.a").out / "manifest.json", {"kind": "tokenized", "tokens": "lots"})
     with pytest.raises(budget.BudgetError, match=r"prep\.a/out/manifest\.json: 'tokens'"):
         budget.projected_bytes(spec, plan, run)
 
