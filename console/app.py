@@ -19,7 +19,7 @@ from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.containers import Vertical
 from textual.css.query import NoMatches
-from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets import Footer, Input, Static
 
 from console.model import RunModel, StageView
 from console.screens.dialogs import ConfirmScreen, HelpScreen
@@ -80,6 +80,7 @@ class AerieApp(App[int]):
         self._theme_name = theme
         self._styles: dict[str, str] = {}
         self._log_screen: LogScreen | None = None
+        self._shown: dict[str, object] = {}
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -126,6 +127,9 @@ class AerieApp(App[int]):
         self.refresh_view(changed)
 
     def refresh_view(self, changed: set[str]) -> None:
+        ticking = any(s.state in ("running", "paused") for s in self.model.stages.values())
+        if not changed and not ticking:
+            return  # nothing new and no elapsed clock to advance
         board = self.query_one(StageBoard)
         board.sync(self.model)
         self._update_header()
@@ -134,7 +138,7 @@ class AerieApp(App[int]):
         self.model.watch_log(st.id if st else None)
         if st is not None and (st.id != detail.stage_id):
             detail.show(st)
-        elif st is not None:
+        elif st is not None and (st.id in changed or "*" in changed or st.state in ("running", "paused")):
             detail.sync(st)
         if self._log_screen is not None and self._log_screen.is_attached:
             s = self.model.stages.get(self._log_screen.stage_id)
@@ -152,7 +156,7 @@ class AerieApp(App[int]):
         t.append(f" {m.run_dir} ", style="dim")
         for state, n in sorted(m.counts().items()):
             t.append(f" {n} {state} ", style=self.state_style(state))
-        self.query_one("#header", Static).update(t)
+        self._set_text("#header", t)
         line = Text()
         if m.error:
             line.append(m.error, style=self.state_style("failed"))
@@ -167,10 +171,17 @@ class AerieApp(App[int]):
                         style=self.state_style("paused"))
         else:
             line.append(f"supervisor pid {m.supervisor_pid} · polling every {self.poll_s:g}s")
-        self.query_one("#status-line", Static).update(line)
+        self._set_text("#status-line", line)
 
-    @on(DataTable.RowHighlighted)
-    def _row_changed(self, _event: DataTable.RowHighlighted) -> None:
+    def _set_text(self, selector: str, text: Text) -> None:
+        """Update a one-line Static only when its text changed."""
+        key = (text.plain, tuple((sp.start, sp.end, str(sp.style)) for sp in text.spans))
+        if self._shown.get(selector) != key:
+            self._shown[selector] = key
+            self.query_one(selector, Static).update(text, layout=False)
+
+    @on(StageBoard.Highlighted)
+    def _row_changed(self, _event: StageBoard.Highlighted) -> None:
         st = self.query_one(StageBoard).selected_stage(self.model)
         self.model.watch_log(st.id if st else None)
         self.query_one(StageDetail).show(st)

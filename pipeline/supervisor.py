@@ -128,6 +128,7 @@ class Supervisor:
         self._last_written: str = ""
         self._last_write_t = 0.0
         self._lock_fd: int | None = None
+        self._refused: dict[str, str] = {}
         self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
 
     # ----------------------------------------------------------------------------------- utils
@@ -425,6 +426,7 @@ class Supervisor:
     def schedule(self) -> int:
         now = time.time()
         launched = 0
+        self._refused = {}
         for sid in self.order:
             st = self.status[sid]
             if st.state == "failed" and st.retry_at is not None and now >= st.retry_at:
@@ -437,6 +439,7 @@ class Supervisor:
             why = self.why_not_admitted(self.specs[sid])
             if why:
                 st.state, st.reason = "pending", why
+                self._refused[sid] = why
                 continue
             self.launch(sid)
             launched += 1
@@ -505,6 +508,9 @@ class Supervisor:
         launched = self.schedule()
         if acted or launched:
             self.refresh()  # dependants of what just changed see it in this snapshot
+            for sid, why in self._refused.items():
+                if self.status[sid].state == "ready":  # keep showing why it is not admitted
+                    self.status[sid].state, self.status[sid].reason = "pending", why
         self.write_state()
 
     def run_forever(self, exit_when_done: bool = True) -> int:

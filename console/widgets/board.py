@@ -1,23 +1,40 @@
 """The stage board: the run's DAG as a table, one row per stage, families grouped as blocks.
 
-Columns: stage, state, attempt, elapsed, progress bar, rate, ETA, note (why it waits, health,
-accept length...). A family with several members (the 10 preps) gets a header row with the
+Columns: stage, state, attempt, elapsed, progress bar, done/total, rate, ETA, note (why it waits,
+health, accept length...). A family with several members (the 10 preps) gets a header row with the
 aggregate progress and state counts, then its members indented below it. State colours come from
 the app's theme (``App.state_style``), never from this widget.
+
+It renders through Textual's line API with one cached strip per row, so a board at rest costs
+nothing and a tick re-renders only the rows whose text changed (a DataTable re-renders every cell
+of every row on any update: measured 3x the CPU, see docs/performance.md).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
-from textual.widgets import DataTable
+from textual.binding import Binding
+from textual.events import Click
+from textual.geometry import Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
 
 from console import fmt
 from console.model import RunModel, StageView
 
 COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA", "Note")
+WIDTHS = (0, 16, 4, 9, 18, 14, 15, 9, 0)  # 0: sized from content (stage) or the rest (note)
 GROUP_PREFIX = "group:"
+# A family row shows the state that most needs the operator's eye.
+FAMILY_PRECEDENCE = ("failed", "killed", "unhealthy", "paused", "pausing", "running", "starting", "ready",
+                     "upstream-failed", "pending", "succeeded", "skipped")
+Cell = str | Text
 
 
 def note_for(st: StageView) -> str:
@@ -38,38 +55,78 @@ def note_for(st: StageView) -> str:
     return ""
 
 
-class StageBoard(DataTable):
+def _sig(cells: tuple[Cell, ...]) -> tuple:
+    """A hashable signature of a row's content (Rich Text is not hashable)."""
+    return tuple((c.plain, str(c.style), tuple((sp.start, sp.end, str(sp.style)) for sp in c.spans))
+                 if isinstance(c, Text) else c for c in cells)
+
+
+@dataclass
+class _Row:
+    key: str
+    cells: tuple[Cell, ...]
+    sig: tuple = ()
+
+    def __post_init__(self) -> None:
+        self.sig = _sig(self.cells)
+
+
+class StageBoard(ScrollView, can_focus=True):
     """The board. Call :meth:`sync` with the model after each poll."""
 
+    BINDINGS = [
+        Binding("up,k_up", "cursor(-1)", "Up", show=False),
+        Binding("down", "cursor(1)", "Down", show=False),
+        Binding("pageup", "cursor(-10)", show=False),
+        Binding("pagedown", "cursor(10)", show=False),
+        Binding("home", "cursor_to(0)", show=False),
+        Binding("end", "cursor_to(-1)", show=False),
+    ]
     DEFAULT_CSS = """
     StageBoard { height: 1fr; }
+    StageBoard > .board--header { text-style: bold; background: $panel; }
+    StageBoard > .board--cursor { background: $block-cursor-background; color: $block-cursor-foreground;
+                                  text-style: bold; }
+    StageBoard:blur > .board--cursor { background: $block-cursor-blurred-background; }
     """
+    COMPONENT_CLASSES = {"board--header", "board--cursor"}
+
+    class Highlighted(Message):
+        def __init__(self, key: str | None) -> None:
+            super().__init__()
+            self.key = key
 
     def __init__(self, **kw: object) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=False, **kw)  # type: ignore[arg-type]
+        super().__init__(**kw)  # type: ignore[arg-type]
         self.filter_text = ""
-        self._keys: list[str] = []
+        self._rows: list[_Row] = []
+        self._index: dict[str, int] = {}
         self._last_members: set[str] = set()
+        self._cache: dict[tuple, Strip] = {}
+        self.cursor_row = 0
+        self._stage_w = 20
 
-    def on_mount(self) -> None:
-        for name in COLUMNS:
-            self.add_column(name, key=name)
+    # ------------------------------------------------------------------------------ queries
+    @property
+    def row_count(self) -> int:
+        return len(self._rows)
 
-    # ------------------------------------------------------------------------------------------
+    def get_row(self, key: str) -> tuple[Cell, ...]:
+        return self._rows[self._index[key]].cells
+
     @property
     def selected_key(self) -> str | None:
-        if not self._keys or self.cursor_row < 0 or self.cursor_row >= len(self._keys):
+        if not self._rows:
             return None
-        return self._keys[self.cursor_row]
+        return self._rows[min(self.cursor_row, len(self._rows) - 1)].key
 
     def selected_stage(self, model: RunModel) -> StageView | None:
         key = self.selected_key
-        if key is None:
-            return None
-        if key.startswith(GROUP_PREFIX):
+        if key is None or key.startswith(GROUP_PREFIX):
             return None
         return model.stages.get(key)
 
+    # ------------------------------------------------------------------------------ model -> rows
     def _visible(self, model: RunModel) -> list[tuple[str, StageView | None, list[StageView]]]:
         rows: list[tuple[str, StageView | None, list[StageView]]] = []
         self._last_members = set()
@@ -87,32 +144,31 @@ class StageBoard(DataTable):
         return rows
 
     def sync(self, model: RunModel) -> None:
-        rows = self._visible(model)
-        keys = [k for k, _, _ in rows]
         now = time.time()
-        if keys != self._keys:
-            selected = self.selected_key
-            self.clear()
-            for key, st, members in rows:
-                self.add_row(*self._cells(key, st, members, now), key=key)
-            self._keys = keys
-            if selected in keys:
-                self.move_cursor(row=keys.index(selected), animate=False)
-            return
-        for key, st, members in rows:
-            for col, value in zip(COLUMNS, self._cells(key, st, members, now), strict=True):
-                self.update_cell(key, col, value)
+        selected = self.selected_key
+        new = [_Row(key, self._cells(key, st, members, now)) for key, st, members in self._visible(model)]
+        if [r.sig for r in new] == [r.sig for r in self._rows]:
+            return  # nothing changed: no repaint at all
+        structure_changed = [r.key for r in new] != [r.key for r in self._rows]
+        self._rows = new
+        self._index = {r.key: i for i, r in enumerate(new)}
+        self._stage_w = max([len(str(r.cells[0])) for r in new] + [12]) + 1
+        if structure_changed:
+            self.virtual_size = Size(self.size.width, len(new) + 1)
+            self.cursor_row = self._index.get(selected, min(self.cursor_row, max(0, len(new) - 1))) if selected else 0
+            if self.selected_key != selected:
+                self.post_message(self.Highlighted(self.selected_key))
+        self.refresh()
 
     def _style(self, state: str) -> str:
         style_of = getattr(self.app, "state_style", None)
         return style_of(state) if style_of else ""
 
-    def _cells(self, key: str, st: StageView | None, members: list[StageView], now: float) -> tuple:
+    def _cells(self, key: str, st: StageView | None, members: list[StageView], now: float) -> tuple[Cell, ...]:
         if st is None:  # a family header
             fam = key[len(GROUP_PREFIX):]
             done = sum(m.progress.done for m in members)
             total = sum(m.progress.total or 0 for m in members)
-            frac = done / total if total else None
             counts: dict[str, int] = {}
             for m in members:
                 counts[m.display_state] = counts.get(m.display_state, 0) + 1
@@ -126,27 +182,102 @@ class StageBoard(DataTable):
             eta = max((m.progress.eta_s() or 0 for m in members if m.state == "running"), default=None) or None
             spans = [(m.started_at, m.started_at + (m.elapsed_s(now) or 0)) for m in members if m.started_at]
             elapsed = max(e for _, e in spans) - min(b for b, _ in spans) if spans else None
-            return (Text(f"▾ {fam} ({len(members)})", style="bold"), summary, "", fmt.duration(elapsed),
-                    _bar(frac), f"{fmt.count(done)}/{fmt.count(total)}" if total else "", fmt.rate(rate, unit) if rate else "",
-                    fmt.duration(eta) if eta else "", "")
+            overall = next((s for s in FAMILY_PRECEDENCE if s in counts), "pending")
+            return (Text(f"▾ {fam} ({len(members)})", style="bold"), Text(overall, style=self._style(overall)), "",
+                    fmt.duration(elapsed), _bar(done / total if total else None),
+                    f"{fmt.count(done)}/{fmt.count(total)}" if total else "",
+                    fmt.rate(rate, unit) if rate else "", fmt.duration(eta) if eta else "", summary)
         branch = "└" if st.id in self._last_members else "├"
-        label = Text(f" {branch} {st.id}") if st.family != st.id else Text(st.id)
+        label = f" {branch} {st.id}" if st.family != st.id else st.id
         state = st.display_state
         frac = st.progress.fraction
         done = (f"{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)}" if st.progress.total
                 else (fmt.count(st.progress.done) if st.progress.t else ""))
         running = st.state == "running"
+        eta = st.progress.eta_s() if running else None
         return (
-            label,
-            Text(state, style=self._style(state)),
-            str(st.attempt),
-            fmt.duration(st.elapsed_s(now)),
-            _bar(frac if st.state != "succeeded" or frac is not None else 1.0),
-            done,
-            fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
-            fmt.duration(st.progress.eta_s()) if running and st.progress.eta_s() is not None else "",
-            note_for(st),
+            label, Text(state, style=self._style(state)), str(st.attempt), fmt.duration(st.elapsed_s(now)),
+            _bar(frac), done, fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
+            fmt.duration(eta) if eta is not None else "", note_for(st),
         )
+
+    # ------------------------------------------------------------------------------ rendering
+    def _widths(self, total: int) -> list[int]:
+        widths = [self._stage_w, *WIDTHS[1:-1]]
+        widths.append(max(0, total - sum(widths)))
+        return widths
+
+    def _line_text(self, cells: tuple[Cell, ...], widths: list[int]) -> Text:
+        line = Text(no_wrap=True, overflow="ellipsis")
+        for cell, w in zip(cells, widths, strict=True):
+            if w <= 0:
+                continue
+            t = cell.copy() if isinstance(cell, Text) else Text(str(cell))
+            t.truncate(w - 1, overflow="ellipsis")
+            t.pad_right(w - t.cell_len)
+            line.append_text(t)
+        return line
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        scroll_y = int(self.scroll_offset.y)
+        widths = self._widths(width)
+        if y == 0:
+            style = self.get_component_rich_style("board--header")
+            key: tuple = ("header", width, tuple(widths), style)
+            if key not in self._cache:
+                self._cache[key] = self._strip(self._line_text(COLUMNS, widths), width, style)
+            return self._cache[key]
+        idx = y - 1 + scroll_y
+        if idx >= len(self._rows):
+            return Strip.blank(width, self.rich_style)
+        row = self._rows[idx]
+        selected = idx == self.cursor_row
+        style = self.get_component_rich_style("board--cursor") if selected else self.rich_style
+        key = (row.key, row.sig, width, selected, style)
+        strip = self._cache.get(key)
+        if strip is None:
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            strip = self._cache[key] = self._strip(self._line_text(row.cells, widths), width, style)
+        return strip
+
+    def _strip(self, text: Text, width: int, base: Style) -> Strip:
+        segments = [Segment(s.text, base + s.style if s.style else base, s.control)
+                    for s in text.render(self.app.console)]
+        return Strip(segments).crop_extend(0, width, base)
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        self.refresh()
+
+    # ------------------------------------------------------------------------------ cursor
+    def _move_to(self, row: int) -> None:
+        if not self._rows:
+            return
+        row = max(0, min(len(self._rows) - 1, row))
+        if row != self.cursor_row:
+            self.cursor_row = row
+            self.refresh()
+            self.post_message(self.Highlighted(self.selected_key))
+        height = max(1, self.size.height - 1)
+        if row < self.scroll_offset.y:
+            self.scroll_to(y=row, animate=False)
+        elif row >= self.scroll_offset.y + height:
+            self.scroll_to(y=row - height + 1, animate=False)
+
+    def action_cursor(self, delta: int) -> None:
+        self._move_to(self.cursor_row + delta)
+
+    def action_cursor_to(self, row: int) -> None:
+        self._move_to(row if row >= 0 else len(self._rows) - 1)
+
+    def move_cursor(self, row: int) -> None:
+        self._move_to(row)
+
+    def on_click(self, event: Click) -> None:
+        if event.y >= 1:
+            self._move_to(int(self.scroll_offset.y) + event.y - 1)
 
 
 def _bar(frac: float | None) -> str:

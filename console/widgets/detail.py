@@ -19,7 +19,7 @@ class StageDetail(Horizontal):
     DEFAULT_CSS = """
     StageDetail { height: 14; border-top: solid $panel-lighten-2; }
     StageDetail #info { width: 64; padding: 0 1; }
-    StageDetail #facts { height: auto; }
+    StageDetail #facts { height: 6; }
     StageDetail #events { height: 1fr; color: $text-muted; }
     StageDetail Log { width: 1fr; border-left: solid $panel-lighten-2; }
     """
@@ -53,7 +53,7 @@ class StageDetail(Horizontal):
         t.append(st.id, style="bold")
         t.append("  ")
         t.append(st.display_state, style=style(st.display_state))
-        t.append(f"   attempt {st.attempt}\n")
+        t.append(f" · attempt {st.attempt}\n")
         if st.pid:
             t.append(f"pid {st.pid} · pgid {st.pgid}")
         if st.started_at:
@@ -69,14 +69,14 @@ class StageDetail(Horizontal):
         if st.metrics:
             shown = list(st.metrics.items())[-8:]
             t.append("\n" + "  ".join(f"{k}={v:.4g}" for k, v in shown))
-        facts.update(t)
+        facts.update(t, layout=False)
         evs = [ev for ev in st.events if ev.type != "progress"][-6:]
         lines = Text()
         for ev in evs:
             stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))
             lvl = ev.get("level")
             lines.append(f"{stamp} {describe_event(ev)}\n", style=style("failed") if lvl == "error" else "")
-        self.query_one("#events", Static).update(lines)
+        self.query_one("#events", Static).update(lines, layout=False)
         log = self.query_one(Log)
         fresh = st.log_total - self._log_count
         if fresh > 0:
