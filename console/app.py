@@ -17,7 +17,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Input, Static
 
@@ -27,6 +27,7 @@ from console.screens.logview import LogScreen
 from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
+from console.widgets.meters import MetersPanel
 
 # Theme variables a theme may set per state (``state-running`` ...); else these fall-backs.
 STATE_FALLBACK = {
@@ -45,6 +46,8 @@ class AerieApp(App[int]):
     #filter { display: none; height: 3; }
     #filter.visible { display: block; }
     #main { height: 1fr; }
+    #bottom { height: 14; border-top: solid $panel-lighten-2; }
+    #meters { width: 50; border-left: solid $panel-lighten-2; }
     """
     BINDINGS = [
         Binding("p", "pause", "Pause/resume"),
@@ -88,7 +91,9 @@ class AerieApp(App[int]):
         yield Input(placeholder="filter stages (id or state) — Enter to apply, Esc to clear", id="filter")
         with Vertical(id="main"):
             yield StageBoard(id="board")
-            yield StageDetail(id="detail")
+            with Horizontal(id="bottom"):
+                yield StageDetail(id="detail")
+                yield MetersPanel(self.model.telemetry, id="meters")
         yield Static("", id="status-line")
         yield Footer()
 

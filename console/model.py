@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import Transport
 from pipeline.events import Event, parse_lines, split_complete
 
@@ -167,6 +168,8 @@ class RunModel:
         self._logs: dict[str, _Stream] = {}
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
         self.log_watch = log_watch
+        self.telemetry = TelemetryModel()
+        self.telemetry_stage: str | None = None
 
     # ------------------------------------------------------------------------------------------
     def watch_log(self, stage_id: str | None) -> None:
@@ -205,6 +208,8 @@ class RunModel:
         log_ids = [s for s in self.watched if s in self.stages]
         for sid in log_ids:
             reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, _Stream()).offset))
+        if self.telemetry_stage:
+            reqs.append(self.telemetry.read_request())
         try:
             results = await self.transport.read_many(reqs)
         except Exception as exc:  # a transport drop: keep what we have, say why
@@ -222,6 +227,10 @@ class RunModel:
             r = results[base + j]
             if self._apply_log(sid, self._logs[sid], r.data, r.size, r.ino):
                 changed.add(sid)
+        if self.telemetry_stage:
+            r = results[base + len(log_ids)]
+            if self.telemetry.ingest(r.data, r.size, r.ino):
+                changed.add("telemetry")
         # Streams for stages that just appeared in state.json start on the next poll.
         return changed
 
@@ -254,6 +263,10 @@ class RunModel:
             if before != (st.state, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at):
                 changed.add(sid)
         self.order = order
+        tel = find_telemetry_stage(snap.get("stages", []))
+        if tel != self.telemetry_stage:
+            self.telemetry_stage = tel
+            self.telemetry.path = telemetry_path(tel or "telemetry")
         return changed
 
     def _apply_events(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:

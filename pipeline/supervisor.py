@@ -66,6 +66,7 @@ class StageStatus:
     gpus: list[int] = field(default_factory=list)
     after: list[str] = field(default_factory=list)
     uses: list[str] = field(default_factory=list)
+    run: str | None = None  # the built-in module, None for an operator command
 
 
 @dataclass
@@ -174,7 +175,7 @@ class Supervisor:
         self._read_events(sid)
         tr = self.tracked[sid]
         st = StageStatus(id=sid, family=spec.family, dataset=spec.dataset, attempt=attempt, service=spec.service,
-                         gpus=list(spec.gpus), after=list(spec.after), uses=list(spec.uses))
+                         gpus=list(spec.gpus), after=list(spec.after), uses=list(spec.uses), run=spec.run)
         current = tr.attempt_seen == attempt
         st.health = tr.health if current else None
         st.progress = tr.progress if current else None

@@ -17,8 +17,8 @@ class StageDetail(Horizontal):
     """Shows one stage. :meth:`show` switches stage; :meth:`sync` appends what is new."""
 
     DEFAULT_CSS = """
-    StageDetail { height: 14; border-top: solid $panel-lighten-2; }
-    StageDetail #info { width: 64; padding: 0 1; }
+    StageDetail { height: 1fr; }
+    StageDetail #info { width: 52; padding: 0 1; }
     StageDetail #facts { height: 6; }
     StageDetail #events { height: 1fr; color: $text-muted; }
     StageDetail Log { width: 1fr; border-left: solid $panel-lighten-2; }
