@@ -16,6 +16,8 @@ from console import fmt
 from console.model import RunModel, describe_event
 from console.transport import Transport
 
+MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
+
 
 async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float = 0.5, every_s: float = 10.0,
                  timeout_s: float | None = None) -> int:
@@ -23,6 +25,7 @@ async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float =
     seen_state: dict[str, tuple[str, int]] = {}
     seen_events: dict[str, float] = {}
     last_progress: dict[str, float] = {}
+    warned: dict[tuple[str, int], int] = {}
     await transport.ctl("ensure")
     start = time.monotonic()
 
@@ -42,7 +45,12 @@ async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float =
                 emit(f"{sid:<28} {st.display_state}" + (f" (attempt {st.attempt})" if st.attempt > 1 else "") + extra)
             for ev in st.events:
                 if ev.t > seen_events.get(sid, 0.0) and ev.type == "message" and ev.get("level") in ("warning", "error"):
-                    emit(f"{sid:<28} {describe_event(ev)}")
+                    n = warned.get((sid, st.attempt), 0)
+                    warned[(sid, st.attempt)] = n + 1
+                    if ev.get("level") == "error" or n < MAX_WARNINGS:
+                        emit(f"{sid:<28} {describe_event(ev)}")
+                    elif n == MAX_WARNINGS:
+                        emit(f"{sid:<28} (more warnings: see stages/{sid}/events.jsonl)")
             if st.events:
                 seen_events[sid] = max(seen_events.get(sid, 0.0), st.events[-1].t)
             if st.state == "running" and st.progress.t and now - last_progress.get(sid, 0) >= every_s:

@@ -208,7 +208,8 @@ class RunModel:
         log_ids = [s for s in self.watched if s in self.stages]
         for sid in log_ids:
             reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, _Stream()).offset))
-        if self.telemetry_stage:
+        with_telemetry = self.telemetry_stage is not None  # fixed now: state.json below may change it
+        if with_telemetry:
             reqs.append(self.telemetry.read_request())
         try:
             results = await self.transport.read_many(reqs)
@@ -227,7 +228,7 @@ class RunModel:
             r = results[base + j]
             if self._apply_log(sid, self._logs[sid], r.data, r.size, r.ino):
                 changed.add(sid)
-        if self.telemetry_stage:
+        if with_telemetry:
             r = results[base + len(log_ids)]
             if self.telemetry.ingest(r.data, r.size, r.ino):
                 changed.add("telemetry")
