@@ -1,0 +1,36 @@
+"""The README's first command, headless: the whole demo pipeline runs to success on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runs import ROOT
+
+
+@pytest.mark.slow
+def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "console.cli", "demo", "--headless", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, env=env, timeout=1500, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "run succeeded" in out.stdout
+    state = json.loads((run_dir / "state.json").read_text())
+    states = {s["id"]: s["state"] for s in state["stages"]}
+    assert states and set(states.values()) == {"succeeded"}, states
+    # The ten sources were each prepped from their bundled fixture.
+    preps = [s for s in states if s.startswith("prep.")]
+    assert len(preps) == 10
+    for sid in preps:
+        manifest = json.loads((run_dir / "stages" / sid / "out" / "manifest.json").read_text())
+        assert manifest["rows"] > 0
+    status = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run_dir), "--json"],
+                            capture_output=True, text=True, env=env)
+    assert status.returncode == 0
+    assert len(status.stdout.splitlines()) == len(states)
