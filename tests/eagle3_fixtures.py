@@ -102,3 +102,47 @@ def events(out: Path) -> list:
 
 def metrics(out: Path, name: str) -> list:
     return [e for e in events(out) if e.type == "metric" and e.get("name") == name]
+
+
+# ------------------------------------------------------------------------------ shared stage outputs
+# Tests in several modules need the same real extraction / vocab / training; they are built once per
+# pytest session under its base temp dir (a lock keeps two builders from racing).
+TEST_SECTIONS = {
+    "extract": {"shard_tokens": 900, "batch_tokens": 600},
+    "vocab": {"draft_vocab_size": 512},
+    "train": {"steps": 24, "batch_size": 4, "micro_batch": 2, "ttt_steps": 3, "checkpoint_every": 12,
+              "lr": 0.002, "log_every": 1},
+    "bench": {"holdout": 0.2, "prompts": 2, "max_new_tokens": 20, "steps": 3},
+}
+
+
+def shared(tmp_path_factory, what: str) -> Path:
+    """The shared out dir of ``what``: ``tok``, ``plan`` (a file), ``ext``, ``voc`` or ``train``."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp() / "eagle3-shared"
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(base, what)
+
+
+def _build(base: Path, what: str) -> Path:
+    target = base / ("plan.toml" if what == "plan" else what)
+    done = base / f".{what}.done"
+    if done.exists():
+        return target
+    if what == "tok":
+        write_tokenized(target, n=32, rows_per_shard=16)
+    elif what == "plan":
+        write_plan(target, **TEST_SECTIONS)
+    elif what == "ext":
+        run_stage("pipeline.extract", _build(base, "plan"), target, [_build(base, "tok")])
+    elif what == "voc":
+        run_stage("pipeline.vocab", _build(base, "plan"), target, [_build(base, "tok")])
+    elif what == "train":
+        run_stage("pipeline.train", _build(base, "plan"), target, [_build(base, "ext"), _build(base, "voc")])
+    else:
+        raise ValueError(what)
+    done.touch()
+    return target

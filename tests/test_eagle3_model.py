@@ -1,0 +1,191 @@
+"""The draft model: SGLang checkpoint conventions, save/load, and TTT == drafting.
+
+The checkpoint checks follow SGLang's EAGLE3 loader, python/sglang/srt/models/llama_eagle3.py
+(sgl-project/sglang): ``LlamaForCausalLMEagle3.load_weights`` maps ``q/k/v_proj`` onto ``qkv_proj``
+and ``gate/up_proj`` onto ``gate_up_proj``, tries each name as is and then prefixed with ``model.``,
+turns ``d2t`` into ``hot_token_id = d2t + arange`` and skips ``t2d``; ``LlamaModel`` builds
+``fc = Linear(3 * target_hidden_size, hidden_size)``, ``midlayer`` whose ``qkv_proj`` reads
+``2 * hidden_size``, and uses ``lm_head = embed_tokens`` when ``tie_word_embeddings`` is set. The
+aux layer ids come from ``eagle_config["eagle_aux_hidden_state_layer_ids"]``
+(python/sglang/srt/model_executor/model_runner.py), to which ``set_eagle3_layers_to_capture`` adds 1.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pipeline.eagle3_model import (
+    DraftConfig,
+    DraftModelError,
+    Eagle3Draft,
+    chain_attention,
+    default_aux_layers,
+    load_draft,
+    save_draft,
+)
+
+# The parameters of SGLang's LlamaForCausalLMEagle3 (one midlayer), as its modules name them.
+SGLANG_PARAMS = {
+    "model.embed_tokens.weight", "model.fc.weight", "model.midlayer.self_attn.qkv_proj.weight",
+    "model.midlayer.self_attn.o_proj.weight", "model.midlayer.mlp.gate_up_proj.weight",
+    "model.midlayer.mlp.down_proj.weight", "model.midlayer.input_layernorm.weight",
+    "model.midlayer.hidden_norm.weight", "model.midlayer.post_attention_layernorm.weight",
+    "model.norm.weight", "lm_head.weight",
+}
+STACKED = [(".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
+           (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")]
+
+
+def sglang_param_for(name: str) -> str | None:
+    """SGLang's load_weights name resolution for one checkpoint tensor (None: not a parameter)."""
+    if "d2t" in name or "t2d" in name:
+        return None
+    for param, shard in STACKED:
+        if shard in name:
+            name = name.replace(shard, param)
+            break
+    return name if name in SGLANG_PARAMS else f"model.{name}"
+
+
+def tiny_config(**kw) -> DraftConfig:
+    base = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                vocab_size=64, draft_vocab_size=16, aux_layer_ids=[1, 3, 5], target_hidden_size=32,
+                rope_theta=10000.0, max_position_embeddings=128)
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def tiny_draft(seed: int = 0, **kw) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    d = Eagle3Draft(tiny_config(**kw))
+    for p in d.parameters():
+        p.data.normal_(0, 0.2)
+    for n in (d.midlayer.input_layernorm, d.midlayer.hidden_norm, d.midlayer.post_attention_layernorm, d.norm):
+        n.weight.data.fill_(1.0)
+    ids = torch.tensor(sorted(torch.randperm(64)[:16].tolist()))
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[ids] = True
+    d.set_vocab(ids - torch.arange(16), t2d)
+    return d
+
+
+def test_default_aux_layers_match_sglang_default_capture() -> None:
+    # SGLang with no ids captures the inputs of layers [2, L//2, L-3]: the outputs of our ids.
+    for n in (30, 32, 61):
+        assert [i + 1 for i in default_aux_layers(n)] == [2, n // 2, n - 3]
+    assert default_aux_layers(30) == [1, 14, 26]
+    with pytest.raises(DraftModelError):
+        default_aux_layers(4)
+
+
+def test_checkpoint_config_and_tensor_names_match_sglang_loader(tmp_path) -> None:
+    from pipeline.target_capture import target_config
+
+    tcfg = target_config("builtin:smollm2-135m-instruct")
+    cfg = DraftConfig.from_target(tcfg, 2048, default_aux_layers(tcfg.num_hidden_layers))
+    d = Eagle3Draft(cfg)
+    save_draft(d, tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert conf["num_hidden_layers"] == 1
+    assert conf["tie_word_embeddings"] is False  # SmolLM2 itself is tied: must not be copied over
+    assert conf["vocab_size"] == 49152 and conf["draft_vocab_size"] == 2048
+    assert conf["hidden_size"] == conf["target_hidden_size"] == 576
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert conf["num_attention_heads"] == 9 and conf["num_key_value_heads"] == 3 and conf["head_dim"] == 64
+    assert conf["rope_theta"] == 100000.0
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
+        d2t = f.get_tensor("d2t")
+        dtypes = {k: f.get_slice(k).get_dtype() for k in names}
+    mapped = {sglang_param_for(n) for n in names} - {None}
+    # every tensor lands on an SGLang parameter, and every parameter but the shared embedding is filled
+    assert mapped <= SGLANG_PARAMS, mapped - SGLANG_PARAMS
+    assert SGLANG_PARAMS - mapped == {"model.embed_tokens.weight"}
+    assert {"d2t", "t2d"} <= names
+    h = 576
+    assert shapes["fc.weight"] == (h, 3 * h)
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (9 * 64, 2 * h)
+    assert shapes["midlayer.self_attn.k_proj.weight"] == (3 * 64, 2 * h)
+    assert shapes["lm_head.weight"] == (2048, h)
+    assert shapes["t2d"] == (49152,) and dtypes["t2d"] == "BOOL"
+    assert dtypes["d2t"] == "I64" and dtypes["fc.weight"] == "BF16"
+    assert d2t.shape == (2048,)
+
+
+def test_save_load_round_trip_keeps_vocab_and_outputs(tmp_path) -> None:
+    d = tiny_draft()
+    save_draft(d, tmp_path, dtype=torch.float32)
+    e = load_draft(tmp_path, embed=d.embed_tokens.weight.data)
+    assert torch.equal(e.d2t, d.d2t) and torch.equal(e.t2d, d.t2d)
+    aux, ids = torch.randn(1, 9, 96), torch.randint(0, 64, (1, 9))
+    for a, b in zip(d.ttt(aux, ids, torch.tensor([9]), 3), e.ttt(aux, ids, torch.tensor([9]), 3), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    # hot-token map as SGLang computes it
+    assert torch.equal(e.draft_to_target(torch.arange(16)), d.d2t + torch.arange(16))
+    assert bool(d.t2d[e.draft_to_target(torch.arange(16))].all())
+
+
+def test_load_draft_names_a_missing_tensor(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save_draft(tiny_draft(), tmp_path)
+    t = load_file(str(tmp_path / "model.safetensors"))
+    del t["midlayer.hidden_norm.weight"]
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DraftModelError, match="midlayer.hidden_norm.weight"):
+        load_draft(tmp_path, embed=torch.zeros(64, 32))
+
+
+def test_ttt_step_j_equals_drafting_the_same_chain() -> None:
+    """Column t at TTT step j must be exactly what drafting computes after a context ending at t."""
+    d = tiny_draft(seed=1).eval()
+    s = 10
+    aux, ids = torch.randn(1, s, 96), torch.randint(0, 64, (1, s))
+    with torch.no_grad():
+        ttt = d.ttt(aux, ids, torch.tensor([s]), 3)
+        for t in (0, 3, 6):
+            cols = torch.arange(t + 1)
+            h, (k0, v0) = d.layer(ids[:, 1:t + 2], d.fc(aux[:, : t + 1]), (cols + 1)[None], cols, None, [], None)
+            hidden = h[:, -1:]
+            assert torch.allclose(d.logits(hidden)[0, 0], ttt[0][0, t], atol=1e-5)
+            chain = []
+            qcol = torch.tensor([t])
+            for j in (1, 2):
+                hidden, kv = d.layer(ids[:, t + 1 + j: t + 2 + j], hidden, torch.tensor([[t + 1 + j]]), qcol,
+                                     (k0, v0), chain, None)
+                chain.append(kv)
+                assert torch.allclose(d.logits(hidden)[0, 0], ttt[j][0, t], atol=1e-5), (t, j)
+
+
+def test_ttt_ignores_padding_and_later_columns() -> None:
+    d = tiny_draft(seed=2).eval()
+    aux, ids = torch.randn(2, 12, 96), torch.randint(0, 64, (2, 12))
+    aux2, ids2 = aux.clone(), ids.clone()
+    aux2[1, 7:] = torch.randn(5, 96)  # row 1 is 7 tokens long: what lies beyond must not matter
+    ids2[1, 7:] = 0
+    with torch.no_grad():
+        a = d.ttt(aux, ids, torch.tensor([12, 7]), 3)
+        b = d.ttt(aux2, ids2, torch.tensor([12, 7]), 3)
+    for j in range(3):
+        valid = 7 - 2 - j  # columns whose prediction (token t+2+j) lies inside the row
+        assert torch.allclose(a[j][1, :valid], b[j][1, :valid], atol=1e-5)
+        assert torch.allclose(a[j][0], b[j][0], atol=1e-6)
+
+
+def test_chain_attention_sees_exactly_its_column_and_chain() -> None:
+    torch.manual_seed(0)
+    q, k0, v0 = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    k1, v1 = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    out = chain_attention(q, k0, v0, torch.arange(4), None, [(k1, v1)])
+    for t in range(4):
+        keys = torch.cat([k0[:, :, : t + 1], k1[:, :, t:t + 1]], 2)
+        vals = torch.cat([v0[:, :, : t + 1], v1[:, :, t:t + 1]], 2)
+        w = torch.softmax((q[:, :, t:t + 1] @ keys.transpose(-1, -2)) / 8 ** 0.5, -1)
+        assert torch.allclose(out[:, :, t:t + 1], w @ vals, atol=1e-5)

@@ -1,0 +1,144 @@
+"""Extraction: captured layers and shapes against the real model, resume by shard, online mode, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline import hidden_store as hs
+from pipeline.extract import length_batches, plan_shards
+from pipeline.shards import Row, is_heldout, iter_rows
+from tests.eagle3_fixtures import MODEL, ROOT, events, metrics, run_stage, shared, write_plan, write_tokenized
+
+
+def _row(i: int, n: int) -> Row:
+    return Row(f"r{i}", np.zeros(n, np.int32), np.ones(n, np.int8), "x")
+
+
+def test_length_batches_respect_the_padded_budget() -> None:
+    rows = [_row(i, n) for i, n in enumerate([90, 10, 55, 40, 40, 12, 70, 5])]
+    shards = plan_shards(rows, 150)
+    flat = [r for s in shards for r in s]
+    assert [r.num_tokens for r in flat] == sorted((r.num_tokens for r in rows), reverse=True)
+    assert all(sum(r.num_tokens for r in s) <= 150 or len(s) == 1 for s in shards)
+    for s in shards:
+        for b in length_batches(s, 100):
+            assert max(r.num_tokens for r in b) * len(b) <= 100 or len(b) == 1
+
+
+@pytest.mark.slow
+def test_extraction_captures_the_aux_layers_and_targets(tmp_path_factory) -> None:
+    from pipeline.model_assets import load_model
+
+    out = shared(tmp_path_factory, "ext")
+    tok = shared(tmp_path_factory, "tok")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["kind"] == "hidden_states" and man["mode"] == "offline"
+    assert man["aux_layer_ids"] == [1, 14, 26] and man["hidden_size"] == 576
+    train_rows = {r.id: r for r in iter_rows([tok], 0.2, "train")}
+    assert man["rows"] == len(train_rows) and man["tokens"] == sum(r.num_tokens for r in train_rows.values())
+
+    store = hs.HiddenStore(out)
+    stored_ids = []
+    for s in man["shards"]:
+        from safetensors import safe_open
+
+        with safe_open(str(out / s["file"]), framework="pt") as f:
+            stored_ids += json.loads(f.metadata()["ids"])
+    assert sorted(stored_ids) == sorted(train_rows)  # every training row once, no held-out row
+    assert not any(is_heldout(i, 0.2) for i in stored_ids)
+
+    model = load_model(MODEL).eval()
+    for i in (0, len(store) - 1):
+        s = store[i]
+        row = train_rows[stored_ids[i]]
+        n = row.num_tokens
+        assert s.aux.shape == (n, 3 * 576) and s.aux.dtype == torch.bfloat16
+        assert s.last_hidden.shape == (n, 576) and s.target_argmax.shape == (n,)
+        assert np.array_equal(s.input_ids.numpy(), row.input_ids) and np.array_equal(s.loss_mask.numpy(), row.loss_mask)
+        with torch.no_grad():
+            o = model(torch.from_numpy(row.input_ids.astype("int64"))[None], output_hidden_states=True)
+        for k, layer in enumerate((1, 14, 26)):  # hidden_states[l + 1] is the output of layer l
+            ref = o.hidden_states[layer + 1][0]
+            got = s.aux[:, k * 576:(k + 1) * 576].float()
+            assert (got - ref).norm() / ref.norm() < 1e-2, layer
+        assert (s.last_hidden.float() - o.hidden_states[-1][0]).norm() / o.hidden_states[-1][0].norm() < 1e-2
+        agree = (s.target_argmax.long() == o.logits[0].argmax(-1)).float().mean()
+        assert agree > 0.98
+
+
+@pytest.mark.slow
+def test_extraction_reports_projected_and_actual_bytes(tmp_path_factory) -> None:
+    out = shared(tmp_path_factory, "ext")
+    man = json.loads((out / "manifest.json").read_text())
+    proj = metrics(out, "projected_bytes")
+    act = metrics(out, "actual_bytes")
+    assert proj[0].get("value") == man["tokens"] * hs.bytes_per_token(576, 3)
+    assert act[-1].get("value") == man["bytes"] == sum((out / s["file"]).stat().st_size for s in man["shards"])
+    assert abs(man["bytes"] - proj[0].get("value")) / proj[0].get("value") < 0.05  # headers only
+    assert metrics(out, "tokens_per_s") and len(man["shards"]) > 1
+
+
+@pytest.mark.slow
+def test_extraction_resumes_shard_by_shard_after_a_kill(tmp_path_factory, tmp_path) -> None:
+    tok = shared(tmp_path_factory, "tok")
+    plan = write_plan(tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2})
+    out = tmp_path / "ext"
+    argv = [sys.executable, "-m", "pipeline.extract", "--plan", str(plan), "--out", str(out), "--input", str(tok)]
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = out / "extract-state.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        if state.is_file() and len(json.loads(state.read_text())["done"]) >= 2:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "extraction finished before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    done_before = json.loads(state.read_text())["done"]
+    assert not (out / "manifest.json").exists()
+    stamps = {name: (out / name).stat().st_mtime_ns for name in done_before}
+    run_stage("pipeline.extract", plan, out, [tok])
+    for name, ns in stamps.items():
+        assert (out / name).stat().st_mtime_ns == ns, f"{name} was extracted twice"
+    msgs = [e.get("text") for e in events(out) if e.type == "message"]
+    assert any(f"resuming with {len(done_before)} shards done" in m for m in msgs)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["rows"] == len(list(iter_rows([tok], 0.2, "train")))
+    assert sum(s["rows"] for s in man["shards"]) == man["rows"] and len(man["shards"]) > len(done_before)
+    assert len(hs.HiddenStore(out)) == man["rows"]
+
+
+@pytest.mark.slow
+def test_online_mode_stores_nothing(tmp_path_factory, tmp_path) -> None:
+    tok = shared(tmp_path_factory, "tok")
+    plan = write_plan(tmp_path / "plan.toml", extract={"mode": "online"}, bench={"holdout": 0.2})
+    run_stage("pipeline.extract", plan, tmp_path / "ext", [tok])
+    man = json.loads((tmp_path / "ext" / "manifest.json").read_text())
+    assert man["mode"] == "online" and man["bytes"] == 0 and man["shards"] == []
+    assert man["sources"] == [str(tok)] and man["tokens"] > 0
+    assert metrics(tmp_path / "ext", "projected_bytes")[0].get("value") == 0
+    assert not list((tmp_path / "ext").glob("hs-*"))
+
+
+@pytest.mark.slow
+def test_a_bad_row_is_named_by_file_row_and_field(tmp_path) -> None:
+    tok = write_tokenized(tmp_path / "tok", n=4, rows_per_shard=4)
+    shard = tok / "shard-00000.parquet"
+    t = pq.read_table(shard).to_pylist()
+    t[2]["loss_mask"] = t[2]["loss_mask"][:-3]
+    pq.write_table(pa.Table.from_pylist(t, schema=pq.read_schema(shard)), shard)
+    plan = write_plan(tmp_path / "plan.toml", bench={"holdout": 0.0})
+    p = run_stage("pipeline.extract", plan, tmp_path / "ext", [tok], check=False)
+    assert p.returncode != 0
+    assert "shard-00000.parquet: row 2 (id='row-0002'): loss_mask has" in p.stderr
