@@ -152,6 +152,7 @@ class SshTransport:
         self._starting: asyncio.Task | None = None
         self._ever_connected = conn.connected
         self.remote_pipeline = ""  # where the agent's pipeline package lives on the host (diagnostics)
+        conn.on_reconnect(self._prestart)
 
     @property
     def status(self) -> ConnectionStatus:
@@ -171,6 +172,12 @@ class SshTransport:
             self._starting = asyncio.get_running_loop().create_task(self._start_agent())
             self._starting.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(self._starting)
+
+    def _prestart(self) -> None:
+        """On reconnect, start the new agent right away instead of at the console's next poll."""
+        if self._ever_connected and (self._starting is None or self._starting.done()):
+            self._starting = asyncio.get_running_loop().create_task(self._start_agent())
+            self._starting.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _start_agent(self) -> _Agent:
         if not self._ever_connected:
