@@ -159,6 +159,7 @@ async def test_changed_host_key_is_refused_with_instructions(sshd, target, fast_
         await asyncio.wait_for(_until(lambda: conn.fatal is not None), 20)
         assert isinstance(conn.fatal, HostKeyError) and conn.fatal.changed
         assert not conn.connected
+        assert "refused — not retrying" in conn.status.label() and "CHANGED" in conn.status.detail
         retries = conn.status.retries
         await asyncio.sleep(0.8)
         assert conn.status.retries == retries, "a changed key must stop the retries, not be hammered"

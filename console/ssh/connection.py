@@ -265,6 +265,7 @@ class HostConnection:
             self.status.retries += 1
             if isinstance(exc, HostKeyError | AuthError):
                 self.fatal = exc  # never hammer a host whose key or credentials were refused
+                self.status.state = "refused"
             raise
         self._watch = asyncio.get_running_loop().create_task(self._keep_up())
         return self
@@ -290,7 +291,7 @@ class HostConnection:
                 except (HostKeyError, AuthError) as exc:
                     # Retrying cannot fix a changed key or refused credentials: stop and say so.
                     self.fatal = exc
-                    self.status.state, self.status.detail = "disconnected", str(exc)
+                    self.status.state, self.status.detail = "refused", str(exc)
                     return
                 except SshError as exc:
                     self.status.detail = str(exc)
