@@ -83,7 +83,8 @@ def turns(row: Row, field: str, role_key: str, text_key: str, role_map: dict[str
         raw_role = t.get(role_key)
         if raw_role not in role_map:
             raise ConversationError(f"{where}.{role_key}", f"unknown role {raw_role!r} (known: {', '.join(role_map)})")
-        out.append({"role": role_map[raw_role], "content": need_text(t, text_key, where)})
+        out.append({"role": role_map[raw_role], "content": need_text(t, text_key, where),
+                    "_src": {"content": f"{where}.{text_key}"}})
     return out
 
 
@@ -107,15 +108,16 @@ def norm_sharegpt(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(system, str):
             raise ConversationError("system", f"expected text, got {_type_name(system)}")
         if system.strip() and conv[0]["role"] != "system":
-            conv.insert(0, {"role": "system", "content": system})
+            conv.insert(0, {"role": "system", "content": system, "_src": {"content": "system"}})
     return conv
 
 
 def norm_pair(prompt: str, response: str) -> Normaliser:
     """Single-turn instruction/response columns."""
     def normalise(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": need_text(row, opts.get("prompt_field", prompt))},
-                {"role": "assistant", "content": need_text(row, opts.get("response_field", response))}]
+        pf, rf = opts.get("prompt_field", prompt), opts.get("response_field", response)
+        return [{"role": "user", "content": need_text(row, pf), "_src": {"content": pf}},
+                {"role": "assistant", "content": need_text(row, rf), "_src": {"content": rf}}]
     normalise.__doc__ = f"``{prompt}`` -> user, ``{response}`` -> assistant."
     return normalise
 
@@ -135,11 +137,10 @@ def norm_swe_agent(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]:
         role = t.get("role")
         if role not in roles:
             raise ConversationError(f"{where}.role", f"unknown role {role!r} (known: {', '.join(roles)})")
+        key = "text"
         if role == "system" and not (isinstance(t.get("text"), str) and t["text"].strip()):
-            text = need_text(t, "system_prompt", where)  # some rows keep the prompt only here
-        else:
-            text = need_text(t, "text", where)
-        out.append({"role": roles[role], "content": text})
+            key = "system_prompt"  # some rows keep the prompt only here
+        out.append({"role": roles[role], "content": need_text(t, key, where), "_src": {"content": f"{where}.{key}"}})
     return out
 
 
@@ -185,7 +186,7 @@ def norm_tool_trajectory(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]
                 raise ConversationError(f"{where}.content", f"expected text, got {_type_name(content)}")
         else:
             content = need_text(t, "content", where)
-        turn: dict[str, Any] = {"role": role, "content": content}
+        turn: dict[str, Any] = {"role": role, "content": content, "_src": {"content": f"{where}.content"}}
         if calls:
             turn["tool_calls"] = calls
         if role == "tool":
@@ -200,14 +201,14 @@ def norm_reasoning_trace(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]
     """Flat distilled-reasoning columns: ``problem`` -> user, ``thinking`` + ``response`` -> assistant."""
     pf, rf, tf = opts.get("prompt_field", "problem"), opts.get("response_field", "response"), opts.get(
         "reasoning_field", "thinking")
-    turn: dict[str, Any] = {"role": "assistant", "content": need_text(row, rf)}
+    turn: dict[str, Any] = {"role": "assistant", "content": need_text(row, rf), "_src": {"content": rf, "reasoning": tf}}
     thinking = row.get(tf)
     if thinking is not None:
         if not isinstance(thinking, str):
             raise ConversationError(tf, f"expected text, got {_type_name(thinking)}")
         if thinking.strip():
             turn["reasoning"] = thinking
-    return [{"role": "user", "content": need_text(row, pf)}, turn]
+    return [{"role": "user", "content": need_text(row, pf), "_src": {"content": pf}}, turn]
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ Canonical conversation
         assistant turns may add  "reasoning": str                      (a thinking trace)
                                  "tool_calls": [{"name": str, "arguments": str | dict, "id"?: str}]
         tool turns may add       "name": str, "tool_call_id": str
+        any turn may add         "_src": {"content": "messages[3].value", ...}: where its text came from in
+                                 the source row, so errors name the source's own field (never hashed/rendered)
 
     :func:`check_conversation` validates one and raises :class:`ConversationError` naming the turn and
     field; :func:`conversation_hash` is the exact-duplicate key; :func:`prompt_of` cuts a conversation
@@ -86,6 +88,12 @@ class StaleOutputError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------
 # Canonical conversations
+def source_field(turn: dict[str, Any], key: str, fallback: str) -> str:
+    """The source row's field a turn's ``key`` came from (``_src``), else ``fallback``."""
+    src = turn.get("_src")
+    return src.get(key, fallback) if isinstance(src, dict) else fallback
+
+
 def check_conversation(conv: Any, field: str = "messages") -> list[dict[str, Any]]:
     """Validate a canonical conversation; returns it, or raises :class:`ConversationError`."""
     if not isinstance(conv, list) or not conv:
@@ -99,7 +107,8 @@ def check_conversation(conv: Any, field: str = "messages") -> list[dict[str, Any
             raise ConversationError(f"{key}.role", f"unknown role {role!r} (known: {', '.join(ROLES)})")
         content = turn.get("content")
         if not isinstance(content, str):
-            raise ConversationError(f"{key}.content", f"expected text, got {type(content).__name__}")
+            raise ConversationError(source_field(turn, "content", f"{key}.content"),
+                                    f"expected text, got {type(content).__name__}")
         calls = turn.get("tool_calls")
         if calls is not None:
             if role != "assistant":
@@ -113,15 +122,17 @@ def check_conversation(conv: Any, field: str = "messages") -> list[dict[str, Any
                     raise ConversationError(f"{key}.tool_calls[{j}].arguments", "expected a JSON string or object")
         reasoning = turn.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, str):
-            raise ConversationError(f"{key}.reasoning", f"expected text, got {type(reasoning).__name__}")
+            raise ConversationError(source_field(turn, "reasoning", f"{key}.reasoning"),
+                                    f"expected text, got {type(reasoning).__name__}")
         if not content.strip() and not calls:
-            raise ConversationError(f"{key}.content", "empty text")
+            raise ConversationError(source_field(turn, "content", f"{key}.content"), "empty text")
     return conv
 
 
 def conversation_hash(conv: Sequence[dict[str, Any]]) -> str:
-    """The exact-duplicate key: a hash of the canonical JSON of the turns."""
-    raw = json.dumps(list(conv), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """The exact-duplicate key: a hash of the canonical JSON of the turns (``_``-keys left out)."""
+    plain = [{k: v for k, v in t.items() if not k.startswith("_")} for t in conv]
+    raw = json.dumps(plain, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.blake2b(raw.encode(), digest_size=12).hexdigest()
 
 
@@ -276,7 +287,8 @@ class ChatTokenizer:
             for key in ("content", "reasoning"):
                 text = t.get(key)
                 if isinstance(text, str) and (m := self._specials.search(text)):
-                    raise ConversationError(f"{field}[{i}].{key}", f"contains the special token {m.group(0)!r}")
+                    raise ConversationError(source_field(t, key, f"{field}[{i}].{key}"),
+                                            f"contains the special token {m.group(0)!r}")
 
     def _spans(self, msgs: list[dict[str, Any]], rendered: str, limit: int, field: str) -> list[tuple[int, int]]:
         """Character spans of the assistant turns that start before ``limit``."""
