@@ -133,11 +133,14 @@ class AerieApp(App[int]):
 
     def refresh_view(self, changed: set[str]) -> None:
         ticking = any(s.state in ("running", "paused") for s in self.model.stages.values())
-        if not changed and not ticking:
+        if not changed and not ticking and self.model.loaded:
             return  # nothing new and no elapsed clock to advance
         board = self.query_one(StageBoard)
         board.sync(self.model)
         self._update_header()
+        meters = self.query_one(MetersPanel)
+        if meters.display != (self.model.telemetry_stage is not None):
+            meters.display = self.model.telemetry_stage is not None  # no telemetry stage: no empty meters
         detail = self.query_one(StageDetail)
         st = board.selected_stage(self.model)
         self.model.watch_log(st.id if st else None)

@@ -233,6 +233,7 @@ class MetersPanel(Vertical):
         self.model = model
         self.poll_s = poll_s
         self._seen = -1
+        self._title_text = ""
 
     def compose(self) -> ComposeResult:
         yield Static("", classes="meters-title")
@@ -245,6 +246,8 @@ class MetersPanel(Vertical):
         self.set_interval(self.poll_s, self._tick)
 
     def _tick(self) -> None:
+        if not self.display:
+            return
         if self.model.version != self._seen:
             self.sync()
         else:
@@ -260,7 +263,10 @@ class MetersPanel(Vertical):
         if stale:
             parts.append(f"last sample {duration(m.age_s(now))} ago")
         title = self.query_one(".meters-title", Static)
-        title.update(" · ".join(parts))
+        text = " · ".join(parts)
+        if text != self._title_text:  # an unchanged title costs no repaint
+            self._title_text = text
+            title.update(text, layout=False)
         title.set_class(stale, "-stale")
 
     def sync(self) -> None:
