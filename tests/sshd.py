@@ -136,7 +136,8 @@ class LoopbackSshd:
     def start(self, timeout_s: float = 10.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
-        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege-separation dir sshd insists on
+        with contextlib.suppress(PermissionError):  # not root: sshd says itself if it needs it
+            Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege-separation dir sshd insists on
         logfh = open(self.log, "ab")  # noqa: SIM115
         try:
             self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config), "-p", str(self.port)],
