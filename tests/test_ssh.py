@@ -306,3 +306,10 @@ async def test_polls_cancelled_mid_connect_do_not_leak_channels(ssh_plan, fast_c
         assert res[0].size > 0 and b"[executor]" in res[0].data
         assert conn.sessions_in_use == 1  # just the agent's channel
         await transport.close()
+
+
+async def test_a_misspelt_executor_option_is_named_not_ignored(ssh_plan):
+    plan = plan_mod.load(ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n', options='know_hosts = "/x"'))
+    rep = await preflight(plan)
+    assert not rep.ok and [c.name for c in rep.checks] == ["plan"]
+    assert f"{plan.path}: executor.options.know_hosts: unknown key" in rep.checks[0].detail

@@ -37,7 +37,7 @@ def _load_ssh_plan(path: str) -> plan_mod.Plan | int:
 
 
 async def _preflight_and_start(plan: plan_mod.Plan, start: bool) -> tuple[int, RemoteLayout | None]:
-    async with HostConnection(SshTarget.from_executor(plan.executor)) as conn:
+    async with HostConnection(SshTarget.from_executor(plan.executor, plan.path)) as conn:
         rep = await preflight(plan, conn)
         print(rep.render(), file=sys.stderr)
         if not rep.ok or rep.layout is None:
@@ -74,7 +74,7 @@ def start_remote(plan: plan_mod.Plan) -> SshTransport | int:
         return rc or EXIT_USAGE
     print(f"aerie: run started on {plan.executor.host}:{layout.root}; re-attach from anywhere with "
           f"`aerie attach {plan.path}`", file=sys.stderr)
-    return SshTransport(HostConnection(SshTarget.from_executor(plan.executor)), layout)
+    return SshTransport(HostConnection(SshTarget.from_executor(plan.executor, plan.path)), layout)
 
 
 async def _layout_of(target: SshTarget, remote_dir: str) -> RemoteLayout:
@@ -96,7 +96,7 @@ def attach_transport(arg: str) -> Transport | int:
                     _err(f"{plan.run_dir}: no such run (start it with `aerie run {arg}`)")
                     return EXIT_USAGE
                 return LocalTransport(str(plan.run_dir))
-            target, remote_dir = SshTarget.from_executor(plan.executor), str(plan.executor.remote_dir)
+            target, remote_dir = SshTarget.from_executor(plan.executor, plan.path), str(plan.executor.remote_dir)
         layout = asyncio.run(_layout_of(target, remote_dir))
     except SshError as exc:
         _err(str(exc))

@@ -33,6 +33,8 @@ from console.transport import ConnectionStatus
 from pipeline.plan import Executor
 
 DEFAULT_MAX_SESSIONS = 10  # OpenSSH's MaxSessions default
+EXECUTOR_OPTIONS = {"known_hosts", "ssh_config", "max_sessions", "keepalive_s", "keepalive_count",
+                    "connect_timeout_s", "pipeline"}  # [executor] options this executor reads
 CHANNEL_OPEN_TRIES = 6  # ~0.6 s of retries when the server refuses a channel (see _open_retrying)
 
 
@@ -73,22 +75,34 @@ class SshTarget:
     connect_timeout_s: float = 15.0
 
     @classmethod
-    def from_executor(cls, ex: Executor) -> SshTarget:
+    def from_executor(cls, ex: Executor, file: str | Path = "plan") -> SshTarget:
+        """The target a plan's ``[executor]`` names; bad ``options`` are refused naming the key."""
         if ex.kind != "ssh" or not ex.host:
-            raise SshError(f"executor {ex.kind!r} is not an ssh executor with a host")
+            raise SshError(f"{file}: executor: {ex.kind!r} is not an ssh executor with a host")
         o = ex.options
+        for k in o:
+            if k not in EXECUTOR_OPTIONS:
+                raise SshError(f"{file}: executor.options.{k}: unknown key (known: {', '.join(sorted(EXECUTOR_OPTIONS))})")
 
         def path(key: str) -> str | None:
             v = o.get(key)
+            if v is not None and not isinstance(v, str):
+                raise SshError(f"{file}: executor.options.{key}: expected a path, got {v!r}")
             return str(Path(v).expanduser()) if v else None
+
+        def num(key: str, default: float, kind: type) -> Any:
+            v = o.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+                raise SshError(f"{file}: executor.options.{key}: expected a positive number, got {v!r}")
+            return kind(v)
 
         return cls(
             host=ex.host, user=ex.user, port=ex.port,
             identity=str(Path(ex.identity).expanduser()) if ex.identity else None,
             known_hosts=path("known_hosts"), ssh_config=path("ssh_config"),
-            max_sessions=int(o.get("max_sessions", DEFAULT_MAX_SESSIONS)),
-            keepalive_s=float(o.get("keepalive_s", 5.0)), keepalive_count=int(o.get("keepalive_count", 3)),
-            connect_timeout_s=float(o.get("connect_timeout_s", 15.0)),
+            max_sessions=num("max_sessions", DEFAULT_MAX_SESSIONS, int),
+            keepalive_s=num("keepalive_s", 5.0, float), keepalive_count=num("keepalive_count", 3, int),
+            connect_timeout_s=num("connect_timeout_s", 15.0, float),
         )
 
     @property
@@ -314,6 +328,9 @@ class HostConnection:
             raise self.fatal
 
     def _require(self) -> asyncssh.SSHClientConnection:
+        if self._conn is not None and self._conn.is_closed():
+            self._connected.clear()  # lost a moment ago; _keep_up is about to notice
+            raise NotConnected(f"{self.target.label}: connection lost — reconnecting")
         if self._conn is None:
             if self.fatal:
                 raise NotConnected(str(self.fatal))
@@ -334,10 +351,12 @@ class HostConnection:
         self._slots.release()
 
     def _channel_error(self, exc: BaseException) -> SshError:
+        if self._conn is None or self._conn.is_closed():
+            return NotConnected(f"{self.target.label}: connection lost ({exc or type(exc).__name__})")
         if isinstance(exc, asyncssh.ChannelOpenError):
             return SshError(f"{self.target.label}: the server refused a new channel ({exc.reason}); its MaxSessions "
                             f"may be below [executor] options.max_sessions = {self.target.max_sessions}")
-        if self._conn is None or isinstance(exc, asyncssh.ConnectionLost | asyncssh.DisconnectError | OSError):
+        if isinstance(exc, asyncssh.ConnectionLost | asyncssh.DisconnectError | OSError):
             return NotConnected(f"{self.target.label}: connection lost ({exc or type(exc).__name__})")
         return SshError(f"{self.target.label}: {exc}")
 
@@ -352,7 +371,7 @@ class HostConnection:
             try:
                 return await open_fn()
             except asyncssh.ChannelOpenError:
-                if attempt == CHANNEL_OPEN_TRIES - 1 or self._conn is None:
+                if attempt == CHANNEL_OPEN_TRIES - 1 or self._conn is None or self._conn.is_closed():
                     raise
                 await asyncio.sleep(delay)
                 delay *= 2

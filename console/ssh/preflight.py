@@ -198,8 +198,13 @@ async def preflight(plan: Plan, conn: HostConnection | None = None) -> Preflight
     """Bootstrap and check ``plan``'s ssh executor; never raises for a failed check (see the report)."""
     ex = plan.executor
     t0 = time.monotonic()
-    target = conn.target if conn else SshTarget.from_executor(ex)
     assert ex.remote_dir
+    try:
+        target = SshTarget.from_executor(ex, plan.path) if conn is None else conn.target
+    except SshError as exc:
+        rep = PreflightReport(host=str(ex.host), remote_dir=ex.remote_dir)
+        rep.add("plan", False, str(exc))
+        return rep
     rep = PreflightReport(host=target.label, remote_dir=ex.remote_dir)
     own = conn is None
     conn = conn or HostConnection(target)
