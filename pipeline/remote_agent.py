@@ -14,10 +14,16 @@ Requests (one JSON object per line, ``id`` echoed in the answer)::
     {"id": 3, "op": "read", "reqs": [["state.json", 0], ["stages/a/events.jsonl", 812]],
      "max_bytes": 1048576}                                    -> {"results": [[b64 data, size, ino], ...]}
     {"id": 4, "op": "ctl", "args": ["kill", "train"]}         -> {"rc", "stdout", "stderr"}
+    {"id": 5, "op": "lines", "path": "stages/a/stage.log", "offset": 0}
+                                    -> pipeline.logscan.count_file's answer (newlines per block)
+    {"id": 6, "op": "find", "path": ..., "pattern": "ERROR", "start": 0, "end": null, "line0": 0,
+     "backward": false, "limit": 1000}   -> pipeline.logscan.find_file's answer (matching lines)
 
 Every answer carries ``"ok": true`` or ``"ok": false, "error": "..."``. ``size`` is -1 for a
 missing file. ``read`` answers are bounded in total (:data:`READ_BUDGET`): a file whose share did
 not fit comes back short, and the reader simply continues from its new offset next time.
+``lines`` and ``find`` (the console's log viewer) scan bounded amounts per request, in a thread,
+so a multi-GB log is indexed and searched on the host while reads keep being answered.
 Only the standard library and ``pipeline`` are used: this runs on the container.
 """
 
@@ -33,6 +39,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from pipeline import logscan
+from pipeline.supervisor import _env_with_pipeline
 
 PROTOCOL = 1
 READ_BUDGET = 16 << 20  # bytes of file data in one read answer, all files together
@@ -78,12 +87,9 @@ def run_ctl(root: Path, args: list[str], timeout_s: float = CTL_TIMEOUT_S) -> di
     """``python -m pipeline.ctl ROOT *args`` with this interpreter and this ``pipeline``."""
     if not all(isinstance(a, str) for a in args):
         raise AgentError("ctl arguments must be strings")
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        p = subprocess.run([sys.executable, "-m", "pipeline.ctl", str(root), *args], capture_output=True,
-                           text=True, stdin=subprocess.DEVNULL, env=env, timeout=timeout_s, cwd="/")
+        p = subprocess.run([sys.executable, "-m", "pipeline.ctl", str(root), *args], capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL, env=_env_with_pipeline(), timeout=timeout_s, cwd="/")
     except subprocess.TimeoutExpired:
         return {"rc": 4, "stdout": "", "stderr": f"error: pipeline.ctl {' '.join(args)} gave no answer in {timeout_s:g}s"}
     return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
@@ -115,6 +121,14 @@ class Agent:
             return {"results": read_many(self.root, list(req.get("reqs") or []), int(req.get("max_bytes", 1 << 20)))}
         if op == "ctl":
             return run_ctl(self.root, list(req.get("args") or []), float(req.get("timeout", CTL_TIMEOUT_S)))
+        if op == "lines":
+            return logscan.count_file(_safe_path(self.root, req.get("path")), int(req.get("offset", 0)),
+                                      int(req.get("max_bytes", logscan.COUNT_MAX_BYTES)))
+        if op == "find":
+            end = req.get("end")
+            return logscan.find_file(_safe_path(self.root, req.get("path")), str(req.get("pattern", "")),
+                                     int(req.get("start", 0)), None if end is None else int(end),
+                                     int(req.get("line0", 0)), bool(req.get("backward")), int(req.get("limit", 1000)))
         raise AgentError(f"unknown op {op!r}")
 
     def handle(self, req: dict[str, Any]) -> None:
@@ -136,7 +150,7 @@ class Agent:
             except ValueError as exc:
                 self.send({"id": None, "ok": False, "error": f"bad request: {exc}"})
                 continue
-            if req.get("op") == "ctl":
+            if req.get("op") in ("ctl", "lines", "find"):
                 # Not a daemon: an action already sent finishes and answers even if stdin closes.
                 threading.Thread(target=self._handle_quietly, args=(req,)).start()
             else:

@@ -186,15 +186,6 @@ class LoopbackSshd:
             self.proc.wait()
         self.proc = None
 
-    stop = drop
-
-    def __enter__(self) -> LoopbackSshd:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.drop()
-
 
 def _username() -> str:
     import pwd

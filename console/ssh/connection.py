@@ -167,7 +167,6 @@ class HostConnection:
         self.drops = 0  # connections lost so far
         self.fatal: SshError | None = None  # why reconnecting stopped (host key, credentials)
         self._conn: asyncssh.SSHClientConnection | None = None
-        self._connected = asyncio.Event()
         self._slots = asyncio.Semaphore(max(1, target.max_sessions))
         self._in_use = 0
         self._watch: asyncio.Task | None = None
@@ -230,7 +229,6 @@ class HostConnection:
             raise SshError(f"{self.target.label}: cannot connect: {exc or type(exc).__name__}") from None
         self._conn = conn
         self.status.state, self.status.retries, self.status.detail = "connected", 0, ""
-        self._connected.set()
         for fn in list(self._on_reconnect):
             fn()
 
@@ -292,7 +290,6 @@ class HostConnection:
             if self._closed:
                 return
             self._conn = None
-            self._connected.clear()
             self.drops += 1
             self.status.state, self.status.rtt_ms, self.status.retries = "disconnected", None, 0
             self.status.detail = "connection lost"
@@ -317,19 +314,10 @@ class HostConnection:
 
     @property
     def connected(self) -> bool:
-        return self._conn is not None
-
-    async def wait_connected(self, timeout_s: float | None = None) -> None:
-        """Wait until the connection is up (raises :class:`SshError` if reconnecting gave up)."""
-        if self.fatal:
-            raise self.fatal
-        await asyncio.wait_for(self._connected.wait(), timeout_s)
-        if self.fatal:
-            raise self.fatal
+        return self._conn is not None and not self._conn.is_closed()
 
     def _require(self) -> asyncssh.SSHClientConnection:
-        if self._conn is not None and self._conn.is_closed():
-            self._connected.clear()  # lost a moment ago; _keep_up is about to notice
+        if self._conn is not None and self._conn.is_closed():  # lost a moment ago; _keep_up will notice
             raise NotConnected(f"{self.target.label}: connection lost — reconnecting")
         if self._conn is None:
             if self.fatal:
