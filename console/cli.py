@@ -3,6 +3,8 @@
     aerie demo [--headless]                 the embedded demo run (bundled data, no GPU, no SSH)
     aerie run PLAN [--headless]             create/attach the plan's run, start its supervisor, watch it
     aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
+                                            RUN may be ssh://[user@]host[:port]/path or an ssh PLAN
+    aerie preflight PLAN                    ssh plans: bootstrap the host and check it, start nothing
     aerie status RUN [--json]               one line (or JSON object) per stage
     aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
     aerie plan check PLAN                   validate a plan and print its DAG
@@ -23,7 +25,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from console.transport import LocalTransport, start_local_run
+from console.transport import LocalTransport, Transport, start_local_run
 from pipeline import plan as plan_mod
 from pipeline.rundir import RunDir, read_json
 
@@ -43,8 +45,8 @@ def err(text: str) -> None:
     print(f"aerie: error: {text}", file=sys.stderr)
 
 
-def _watch(run_root: Path, headless: bool, theme: str | None, poll_s: float) -> int:
-    transport = LocalTransport(str(run_root))
+def _watch(run_root: Path | Transport, headless: bool, theme: str | None, poll_s: float) -> int:
+    transport = LocalTransport(str(run_root)) if isinstance(run_root, Path) else run_root
     if headless:
         from console.headless import run_headless
 
@@ -71,9 +73,10 @@ def _start(plan_path: Path, run_dir: Path | None) -> Path | int:
     return Path(out.splitlines()[-1])
 
 
-def _start_remote(plan: plan_mod.Plan) -> int:
-    err(f"{plan.path}: executor.kind = {plan.executor.kind!r}: the ssh executor is not available in this build")
-    return EXIT_USAGE
+def _start_remote(plan: plan_mod.Plan) -> Transport | int:
+    from console.ssh.commands import start_remote
+
+    return start_remote(plan)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -92,6 +95,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _watch(started, args.headless, args.theme, args.poll)
 
 
+def _remote(arg: str) -> bool:
+    """A run named by ``ssh://host/path`` or by its plan file (console.ssh handles those)."""
+    return arg.startswith("ssh://") or (arg.endswith(".toml") and Path(arg).is_file())
+
+
 def _open_run(path: str) -> RunDir | None:
     run = RunDir(path)
     if not run.exists():
@@ -101,6 +109,11 @@ def _open_run(path: str) -> RunDir | None:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
+    if _remote(args.run):
+        from console.ssh.commands import attach_transport
+
+        t = attach_transport(args.run)
+        return t if isinstance(t, int) else _watch(t, args.headless, args.theme, args.poll)
     run = _open_run(args.run)
     if run is None:
         return EXIT_USAGE
@@ -113,10 +126,17 @@ def _ctl(run: RunDir, *argv: str) -> tuple[int, str, str]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    run = _open_run(args.run)
-    if run is None:
-        return EXIT_USAGE
-    state = read_json(run.state_path) or {"stages": []}
+    if _remote(args.run):
+        from console.ssh.commands import remote_state
+
+        state = remote_state(args.run)
+        if isinstance(state, int):
+            return state
+    else:
+        run = _open_run(args.run)
+        if run is None:
+            return EXIT_USAGE
+        state = read_json(run.state_path) or {"stages": []}
     stages = state.get("stages", [])
     if args.json:
         for st in stages:
@@ -131,16 +151,30 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    run = _open_run(args.run)
-    if run is None:
-        return EXIT_USAGE
     extra = ["--fresh"] if getattr(args, "fresh", False) else []
-    rc, out, stderr = _ctl(run, args.action, args.stage, *extra)
+    if _remote(args.run):
+        from console.ssh.commands import remote_ctl
+
+        res = remote_ctl(args.run, args.action, args.stage, *extra)
+        if isinstance(res, int):
+            return res
+        rc, out, stderr = res.returncode, res.stdout, res.stderr
+    else:
+        run = _open_run(args.run)
+        if run is None:
+            return EXIT_USAGE
+        rc, out, stderr = _ctl(run, args.action, args.stage, *extra)
     if out.strip():
         print(out.strip())
     if stderr.strip():
         print("aerie: " + stderr.strip(), file=sys.stderr)
     return rc
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from console.ssh.commands import cmd_preflight as preflight
+
+    return preflight(args)
 
 
 def cmd_plan_check(args: argparse.Namespace) -> int:
@@ -193,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "retry":
             p.add_argument("--fresh", action="store_true", help="clear the stage's outputs (inside the run dir) first")
         p.set_defaults(fn=cmd_control, action=action)
+
+    p = sub.add_parser("preflight", help="ssh plans: bootstrap the host and check it (starts nothing)")
+    p.add_argument("plan")
+    p.set_defaults(fn=cmd_preflight)
 
     p = sub.add_parser("plan", help="plan tools")
     psub = p.add_subparsers(dest="plan_cmd", required=True)
