@@ -70,7 +70,7 @@ SHARD_PREFIX = "data-"
 # A cut is safe after "\n" with non-space on both sides: every pre-tokenizer in use (ByteLevel regex,
 # Metaspace, Split on whitespace) ends a piece there, so the tokens before it cannot change.
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
-_CHARS_PER_TOKEN_GUESS = 6
+_CHARS_PER_TOKEN_GUESS = 4  # most text has 3-4.5; denser text (CJK, digits) costs one retry at twice the length
 _CUT_MARGIN_TOKENS = 16
 
 
@@ -318,12 +318,22 @@ class ChatTokenizer:
         m = _SAFE_CUT.search(text, budget)
         return text[: m.start()] if m else text
 
-    def _tokenise(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    def _tokenise(self, texts: list[str]) -> list[tuple[int, np.ndarray, np.ndarray | None]]:
+        """(token count, ids, offsets) per text, ids/offsets cut to max_length + margin before leaving Rust."""
+        keep = self.max_length + _CUT_MARGIN_TOKENS
         if self._backend is not None:
-            encs = self._backend.encode_batch(texts, add_special_tokens=False)
-            return [(np.asarray(e.ids, dtype=np.int32), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2))
-                    for e in encs]
-        return [(np.asarray(self.tokenizer.encode(t, add_special_tokens=False), dtype=np.int32), None) for t in texts]
+            out = []
+            for e in self._backend.encode_batch(texts, add_special_tokens=False):
+                n = len(e)
+                if n > keep:
+                    e.truncate(keep)
+                out.append((n, np.asarray(e.ids, dtype=np.int32), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)))
+            return out
+        res = []
+        for t in texts:
+            ids = self.tokenizer.encode(t, add_special_tokens=False)
+            res.append((len(ids), np.asarray(ids[:keep], dtype=np.int32), None))
+        return res
 
     def encode(self, convs: Sequence[Sequence[dict[str, Any]]], field: str = "messages") -> list[Encoded | ConversationError]:
         """Tokenise conversations (canonical, checked, ending with an assistant turn) with loss masks."""
@@ -344,12 +354,12 @@ class ChatTokenizer:
         while todo:
             texts = [self._cut(rendered[k][1], budget) for k in todo]
             retry = []
-            for k, text, (ids, offs) in zip(todo, texts, self._tokenise(texts), strict=True):
-                if len(text) < len(rendered[k][1]) and len(ids) < self.max_length + _CUT_MARGIN_TOKENS:
+            for k, text, (n, ids, offs) in zip(todo, texts, self._tokenise(texts), strict=True):
+                if len(text) < len(rendered[k][1]) and n < self.max_length + _CUT_MARGIN_TOKENS:
                     retry.append(k)  # the guess of characters per token was too low for this text
                 else:
                     tokens[k] = (ids, offs, len(text))
-            todo, budget = retry, budget * 4
+            todo, budget = retry, budget * 2
         for k, (ids, offs, text_len) in tokens.items():
             msgs, text = rendered[k]
             truncated = len(ids) > self.max_length

@@ -116,13 +116,15 @@ def test_truncation_keeps_the_first_max_length_tokens_of_the_whole_text(hf_tok) 
     ct64 = ChatTokenizer(hf_tok, 64, tokenizer_id=MODEL)
     code = "\n".join(f"def f{i}(x):\n    return x * {i}  # {'word ' * (i % 7)}" for i in range(400))
     convs = [[{"role": "user", "content": "write code " * k}, {"role": "assistant", "content": code}] for k in (1, 8, 90)]
+    sparse = ("y" + " " * 40 + "z\n") * 300  # ~7 characters per token: the first cut is too short and is retried
+    convs.append([{"role": "user", "content": "pad"}, {"role": "assistant", "content": sparse}])
     convs.append([{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}])  # no safe cut
     for conv, enc in zip(convs, ct64.encode(convs), strict=True):
         full = hf_tok.apply_chat_template(ct64.template_messages(conv), tokenize=True, return_dict=False)
         assert enc.truncated and enc.num_tokens == 64
         assert enc.input_ids.tolist() == list(full)[:64]
     # the long user turn leaves no room for the reply: nothing to learn from
-    assert [e.target_tokens > 0 for e in ct64.encode(convs)] == [True, True, False, False]
+    assert [e.target_tokens > 0 for e in ct64.encode(convs)] == [True, True, False, True, False]
 
 
 def test_special_tokens_inside_text_are_refused_naming_the_source_field(ct: ChatTokenizer) -> None:
