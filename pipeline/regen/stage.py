@@ -1,0 +1,377 @@
+"""The regeneration stage: prompts from prep -> the target's own answers -> tokenized shards.
+
+1. Read the ``prompts`` shards of the upstream prep stage (``ctx.inputs``; ``--input`` by hand).
+2. Ask the inference server (the service this stage ``uses``: its ``out/endpoint.json``; or
+   ``[regen] server_url`` / ``--server-url``) for each prompt not yet in ``out/responses.jsonl``.
+3. Tokenise prompt + answer with the target's chat template and write loss-masked shards
+   (:mod:`pipeline.tokenise`), ``manifest.json`` of kind ``tokenized`` last.
+
+``[regen]`` keys: ``concurrency`` (64), sampling ``temperature`` (0.7), ``top_p``, ``top_k``,
+``max_tokens`` (4096), ``seed``, ``stop``, ``extra`` (more request-body keys), ``request_timeout_s``
+(600), ``max_attempts`` (5), ``backoff_s`` (1), ``backoff_max_s`` (30), ``outage_timeout_s`` (900),
+``max_records`` (all), ``max_error_fraction`` (0.05), ``drop_truncated`` (false), ``shard_rows``
+(5000), ``server_url``, ``model``, ``api_key_env``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.plan import Plan, PlanError
+from pipeline.regen.client import ClientConfig, ClientStats, OutageError, Regenerator
+from pipeline.regen.store import ResponseLog
+from pipeline.rundir import RunDir, read_json, write_atomic
+from pipeline.runtime import StageContext, add_common_args, fail
+
+DEFAULTS: dict[str, Any] = {
+    "concurrency": 64, "temperature": 0.7, "max_tokens": 4096, "request_timeout_s": 600.0, "max_attempts": 5,
+    "backoff_s": 1.0, "backoff_max_s": 30.0, "outage_timeout_s": 900.0, "max_error_fraction": 0.05,
+    "drop_truncated": False, "shard_rows": 5000,
+}
+NUM = (int, float)
+TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "concurrency": ((int,), "an integer"), "temperature": (NUM, "a number"), "top_p": (NUM, "a number"),
+    "top_k": ((int,), "an integer"), "max_tokens": ((int,), "an integer"), "seed": ((int,), "an integer"),
+    "stop": ((list, str), "a string or a list of strings"), "extra": ((dict,), "a table of request-body keys"),
+    "request_timeout_s": (NUM, "seconds"), "max_attempts": ((int,), "an integer"), "backoff_s": (NUM, "seconds"),
+    "backoff_max_s": (NUM, "seconds"), "outage_timeout_s": (NUM, "seconds"), "max_records": ((int,), "an integer"),
+    "max_error_fraction": (NUM, "a fraction"), "drop_truncated": ((bool,), "true or false"),
+    "shard_rows": ((int,), "an integer"), "server_url": ((str,), "a URL"), "model": ((str,), "a model id"),
+    "api_key_env": ((str,), "an environment variable name"),
+}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
+POSITIVE = ("concurrency", "max_tokens", "request_timeout_s", "max_attempts", "outage_timeout_s", "max_records",
+            "shard_rows")
+
+
+class InputError(ValueError):
+    """Bad upstream data; names the file, row and field."""
+
+
+def regen_settings(plan: Plan) -> dict[str, Any]:
+    """``[regen]`` with defaults, type-checked; errors name ``regen.<key>``."""
+    sec = plan.section("regen")
+    out = dict(DEFAULTS)
+    for k, v in sec.items():
+        if k not in TYPES:
+            raise PlanError(plan.path, f"regen.{k}", f"unknown key (known: {', '.join(sorted(TYPES))})")
+        types, what = TYPES[k]
+        if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
+            raise PlanError(plan.path, f"regen.{k}", f"expected {what}, got {v!r}")
+        if k in POSITIVE and v <= 0:
+            raise PlanError(plan.path, f"regen.{k}", f"must be > 0, got {v!r}")
+        out[k] = v
+    if not 0 <= out["max_error_fraction"] <= 1:
+        raise PlanError(plan.path, "regen.max_error_fraction", "must be between 0 and 1")
+    return out
+
+
+def sampling_body(s: dict[str, Any]) -> dict[str, Any]:
+    body = {k: s[k] for k in SAMPLING_KEYS if k in s}
+    body.update(s.get("extra") or {})
+    return body
+
+
+# ------------------------------------------------------------------------------------ inputs
+def find_prompt_dir(inputs: dict[str, Path]) -> Path:
+    found = []
+    for _dep, d in inputs.items():
+        man = read_json(Path(d) / "manifest.json")
+        if man and man.get("kind") == "prompts":
+            found.append(Path(d))
+        elif man is None:
+            continue
+    if not found:
+        deps = ", ".join(f"{k} ({v})" for k, v in inputs.items()) or "none"
+        raise InputError(f"no upstream output with a manifest.json of kind 'prompts' (inputs: {deps}); "
+                         "regen runs after the prep stage of a prompt-only dataset")
+    if len(found) > 1:
+        raise InputError(f"several prompt inputs: {', '.join(map(str, found))}; give one with --input")
+    return found[0]
+
+
+def read_prompts(d: Path, limit: int | None = None) -> list[tuple[str, list[dict[str, Any]]]]:
+    """``(id, messages)`` from a ``prompts`` output, in shard order; errors name file, row and field."""
+    import pyarrow.parquet as pq
+
+    man = read_json(d / "manifest.json")
+    if not man or man.get("kind") != "prompts":
+        raise InputError(f"{d / 'manifest.json'}: not a prompts manifest (kind {man and man.get('kind')!r})")
+    out: list[tuple[str, list[dict[str, Any]]]] = []
+    seen: set[str] = set()
+    for s in man.get("shards") or []:
+        path = d / s["file"]
+        try:
+            table = pq.read_table(path, columns=["id", "messages"])
+        except (OSError, KeyError) as exc:
+            raise InputError(f"{path}: cannot read prompt shard: {exc}") from None
+        for row, (rid, msgs) in enumerate(zip(table.column("id").to_pylist(), table.column("messages").to_pylist(),
+                                              strict=True)):
+            where = f"{path.name}: row {row}"
+            if not isinstance(rid, str) or not rid:
+                raise InputError(f"{where}: id: expected a non-empty string, got {rid!r}")
+            if rid in seen:
+                raise InputError(f"{where}: id: duplicate id {rid!r}")
+            if not isinstance(msgs, list) or not msgs or msgs[-1].get("role") != "user":
+                raise InputError(f"{where} (id {rid}): messages: expected turns ending with a user turn")
+            seen.add(rid)
+            out.append((rid, [{"role": m["role"], "content": m["content"]} for m in msgs]))
+            if limit is not None and len(out) >= limit:
+                return out
+    return out
+
+
+def server_url(ctx: StageContext, plan: Plan, s: dict[str, Any], override: str | None) -> str:
+    if override:
+        return override
+    if s.get("server_url"):
+        return s["server_url"]
+    uses: tuple[str, ...] = ()
+    with contextlib.suppress(KeyError):
+        uses = plan.stage(ctx.stage_id).uses
+    if ctx.run_dir is not None:
+        for u in uses:
+            ep = read_json(RunDir(ctx.run_dir).stage(u).out / "endpoint.json")
+            if ep and ep.get("url"):
+                return str(ep["url"])
+    serve = plan.section("serve")
+    port = serve.get("port", 30000)
+    if port:
+        return f"http://{serve.get('host', '127.0.0.1')}:{port}"
+    raise InputError("no server address: the service's endpoint.json is missing and [serve] port is 0; "
+                     "pass --server-url or set [regen] server_url")
+
+
+# ------------------------------------------------------------------------------ generation
+class Reporter:
+    """Events of the request phase: progress, throughput, outages, failures, pause."""
+
+    def __init__(self, ctx: StageContext, total: int, already: int) -> None:
+        self.ctx, self.total, self.already = ctx, total, already
+        self.failures: list[dict[str, Any]] = []
+        self._last = (time.monotonic(), 0, 0)
+
+    def on_failure(self, rid: str, why: str) -> None:
+        self.failures.append({"id": rid, "reason": why})
+        if len(self.failures) <= 5:
+            self.ctx.message(f"record {rid}: {why}", level="warning", code="request-failed")
+        elif len(self.failures) == 6:
+            self.ctx.message("more failed records: see errors.jsonl when the stage ends", level="warning")
+
+    def on_outage(self, start: bool, detail: str, dur: float) -> None:
+        if start:
+            self.ctx.message(f"server unreachable ({detail}): waiting and retrying; no record is lost",
+                             level="warning", code="server-outage")
+            self.ctx.metric("server_outage", 1)
+        else:
+            self.ctx.message(f"server reachable again after {dur:.1f}s outage", code="server-recovered", outage_s=dur)
+            self.ctx.metric("server_outage", 0, outage_s=dur)
+
+    def on_pause(self, paused: bool) -> None:
+        if paused:
+            self.ctx.message("paused at a safe point (no request in flight)", code="paused")
+        else:
+            self.ctx.message("resumed", code="resumed")
+
+    def tick(self, st: ClientStats) -> None:
+        now = time.monotonic()
+        t0, a0, c0 = self._last
+        dt = max(now - t0, 1e-6)
+        self._last = (now, st.answered, st.completion_tokens)
+        done = self.already + st.answered + st.failed
+        self.ctx.progress(done, self.total, unit="records", force=True, answered=self.already + st.answered,
+                          failed=st.failed)
+        self.ctx.metric("requests_per_s", round((st.answered - a0) / dt, 3))
+        self.ctx.metric("gen_tokens_per_s", round((st.completion_tokens - c0) / dt, 3))
+        self.ctx.metric("in_flight", st.in_flight, retries=st.retries)
+
+
+def generate(ctx: StageContext, cfg: ClientConfig, prompts: list[tuple[str, list[dict[str, Any]]]],
+             log: ResponseLog, tick_s: float = 2.0) -> tuple[ClientStats, Reporter, bool]:
+    todo = [p for p in prompts if p[0] not in log]
+    rep = Reporter(ctx, len(prompts), len(prompts) - len(todo))
+    ctx.message(f"{len(prompts)} prompts, {rep.already} already answered, {len(todo)} to ask {cfg.url} "
+                f"(concurrency {cfg.concurrency}, max_tokens {cfg.sampling.get('max_tokens')})", code="regen-start")
+    regen = Regenerator(cfg, log.append, on_failure=rep.on_failure, on_outage=rep.on_outage,
+                        paused=ctx.pause_requested, on_pause=rep.on_pause)
+
+    async def go() -> ClientStats:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, regen.stop)
+        try:
+            return await regen.run(todo, tick=rep.tick, tick_s=tick_s)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    try:
+        stats = asyncio.run(go()) if todo else regen.stats
+    finally:
+        log.sync()
+    if regen.abandoned:
+        ctx.message(f"{regen.abandoned} request(s) still in flight after the {cfg.drain_timeout_s:g}s drain time "
+                    "were cancelled: a retry asks for them again (raise the stage's kill_grace_s to drain longer)",
+                    level="warning", code="abandoned")
+    if regen.model:
+        ctx.message(f"model {regen.model}: {stats.answered} answered, {stats.failed} failed, {stats.retries} retries, "
+                    f"{stats.sent} requests sent", code="regen-summary", sent=stats.sent, retries=stats.retries)
+    return stats, rep, regen.stopping
+
+
+# ------------------------------------------------------------------------------- tokenising
+def file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenise_answers(ctx: StageContext, plan: Plan, dataset: str, order: list[str], log: ResponseLog,
+                     s: dict[str, Any]) -> dict[str, Any]:
+    from pipeline import tokenise as tk
+
+    model = plan.target.get("model")
+    max_length = int(plan.target.get("max_length", 2048))
+    ct = tk.load_chat_tokenizer(model, max_length)
+    fingerprint = {"stage": "regen", "dataset": dataset, "tokenizer": ct.tokenizer_id, "template": ct.template_hash,
+                   "max_length": max_length, "drop_truncated": bool(s["drop_truncated"]),
+                   "responses_sha256": file_sha(log.path), "shard_rows": int(s["shard_rows"])}
+    store = tk.ShardStore(ctx.out, fingerprint)
+    store.clean_partials()
+    try:
+        done = store.complete()
+    except tk.StaleOutputError:
+        done = None
+    if done is not None:
+        ctx.message(f"tokenized output already complete ({done['rows']} rows)", code="up-to-date")
+        return done
+    try:
+        finished = store.finished()
+    except tk.StaleOutputError:  # shards made from other answers or settings: start the shards over
+        for p in [*ctx.out.glob(f"{tk.SHARD_PREFIX}*.parquet"), *store.progress_dir.glob("*.json"),
+                  store.manifest_path]:
+            p.unlink(missing_ok=True)
+        finished = []
+    recs = log.records()
+    rows = [rid for rid in order if rid in recs]
+    rejects: list[dict[str, Any]] = []
+    truncated = sum(1 for rid in rows if recs[rid].get("finish_reason") == "length")
+    per = int(s["shard_rows"])
+    shards = list(finished)
+    start = sum(int(r.get("rows_in", 0)) for r in finished)
+    pos = start
+    while pos < len(rows):
+        ctx.safe_point()
+        chunk = rows[pos: pos + per]
+        ids, convs = [], []
+        for rid in chunk:
+            rec = recs[rid]
+            if s["drop_truncated"] and rec.get("finish_reason") == "length":
+                rejects.append({"row": rid, "field": "finish_reason", "reason": "answer cut at max_tokens"})
+                continue
+            try:
+                convs.append(tk.check_conversation(rec["messages"]))
+                ids.append(rid)
+            except tk.ConversationError as exc:
+                rejects.append({"row": rid, "field": exc.field, "reason": exc.reason})
+        enc = ct.encode(convs) if convs else []
+        ok_ids, ok_enc = [], []
+        for rid, e in zip(ids, enc, strict=True):
+            if isinstance(e, tk.ConversationError):
+                rejects.append({"row": rid, "field": e.field, "reason": e.reason})
+            elif e.target_tokens == 0:
+                rejects.append({"row": rid, "field": "messages", "reason": "no answer tokens within max_length"})
+            else:
+                ok_ids.append(rid)
+                ok_enc.append(e)
+        shards.append(store.commit(len(shards), tk.tokenized_table(ok_ids, ok_enc), {"rows_in": len(chunk)}))
+        pos += len(chunk)
+        ctx.progress(pos, len(rows), unit="rows", key="tokenise", force=True)
+    if rejects:
+        tk.write_rejects(ctx.out / "rejects.jsonl", rejects)
+    man = store.write_manifest("tokenized", shards, dataset=dataset, source="regen", tokenizer=ct.tokenizer_id,
+                               template=ct.template_hash, max_length=max_length, answers=len(rows),
+                               rejected=len(rejects), truncated_answers=truncated)
+    ctx.message(f"tokenized {man['rows']} rows ({man['tokens']:,} tokens) into {len(shards)} shard(s); "
+                f"{len(rejects)} rejected, {truncated} answers cut at max_tokens", code="tokenized")
+    return man
+
+
+# ------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.regen", description=__doc__.split("\n")[0])
+    add_common_args(ap)
+    ap.add_argument("--dataset", required=True, help="dataset name (the plan's [[datasets]] entry)")
+    ap.add_argument("--input", type=Path, default=None, help="prompts output dir (default: the prep input)")
+    ap.add_argument("--server-url", default=None, help="http://host:port of the server (default: the service's)")
+    args = ap.parse_args(argv)
+    ctx = StageContext.from_cli(args)
+    try:
+        plan = ctx.plan
+        plan.dataset(args.dataset)
+        s = regen_settings(plan)
+        src = args.input or find_prompt_dir(ctx.inputs)
+        prompts = read_prompts(src, s.get("max_records"))
+        if not prompts:
+            fail(ctx, f"{src}: no prompts to regenerate", 2)
+        url = server_url(ctx, plan, s, args.server_url)
+    except (PlanError, InputError, ValueError) as exc:
+        fail(ctx, str(exc), 2)
+    api_key = os.environ.get(s["api_key_env"]) if s.get("api_key_env") else None
+    cfg = ClientConfig(
+        url=url, model=s.get("model"), concurrency=int(s["concurrency"]), request_timeout_s=float(s["request_timeout_s"]),
+        max_attempts=int(s["max_attempts"]), backoff_s=float(s["backoff_s"]), backoff_max_s=float(s["backoff_max_s"]),
+        outage_timeout_s=float(s["outage_timeout_s"]), sampling=sampling_body(s), api_key=api_key,
+        drain_timeout_s=max(1.0, _kill_grace(plan, ctx.stage_id) - 2.0),
+    )
+    try:
+        log = ResponseLog(ctx.out / "responses.jsonl")
+    except ValueError as exc:
+        fail(ctx, str(exc), 2)
+    if log.repaired_bytes:
+        ctx.message(f"responses.jsonl: cut a torn last line ({log.repaired_bytes} bytes) left by a kill",
+                    level="warning")
+    try:
+        stats, rep, stopped = generate(ctx, cfg, prompts, log)
+    except OutageError as exc:
+        log.close()
+        fail(ctx, str(exc), 1)
+    log.close()
+    write_atomic(ctx.out / "errors.jsonl", "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in rep.failures))
+    if stopped:
+        ctx.message(f"stopped by a signal with {len(log)} of {len(prompts)} answered; a retry asks only for the rest",
+                    level="warning", code="stopped")
+        ctx.close()
+        return 128 + signal.SIGTERM
+    failed = len(rep.failures)
+    answered = sum(1 for rid, _ in prompts if rid in log)
+    if answered + failed != len(prompts):
+        fail(ctx, f"bookkeeping: {answered} answered + {failed} failed != {len(prompts)} prompts", 1)
+    if failed and failed > s["max_error_fraction"] * len(prompts):
+        fail(ctx, f"{failed} of {len(prompts)} records failed (> max_error_fraction {s['max_error_fraction']:g}); "
+                  "see errors.jsonl; a retry asks only for the unanswered ones", 1)
+    try:
+        tokenise_answers(ctx, plan, args.dataset, [rid for rid, _ in prompts], log, s)
+    except (ValueError, OSError) as exc:
+        fail(ctx, f"tokenising the answers failed: {exc}", 1)
+    ctx.progress(len(prompts), len(prompts), unit="records", force=True)
+    ctx.close()
+    return 0
+
+
+def _kill_grace(plan: Plan, stage_id: str) -> float:
+    try:
+        return plan.stage(stage_id).kill_grace_s
+    except KeyError:
+        return 10.0
