@@ -32,7 +32,7 @@ from pipeline import hidden_store as hs
 from pipeline.eagle3_model import default_aux_layers
 from pipeline.rundir import read_json, write_json
 from pipeline.runtime import StageContext, add_common_args, fail
-from pipeline.shards import Row, ShardError, holdout_fraction, iter_rows
+from pipeline.shards import Row, ShardError, holdout_fraction, iter_rows, training_order
 
 STATE_FILE = "extract-state.json"
 
@@ -61,8 +61,8 @@ def aux_layers_from(sec: dict[str, Any], num_layers: int, where: str) -> list[in
 
 
 def plan_shards(rows: list[Row], shard_tokens: int) -> list[list[Row]]:
-    """Rows by length (longest first, then id), cut into shards of about ``shard_tokens`` tokens."""
-    ordered = sorted(rows, key=lambda r: (-r.num_tokens, r.id))
+    """Rows in training order (longest first, then id), cut into shards of about ``shard_tokens`` tokens."""
+    ordered = training_order(rows)
     shards: list[list[Row]] = []
     cur: list[Row] = []
     n = 0
@@ -178,7 +178,8 @@ def run(ctx: StageContext, inputs: list[Path]) -> int:
                      "holdout": holdout, "max_length": max_length, "rows": len(rows), "tokens": total_tokens}
     if mode == "online":
         ctx.metric("projected_bytes", 0)
-        write_json(ctx.out / "manifest.json", {**base_manifest, "bytes": 0, "shards": []})
+        write_json(ctx.out / "manifest.json", {**base_manifest, "bytes": 0, "shards": [],
+                                               "row_ids": [r.id for r in training_order(rows)]})
         ctx.metric("actual_bytes", 0)
         ctx.message(f"online mode: nothing stored; training runs the target over {total_tokens:,} tokens "
                     f"(offline would store {total_tokens * per_token / 1e9:.2f} GB)")

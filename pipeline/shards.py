@@ -143,6 +143,11 @@ def read_shard(path: Path, vocab_size: int | None = None, max_length: int | None
         yield Row(str(rid), ti.astype(np.int32), mi.astype(np.int8), f"{path.name}:{i}")
 
 
+def training_order(rows: list[Row]) -> list[Row]:
+    """Longest first, then by id: the order extraction stores rows in, and online training indexes them."""
+    return sorted(rows, key=lambda r: (-r.num_tokens, r.id))
+
+
 def iter_rows(out_dirs: list[Path], holdout: float, split: str = "train", vocab_size: int | None = None,
               max_length: int | None = None) -> Iterator[Row]:
     """Rows of the ``train`` or ``heldout`` split over all tokenized inputs, in a stable order."""

@@ -406,12 +406,16 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
     if man["mode"] == "offline":
         data: Any = OfflineData(hs.HiddenStore(ext_dir))
     else:
-        from pipeline.shards import iter_rows
+        from pipeline.shards import iter_rows, training_order
         from pipeline.target_capture import load_target
 
-        max_len = s.max_length or plan.target.get("max_length")
-        rows = [r for r in iter_rows([Path(p) for p in man["sources"]], float(man.get("holdout", 0.0)), "train",
-                                     None, max_len) if r.num_tokens >= 2 and r.loss_mask.any()]
+        max_len = man.get("max_length") or s.max_length or plan.target.get("max_length")
+        wanted = set(man.get("row_ids") or [])
+        rows = training_order([r for r in iter_rows([Path(p) for p in man["sources"]], float(man.get("holdout", 0.0)),
+                                                    "train", None, max_len) if r.id in wanted])
+        if len(rows) != len(wanted):
+            raise ValueError(f"{ext_dir / 'manifest.json'}: lists {len(wanted)} rows but the sources now hold "
+                             f"{len(rows)} of them; rerun extraction with --fresh")
         data = OnlineData(rows, load_target(model_id, aux, dtype=dtype, device=device))
     n = len(data)
     if n < s.batch_size:

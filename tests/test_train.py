@@ -1,0 +1,135 @@
+"""Draft training: metrics and the finished draft, resume after a real kill, online == offline targets,
+and (issue 9, CPU part) torchrun with 2 gloo processes equals one process on the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipeline.eagle3_model import load_draft
+from pipeline.train import TrainSettings, global_indices, lr_at
+from tests.eagle3_fixtures import ROOT, TEST_SECTIONS, events, metrics, run_stage, shared, write_plan
+
+
+def losses(evs) -> dict[int, float]:
+    return {e.get("step"): e.get("value") for e in evs if e.type == "metric" and e.get("name") == "loss"}
+
+
+def test_schedule_and_data_order_are_functions_of_the_step() -> None:
+    s = TrainSettings(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(5, s) == pytest.approx(5e-4) and lr_at(10, s) == pytest.approx(1e-3)
+    assert lr_at(100, s) == pytest.approx(1e-4)
+    a = [global_indices(st, 10, 4, 0) for st in (1, 2, 3, 4)]
+    assert sorted(a[0] + a[1]) != list(range(10))  # 10 // 4 = 2 batches per epoch, last 2 dropped
+    assert len(set(a[0]) | set(a[1])) == 8 and a[2] != a[0]  # epoch 2 reshuffles
+    assert global_indices(3, 10, 4, 0) == a[2]  # deterministic: resume needs no sampler state
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="train.batch_size"):
+        TrainSettings.from_section({"batch_size": 3, "nproc": 2}, "p.toml")
+    with pytest.raises(ValueError, match="train.stepz: unknown key"):
+        TrainSettings.from_section({"stepz": 3}, "p.toml")
+    with pytest.raises(ValueError, match="train.lr: expected float"):
+        TrainSettings.from_section({"lr": "fast"}, "p.toml")
+
+
+@pytest.mark.slow
+def test_training_reports_every_metric_and_writes_an_sglang_draft(tmp_path_factory) -> None:
+    out = shared(tmp_path_factory, "train")
+    steps = TEST_SECTIONS["train"]["steps"]
+    for name in ("loss", "acc_0", "acc_1", "acc_2", "lr", "tokens_per_s"):
+        assert sorted(e.get("step") for e in metrics(out, name)) == list(range(1, steps + 1)), name
+    loss = losses(events(out))
+    assert sum(loss[s] for s in range(steps - 3, steps + 1)) < 0.7 * sum(loss[s] for s in range(1, 5))
+    acc0 = {e.get("step"): e.get("value") for e in metrics(out, "acc_0")}
+    assert acc0[steps] > acc0[1]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["kind"] == "draft" and man["step"] == steps and man["ttt_steps"] == 3
+    conf = json.loads((out / "draft" / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["draft_vocab_size"] == 512
+    d = load_draft(out / "draft", embed=torch.zeros(49152, 576))
+    assert int(d.t2d.sum()) == 512
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_00000012", "step_00000024"]
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_continues_the_loss_curve_from_the_checkpoint(tmp_path_factory, tmp_path) -> None:
+    ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
+    sections = {**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 30, "checkpoint_every": 5}}
+    plan = write_plan(tmp_path / "plan.toml", **sections)
+    out = tmp_path / "train"
+    argv = [sys.executable, "-m", "pipeline.train", "--plan", str(plan), "--out", str(out),
+            "--input", str(ext), "--input", str(voc)]
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        if (out / "events.jsonl").is_file() and any(e.get("code") == "checkpoint" for e in events(out)):
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "training ended before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    first = events(out)
+    first_loss = losses(first)
+    killed_at = max(first_loss)
+    assert killed_at < 30
+    run_stage("pipeline.train", plan, out, [ext, voc])
+    second = events(out)[len(first):]
+    resumed = [e for e in second if e.get("code") == "resumed_from_checkpoint"]
+    assert resumed, "the retry did not resume"
+    ckpt = resumed[0].get("step")
+    assert ckpt >= 5 and ckpt % 5 == 0 and ckpt <= killed_at
+    second_loss = losses(second)
+    assert min(second_loss) == ckpt + 1  # not step 1
+    assert max(second_loss) == 30
+    for step in range(ckpt + 1, killed_at + 1):  # the steps both attempts ran agree exactly
+        assert second_loss[step] == pytest.approx(first_loss[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_online_training_sees_the_same_targets_as_offline(tmp_path_factory, tmp_path) -> None:
+    tok, voc = shared(tmp_path_factory, "tok"), shared(tmp_path_factory, "voc")
+    offline = losses(events(shared(tmp_path_factory, "train")))
+    sections = {**TEST_SECTIONS, "extract": {"mode": "online"},
+                "train": {**TEST_SECTIONS["train"], "steps": 1}}
+    plan = write_plan(tmp_path / "plan.toml", **sections)
+    run_stage("pipeline.extract", plan, tmp_path / "ext", [tok])
+    run_stage("pipeline.train", plan, tmp_path / "train", [tmp_path / "ext", voc])
+    online = losses(events(tmp_path / "train"))
+    assert list(online) == [1]
+    # same init, same batch; offline features went through bf16 storage
+    assert online[1] == pytest.approx(offline[1], rel=0.03)
+    assert json.loads((tmp_path / "train" / "manifest.json").read_text())["mode"] == "online"
+
+
+@pytest.mark.slow
+def test_torchrun_two_gloo_processes_equal_one_process(tmp_path_factory, tmp_path) -> None:
+    """Issue 9, CPU part: DDP over 2 processes computes exactly the single-process update."""
+    ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
+    results = {}
+    for nproc in (1, 2):
+        sections = {**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 3, "nproc": nproc,
+                                                "checkpoint_every": 3}}
+        plan = write_plan(tmp_path / f"plan{nproc}.toml", **sections)
+        out = tmp_path / f"train{nproc}"
+        run_stage("pipeline.train", plan, out, [ext, voc])
+        state = torch.load(out / "checkpoints" / "step_00000003" / "training_state.pt", weights_only=False)
+        results[nproc] = (losses(events(out)), state)
+    (l1, s1), (l2, s2) = results[1], results[2]
+    assert s2["world_size"] == 2 and s1["world_size"] == 1
+    assert list(l1) == list(l2) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+    for k, v in s1["model"].items():
+        if v.is_floating_point():
+            assert torch.allclose(v, s2["model"][k], atol=2e-5, rtol=1e-4), k
+    ev2 = [e for e in events(tmp_path / "train2") if e.type == "message"]
+    assert any("2 process(es)" in e.get("text", "") for e in ev2)
