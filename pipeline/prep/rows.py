@@ -86,5 +86,5 @@ class RowProcessor:
                     o.kind, o.reason, o.item = "dropped", (
                         f"no assistant tokens within max_length {self.tokenizer.max_length}"), None
                 else:
-                    o.encoded = enc
+                    o.encoded, o.item = enc, None  # the conversation is not needed once tokenised
         return out

@@ -164,6 +164,11 @@ class PrepRun:
             ctx.progress(man["rows"], ds.quota, unit="rows", key=ds.name, force=True, rate=0.0)
             return 0
         self.store.clean_partials()
+        if ds.kind != self.src.kind:
+            usual = ("already holds the target's replies" if self.src.kind == TARGET_NATIVE
+                     else "holds another model's replies")
+            ctx.message(f"{ds.name}: source {self.src.key} usually {usual}; the plan makes it {ds.kind}",
+                        level="warning", code="kind")
         self.validate_first()
         try:
             records, tally, seen, start = self.restore()
