@@ -186,7 +186,9 @@ def norm_tool_trajectory(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]
                 raise ConversationError(f"{where}.content", f"expected text, got {_type_name(content)}")
         else:
             content = need_text(t, "content", where)
-        turn: dict[str, Any] = {"role": role, "content": content, "_src": {"content": f"{where}.content"}}
+        src = {"content": f"{where}.content", **{f"tool_calls[{j}]": f"{where}.tool_calls[{j}].function"
+                                                  for j in range(len(calls))}}
+        turn: dict[str, Any] = {"role": role, "content": content, "_src": src}
         if calls:
             turn["tool_calls"] = calls
         if role == "tool":

@@ -34,8 +34,9 @@ Tokenising (:class:`ChatTokenizer`)
     pre-tokenisation cannot change (a newline between two non-space characters), so the kept tokens are
     identical to tokenising the whole text. Templates that do not mention ``tool_calls`` /
     ``reasoning_content`` get those folded into the content as ``<tool_call>{json}</tool_call>`` /
-    ``<think>...</think>`` text. A content holding one of the tokenizer's special tokens (``<|im_end|>``)
-    is refused: it would silently end the turn.
+    ``<think>...</think>`` text; templates that do are given OpenAI-style ``tool_calls`` with the
+    arguments as the source had them (JSON text or object) and ``reasoning_content``. A text holding
+    one of the tokenizer's special tokens (``<|im_end|>``) is refused: it would silently end the turn.
 
 Shards (:class:`ShardStore`)
     Numbered Parquet files ``data-00000.parquet`` written atomically (temp file, fsync, rename) with the
@@ -284,8 +285,11 @@ class ChatTokenizer:
         if self._specials is None:
             return
         for i, t in enumerate(conv):
-            for key in ("content", "reasoning"):
-                text = t.get(key)
+            texts = [(key, t.get(key)) for key in ("content", "reasoning")]
+            for j, call in enumerate(t.get("tool_calls") or ()):
+                args = call.get("arguments")
+                texts.append((f"tool_calls[{j}]", call["name"] + (args if isinstance(args, str) else json.dumps(args))))
+            for key, text in texts:
                 if isinstance(text, str) and (m := self._specials.search(text)):
                     raise ConversationError(source_field(t, key, f"{field}[{i}].{key}"),
                                             f"contains the special token {m.group(0)!r}")

@@ -133,6 +133,10 @@ def test_special_tokens_inside_text_are_refused_naming_the_source_field(ct: Chat
     (err,) = ct.encode([conv])
     assert isinstance(err, ConversationError)
     assert err.field == "response" and "<|im_end|>" in err.reason
+    call = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+             "tool_calls": [{"name": "bash", "arguments": {"cmd": "echo '<|im_start|>'"}}]}]
+    (err,) = ct.encode([call])
+    assert isinstance(err, ConversationError) and err.field == "messages[1].tool_calls[0]"
 
 
 def test_prefix_method_for_slow_tokenizers_masks_the_same_text(ct: ChatTokenizer, hf_tok, chat_convs) -> None:  # noqa: ANN001
