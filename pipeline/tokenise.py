@@ -233,16 +233,19 @@ class ChatTokenizer:
             from transformers.utils.chat_template_utils import _compile_jinja_template
         except ImportError:
             return None
-        compiled = _compile_jinja_template(self.template)
         probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                  {"role": "assistant", "content": "a"}]
         kw = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
-        for gen in (False, True):
-            mine = compiled.render(messages=probe, tools=None, documents=None, add_generation_prompt=gen, **kw)
-            ref = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=gen,
-                                                     **self.template_kwargs)
-            if mine != ref:
-                return None
+        try:
+            compiled = _compile_jinja_template(self.template)
+            for msgs, gen in ((probe, False), (probe[:2], True)):
+                mine = compiled.render(messages=msgs, tools=None, documents=None, add_generation_prompt=gen, **kw)
+                ref = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
+                                                         **self.template_kwargs)
+                if mine != ref:
+                    return None
+        except Exception:  # an unusual template: always go through apply_chat_template
+            return None
         return compiled
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
@@ -377,6 +380,9 @@ class ChatTokenizer:
                 spans = self._spans(msgs, text, limit, field)
             except ConversationError as exc:
                 out[k] = exc
+                continue
+            except Exception as exc:  # the template refuses a prefix (e.g. it insists on alternating roles)
+                out[k] = ConversationError(field, f"chat template failed on a prefix: {type(exc).__name__}: {exc}")
                 continue
             mask = np.zeros(len(ids), dtype=np.int8)
             if offs is not None:

@@ -164,3 +164,20 @@ def test_load_chat_tokenizer_records_the_plan_id_and_a_template_hash() -> None:
     ct = load_chat_tokenizer(MODEL, 256)
     assert ct.tokenizer_id == MODEL and ct.method == "offsets" and len(ct.template_hash) == 16
     assert json.dumps(ct.template_kwargs) == "{}"
+
+
+def test_a_template_that_refuses_a_prefix_gives_a_row_error_not_a_crash(hf_tok) -> None:  # noqa: ANN001
+    import copy
+
+    strict = copy.deepcopy(hf_tok)
+    strict.chat_template = hf_tok.chat_template.replace(
+        "{% for message in messages %}",
+        "{% if add_generation_prompt and messages|length > 1 %}{{ raise_exception('no prefixes') }}{% endif %}"
+        "{% for message in messages %}")
+    ct = ChatTokenizer(strict, 128, tokenizer_id="strict")
+    convs = [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+              {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]]
+    ok, bad = ct.encode(convs)
+    assert ok.target_tokens > 0
+    assert isinstance(bad, ConversationError) and "chat template failed on a prefix" in bad.reason
