@@ -101,6 +101,22 @@ def baseline_results(ctx: StageContext, inputs: list[Path], stage: str) -> dict[
     raise ValueError(f"baseline {stage!r}: no results.json (is it in 'after' and finished?)")
 
 
+def _drive(ctx: StageContext, url: str, prompts: list[list[int]], max_new: int, conc: int, warm: int,
+           timeout: float, label: str) -> dict[str, Any]:
+    with ThreadPoolExecutor(max_workers=conc) as pool:
+        list(pool.map(lambda p: post_json(url + "/generate", generate_request(p, 16), timeout), prompts[:warm]))
+        t0 = time.monotonic()
+        metas = []
+        for i, out in enumerate(pool.map(lambda p: post_json(url + "/generate", generate_request(p, max_new), timeout),
+                                         prompts)):
+            metas.append(out.get("meta_info", {}) if isinstance(out, dict) else {})
+            ctx.progress(i + 1, len(prompts), unit="requests")
+        elapsed = time.monotonic() - t0
+    res = summarize(label, metas, elapsed)
+    res["url"] = url
+    return res
+
+
 def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) -> int:
     sec = ctx.plan.section("bench")
     label = args.label or ctx.stage_id
@@ -113,17 +129,10 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
     timeout = float(sec.get("timeout_s", 600))
     ctx.message(f"{label}: {len(prompts)} prompts against {url}/generate, concurrency {conc}, {max_new} new tokens")
     warm = min(conc, len(prompts))
-    with ThreadPoolExecutor(max_workers=conc) as pool:
-        list(pool.map(lambda p: post_json(url + "/generate", generate_request(p, 16), timeout), prompts[:warm]))
-        t0 = time.monotonic()
-        metas = []
-        for i, out in enumerate(pool.map(lambda p: post_json(url + "/generate", generate_request(p, max_new), timeout),
-                                         prompts)):
-            metas.append(out.get("meta_info", {}) if isinstance(out, dict) else {})
-            ctx.progress(i + 1, len(prompts), unit="requests")
-        elapsed = time.monotonic() - t0
-    res = summarize(label, metas, elapsed)
-    res["url"] = url
+    try:
+        res = _drive(ctx, url, prompts, max_new, conc, warm, timeout, label)
+    except OSError as exc:  # URLError, refused, timeout
+        fail(ctx, f"{label}: the server at {url} did not answer /generate: {exc}")
     if args.baseline:
         base = baseline_results(ctx, inputs, args.baseline)
         res["baseline"] = {"label": base.get("label"), "output_tok_s": base.get("output_tok_s")}
