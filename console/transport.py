@@ -1,7 +1,9 @@
 """Transports: how the console reaches the run directory and the host's control entry point.
 
 The console's model never opens files or processes itself; it asks a transport for
-(1) byte ranges of run-dir files from an offset (event streams, logs, state.json),
+(1) byte ranges of run-dir files from an offset (event streams, logs, state.json), and for the
+    log viewer newline counts per block and regex matches by line (``pipeline.logscan``), so a
+    multi-GB log is indexed and searched where it lives,
 (2) control commands (``python -m pipeline.ctl RUN ACTION STAGE``) executed on the host,
 (3) creating a run and starting its supervisor there.
 
@@ -17,7 +19,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from pipeline import logscan
 
 
 @dataclass
@@ -25,12 +29,14 @@ class ConnectionStatus:
     """What the header shows: where the run executes and whether we can reach it."""
 
     host: str = "local"
-    state: str = "connected"  # connected | connecting | disconnected
+    state: str = "connected"  # connected | connecting | disconnected | refused (host key/credentials: no retry)
     retries: int = 0
     rtt_ms: float | None = None
     detail: str = ""
 
     def label(self) -> str:
+        if self.state == "refused":
+            return f"{self.host}: refused — not retrying (see the status line)"
         if self.state == "disconnected":
             return f"{self.host}: disconnected — retrying ({self.retries})"
         if self.state == "connecting":
@@ -71,6 +77,16 @@ class Transport(Protocol):
         """Run ``python -m pipeline.ctl RUN *args`` on the executing host."""
         ...
 
+    async def count_lines(self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES,
+                          block: int = logscan.BLOCK) -> dict[str, Any]:
+        """Newlines per block of a run-dir file from ``offset`` (see ``pipeline.logscan.count_blocks``)."""
+        ...
+
+    async def find_lines(self, rel: str, pattern: str, start: int, end: int | None, line0: int,
+                         backward: bool = False, limit: int = 1000) -> dict[str, Any]:
+        """Lines of a run-dir file matching a regex (see ``pipeline.logscan.find_lines``)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -107,6 +123,15 @@ class LocalTransport:
         )
         out, err = await proc.communicate()
         return CtlResult(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+
+    async def count_lines(self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES,
+                          block: int = logscan.BLOCK) -> dict[str, Any]:
+        return await asyncio.to_thread(logscan.count_file, Path(self.run_root) / rel, offset, max_bytes, block)
+
+    async def find_lines(self, rel: str, pattern: str, start: int, end: int | None, line0: int,
+                         backward: bool = False, limit: int = 1000) -> dict[str, Any]:
+        return await asyncio.to_thread(logscan.find_file, Path(self.run_root) / rel, pattern, start, end, line0,
+                                       backward, limit)
 
     async def close(self) -> None:
         return None

@@ -123,7 +123,8 @@ class Agent:
             return run_ctl(self.root, list(req.get("args") or []), float(req.get("timeout", CTL_TIMEOUT_S)))
         if op == "lines":
             return logscan.count_file(_safe_path(self.root, req.get("path")), int(req.get("offset", 0)),
-                                      int(req.get("max_bytes", logscan.COUNT_MAX_BYTES)))
+                                      int(req.get("max_bytes", logscan.COUNT_MAX_BYTES)),
+                                      int(req.get("block", logscan.BLOCK)))
         if op == "find":
             end = req.get("end")
             return logscan.find_file(_safe_path(self.root, req.get("path")), str(req.get("pattern", "")),

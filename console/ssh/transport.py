@@ -220,6 +220,28 @@ class SshTransport:
         rep = await self._call("read", reqs=[[rel, int(off)] for rel, off in reqs], max_bytes=max_bytes)
         return [ReadResult(base64.b64decode(b64), int(size), int(ino)) for b64, size, ino in rep["results"]]
 
+    async def count_lines(self, rel: str, offset: int, max_bytes: int = 128 << 20, block: int = 64 << 10) -> dict[str, Any]:
+        """Newline counts per block, computed by the agent on the host (only the counts travel)."""
+        return await self._scan("lines", path=rel, offset=int(offset), max_bytes=int(max_bytes), block=int(block))
+
+    async def find_lines(self, rel: str, pattern: str, start: int, end: int | None, line0: int,
+                         backward: bool = False, limit: int = 1000) -> dict[str, Any]:
+        """Regex matches by line, searched by the agent on the host (only line numbers/offsets travel)."""
+        return await self._scan("find", path=rel, pattern=pattern, start=int(start), end=end, line0=int(line0),
+                                backward=bool(backward), limit=int(limit))
+
+    async def _scan(self, op: str, **payload: Any) -> dict[str, Any]:
+        try:
+            rep = await self._call(op, **payload)
+        except SshError as exc:
+            if "unknown op" in str(exc):
+                raise SshError(f"{self.conn.target.label}: the remote pipeline predates the log viewer's "
+                               f"'{op}' request: run `aerie preflight PLAN` to upload the current one") from None
+            raise
+        rep.pop("id", None)
+        rep.pop("ok", None)
+        return rep
+
     async def ctl(self, *args: str) -> CtlResult:
         what = " ".join(args)
         try:
