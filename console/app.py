@@ -5,29 +5,45 @@ and the widgets redraw from the model. Operator actions (pause, kill, retry...) 
 transport's ``ctl``, which runs ``pipeline.ctl`` on the executing host; the supervisor there acts
 on the recorded process group and the result comes back as a notification. Quitting the console
 never stops a stage: ``aerie attach RUN`` shows the same run, live.
+
+Around the board: the full log of any stage (``l``; the inference server's with ``L``) in the log
+viewer, the per-dataset progress screen (``d``), themes from ``themes/`` (``--theme``, the user's
+config, the plan's ``[ui]``, or the command palette), failure alerts (notification, bell, the
+plan's ``[alerts] command``; see :mod:`console.alerts`), every action in the command palette
+(``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import time
+import tomllib
+from collections.abc import Callable, Iterable
 
 from rich.text import Text
 from textual import on, work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
+from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
+from console.logindex import LogIndex
 from console.model import RunModel, StageView
-from console.screens.dialogs import ConfirmScreen, HelpScreen
+from console.screens.datasets import DatasetsScreen
+from console.screens.dialogs import ConfirmScreen, HelpScreen, help_rows
 from console.screens.logview import LogScreen
+from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
 from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
+from themes import load_themes
 
 # Theme variables a theme may set per state (``state-running`` ...); else these fall-backs.
 STATE_FALLBACK = {
@@ -36,6 +52,16 @@ STATE_FALLBACK = {
     "unhealthy": "error", "pending": "foreground-muted", "skipped": "foreground-muted",
 }
 STALE_SUPERVISOR_S = 15.0
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive after start-up (CSS, widgets, themes) out of the cyclic GC's reach.
+
+    Full collections then scan only what was allocated since; on a busy 2-core host they were the
+    longest UI stalls while a log streamed (measured in bench/log_ingest.py).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 class AerieApp(App[int]):
@@ -50,40 +76,56 @@ class AerieApp(App[int]):
     #meters { width: 50; border-left: solid $panel-lighten-2; }
     """
     BINDINGS = [
-        Binding("p", "pause", "Pause/resume"),
-        Binding("k", "kill", "Kill"),
-        Binding("r", "retry", "Retry"),
-        Binding("R", "retry_fresh", "Retry fresh", show=False),
-        Binding("s", "skip", "Skip", show=False),
-        Binding("l", "log", "Log"),
-        Binding("slash", "filter", "Filter"),
-        Binding("question_mark", "help", "Help"),
-        Binding("q", "quit_console", "Quit"),
-        Binding("escape", "clear_filter", "Clear filter", show=False),
-    ]
-    HELP_ROWS = [
-        ("↑/↓", "select a stage"),
-        ("p", "pause the selected stage at its next safe point (SIGSTOP after the grace period); again to resume"),
-        ("k", "kill: SIGTERM to the stage's recorded process group, SIGKILL after the grace (asks first)"),
-        ("r", "retry a failed/killed/skipped stage; it resumes from what is already done"),
-        ("R", "retry from scratch: clears the stage's outputs in the run dir first (asks first)"),
-        ("s", "skip a stage that has not started (its dependants treat it as done)"),
-        ("l", "full log of the selected stage"),
-        ("/", "filter stages by id or state; Esc clears"),
-        ("ctrl+p", "command palette (every action, themes)"),
-        ("?", "this help"),
-        ("q", "quit the console — stages keep running; `aerie attach RUN` re-attaches"),
+        Binding("p", "pause", "Pause/resume",
+                tooltip="pause the selected stage at its next safe point (SIGSTOP after the grace period); "
+                        "again to resume"),
+        Binding("k", "kill", "Kill",
+                tooltip="kill: SIGTERM to the stage's recorded process group, SIGKILL after the grace (asks first)"),
+        Binding("r", "retry", "Retry", tooltip="retry a failed/killed/skipped stage; it resumes from what is done"),
+        Binding("R", "retry_fresh", "Retry fresh", show=False,
+                tooltip="retry from scratch: clears the stage's outputs in the run dir first (asks first)"),
+        Binding("s", "skip", "Skip", show=False,
+                tooltip="skip a stage that has not started (its dependants treat it as done)"),
+        Binding("F", "force", "Force", show=False,
+                tooltip="start a stage held by an admission check (disk budget, foreign GPU process) anyway, "
+                        "once (asks first)"),
+        Binding("l", "log", "Log", tooltip="the selected stage's full log (follow, search, filter, wrap)"),
+        Binding("L", "server_log", "Server log", show=False, tooltip="the inference server's log (the serve stage)"),
+        Binding("d", "datasets", "Datasets", tooltip="per-dataset progress: rows/quota, rate, ETA, rejects"),
+        Binding("slash", "filter", "Filter", tooltip="filter stages by id or state; Esc clears"),
+        Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
+        Binding("q", "quit_console", "Quit",
+                tooltip="quit the console: stages keep running; `aerie attach RUN` re-attaches"),
+        Binding("escape", "clear_filter", "Clear filter", show=False, tooltip="clear the stage filter"),
     ]
 
-    def __init__(self, transport: Transport, poll_s: float = 1.0, theme: str | None = None) -> None:
+    def __init__(self, transport: Transport, poll_s: float = 1.0, theme: str | None = None,
+                 alerts: bool = True, user_config: dict | None = None) -> None:
         super().__init__()
         self.transport = transport
         self.model = RunModel(transport)
         self.poll_s = poll_s
-        self._theme_name = theme
+        self.themes = load_themes()
+        for t in self.themes.values():
+            self.register_theme(t)
+        self._cli_theme = theme
+        if user_config is None:
+            user_config, problems = read_user_config()
+        else:
+            problems = []
+        self._user_config = user_config
+        self.settings: Settings = self._resolve({})
+        self.settings.problems[:0] = problems
+        self.alerts_enabled = alerts
+        self.alert_watcher = AlertWatcher()
+        self.alert_book = AlertBook(state_dir() / "alerts.json", f"{transport.status.host}:{transport.run_root}")
+        self.hooks_run = 0  # hook commands completed (tests wait on it)
         self._styles: dict[str, str] = {}
-        self._log_screen: LogScreen | None = None
         self._shown: dict[str, object] = {}
+
+    def _resolve(self, plan_raw: dict) -> Settings:
+        return resolve(self._cli_theme, self._user_config, str(user_config_path()), plan_raw,
+                       f"{self.transport.run_root}/plan.toml", list(self.themes))
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -98,12 +140,32 @@ class AerieApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
-        if self._theme_name:
-            self.theme = self._theme_name
+        self.theme = self.settings.theme
         self.query_one(StageBoard).focus()
         self.poll_model()
         self.set_interval(self.poll_s, self.poll_model)
         self.ensure_supervisor()
+        self.load_plan_settings()
+        self.call_after_refresh(freeze_startup_objects)
+
+    @work(group="settings")
+    async def load_plan_settings(self) -> None:
+        """The plan's [ui] and [alerts], read through the transport (the plan lives in the run dir)."""
+        try:
+            res = (await self.transport.read_many([("plan.toml", 0)], max_bytes=4 << 20))[0]
+            raw = tomllib.loads(res.data.decode()) if res.size > 0 else {}
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raw = {}
+            self.settings.problems.append(f"{self.transport.run_root}/plan.toml: {exc}")
+        except Exception:  # unreachable for now: the user's settings stand
+            raw = {}
+        problems = self.settings.problems
+        self.settings = self._resolve(raw)
+        self.settings.problems[:0] = [p for p in problems if p not in self.settings.problems]
+        if self.theme != self.settings.theme and self.settings.theme_from not in ("default",):
+            self.theme = self.settings.theme
+        for p in self.settings.problems:
+            self.notify(p, title="settings", severity="warning", timeout=10)
 
     # ------------------------------------------------------------------------------ theme
     def watch_theme(self, _theme: str) -> None:
@@ -148,13 +210,11 @@ class AerieApp(App[int]):
             detail.show(st)
         elif st is not None and (st.id in changed or "*" in changed or st.state in ("running", "paused")):
             detail.sync(st)
-        if self._log_screen is not None and self._log_screen.is_attached:
-            s = self.model.stages.get(self._log_screen.stage_id)
-            if s is not None:
-                new = s.log_total - getattr(self._log_screen, "seen", 0)
-                if new > 0:
-                    self._log_screen.append(list(s.log)[-min(new, len(s.log)):])
-                self._log_screen.seen = s.log_total  # type: ignore[attr-defined]
+        screen = self.screen
+        if isinstance(screen, DatasetsScreen):
+            screen.sync(self.model)
+        if self.alerts_enabled and self.model.loaded:
+            self._check_alerts()
 
     def _update_header(self) -> None:
         m = self.model
@@ -198,7 +258,9 @@ class AerieApp(App[int]):
 
     # ------------------------------------------------------------------------------ actions
     def _selected(self) -> StageView | None:
-        st = self.query_one(StageBoard).selected_stage(self.model)
+        """The stage an action applies to: the dataset screen's or log screen's, else the board's."""
+        sid = getattr(self.screen, "selected_stage_id", None)
+        st = self.model.stages.get(sid) if sid else self.query_one(StageBoard).selected_stage(self.model)
         if st is None:
             self.notify("select a stage first (a family row is a group)", severity="warning")
         return st
@@ -266,14 +328,48 @@ class AerieApp(App[int]):
         if st is not None:
             self.run_ctl("skip", st.id)
 
-    def action_log(self) -> None:
+    def action_force(self) -> None:
         st = self._selected()
         if st is None:
             return
-        screen = LogScreen(st.id, list(st.log))
-        screen.seen = st.log_total  # type: ignore[attr-defined]
-        self._log_screen = screen
+        if st.state != "pending":
+            self.notify(f"{st.id} is {st.display_state}: only a waiting stage can be forced", severity="warning")
+            return
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.run_ctl("force", st.id)
+
+        self.push_screen(ConfirmScreen(f"Force {st.id}?\n\nIt starts once despite its admission check "
+                                       f"({st.reason or 'waiting'}); the override is recorded in its events."), done)
+
+    def action_log(self) -> None:
+        st = self._selected()
+        if st is not None:
+            self.open_log(st.id)
+
+    def open_log(self, stage_id: str, title: str | None = None) -> None:
+        """The log viewer on ``stages/<id>/stage.log``, read through the transport."""
+        screen = LogScreen(LogIndex(self.transport, f"stages/{stage_id}/stage.log"), title or stage_id)
+        screen.selected_stage_id = stage_id  # type: ignore[attr-defined]
         self.push_screen(screen)
+
+    def server_stage(self) -> StageView | None:
+        services = [s for s in self.model.stages.values() if s.service and s.id != self.model.telemetry_stage]
+        return next((s for s in services if s.family == "serve"), services[0] if services else None)
+
+    def action_server_log(self) -> None:
+        st = self.server_stage()
+        if st is None:
+            self.notify("this plan has no inference server stage (a service stage such as serve)", severity="warning")
+            return
+        self.open_log(st.id, title=f"{st.id} — inference server log")
+
+    def action_datasets(self) -> None:
+        if isinstance(self.screen, DatasetsScreen):
+            self.screen.dismiss(None)
+        else:
+            self.push_screen(DatasetsScreen(self.model))
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
@@ -297,7 +393,98 @@ class AerieApp(App[int]):
         self.query_one(StageBoard).focus()
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.HELP_ROWS, notes="Closing the console never stops a stage."))
+        self.push_screen(HelpScreen(help_rows(self.screen), notes="Closing the console never stops a stage."))
 
     def action_quit_console(self) -> None:
         self.exit(0, message=f"Aerie console closed; the run keeps going.\nRe-attach: aerie attach {self.model.run_dir}")
+
+    def action_set_theme(self, name: str) -> None:
+        self.theme = name
+
+    def action_toggle_bell(self) -> None:
+        self.settings.bell = not self.settings.bell
+        self.notify(f"alert bell {'on' if self.settings.bell else 'off'}")
+
+    # ------------------------------------------------------------------------------ palette
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Every action of the screen the palette was opened on, then themes and the rest."""
+        cmds: list[tuple[str, str, Callable[[], object]]] = []
+        if isinstance(screen, LogScreen):
+            cmds += [
+                ("Log: follow", "follow the end of the log (auto-scroll)", screen.action_follow),
+                ("Log: top", "go to the first line", screen.action_top),
+                ("Log: wrap", "wrap long lines on/off", screen.action_wrap),
+                ("Log: timestamps", "hide/show leading timestamps", screen.action_timestamps),
+                ("Log: search", "search with a regex", screen.action_search),
+                ("Log: next match", "next match below", screen.action_next),
+                ("Log: previous match", "previous match above", screen.action_previous),
+                ("Log: filter", "show only lines matching a regex", screen.action_filter),
+                ("Log: clear filter", "show every line again", lambda: screen.set_filter(None)),
+                ("Log: first error", "jump to the first error or traceback", screen.action_first_error),
+                ("Log: back", "back to the board", screen.action_close),
+            ]
+        if isinstance(screen, DatasetsScreen):
+            cmds += [("Datasets: open log", "the selected stage's log", screen.action_log),
+                     ("Datasets: back", "back to the board", screen.action_close)]
+        cmds += [
+            ("Pause / resume stage", "pause the selected stage at a safe point, or resume it", self.action_pause),
+            ("Kill stage", "SIGTERM then SIGKILL to the selected stage's process group (asks)", self.action_kill),
+            ("Retry stage", "start the next attempt of a failed/killed/skipped stage", self.action_retry),
+            ("Retry stage from scratch", "clear its outputs, then retry (asks)", self.action_retry_fresh),
+            ("Skip stage", "mark a stage that has not started as skipped", self.action_skip),
+            ("Force stage", "start a stage held by an admission check, once (asks)", self.action_force),
+            ("Open stage log", "the selected stage's full log", self.action_log),
+            ("Open server log", "the inference server's log", self.action_server_log),
+            ("Dataset progress", "per-dataset rows, rate, ETA, rejects", self.action_datasets),
+            ("Filter stages", "filter the board by id or state", self.action_filter),
+            ("Help", "every key of this screen", self.action_help),
+            ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),
+        ]
+        for name in self.themes:
+            cmds.append((f"Theme: {name}", f"switch to the {name} theme", lambda n=name: self.action_set_theme(n)))
+        for title, help_text, cb in cmds:
+            yield SystemCommand(title, help_text, cb)
+        for cmd in super().get_system_commands(screen):
+            if cmd.title == "Quit":
+                yield SystemCommand("Quit console", "close the console; stages keep running", self.action_quit_console)
+            else:
+                yield cmd
+
+    # ------------------------------------------------------------------------------ alerts
+    def _check_alerts(self) -> None:
+        fails, disk_level = self.alert_watcher.check(self.model)
+        if fails or disk_level is not None:
+            self.fire_alerts(fails, disk_level)
+
+    @work(group="alerts")
+    async def fire_alerts(self, fails: list[Alert], disk_level: str | None) -> None:
+        try:
+            new, disk_fire = await asyncio.to_thread(self.alert_book.claim, [a.key for a in fails], disk_level)
+        except OSError as exc:  # no state dir: announce anyway, once per session
+            self.notify(f"cannot record alerts in {self.alert_book.path}: {exc}", severity="warning")
+            new, disk_fire = [a.key for a in fails], disk_level in ("warning", "error")
+        todo = [a for a in fails if a.key in new]
+        if disk_fire and disk_level is not None:
+            todo.append(AlertWatcher.disk_alert(self.model, disk_level))
+        for alert in todo:
+            self.announce(alert)
+
+    def announce(self, alert: Alert) -> None:
+        if self.settings.notify:
+            self.notify(alert.text, title=alert.title, severity="error", timeout=20)
+        if self.settings.bell:
+            self.bell()
+        for cmd in self.settings.hooks:
+            self.run_alert_hook(cmd, alert)
+
+    @work(group="alert-hooks")
+    async def run_alert_hook(self, command: str, alert: Alert) -> None:
+        run = f"{self.transport.status.host}:{self.transport.run_root}"
+        try:
+            rc, out = await run_hook(command, alert, run, self.settings.hook_timeout_s)
+        except OSError as exc:
+            rc, out = 127, str(exc)
+        self.hooks_run += 1
+        if rc != 0:
+            self.notify(f"alert hook `{command}` failed ({'timeout' if rc is None else f'exit {rc}'}): {out}",
+                        title="alert hook", severity="warning", timeout=10)

@@ -5,6 +5,7 @@
     aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
                                             RUN may be ssh://[user@]host[:port]/path or an ssh PLAN
     aerie preflight PLAN                    ssh plans: bootstrap the host and check it, start nothing
+    aerie serve RUN [--port 8000]           the console in a web browser, on 127.0.0.1 (textual-serve)
     aerie status RUN [--json]               one line (or JSON object) per stage
     aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
     aerie plan check PLAN                   validate a plan and print its DAG
@@ -53,9 +54,37 @@ def _watch(run_root: Path | Transport, headless: bool, theme: str | None, poll_s
         return run_headless(transport)
     from console.app import AerieApp
 
+    if theme and _bad_theme(theme):
+        return EXIT_USAGE
     app = AerieApp(transport, poll_s=poll_s, theme=theme)
     rc = app.run()
     return rc or 0
+
+
+def _bad_theme(theme: str) -> bool:
+    from textual.theme import BUILTIN_THEMES
+
+    from themes import load_themes
+
+    known = [*load_themes(), *BUILTIN_THEMES]
+    if theme in known:
+        return False
+    err(f"--theme {theme}: unknown theme (known: {', '.join(known)})")
+    return True
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from console.browser import ServeError, serve
+
+    if not _remote(args.run) and _open_run(args.run) is None:
+        return EXIT_USAGE
+    if args.theme and _bad_theme(args.theme):
+        return EXIT_USAGE
+    try:
+        return serve(args.run, args.host, args.port, args.theme, args.poll)
+    except ServeError as exc:
+        err(str(exc))
+        return EXIT_USAGE
 
 
 def _start(plan_path: Path, run_dir: Path | None) -> Path | int:
@@ -214,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run")
     watch_opts(p)
     p.set_defaults(fn=cmd_attach)
+
+    p = sub.add_parser("serve", help="serve the console to a web browser on 127.0.0.1 (use an SSH port-forward)")
+    p.add_argument("run")
+    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--theme", default=None, help="console theme")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
+    p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("status", help="print every stage's state")
     p.add_argument("run")

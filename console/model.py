@@ -284,6 +284,10 @@ class RunModel:
         if ev.type == "progress":
             if ev.t >= st.progress.t:
                 st.progress.add(ev.t, float(ev.get("done", 0)), ev.get("total"), ev.get("unit", ""))
+            # Rows a prep rejected / requests a regeneration gave up on (the dataset panel's column).
+            bad = ev.get("rejects", ev.get("failed"))
+            if isinstance(bad, int | float) and not isinstance(bad, bool):
+                st.rejects = int(bad)
         elif ev.type == "metric":
             name = str(ev.get("name"))
             st.metrics[name] = float(ev.get("value", 0.0))

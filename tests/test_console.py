@@ -125,7 +125,7 @@ async def test_filter_help_and_quit_message(live_run) -> None:  # noqa: ANN001
 
 def test_board_snapshot(snap_compare) -> None:  # noqa: ANN001
     run = finished_run(Path("/tmp/aerie-snapshot"))
-    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2)
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
 
     async def loaded(pilot) -> None:  # noqa: ANN001
         await until(pilot, lambda: app.model.loaded and app.model.done, what="the finished run")

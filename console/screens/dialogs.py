@@ -1,11 +1,17 @@
-"""Modal dialogs: the confirmation asked before any destructive action, and the help screen."""
+"""Modal dialogs: the confirmation asked before any destructive action, and the help screen.
+
+The help screen is generated from the bindings active on the screen it was opened from (the
+screen's, its focused widget's and the app's), so it lists every key there is, with the long
+description each binding carries in its ``tooltip``.
+"""
 
 from __future__ import annotations
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
-from textual.screen import ModalScreen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Label, Static
 
 
@@ -44,26 +50,53 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(False)
 
 
+def help_rows(screen: Screen) -> list[tuple[str, str]]:
+    """(keys, what they do) for every binding active on ``screen``; keys of one action share a row."""
+    app = screen.app
+    rows: dict[tuple[str, str], list[str]] = {}
+    for active in screen.active_bindings.values():
+        b = active.binding
+        if b.system and not b.description:
+            continue
+        what = b.tooltip or b.description or b.action.replace("_", " ")
+        keys = rows.setdefault((b.action, what), [])
+        label = app.get_key_display(b)
+        if label not in keys:
+            keys.append(label)
+    out = [(" / ".join(keys), what) for (_action, what), keys in rows.items()]
+    if app.ENABLE_COMMAND_PALETTE and not any("palette" in what for _, what in out):
+        out.append((app.get_key_display(Binding(app.COMMAND_PALETTE_BINDING, "command_palette")),
+                    "command palette: every action, themes"))
+    return out
+
+
 class HelpScreen(ModalScreen[None]):
-    """Every key of the current screen, with what it does."""
+    """Every key of the screen it was opened from, with what it does."""
 
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > VerticalScroll { width: 80; height: auto; max-height: 90%; border: thick $primary;
+    HelpScreen > VerticalScroll { width: 96; height: auto; max-height: 90%; border: thick $primary;
                                   background: $surface; padding: 1 2; }
     """
 
-    def __init__(self, rows: list[tuple[str, str]], notes: str = "") -> None:
+    def __init__(self, rows: list[tuple[str, str]], notes: str = "", title: str = "Aerie — keys") -> None:
         super().__init__()
         self.rows = rows
         self.notes = notes
+        self.title_text = title
 
     def compose(self) -> ComposeResult:
         width = max((len(k) for k, _ in self.rows), default=4) + 2
-        body = "\n".join(f"[b]{k:<{width}}[/b]{d}" for k, d in self.rows)
+        body = "\n".join(f"[b]{escape(k):<{width}}[/b]{escape(d)}" for k, d in self.rows)
         with VerticalScroll():
-            yield Static("[b]Aerie — keys[/b]\n\n" + body + ("\n\n" + self.notes if self.notes else ""))
+            yield Static(f"[b]{escape(self.title_text)}[/b]\n\n" + body
+                         + ("\n\n" + escape(self.notes) if self.notes else ""), id="help-body")
+
+    @property
+    def text(self) -> str:
+        """The help as plain text (what the operator reads)."""
+        return "\n".join(f"{k}  {d}" for k, d in self.rows) + "\n" + self.notes
 
     def action_close(self) -> None:
         self.dismiss(None)

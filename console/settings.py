@@ -1,0 +1,126 @@
+"""Console settings: the theme and the alerts, from the command line, the user's config and the plan.
+
+Where each comes from, strongest first:
+
+* theme: ``--theme``, then the user's config ``[ui] theme``, then the plan's ``[ui] theme``, then
+  ``aerie-dark``. (A personal choice, e.g. the colour-blind-safe theme, beats the team's plan.)
+* alerts: ``[alerts] bell`` / ``notify`` from the user's config, else the plan's, else on;
+  ``[alerts] command`` hooks from both the plan (the team's webhook) and the user's config (a
+  personal one) run, plan's first; ``timeout_s`` (default 30) bounds each hook run.
+
+The user's config is ``$AERIE_CONFIG``, else ``$XDG_CONFIG_HOME/aerie/config.toml``, else
+``~/.config/aerie/config.toml``; it may hold ``[ui]`` and ``[alerts]``. A bad key or value never
+stops the console: it becomes a problem line (naming the file and the key) shown once.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from themes import DEFAULT_THEME
+
+UI_KEYS = ("theme",)
+ALERT_KEYS = ("command", "bell", "notify", "timeout_s")
+
+
+def user_config_path() -> Path:
+    if os.environ.get("AERIE_CONFIG"):
+        return Path(os.environ["AERIE_CONFIG"]).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "aerie" / "config.toml"
+
+
+def state_dir() -> Path:
+    """Where the console keeps its own small state (fired alerts): the user's state directory."""
+    if os.environ.get("AERIE_STATE_DIR"):
+        return Path(os.environ["AERIE_STATE_DIR"]).expanduser()
+    if os.environ.get("AERIE_HOME"):
+        return Path(os.environ["AERIE_HOME"]).expanduser() / "state"
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "aerie"
+
+
+@dataclass
+class Settings:
+    theme: str = DEFAULT_THEME
+    theme_from: str = "default"
+    bell: bool = True
+    notify: bool = True
+    hooks: list[str] = field(default_factory=list)
+    hook_timeout_s: float = 30.0
+    problems: list[str] = field(default_factory=list)
+
+
+def read_user_config(path: Path | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The user's config as a dict (empty if there is none) and any problem reading it."""
+    path = path or user_config_path()
+    try:
+        return tomllib.loads(path.read_text()), []
+    except FileNotFoundError:
+        return {}, []
+    except (OSError, UnicodeDecodeError) as exc:
+        return {}, [f"{path}: cannot read: {exc}"]
+    except tomllib.TOMLDecodeError as exc:
+        return {}, [f"{path}: not valid TOML: {exc}"]
+
+
+def _section(raw: dict[str, Any], name: str, keys: tuple[str, ...], where: str, problems: list[str]) -> dict[str, Any]:
+    sec = raw.get(name, {})
+    if not isinstance(sec, dict):
+        problems.append(f"{where}: {name}: expected a table, got {sec!r}")
+        return {}
+    out = {}
+    for k, v in sec.items():
+        if k not in keys:
+            problems.append(f"{where}: {name}.{k}: unknown key (known: {', '.join(keys)})")
+        else:
+            out[k] = v
+    return out
+
+
+def _typed(sec: dict[str, Any], key: str, types: tuple[type, ...], what: str, where: str, section: str,
+           problems: list[str]) -> Any:
+    if key not in sec:
+        return None
+    v = sec[key]
+    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+        problems.append(f"{where}: {section}.{key}: expected {what}, got {v!r}")
+        return None
+    return v
+
+
+def resolve(cli_theme: str | None, user: dict[str, Any], user_where: str, plan: dict[str, Any], plan_where: str,
+            known_themes: list[str]) -> Settings:
+    """Merge the three sources (see the module docstring); unknown themes fall back with a problem."""
+    s = Settings()
+    p = s.problems
+    layers = [(plan, plan_where), (user, user_where)]  # weakest first
+    for raw, where in layers:
+        ui = _section(raw, "ui", UI_KEYS, where, p)
+        theme = _typed(ui, "theme", (str,), "a theme name", where, "ui", p)
+        if theme is not None:
+            if theme in known_themes:
+                s.theme, s.theme_from = theme, where
+            else:
+                p.append(f"{where}: ui.theme: unknown theme {theme!r} (known: {', '.join(known_themes)})")
+        al = _section(raw, "alerts", ALERT_KEYS, where, p)
+        for key in ("bell", "notify"):
+            v = _typed(al, key, (bool,), "true or false", where, "alerts", p)
+            if v is not None:
+                setattr(s, key, v)
+        cmd = _typed(al, "command", (str,), "a shell command", where, "alerts", p)
+        if cmd and cmd.strip():
+            s.hooks.append(cmd)
+        t = _typed(al, "timeout_s", (int, float), "seconds", where, "alerts", p)
+        if t is not None:
+            if t > 0:
+                s.hook_timeout_s = float(t)
+            else:
+                p.append(f"{where}: alerts.timeout_s: must be > 0, got {t!r}")
+    if cli_theme:
+        s.theme, s.theme_from = cli_theme, "--theme"
+    return s
