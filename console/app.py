@@ -30,6 +30,7 @@ from textual.color import Color, ColorParseError
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.screen import Screen
+from textual.theme import BUILTIN_THEMES
 from textual.widgets import Footer, Input, Static
 
 from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
@@ -125,7 +126,7 @@ class AerieApp(App[int]):
 
     def _resolve(self, plan_raw: dict) -> Settings:
         return resolve(self._cli_theme, self._user_config, str(user_config_path()), plan_raw,
-                       f"{self.transport.run_root}/plan.toml", list(self.themes))
+                       f"{self.transport.run_root}/plan.toml", [*self.themes, *BUILTIN_THEMES])
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
