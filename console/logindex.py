@@ -87,10 +87,6 @@ class LogIndex:
         return self.newlines + (1 if self.size > 0 and not self.ends_nl else 0)
 
     @property
-    def complete_lines(self) -> int:
-        return self.newlines
-
-    @property
     def fraction_indexed(self) -> float:
         if self.caught_up or self.size <= 0:
             return 1.0
@@ -238,7 +234,7 @@ class LogFilter:
     def __init__(self, index: LogIndex, pattern: str) -> None:
         self.index = index
         self.pattern = pattern
-        self.matcher = compile_pattern(pattern)  # raises ScanError (bad regex) before anything is sent
+        compile_pattern(pattern)  # a bad regex raises ScanError here, before anything is sent
         self.lines = array("Q")
         self.offsets = array("Q")
         self.next = 0
