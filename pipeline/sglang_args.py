@@ -67,6 +67,7 @@ class ServerSettings:
     extra_args: tuple[str, ...] = ()
     speculative: Speculative | None = None
     gpus: tuple[int, ...] = ()
+    cpu_threads: int = 1  # the stage's CPU slots: compute threads of a CPU backend
 
     @property
     def url(self) -> str:
@@ -90,7 +91,7 @@ def _positive(plan: Plan, key: str, v: float | int | None, allow_zero: bool = Fa
 
 
 def settings_from_plan(plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = (),
-                       draft: str | None = None) -> ServerSettings:
+                       draft: str | None = None, cpu: int = 1) -> ServerSettings:
     """Read ``[serve]`` (and ``[deploy]`` for ``mode="eagle3"``) into :class:`ServerSettings`."""
     if mode not in MODES:
         raise PlanError(plan.path, "serve", f"unknown mode {mode!r} (known: {', '.join(MODES)})")
@@ -132,7 +133,7 @@ def settings_from_plan(plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = 
         health_timeout_s=float(_get(plan, "serve", sec, "health_timeout_s", num, "seconds", 5.0)),
         unhealthy_after=_get(plan, "serve", sec, "unhealthy_after", int, "an integer", 3),
         stop_timeout_s=float(_get(plan, "serve", sec, "stop_timeout_s", num, "seconds", 8.0)),
-        extra_args=tuple(extra), gpus=tuple(gpus),
+        extra_args=tuple(extra), gpus=tuple(gpus), cpu_threads=max(1, cpu),
     )
     for k in ("startup_timeout_s", "health_interval_s", "health_timeout_s", "unhealthy_after", "stop_timeout_s"):
         _positive(plan, f"serve.{k}", getattr(s, k))

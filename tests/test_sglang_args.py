@@ -165,3 +165,19 @@ def test_sglang_own_parser_rejects_a_bad_argv():
     prepare_server_args = _sglang_parser()
     with pytest.raises(SystemExit):
         prepare_server_args(["--model-path", "/m", "--tp", "eight"])
+
+
+def test_local_backend_runs_transformers_serve_with_the_stage_cpu_slots_as_threads(tmp_path, monkeypatch):
+    plan = load(tmp_path, """
+        [serve]
+        backend = "local"
+        port = 8123
+        model = "/models/dense"
+    """)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    argv, env = launch(settings_from_plan(plan, cpu=2), "py")
+    assert argv == ["py", "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1", "--port", "8123",
+                    "--device", "cpu", "--log-level", "info", "/models/dense"]
+    assert env["OMP_NUM_THREADS"] == "2" and env["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # an operator's own setting wins
+    assert "OMP_NUM_THREADS" not in launch(settings_from_plan(plan, cpu=2), "py")[1]

@@ -4,10 +4,15 @@
 the stage's GPUs (``CUDA_VISIBLE_DEVICES`` in NVML order). ``local``: ``transformers serve`` on
 the CPU with the model preloaded, an OpenAI-compatible server on the same ``/health`` and
 ``/v1/chat/completions`` paths; a ``builtin:`` model resolves to the cached dense folder
-(:mod:`pipeline.model_assets`), since transformers cannot serve the GGUF directly.
+(:mod:`pipeline.model_assets`), since transformers cannot serve the GGUF directly. Its compute
+threads are the stage's CPU slots (``OMP_NUM_THREADS``, unless already set): with torch's default of
+one thread per core, two requests generating at once on a shared 2-core machine were measured 400x
+slower than with one thread each (bench notes in docs/performance.md).
 """
 
 from __future__ import annotations
+
+import os
 
 from pipeline.sglang_args import ServerSettings, sglang_argv
 
@@ -30,5 +35,7 @@ def launch(s: ServerSettings, python: str) -> tuple[list[str], dict[str, str]]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, s.gpus))
     if s.backend == "local":
         env.update({"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"})
+        if not s.gpus and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(s.cpu_threads)
         return local_argv(s, python), env
     return sglang_argv(s, python), env

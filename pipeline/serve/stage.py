@@ -274,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = ctx.plan
         try:
             spec = plan.stage(ctx.stage_id)
-            gpus, kill_grace = spec.gpus, spec.kill_grace_s
+            gpus, kill_grace, cpu = spec.gpus, spec.kill_grace_s, spec.cpu
         except KeyError:
-            gpus, kill_grace = (), 10.0
-        settings = settings_from_plan(plan, args.mode, gpus=gpus, draft=args.draft)
+            gpus, kill_grace, cpu = (), 10.0, 1
+        settings = settings_from_plan(plan, args.mode, gpus=gpus, draft=args.draft, cpu=cpu)
     except PlanError as exc:
         ctx.health("unhealthy", detail="bad plan")
         fail(ctx, str(exc), 2)
