@@ -202,3 +202,54 @@ async def test_a_long_outage_fails_with_a_clear_error():
     r = Regenerator(cfg(free_port(), outage_timeout_s=0.3, backoff_max_s=0.05), lambda rec: None)
     with pytest.raises(OutageError, match=r"unreachable for \d+s \(> 0.3s\)"):
         await r.run([("a", [{"role": "user", "content": "a"}])])
+
+
+# --------------------------------------------------------------------- prompts over max_length
+@pytest.mark.slow
+def test_prompts_that_fill_max_length_are_not_sent(tmp_path):
+    """A prompt that alone fills target.max_length could train on no answer token: it is never requested,
+    and too many of them fail the stage before any request (here nothing even listens on the port)."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.regen.stage import split_by_length
+    from pipeline.tokenise import load_chat_tokenizer
+    from tests.runs import ROOT
+
+    ct = load_chat_tokenizer("builtin:smollm2-135m-instruct", 64)
+    short = ("s", [{"role": "user", "content": "hi"}])
+    long_ = ("l", [{"role": "user", "content": "word " * 80}])
+    fit, too_long = split_by_length(ct, [short, long_])
+    assert fit == [short] and too_long[0][0] == "l" and too_long[0][1] >= 64
+
+    st = ShardStore(tmp_path / "p", {"stage": "test"})
+    rec = st.commit(0, prompt_table(["a", "b", "c"], [[{"role": "user", "content": t}] for t in
+                                                      ("short question", "word " * 80, "word " * 90)]), {})
+    st.write_manifest("prompts", [rec])
+    plan = tmp_path / "plan.toml"
+    plan.write_text(textwrap.dedent("""
+        [run]
+        dir = "run"
+        [target]
+        model = "builtin:smollm2-135m-instruct"
+        max_length = 64
+        [[datasets]]
+        name = "toy"
+        source = "local"
+        kind = "prompt-only"
+        quota = 3
+        [regen]
+        outage_timeout_s = 5
+    """))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "pipeline.regen", "--plan", str(plan), "--dataset", "toy",
+                        "--input", str(tmp_path / "p"), "--out", str(out), "--server-url",
+                        f"http://127.0.0.1:{free_port()}"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    evs = [json.loads(ln) for ln in (out / "events.jsonl").read_text().splitlines()]
+    err = [e["text"] for e in evs if e["type"] == "message" and e.get("level") == "error"]
+    assert len(err) == 1 and "2 of 3 prompts are" in err[0] and "target.max_length 64" in err[0]
+    assert "regen.max_skipped_fraction 0.5" in err[0]
+    assert not any(e.get("code") == "server-outage" for e in evs)  # no request was attempted

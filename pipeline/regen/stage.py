@@ -9,8 +9,9 @@
 ``[regen]`` keys: ``concurrency`` (64), sampling ``temperature`` (0.7), ``top_p``, ``top_k``,
 ``max_tokens`` (4096), ``seed``, ``stop``, ``extra`` (more request-body keys), ``request_timeout_s``
 (600), ``max_attempts`` (5), ``backoff_s`` (1), ``backoff_max_s`` (30), ``outage_timeout_s`` (900),
-``max_records`` (all), ``max_error_fraction`` (0.05), ``drop_truncated`` (false), ``shard_rows``
-(5000), ``server_url``, ``model``, ``api_key_env``.
+``max_records`` (all), ``max_error_fraction`` (0.05), ``max_skipped_fraction`` (0.5: prompts that alone
+fill ``target.max_length`` are not sent; more than this share of them fails the stage before any
+request), ``drop_truncated`` (false), ``shard_rows`` (5000), ``server_url``, ``model``, ``api_key_env``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pipeline.runtime import StageContext, add_common_args, fail
 DEFAULTS: dict[str, Any] = {
     "concurrency": 64, "temperature": 0.7, "max_tokens": 4096, "request_timeout_s": 600.0, "max_attempts": 5,
     "backoff_s": 1.0, "backoff_max_s": 30.0, "outage_timeout_s": 900.0, "max_error_fraction": 0.05,
-    "drop_truncated": False, "shard_rows": 5000,
+    "drop_truncated": False, "shard_rows": 5000, "max_skipped_fraction": 0.5,
 }
 NUM = (int, float)
 TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -44,7 +45,7 @@ TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "stop": ((list, str), "a string or a list of strings"), "extra": ((dict,), "a table of request-body keys"),
     "request_timeout_s": (NUM, "seconds"), "max_attempts": ((int,), "an integer"), "backoff_s": (NUM, "seconds"),
     "backoff_max_s": (NUM, "seconds"), "outage_timeout_s": (NUM, "seconds"), "max_records": ((int,), "an integer"),
-    "max_error_fraction": (NUM, "a fraction"), "drop_truncated": ((bool,), "true or false"),
+    "max_error_fraction": (NUM, "a fraction"), "max_skipped_fraction": (NUM, "a fraction"), "drop_truncated": ((bool,), "true or false"),
     "shard_rows": ((int,), "an integer"), "server_url": ((str,), "a URL"), "model": ((str,), "a model id"),
     "api_key_env": ((str,), "an environment variable name"),
 }
@@ -70,8 +71,9 @@ def regen_settings(plan: Plan) -> dict[str, Any]:
         if k in POSITIVE and v <= 0:
             raise PlanError(plan.path, f"regen.{k}", f"must be > 0, got {v!r}")
         out[k] = v
-    if not 0 <= out["max_error_fraction"] <= 1:
-        raise PlanError(plan.path, "regen.max_error_fraction", "must be between 0 and 1")
+    for k in ("max_error_fraction", "max_skipped_fraction"):
+        if not 0 <= out[k] <= 1:
+            raise PlanError(plan.path, f"regen.{k}", "must be between 0 and 1")
     return out
 
 
@@ -237,13 +239,24 @@ def file_sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def tokenise_answers(ctx: StageContext, plan: Plan, dataset: str, order: list[str], log: ResponseLog,
-                     s: dict[str, Any]) -> dict[str, Any]:
+def split_by_length(ct: Any, prompts: list[tuple[str, list[dict[str, Any]]]]) -> tuple[list, list[tuple[str, int]]]:
+    """``(prompts that leave room for an answer, [(id, prompt tokens)] of those that fill max_length)``."""
+    texts = [ct.render(ct.template_messages(m), add_generation_prompt=True) for _, m in prompts]
+    lengths = [len(ids) for ids in ct.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    fit, too_long = [], []
+    for p, n in zip(prompts, lengths, strict=True):
+        if n < ct.max_length:
+            fit.append(p)
+        else:
+            too_long.append((p[0], n))
+    return fit, too_long
+
+
+def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str], log: ResponseLog,
+                     s: dict[str, Any], skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from pipeline import tokenise as tk
 
-    model = plan.target.get("model")
-    max_length = int(plan.target.get("max_length", 2048))
-    ct = tk.load_chat_tokenizer(model, max_length)
+    max_length = ct.max_length
     fingerprint = {"stage": "regen", "dataset": dataset, "tokenizer": ct.tokenizer_id, "template": ct.template_hash,
                    "max_length": max_length, "drop_truncated": bool(s["drop_truncated"]),
                    "responses_sha256": file_sha(log.path), "shard_rows": int(s["shard_rows"])}
@@ -265,7 +278,7 @@ def tokenise_answers(ctx: StageContext, plan: Plan, dataset: str, order: list[st
         finished = []
     recs = log.records()
     rows = [rid for rid in order if rid in recs]
-    rejects: list[dict[str, Any]] = []
+    rejects: list[dict[str, Any]] = list(skipped or [])
     truncated = sum(1 for rid in rows if recs[rid].get("finish_reason") == "length")
     per = int(s["shard_rows"])
     shards = list(finished)
@@ -304,7 +317,7 @@ def tokenise_answers(ctx: StageContext, plan: Plan, dataset: str, order: list[st
                                template=ct.template_hash, max_length=max_length, answers=len(rows),
                                rejected=len(rejects), truncated_answers=truncated)
     ctx.message(f"tokenized {man['rows']} rows ({man['tokens']:,} tokens) into {len(shards)} shard(s); "
-                f"{len(rejects)} rejected, {truncated} answers cut at max_tokens", code="tokenized")
+                f"{len(rejects)} rejected (rejects.jsonl), {truncated} answers cut at max_tokens", code="tokenized")
     return man
 
 
@@ -328,6 +341,22 @@ def main(argv: list[str] | None = None) -> int:
         url = server_url(ctx, plan, s, args.server_url)
     except (PlanError, InputError, ValueError) as exc:
         fail(ctx, str(exc), 2)
+    from pipeline.tokenise import load_chat_tokenizer
+
+    max_length = int(plan.target.get("max_length", 2048))
+    ct = load_chat_tokenizer(plan.target.get("model"), max_length)
+    read = len(prompts)
+    prompts, too_long = split_by_length(ct, prompts)
+    skipped = [{"row": rid, "field": "messages", "reason": f"the prompt alone is {n} tokens, >= target.max_length "
+                f"{max_length}: no room for an answer (not sent)"} for rid, n in too_long]
+    if too_long:
+        lens = sorted(n for _, n in too_long)
+        text = (f"{len(too_long)} of {read} prompts are {lens[0]}-{lens[-1]} tokens, not shorter than target.max_length "
+                f"{max_length}: not sent (they would train on no answer token)")
+        if len(too_long) > s["max_skipped_fraction"] * read:
+            fail(ctx, text + f"; that is more than regen.max_skipped_fraction {s['max_skipped_fraction']:g}: "
+                 "raise [target] max_length, or drop this dataset", 2)
+        ctx.message(text, level="warning", code="prompts-too-long", skipped=len(too_long))
     api_key = os.environ.get(s["api_key_env"]) if s.get("api_key_env") else None
     cfg = ClientConfig(
         url=url, model=s.get("model"), concurrency=int(s["concurrency"]), request_timeout_s=float(s["request_timeout_s"]),
@@ -362,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(ctx, f"{failed} of {len(prompts)} records failed (> max_error_fraction {s['max_error_fraction']:g}); "
                   "see errors.jsonl; a retry asks only for the unanswered ones", 1)
     try:
-        tokenise_answers(ctx, plan, args.dataset, [rid for rid, _ in prompts], log, s)
+        tokenise_answers(ctx, ct, args.dataset, [rid for rid, _ in prompts], log, s, skipped)
     except (ValueError, OSError) as exc:
         fail(ctx, f"tokenising the answers failed: {exc}", 1)
     ctx.progress(len(prompts), len(prompts), unit="records", force=True)
