@@ -6,8 +6,8 @@ the CPU with the model preloaded, an OpenAI-compatible server on the same ``/hea
 ``/v1/chat/completions`` paths; a ``builtin:`` model resolves to the cached dense folder
 (:mod:`pipeline.model_assets`), since transformers cannot serve the GGUF directly. Its compute
 threads are the stage's CPU slots (``OMP_NUM_THREADS``, unless already set): with torch's default of
-one thread per core, two requests generating at once on a shared 2-core machine were measured 400x
-slower than with one thread each (bench notes in docs/performance.md).
+one thread per core, two requests generating at once on a busy shared 2-core machine were measured
+~400x slower than with one thread each (docs/performance.md; on an idle machine 1.5x faster).
 """
 
 from __future__ import annotations
