@@ -186,7 +186,11 @@ def messages(out: Path, code: str) -> list:
 
 def check_tokenized(out: Path, n: int) -> None:
     man = json.loads((out / "manifest.json").read_text())
-    assert man["kind"] == "tokenized" and man["rows"] == n and man["source"] == "regen"
+    assert man["kind"] == "tokenized" and man["rows"] == n and man["source"] == "local" and man["dataset"] == "toy"
+    assert (man["answers"], man["prompts"], man["rejects"], man["failed"], man["skipped"]) == (n, n, 0, 0, 0)
+    assert man["regenerated_by"]["model"].endswith("smollm2-135m-instruct")
+    assert man["regenerated_by"]["sampling"] == {"temperature": 0.0, "max_tokens": 8}
+    assert man["tokens"] == sum(s["tokens"] for s in man["shards"]) > 0
     rows = pq.read_table(out / man["shards"][0]["file"]).to_pylist()
     recs = {json.loads(ln)["id"]: json.loads(ln) for ln in (out / "responses.jsonl").read_text().splitlines()}
     from pipeline.model_assets import load_tokenizer

@@ -253,11 +253,13 @@ def split_by_length(ct: Any, prompts: list[tuple[str, list[dict[str, Any]]]]) ->
 
 
 def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str], log: ResponseLog,
-                     s: dict[str, Any], skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                     s: dict[str, Any], skipped: list[dict[str, Any]] | None = None,
+                     info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Prompt + answer -> tokenized shards (docs/data-formats.md, "Regeneration outputs")."""
     from pipeline import tokenise as tk
 
     max_length = ct.max_length
-    fingerprint = {"stage": "regen", "dataset": dataset, "tokenizer": ct.tokenizer_id, "template": ct.template_hash,
+    fingerprint = {"stage": "regen", "dataset": dataset, "tokenizer": ct.tokenizer_id, "template_hash": ct.template_hash,
                    "max_length": max_length, "drop_truncated": bool(s["drop_truncated"]),
                    "responses_sha256": file_sha(log.path), "shard_rows": int(s["shard_rows"])}
     store = tk.ShardStore(ctx.out, fingerprint)
@@ -278,46 +280,48 @@ def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str],
         finished = []
     recs = log.records()
     rows = [rid for rid in order if rid in recs]
-    rejects: list[dict[str, Any]] = list(skipped or [])
     truncated = sum(1 for rid in rows if recs[rid].get("finish_reason") == "length")
     per = int(s["shard_rows"])
     shards = list(finished)
-    start = sum(int(r.get("rows_in", 0)) for r in finished)
-    pos = start
+    pos = sum(int(r.get("rows_in", 0)) for r in finished)
     while pos < len(rows):
         ctx.safe_point()
         chunk = rows[pos: pos + per]
-        ids, convs = [], []
+        ids, convs, rejects, dropped = [], [], [], 0
         for rid in chunk:
             rec = recs[rid]
             if s["drop_truncated"] and rec.get("finish_reason") == "length":
-                rejects.append({"row": rid, "field": "finish_reason", "reason": "answer cut at max_tokens"})
+                dropped += 1
                 continue
             try:
                 convs.append(tk.check_conversation(rec["messages"]))
                 ids.append(rid)
             except tk.ConversationError as exc:
-                rejects.append({"row": rid, "field": exc.field, "reason": exc.reason})
+                rejects.append({"id": rid, "field": exc.field, "reason": exc.reason})
         enc = ct.encode(convs) if convs else []
         ok_ids, ok_enc = [], []
         for rid, e in zip(ids, enc, strict=True):
             if isinstance(e, tk.ConversationError):
-                rejects.append({"row": rid, "field": e.field, "reason": e.reason})
+                rejects.append({"id": rid, "field": e.field, "reason": e.reason})
             elif e.target_tokens == 0:
-                rejects.append({"row": rid, "field": "messages", "reason": "no answer tokens within max_length"})
+                dropped += 1  # well-formed, but no answer token within max_length
             else:
                 ok_ids.append(rid)
                 ok_enc.append(e)
-        shards.append(store.commit(len(shards), tk.tokenized_table(ok_ids, ok_enc), {"rows_in": len(chunk)}))
+        shards.append(store.commit(len(shards), tk.tokenized_table(ok_ids, ok_enc),
+                                   {"rows_in": len(chunk), "rejects": rejects, "dropped": dropped}))
         pos += len(chunk)
         ctx.progress(pos, len(rows), unit="rows", key="tokenise", force=True)
-    if rejects:
-        tk.write_rejects(ctx.out / "rejects.jsonl", rejects)
-    man = store.write_manifest("tokenized", shards, dataset=dataset, source="regen", tokenizer=ct.tokenizer_id,
-                               template=ct.template_hash, max_length=max_length, answers=len(rows),
-                               rejected=len(rejects), truncated_answers=truncated)
+    all_rejects = list(skipped or []) + [r for sh in shards for r in sh.get("rejects", [])]
+    tk.write_rejects(ctx.out / "rejects.jsonl", all_rejects)
+    man = store.write_manifest(
+        "tokenized", shards, dataset=dataset, tokenizer=ct.tokenizer_id, template_hash=ct.template_hash,
+        max_length=max_length, answers=len(rows), rejects=len(all_rejects) - len(skipped or []),
+        skipped=len(skipped or []), dropped=sum(int(sh.get("dropped", 0)) for sh in shards),
+        truncated_answers=truncated, **(info or {}))
     ctx.message(f"tokenized {man['rows']} rows ({man['tokens']:,} tokens) into {len(shards)} shard(s); "
-                f"{len(rejects)} rejected (rejects.jsonl), {truncated} answers cut at max_tokens", code="tokenized")
+                f"{man['rejects']} rejected, {man['skipped']} prompts not sent, {man['dropped']} dropped, "
+                f"{truncated} answers cut at max_tokens", code="tokenized")
     return man
 
 
@@ -347,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ct = load_chat_tokenizer(plan.target.get("model"), max_length)
     read = len(prompts)
     prompts, too_long = split_by_length(ct, prompts)
-    skipped = [{"row": rid, "field": "messages", "reason": f"the prompt alone is {n} tokens, >= target.max_length "
+    skipped = [{"id": rid, "field": "messages", "reason": f"the prompt alone is {n} tokens, >= target.max_length "
                 f"{max_length}: no room for an answer (not sent)"} for rid, n in too_long]
     if too_long:
         lens = sorted(n for _, n in too_long)
@@ -391,12 +395,22 @@ def main(argv: list[str] | None = None) -> int:
         fail(ctx, f"{failed} of {len(prompts)} records failed (> max_error_fraction {s['max_error_fraction']:g}); "
                   "see errors.jsonl; a retry asks only for the unanswered ones", 1)
     try:
-        tokenise_answers(ctx, ct, args.dataset, [rid for rid, _ in prompts], log, s, skipped)
+        ds = plan.dataset(args.dataset)
+        info = {"source": ds.source, "prompts": read, "failed": failed,
+                "regenerated_by": {"model": model_id(log), "url": url, "sampling": cfg.sampling}}
+        tokenise_answers(ctx, ct, args.dataset, [rid for rid, _ in prompts], log, s, skipped, info)
     except (ValueError, OSError) as exc:
         fail(ctx, f"tokenising the answers failed: {exc}", 1)
     ctx.progress(len(prompts), len(prompts), unit="records", force=True)
     ctx.close()
     return 0
+
+
+def model_id(log: ResponseLog) -> str | None:
+    """The model that answered (as the server named it), from the first answer."""
+    with open(log.path, "rb") as fh:
+        first = fh.readline()
+    return json.loads(first).get("model") if first.strip() else None
 
 
 def _kill_grace(plan: Plan, stage_id: str) -> float:
