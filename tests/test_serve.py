@@ -159,3 +159,20 @@ def test_server_crash_is_reported_unhealthy(tmp_path):
     assert health(out) == ["starting", "ready", "unhealthy", "stopped"]
     crash = [m for m in messages(out) if m.get("code") == "server-exited"]
     assert crash and "exited with code -9 after it was ready" in crash[0].get("text")
+
+
+def test_gpu_guard_names_foreign_holders_from_a_real_h200_recording():
+    """FAKE NVML (pipeline.gpus.FakeNvmlReplay): replays GPU samples recorded on a real H200 where a
+    foreign python3 (pid 424) held GPU 0. No GPU here, so the real NVML path can only say so."""
+    from pipeline.gpus import FakeNvmlReplay, GpuProbe
+    from pipeline.serve.preflight import gpu_problem
+
+    fixture = Path(__file__).parent / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"
+    probe = GpuProbe(FakeNvmlReplay(fixture), ttl_s=0)
+    problem, note = gpu_problem((0,), None, "serve", probe=probe)
+    assert note is None and problem.startswith("GPU 0 held by pid 424 (") and problem.endswith(", foreign)")
+    problem, _ = gpu_problem((0, 1), None, "serve", probe=probe)
+    assert "GPU 1 does not exist on this host (GPUs: [0])" in problem
+    assert gpu_problem((), None, "serve", probe=probe) == (None, None)  # a CPU server needs no check
+    problem, note = gpu_problem((0,), None, "serve")  # real NVML on this GPU-less machine
+    assert problem is None and note.startswith("GPU guard skipped: ")

@@ -10,6 +10,7 @@ import errno
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from pipeline.rundir import RunDir
 
@@ -69,14 +70,16 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def gpu_problem(gpus: tuple[int, ...], run_root: Path | None, stage_id: str) -> tuple[str | None, str | None]:
-    """``(problem, note)``: a refusal naming the GPU, pid and owner of each foreign process on
-    ``gpus``; or a note when GPUs cannot be read on this host."""
+def gpu_problem(gpus: tuple[int, ...], run_root: Path | None, stage_id: str,
+                probe: Any = None) -> tuple[str | None, str | None]:
+    """``(problem, note)``: a refusal naming the GPU, pid and owner of each process on ``gpus`` that
+    is not this stage's; or a note when GPUs cannot be read on this host. ``probe``: a
+    :class:`pipeline.gpus.GpuProbe` (default: real NVML)."""
     if not gpus:
         return None, None
     from pipeline.gpus import GpuProbe
 
-    probe = GpuProbe()
+    probe = probe or GpuProbe()
     holders = probe.holders(RunDir(run_root) if run_root else None)
     if holders is None:
         return None, f"GPU guard skipped: {probe.unavailable}"
