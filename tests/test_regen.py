@@ -253,3 +253,24 @@ def test_prompts_that_fill_max_length_are_not_sent(tmp_path):
     assert len(err) == 1 and "2 of 3 prompts are" in err[0] and "target.max_length 64" in err[0]
     assert "regen.max_skipped_fraction 0.5" in err[0]
     assert not any(e.get("code") == "server-outage" for e in evs)  # no request was attempted
+
+
+async def test_pause_holds_new_requests_and_is_acknowledged():
+    import asyncio
+
+    flaky = Flaky({})
+    runner, port = await serve_app(flaky)
+    state = {"paused": True}
+    acks: list[bool] = []
+    got: list[str] = []
+    try:
+        r = Regenerator(cfg(port, concurrency=2), lambda rec: got.append(rec["id"]),
+                        paused=lambda: state["paused"], on_pause=acks.append)
+        task = asyncio.create_task(r.run([(f"q{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(4)]))
+        await asyncio.sleep(0.8)
+        assert acks == [True] and flaky.calls == {} and not got  # paused at a safe point: nothing sent
+        state["paused"] = False
+        await asyncio.wait_for(task, 20)
+    finally:
+        await runner.cleanup()
+    assert acks == [True, False] and sorted(got) == ["q0", "q1", "q2", "q3"]

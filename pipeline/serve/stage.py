@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()
     ctx.health("starting")
     stage.preflight()
-    rc = 1
+    rc = 0  # a stop before the launch is a clean stop
     try:
         if not stage.stop.is_set():
             stage.launch()
