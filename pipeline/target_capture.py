@@ -101,7 +101,7 @@ class Target:
         if cache is not None:
             kw[self._cache_kw] = cache
         self.base(**kw)
-        if self._last is None or len(self._aux) != len(self.aux_layer_ids):
+        if self._last is None or len(self._aux) != len(set(self.aux_layer_ids)):
             raise TargetError("the forward pass did not reach every hooked layer")
         aux = torch.cat([self._aux[i] for i in self.aux_layer_ids], dim=-1)
         return Capture(aux, self._last)

@@ -1,0 +1,95 @@
+"""Shared pieces of the EAGLE-3 GPU benchmarks: realistic model shapes, the bf16 matmul ceiling, timing.
+
+The ceiling is measured in the same run as the workload (an 8192³ bf16 product on fresh random
+data, median of CUDA-event timings after a warm-up), so MFU is always against this card as found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Llama-3.1-8B's decoder shape (random weights: throughput only), and a tiny one for CPU smoke runs.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                    rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=512, rms_norm_eps=1e-5, max_position_embeddings=1024, rope_theta=10000.0),
+}
+
+
+def llama_config(shape: str, layers: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=False, **SHAPES[shape])
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def time_ms(fn: Any, dev: torch.device, warmup: int = 2, reps: int = 5) -> list[float]:
+    """Wall times (ms) of ``fn()``; CUDA events on a GPU."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    out = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def matmul_ceiling_tflops(dev: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """Median bf16 (fp32 on CPU) n³ matmul rate, TFLOP/s, over rotating random inputs."""
+    if dev.type != "cuda":
+        n = min(n, 1024)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    xs = [torch.randn(n, n, device=dev, dtype=dt) for _ in range(3)]
+    i = [0]
+
+    def one() -> None:
+        a, b = xs[i[0] % 3], xs[(i[0] + 1) % 3]
+        i[0] += 1
+        a @ b
+
+    ms = statistics.median(time_ms(one, dev, warmup=3, reps=reps if dev.type == "cuda" else 3))
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+def device_info(dev: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": str(dev), "torch": torch.__version__}
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(name=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write_out(name: str, doc: dict[str, Any]) -> None:
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, name).write_text(json.dumps(doc, indent=1))

@@ -1,0 +1,151 @@
+"""Draft-training throughput on a GPU: tokens/s and MFU of one ``pipeline.train`` step.
+
+``python bench/gpu_train.py [--shape llama8b] [--configs 4x2048x7,2x4096x7,...] [--steps 8]``
+
+The EAGLE-3 draft of a Llama-3.1-8B-shaped target (hidden 4096, 32000-token draft vocabulary) with
+random weights, trained by the stage's own step (``pipeline.train.ttt_sums``: TTT unrolled, soft
+labels from the target head, bf16 autocast over fp32 master weights, AdamW, grad clipping) on
+synthetic offline batches (random features: throughput only). Each config is ``BATCHxSEQxTTT``.
+MFU counts the useful FLOPs — draft linear layers and causal chain attention (x3 for forward and
+backward) plus the target-head soft labels (forward only) — over the bf16 matmul ceiling measured
+in the same run; ``attn_exec/useful`` says how much more attention the implementation executes
+(the chain keys are concatenated and masked). ``--shape tiny --device cpu`` is a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, time_ms, write_out  # noqa: E402
+from pipeline.eagle3_model import DraftConfig, Eagle3Draft  # noqa: E402
+from pipeline.train import Batch, ttt_sums  # noqa: E402
+
+
+def flops(cfg: DraftConfig, seq: int, ttt: int) -> dict[str, float]:
+    """Per-token FLOPs of one training step (forward x3 for the draft, x1 for the soft labels)."""
+    h, nh, nkv, hd, inter, vd = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                 cfg.intermediate_size, cfg.draft_vocab_size)
+    linear = 2 * (2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + h * vd)
+    fc = 2 * 3 * h * h
+    attn_useful = sum(4 * nh * hd * ((seq + 1) / 2 + j) for j in range(ttt))
+    attn_exec = sum(4 * nh * hd * seq * (1 + j) for j in range(ttt))
+    soft = 2 * h * vd
+    return {"useful": 3 * (ttt * linear + fc + attn_useful) + soft, "attn_useful": attn_useful, "attn_exec": attn_exec}
+
+
+def run_config(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch.device) -> dict:
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg).to(dev)
+    vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
+    ids = torch.sort(torch.randperm(v)[:vd]).values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(vd), t2d)
+    draft.to(dev)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+    fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    head_d = (torch.randn(vd, h, device=dev) * h**-0.5).to(fdt)
+    batch = Batch(torch.randn(b, s, 3 * h, device=dev, dtype=fdt), torch.randn(b, s, h, device=dev, dtype=fdt),
+                  ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)], torch.randint(0, v, (b, s), device=dev),
+                  torch.ones(b, s, dtype=torch.bool, device=dev), torch.full((b,), s, device=dev))
+    counts = torch.tensor([float(batch.step_mask(j).sum()) for j in range(ttt)], device=dev)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        losses, _ = ttt_sums(draft, draft, batch, head_d, ttt, autocast=dev.type == "cuda")
+        sum((0.8 ** j) * losses[j] / counts[j] for j in range(ttt)).backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    ms = statistics.median(time_ms(step, dev, warmup=2, reps=steps))
+    f = flops(cfg, s, ttt)
+    tok_s = b * s / (ms / 1e3)
+    out = {"batch": b, "seq": s, "ttt": ttt, "step_ms": ms, "tok_s": tok_s, "useful_tflop_s": f["useful"] * tok_s / 1e12,
+           "attn_exec_over_useful": f["attn_exec"] / f["attn_useful"],
+           "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+    return out
+
+
+def check_against_cpu(cfg: DraftConfig, dev: torch.device, seq: int = 256, ttt: int = 3) -> dict[str, list[float]]:
+    """TTT logits on the device (fp32, and bf16 autocast as trained) vs a float64 CPU reference."""
+    torch.manual_seed(1)
+    draft = Eagle3Draft(cfg)
+    for p in draft.parameters():
+        p.data.normal_(0, 0.02)
+    aux = torch.randn(1, seq, 3 * cfg.hidden_size)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq))
+    lengths = torch.tensor([seq])
+    with torch.no_grad():
+        ref = [x.double() for x in draft.double()(aux.double(), ids, lengths, ttt)]
+        d = draft.float().to(dev)
+        a, i, n = aux.to(dev), ids.to(dev), lengths.to(dev)
+        fp32 = d(a, i, n, ttt)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            bf16 = d(a, i, n, ttt)
+
+    def rel(xs: list[torch.Tensor]) -> list[float]:
+        return [float((x.double().cpu() - r).norm() / r.norm()) for x, r in zip(xs, ref, strict=True)]
+
+    return {"fp32_rel_err": rel(fp32), "bf16_rel_err": rel(bf16)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama8b")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--configs", default="2x2048x7,4x2048x7,2x4096x7,4x2048x1")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    ceiling = matmul_ceiling_tflops(dev)
+    tcfg = llama_config(args.shape, 32)
+    cfg = DraftConfig.from_target(tcfg, min(args.draft_vocab, tcfg.vocab_size), [1, 15, 28])
+    check = check_against_cpu(cfg, dev)
+    if any(e > 1e-4 for e in check["fp32_rel_err"]) or any(e > 3e-2 for e in check["bf16_rel_err"]):
+        print(f"CHECK FAILED: {check}")
+        return 1
+    rows = []
+    for spec in args.configs.split(","):
+        b, s, t = (int(x) for x in spec.split("x"))
+        try:
+            r = run_config(cfg, b, s, t, args.steps, dev)
+            r["mfu"] = r["useful_tflop_s"] / ceiling
+        except torch.OutOfMemoryError:
+            r = {"batch": b, "seq": s, "ttt": t, "error": "out of memory"}
+            torch.cuda.empty_cache()
+        rows.append(r)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    res = {"bench": "gpu_train", **device_info(dev), "shape": args.shape, "draft_vocab": cfg.draft_vocab_size,
+           "draft_params_m": sum(p.numel() for p in Eagle3Draft(cfg).parameters() if p.requires_grad) / 1e6,
+           "matmul_ceiling_tflops": ceiling, "check": check, "configs": rows}
+    write_out("gpu_train.json", res)
+    print(f"\ngpu_train on {res.get('name', dev)}: {args.shape} draft, {res['draft_params_m']:.0f}M trainable, "
+          f"draft vocab {cfg.draft_vocab_size}; bf16 matmul ceiling {ceiling:.1f} TFLOP/s")
+    print("  TTT logits vs float64 CPU, relative error per step: fp32 "
+          + " ".join(f"{e:.1e}" for e in check["fp32_rel_err"]) + "; bf16 autocast "
+          + " ".join(f"{e:.1e}" for e in check["bf16_rel_err"]))
+    print(f"  {'batch x seq x ttt':>18} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'attn x':>7} {'GiB':>6}")
+    for r in rows:
+        name = f"{r['batch']}x{r['seq']}x{r['ttt']}"
+        if "error" in r:
+            print(f"  {name:>18} {r['error']}")
+            continue
+        print(f"  {name:>18} {r['step_ms']:9.1f} {r['tok_s']:9,.0f} {r['useful_tflop_s']:8.1f} {r['mfu']:6.1%} "
+              f"{r['attn_exec_over_useful']:7.1f} {r['peak_mem_gib'] or 0:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
