@@ -133,3 +133,15 @@ def test_board_snapshot(snap_compare) -> None:  # noqa: ANN001
         await pilot.pause(0.3)
 
     assert snap_compare(app, terminal_size=(150, 34), run_before=loaded)
+
+
+def test_server_live_line_on_the_board() -> None:
+    from console.model import StageView
+    from console.widgets.board import note_for
+
+    st = StageView(id="serve", family="serve", state="running", service=True, health="ready")
+    assert note_for(st) == ""  # no scheduler line parsed yet: nothing invented
+    st.metrics.update(gen_throughput=1635.1, running_req=32, queue_req=0, token_usage=0.08, accept_len=2.17)
+    assert note_for(st) == "1635.1 tok/s · running 32 · queued 0 · tokens 8% · accept 2.17"
+    st.state = "succeeded"
+    assert "tok/s" not in note_for(st)  # a stopped server shows no live numbers

@@ -27,6 +27,7 @@ from textual.strip import Strip
 
 from console import fmt
 from console.model import RunModel, StageView
+from pipeline.sglang_log import ServerStats
 
 COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA", "Note")
 WIDTHS = (0, 16, 4, 9, 18, 14, 15, 9, 0)  # 0: sized from content (stage) or the rest (note)
@@ -37,7 +38,21 @@ FAMILY_PRECEDENCE = ("failed", "killed", "unhealthy", "paused", "pausing", "runn
 Cell = str | Text
 
 
+def server_line(st: StageView) -> str | None:
+    """The inference server's live line (tok/s, running, queued, token usage, accept length)."""
+    m = st.metrics
+    if not st.service or not any(k in m for k in ("gen_throughput", "running_req", "queue_req")):
+        return None
+    stats = ServerStats(gen_throughput=m.get("gen_throughput"), running_req=m.get("running_req"),
+                        queue_req=m.get("queue_req"), token_usage=m.get("token_usage"),
+                        accept_len=m.get("accept_len"), requests=int(m.get("requests", 0)))
+    return stats.line()
+
+
 def note_for(st: StageView) -> str:
+    live = server_line(st) if st.state in ("running", "paused") else None
+    if live:
+        return live
     if st.state == "succeeded" and "accept_len" in st.metrics:
         return f"accept len {st.metrics['accept_len']:.2f}"
     if st.state in ("pending", "failed", "killed", "upstream-failed") and st.reason:

@@ -11,6 +11,7 @@ from textual.widgets import Log, Static
 
 from console import fmt
 from console.model import StageView, describe_event
+from console.widgets.board import server_line
 
 
 class StageDetail(Horizontal):
@@ -66,7 +67,10 @@ class StageDetail(Horizontal):
         if st.progress.t:
             t.append(f"\n{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)} {st.progress.unit}"
                      f" · {fmt.rate(st.progress.rate(), st.progress.unit)}")
-        if st.metrics:
+        live = server_line(st)
+        if live:
+            t.append(f"\nserver: {live}")
+        elif st.metrics:
             shown = list(st.metrics.items())[-8:]
             t.append("\n" + "  ".join(f"{k}={v:.4g}" for k, v in shown))
         facts.update(t, layout=False)
