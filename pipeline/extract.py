@@ -197,6 +197,11 @@ def run(ctx: StageContext, inputs: list[Path]) -> int:
     done = {k: v for k, v in done.items() if (ctx.out / k).is_file()}
     projected = total_tokens * per_token
     ctx.metric("projected_bytes", projected, tokens=total_tokens, bytes_per_token=per_token)
+    if len(done) == len(shards) and (ctx.out / "manifest.json").is_file():
+        ctx.metric("actual_bytes", sum(v["bytes"] for v in done.values()))
+        ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
+        ctx.message(f"already extracted: {len(shards)} shards, {total_tokens:,} tokens")
+        return 0
     ctx.message(f"extracting {len(rows):,} rows / {total_tokens:,} tokens into {len(shards)} shards; "
                 f"aux layers {aux}; projected {projected / 1e9:.3f} GB"
                 + (f"; resuming with {len(done)} shards done" if done else ""))
