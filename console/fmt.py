@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import humanize
 
 
 def duration(seconds: float | None) -> str:
     """``3h 05m``, ``4m 12s``, ``9s`` — compact enough for a table column."""
-    if seconds is None:
+    if seconds is None or math.isinf(seconds) or math.isnan(seconds):
         return "—"
-    s = int(seconds)
+    s = max(0, int(seconds))
     if s < 60:
         return f"{s}s"
     m, s = divmod(s, 60)
@@ -53,4 +55,12 @@ def bar(fraction: float | None, width: int = 12) -> str:
 
 
 def size(nbytes: float | None) -> str:
-    return "—" if nbytes is None else humanize.naturalsize(nbytes, binary=True)
+    """Bytes, binary units: ``139.8 GiB``; ``—`` when unknown."""
+    return "—" if nbytes is None else humanize.naturalsize(nbytes, binary=True, format="%.1f")
+
+
+def byte_rate(bps: float | None) -> str:
+    """``300.0 MiB/s`` (negative when a disk frees space)."""
+    if bps is None:
+        return "—"
+    return ("-" if bps < 0 else "") + size(abs(bps)) + "/s"

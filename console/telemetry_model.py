@@ -14,44 +14,22 @@ Every buffer is bounded, whatever the run's length or the number of GPUs.
 from __future__ import annotations
 
 import json
-import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import humanize
+from console import fmt
 
 TELEMETRY_FILE = "telemetry.jsonl"
 
 
-# ------------------------------------------------------------------------------ formatting
-def size(n: float | None) -> str:
-    """Bytes, binary units: ``139.8 GiB``; ``—`` when unknown."""
-    return "—" if n is None else humanize.naturalsize(n, binary=True, format="%.1f")
+# Formatting is shared with the rest of the console (one duration style on every pane).
+size, duration = fmt.size, fmt.duration
 
 
 def rate(bps: float | None) -> str:
-    if bps is None:
-        return "—"
-    return ("-" if bps < 0 else "") + size(abs(bps)) + "/s"
-
-
-def duration(seconds: float | None) -> str:
-    """``3 d 4 h``, ``5 h 10 m``, ``12 m``, ``40 s``."""
-    if seconds is None or math.isinf(seconds) or math.isnan(seconds):
-        return "—"
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s} s"
-    m = s // 60
-    if m < 60:
-        return f"{m} m"
-    h, m = divmod(m, 60)
-    if h < 48:
-        return f"{h} h {m:02d} m"
-    d, h = divmod(h, 24)
-    return f"{d} d {h} h"
+    return fmt.byte_rate(bps)
 
 
 # ------------------------------------------------------------------------------- the views
