@@ -13,7 +13,8 @@ at the tokenized sources, and ``projected_bytes`` is 0.
 
 Plan keys (``[extract]``): ``mode``, ``aux_layers`` (default SpecForge's ``[1, L//2-1, L-4]``),
 ``batch_tokens`` (8192), ``shard_tokens`` (262144), ``max_length`` (default ``[target] max_length``),
-``max_rows`` / ``max_tokens`` (caps, for demos), ``device`` and ``dtype`` (bf16 on GPU, fp32 on CPU).
+``max_rows`` / ``max_tokens`` (caps, for demos), ``device`` (``"auto"``: the target's layers spread over
+every visible GPU, for a target no single GPU holds) and ``dtype`` (bf16 on GPU, fp32 on CPU).
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ from pipeline.shards import Row, ShardError, holdout_fraction, iter_rows, traini
 STATE_FILE = "extract-state.json"
 
 
-def pick_device(sec: dict[str, Any]) -> tuple[torch.device, torch.dtype]:
+def pick_device(sec: dict[str, Any]) -> tuple[str, torch.dtype]:
+    """``(device, dtype)``; ``device = "auto"`` spreads the target's layers over every visible GPU."""
     dev = sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(dev)
-    name = sec.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32")
+    on_gpu = torch.cuda.is_available() if dev == "auto" else torch.device(dev).type == "cuda"
+    name = sec.get("dtype") or ("bfloat16" if on_gpu else "float32")
     dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
               "float16": torch.float16, "fp16": torch.float16}
     if name not in dtypes:
         raise ValueError(f"dtype {name!r} not supported (use one of {', '.join(dtypes)})")
-    return device, dtypes[name]
+    return dev, dtypes[name]
 
 
 def aux_layers_from(sec: dict[str, Any], num_layers: int, where: str) -> list[int]:
@@ -106,14 +108,14 @@ def collect_inputs(args: argparse.Namespace, ctx: StageContext) -> list[Path]:
     return dirs
 
 
-def run_batch(target: Any, batch: list[Row], device: torch.device) -> list[dict[str, torch.Tensor]]:
+def run_batch(target: Any, batch: list[Row]) -> list[dict[str, torch.Tensor]]:
     longest = max(r.num_tokens for r in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     mask = torch.zeros(len(batch), longest, dtype=torch.long)
     for i, r in enumerate(batch):
         ids[i, : r.num_tokens] = torch.from_numpy(r.input_ids.astype("int64"))
         mask[i, : r.num_tokens] = 1
-    cap = target.capture(ids.to(device), attention_mask=mask.to(device))
+    cap = target.capture(ids.to(target.device), attention_mask=mask.to(target.device))
     am = target.argmax(cap.last_hidden)
     out = []
     for i, r in enumerate(batch):
@@ -220,7 +222,7 @@ def run(ctx: StageContext, inputs: list[Path]) -> int:
         for batch in length_batches(shard_rows, batch_tokens):
             ctx.safe_point()
             t0 = time.monotonic()
-            captured.extend(run_batch(target, batch, device))
+            captured.extend(run_batch(target, batch))
             n = sum(r.num_tokens for r in batch)
             tokens_done += n
             dt = max(time.monotonic() - t0, 1e-9)

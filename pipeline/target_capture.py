@@ -68,7 +68,8 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the embedding's device (the first GPU when layers are spread)."""
+        return self.embed_weight.device
 
     def _layer_hook(self, i: int):  # noqa: ANN202
         def hook(_mod: Any, _inp: Any, out: Any) -> None:
@@ -126,8 +127,12 @@ def load_target(model_id: str, aux_layer_ids: list[int] | None, dtype: torch.dty
     """Load the target for inference; ``aux_layer_ids=None`` picks SpecForge's default layers."""
     from pipeline.eagle3_model import default_aux_layers
 
-    model = model_assets.load_model(model_id, dtype=dtype)
-    model.to(device).eval()
+    if str(device) == "auto":  # accelerate places the layers over every visible GPU
+        model = model_assets.load_model(model_id, dtype=dtype, device_map="auto")
+    else:
+        model = model_assets.load_model(model_id, dtype=dtype)
+        model.to(device)
+    model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     ids = aux_layer_ids if aux_layer_ids is not None else default_aux_layers(len(_decoder(model).layers))

@@ -120,6 +120,19 @@ def test_extraction_resumes_shard_by_shard_after_a_kill(tmp_path_factory, tmp_pa
 
 
 @pytest.mark.slow
+def test_device_auto_places_the_target_with_accelerate_and_stores_the_same(tmp_path_factory, tmp_path) -> None:
+    from tests.eagle3_fixtures import TEST_SECTIONS
+
+    tok, ref = shared(tmp_path_factory, "tok"), shared(tmp_path_factory, "ext")
+    sections = {**TEST_SECTIONS, "extract": {**TEST_SECTIONS["extract"], "device": "auto"}}
+    run_stage("pipeline.extract", write_plan(tmp_path / "plan.toml", **sections), tmp_path / "ext", [tok])
+    a, b = hs.HiddenStore(ref), hs.HiddenStore(tmp_path / "ext")
+    assert len(a) == len(b)
+    for i in (0, len(a) - 1):
+        assert torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].target_argmax, b[i].target_argmax)
+
+
+@pytest.mark.slow
 def test_online_mode_stores_nothing(tmp_path_factory, tmp_path) -> None:
     tok = shared(tmp_path_factory, "tok")
     plan = write_plan(tmp_path / "plan.toml", extract={"mode": "online"}, bench={"holdout": 0.2})
