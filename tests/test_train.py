@@ -133,3 +133,37 @@ def test_torchrun_two_gloo_processes_equal_one_process(tmp_path_factory, tmp_pat
             assert torch.allclose(v, s2["model"][k], atol=2e-5, rtol=1e-4), k
     ev2 = [e for e in events(tmp_path / "train2") if e.type == "message"]
     assert any("2 process(es)" in e.get("text", "") for e in ev2)
+
+
+@pytest.mark.slow
+def test_a_pause_holds_training_at_a_step_boundary(tmp_path_factory, tmp_path) -> None:
+    from pipeline.events import read_all
+    from pipeline.rundir import RunDir, write_json
+
+    ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
+    plan = write_plan(tmp_path / "plan.toml", **{**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 6}})
+    run = RunDir(tmp_path / "run")
+    sd = run.stage("train")
+    sd.out.mkdir(parents=True)
+    write_json(sd.pause_flag, {"attempt": 1})  # requested before the first step
+    env = {**os.environ, "AERIE_RUN_DIR": str(run.root), "AERIE_STAGE_ID": "train", "AERIE_OUT": str(sd.out),
+           "AERIE_PLAN": str(plan), "AERIE_INPUTS": json.dumps({"extract": str(ext), "vocab": str(voc)})}
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.train"], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                e.get("code") == "paused" for e in read_all(sd.events) if sd.events.is_file()):
+            assert p.poll() is None, "training exited instead of pausing"
+            time.sleep(0.1)
+        time.sleep(2.0)
+        assert not losses(read_all(sd.events)), "a step ran while paused"
+        sd.pause_flag.unlink()
+        assert p.wait(timeout=300) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    evs = read_all(sd.events)
+    codes = [e.get("code") for e in evs if e.type == "message"]
+    assert codes.index("paused") < codes.index("resumed")
+    assert sorted(losses(evs)) == list(range(1, 7))
