@@ -418,6 +418,8 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
                              f"{len(rows)} of them; rerun extraction with --fresh")
         data = OnlineData(rows, load_target(model_id, aux, dtype=dtype, device=device))
     n = len(data)
+    if s.batch_size % dist.world:
+        raise ValueError(f"train.batch_size ({s.batch_size}) must be a multiple of the {dist.world} processes")
     if n < s.batch_size:
         raise ValueError(f"only {n} training sequences but train.batch_size is {s.batch_size}")
     params = [p for p in draft.parameters() if p.requires_grad]
