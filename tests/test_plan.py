@@ -145,3 +145,34 @@ def test_shipped_plans_validate() -> None:
     for path in [ROOT / "pipeline" / "plans" / "demo.toml", *sorted((ROOT / "examples").glob("*.toml"))]:
         plan = plan_mod.load(path)
         assert plan.stages, path
+
+
+def test_reference_plan_settings_pass_each_stages_own_checks() -> None:
+    """The reference run's [prep]/[serve]/[regen]/[train]/[deploy] settings are what the stages accept."""
+    from pipeline.prep.settings import PrepSettings
+    from pipeline.regen.stage import regen_settings
+    from pipeline.sglang_args import settings_from_plan, sglang_argv
+
+    plan = plan_mod.load(ROOT / "examples" / "kimi-k2.5.toml")
+    assert len([s for s in plan.stages if s.family == "prep"]) == 10
+    assert sum(d.quota for d in plan.datasets) == 100_000
+    assert {s.id for s in plan.stages if s.family == "regen"} == {
+        f"regen.{d.name}" for d in plan.datasets if d.kind == "prompt-only"}
+    assert "serve" in plan.stage("extract").after  # the GPUs are free of the server before extraction
+    for ds in plan.datasets:
+        PrepSettings.from_plan(plan, ds)
+    assert regen_settings(plan)["concurrency"] == 64
+    plain = sglang_argv(settings_from_plan(plan, mode="plain", gpus=plan.stage("serve").gpus))
+    assert plain[plain.index("--tp") + 1] == "8" and "--trust-remote-code" in plain
+    spec = sglang_argv(settings_from_plan(plan, mode="eagle3", gpus=plan.stage("serve").gpus))
+    assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
+    assert spec[spec.index("--speculative-draft-model-path") + 1].endswith("stages/train/out/draft")
+
+
+@pytest.mark.slow
+def test_reference_plan_train_settings_parse() -> None:
+    from pipeline.train import TrainSettings  # imports torch
+
+    plan = plan_mod.load(ROOT / "examples" / "kimi-k2.5.toml")
+    s = TrainSettings.from_section(plan.section("train"), str(plan.path))
+    assert s.nproc == 8 and s.ttt_steps == 7 and s.batch_size % s.nproc == 0
