@@ -48,7 +48,7 @@ class Progress:
             return None
         return max(0.0, min(1.0, self.done / self.total))
 
-    def rate(self, now: float | None = None) -> float | None:
+    def rate(self) -> float | None:
         """Units per second over the recent window (None until two samples exist)."""
         if len(self.samples) < 2:
             return None
@@ -152,7 +152,7 @@ def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int)
 class RunModel:
     """The run as the console knows it. Call :meth:`poll` periodically (from a worker)."""
 
-    def __init__(self, transport: Transport, log_watch: int = 1) -> None:
+    def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.run_name = ""
         self.run_dir = transport.run_root
@@ -167,7 +167,6 @@ class RunModel:
         self._events: dict[str, _Stream] = {}
         self._logs: dict[str, _Stream] = {}
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
-        self.log_watch = log_watch
         self.telemetry = TelemetryModel()
         self.telemetry_stage: str | None = None
 
@@ -307,10 +306,6 @@ class RunModel:
         st.log.extend(raw.decode(errors="replace") for raw in lines)
         st.log_total += len(lines)
         return True
-
-    def describe_event(self, ev: Event) -> str:
-        return describe_event(ev)
-
 
 def describe_event(ev: Event) -> str:
     """One human line for an event (detail pane, headless output)."""

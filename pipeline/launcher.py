@@ -21,11 +21,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from pipeline.events import EventWriter
 from pipeline.plan import StageSpec
-from pipeline.procs import ProcIdentity
+from pipeline.procs import ProcIdentity, env_with_pipeline
 from pipeline.rundir import RunDir, read_json, write_json
 from pipeline.runtime import ENV_ATTEMPT, ENV_INPUTS, ENV_OUT, ENV_PLAN, ENV_RUN, ENV_STAGE
 
@@ -42,13 +41,11 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
     inputs = {dep: str(run.stage(dep).out) for dep in spec.after}
     env = dict(os.environ)
     env.update(spec.env)
+    env = env_with_pipeline(env)  # built-in stages import `pipeline` from wherever the launcher did
     env.update({
         ENV_RUN: str(run.root), ENV_STAGE: spec.id, ENV_ATTEMPT: str(attempt), ENV_OUT: str(sd.out),
         ENV_INPUTS: json.dumps(inputs), ENV_PLAN: str(run.plan_path), "PYTHONUNBUFFERED": "1",
     })
-    # Built-in stages import `pipeline` from wherever the launcher did.
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 

@@ -142,4 +142,12 @@ def signal_group(ident: ProcIdentity, sig: int) -> bool:
         return False
 
 
+def env_with_pipeline(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process, with this ``pipeline`` package first on ``PYTHONPATH``."""
+    env = dict(os.environ if base is None else base)
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 SIGNALS = {"TERM": signal.SIGTERM, "KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "CONT": signal.SIGCONT}

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from pipeline import logscan
-from pipeline.supervisor import _env_with_pipeline
+from pipeline.procs import env_with_pipeline
 
 PROTOCOL = 1
 READ_BUDGET = 16 << 20  # bytes of file data in one read answer, all files together
@@ -89,7 +89,7 @@ def run_ctl(root: Path, args: list[str], timeout_s: float = CTL_TIMEOUT_S) -> di
         raise AgentError("ctl arguments must be strings")
     try:
         p = subprocess.run([sys.executable, "-m", "pipeline.ctl", str(root), *args], capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, env=_env_with_pipeline(), timeout=timeout_s, cwd="/")
+                           stdin=subprocess.DEVNULL, env=env_with_pipeline(), timeout=timeout_s, cwd="/")
     except subprocess.TimeoutExpired:
         return {"rc": 4, "stdout": "", "stderr": f"error: pipeline.ctl {' '.join(args)} gave no answer in {timeout_s:g}s"}
     return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}

@@ -32,7 +32,7 @@ from typing import Any
 from pipeline import plan as plan_mod
 from pipeline.events import EventTail, EventWriter
 from pipeline.plan import Plan, StageSpec
-from pipeline.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.procs import ProcIdentity, StrangerError, env_with_pipeline, signal_group
 from pipeline.rundir import RunDir, StageDir, read_json, write_atomic, write_json
 
 TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
@@ -413,7 +413,7 @@ class Supervisor:
             child = subprocess.Popen(
                 [self.python, "-m", "pipeline.launcher", str(self.run.root), sid, str(attempt)],
                 stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
-                cwd=str(self.run.root), env=_env_with_pipeline(),
+                cwd=str(self.run.root), env=env_with_pipeline(),
             )
         finally:
             logfh.close()
@@ -538,20 +538,13 @@ class Supervisor:
         return 0
 
 
-def _env_with_pipeline() -> dict[str, str]:
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
     """Start ``python -m pipeline.supervisor RUN`` in its own session; returns its pid."""
     run = RunDir(run_root)
     with open(run.supervisor_log, "ab") as logfh:
         p = subprocess.Popen([python, "-m", "pipeline.supervisor", str(run.root)], stdin=subprocess.DEVNULL,
                              stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=str(run.root), env=_env_with_pipeline())
+                             cwd=str(run.root), env=env_with_pipeline())
     return p.pid
 
 

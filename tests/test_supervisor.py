@@ -175,7 +175,7 @@ def test_kill_ends_the_group_and_spares_a_look_alike(tmp_path: Path, cleanup: li
     try:
         wait_for(lambda: child_pid.exists() and child_pid.read_text().strip(), 20, "the stage's child")
         child = int(child_pid.read_text())
-        stage_pid = stage_state(run, "long")["pid"]
+        stage_pid = wait_for(lambda: stage_state(run, "long").get("pid"), 10, "the stage's recorded pid")
         res = ctl(run, "kill", "long")
         assert res.returncode == 0, res.stderr
         assert wait_done(run) == {"long": "killed", "after-long": "upstream-failed"}
