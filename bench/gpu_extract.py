@@ -1,4 +1,4 @@
-"""Extraction throughput on a GPU: tokens/s and MFU of ``pipeline.target_capture`` (what the extract stage runs).
+"""Extraction throughput on a GPU: tokens/s and MFU of ``pipeline.eagle3.target_capture`` (what the extract stage runs).
 
 ``python bench/gpu_extract.py [--shape llama8b] [--layers 8] [--batch 8] [--seq 2048]``
 
@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, time_ms, write_out  # noqa: E402
-from pipeline import hidden_store as hs  # noqa: E402
-from pipeline.eagle3_model import default_aux_layers  # noqa: E402
-from pipeline.target_capture import Target  # noqa: E402
+from pipeline.eagle3 import hidden_store as hs  # noqa: E402
+from pipeline.eagle3.draft_model import default_aux_layers  # noqa: E402
+from pipeline.eagle3.target_capture import Target  # noqa: E402
 
 
 def flops_per_token(cfg, seq: int) -> tuple[float, float]:

@@ -4,8 +4,8 @@
 
 Builds a Llama-3.1-8B-shaped target with ``--layers`` layers and random bf16 weights in a local
 folder, a tokenized dataset of random tokens in the prep contract (Parquet + manifest), then runs
-``pipeline.extract`` → ``pipeline.vocab`` → ``pipeline.train`` (under ``torchrun``, one process per
-GPU: ``--nproc``) → ``pipeline.bench`` (offline acceptance, lossless check on) as subprocesses, and
+``pipeline.stages.extract`` → ``pipeline.stages.vocab`` → ``pipeline.stages.train`` (under ``torchrun``, one process per
+GPU: ``--nproc``) → ``pipeline.stages.bench`` (offline acceptance, lossless check on) as subprocesses, and
 reports each stage's wall time and the throughput its own events recorded. Random weights and data:
 this proves the GPU path (bf16, CUDA, checkpoints, torchrun) and measures speed, not quality.
 """
@@ -132,10 +132,10 @@ steps = 3
 check_lossless = true
 """)
     times = {"model_build_s": t_model}
-    times["extract_s"] = stage("pipeline.extract", plan, work / "ext", [work / "tok"])
-    times["vocab_s"] = stage("pipeline.vocab", plan, work / "voc", [work / "tok"])
-    times["train_s"] = stage("pipeline.train", plan, work / "train", [work / "ext", work / "voc"], torchrun=args.nproc)
-    times["bench_s"] = stage("pipeline.bench", plan, work / "bench", [work / "train"])
+    times["extract_s"] = stage("pipeline.stages.extract", plan, work / "ext", [work / "tok"])
+    times["vocab_s"] = stage("pipeline.stages.vocab", plan, work / "voc", [work / "tok"])
+    times["train_s"] = stage("pipeline.stages.train", plan, work / "train", [work / "ext", work / "voc"], torchrun=args.nproc)
+    times["bench_s"] = stage("pipeline.stages.bench", plan, work / "bench", [work / "train"])
     ext_tps = [e["value"] for e in metric(work / "ext", "tokens_per_s") if e.get("overall")]
     train_tps = sorted(e["value"] for e in metric(work / "train", "tokens_per_s"))
     man = json.loads((work / "ext" / "manifest.json").read_text())

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.model_assets import resolve  # noqa: E402
+from pipeline.data.model_assets import resolve  # noqa: E402
 
 
 def free_port() -> int:

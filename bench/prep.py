@@ -25,9 +25,9 @@ os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import sources  # noqa: E402
-from pipeline.prep.rows import RowProcessor  # noqa: E402
-from pipeline.tokenise import ChatTokenizer, load_hf_tokenizer, trim_to_last_assistant  # noqa: E402
+from pipeline.data import sources  # noqa: E402
+from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer, trim_to_last_assistant  # noqa: E402
+from pipeline.stages.prep.rows import RowProcessor  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp  # noqa: E402
 
-from pipeline.regen.client import ClientConfig, Regenerator  # noqa: E402
-from pipeline.regen.store import ResponseLog  # noqa: E402
+from pipeline.stages.regen.client import ClientConfig, Regenerator  # noqa: E402
+from pipeline.stages.regen.store import ResponseLog  # noqa: E402
 
 ANSWER = json.dumps({
     "id": "x", "object": "chat.completion", "model": "bench-model",

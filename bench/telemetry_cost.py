@@ -2,7 +2,7 @@
 
 ``python bench/telemetry_cost.py [--samples 300] [--repeats 5] [--live 8]``
 
-GPU readings come from a FAKE NVML (:class:`pipeline.gpus.FakeNvmlReplay`) replaying the real H200
+GPU readings come from a FAKE NVML (:class:`pipeline.run.gpus.FakeNvmlReplay`) replaying the real H200
 recording (tests/fixtures/telemetry/h200-2026-12-02.jsonl) replicated to 8 GPUs, every GPU with the
 recorded processes, so every sample also maps processes to stages through a run dir of 24 stages
 with recorded process groups. Baseline in the same run: the same agent with no GPUs (disk + host
@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline import plan as plan_mod  # noqa: E402
-from pipeline.gpus import FakeNvmlReplay, GpuUnavailable  # noqa: E402
-from pipeline.rundir import RunDir, write_json  # noqa: E402
-from pipeline.supervisor import create_run  # noqa: E402
-from pipeline.telemetry import Agent, run_loop  # noqa: E402
+from pipeline.run import plan as plan_mod  # noqa: E402
+from pipeline.run.gpus import FakeNvmlReplay, GpuUnavailable  # noqa: E402
+from pipeline.run.rundir import RunDir, write_json  # noqa: E402
+from pipeline.run.supervisor import create_run  # noqa: E402
+from pipeline.stages.telemetry import Agent, run_loop  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"
 INTERVAL_S = 2.0
@@ -90,7 +90,7 @@ gpus = "all"
 output_bytes = 50000000000
 [[stage]]
 id = "telemetry"
-run = "pipeline.telemetry"
+run = "telemetry"
 service = true
 cpu = 0
 """

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from console.model import RunModel
-from pipeline.rundir import write_atomic
+from pipeline.run.rundir import write_atomic
 
 DISK_RANK = {"ok": 0, "warning": 1, "error": 2}
 MAX_RUNS = 200

@@ -2,7 +2,7 @@
 
 Data flows one way: the run model polls the transport (in a worker, never blocking the UI loop)
 and the widgets redraw from the model. Operator actions (pause, kill, retry...) go to the
-transport's ``ctl``, which runs ``pipeline.ctl`` on the executing host; the supervisor there acts
+transport's ``ctl``, which runs ``pipeline.run.ctl`` on the executing host; the supervisor there acts
 on the recorded process group and the result comes back as a notification. Quitting the console
 never stops a stage: ``aerie attach RUN`` shows the same run, live.
 

@@ -27,8 +27,8 @@ from importlib import resources
 from pathlib import Path
 
 from console.transport import LocalTransport, Transport, start_local_run
-from pipeline import plan as plan_mod
-from pipeline.rundir import RunDir, read_json
+from pipeline.run import plan as plan_mod
+from pipeline.run.rundir import RunDir, read_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 CONTROL_ACTIONS = ("pause", "resume", "kill", "retry", "skip", "force")

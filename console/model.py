@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import Transport
-from pipeline.events import Event, parse_lines, split_complete
+from pipeline.run.events import Event, parse_lines, split_complete
 
 TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end

@@ -1,7 +1,7 @@
 """Telemetry for the console: the agent's records parsed into meters, bounded history and projections.
 
 Pure: no files, no processes, no Textual. Feed it the lines of ``telemetry.jsonl`` (the record
-format is in :mod:`pipeline.telemetry`) with :meth:`TelemetryModel.feed`, or let it follow the file
+format is in :mod:`pipeline.stages.telemetry`) with :meth:`TelemetryModel.feed`, or let it follow the file
 through a transport with :meth:`~TelemetryModel.read_request` / :meth:`~TelemetryModel.ingest`.
 
 It keeps, per GPU, the latest reading and the last ``history_s`` seconds of utilisation and memory
@@ -400,10 +400,10 @@ def telemetry_path(stage_id: str = "telemetry") -> str:
 
 
 def find_telemetry_stage(stages: Iterable[Any]) -> str | None:
-    """The id of the first stage running ``pipeline.telemetry`` (``StageSpec``-like objects or dicts)."""
+    """The id of the first stage running ``pipeline.stages.telemetry`` (``StageSpec``-like objects or dicts)."""
     for s in stages:
         run = s.get("run") if isinstance(s, dict) else getattr(s, "run", None)
         sid = s.get("id") if isinstance(s, dict) else getattr(s, "id", None)
-        if run == "pipeline.telemetry" and sid:
+        if run == "telemetry" and sid:
             return str(sid)
     return None

@@ -2,9 +2,9 @@
 
 The console's model never opens files or processes itself; it asks a transport for
 (1) byte ranges of run-dir files from an offset (event streams, logs, state.json), and for the
-    log viewer newline counts per block and regex matches by line (``pipeline.logscan``), so a
+    log viewer newline counts per block and regex matches by line (``pipeline.run.logscan``), so a
     multi-GB log is indexed and searched where it lives,
-(2) control commands (``python -m pipeline.ctl RUN ACTION STAGE``) executed on the host,
+(2) control commands (``python -m pipeline.run.ctl RUN ACTION STAGE``) executed on the host,
 (3) creating a run and starting its supervisor there.
 
 :class:`LocalTransport` does this on this machine (file reads in a worker thread, subprocesses
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline import logscan
+from pipeline.run import logscan
 
 
 @dataclass
@@ -74,17 +74,17 @@ class Transport(Protocol):
         ...
 
     async def ctl(self, *args: str) -> CtlResult:
-        """Run ``python -m pipeline.ctl RUN *args`` on the executing host."""
+        """Run ``python -m pipeline.run.ctl RUN *args`` on the executing host."""
         ...
 
     async def count_lines(self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES,
                           block: int = logscan.BLOCK) -> dict[str, Any]:
-        """Newlines per block of a run-dir file from ``offset`` (see ``pipeline.logscan.count_blocks``)."""
+        """Newlines per block of a run-dir file from ``offset`` (see ``pipeline.run.logscan.count_blocks``)."""
         ...
 
     async def find_lines(self, rel: str, pattern: str, start: int, end: int | None, line0: int,
                          backward: bool = False, limit: int = 1000) -> dict[str, Any]:
-        """Lines of a run-dir file matching a regex (see ``pipeline.logscan.find_lines``)."""
+        """Lines of a run-dir file matching a regex (see ``pipeline.run.logscan.find_lines``)."""
         ...
 
     async def close(self) -> None: ...
@@ -117,7 +117,7 @@ class LocalTransport:
 
     async def ctl(self, *args: str) -> CtlResult:
         proc = await asyncio.create_subprocess_exec(
-            self.python, "-m", "pipeline.ctl", self.run_root, *args,
+            self.python, "-m", "pipeline.run.ctl", self.run_root, *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
             env=_env(),
         )
@@ -148,7 +148,7 @@ def start_local_run(plan_path: Path, run_dir: Path | None, python: str = sys.exe
     """Create the run dir and start its supervisor detached (used by ``aerie run`` before the UI)."""
     import subprocess
 
-    cmd = [python, "-m", "pipeline.supervisor", "--create", str(plan_path), "--detach"]
+    cmd = [python, "-m", "pipeline.run.supervisor", "--create", str(plan_path), "--detach"]
     if run_dir is not None:
         cmd.insert(3, str(run_dir))
     p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), stdin=subprocess.DEVNULL)

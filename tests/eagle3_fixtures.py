@@ -42,7 +42,7 @@ def write_tokenized(out: Path, n: int = 24, rows_per_shard: int = 12) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.model_assets import load_tokenizer
+    from pipeline.data.model_assets import load_tokenizer
 
     tok = load_tokenizer(MODEL)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def run_stage(module: str, plan: Path, out: Path, inputs: list[Path], *extra: st
 
 
 def events(out: Path) -> list:
-    from pipeline.events import read_all
+    from pipeline.run.events import read_all
 
     return read_all(out / "events.jsonl")
 
@@ -137,11 +137,11 @@ def _build(base: Path, what: str) -> Path:
     elif what == "plan":
         write_plan(target, **TEST_SECTIONS)
     elif what == "ext":
-        run_stage("pipeline.extract", _build(base, "plan"), target, [_build(base, "tok")])
+        run_stage("pipeline.stages.extract", _build(base, "plan"), target, [_build(base, "tok")])
     elif what == "voc":
-        run_stage("pipeline.vocab", _build(base, "plan"), target, [_build(base, "tok")])
+        run_stage("pipeline.stages.vocab", _build(base, "plan"), target, [_build(base, "tok")])
     elif what == "train":
-        run_stage("pipeline.train", _build(base, "plan"), target, [_build(base, "ext"), _build(base, "voc")])
+        run_stage("pipeline.stages.train", _build(base, "plan"), target, [_build(base, "ext"), _build(base, "voc")])
     else:
         raise ValueError(what)
     done.touch()

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline import plan as plan_mod
-from pipeline.events import read_all
-from pipeline.procs import ProcIdentity, StrangerError, signal_group
-from pipeline.rundir import RunDir, read_json
-from pipeline.supervisor import create_run
+from pipeline.run import plan as plan_mod
+from pipeline.run.events import read_all
+from pipeline.run.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.supervisor import create_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def make_run(tmp: Path, body: str) -> RunDir:
 def start_supervisor(run: RunDir, poll: float = 0.1) -> subprocess.Popen:
     """A real supervisor process (its own session, like the detached one)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "pipeline.supervisor", str(run.root), "--poll", str(poll)],
+    return subprocess.Popen([sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", str(poll)],
                             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -73,7 +73,7 @@ def events(run: RunDir, sid: str, type_: str | None = None) -> list:
 
 def ctl(run: RunDir, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "pipeline.ctl", str(run.root), *args], env=env,
+    return subprocess.run([sys.executable, "-m", "pipeline.run.ctl", str(run.root), *args], env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -140,8 +140,8 @@ def finished_run(root: Path) -> RunDir:
     """
     import shutil
 
-    from pipeline.events import EventWriter, make
-    from pipeline.rundir import write_json
+    from pipeline.run.events import EventWriter, make
+    from pipeline.run.rundir import write_json
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

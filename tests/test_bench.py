@@ -9,21 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench_online import endpoint_url, generate_request, summarize
-from pipeline.runtime import StageContext
+from pipeline.run.runtime import StageContext
+from pipeline.stages.bench.online import endpoint_url, generate_request, summarize
 from tests.eagle3_fixtures import MODEL, ROOT, TEST_SECTIONS, events, metrics, run_stage, shared, write_plan
 
 
 @pytest.fixture(scope="module")
 def target():
-    from pipeline.target_capture import load_target
+    from pipeline.eagle3.target_capture import load_target
 
     return load_target(MODEL, [1, 14, 26])
 
 
 @pytest.fixture(scope="module")
 def prompt() -> tuple[list[int], set[int]]:
-    from pipeline.model_assets import load_tokenizer
+    from pipeline.data.model_assets import load_tokenizer
 
     tok = load_tokenizer(MODEL)
     enc = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
@@ -46,7 +46,7 @@ class ConstantDrafter:
 
 @pytest.mark.slow
 def test_a_draft_that_copies_the_target_reaches_the_maximum_accept_length(target, prompt) -> None:
-    from pipeline.spec_decode import OracleDrafter, greedy_generate, speculative_generate
+    from pipeline.eagle3.spec_decode import OracleDrafter, greedy_generate, speculative_generate
 
     ids, eos = prompt
     for k in (1, 3):
@@ -58,8 +58,8 @@ def test_a_draft_that_copies_the_target_reaches_the_maximum_accept_length(target
 
 @pytest.mark.slow
 def test_output_is_the_targets_greedy_output_whatever_the_draft(target, prompt, tmp_path_factory) -> None:
-    from pipeline.eagle3_model import load_draft
-    from pipeline.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
+    from pipeline.eagle3.draft_model import load_draft
+    from pipeline.eagle3.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
 
     ids, eos = prompt
     ref = greedy_generate(target, ids, 20, eos)
@@ -76,7 +76,7 @@ def test_bench_stage_reports_accept_length_on_held_out_prompts(tmp_path_factory,
     train = shared(tmp_path_factory, "train")
     plan = write_plan(tmp_path / "plan.toml", **{**TEST_SECTIONS,
                                                  "bench": {**TEST_SECTIONS["bench"], "check_lossless": True}})
-    run_stage("pipeline.bench", plan, tmp_path / "bench", [train])
+    run_stage("pipeline.stages.bench", plan, tmp_path / "bench", [train])
     res = json.loads((tmp_path / "bench" / "results.json").read_text())
     acc = metrics(tmp_path / "bench", "accept_len")
     assert len(acc) == 1 and acc[0].get("max") == 4
@@ -86,7 +86,7 @@ def test_bench_stage_reports_accept_length_on_held_out_prompts(tmp_path_factory,
     assert metrics(tmp_path / "bench", "accept_rate")[0].get("value") == pytest.approx(sum(steps) / (3 * len(steps)))
     # the prompts are held-out rows, never extracted for training
     ext = json.loads((shared(tmp_path_factory, "ext") / "manifest.json").read_text())
-    from pipeline.shards import is_heldout
+    from pipeline.data.shards import is_heldout
 
     assert all(is_heldout(p["id"], ext["holdout"]) for p in res["per_prompt"])
 
@@ -111,12 +111,12 @@ dir = "{tmp_path / 'run'}"
 model = "{MODEL}"
 [[stage]]
 id = "serve-eagle3"
-run = "pipeline.serve"
+run = "serve"
 args = ["--mode", "eagle3"]
 service = true
 [[stage]]
 id = "bench-eagle3"
-run = "pipeline.bench"
+run = "bench"
 args = ["--mode", "online", "--label", "eagle3"]
 uses = ["serve-eagle3"]
 """)
@@ -124,7 +124,7 @@ uses = ["serve-eagle3"]
 
 
 def test_online_endpoint_comes_from_the_used_serve_stage(tmp_path) -> None:
-    from pipeline.rundir import RunDir, write_json
+    from pipeline.run.rundir import RunDir, write_json
 
     plan = _online_plan(tmp_path)
     run = RunDir(tmp_path / "run")
@@ -146,7 +146,7 @@ def test_online_mode_names_an_unreachable_server(tmp_path_factory, tmp_path) -> 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     plan = write_plan(tmp_path / "plan.toml", bench={"holdout": 0.2, "prompts": 2})
-    p = subprocess.run([sys.executable, "-m", "pipeline.bench", "--plan", str(plan), "--out", str(tmp_path / "b"),
+    p = subprocess.run([sys.executable, "-m", "pipeline.stages.bench", "--plan", str(plan), "--out", str(tmp_path / "b"),
                         "--mode", "online", "--label", "plain", "--url", f"http://127.0.0.1:{port}",
                         "--input", str(shared(tmp_path_factory, "train"))],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import budget
-from pipeline import plan as plan_mod
-from pipeline.gpus import FakeNvmlReplay, GpuProbe
-from pipeline.plan import StageSpec
-from pipeline.procs import ProcIdentity, read_stat
-from pipeline.rundir import RunDir, write_json
-from pipeline.supervisor import Supervisor
+from pipeline.run import budget
+from pipeline.run import plan as plan_mod
+from pipeline.run.gpus import FakeNvmlReplay, GpuProbe
+from pipeline.run.plan import StageSpec
+from pipeline.run.procs import ProcIdentity, read_stat
+from pipeline.run.rundir import RunDir, write_json
+from pipeline.run.supervisor import Supervisor
 from tests.runs import (
     ctl,
     events,
@@ -59,7 +59,7 @@ command = "true"
 for_each = "dataset"
 [[stage]]
 id = "extract"
-run = "pipeline.extract"
+run = "extract"
 after = ["prep.*"]
 """
 
@@ -89,7 +89,7 @@ def test_extraction_projection_reads_prep_manifests_and_the_plan(tmp_path: Path)
     assert proj.bytes == budget.extraction_bytes(2000, 3 + 1, 576, 2) + 2000 * 9
     assert "2,000 tokens x 4 layers x hidden 576" in proj.how
     # The same bytes per token as the extraction stage's own store.
-    from pipeline import hidden_store
+    from pipeline.eagle3 import hidden_store
 
     assert proj.bytes == 2000 * hidden_store.bytes_per_token(576, 3)
 
@@ -104,7 +104,7 @@ def test_caps_online_mode_and_the_stage_own_projection(tmp_path: Path) -> None:
     # Once the stage runs, what it reports (held-out rows excluded) replaces the estimate.
     plan3, run3, spec3 = _extract_setup(tmp_path / "emitted")
     _manifests(run3)
-    from pipeline.events import EventWriter
+    from pipeline.run.events import EventWriter
 
     with EventWriter(run3.stage("extract").events) as w:
         w.emit("started", attempt=1, pid=1)

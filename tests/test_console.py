@@ -14,7 +14,7 @@ from console.widgets.board import StageBoard
 from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop
 
 WORKER = (
-    "import sys, time\nfrom pipeline.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "import sys, time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
     "n = int(sys.argv[1])\nfor i in range(n):\n    ctx.safe_point()\n"
     "    ctx.progress(i + 1, n, unit='steps', force=True)\n    time.sleep(0.05)\n"
 )

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline.eagle3_model import (
+from pipeline.eagle3.draft_model import (
     DraftConfig,
     DraftModelError,
     Eagle3Draft,
@@ -83,7 +83,7 @@ def test_default_aux_layers_match_sglang_default_capture() -> None:
 
 
 def test_checkpoint_config_and_tensor_names_match_sglang_loader(tmp_path) -> None:
-    from pipeline.target_capture import target_config
+    from pipeline.eagle3.target_capture import target_config
 
     tcfg = target_config("builtin:smollm2-135m-instruct")
     cfg = DraftConfig.from_target(tcfg, 2048, default_aux_layers(tcfg.num_hidden_layers))

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline import hidden_store as hs
-from pipeline.extract import length_batches, plan_shards
-from pipeline.shards import Row, is_heldout, iter_rows
+from pipeline.data.shards import Row, is_heldout, iter_rows
+from pipeline.eagle3 import hidden_store as hs
+from pipeline.stages.extract import length_batches, plan_shards
 from tests.eagle3_fixtures import MODEL, ROOT, events, metrics, run_stage, shared, write_plan, write_tokenized
 
 
@@ -38,7 +38,7 @@ def test_length_batches_respect_the_padded_budget() -> None:
 
 @pytest.mark.slow
 def test_extraction_captures_the_aux_layers_and_targets(tmp_path_factory) -> None:
-    from pipeline.model_assets import load_model
+    from pipeline.data.model_assets import load_model
 
     out = shared(tmp_path_factory, "ext")
     tok = shared(tmp_path_factory, "tok")
@@ -94,7 +94,7 @@ def test_extraction_resumes_shard_by_shard_after_a_kill(tmp_path_factory, tmp_pa
     tok = shared(tmp_path_factory, "tok")
     plan = write_plan(tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2})
     out = tmp_path / "ext"
-    argv = [sys.executable, "-m", "pipeline.extract", "--plan", str(plan), "--out", str(out), "--input", str(tok)]
+    argv = [sys.executable, "-m", "pipeline.stages.extract", "--plan", str(plan), "--out", str(out), "--input", str(tok)]
     p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = out / "extract-state.json"
     deadline = time.monotonic() + 300
@@ -108,7 +108,7 @@ def test_extraction_resumes_shard_by_shard_after_a_kill(tmp_path_factory, tmp_pa
     done_before = json.loads(state.read_text())["done"]
     assert not (out / "manifest.json").exists()
     stamps = {name: (out / name).stat().st_mtime_ns for name in done_before}
-    run_stage("pipeline.extract", plan, out, [tok])
+    run_stage("pipeline.stages.extract", plan, out, [tok])
     for name, ns in stamps.items():
         assert (out / name).stat().st_mtime_ns == ns, f"{name} was extracted twice"
     msgs = [e.get("text") for e in events(out) if e.type == "message"]
@@ -125,7 +125,7 @@ def test_device_auto_places_the_target_with_accelerate_and_stores_the_same(tmp_p
 
     tok, ref = shared(tmp_path_factory, "tok"), shared(tmp_path_factory, "ext")
     sections = {**TEST_SECTIONS, "extract": {**TEST_SECTIONS["extract"], "device": "auto"}}
-    run_stage("pipeline.extract", write_plan(tmp_path / "plan.toml", **sections), tmp_path / "ext", [tok])
+    run_stage("pipeline.stages.extract", write_plan(tmp_path / "plan.toml", **sections), tmp_path / "ext", [tok])
     a, b = hs.HiddenStore(ref), hs.HiddenStore(tmp_path / "ext")
     assert len(a) == len(b)
     for i in (0, len(a) - 1):
@@ -136,7 +136,7 @@ def test_device_auto_places_the_target_with_accelerate_and_stores_the_same(tmp_p
 def test_online_mode_stores_nothing(tmp_path_factory, tmp_path) -> None:
     tok = shared(tmp_path_factory, "tok")
     plan = write_plan(tmp_path / "plan.toml", extract={"mode": "online"}, bench={"holdout": 0.2})
-    run_stage("pipeline.extract", plan, tmp_path / "ext", [tok])
+    run_stage("pipeline.stages.extract", plan, tmp_path / "ext", [tok])
     man = json.loads((tmp_path / "ext" / "manifest.json").read_text())
     assert man["mode"] == "online" and man["bytes"] == 0 and man["shards"] == []
     assert man["sources"] == [str(tok)] and man["tokens"] > 0
@@ -152,6 +152,6 @@ def test_a_bad_row_is_named_by_file_row_and_field(tmp_path) -> None:
     t[2]["loss_mask"] = t[2]["loss_mask"][:-3]
     pq.write_table(pa.Table.from_pylist(t, schema=pq.read_schema(shard)), shard)
     plan = write_plan(tmp_path / "plan.toml", bench={"holdout": 0.0})
-    p = run_stage("pipeline.extract", plan, tmp_path / "ext", [tok], check=False)
+    p = run_stage("pipeline.stages.extract", plan, tmp_path / "ext", [tok], check=False)
     assert p.returncode != 0
     assert "shard-00000.parquet: row 2 (id='row-0002'): loss_mask has" in p.stderr

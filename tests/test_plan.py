@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import plan as plan_mod
+from pipeline.run import plan as plan_mod
 from tests.runs import ROOT, write_plan
 
 BASE = """
@@ -70,9 +70,31 @@ gpus = "all"
     assert "regen.chat" in dag and "prep.*" not in dag.splitlines()[0]
 
 
-def test_unknown_builtin_stage_is_named(tmp_path: Path) -> None:
-    msg = error(tmp_path, '[[stage]]\nid = "x"\nrun = "pipeline.nosuchstage"\n')
-    assert "plan.toml" in msg and "stage[0].run" in msg and "pipeline.nosuchstage" in msg
+def test_unknown_builtin_stage_is_named_with_the_known_names(tmp_path: Path) -> None:
+    msg = error(tmp_path, '[[stage]]\nid = "x"\nrun = "nosuchstage"\n')
+    assert "plan.toml" in msg and "stage[0].run" in msg and "'nosuchstage'" in msg
+    for name in plan_mod.BUILTIN_STAGES:
+        assert name in msg
+
+
+def test_a_module_path_is_refused_with_the_short_name_to_use(tmp_path: Path) -> None:
+    # Plans written for the old flat layout said run = "pipeline.train"; the error says what to write now.
+    msg = error(tmp_path, '[[stage]]\nid = "x"\nrun = "pipeline.train"\n')
+    assert "stage[0].run" in msg and "run = 'train'" in msg
+
+
+def test_every_short_name_runs_a_module_that_exists() -> None:
+    import importlib.util
+
+    for name, module in plan_mod.BUILTIN_STAGES.items():
+        assert importlib.util.find_spec(module) is not None, name
+        assert plan_mod.stage_module(name) == module
+
+
+def test_a_run_dir_frozen_with_module_names_reattaches() -> None:
+    # A run dir created before short names stored "pipeline.prep" in each stage's spec.json.
+    spec = plan_mod.StageSpec.from_dict({"id": "prep.a", "run": "pipeline.prep"})
+    assert spec.run == "prep"
 
 
 def test_missing_dependency_is_named(tmp_path: Path) -> None:
@@ -149,9 +171,9 @@ def test_shipped_plans_validate() -> None:
 
 def test_reference_plan_settings_pass_each_stages_own_checks() -> None:
     """The reference run's [prep]/[serve]/[regen]/[train]/[deploy] settings are what the stages accept."""
-    from pipeline.prep.settings import PrepSettings
-    from pipeline.regen.stage import regen_settings
-    from pipeline.sglang_args import settings_from_plan, sglang_argv
+    from pipeline.serving.sglang_args import settings_from_plan, sglang_argv
+    from pipeline.stages.prep.settings import PrepSettings
+    from pipeline.stages.regen.stage import regen_settings
 
     plan = plan_mod.load(ROOT / "examples" / "kimi-k2.5.toml")
     assert len([s for s in plan.stages if s.family == "prep"]) == 10
@@ -171,7 +193,7 @@ def test_reference_plan_settings_pass_each_stages_own_checks() -> None:
 
 @pytest.mark.slow
 def test_reference_plan_train_settings_parse() -> None:
-    from pipeline.train import TrainSettings  # imports torch
+    from pipeline.stages.train.settings import TrainSettings  # imports torch
 
     plan = plan_mod.load(ROOT / "examples" / "kimi-k2.5.toml")
     s = TrainSettings.from_section(plan.section("train"), str(plan.path))

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import sources
-from pipeline.events import decode
+from pipeline.data import sources
+from pipeline.run.events import decode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def write_plan(tmp: Path, datasets: list[dict], prep: dict | None = None, max_le
         if d.get("options"):
             lines.append("[datasets.options]")
             lines += [f"{k} = {json.dumps(v)}" for k, v in d["options"].items()]
-    lines += ["[[stage]]", 'id = "prep"', 'run = "pipeline.prep"', 'for_each = "dataset"']
+    lines += ["[[stage]]", 'id = "prep"', 'run = "prep"', 'for_each = "dataset"']
     path = tmp / "plan.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -47,7 +47,7 @@ def ds(name: str, source: str | None = None, kind: str | None = None, quota: int
 def prep(plan: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pipeline.prep", "--plan", str(plan), *args], cwd=ROOT, env=e,
+    return subprocess.run([sys.executable, "-m", "pipeline.stages.prep", "--plan", str(plan), *args], cwd=ROOT, env=e,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.events import decode
+from pipeline.run.events import decode
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "pipeline" / "plans" / "demo.toml"
@@ -37,7 +37,7 @@ def test_the_demo_preps_all_ten_sources_under_the_supervisor(tmp_path: Path) -> 
     plan = tmp_path / "plan.toml"
     plan.write_text("\n".join(lines) + "\n")
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "pipeline.supervisor", "--create", str(plan), str(run)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "pipeline.run.supervisor", "--create", str(plan), str(run)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     state = json.loads((run / "state.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.tokenise import sha256_file
+from pipeline.data.shard_writer import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ quota = {quota}
 path = "{source}"
 [[stage]]
 id = "prep"
-run = "pipeline.prep"
+run = "prep"
 for_each = "dataset"
 """)
     return plan
@@ -72,7 +72,7 @@ def env_for(plan: Path, out: Path, run: Path | None = None) -> dict[str, str]:
 
 
 def start(plan: Path, out: Path, run: Path | None = None) -> subprocess.Popen:
-    args = [sys.executable, "-m", "pipeline.prep", "--plan", str(plan), "--dataset", "big"]
+    args = [sys.executable, "-m", "pipeline.stages.prep", "--plan", str(plan), "--dataset", "big"]
     if run is None:
         args += ["--out", str(out)]
     return subprocess.Popen(args, cwd=ROOT, env=env_for(plan, out, run), stdout=subprocess.DEVNULL,

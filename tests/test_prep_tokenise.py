@@ -9,14 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import sources
-from pipeline.tokenise import (
-    ChatTokenizer,
-    ConversationError,
-    load_chat_tokenizer,
-    load_hf_tokenizer,
-    trim_to_last_assistant,
-)
+from pipeline.data import sources
+from pipeline.data.conversation import ConversationError, trim_to_last_assistant
+from pipeline.data.tokenise import ChatTokenizer, load_chat_tokenizer, load_hf_tokenizer
 
 MODEL = "builtin:smollm2-135m-instruct"
 EOT = "<|im_end|>"

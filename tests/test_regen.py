@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pipeline import plan as plan_mod
-from pipeline.plan import PlanError
-from pipeline.regen.client import ClientConfig, OutageError, Regenerator, parse_reply
-from pipeline.regen.stage import InputError, read_prompts, regen_settings
-from pipeline.regen.store import ResponseLog
-from pipeline.tokenise import ShardStore, prompt_table
+from pipeline.data.shard_writer import ShardStore, prompt_table
+from pipeline.run import plan as plan_mod
+from pipeline.run.plan import PlanError
+from pipeline.stages.regen.client import ClientConfig, OutageError, Regenerator, parse_reply
+from pipeline.stages.regen.stage import InputError, read_prompts, regen_settings
+from pipeline.stages.regen.store import ResponseLog
 
 
 def make_prompts(d: Path, n: int, ids: list[str] | None = None) -> Path:
@@ -82,7 +82,7 @@ def test_regen_plan_errors_name_the_key(tmp_path, body, key, words):
 
 def test_regen_settings_defaults_and_sampling(tmp_path):
     s = regen_settings(plan_with(tmp_path, 'temperature = 0.2\nmax_tokens = 32\nextra = {top_k = 20}'))
-    from pipeline.regen.stage import sampling_body
+    from pipeline.stages.regen.stage import sampling_body
 
     assert s["concurrency"] == 64
     assert sampling_body(s) == {"temperature": 0.2, "max_tokens": 32, "top_k": 20}
@@ -213,8 +213,8 @@ def test_prompts_that_fill_max_length_are_not_sent(tmp_path):
     import subprocess
     import sys
 
-    from pipeline.regen.stage import split_by_length
-    from pipeline.tokenise import load_chat_tokenizer
+    from pipeline.data.tokenise import load_chat_tokenizer
+    from pipeline.stages.regen.stage import split_by_length
     from tests.runs import ROOT
 
     ct = load_chat_tokenizer("builtin:smollm2-135m-instruct", 64)
@@ -243,7 +243,7 @@ def test_prompts_that_fill_max_length_are_not_sent(tmp_path):
         outage_timeout_s = 5
     """))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "pipeline.regen", "--plan", str(plan), "--dataset", "toy",
+    r = subprocess.run([sys.executable, "-m", "pipeline.stages.regen", "--plan", str(plan), "--dataset", "toy",
                         "--input", str(tmp_path / "p"), "--out", str(out), "--server-url",
                         f"http://127.0.0.1:{free_port()}"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                        capture_output=True, text=True, timeout=120)

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import ClientSession, web
 
-from pipeline.events import read_all
-from pipeline.procs import group_members
+from pipeline.run.events import read_all
+from pipeline.run.procs import group_members
 from tests.runs import ROOT, make_run, start_supervisor, stop, wait_done, wait_for, write_plan
 from tests.test_regen import free_port, make_prompts
 
@@ -55,11 +55,11 @@ backoff_s = 0.2
 backoff_max_s = 1.0
 [[stage]]
 id = "serve"
-run = "pipeline.serve"
+run = "serve"
 service = true
 [[stage]]
 id = "regen"
-run = "pipeline.regen"
+run = "regen"
 for_each = "dataset"
 when = {{kind = "prompt-only"}}
 uses = ["serve"]
@@ -77,7 +77,7 @@ class Server:
 
     def __init__(self, plan: Path, out: Path) -> None:
         self.out = out
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.serve", "--plan", str(plan), "--out", str(out),
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.stages.serve", "--plan", str(plan), "--out", str(out),
                                       "--stage", "serve"], env=env(), start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self.ready_or_dead, 180, "the CPU server to be ready")
@@ -167,7 +167,7 @@ def run_regen(tmp: Path, url: str, out: Path) -> subprocess.Popen:
     plan = tmp / "plan.toml"
     if not plan.exists():
         write_plan(tmp, PLAN.format(port=0, prompts=tmp / "prompts"))
-    return subprocess.Popen([sys.executable, "-m", "pipeline.regen", "--plan", str(plan), "--dataset", "toy",
+    return subprocess.Popen([sys.executable, "-m", "pipeline.stages.regen", "--plan", str(plan), "--dataset", "toy",
                              "--input", str(tmp / "prompts"), "--out", str(out), "--server-url", url,
                              "--stage", "regen.toy"], env=env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=open(tmp / "regen.err", "ab"))  # noqa: SIM115
@@ -193,7 +193,7 @@ def check_tokenized(out: Path, n: int) -> None:
     assert man["tokens"] == sum(s["tokens"] for s in man["shards"]) > 0
     rows = pq.read_table(out / man["shards"][0]["file"]).to_pylist()
     recs = {json.loads(ln)["id"]: json.loads(ln) for ln in (out / "responses.jsonl").read_text().splitlines()}
-    from pipeline.model_assets import load_tokenizer
+    from pipeline.data.model_assets import load_tokenizer
 
     tok = load_tokenizer("builtin:smollm2-135m-instruct")
     for r in rows:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.events import read_all
-from pipeline.procs import group_members
-from pipeline.serve.health import HealthTracker
+from pipeline.run.events import read_all
+from pipeline.run.procs import group_members
+from pipeline.stages.serve.health import HealthTracker
 from tests.runs import ROOT, wait_for, write_plan
 
 PLAN = """
@@ -34,7 +34,7 @@ health_interval_s = 0.5
 {extra}
 [[stage]]
 id = "serve"
-run = "pipeline.serve"
+run = "serve"
 service = true
 """
 
@@ -44,7 +44,7 @@ def start_serve(tmp: Path, port: int = 0, startup: float = 120, extra: str = "")
     out = tmp / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     # Its own session, as the launcher gives it: the supervisor signals that group.
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.serve", "--plan", str(plan), "--out", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.stages.serve", "--plan", str(plan), "--out", str(out),
                              "--stage", "serve"], env=env, start_new_session=True,
                             stdout=open(tmp / "stage.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     return proc, out
@@ -162,10 +162,10 @@ def test_server_crash_is_reported_unhealthy(tmp_path):
 
 
 def test_gpu_guard_names_foreign_holders_from_a_real_h200_recording():
-    """FAKE NVML (pipeline.gpus.FakeNvmlReplay): replays GPU samples recorded on a real H200 where a
+    """FAKE NVML (pipeline.run.gpus.FakeNvmlReplay): replays GPU samples recorded on a real H200 where a
     foreign python3 (pid 424) held GPU 0. No GPU here, so the real NVML path can only say so."""
-    from pipeline.gpus import FakeNvmlReplay, GpuProbe
-    from pipeline.serve.preflight import gpu_problem
+    from pipeline.run.gpus import FakeNvmlReplay, GpuProbe
+    from pipeline.stages.serve.preflight import gpu_problem
 
     fixture = Path(__file__).parent / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"
     probe = GpuProbe(FakeNvmlReplay(fixture), ttl_s=0)

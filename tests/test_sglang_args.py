@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import plan as plan_mod
-from pipeline.plan import PlanError
-from pipeline.serve.backends import launch
-from pipeline.sglang_args import settings_from_plan, sglang_argv
+from pipeline.run import plan as plan_mod
+from pipeline.run.plan import PlanError
+from pipeline.serving.sglang_args import settings_from_plan, sglang_argv
+from pipeline.stages.serve.backends import launch
 
 BASE = """
 [run]
@@ -25,7 +25,7 @@ max_length = 8192
 STAGES = """
 [[stage]]
 id = "serve"
-run = "pipeline.serve"
+run = "serve"
 service = true
 gpus = "all"
 """

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sglang_log import ServerStats, normalise_key, parse_line, parse_value
+from pipeline.serving.sglang_log import ServerStats, normalise_key, parse_line, parse_value
 
 FIX = Path(__file__).parent / "fixtures" / "sglang"
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import sources
-from pipeline.plan import DATASET_KINDS
-from pipeline.tokenise import ROLES, ConversationError
+from pipeline.data import sources
+from pipeline.data.conversation import ROLES, ConversationError
+from pipeline.run.plan import DATASET_KINDS
 
 # The deliberately malformed rows of each fixture: row index -> the field the error must name.
 MALFORMED = {

@@ -19,9 +19,9 @@ from console.model import RunModel
 from console.ssh.connection import HostConnection, HostKeyError, SshError, SshTarget, parse_ssh_url
 from console.ssh.preflight import preflight
 from console.ssh.transport import SshTransport, load_layout, start_remote_run
-from pipeline import plan as plan_mod
-from pipeline.events import read_all
-from pipeline.procs import group_members, read_stat
+from pipeline.run import plan as plan_mod
+from pipeline.run.events import read_all
+from pipeline.run.procs import group_members, read_stat
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -71,7 +71,7 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
     assert [c.name for c in rep.checks] == ["connection", "python", "run dir", "pipeline", "plan", "disk"]
     assert remote.is_dir() and (remote / "plan.submitted.toml").read_text() == plan_path.read_text()
     assert rep.layout and rep.layout.pythonpath and rep.layout.pythonpath.startswith(str(remote / ".aerie" / "pkg-"))
-    assert (Path(rep.layout.pythonpath) / "pipeline" / "remote_agent.py").is_file()
+    assert (Path(rep.layout.pythonpath) / "pipeline" / "run" / "remote_agent.py").is_file()
     assert "free at" in rep.render()
 
     conn = HostConnection(SshTarget.from_executor(plan.executor))
@@ -108,7 +108,7 @@ async def test_drop_mid_stage_stage_keeps_running_and_every_event_is_seen_once(s
     n = 40
     script = tmp_path / "tick.py"
     script.write_text(
-        "import time\nfrom pipeline.runtime import StageContext\nctx = StageContext.from_env()\n"
+        "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
         f"for i in range({n}):\n    ctx.message(f'tick {{i}}')\n    time.sleep(0.1)\n")
     plan_path = ssh_plan(f"""
         [[stage]]

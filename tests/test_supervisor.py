@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.procs import ProcIdentity, StrangerError, read_stat, signal_group
-from pipeline.rundir import read_json, write_json
+from pipeline.run.procs import ProcIdentity, StrangerError, read_stat, signal_group
+from pipeline.run.rundir import read_json, write_json
 from tests.runs import (
     ctl,
     events,
@@ -30,7 +30,7 @@ from tests.runs import (
 PY = sys.executable
 WORKER = '''
 import sys, time
-from pipeline.runtime import StageContext
+from pipeline.run.runtime import StageContext
 ctx = StageContext.from_env()
 n, delay = int(sys.argv[1]), float(sys.argv[2])
 for i in range(n):
@@ -323,14 +323,14 @@ def test_ctl_errors_have_exit_codes(tmp_path: Path, cleanup: list) -> None:
     assert ctl(run, "pause", "nope").returncode == 2
     res = ctl(run, "kill", "s")
     assert res.returncode == 3 and "not running" in res.stderr
-    res = subprocess.run([PY, "-m", "pipeline.ctl", str(tmp_path / "missing"), "status"], capture_output=True, text=True)
+    res = subprocess.run([PY, "-m", "pipeline.run.ctl", str(tmp_path / "missing"), "status"], capture_output=True, text=True)
     assert res.returncode == 2 and "no such run" in res.stderr
 
 
 def test_service_is_stopped_when_its_users_are_done(tmp_path: Path, cleanup: list) -> None:
     svc = tmp_path / "svc.py"
     svc.write_text(
-        "import time\nfrom pipeline.runtime import StageContext\nctx = StageContext.from_env()\n"
+        "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
         "ctx.health('starting')\ntime.sleep(0.3)\nctx.health('ready')\nwhile True:\n    time.sleep(0.1)\n"
     )
     run = make_run(tmp_path, f"""

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import plan as plan_mod
-from pipeline.gpus import FakeNvmlReplay, GpuUnavailable
-from pipeline.procs import ProcIdentity, read_stat
-from pipeline.rundir import RunDir, write_json
-from pipeline.telemetry import FILE_NAME, Agent, settings
+from pipeline.run import plan as plan_mod
+from pipeline.run.gpus import FakeNvmlReplay, GpuUnavailable
+from pipeline.run.procs import ProcIdentity, read_stat
+from pipeline.run.rundir import RunDir, write_json
+from pipeline.stages.telemetry import FILE_NAME, Agent, settings
 from tests.runs import (
     ROOT,
     events,
@@ -33,7 +33,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "telemetry" / "h200-2026-12-02.js
 
 
 def _agent_cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.telemetry", "--out", str(out), *extra]
+    return [sys.executable, "-m", "pipeline.stages.telemetry", "--out", str(out), *extra]
 
 
 def _env() -> dict[str, str]:
@@ -180,7 +180,7 @@ def test_service_under_the_supervisor_reports_projection_and_stops_when_the_run_
         interval_s = 0.2
         [[stage]]
         id = "telemetry"
-        run = "pipeline.telemetry"
+        run = "telemetry"
         service = true
         cpu = 0
         [[stage]]

@@ -117,7 +117,7 @@ def test_following_the_file_reads_meta_then_only_the_tail_and_survives_rotation(
 
 
 def test_locating_the_telemetry_stage() -> None:
-    stages = [{"id": "prep.a", "run": "pipeline.prep"}, {"id": "meters", "run": "pipeline.telemetry"}]
+    stages = [{"id": "prep.a", "run": "prep"}, {"id": "meters", "run": "telemetry"}]
     assert find_telemetry_stage(stages) == "meters"
     assert telemetry_path("meters") == "stages/meters/out/telemetry.jsonl"
     assert find_telemetry_stage([]) is None

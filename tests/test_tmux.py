@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
     reason="tmux is not installed (Debian: apt-get install tmux); CI sets AERIE_REQUIRE_TMUX=1 so it runs there")
 
 WORKER = (
-    "import sys, time\nfrom pipeline.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "import sys, time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
     "n = int(sys.argv[1])\nfor i in range(n):\n    ctx.safe_point()\n"
     "    ctx.progress(i + 1, n, unit='steps', force=True)\n    print(f'worker step {i + 1}', flush=True)\n"
     "    time.sleep(0.1)\n"

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from pipeline.eagle3_model import load_draft
-from pipeline.train import TrainSettings, global_indices, lr_at
+from pipeline.eagle3.draft_model import load_draft
+from pipeline.stages.train.settings import TrainSettings, global_indices, lr_at
 from tests.eagle3_fixtures import ROOT, TEST_SECTIONS, events, metrics, run_stage, shared, write_plan
 
 
@@ -66,7 +66,7 @@ def test_resume_after_a_kill_continues_the_loss_curve_from_the_checkpoint(tmp_pa
     sections = {**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 30, "checkpoint_every": 5}}
     plan = write_plan(tmp_path / "plan.toml", **sections)
     out = tmp_path / "train"
-    argv = [sys.executable, "-m", "pipeline.train", "--plan", str(plan), "--out", str(out),
+    argv = [sys.executable, "-m", "pipeline.stages.train", "--plan", str(plan), "--out", str(out),
             "--input", str(ext), "--input", str(voc)]
     p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -81,7 +81,7 @@ def test_resume_after_a_kill_continues_the_loss_curve_from_the_checkpoint(tmp_pa
     first_loss = losses(first)
     killed_at = max(first_loss)
     assert killed_at < 30
-    run_stage("pipeline.train", plan, out, [ext, voc])
+    run_stage("pipeline.stages.train", plan, out, [ext, voc])
     second = events(out)[len(first):]
     resumed = [e for e in second if e.get("code") == "resumed_from_checkpoint"]
     assert resumed, "the retry did not resume"
@@ -101,8 +101,8 @@ def test_online_training_sees_the_same_targets_as_offline(tmp_path_factory, tmp_
     sections = {**TEST_SECTIONS, "extract": {"mode": "online"},
                 "train": {**TEST_SECTIONS["train"], "steps": 1}}
     plan = write_plan(tmp_path / "plan.toml", **sections)
-    run_stage("pipeline.extract", plan, tmp_path / "ext", [tok])
-    run_stage("pipeline.train", plan, tmp_path / "train", [tmp_path / "ext", voc])
+    run_stage("pipeline.stages.extract", plan, tmp_path / "ext", [tok])
+    run_stage("pipeline.stages.train", plan, tmp_path / "train", [tmp_path / "ext", voc])
     online = losses(events(tmp_path / "train"))
     assert list(online) == [1]
     # same init, same batch; offline features went through bf16 storage
@@ -120,7 +120,7 @@ def test_torchrun_two_gloo_processes_equal_one_process(tmp_path_factory, tmp_pat
                                                 "checkpoint_every": 3}}
         plan = write_plan(tmp_path / f"plan{nproc}.toml", **sections)
         out = tmp_path / f"train{nproc}"
-        run_stage("pipeline.train", plan, out, [ext, voc])
+        run_stage("pipeline.stages.train", plan, out, [ext, voc])
         state = torch.load(out / "checkpoints" / "step_00000003" / "training_state.pt", weights_only=False)
         results[nproc] = (losses(events(out)), state)
     (l1, s1), (l2, s2) = results[1], results[2]
@@ -137,8 +137,8 @@ def test_torchrun_two_gloo_processes_equal_one_process(tmp_path_factory, tmp_pat
 
 @pytest.mark.slow
 def test_a_pause_holds_training_at_a_step_boundary(tmp_path_factory, tmp_path) -> None:
-    from pipeline.events import read_all
-    from pipeline.rundir import RunDir, write_json
+    from pipeline.run.events import read_all
+    from pipeline.run.rundir import RunDir, write_json
 
     ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
     plan = write_plan(tmp_path / "plan.toml", **{**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 6}})
@@ -148,7 +148,7 @@ def test_a_pause_holds_training_at_a_step_boundary(tmp_path_factory, tmp_path) -
     write_json(sd.pause_flag, {"attempt": 1})  # requested before the first step
     env = {**os.environ, "AERIE_RUN_DIR": str(run.root), "AERIE_STAGE_ID": "train", "AERIE_OUT": str(sd.out),
            "AERIE_PLAN": str(plan), "AERIE_INPUTS": json.dumps({"extract": str(ext), "vocab": str(voc)})}
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.train"], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.stages.train"], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300

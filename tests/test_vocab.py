@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import draft_vocab
-from pipeline.shards import iter_rows
+from pipeline.data.shards import iter_rows
+from pipeline.eagle3 import draft_vocab
 from tests.eagle3_fixtures import metrics, run_stage, shared, write_plan, write_tokenized
 
 
@@ -76,7 +76,7 @@ def test_vocab_stage_counts_assistant_tokens_of_training_rows(tmp_path_factory) 
 def test_vocab_stage_reports_partial_coverage(tmp_path) -> None:
     tok = write_tokenized(tmp_path / "tok", n=8, rows_per_shard=8)
     plan = write_plan(tmp_path / "plan.toml", vocab={"draft_vocab_size": 8}, bench={"holdout": 0.0})
-    run_stage("pipeline.vocab", plan, tmp_path / "voc", [tok])
+    run_stage("pipeline.stages.vocab", plan, tmp_path / "voc", [tok])
     vm = draft_vocab.load(tmp_path / "voc")
     counts = vm.counts.numpy()
     top8 = np.sort(counts)[::-1][:8].sum()

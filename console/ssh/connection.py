@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlsplit
 import asyncssh
 
 from console.transport import ConnectionStatus
-from pipeline.plan import Executor
+from pipeline.run.plan import Executor
 
 DEFAULT_MAX_SESSIONS = 10  # OpenSSH's MaxSessions default
 EXECUTOR_OPTIONS = {"known_hosts", "ssh_config", "max_sessions", "keepalive_s", "keepalive_count",

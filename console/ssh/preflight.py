@@ -36,7 +36,7 @@ import asyncssh
 import pipeline
 from console.ssh.connection import HostConnection, SshError, SshTarget, remote_python
 from console.ssh.transport import AGENT_PROTOCOL, LAYOUT_FILE, RemoteLayout
-from pipeline.plan import Plan
+from pipeline.run.plan import Plan, stage_module
 
 UPLOADED_PLAN = "plan.submitted.toml"
 MIN_PYTHON = (3, 11)
@@ -67,15 +67,15 @@ if os.path.isfile(plan):
     with open(plan, "rb") as fh:
         r["plan_sha256"] = hashlib.sha256(fh.read()).hexdigest()
 try:
-    import pipeline.remote_agent as ra
-    r["pipeline_dir"] = os.path.dirname(os.path.abspath(ra.__file__))
+    import pipeline.run.remote_agent as ra
+    r["pipeline_dir"] = os.path.dirname(os.path.dirname(os.path.abspath(ra.__file__)))
     r["protocol"] = getattr(ra, "PROTOCOL", None)
 except Exception as e:
     r["pipeline_error"] = "%s: %s" % (type(e).__name__, e)
 if a.get("verify"):
     try:
-        import pipeline.ctl, pipeline.launcher, pipeline.supervisor
-        from pipeline import plan as plan_mod
+        import pipeline.run.ctl, pipeline.run.launcher, pipeline.run.supervisor
+        from pipeline.run import plan as plan_mod
         plan_mod.load(a["plan"], run_dir=root)
     except Exception as e:
         r["plan_error"] = "%s: %s" % (type(e).__name__, e)
@@ -289,7 +289,7 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
         except asyncssh.SFTPError as exc:
             rep.add("plan", False, f"uploading the plan to {remote_plan} failed: {exc.reason}")
             return
-        modules = sorted({s.run for s in plan.stages if s.run})
+        modules = sorted({stage_module(s.run) for s in plan.stages if s.run})
         checked, err = await _probe(conn, python, pythonpath,
                                     {"root": root, "verify": True, "plan": remote_plan, "modules": modules})
         if checked is None or "pipeline_error" in checked:

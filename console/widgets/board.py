@@ -27,7 +27,7 @@ from textual.strip import Strip
 
 from console import fmt
 from console.model import RunModel, StageView
-from pipeline.sglang_log import ServerStats
+from pipeline.serving.sglang_log import ServerStats
 
 COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA", "Note")
 WIDTHS = (0, 16, 4, 9, 18, 14, 15, 9, 0)  # 0: sized from content (stage) or the rest (note)

@@ -9,8 +9,8 @@ public page the schema was read from. Adding a source is one entry (plus a fixtu
 Rows are read with ``datasets`` (:func:`open_rows`): streaming from the hub, or from a local file named by
 the plan's ``path`` (``.jsonl`` is read line by line so that one broken line is one rejected row, not a
 failed load; ``.json``/``.parquet`` through the matching ``datasets`` builder). A normaliser takes one raw
-row and the plan's ``options`` and returns a canonical conversation (see :mod:`pipeline.tokenise`), or
-raises :class:`~pipeline.tokenise.ConversationError` naming the source field that is wrong.
+row and the plan's ``options`` and returns a canonical conversation (see :mod:`pipeline.data.tokenise`), or
+raises :class:`~pipeline.data.conversation.ConversationError` naming the source field that is wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.tokenise import ConversationError, check_conversation
+from pipeline.data.conversation import ConversationError, check_conversation
 
 FIXTURES = Path(__file__).parent / "fixtures" / "datasets"
 Row = dict[str, Any]

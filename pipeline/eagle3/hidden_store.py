@@ -1,4 +1,4 @@
-"""The extraction store: hidden-state shards written by ``pipeline.extract`` and read by ``pipeline.train``.
+"""The extraction store: hidden-state shards written by ``pipeline.stages.extract`` and read by ``pipeline.stages.train``.
 
 One shard is one safetensors file holding a group of rows back to back (no padding on disk):
 

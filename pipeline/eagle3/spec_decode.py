@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from pipeline.eagle3_model import Eagle3Draft
-from pipeline.target_capture import Target
+from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.eagle3.target_capture import Target
 
 
 class Drafter(Protocol):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline import model_assets
+from pipeline.data import model_assets
 
 
 class TargetError(RuntimeError):
@@ -125,7 +125,7 @@ class Target:
 def load_target(model_id: str, aux_layer_ids: list[int] | None, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Target:
     """Load the target for inference; ``aux_layer_ids=None`` picks SpecForge's default layers."""
-    from pipeline.eagle3_model import default_aux_layers
+    from pipeline.eagle3.draft_model import default_aux_layers
 
     if str(device) == "auto":  # accelerate places the layers over every visible GPU
         model = model_assets.load_model(model_id, dtype=dtype, device_map="auto")

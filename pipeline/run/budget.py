@@ -1,8 +1,8 @@
 """Disk budget and GPU guard: projected output bytes, and the two admission checks.
 
-Every stage may declare ``output_bytes`` in the plan. Extraction (``run = "pipeline.extract"``)
-is projected from the plan and the upstream manifests instead, the way ``pipeline.extract`` and
-``pipeline.hidden_store`` store it::
+Every stage may declare ``output_bytes`` in the plan. Extraction (``run = "extract"``)
+is projected from the plan and the upstream manifests instead, the way ``pipeline.stages.extract`` and
+``pipeline.eagle3.hidden_store`` store it::
 
     bytes = tokens x captured layers x hidden size x dtype bytes  (+ 9 B/token: ids, mask, argmax)
 
@@ -19,7 +19,7 @@ Before a stage starts the supervisor calls :func:`disk_budget_check`: it refuses
 stage still has to write exceed the free space of the run-dir filesystem minus ``[resources]
 disk_reserve_gb`` (default 1) minus what running stages have still to write. :func:`gpu_guard_check`
 refuses a stage that needs GPUs while any process holds one of them, naming the pid, its owner
-("foreign" or a stage) and the GPU. ``python -m pipeline.ctl RUN force STAGE`` overrides both once;
+("foreign" or a stage) and the GPU. ``python -m pipeline.run.ctl RUN force STAGE`` overrides both once;
 the supervisor records that in the stage's events.
 """
 
@@ -30,14 +30,20 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from pipeline.gpus import FOREIGN, GpuProbe
-from pipeline.plan import Plan, StageSpec
-from pipeline.rundir import RunDir
+from pipeline.run.gpus import FOREIGN, GpuProbe
+from pipeline.run.plan import Plan, StageSpec
+from pipeline.run.rundir import RunDir
 
-if TYPE_CHECKING:
-    from pipeline.supervisor import Supervisor
+
+class RunView(Protocol):
+    """What the admission checks read of the supervisor (kept structural: budget never imports it)."""
+
+    plan: Plan
+    run: RunDir
+    specs: dict[str, StageSpec]
+    status: dict[str, Any]  # stage id -> StageStatus (has .state)
 
 DEFAULT_RESERVE_GB = 1.0
 GB = 10**9
@@ -105,7 +111,7 @@ def _config_hidden_size(model: str) -> int | None:
     """``hidden_size`` from the target's config.json, without loading the model (or transformers)."""
     cfg: Path | None = None
     if model.startswith("builtin:"):
-        from pipeline.model_assets import cache_dir
+        from pipeline.data.model_assets import cache_dir
 
         cfg = cache_dir() / "models" / model[len("builtin:"):] / "config.json"
     elif Path(model).expanduser().is_dir():
@@ -200,7 +206,7 @@ def projected_bytes(spec: StageSpec, plan: Plan, run: RunDir) -> Projection | No
     """What ``spec`` will write: its declared ``output_bytes``, else the extraction projection."""
     if spec.output_bytes > 0:
         return Projection(spec.output_bytes, "output_bytes declared in the plan")
-    if spec.run == "pipeline.extract":
+    if spec.run == "extract":
         return extraction_projection(spec, plan, run)
     return None
 
@@ -286,7 +292,7 @@ def remaining_projected_output(plan: Plan, run: RunDir, states: dict[str, str]) 
 
 
 # ------------------------------------------------------------------------ admission checks
-def disk_budget_check(spec: StageSpec, sup: Supervisor) -> str | None:
+def disk_budget_check(spec: StageSpec, sup: RunView) -> str | None:
     """Refuse ``spec`` when what it will write does not fit in free space minus the reserve."""
     try:
         return _disk_budget(spec, sup)
@@ -296,7 +302,7 @@ def disk_budget_check(spec: StageSpec, sup: Supervisor) -> str | None:
         return f"disk budget: check failed for {spec.id}: {type(exc).__name__}: {exc}"
 
 
-def _disk_budget(spec: StageSpec, sup: Supervisor) -> str | None:
+def _disk_budget(spec: StageSpec, sup: RunView) -> str | None:
     need, proj = remaining_bytes(spec, sup.plan, sup.run)
     if proj is None or need <= 0:
         return None
@@ -315,7 +321,7 @@ def _disk_budget(spec: StageSpec, sup: Supervisor) -> str | None:
     others = f", {human_bytes(committed)} still to be written by running stages" if committed else ""
     return (f"disk budget: {spec.id} needs {human_bytes(need)} ({proj.how}) but {sup.run.root} has "
             f"{human_bytes(avail)} free minus a {human_bytes(reserve)} reserve{others}; free space, or "
-            f"override once with `python -m pipeline.ctl {sup.run.root} force {spec.id}`")
+            f"override once with `python -m pipeline.run.ctl {sup.run.root} force {spec.id}`")
 
 
 _probe: GpuProbe | None = None
@@ -328,7 +334,7 @@ def gpu_probe() -> GpuProbe:
     return _probe
 
 
-def gpu_guard_check(spec: StageSpec, sup: Supervisor, probe: GpuProbe | None = None) -> str | None:
+def gpu_guard_check(spec: StageSpec, sup: RunView, probe: GpuProbe | None = None) -> str | None:
     """Refuse a stage needing GPUs while any process holds one of them (the stage is not running yet,
     so every holder is someone else: a foreign process, or a leftover of a stopped stage)."""
     if not spec.gpus:
@@ -349,4 +355,4 @@ def gpu_guard_check(spec: StageSpec, sup: Supervisor, probe: GpuProbe | None = N
     if not taken:
         return None
     return ("GPU guard: " + "; ".join(taken) + f" — stop it, or override once with "
-            f"`python -m pipeline.ctl {sup.run.root} force {spec.id}`")
+            f"`python -m pipeline.run.ctl {sup.run.root} force {spec.id}`")

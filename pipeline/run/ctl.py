@@ -1,4 +1,4 @@
-"""Control entry point on the executing host: ``python -m pipeline.ctl RUN ACTION [STAGE]``.
+"""Control entry point on the executing host: ``python -m pipeline.run.ctl RUN ACTION [STAGE]``.
 
 The console and the ``aerie`` CLI never signal processes themselves: they run this (as a local
 subprocess, or through the SSH connection on the container). It validates the stage id, queues a
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.rundir import RunDir, read_json
-from pipeline.supervisor import spawn_detached, supervisor_alive
+from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.supervisor import spawn_detached, supervisor_alive
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 2, 3, 4
 ACTIONS = ("status", "ensure", "pause", "resume", "kill", "retry", "skip", "force")
@@ -49,7 +49,7 @@ def request(run: RunDir, action: str, stage: str, timeout_s: float = 15.0, **ext
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.ctl")
+    ap = argparse.ArgumentParser(prog="python -m pipeline.run.ctl")
     ap.add_argument("run", type=Path)
     ap.add_argument("action", choices=ACTIONS)
     ap.add_argument("stage", nargs="?")

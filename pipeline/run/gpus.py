@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.procs import ProcIdentity, read_stat
-from pipeline.rundir import RunDir, read_json
+from pipeline.run.procs import ProcIdentity, read_stat
+from pipeline.run.rundir import RunDir, read_json
 
 FOREIGN = "foreign"
 

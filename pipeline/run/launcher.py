@@ -1,4 +1,4 @@
-"""The launcher wrapper: ``python -m pipeline.launcher RUN STAGE ATTEMPT``.
+"""The launcher wrapper: ``python -m pipeline.run.launcher RUN STAGE ATTEMPT``.
 
 The supervisor starts this in a new session (so it leads a fresh process group), detached, with
 stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
@@ -22,16 +22,16 @@ import subprocess
 import sys
 import time
 
-from pipeline.events import EventWriter
-from pipeline.plan import StageSpec
-from pipeline.procs import ProcIdentity, env_with_pipeline
-from pipeline.rundir import RunDir, read_json, write_json
-from pipeline.runtime import ENV_ATTEMPT, ENV_INPUTS, ENV_OUT, ENV_PLAN, ENV_RUN, ENV_STAGE
+from pipeline.run.events import EventWriter
+from pipeline.run.plan import StageSpec, stage_module
+from pipeline.run.procs import ProcIdentity, env_with_pipeline
+from pipeline.run.rundir import RunDir, read_json, write_json
+from pipeline.run.runtime import ENV_ATTEMPT, ENV_INPUTS, ENV_OUT, ENV_PLAN, ENV_RUN, ENV_STAGE
 
 
 def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
     if spec.run:
-        return [python, "-m", spec.run, "--plan", str(run.plan_path), "--stage", spec.id, *spec.args]
+        return [python, "-m", stage_module(spec.run), "--plan", str(run.plan_path), "--stage", spec.id, *spec.args]
     assert spec.command is not None
     return ["/bin/sh", "-c", spec.command]
 
@@ -52,7 +52,7 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3:
-        print("usage: python -m pipeline.launcher RUN STAGE ATTEMPT", file=sys.stderr)
+        print("usage: python -m pipeline.run.launcher RUN STAGE ATTEMPT", file=sys.stderr)
         return 2
     run, stage_id, attempt = RunDir(argv[0]), argv[1], int(argv[2])
     sd = run.stage(stage_id)

@@ -4,7 +4,7 @@ The console's log viewer never loads a log into memory. It keeps, per fixed-size
 file, how many newlines the block holds (a few bytes per 64 KiB), and asks for the lines it shows
 by byte range. This module computes those counts and finds the lines that match a regex, both
 over a region of a file and in bounded steps, so the same code serves a local log (the console
-calls it in a thread) and a remote one (``pipeline.remote_agent`` runs it on the host, so a
+calls it in a thread) and a remote one (``pipeline.run.remote_agent`` runs it on the host, so a
 multi-GB log is indexed and searched there and only counts and offsets cross the connection).
 
 Standard library only; no state: every call says where to start and returns where it stopped.

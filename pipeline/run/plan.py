@@ -1,8 +1,8 @@
 """The plan: a TOML file describing one run, loaded, validated and expanded into a stage DAG.
 
 A plan names where the run executes, its run directory, the target model, the datasets and the
-stages. A ``[[stage]]`` entry is either a built-in ``pipeline.*`` stage (``run = "pipeline.prep"``)
-or an operator shell command (``command = "..."``); ``for_each = "dataset"`` expands one entry into
+stages. A ``[[stage]]`` entry is either a built-in stage named by its short name (``run = "prep"``;
+:data:`BUILTIN_STAGES` maps it to its ``pipeline.stages`` module) or an operator shell command (``command = "..."``); ``for_each = "dataset"`` expands one entry into
 one stage per dataset (``prep.ultrachat`` ...), optionally filtered with ``when = {kind = ...}``.
 Dependencies (``after``) may use ``{dataset}`` and globs (``"prep.*"``). ``uses`` names service
 stages (an inference server) that must be *ready* while the stage runs; a stage that is ``after``
@@ -15,7 +15,6 @@ This module needs only the standard library: it runs on the container and in the
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import json
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -66,7 +65,7 @@ class StageSpec:
 
     id: str
     family: str  # the [[stage]] entry's id: groups the 10 preps as one block on the board
-    run: str | None = None  # built-in module, e.g. "pipeline.prep"
+    run: str | None = None  # built-in stage's short name, e.g. "prep" (see BUILTIN_STAGES)
     command: str | None = None  # operator shell command
     dataset: str | None = None
     args: tuple[str, ...] = ()
@@ -98,7 +97,7 @@ class StageSpec:
     def from_dict(cls, d: dict[str, Any]) -> StageSpec:
         r = d.get("retry") or {}
         return cls(
-            id=d["id"], family=d.get("family", d["id"]), run=d.get("run"), command=d.get("command"),
+            id=d["id"], family=d.get("family", d["id"]), run=_legacy_run(d.get("run")), command=d.get("command"),
             dataset=d.get("dataset"), args=tuple(d.get("args", ())), after=tuple(d.get("after", ())),
             uses=tuple(d.get("uses", ())), service=bool(d.get("service")), cpu=int(d.get("cpu", 1)),
             gpus=tuple(d.get("gpus", ())), output_bytes=int(d.get("output_bytes", 0)),
@@ -176,15 +175,33 @@ def _str_list(file: Path, key: str, value: Any) -> list[str]:
     return list(value)
 
 
-def builtin_stage_exists(module: str) -> bool:
-    """A built-in stage is any ``pipeline.<name>`` module that has a ``__main__`` entry."""
-    if not module.startswith("pipeline.") or module.count(".") != 1:
-        return False
+# The built-in stage programs, by the short name a plan gives in ``run``. Each module has a
+# ``__main__`` entry (``python -m MODULE --plan PLAN --stage ID``).
+BUILTIN_STAGES: dict[str, str] = {
+    "prep": "pipeline.stages.prep",
+    "regen": "pipeline.stages.regen",
+    "serve": "pipeline.stages.serve",
+    "extract": "pipeline.stages.extract",
+    "vocab": "pipeline.stages.vocab",
+    "train": "pipeline.stages.train",
+    "bench": "pipeline.stages.bench",
+    "telemetry": "pipeline.stages.telemetry",
+}
+
+
+def _legacy_run(run: str | None) -> str | None:
+    """A run dir frozen by an older Aerie names stages by module (``pipeline.prep``): re-attach to it."""
+    if run and run.startswith("pipeline.") and run.rsplit(".", 1)[-1] in BUILTIN_STAGES:
+        return run.rsplit(".", 1)[-1]
+    return run
+
+
+def stage_module(name: str) -> str:
+    """The module a built-in stage's short name runs (``"train"`` -> ``pipeline.stages.train``)."""
     try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return False
-    return spec is not None
+        return BUILTIN_STAGES[name]
+    except KeyError:
+        raise KeyError(f"unknown stage {name!r} (known: {', '.join(BUILTIN_STAGES)})") from None
 
 
 def load(path: Path | str, run_dir: Path | str | None = None) -> Plan:
@@ -331,11 +348,14 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
         families.add(sid)
         run, command = s.get("run"), s.get("command")
         if (run is None) == (command is None):
-            raise PlanError(path, key, "give exactly one of 'run' (a built-in pipeline.* stage) or 'command'")
+            raise PlanError(path, key, "give exactly one of 'run' (a built-in stage: prep, train, ...) or 'command'")
         if run is not None:
             _type(path, f"{key}.run", run, str, "a string")
-            if not builtin_stage_exists(run):
-                raise PlanError(path, f"{key}.run", f"unknown stage {run!r}: not a built-in pipeline.* stage")
+            if run not in BUILTIN_STAGES:
+                hint = f"; plans name built-in stages by short name: run = {_legacy_run(run)!r}" \
+                    if _legacy_run(run) in BUILTIN_STAGES else ""
+                raise PlanError(path, f"{key}.run",
+                                f"unknown stage {run!r} (known: {', '.join(BUILTIN_STAGES)}){hint}")
         else:
             _type(path, f"{key}.command", command, str, "a string")
         fe = s.get("for_each")

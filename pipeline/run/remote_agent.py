@@ -1,9 +1,9 @@
-"""The remote agent: ``python -m pipeline.remote_agent RUN``, the console's one channel into a remote run.
+"""The remote agent: ``python -m pipeline.run.remote_agent RUN``, the console's one channel into a remote run.
 
 The SSH transport starts this once per connection on the executing host and speaks JSON lines
 over its stdin/stdout, so a console poll costs one round trip on an open channel instead of a
 login shell per command. It only reads files inside the run directory and runs
-``pipeline.ctl``; it never signals anything itself. When the channel closes (the console quit,
+``pipeline.run.ctl``; it never signals anything itself. When the channel closes (the console quit,
 the network dropped, sshd died) stdin reaches EOF and the agent exits; the supervisor and the
 stages, which run in their own sessions, are not affected.
 
@@ -15,9 +15,9 @@ Requests (one JSON object per line, ``id`` echoed in the answer)::
      "max_bytes": 1048576}                                    -> {"results": [[b64 data, size, ino], ...]}
     {"id": 4, "op": "ctl", "args": ["kill", "train"]}         -> {"rc", "stdout", "stderr"}
     {"id": 5, "op": "lines", "path": "stages/a/stage.log", "offset": 0}
-                                    -> pipeline.logscan.count_file's answer (newlines per block)
+                                    -> pipeline.run.logscan.count_file's answer (newlines per block)
     {"id": 6, "op": "find", "path": ..., "pattern": "ERROR", "start": 0, "end": null, "line0": 0,
-     "backward": false, "limit": 1000}   -> pipeline.logscan.find_file's answer (matching lines)
+     "backward": false, "limit": 1000}   -> pipeline.run.logscan.find_file's answer (matching lines)
 
 Every answer carries ``"ok": true`` or ``"ok": false, "error": "..."``. ``size`` is -1 for a
 missing file. ``read`` answers are bounded in total (:data:`READ_BUDGET`): a file whose share did
@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline import logscan
-from pipeline.procs import env_with_pipeline
+from pipeline.run import logscan
+from pipeline.run.procs import env_with_pipeline
 
 PROTOCOL = 1
 READ_BUDGET = 16 << 20  # bytes of file data in one read answer, all files together
@@ -84,14 +84,14 @@ def read_many(root: Path, reqs: list[Any], max_bytes: int, budget: int = READ_BU
 
 
 def run_ctl(root: Path, args: list[str], timeout_s: float = CTL_TIMEOUT_S) -> dict[str, Any]:
-    """``python -m pipeline.ctl ROOT *args`` with this interpreter and this ``pipeline``."""
+    """``python -m pipeline.run.ctl ROOT *args`` with this interpreter and this ``pipeline``."""
     if not all(isinstance(a, str) for a in args):
         raise AgentError("ctl arguments must be strings")
     try:
-        p = subprocess.run([sys.executable, "-m", "pipeline.ctl", str(root), *args], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-m", "pipeline.run.ctl", str(root), *args], capture_output=True, text=True,
                            stdin=subprocess.DEVNULL, env=env_with_pipeline(), timeout=timeout_s, cwd="/")
     except subprocess.TimeoutExpired:
-        return {"rc": 4, "stdout": "", "stderr": f"error: pipeline.ctl {' '.join(args)} gave no answer in {timeout_s:g}s"}
+        return {"rc": 4, "stdout": "", "stderr": f"error: pipeline.run.ctl {' '.join(args)} gave no answer in {timeout_s:g}s"}
     return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
 
 
@@ -114,7 +114,7 @@ class Agent:
         if op == "hello":
             return {"protocol": PROTOCOL, "pid": os.getpid(), "root": str(self.root),
                     "exists": (self.root / "plan.toml").is_file(), "python": sys.version.split()[0],
-                    "pipeline": str(Path(__file__).resolve().parent)}
+                    "pipeline": str(Path(__file__).resolve().parents[1])}
         if op == "ping":
             return {"t": time.time()}
         if op == "read":
@@ -167,7 +167,7 @@ class Agent:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pipeline.remote_agent RUN", file=sys.stderr)
+        print("usage: python -m pipeline.run.remote_agent RUN", file=sys.stderr)
         return 2
     root = Path(argv[0]).expanduser().absolute()
     # Our protocol owns fd 1; anything else printing to stdout would corrupt it, so point

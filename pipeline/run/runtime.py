@@ -10,7 +10,7 @@ A built-in stage does::
     ctx.metric("loss", 1.23, step=10)
 
 Under the supervisor the launcher sets ``AERIE_*`` variables (run dir, stage id, attempt, out dir,
-inputs); run by hand (``python -m pipeline.prep --plan P --dataset D --out DIR``) events go to a
+inputs); run by hand (``python -m pipeline.stages.prep --plan P --dataset D --out DIR``) events go to a
 file in the out dir and a short form to stderr, so every stage is also a plain program.
 """
 
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import plan as plan_mod
-from pipeline.events import EventWriter, make
-from pipeline.rundir import RunDir
+from pipeline.run import plan as plan_mod
+from pipeline.run.events import EventWriter, make
+from pipeline.run.rundir import RunDir
 
 ENV_RUN = "AERIE_RUN_DIR"
 ENV_STAGE = "AERIE_STAGE_ID"

@@ -1,7 +1,7 @@
 """The supervisor: schedules a run's stages from the files in its run directory.
 
-``python -m pipeline.supervisor RUN`` runs on the executing host, detached from any console.
-Each tick it derives every stage's state from the run directory (see :mod:`pipeline.rundir`),
+``python -m pipeline.run.supervisor RUN`` runs on the executing host, detached from any console.
+Each tick it derives every stage's state from the run directory (see :mod:`pipeline.run.rundir`),
 carries out queued control requests, enforces pause and kill grace periods, starts ready stages
 whose resources are free, stops services nobody needs any more and writes ``state.json``.
 
@@ -11,8 +11,8 @@ running, finished ones keep their result, and nothing is started twice (a ``laun
 is written before every spawn, and a launch whose launcher never reported is failed, not retried).
 An ``flock`` on ``supervisor.lock`` keeps one supervisor per run dir.
 
-States: pending -> ready -> running <-> paused -> succeeded | failed | killed; upstream-failed and
-skipped. Services (``service = true``) are running until stopped; they report ``health``.
+How each stage's state is read from its files is :mod:`pipeline.run.stage_state`; this module
+acts on those states.
 """
 
 from __future__ import annotations
@@ -25,59 +25,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline import plan as plan_mod
-from pipeline.events import EventTail, EventWriter
-from pipeline.plan import Plan, StageSpec
-from pipeline.procs import ProcIdentity, StrangerError, env_with_pipeline, signal_group
-from pipeline.rundir import RunDir, StageDir, read_json, write_atomic, write_json
-
-TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
-SATISFIED = ("succeeded", "skipped")
-BROKEN = ("failed", "killed", "upstream-failed")
-LAUNCH_TIMEOUT_S = 30.0
+from pipeline.run import plan as plan_mod
+from pipeline.run.events import EventWriter
+from pipeline.run.plan import Plan, StageSpec
+from pipeline.run.procs import ProcIdentity, StrangerError, env_with_pipeline, signal_group
+from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
+from pipeline.run.stage_state import TERMINAL, StageStatus, StateDeriver
 
 AdmissionCheck = Callable[[StageSpec, "Supervisor"], "str | None"]
-
-
-@dataclass
-class StageStatus:
-    """The derived state of one stage, as written to ``state.json``."""
-
-    id: str
-    family: str
-    dataset: str | None
-    state: str = "pending"
-    attempt: int = 1
-    pid: int | None = None
-    pgid: int | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    returncode: int | None = None
-    reason: str = ""  # why it failed / why it waits
-    health: str | None = None
-    progress: dict[str, Any] | None = None
-    pausing: bool = False
-    retry_at: float | None = None
-    service: bool = False
-    gpus: list[int] = field(default_factory=list)
-    after: list[str] = field(default_factory=list)
-    uses: list[str] = field(default_factory=list)
-    run: str | None = None  # the built-in module, None for an operator command
-
-
-@dataclass
-class _Tracked:
-    """What the supervisor remembers from a stage's event stream (current attempt only)."""
-
-    tail: EventTail
-    attempt_seen: int = 0
-    health: str | None = None
-    progress: dict[str, Any] | None = None
-    paused_ack_t: float = 0.0
 
 
 class SupervisorError(RuntimeError):
@@ -122,7 +81,7 @@ class Supervisor:
         for sid in run.stage_ids():
             self.specs[sid] = StageSpec.from_dict(read_json(run.stage(sid).spec))
         self.order = list(self.specs)
-        self.tracked = {sid: _Tracked(EventTail(run.stage(sid).events)) for sid in self.order}
+        self.deriver = StateDeriver(run, self.specs, self.log)
         self.children: dict[str, subprocess.Popen] = {}
         self.status: dict[str, StageStatus] = {}
         self.admission: list[AdmissionCheck] = list(admission or [])
@@ -152,125 +111,10 @@ class Supervisor:
         return self.run.stage(sid)
 
     # ------------------------------------------------------------------------------ derivation
-    def _read_events(self, sid: str) -> None:
-        tr = self.tracked[sid]
-        chunk = tr.tail.read()
-        for ev in chunk.events:
-            if ev.type == "started":
-                tr.attempt_seen = int(ev.get("attempt", 0))
-                tr.health, tr.progress, tr.paused_ack_t = None, None, 0.0
-            elif ev.type == "progress":
-                tr.progress = {"done": ev.get("done"), "total": ev.get("total"), "unit": ev.get("unit"), "t": ev.t}
-            elif ev.type == "health":
-                tr.health = ev.get("state")
-            elif ev.type == "message" and ev.get("code") == "paused":
-                tr.paused_ack_t = ev.t
-            elif ev.type == "message" and ev.get("code") == "resumed":
-                tr.paused_ack_t = 0.0
-
-    def derive(self, sid: str) -> StageStatus:
-        spec = self.specs[sid]
-        sd = self.sd(sid)
-        attempt = sd.attempt()
-        self._read_events(sid)
-        tr = self.tracked[sid]
-        st = StageStatus(id=sid, family=spec.family, dataset=spec.dataset, attempt=attempt, service=spec.service,
-                         gpus=list(spec.gpus), after=list(spec.after), uses=list(spec.uses), run=spec.run)
-        current = tr.attempt_seen == attempt
-        st.health = tr.health if current else None
-        st.progress = tr.progress if current else None
-        proc = sd.record_for(sd.proc, attempt)
-        launch = sd.record_for(sd.launch, attempt)
-        if proc:
-            ident = ProcIdentity.from_dict(proc)
-            st.pid, st.pgid, st.started_at = ident.pid, ident.pgid, proc.get("t")
-            alive = ident.is_alive()
-            ex = sd.record_for(sd.exit, attempt)
-            if alive and ex is None:
-                pause = sd.pause_flag.exists()
-                acked = current and tr.paused_ack_t > 0
-                st.state = "paused" if pause and (acked or ident.is_stopped()) else "running"
-                st.pausing = pause and st.state == "running"
-                return st
-            if ex is None:
-                ex = self._record_lost(sid, attempt, "the stage's launcher died without recording an exit")
-            return self._finished(st, sd, ex, attempt)
-        if launch:
-            ex = sd.record_for(sd.exit, attempt)
-            if ex:
-                return self._finished(st, sd, ex, attempt)
-            child = self.children.get(sid)
-            age = time.time() - float(launch.get("t", 0))
-            if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
-                ex = self._record_lost(sid, attempt, "the launcher never reported its pid")
-                return self._finished(st, sd, ex, attempt)
-            st.state, st.reason = "running", "starting"
-            return st
-        # Not started in this attempt.
-        if spec.skip or sd.record_for(sd.path / "skip.json", attempt):
-            st.state = "skipped"
-            return st
-        return self._waiting(st, spec)
-
-    def _finished(self, st: StageStatus, sd: StageDir, ex: dict, attempt: int) -> StageStatus:
-        st.finished_at = ex.get("t")
-        st.returncode = ex.get("returncode")
-        killed = sd.record_for(sd.kill_marker, attempt)
-        if st.returncode == 0 or (killed and killed.get("reason") == "stop"):
-            st.state = "succeeded"
-        elif killed:
-            st.state, st.reason = "killed", killed.get("reason", "operator")
-        else:
-            st.state = "failed"
-            st.reason = ex.get("detail") or (f"exit {st.returncode}" if st.returncode is not None else "lost")
-            spec = self.specs[st.id]
-            if attempt < spec.retry.max_attempts:
-                st.retry_at = float(ex.get("t", time.time())) + spec.retry.backoff_s * (2 ** (attempt - 1))
-        st.pausing = False
-        return st
-
-    def _record_lost(self, sid: str, attempt: int, why: str) -> dict:
-        sd = self.sd(sid)
-        # Re-read: the launcher may have written it between our checks.
-        ex = sd.record_for(sd.exit, attempt)
-        if ex:
-            return ex
-        killed = sd.record_for(sd.kill_marker, attempt)
-        ex = {"attempt": attempt, "returncode": None, "signal": "KILL" if killed else None, "t": time.time(),
-              "detail": why, "recorded_by": "supervisor"}
-        write_json(sd.exit, ex)
-        with EventWriter(sd.events) as w:
-            w.emit("finished", status="killed" if killed else "failed", detail=why)
-        self.log(f"{sid}: attempt {attempt}: {why}")
-        return ex
-
-    def _waiting(self, st: StageStatus, spec: StageSpec) -> StageStatus:
-        deps = [(d, self.status.get(d)) for d in spec.after]
-        for d, ds in deps:
-            if ds and ds.state in BROKEN and ds.retry_at is None:
-                st.state, st.reason = "upstream-failed", f"{d} {ds.state}"
-                return st
-        for u in spec.uses:
-            us = self.status.get(u)
-            if us and us.state in TERMINAL and us.state != "skipped":
-                st.state, st.reason = "upstream-failed", f"service {u} {us.state}"
-                return st
-        waiting = [d for d, ds in deps if not ds or ds.state not in SATISFIED]
-        if waiting:
-            st.state, st.reason = "pending", "after " + ", ".join(waiting[:3]) + (" …" if len(waiting) > 3 else "")
-            return st
-        for u in spec.uses:
-            us = self.status.get(u)
-            if not us or us.state != "running" or us.health != "ready":
-                st.state, st.reason = "pending", f"waiting for {u} to be ready"
-                return st
-        st.state = "ready"
-        return st
-
     def refresh(self) -> None:
         # Plan order is dependency-consistent, so each stage sees its deps' fresh state.
         for sid in self.order:
-            self.status[sid] = self.derive(sid)
+            self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
 
     # ------------------------------------------------------------------------------- actions
     def identity(self, sid: str) -> ProcIdentity | None:
@@ -369,7 +213,7 @@ class Supervisor:
                     msg = fn(sid)
                 else:
                     raise SupervisorError(f"unknown action {action!r}")
-                self.status[sid] = self.derive(sid)
+                self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
             except SupervisorError as exc:
                 ok, msg = False, str(exc)
             self.log(f"request {action} {sid}: {'ok' if ok else 'refused'}: {msg}")
@@ -411,7 +255,7 @@ class Supervisor:
         logfh = open(sd.log, "ab")  # noqa: SIM115
         try:
             child = subprocess.Popen(
-                [self.python, "-m", "pipeline.launcher", str(self.run.root), sid, str(attempt)],
+                [self.python, "-m", "pipeline.run.launcher", str(self.run.root), sid, str(attempt)],
                 stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
                 cwd=str(self.run.root), env=env_with_pipeline(),
             )
@@ -433,7 +277,7 @@ class Supervisor:
             if st.state == "failed" and st.retry_at is not None and now >= st.retry_at:
                 self.log(f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})")
                 self.do_retry(sid)
-                self.status[sid] = self.derive(sid)
+                self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
                 st = self.status[sid]
             if st.state != "ready":
                 continue
@@ -444,7 +288,7 @@ class Supervisor:
                 continue
             self.launch(sid)
             launched += 1
-            self.status[sid] = self.derive(sid)
+            self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
         return launched
 
     def enforce(self) -> None:
@@ -539,10 +383,10 @@ class Supervisor:
 
 
 def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
-    """Start ``python -m pipeline.supervisor RUN`` in its own session; returns its pid."""
+    """Start ``python -m pipeline.run.supervisor RUN`` in its own session; returns its pid."""
     run = RunDir(run_root)
     with open(run.supervisor_log, "ab") as logfh:
-        p = subprocess.Popen([python, "-m", "pipeline.supervisor", str(run.root)], stdin=subprocess.DEVNULL,
+        p = subprocess.Popen([python, "-m", "pipeline.run.supervisor", str(run.root)], stdin=subprocess.DEVNULL,
                              stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
                              cwd=str(run.root), env=env_with_pipeline())
     return p.pid
@@ -564,13 +408,13 @@ def supervisor_alive(run: RunDir) -> bool:
 
 def default_admission() -> list[AdmissionCheck]:
     """Admission checks every supervisor applies besides CPU/GPU slots (extended by later modules)."""
-    from pipeline.budget import disk_budget_check, gpu_guard_check
+    from pipeline.run.budget import disk_budget_check, gpu_guard_check
 
     return [disk_budget_check, gpu_guard_check]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.supervisor", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.run.supervisor", description=__doc__.split("\n")[0])
     ap.add_argument("run", nargs="?", help="run directory")
     ap.add_argument("--create", metavar="PLAN", help="create the run directory from PLAN first")
     ap.add_argument("--detach", action="store_true", help="start in the background and return")

@@ -1,7 +1,7 @@
 """The inference server's settings from the plan, and the SGLang launch command built from them.
 
 ``[serve]`` configures the server that regeneration uses; ``[deploy]`` adds the EAGLE-3 draft for
-the deploy stage (``python -m pipeline.serve --mode eagle3``)::
+the deploy stage (``python -m pipeline.stages.serve --mode eagle3``)::
 
     [serve]
     backend = "sglang"              # or "local": transformers serve on the CPU (demo, CI)
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.plan import Plan, PlanError
+from pipeline.run.plan import Plan, PlanError
 
 BACKENDS = ("sglang", "local")
 MODES = ("plain", "eagle3")

@@ -1,11 +1,11 @@
 """Extraction stage: run the target over the prepped shards and store what EAGLE-3 training needs.
 
-``python -m pipeline.extract --plan PLAN [--input DIR ...] [--out DIR]``
+``python -m pipeline.stages.extract --plan PLAN [--input DIR ...] [--out DIR]``
 
 Reads every ``tokenized`` manifest of its inputs (``prompts`` manifests are skipped), leaves out the
 held-out rows (``[bench] holdout``), orders the rest by length and cuts them into shards of about
 ``[extract] shard_tokens`` tokens; each shard is run through the target in batches of at most
-``batch_tokens`` padded tokens and written atomically (see ``pipeline.hidden_store``). A retry skips
+``batch_tokens`` padded tokens and written atomically (see ``pipeline.eagle3.hidden_store``). A retry skips
 the shards already written, so a kill costs at most one shard. Events: progress in tokens, a
 ``tokens_per_s`` metric per batch, ``projected_bytes`` before the first shard and ``actual_bytes``
 after each. With ``[extract] mode = "online"`` nothing is stored: the manifest only points training
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from pipeline import hidden_store as hs
-from pipeline.eagle3_model import default_aux_layers
-from pipeline.rundir import read_json, write_json
-from pipeline.runtime import StageContext, add_common_args, fail
-from pipeline.shards import Row, ShardError, holdout_fraction, iter_rows, training_order
+from pipeline.data.shards import Row, ShardError, holdout_fraction, iter_rows, training_order
+from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3.draft_model import default_aux_layers
+from pipeline.run.rundir import read_json, write_json
+from pipeline.run.runtime import StageContext, add_common_args, fail
 
 STATE_FILE = "extract-state.json"
 
@@ -129,7 +129,7 @@ def run_batch(target: Any, batch: list[Row]) -> list[dict[str, torch.Tensor]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.extract", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.extract", description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
     args = ap.parse_args(argv)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(ctx: StageContext, inputs: list[Path]) -> int:
-    from pipeline.target_capture import load_target, target_config
+    from pipeline.eagle3.target_capture import load_target, target_config
 
     plan = ctx.plan
     sec = plan.section("extract")

@@ -1,4 +1,4 @@
-"""The telemetry agent: ``python -m pipeline.telemetry --plan PLAN`` (a service stage).
+"""The telemetry agent: ``python -m pipeline.stages.telemetry --plan PLAN`` (a service stage).
 
 On the executing host, every ``[telemetry] interval_s`` (default 2) it appends one sample to
 ``out/telemetry.jsonl``: one JSON record per GPU, one for the run-dir filesystem and one for the
@@ -15,7 +15,7 @@ host. Records share the sample's ``seq`` and ``t``::
      "swap_total", "swap_free", "agent_cpu_s"}
 
 Values NVML does not expose on a device are ``null``. ``procs[].owner`` is the stage that owns the
-process (see :mod:`pipeline.gpus`) or ``"foreign"``. A ``meta`` record opens every file. The file
+process (see :mod:`pipeline.run.gpus`) or ``"foreign"``. A ``meta`` record opens every file. The file
 is capped at ``[telemetry] max_mb`` (default 16): it is then renamed to ``telemetry.jsonl.1``
 (replacing the older one) and a new file starts, so the agent never uses more than twice the cap.
 
@@ -37,11 +37,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline import budget
-from pipeline.gpus import GpuSource, GpuUnavailable, NvmlSource, annotate_owners
-from pipeline.plan import Plan
-from pipeline.rundir import RunDir, read_json
-from pipeline.runtime import StageContext, add_common_args, fail
+from pipeline.run import budget
+from pipeline.run.gpus import GpuSource, GpuUnavailable, NvmlSource, annotate_owners
+from pipeline.run.plan import Plan
+from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.runtime import StageContext, add_common_args, fail
 
 FILE_NAME = "telemetry.jsonl"
 DEFAULT_INTERVAL_S = 2.0
@@ -323,7 +323,7 @@ def run_loop(agent: Agent, ctx: StageContext | None, samples: int | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.telemetry", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.telemetry", description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--interval", type=float, default=None, help="seconds between samples (overrides the plan)")
     ap.add_argument("--samples", type=int, default=None, help="stop after N samples (default: until SIGTERM)")

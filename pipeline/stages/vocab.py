@@ -1,11 +1,11 @@
 """Vocab stage: the draft vocabulary (top-K assistant tokens) and its d2t / t2d maps.
 
-``python -m pipeline.vocab --plan PLAN [--input DIR ...] [--out DIR]``
+``python -m pipeline.stages.vocab --plan PLAN [--input DIR ...] [--out DIR]``
 
 Counts ``input_ids[loss_mask == 1]`` over the training rows of every tokenized input (the held-out
 rows of ``[bench] holdout`` excluded, as in extraction), keeps ``[vocab] draft_vocab_size`` tokens
 (default 32000, capped at the target vocabulary) and writes ``vocab.safetensors`` + ``manifest.json``
-(see ``pipeline.draft_vocab``). Reports ``vocab_coverage``: the share of counted target tokens that
+(see ``pipeline.eagle3.draft_vocab``). Reports ``vocab_coverage``: the share of counted target tokens that
 the draft vocabulary covers.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import draft_vocab
-from pipeline.runtime import StageContext, add_common_args, fail
-from pipeline.shards import ShardError, holdout_fraction, iter_rows
+from pipeline.data.shards import ShardError, holdout_fraction, iter_rows
+from pipeline.eagle3 import draft_vocab
+from pipeline.run.runtime import StageContext, add_common_args, fail
 
 DEFAULT_SIZE = 32000
 
@@ -39,12 +39,12 @@ def count_tokens(inputs: list[Path], holdout: float, vocab_size: int, max_length
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.vocab", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.vocab", description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
-    from pipeline.target_capture import target_config
+    from pipeline.eagle3.target_capture import target_config
 
     plan = ctx.plan
     sec = plan.section("vocab")

@@ -1,66 +1,21 @@
-"""Bench stage: does the draft work? Offline acceptance, or the online SGLang deploy benchmark.
-
-``python -m pipeline.bench --plan PLAN [--mode offline|online] [--input DIR ...] [--out DIR]``
-
-**offline** (default, runs anywhere): greedy speculative decoding of the target with the trained
-draft (the ``draft`` manifest of the train stage among the inputs) on held-out prompts (the rows
-of ``[bench] holdout`` that extraction and training never saw), ``[bench] steps`` draft tokens per
-verify step (SGLang's ``--speculative-num-steps``, topk 1). Reports ``accept_len`` (mean tokens per
-verify step, accepted + the target's own, at most ``steps + 1``) and ``accept_rate`` (share of draft
-tokens accepted) — shown on the board — and writes ``results.json``. ``[bench] check_lossless``
-also decodes plainly and fails if the outputs differ (they never should).
-
-**online** (GPU only): see ``pipeline.bench_online``; ``--label`` names the run (``plain`` /
-``eagle3``), the endpoint comes from the serve stage the bench stage ``uses``, and ``--baseline
-STAGE`` compares against an earlier online bench (speedup).
-
-Plan keys (``[bench]``): ``mode``, ``holdout`` (0.05), ``prompts`` (16), ``max_new_tokens`` (64),
-``steps`` (3), ``check_lossless`` (false), ``device``; online: ``concurrency``, ``timeout_s``.
-"""
+"""Offline acceptance: greedy speculative decoding of the target with the trained draft on held-out prompts."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeline.rundir import write_json
-from pipeline.runtime import StageContext, add_common_args, fail
-from pipeline.shards import ShardError, find_manifests, iter_rows
-
-MODES = ("offline", "online")
-
-
-def find_draft(inputs: list[Path]) -> tuple[dict, Path]:
-    for d in inputs:
-        for mpath, man in find_manifests(d):
-            if man.get("kind") == "draft":
-                return man, mpath.parent
-    raise ValueError(f"no trained draft among the inputs ({', '.join(map(str, inputs)) or 'none'}): "
-                     "put the train stage in 'after'")
-
-
-def heldout_prompts(man: dict, n: int, vocab_size: int) -> list[tuple[str, list[int]]]:
-    sources = [Path(p) for p in man.get("token_sources", [])]
-    holdout = float(man.get("holdout") or 0.0)
-    out = []
-    for row in iter_rows(sources, holdout, "heldout", vocab_size, man.get("max_length")):
-        p = row.prompt()
-        if 0 < p.size < row.num_tokens:
-            out.append((row.id, p.astype("int64").tolist()))
-        if len(out) >= n:
-            break
-    return out
+from pipeline.run.rundir import write_json
+from pipeline.run.runtime import StageContext, fail
+from pipeline.stages.bench.inputs import find_draft, heldout_prompts
 
 
 def eos_ids(model_id: str, target: Any) -> set[int]:
     """End-of-sequence ids from the tokenizer and the model's generation/model config."""
-    from pipeline.model_assets import load_tokenizer
+    from pipeline.data.model_assets import load_tokenizer
 
     ids: set[int] = set()
     try:
@@ -79,9 +34,9 @@ def eos_ids(model_id: str, target: Any) -> set[int]:
 
 
 def run_offline(ctx: StageContext, inputs: list[Path]) -> int:
-    from pipeline.eagle3_model import load_draft
-    from pipeline.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
-    from pipeline.target_capture import load_target
+    from pipeline.eagle3.draft_model import load_draft
+    from pipeline.eagle3.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
+    from pipeline.eagle3.target_capture import load_target
 
     plan = ctx.plan
     sec = plan.section("bench")
@@ -151,30 +106,3 @@ def run_offline(ctx: StageContext, inputs: list[Path]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.splitlines()[0])
-    add_common_args(ap)
-    ap.add_argument("--mode", choices=MODES, default=None, help="default: [bench] mode, else offline")
-    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
-    ap.add_argument("--label", default=None, help="online: the name of this run (plain, eagle3)")
-    ap.add_argument("--baseline", default=None, help="online: an earlier online bench stage to compare with")
-    ap.add_argument("--url", default=None, help="online: the server's base URL (default: the used serve stage's)")
-    args = ap.parse_args(argv)
-    ctx = StageContext.from_cli(args)
-    mode = args.mode or ctx.plan.section("bench").get("mode", "offline")
-    if mode not in MODES:
-        fail(ctx, f"{ctx.plan.path}: bench.mode: expected one of {', '.join(MODES)}, got {mode!r}")
-    inputs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
-    try:
-        if mode == "offline":
-            return run_offline(ctx, inputs)
-        from pipeline.bench_online import run_online
-
-        return run_online(ctx, inputs, args)
-    except (ValueError, ShardError, json.JSONDecodeError) as exc:
-        fail(ctx, str(exc))
-    return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,11 @@
 """The online deploy benchmark (GPU only): the same held-out prompts against a running SGLang server.
 
-Meant for two bench stages in a plan, each ``uses`` a serve stage (``pipeline.serve --mode plain``,
+Meant for two bench stages in a plan, each ``uses`` a serve stage (``pipeline.stages.serve --mode plain``,
 then ``--mode eagle3`` with the trained draft)::
 
-    [[stage]]  id = "bench-plain"  run = "pipeline.bench"  args = ["--mode", "online", "--label", "plain"]
+    [[stage]]  id = "bench-plain"  run = "bench"  args = ["--mode", "online", "--label", "plain"]
                after = ["train"]  uses = ["serve-plain"]
-    [[stage]]  id = "bench-eagle3" run = "pipeline.bench"
+    [[stage]]  id = "bench-eagle3" run = "bench"
                args = ["--mode", "online", "--label", "eagle3", "--baseline", "bench-plain"]
                after = ["bench-plain"]  uses = ["serve-eagle3"]
 
@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pipeline.rundir import RunDir, write_json
-from pipeline.runtime import StageContext, fail
-from pipeline.shards import holdout_fraction, iter_rows
+from pipeline.data.shards import holdout_fraction, iter_rows
+from pipeline.run.rundir import RunDir, write_json
+from pipeline.run.runtime import StageContext, fail
 
 
 def endpoint_url(ctx: StageContext, explicit: str | None) -> str:
@@ -73,7 +73,7 @@ def summarize(label: str, metas: list[dict[str, Any]], elapsed_s: float) -> dict
 
 
 def prompts_for(ctx: StageContext, inputs: list[Path], n: int) -> list[list[int]]:
-    from pipeline.bench import find_draft, heldout_prompts
+    from pipeline.stages.bench.inputs import find_draft, heldout_prompts
 
     try:
         man, _ = find_draft(inputs)

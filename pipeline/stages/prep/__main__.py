@@ -1,4 +1,4 @@
-"""``python -m pipeline.prep --plan PLAN --dataset NAME [--check N]``: prepare one dataset of a plan.
+"""``python -m pipeline.stages.prep --plan PLAN --dataset NAME [--check N]``: prepare one dataset of a plan.
 
 Without ``--check`` this is the stage: it validates the first ``[prep] check_rows`` rows, then writes
 shards and a manifest into the stage's out dir (``--out DIR`` when run by hand), resumably. With
@@ -15,17 +15,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline import plan as plan_mod
-from pipeline import sources
-from pipeline.prep.rows import TARGET_NATIVE
-from pipeline.prep.settings import PrepSettings
-from pipeline.runtime import StageContext, add_common_args, fail
+from pipeline.data import sources
+from pipeline.run import plan as plan_mod
+from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.stages.prep.rows import TARGET_NATIVE
+from pipeline.stages.prep.settings import PrepSettings
 
 
 def _tokenizer(plan: plan_mod.Plan, settings: PrepSettings):  # noqa: ANN202 - ChatTokenizer, imported lazily
     # The fast tokenizer's thread pool is sized when it is first imported: keep it to the cpu slots we hold.
     os.environ.setdefault("RAYON_NUM_THREADS", str(settings.tokenizer_threads))
-    from pipeline.tokenise import load_chat_tokenizer
+    from pipeline.data.tokenise import load_chat_tokenizer
 
     model = plan.target.get("model")
     if not model:
@@ -34,7 +34,7 @@ def _tokenizer(plan: plan_mod.Plan, settings: PrepSettings):  # noqa: ANN202 - C
 
 
 def _check(plan: plan_mod.Plan, names: list[str], n: int) -> int:
-    from pipeline.prep.check import check_dataset
+    from pipeline.stages.prep.check import check_dataset
 
     tok = None
     bad = 0
@@ -55,7 +55,7 @@ def _check(plan: plan_mod.Plan, names: list[str], n: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     # Prep needs no torch; without this `datasets` imports it for every streamed dataset (seconds per process).
     os.environ.setdefault("USE_TORCH", "0")
-    ap = argparse.ArgumentParser(prog="python -m pipeline.prep", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.prep", description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--dataset", help="dataset name from the plan's [[datasets]]")
     ap.add_argument("--check", type=int, metavar="N", help="only validate the first N rows; write nothing")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except (plan_mod.PlanError, KeyError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc.args[0] if isinstance(exc, KeyError) else exc}", file=sys.stderr)
         return 2
-    from pipeline.prep.run import PrepRun
+    from pipeline.stages.prep.run import PrepRun
 
     ctx = StageContext.from_cli(args)
     try:

@@ -11,10 +11,10 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline import sources
-from pipeline.plan import Dataset
-from pipeline.prep.rows import Outcome, RowProcessor
-from pipeline.tokenise import ChatTokenizer
+from pipeline.data import sources
+from pipeline.data.tokenise import ChatTokenizer
+from pipeline.run.plan import Dataset
+from pipeline.stages.prep.rows import Outcome, RowProcessor
 
 
 @dataclass

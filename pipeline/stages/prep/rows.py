@@ -12,15 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import sources
-from pipeline.tokenise import (
-    ChatTokenizer,
-    ConversationError,
-    Encoded,
-    conversation_hash,
-    prompt_of,
-    trim_to_last_assistant,
-)
+from pipeline.data import sources
+from pipeline.data.conversation import ConversationError, conversation_hash, prompt_of, trim_to_last_assistant
+from pipeline.data.tokenise import ChatTokenizer, Encoded
 
 TARGET_NATIVE = "target-native"
 
@@ -44,7 +38,7 @@ class Outcome:
 
 
 class RowProcessor:
-    """Turns batches of :class:`~pipeline.sources.RawRow` into outcomes, remembering what it has seen."""
+    """Turns batches of :class:`~pipeline.data.sources.RawRow` into outcomes, remembering what it has seen."""
 
     def __init__(self, src: sources.Source, kind: str, options: dict[str, Any], tokenizer: ChatTokenizer | None,
                  seen: set[str] | None = None) -> None:

@@ -13,20 +13,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import sources
-from pipeline.plan import Dataset
-from pipeline.prep.check import check_dataset
-from pipeline.prep.rows import TARGET_NATIVE, Outcome, RowProcessor
-from pipeline.prep.settings import PrepSettings
-from pipeline.runtime import StageContext, fail
-from pipeline.tokenise import (
-    ChatTokenizer,
+from pipeline.data import sources
+from pipeline.data.shard_writer import (
     ShardStore,
     StaleOutputError,
     prompt_table,
     tokenized_table,
     write_rejects,
 )
+from pipeline.data.tokenise import ChatTokenizer
+from pipeline.run.plan import Dataset
+from pipeline.run.runtime import StageContext, fail
+from pipeline.stages.prep.check import check_dataset
+from pipeline.stages.prep.rows import TARGET_NATIVE, Outcome, RowProcessor
+from pipeline.stages.prep.settings import PrepSettings
 
 PREP_VERSION = 1
 CACHE_DIR = ".hf-cache"  # datasets' lock/cache files, inside the stage's own out dir

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.plan import Dataset, Plan, PlanError
+from pipeline.run.plan import Dataset, Plan, PlanError
 
 KNOWN = {
     "shard_rows": "rows per output shard (the unit of resume)",

@@ -1,7 +1,7 @@
-"""Response regeneration: ``python -m pipeline.regen --plan PLAN --dataset NAME``.
+"""Response regeneration: ``python -m pipeline.stages.regen --plan PLAN --dataset NAME``.
 
 Prompt-only datasets get their answers from the target model itself (EAGLE-3 learns the target's
-distribution): an async OpenAI-compatible client (:mod:`pipeline.regen.client`) asks the inference
-server, a resumable log (:mod:`pipeline.regen.store`) keeps every answer, and the stage
-(:mod:`pipeline.regen.stage`) tokenises prompt + answer into the same shards as target-native prep.
+distribution): an async OpenAI-compatible client (:mod:`pipeline.stages.regen.client`) asks the inference
+server, a resumable log (:mod:`pipeline.stages.regen.store`) keeps every answer, and the stage
+(:mod:`pipeline.stages.regen.stage`) tokenises prompt + answer into the same shards as target-native prep.
 """

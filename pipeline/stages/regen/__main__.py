@@ -1,5 +1,5 @@
-"""Entry point of ``python -m pipeline.regen``."""
+"""Entry point of ``python -m pipeline.stages.regen``."""
 
-from pipeline.regen.stage import main
+from pipeline.stages.regen.stage import main
 
 raise SystemExit(main())

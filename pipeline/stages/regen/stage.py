@@ -4,7 +4,7 @@
 2. Ask the inference server (the service this stage ``uses``: its ``out/endpoint.json``; or
    ``[regen] server_url`` / ``--server-url``) for each prompt not yet in ``out/responses.jsonl``.
 3. Tokenise prompt + answer with the target's chat template and write loss-masked shards
-   (:mod:`pipeline.tokenise`), ``manifest.json`` of kind ``tokenized`` last.
+   (:mod:`pipeline.data.tokenise`), ``manifest.json`` of kind ``tokenized`` last.
 
 ``[regen]`` keys: ``concurrency`` (64), sampling ``temperature`` (0.7), ``top_p``, ``top_k``,
 ``max_tokens`` (4096), ``seed``, ``stop``, ``extra`` (more request-body keys), ``request_timeout_s``
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.plan import Plan, PlanError
-from pipeline.regen.client import ClientConfig, ClientStats, OutageError, Regenerator
-from pipeline.regen.store import ResponseLog
-from pipeline.rundir import RunDir, read_json, write_atomic
-from pipeline.runtime import StageContext, add_common_args, fail
+from pipeline.run.plan import Plan, PlanError
+from pipeline.run.rundir import RunDir, read_json, write_atomic
+from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.stages.regen.client import ClientConfig, ClientStats, OutageError, Regenerator
+from pipeline.stages.regen.store import ResponseLog
 
 DEFAULTS: dict[str, Any] = {
     "concurrency": 64, "temperature": 0.7, "max_tokens": 4096, "request_timeout_s": 600.0, "max_attempts": 5,
@@ -256,25 +256,26 @@ def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str],
                      s: dict[str, Any], skipped: list[dict[str, Any]] | None = None,
                      info: dict[str, Any] | None = None) -> dict[str, Any]:
     """Prompt + answer -> tokenized shards (docs/data-formats.md, "Regeneration outputs")."""
-    from pipeline import tokenise as tk
+    from pipeline.data import conversation as conv
+    from pipeline.data import shard_writer as sw
 
     max_length = ct.max_length
     fingerprint = {"stage": "regen", "dataset": dataset, "tokenizer": ct.tokenizer_id, "template_hash": ct.template_hash,
                    "max_length": max_length, "drop_truncated": bool(s["drop_truncated"]),
                    "responses_sha256": file_sha(log.path), "shard_rows": int(s["shard_rows"])}
-    store = tk.ShardStore(ctx.out, fingerprint)
+    store = sw.ShardStore(ctx.out, fingerprint)
     store.clean_partials()
     try:
         done = store.complete()
-    except tk.StaleOutputError:
+    except sw.StaleOutputError:
         done = None
     if done is not None:
         ctx.message(f"tokenized output already complete ({done['rows']} rows)", code="up-to-date")
         return done
     try:
         finished = store.finished()
-    except tk.StaleOutputError:  # shards made from other answers or settings: start the shards over
-        for p in [*ctx.out.glob(f"{tk.SHARD_PREFIX}*.parquet"), *store.progress_dir.glob("*.json"),
+    except sw.StaleOutputError:  # shards made from other answers or settings: start the shards over
+        for p in [*ctx.out.glob(f"{sw.SHARD_PREFIX}*.parquet"), *store.progress_dir.glob("*.json"),
                   store.manifest_path]:
             p.unlink(missing_ok=True)
         finished = []
@@ -294,26 +295,26 @@ def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str],
                 dropped += 1
                 continue
             try:
-                convs.append(tk.check_conversation(rec["messages"]))
+                convs.append(conv.check_conversation(rec["messages"]))
                 ids.append(rid)
-            except tk.ConversationError as exc:
+            except conv.ConversationError as exc:
                 rejects.append({"id": rid, "field": exc.field, "reason": exc.reason})
         enc = ct.encode(convs) if convs else []
         ok_ids, ok_enc = [], []
         for rid, e in zip(ids, enc, strict=True):
-            if isinstance(e, tk.ConversationError):
+            if isinstance(e, conv.ConversationError):
                 rejects.append({"id": rid, "field": e.field, "reason": e.reason})
             elif e.target_tokens == 0:
                 dropped += 1  # well-formed, but no answer token within max_length
             else:
                 ok_ids.append(rid)
                 ok_enc.append(e)
-        shards.append(store.commit(len(shards), tk.tokenized_table(ok_ids, ok_enc),
+        shards.append(store.commit(len(shards), sw.tokenized_table(ok_ids, ok_enc),
                                    {"rows_in": len(chunk), "rejects": rejects, "dropped": dropped}))
         pos += len(chunk)
         ctx.progress(pos, len(rows), unit="rows", key="tokenise", force=True)
     all_rejects = list(skipped or []) + [r for sh in shards for r in sh.get("rejects", [])]
-    tk.write_rejects(ctx.out / "rejects.jsonl", all_rejects)
+    sw.write_rejects(ctx.out / "rejects.jsonl", all_rejects)
     man = store.write_manifest(
         "tokenized", shards, dataset=dataset, tokenizer=ct.tokenizer_id, template_hash=ct.template_hash,
         max_length=max_length, answers=len(rows), rejects=len(all_rejects) - len(skipped or []),
@@ -327,7 +328,7 @@ def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str],
 
 # ------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.regen", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.regen", description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--dataset", required=True, help="dataset name (the plan's [[datasets]] entry)")
     ap.add_argument("--input", type=Path, default=None, help="prompts output dir (default: the prep input)")
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         url = server_url(ctx, plan, s, args.server_url)
     except (PlanError, InputError, ValueError) as exc:
         fail(ctx, str(exc), 2)
-    from pipeline.tokenise import load_chat_tokenizer
+    from pipeline.data.tokenise import load_chat_tokenizer
 
     max_length = int(plan.target.get("max_length", 2048))
     ct = load_chat_tokenizer(plan.target.get("model"), max_length)

@@ -1,4 +1,4 @@
-"""The inference-server stage: ``python -m pipeline.serve --plan PLAN [--mode plain|eagle3]``.
+"""The inference-server stage: ``python -m pipeline.stages.serve --plan PLAN [--mode plain|eagle3]``.
 
 A service stage (``service = true``): it checks the port and the plan's GPUs, starts the server as
 its child (SGLang on the container, or the ``local`` backend, ``transformers serve`` on the CPU,

@@ -1,5 +1,5 @@
-"""Entry point of ``python -m pipeline.serve``."""
+"""Entry point of ``python -m pipeline.stages.serve``."""
 
-from pipeline.serve.stage import main
+from pipeline.stages.serve.stage import main
 
 raise SystemExit(main())

@@ -1,10 +1,10 @@
 """The command and environment that start each server backend.
 
-``sglang``: ``python -m sglang.launch_server …`` from :func:`pipeline.sglang_args.sglang_argv`, on
+``sglang``: ``python -m sglang.launch_server …`` from :func:`pipeline.serving.sglang_args.sglang_argv`, on
 the stage's GPUs (``CUDA_VISIBLE_DEVICES`` in NVML order). ``local``: ``transformers serve`` on
 the CPU with the model preloaded, an OpenAI-compatible server on the same ``/health`` and
 ``/v1/chat/completions`` paths; a ``builtin:`` model resolves to the cached dense folder
-(:mod:`pipeline.model_assets`), since transformers cannot serve the GGUF directly. Its compute
+(:mod:`pipeline.data.model_assets`), since transformers cannot serve the GGUF directly. Its compute
 threads are the stage's CPU slots (``OMP_NUM_THREADS``, unless already set): with torch's default of
 one thread per core, two requests generating at once on a busy shared 2-core machine were measured
 ~400x slower than with one thread each (docs/performance.md; on an idle machine 1.5x faster).
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 
-from pipeline.sglang_args import ServerSettings, sglang_argv
+from pipeline.serving.sglang_args import ServerSettings, sglang_argv
 
 
 def local_argv(s: ServerSettings, python: str) -> list[str]:
-    from pipeline.model_assets import resolve
+    from pipeline.data.model_assets import resolve
 
     argv = [python, "-m", "transformers.cli.transformers", "serve", "--host", s.host, "--port", str(s.port),
             "--device", "cuda" if s.gpus else "cpu", "--log-level", "info"]

@@ -18,14 +18,14 @@ import sys
 import threading
 import time
 
-from pipeline.plan import PlanError
-from pipeline.procs import ProcIdentity, read_stat
-from pipeline.rundir import RunDir, write_json
-from pipeline.runtime import StageContext, add_common_args, fail
-from pipeline.serve import backends, preflight
-from pipeline.serve.health import HealthTracker, probe
-from pipeline.sglang_args import MODES, ServerSettings, settings_from_plan
-from pipeline.sglang_log import ServerStats, parse_line
+from pipeline.run.plan import PlanError
+from pipeline.run.procs import ProcIdentity, read_stat
+from pipeline.run.rundir import RunDir, write_json
+from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.serving.sglang_args import MODES, ServerSettings, settings_from_plan
+from pipeline.serving.sglang_log import ServerStats, parse_line
+from pipeline.stages.serve import backends, preflight
+from pipeline.stages.serve.health import HealthTracker, probe
 
 METRIC_INTERVAL_S = 1.0  # at most one metric set per batch kind per second
 PR_SET_CHILD_SUBREAPER = 36
@@ -154,7 +154,7 @@ class ServeStage:
             else:
                 where = self.ctx.run_dir or "RUN"
                 self.unhealthy_fail(f"GPU guard: {problem} — stop it, or override once with "
-                                    f"`python -m pipeline.ctl {where} force {self.ctx.stage_id}`", 3)
+                                    f"`python -m pipeline.run.ctl {where} force {self.ctx.stage_id}`", 3)
 
     def launch(self) -> None:
         argv, extra_env = backends.launch(self.s, sys.executable)
@@ -263,7 +263,7 @@ class ServeStage:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.serve", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.serve", description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--mode", choices=MODES, default="plain", help="eagle3: serve with the [deploy] draft")
     ap.add_argument("--draft", default=None, help="EAGLE-3 draft checkpoint (overrides [deploy] draft_model_path)")

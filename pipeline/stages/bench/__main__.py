@@ -1,0 +1,61 @@
+"""Bench stage: does the draft work? Offline acceptance, or the online SGLang deploy benchmark.
+
+``python -m pipeline.stages.bench --plan PLAN [--mode offline|online] [--input DIR ...] [--out DIR]``
+
+**offline** (default, runs anywhere): greedy speculative decoding of the target with the trained
+draft (the ``draft`` manifest of the train stage among the inputs) on held-out prompts (the rows
+of ``[bench] holdout`` that extraction and training never saw), ``[bench] steps`` draft tokens per
+verify step (SGLang's ``--speculative-num-steps``, topk 1). Reports ``accept_len`` (mean tokens per
+verify step, accepted + the target's own, at most ``steps + 1``) and ``accept_rate`` (share of draft
+tokens accepted) — shown on the board — and writes ``results.json``. ``[bench] check_lossless``
+also decodes plainly and fails if the outputs differ (they never should).
+
+**online** (GPU only): see ``pipeline.stages.bench.online``; ``--label`` names the run (``plain`` /
+``eagle3``), the endpoint comes from the serve stage the bench stage ``uses``, and ``--baseline
+STAGE`` compares against an earlier online bench (speedup).
+
+Plan keys (``[bench]``): ``mode``, ``holdout`` (0.05), ``prompts`` (16), ``max_new_tokens`` (64),
+``steps`` (3), ``check_lossless`` (false), ``device``; online: ``concurrency``, ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pipeline.data.shards import ShardError
+from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.stages.bench.offline import run_offline
+
+MODES = ("offline", "online")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.bench", description=__doc__.splitlines()[0])
+    add_common_args(ap)
+    ap.add_argument("--mode", choices=MODES, default=None, help="default: [bench] mode, else offline")
+    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
+    ap.add_argument("--label", default=None, help="online: the name of this run (plain, eagle3)")
+    ap.add_argument("--baseline", default=None, help="online: an earlier online bench stage to compare with")
+    ap.add_argument("--url", default=None, help="online: the server's base URL (default: the used serve stage's)")
+    args = ap.parse_args(argv)
+    ctx = StageContext.from_cli(args)
+    mode = args.mode or ctx.plan.section("bench").get("mode", "offline")
+    if mode not in MODES:
+        fail(ctx, f"{ctx.plan.path}: bench.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    inputs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
+    try:
+        if mode == "offline":
+            return run_offline(ctx, inputs)
+        from pipeline.stages.bench.online import run_online
+
+        return run_online(ctx, inputs, args)
+    except (ValueError, ShardError, json.JSONDecodeError) as exc:
+        fail(ctx, str(exc))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Training stage: the EAGLE-3 draft with training-time test, checkpoints, resume, and torchrun DDP.
+
+``python -m pipeline.stages.train --plan PLAN [--input DIR ...] [--out DIR]``
+
+Inputs (found by manifest kind): the extraction (``hidden_states``; offline shards, or in online
+mode the tokenized sources the target is run over on the fly) and the draft vocabulary (``vocab``).
+Each step takes ``[train] batch_size`` sequences (the global batch), unrolls TTT over ``ttt_steps``
+and minimises ``sum_j loss_decay**j * CE_j``, the soft-label cross-entropy between the draft and the
+target's distribution over the draft vocabulary, on the positions whose predicted token is an
+assistant token (``loss_mask``). ``acc_j`` is the share of those positions where the draft's greedy
+token (mapped through d2t) equals the target's greedy token.
+
+fp32 on the CPU, bf16 autocast (fp32 master weights) on a GPU. Every ``checkpoint_every`` steps a
+checkpoint ``checkpoints/step_NNNNNNNN/`` (SGLang-loadable ``config.json`` + ``model.safetensors``,
+plus ``training_state.pt``) appears atomically; a retry resumes from the newest one and the loss
+curve continues from that step. The finished draft is ``draft/`` (pass it to SGLang as
+``--speculative-draft-model-path``).
+
+Several processes: ``[train] nproc = N`` makes the stage re-run itself under ``torchrun`` (gloo on the
+CPU, NCCL on GPUs); plain DDP, every rank holds the whole draft; the global batch is split by rank
+(``idx[rank::world]``) and the loss is normalised by the *global* count of loss positions, so N
+processes compute exactly the update one process computes on the same global batch.
+"""

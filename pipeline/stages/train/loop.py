@@ -1,0 +1,250 @@
+"""The training stage's program: find the inputs, build the draft, resume, and run the steps (see :mod:`pipeline.stages.train`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pipeline.stages.train as train_pkg
+from pipeline.data.shards import find_manifests
+from pipeline.eagle3 import draft_vocab
+from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft, save_draft
+from pipeline.run.rundir import write_json
+from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.stages.train.batches import OfflineData, OnlineData
+from pipeline.stages.train.checkpoints import FINAL_DIR, STATE_FILE, checkpoints, save_checkpoint
+from pipeline.stages.train.dist import Dist, die_with_parent, reexec_under_torchrun
+from pipeline.stages.train.loss import counts_of, ttt_sums
+from pipeline.stages.train.settings import TrainSettings, global_indices, lr_at
+
+
+def find_inputs(dirs: list[Path]) -> tuple[dict, Path, Path]:
+    """(extraction manifest, its dir, vocab dir) among the input dirs, by manifest kind."""
+    ext = vocab = None
+    for d in dirs:
+        for mpath, man in find_manifests(d):
+            if man.get("kind") == hs.KIND:
+                ext = (man, mpath.parent)
+            elif man.get("kind") == draft_vocab.MANIFEST_KIND:
+                vocab = mpath.parent
+    if ext is None:
+        raise ValueError(f"no extraction among the inputs ({', '.join(map(str, dirs))}): put the extract stage in 'after'")
+    if vocab is None:
+        raise ValueError(f"no draft vocabulary among the inputs ({', '.join(map(str, dirs))}): put the vocab stage in 'after'")
+    return ext[0], ext[1], vocab
+
+
+def pick_device(s: TrainSettings, dist: Dist) -> torch.device:
+    if s.device:
+        dev = torch.device(s.device)
+    else:
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dist.local_rank)
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def build_draft(model_id: str, aux: list[int], vm: draft_vocab.VocabMap, s: TrainSettings) -> tuple[Eagle3Draft, torch.Tensor]:
+    from pipeline.eagle3.target_capture import load_target_tensors, target_config
+
+    tcfg = target_config(model_id)
+    cfg = DraftConfig.from_target(tcfg, vm.size, aux)
+    torch.manual_seed(s.seed)
+    draft = Eagle3Draft(cfg)
+    t = load_target_tensors(model_id)
+    draft.embed_tokens.weight.data.copy_(t["embed"])
+    draft.set_vocab(vm.d2t, vm.t2d)
+    head_d = t["head"][vm.draft_ids].clone()
+    if s.init_lm_head == "target":
+        draft.lm_head.weight.data.copy_(head_d)
+        draft.norm.weight.data.copy_(t["norm"])
+    return draft, head_d
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.train", description=train_pkg.__doc__.splitlines()[0])
+    add_common_args(ap)
+    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
+    args = ap.parse_args(argv)
+    dist = Dist()
+    if dist.world > 1:
+        die_with_parent()
+    ctx = StageContext.from_cli(args) if dist.main else None
+    plan_ctx = ctx or StageContext.from_cli(args)  # non-zero ranks read the plan, never emit
+    try:
+        s = TrainSettings.from_section(plan_ctx.plan.section("train"), str(plan_ctx.plan.path))
+        mode = hs.storage_mode(plan_ctx.plan)
+    except (ValueError, hs.StoreError) as exc:
+        fail(ctx, str(exc))
+    if s.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        if ctx is not None:
+            ctx.message(f"starting {s.nproc} processes under torchrun")
+            ctx.close()
+        reexec_under_torchrun(s.nproc, argv)
+    if dist.world != s.nproc and "LOCAL_RANK" in os.environ and ctx is not None:
+        ctx.message(f"running with WORLD_SIZE={dist.world} (plan says nproc={s.nproc})", level="warning")
+    inputs = [Path(p) for p in args.input] if args.input else [plan_ctx.inputs[k] for k in sorted(plan_ctx.inputs)]
+    try:
+        return train(ctx, plan_ctx, s, mode, inputs, dist)
+    except (ValueError, hs.StoreError, draft_vocab.VocabError) as exc:
+        fail(ctx, str(exc))
+    finally:
+        dist.close()
+    return 1
+
+
+def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mode: str, inputs: list[Path],
+          dist: Dist) -> int:
+    plan = plan_ctx.plan
+    out = plan_ctx.out
+    model_id = str(plan.target.get("model") or "")
+    man, ext_dir, vocab_dir = find_inputs(inputs)
+    aux = list(man["aux_layer_ids"])
+    if man.get("target") not in (None, model_id):
+        raise ValueError(f"{ext_dir / 'manifest.json'}: extracted from {man.get('target')!r} but the plan's target is {model_id!r}")
+    device = pick_device(s, dist)
+    dist.init(device)
+    autocast = device.type == "cuda"
+    dtype = torch.bfloat16 if autocast else torch.float32
+    vm = draft_vocab.load(vocab_dir)
+    draft, head_d = build_draft(model_id, aux, vm, s)
+    draft.to(device)
+    head_d = head_d.to(device)
+    if man["mode"] == "offline":
+        data: Any = OfflineData(hs.HiddenStore(ext_dir))
+    else:
+        from pipeline.data.shards import iter_rows, training_order
+        from pipeline.eagle3.target_capture import load_target
+
+        max_len = man.get("max_length") or s.max_length or plan.target.get("max_length")
+        wanted = set(man.get("row_ids") or [])
+        rows = training_order([r for r in iter_rows([Path(p) for p in man["sources"]], float(man.get("holdout", 0.0)),
+                                                    "train", None, max_len) if r.id in wanted])
+        if len(rows) != len(wanted):
+            raise ValueError(f"{ext_dir / 'manifest.json'}: lists {len(wanted)} rows but the sources now hold "
+                             f"{len(rows)} of them; rerun extraction with --fresh")
+        data = OnlineData(rows, load_target(model_id, aux, dtype=dtype, device=device))
+    n = len(data)
+    if s.batch_size % dist.world:
+        raise ValueError(f"train.batch_size ({s.batch_size}) must be a multiple of the {dist.world} processes")
+    if n < s.batch_size:
+        raise ValueError(f"only {n} training sequences but train.batch_size is {s.batch_size}")
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
+    start = 0
+    found = checkpoints(out)
+    if found:
+        step0, path = found[-1]
+        st = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        draft.load_state_dict(st["model"], strict=False)
+        opt.load_state_dict(st["optimizer"])
+        start = int(st["step"])
+        if ctx:
+            ctx.message(f"resuming from checkpoint {path.name} (step {start})", code="resumed_from_checkpoint", step=start)
+    model: Any = draft
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(draft, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    draft.train()
+    if ctx:
+        ctx.message(f"training {sum(p.numel() for p in params) / 1e6:.1f}M parameters on {n:,} sequences "
+                    f"({man['mode']} data), {dist.world} process(es) on {device.type}, steps {start + 1}..{s.steps}, "
+                    f"TTT {s.ttt_steps}")
+        ctx.progress(start, s.steps, unit="steps", force=True)
+    per_rank = s.batch_size // dist.world
+    extra = {"world_size": dist.world, "aux_layer_ids": aux, "mode": man["mode"]}
+    last_saved = start
+    for step in range(start + 1, s.steps + 1):
+        if dist.any(plan_ctx.pause_requested(), device):
+            wait_paused(ctx, plan_ctx, dist, device)
+        t0 = time.monotonic()
+        idx = global_indices(step, n, s.batch_size, s.seed)[dist.rank::dist.world]
+        idx.sort(key=lambda i: (-data.length(i), i))
+        chunks = [idx[a:a + s.micro_batch] for a in range(0, per_rank, s.micro_batch)]
+        batches = [data.batch(c, device, dtype) for c in chunks]
+        counts = dist.sum(counts_of(batches, s.ttt_steps, device))
+        denom = counts.clamp(min=1)
+        lr = lr_at(step, s)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss_sums = torch.zeros(s.ttt_steps, dtype=torch.float64, device=device)
+        correct = torch.zeros(s.ttt_steps, dtype=torch.float64, device=device)
+        for bi, b in enumerate(batches):
+            sync = bi == len(batches) - 1 or dist.world == 1
+            ctxm = model.no_sync() if (dist.world > 1 and not sync) else _null()
+            with ctxm:
+                losses, corr = ttt_sums(model, draft, b, head_d, s.ttt_steps, autocast)
+                total = sum((s.loss_decay ** j) * losses[j] / denom[j] for j in range(s.ttt_steps))
+                (total * dist.world).backward()
+            loss_sums += torch.stack([x.detach().double() for x in losses])
+            correct += corr
+        torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
+        opt.step()
+        stats = dist.sum(torch.cat([loss_sums, correct, torch.tensor([float(sum(int(b.lengths.sum()) for b in batches))],
+                                                                      dtype=torch.float64, device=device)]))
+        dt = time.monotonic() - t0
+        k = s.ttt_steps
+        step_loss = sum((s.loss_decay ** j) * float(stats[j] / denom[j]) for j in range(k))
+        if ctx and (step % s.log_every == 0 or step == s.steps or step == start + 1):
+            ctx.metric("loss", step_loss, step=step)
+            for j in range(k):
+                ctx.metric(f"acc_{j}", float(stats[k + j] / denom[j]), step=step)
+            ctx.metric("lr", lr, step=step)
+            ctx.metric("tokens_per_s", float(stats[2 * k]) / max(dt, 1e-9), step=step)
+            ctx.progress(step, s.steps, unit="steps")
+        if step % s.checkpoint_every == 0 or step == s.steps:
+            if dist.main:
+                p = save_checkpoint(out, step, draft, opt, s, extra)
+                if ctx:
+                    ctx.message(f"checkpoint {p.name}", code="checkpoint", step=step)
+            last_saved = step
+            dist.barrier()
+    if dist.main:
+        final = out / FINAL_DIR
+        tmp = out / (FINAL_DIR + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_draft(draft, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_json(out / "manifest.json", {
+            "kind": "draft", "path": FINAL_DIR, "step": last_saved, "target": model_id, "aux_layer_ids": aux,
+            "draft_vocab_size": vm.size, "ttt_steps": s.ttt_steps, "mode": man["mode"],
+            "token_sources": list(man.get("sources", [])), "holdout": man.get("holdout"),
+            "max_length": man.get("max_length"), "world_size": dist.world,
+        })
+        if ctx:
+            ctx.progress(s.steps, s.steps, unit="steps", force=True)
+            ctx.message(f"draft written to {final} (SGLang: --speculative-algorithm EAGLE3 "
+                        f"--speculative-draft-model-path {final})")
+    return 0
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def wait_paused(ctx: StageContext | None, plan_ctx: StageContext, dist: Dist, device: torch.device) -> None:
+    """All ranks pause together (a rank alone in a collective would hang) and resume together."""
+    if ctx:
+        ctx.message("paused at a safe point", code="paused")
+    while dist.any(plan_ctx.pause_requested(), device):
+        time.sleep(0.5)
+    if ctx:
+        ctx.message("resumed", code="resumed")

@@ -1,0 +1,78 @@
+"""The ``[train]`` settings and the schedule they imply: learning rate per step and the samples of each step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class TrainSettings:
+    steps: int = 200
+    batch_size: int = 8  # global batch, in sequences
+    micro_batch: int = 8  # per rank, per forward
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = -1  # -1: 1.5 % of steps (SpecForge's warmup ratio)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    ttt_steps: int = 7
+    loss_decay: float = 0.8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    seed: int = 0
+    nproc: int = 1
+    device: str = ""
+    init_lm_head: str = "target"  # "target": rows of the target's LM head; "random"
+    max_length: int = 0  # 0: [target] max_length
+
+    @classmethod
+    def from_section(cls, sec: dict[str, Any], where: str) -> TrainSettings:
+        known = {f.name: f for f in fields(cls)}
+        vals: dict[str, Any] = {}
+        for k, v in sec.items():
+            if k == "mode":
+                continue
+            if k not in known:
+                raise ValueError(f"{where}: train.{k}: unknown key (known: mode, {', '.join(sorted(known))})")
+            want = type(getattr(cls(), k))
+            if want is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, want) or isinstance(v, bool):
+                raise ValueError(f"{where}: train.{k}: expected {want.__name__}, got {v!r}")
+            vals[k] = v
+        s = cls(**vals)
+        for k in ("steps", "batch_size", "micro_batch", "ttt_steps", "checkpoint_every", "log_every", "nproc"):
+            if getattr(s, k) < 1:
+                raise ValueError(f"{where}: train.{k}: must be at least 1")
+        if s.batch_size % s.nproc:
+            raise ValueError(f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})")
+        if s.init_lm_head not in ("target", "random"):
+            raise ValueError(f"{where}: train.init_lm_head: 'target' or 'random', got {s.init_lm_head!r}")
+        return s
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps >= 0 else max(1, round(0.015 * self.steps))
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step (1-based)."""
+    if step <= s.warmup:
+        return s.lr * step / max(1, s.warmup)
+    frac = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def global_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """The samples of (1-based) ``step``: a fresh seeded permutation per epoch, last partial batch dropped."""
+    per_epoch = n // batch_size
+    epoch, b = divmod(step - 1, per_epoch)
+    g = torch.Generator().manual_seed(seed * 100003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    return perm[b * batch_size:(b + 1) * batch_size].tolist()
+

@@ -1,0 +1,140 @@
+"""The architecture, checked: no import cycles, the console's view of ``pipeline`` is the run model only,
+stages never import each other, and the container side never imports the console."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What the console may import from pipeline/: the run model's data modules (plan, events, run dir, the
+# log index) and the SGLang log parser for the board's server line; ``pipeline`` itself only to find
+# the package to upload to a host.
+CONSOLE_ALLOWED = {
+    "pipeline",
+    "pipeline.run.plan",
+    "pipeline.run.events",
+    "pipeline.run.rundir",
+    "pipeline.run.logscan",
+    "pipeline.serving.sglang_log",
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for top in ("pipeline", "console"):
+        for p in (ROOT / top).rglob("*.py"):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """Every project module ``path`` imports, anywhere in the file (function-level and
+    TYPE_CHECKING imports included: a cycle hidden in a function is still a cycle)."""
+
+    def resolve(name: str) -> str:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n.split(".")[0] in ("pipeline", "console") and (r := resolve(n)):
+                found.add(r)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    g = {m: imports_of(p, known) - {m} for m, p in known.items()}
+    # A package's __init__ runs whenever a submodule is imported: a parent package is an implicit edge.
+    for m in g:
+        parent = m.rpartition(".")[0]
+        if parent in g and parent not in ("pipeline", "console"):
+            g[m].add(parent)
+    return g
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    colour: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        colour[v] = 1
+        stack.append(v)
+        for w in sorted(g.get(v, ())):
+            if colour.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in colour and (c := visit(w)):
+                return c
+        stack.pop()
+        colour[v] = 2
+        return None
+
+    for v in sorted(g):
+        if v not in colour and (c := visit(v)):
+            return c
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_in_pipeline_or_console() -> None:
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_console_imports_only_the_run_model_from_pipeline() -> None:
+    g = graph()
+    bad = {f"{m} imports {d}" for m, deps in g.items() if m.startswith("console")
+           for d in deps if d.startswith("pipeline") and d not in CONSOLE_ALLOWED}
+    assert not bad, sorted(bad)
+
+
+def test_pipeline_never_imports_the_console() -> None:
+    g = graph()
+    bad = {f"{m} imports {d}" for m, deps in g.items() if m.startswith("pipeline")
+           for d in deps if d.startswith("console")}
+    assert not bad, sorted(bad)
+
+
+def stage_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["pipeline", "stages"] else None
+
+
+def test_no_stage_imports_another_stage() -> None:
+    g = graph()
+    bad = {f"{m} imports {d}" for m, deps in g.items() if (s := stage_of(m))
+           for d in deps if stage_of(d) not in (None, s)}
+    assert not bad, sorted(bad)
+
+
+def test_libraries_and_the_run_machinery_never_import_a_stage() -> None:
+    g = graph()
+    bad = {f"{m} imports {d}" for m, deps in g.items()
+           if m.split(".")[:2] in (["pipeline", k] for k in ("run", "data", "eagle3", "serving"))
+           for d in deps if d.startswith("pipeline.stages")}
+    assert not bad, sorted(bad)
+
+
+def test_every_pipeline_subpackage_says_what_it_is() -> None:
+    # The tree is the design: each sub-package and module opens with a docstring saying its role.
+    missing = [m for m, p in modules().items()
+               if m.startswith("pipeline") and ast.get_docstring(ast.parse(p.read_text())) is None
+               and p.name != "__main__.py"]
+    assert not missing, missing
