@@ -214,7 +214,19 @@ def cmd_plan_check(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(plan_mod.render_dag(plan))
     print(f"\nok: {len(plan.stages)} stages")
-    return EXIT_OK
+    if not args.deep:
+        return EXIT_OK
+    # The EAGLE-3 chain needs torch and transformers: it runs as its own process (the console
+    # imports only the run model), on this machine; `aerie preflight` runs it on an ssh plan's host.
+    import subprocess
+
+    from console.transport import child_env
+
+    if plan.executor.kind == "ssh":
+        print(f"note: {plan.path} runs on {plan.executor.host}; this checks the target as found on this machine "
+              "(aerie preflight runs the same check on the host)")
+    p = subprocess.run([sys.executable, "-m", "pipeline.eagle3.chain_check", str(plan.path)], env=child_env())
+    return EXIT_OK if p.returncode == 0 else EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     psub = p.add_subparsers(dest="plan_cmd", required=True)
     pc = psub.add_parser("check", help="validate a plan and print its DAG")
     pc.add_argument("plan")
+    pc.add_argument("--deep", action="store_true",
+                    help="also check the EAGLE-3 chain against the target's config and tokenizer (no weights loaded): "
+                         "architecture, aux layers, draft config, draft vocab, chat template, disk, GPU memory per rank")
     pc.set_defaults(fn=cmd_plan_check)
     return ap
 

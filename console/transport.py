@@ -119,7 +119,7 @@ class LocalTransport:
         proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "pipeline.run.ctl", self.run_root, *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-            env=_env(),
+            env=child_env(),
         )
         out, err = await proc.communicate()
         return CtlResult(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
@@ -137,7 +137,8 @@ class LocalTransport:
         return None
 
 
-def _env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """The environment for a pipeline program this console starts: this ``pipeline`` first on the path."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -151,5 +152,5 @@ def start_local_run(plan_path: Path, run_dir: Path | None, python: str = sys.exe
     cmd = [python, "-m", "pipeline.run.supervisor", "--create", str(plan_path), "--detach"]
     if run_dir is not None:
         cmd.insert(3, str(run_dir))
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), stdin=subprocess.DEVNULL)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), stdin=subprocess.DEVNULL)
     return p.returncode, p.stdout.strip(), p.stderr.strip()

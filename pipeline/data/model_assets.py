@@ -101,8 +101,39 @@ def load_tokenizer(model: str, **kw: Any):  # noqa: ANN201 - transformers type
     return AutoTokenizer.from_pretrained(resolve(model), **kw)
 
 
-def load_model(model: str, dtype: Any = None, **kw: Any):  # noqa: ANN201
-    import torch
-    from transformers import AutoModelForCausalLM
+def model_config(model: str) -> Any:
+    """The model's transformers config (the wrapper's, for a vision-language model like Kimi-K2.5)."""
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(resolve(model), dtype=dtype or torch.float32, **kw)
+    return AutoConfig.from_pretrained(resolve(model))
+
+
+def model_class(cfg: Any) -> Any:
+    """The transformers auto class that builds this config with an LM head.
+
+    A text model is a causal LM; a vision-language wrapper around one (``kimi_k25``: a ``deepseek_v3``
+    text model) is registered only as image-text-to-text, and is loaded as that — the stages then
+    use its text backbone (``pipeline.eagle3.target_capture.text_backbone``).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    if type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    if type(cfg) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and getattr(cfg, "text_config", None) is not None:
+        return AutoModelForImageTextToText
+    raise ModelAssetError(f"model type {getattr(cfg, 'model_type', type(cfg).__name__)!r}: transformers has no "
+                          "causal-LM class for it, nor an image-text-to-text wrapper with a text model "
+                          "(looked for both); Aerie cannot capture its hidden states")
+
+
+def load_model(model: str, dtype: Any = None, **kw: Any):  # noqa: ANN201
+    """Load the target with its LM head: ``kw`` goes to ``from_pretrained`` (``device_map``, ``tp_plan``)."""
+    import torch
+
+    path = resolve(model)
+    cls = model_class(model_config(model))
+    return cls.from_pretrained(path, dtype=dtype or torch.float32, **kw)

@@ -29,7 +29,10 @@ from torch import nn
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-SUPPORTED_ROPE = ("default", "linear", "llama3")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+# SpecForge's Kimi-K2 / K2.5 draft configs (configs/kimi-k2*-eagle3.json): an MLA target's draft is a
+# plain Llama layer with 128-wide heads, as many heads as the target (MHA), the target's dense MLP width.
+MLA_DRAFT_HEAD_DIM = 128
 
 
 class DraftModelError(ValueError):
@@ -46,6 +49,33 @@ def default_aux_layers(num_layers: int) -> list[int]:
     if num_layers < 5:
         raise DraftModelError(f"target has {num_layers} layers; EAGLE-3 needs at least 5 to pick low/mid/high")
     return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def normalise_aux_layers(ids: list[int], num_layers: int, where: str = "extract.aux_layers") -> list[int]:
+    """The aux layers as SGLang captures them: ascending, each once, in range, three of them.
+
+    SGLang concatenates the captured states in layer order whatever order the draft config lists,
+    so a draft trained on ``[26, 1, 14]`` in that order would be fed scrambled features when served.
+    """
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DraftModelError(f"{where}: expected a list of layer ids, got {ids!r}")
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise DraftModelError(f"{where}: layer {i} out of range (the target has {num_layers} layers, 0..{num_layers - 1})")
+    out = sorted(set(ids))
+    if len(out) != 3:
+        raise DraftModelError(f"{where}: EAGLE-3 fuses 3 distinct layers (low, mid, high), got {ids!r}")
+    return out
+
+
+def sglang_capture_ids(aux_layer_ids: list[int]) -> list[int]:
+    """The layer indices SGLang hooks for these ids: it captures the *input* of layer ``id + 1``."""
+    return [i + 1 for i in aux_layer_ids]
+
+
+def is_mla(cfg: Any) -> bool:
+    """A DeepSeek-V2/V3-class target (multi-head latent attention: Kimi-K2/K2.5, DeepSeek-V3/R1)."""
+    return getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None
 
 
 def _target_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
@@ -89,12 +119,19 @@ class DraftConfig:
         cfg = getattr(cfg, "text_config", None) or cfg
         theta, scaling = _target_rope(cfg)
         heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        if is_mla(cfg):
+            # MLA's per-head dims (qk_rope 64 + nope 128, v 128) and its latent KV do not fit a Llama
+            # layer: the draft takes SpecForge's Kimi-K2/K2.5 layout (see MLA_DRAFT_HEAD_DIM).
+            head_dim, kv_heads = MLA_DRAFT_HEAD_DIM, heads
+        else:
+            head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+            kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         return cls(
             hidden_size=int(cfg.hidden_size), intermediate_size=int(cfg.intermediate_size),
-            num_attention_heads=heads, num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            num_attention_heads=heads, num_key_value_heads=kv_heads,
             head_dim=head_dim, vocab_size=int(cfg.vocab_size), draft_vocab_size=int(draft_vocab_size),
-            aux_layer_ids=[int(i) for i in aux_layer_ids], target_hidden_size=int(cfg.hidden_size),
+            aux_layer_ids=normalise_aux_layers([int(i) for i in aux_layer_ids], int(cfg.num_hidden_layers)),
+            target_hidden_size=int(cfg.hidden_size),
             rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
             hidden_act=str(getattr(cfg, "hidden_act", "silu")), bos_token_id=getattr(cfg, "bos_token_id", None),
@@ -131,6 +168,8 @@ class DraftConfig:
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                 "use_aux_hidden_state": True,
+                # What SGLang hooks for those ids (it adds 1); recorded for the operator, not read back.
+                "sglang_layers_to_capture": sglang_capture_ids(self.aux_layer_ids),
             },
         }
         out.update(self.extra)
@@ -180,13 +219,49 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+def rope_type(cfg: DraftConfig) -> str:
     sc = cfg.rope_scaling or {}
-    rtype = sc.get("rope_type", sc.get("type", "default")) if sc else "default"
+    return str(sc.get("rope_type", sc.get("type", "default"))) if sc else "default"
+
+
+def _yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: float, orig_max: int,
+                           truncate: bool) -> tuple[float, float]:
+    def dim_for(rotations: float) -> float:
+        return (dim * math.log(orig_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_for(beta_fast), dim_for(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
+    """The rotary inverse frequencies, computed as SGLang's rotary embedding for the draft config's
+    ``rope_scaling`` computes them (sglang/srt/layers/rotary_embedding: base, llama3, yarn)."""
+    dim = cfg.head_dim
+    sc = cfg.rope_scaling or {}
+    rtype = rope_type(cfg)
     if rtype not in SUPPORTED_ROPE:
         raise DraftModelError(f"rope_scaling type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+    if rtype == "yarn":
+        # YaRNScalingRotaryEmbedding._compute_inv_freq: float32, as SGLang does it.
+        factor = float(sc["factor"])
+        pos = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+        extra, inter = 1.0 / pos, 1.0 / (factor * pos)
+        low, high = _yarn_correction_range(float(sc.get("beta_fast", 32)), float(sc.get("beta_slow", 1)), dim,
+                                           cfg.rope_theta, int(sc.get("original_max_position_embeddings",
+                                                                      cfg.max_position_embeddings)),
+                                           bool(sc.get("truncate", True)))
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+        mask = (1 - ramp) * float(sc.get("extrapolation_factor", 1))
+        return inter * (1 - mask) + extra * mask
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if rtype == "linear":
         inv = inv / float(sc["factor"])
     elif rtype == "llama3":
@@ -201,11 +276,29 @@ def rope_inv_freq(cfg: DraftConfig) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, S, D) by ``positions`` (B, S) — the rotate-half form Llama uses."""
+def rope_attention_scale(cfg: DraftConfig) -> float:
+    """The factor SGLang multiplies cos and sin by: YaRN's ``mscale`` (1 for every other type).
+
+    With ``mscale`` and ``mscale_all_dim`` both given (DeepSeek/Kimi configs) it is their ratio, as in
+    transformers; without them, ``0.1 ln(factor) + 1``; times ``attn_factor``.
+    """
+    if rope_type(cfg) != "yarn":
+        return 1.0
+    sc = cfg.rope_scaling or {}
+    factor = float(sc["factor"])
+    if sc.get("mscale") is not None and sc.get("mscale_all_dim") is not None:
+        m = _yarn_mscale(factor, float(sc["mscale"])) / _yarn_mscale(factor, float(sc["mscale_all_dim"]))
+    else:
+        m = _yarn_mscale(factor)
+    return m * float(sc.get("attn_factor", 1.0))
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Rotate ``x`` (B, H, S, D) by ``positions`` (B, S) — the rotate-half (neox) form Llama uses;
+    ``scale`` multiplies cos and sin (YaRN's attention scaling)."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(x.device)[None, None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos()[:, None].to(x.dtype), emb.sin()[:, None].to(x.dtype)
+    cos, sin = (emb.cos() * scale)[:, None].to(x.dtype), (emb.sin() * scale)[:, None].to(x.dtype)
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
@@ -256,6 +349,7 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scale = rope_attention_scale(cfg)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
@@ -263,7 +357,8 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(b, s, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq), v
+        return (apply_rope(q, positions, self.inv_freq, self.rope_scale),
+                apply_rope(k, positions, self.inv_freq, self.rope_scale), v)
 
 
 class DraftMLP(nn.Module):

@@ -1,10 +1,18 @@
 """Running the target model and capturing what EAGLE-3 needs from it.
 
 Forward hooks on the decoder layers named by the aux layer ids record each layer's *output* (the
-residual stream after layer ``id``: SGLang's convention, see ``eagle3_model.default_aux_layers``);
+residual stream after layer ``id``: SGLang's convention, see ``draft_model.default_aux_layers``);
 a hook on the final norm records the last hidden state. The base model is called, not the LM head,
 so a long batch never materialises (tokens × vocabulary) logits; the greedy next token is computed
 in chunks. Used by extraction, online training and the acceptance benchmark alike.
+
+Which modules those are comes from the loaded model, never from tensor names: the *text backbone*
+(:func:`text_backbone`: a causal LM's decoder, or the language model inside a vision-language
+wrapper such as Kimi-K2.5's ``kimi_k25``), its own ``norm`` and ``embed_tokens``, and the model's
+output embedding. How the target is spread: one device, ``device = "auto"`` (accelerate places
+layers over the GPUs; captured tensors are moved to one device), or ``parallel = "tp"`` (every
+rank of a ``torchrun`` group holds a tensor-parallel shard, transformers' ``tp_plan="auto"``, and
+runs the same batch; every rank sees the same captured tensors).
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipeline.data import model_assets
+from pipeline.eagle3.draft_model import default_aux_layers, normalise_aux_layers
 
 
 class TargetError(RuntimeError):
@@ -25,7 +35,7 @@ class TargetError(RuntimeError):
 
 @dataclass
 class Capture:
-    aux: torch.Tensor  # (B, S, 3H)
+    aux: torch.Tensor  # (B, S, 3H), on the device of the final norm's output
     last_hidden: torch.Tensor  # (B, S, H), after the final norm
 
 
@@ -36,24 +46,44 @@ def _cache_kwarg(base: Any) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
-def _decoder(model: Any) -> Any:
+def text_backbone(model: Any) -> Any:
+    """The decoder stack of the model's text part: what has ``layers``, ``norm`` and ``embed_tokens``.
+
+    ``get_decoder()`` resolves wrappers (``Kimi_K25ForConditionalGeneration.model.language_model``);
+    a vision tower also has layers and norms, which is why names are never guessed.
+    """
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TargetError(f"{type(model).__name__}: cannot find decoder layers and final norm")
+    layers = getattr(base, "layers", None)
+    if base is None or not isinstance(layers, nn.ModuleList) or not isinstance(getattr(base, "norm", None), nn.Module):
+        mtype = getattr(getattr(model, "config", None), "model_type", "?")
+        raise TargetError(f"model type {mtype!r} ({type(model).__name__}): cannot find a decoder-only text model to "
+                          "capture (looked for get_decoder() holding 'layers' and a final 'norm')")
     return base
 
 
+def module_name(root: nn.Module, target: nn.Module) -> str:
+    for name, mod in root.named_modules(remove_duplicate=False):
+        if mod is target:
+            return name
+    raise TargetError(f"{type(target).__name__} is not a module of {type(root).__name__}")
+
+
 class Target:
-    """A causal LM with hooks for the aux layers and the final norm."""
+    """A causal LM (or a VLM's text model) with hooks for the aux layers and the final norm."""
 
     def __init__(self, model: Any, aux_layer_ids: list[int]) -> None:
         self.model = model
-        self.base = _decoder(model)
+        self.base = text_backbone(model)
         n = len(self.base.layers)
-        for i in aux_layer_ids:
-            if not 0 <= i < n:
-                raise TargetError(f"aux layer id {i} out of range: the target has {n} layers (0..{n - 1})")
-        self.aux_layer_ids = list(aux_layer_ids)
+        try:
+            self.aux_layer_ids = normalise_aux_layers(list(aux_layer_ids), n, "aux layer ids")
+        except ValueError as exc:
+            raise TargetError(str(exc)) from None
+        self.head = model.get_output_embeddings()
+        emb = getattr(self.base, "embed_tokens", None)
+        self.embed = emb if isinstance(emb, nn.Module) else model.get_input_embeddings()
+        if self.head is None or self.embed is None:
+            raise TargetError(f"{type(model).__name__}: no LM head or input embedding")
         self._aux: dict[int, torch.Tensor] = {}
         self._last: torch.Tensor | None = None
         self._hooks = []
@@ -69,7 +99,7 @@ class Target:
     @property
     def device(self) -> torch.device:
         """Where inputs go: the embedding's device (the first GPU when layers are spread)."""
-        return self.embed_weight.device
+        return self.embed.weight.device
 
     def _layer_hook(self, i: int):  # noqa: ANN202
         def hook(_mod: Any, _inp: Any, out: Any) -> None:
@@ -85,12 +115,9 @@ class Target:
         self._hooks.clear()
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight
-
-    @property
     def embed_weight(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
+        w = self.embed.weight
+        return w.full_tensor() if hasattr(w, "full_tensor") else w
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -102,15 +129,18 @@ class Target:
         if cache is not None:
             kw[self._cache_kw] = cache
         self.base(**kw)
-        if self._last is None or len(self._aux) != len(set(self.aux_layer_ids)):
+        if self._last is None or len(self._aux) != len(self.aux_layer_ids):
             raise TargetError("the forward pass did not reach every hooked layer")
-        aux = torch.cat([self._aux[i] for i in self.aux_layer_ids], dim=-1)
-        return Capture(aux, self._last)
+        last = self._last
+        # With layers spread over devices each aux state stays on its layer's GPU: gather on one.
+        aux = torch.cat([self._aux[i].to(last.device) for i in self.aux_layer_ids], dim=-1)
+        return Capture(aux, last)
 
     @torch.no_grad()
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        w = self.lm_head_weight
-        return last_hidden.to(w.dtype) @ w.T
+        """The LM head applied by its own module (a tensor-parallel head gathers its output)."""
+        w = self.head.weight
+        return self.head(last_hidden.to(w.device, w.dtype))
 
     @torch.no_grad()
     def argmax(self, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -118,32 +148,75 @@ class Target:
         flat = last_hidden.reshape(-1, last_hidden.shape[-1])
         out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
         for a in range(0, flat.shape[0], chunk):
-            out[a:a + chunk] = self.logits(flat[a:a + chunk]).argmax(-1)
+            out[a:a + chunk] = self.logits(flat[a:a + chunk]).argmax(-1).to(flat.device)
         return out.view(last_hidden.shape[:-1])
 
 
 def load_target(model_id: str, aux_layer_ids: list[int] | None, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> Target:
-    """Load the target for inference; ``aux_layer_ids=None`` picks SpecForge's default layers."""
-    from pipeline.eagle3.draft_model import default_aux_layers
+                device: str | torch.device = "cpu", parallel: str | None = None) -> Target:
+    """Load the target for inference; ``aux_layer_ids=None`` picks SpecForge's default layers.
 
-    if str(device) == "auto":  # accelerate places the layers over every visible GPU
+    ``parallel="tp"`` must run under ``torchrun``: transformers shards the model over the ranks
+    (``tp_plan="auto"``) and places each rank on its GPU (or the CPU, with gloo).
+    """
+    if parallel == "tp":
+        model = model_assets.load_model(model_id, dtype=dtype, tp_plan="auto")
+    elif str(device) == "auto":  # accelerate places the layers over every visible GPU
         model = model_assets.load_model(model_id, dtype=dtype, device_map="auto")
+    elif isinstance(device, dict):  # an explicit device map (tests split a model over cuda:0 and cpu)
+        model = model_assets.load_model(model_id, dtype=dtype, device_map=device)
     else:
         model = model_assets.load_model(model_id, dtype=dtype)
         model.to(device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    ids = aux_layer_ids if aux_layer_ids is not None else default_aux_layers(len(_decoder(model).layers))
+    ids = aux_layer_ids if aux_layer_ids is not None else default_aux_layers(len(text_backbone(model).layers))
     return Target(model, ids)
 
 
 def target_config(model_id: str) -> Any:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_assets.resolve(model_id))
+    """The text model's config (``text_config`` of a vision-language wrapper)."""
+    cfg = model_assets.model_config(model_id)
     return getattr(cfg, "text_config", None) or cfg
+
+
+def tensor_roles(model_id: str) -> dict[str, str]:
+    """The qualified parameter names of the input embedding, the final norm and the LM head.
+
+    Found on the model built on the meta device (no memory, no weights) from the modules
+    :class:`Target` uses: the text backbone's ``embed_tokens`` and ``norm``, the output embedding.
+    """
+    cfg = model_assets.model_config(model_id)
+    cls = model_assets.model_class(cfg)
+    with torch.device("meta"):
+        model = cls.from_config(cfg)
+    base = text_backbone(model)
+    emb = getattr(base, "embed_tokens", None)
+    emb = emb if isinstance(emb, nn.Module) else model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    roles = {"embed": module_name(model, emb) + ".weight", "norm": module_name(model, base.norm) + ".weight"}
+    if head is not None and head.weight is not emb.weight:
+        roles["head"] = module_name(model, head) + ".weight"
+    return roles
+
+
+def checkpoint_key(name: str, keys: list[str]) -> str | None:
+    """The checkpoint key holding the model parameter ``name``.
+
+    Exact when the files use the model's names; otherwise a checkpoint written in the original
+    layout (Kimi-K2.5: ``language_model.model.norm.weight`` for ``model.language_model.norm.weight``)
+    is matched on the same module and attribute (``norm.weight``, not ``pre_norm.weight``), outside
+    the decoder layers, sharing the most path components.
+    """
+    if name in keys:
+        return name
+    tail = name.split(".")[-2:]
+    parts = set(name.split("."))
+    cands = [k for k in keys if k.split(".")[-2:] == tail and ".layers." not in f".{k}" and ".blocks." not in f".{k}"]
+    if not cands:
+        return None
+    return max(cands, key=lambda k: (len(parts & set(k.split("."))), -len(k)))
 
 
 def load_target_tensors(model_id: str) -> dict[str, torch.Tensor]:
@@ -152,7 +225,6 @@ def load_target_tensors(model_id: str) -> dict[str, torch.Tensor]:
     Read straight from the safetensors files of a local folder, without building the layers; other
     sources (a hub id) fall back to loading the model.
     """
-    suffixes = {"embed": "embed_tokens.weight", "head": "lm_head.weight", "norm": "norm.weight"}
     path = Path(model_assets.resolve(model_id))
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if files:
@@ -167,16 +239,15 @@ def load_target_tensors(model_id: str) -> dict[str, torch.Tensor]:
                 with safe_open(str(f), framework="pt") as h:
                     where.update({k: f for k in h.keys()})  # noqa: SIM118 - safe_open is not iterable
         found: dict[str, torch.Tensor] = {}
-        for name, suf in suffixes.items():
-            # the decoder's own tensors, not e.g. a vision tower's: shortest matching key wins
-            keys = sorted((k for k in where if k.endswith(suf) and "layers." not in k), key=len)
-            if keys:
-                with safe_open(str(where[keys[0]]), framework="pt") as h:
-                    found[name] = h.get_tensor(keys[0]).float()
-        if "embed" in found and "norm" in found:
-            found.setdefault("head", found["embed"])
-            return found
+        for role, name in tensor_roles(model_id).items():
+            key = checkpoint_key(name, list(where))
+            if key is None:
+                raise TargetError(f"{path}: no tensor for the model's {role} ({name}) in the checkpoint")
+            with safe_open(str(where[key]), framework="pt") as h:
+                found[role] = h.get_tensor(key).float()
+        found.setdefault("head", found["embed"])
+        return found
     model = model_assets.load_model(model_id)
-    return {"embed": model.get_input_embeddings().weight.detach().float(),
-            "head": model.get_output_embeddings().weight.detach().float(),
-            "norm": _decoder(model).norm.weight.detach().float()}
+    t = Target(model, default_aux_layers(len(text_backbone(model).layers)))
+    return {"embed": t.embed.weight.detach().float(), "head": t.head.weight.detach().float(),
+            "norm": t.base.norm.weight.detach().float()}

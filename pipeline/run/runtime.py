@@ -61,6 +61,8 @@ class StageContext:
         self._pause_flag = (RunDir(run_dir).stage(stage_id).pause_flag if run_dir else None)
         self._last_progress = 0.0
         self._plan: plan_mod.Plan | None = None
+        # Under torchrun every rank runs the stage; rank 0 alone speaks for it (no duplicate events).
+        self.quiet = int(os.environ.get("RANK", "0") or 0) != 0
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -91,6 +93,8 @@ class StageContext:
 
     # -- events -----------------------------------------------------------------------------
     def emit(self, type_: str, **data: Any) -> None:
+        if self.quiet:
+            return
         ev = make(type_, **data)
         self._writer.write(ev)
         if self._echo:

@@ -14,7 +14,15 @@ at the tokenized sources, and ``projected_bytes`` is 0.
 Plan keys (``[extract]``): ``mode``, ``aux_layers`` (default SpecForge's ``[1, L//2-1, L-4]``),
 ``batch_tokens`` (8192), ``shard_tokens`` (262144), ``max_length`` (default ``[target] max_length``),
 ``max_rows`` / ``max_tokens`` (caps, for demos), ``device`` (``"auto"``: the target's layers spread over
-every visible GPU, for a target no single GPU holds) and ``dtype`` (bf16 on GPU, fp32 on CPU).
+every visible GPU, for a target no single GPU holds), ``parallel = "tp"`` with ``tp_size`` (default: the
+number of GPUs the stage holds) and ``dtype`` (bf16 on GPU, fp32 on CPU).
+
+**Tensor-parallel capture** (``parallel = "tp"``, for a target like Kimi-K2.5 that no GPU holds): the
+stage re-runs itself under ``torchrun`` with ``tp_size`` ranks; each rank loads its shard of the target
+(transformers' ``tp_plan="auto"``: MLP and MoE experts split across ranks), every rank runs the same
+batch (the all-reduces leave every rank the same hidden states), and rank 0 alone writes the shards
+and speaks for the stage. Pause is taken by all ranks together at a batch boundary. ``device =
+"auto"`` remains for a target spread layer by layer (one GPU busy at a time).
 """
 
 from __future__ import annotations
@@ -31,7 +39,20 @@ import torch
 
 from pipeline.data.shards import Row, ShardError, holdout_fraction, iter_rows, training_order
 from pipeline.eagle3 import hidden_store as hs
-from pipeline.eagle3.draft_model import default_aux_layers
+from pipeline.eagle3.draft_model import (
+    DraftModelError,
+    default_aux_layers,
+    normalise_aux_layers,
+    sglang_capture_ids,
+)
+from pipeline.run.ranks import (
+    Dist,
+    die_with_parent,
+    parallel_settings,
+    reexec_under_torchrun,
+    tp_device,
+    under_torchrun,
+)
 from pipeline.run.rundir import read_json, write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
 
@@ -51,15 +72,14 @@ def pick_device(sec: dict[str, Any]) -> tuple[str, torch.dtype]:
 
 
 def aux_layers_from(sec: dict[str, Any], num_layers: int, where: str) -> list[int]:
+    """``[extract] aux_layers`` as SGLang will capture them: ascending, distinct, in range."""
     ids = sec.get("aux_layers")
     if ids is None:
         return default_aux_layers(num_layers)
-    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"{where}: extract.aux_layers: expected a list of 3 layer ids, got {ids!r}")
-    for i in ids:
-        if not 0 <= i < num_layers:
-            raise ValueError(f"{where}: extract.aux_layers: layer {i} out of range (the target has {num_layers} layers)")
-    return list(ids)
+    try:
+        return normalise_aux_layers(ids, num_layers, f"{where}: extract.aux_layers")
+    except DraftModelError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def plan_shards(rows: list[Row], shard_tokens: int) -> list[list[Row]]:
@@ -129,19 +149,31 @@ def run_batch(target: Any, batch: list[Row]) -> list[dict[str, torch.Tensor]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.extract", description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
+    dist = Dist()
     try:
-        return run(ctx, collect_inputs(args, ctx))
+        par, size = parallel_settings(ctx.plan, "extract")
+        if par == "tp" and not under_torchrun():
+            ctx.message(f"tensor-parallel capture: starting {size} ranks under torchrun")
+            ctx.close()
+            reexec_under_torchrun(size, "pipeline.stages.extract", argv)
+        if under_torchrun():
+            die_with_parent()
+        return run(ctx, collect_inputs(args, ctx), dist if par == "tp" else None)
     except (ShardError, hs.StoreError, ValueError) as exc:
         fail(ctx, str(exc))
+    finally:
+        dist.close()
     return 1
 
 
-def run(ctx: StageContext, inputs: list[Path]) -> int:
+def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
+    """Extract; with ``dist`` (tensor-parallel ranks) every rank runs it and rank 0 writes."""
     from pipeline.eagle3.target_capture import load_target, target_config
 
     plan = ctx.plan
@@ -176,9 +208,16 @@ def run(ctx: StageContext, inputs: list[Path]) -> int:
     per_token = hs.bytes_per_token(hidden, len(aux))
     sources = [str(Path(p).absolute()) for p in inputs]
     base_manifest = {"kind": hs.KIND, "format": hs.FORMAT, "mode": mode, "target": model_id, "hidden_size": hidden,
-                     "num_layers": num_layers, "aux_layer_ids": aux, "dtype": "bfloat16", "sources": sources,
+                     "num_layers": num_layers, "aux_layer_ids": aux, "sglang_layers_to_capture": sglang_capture_ids(aux),
+                     "dtype": "bfloat16", "sources": sources,
                      "holdout": holdout, "max_length": max_length, "rows": len(rows), "tokens": total_tokens}
+    writer = dist is None or dist.main
+    if sec.get("aux_layers") is not None and list(sec["aux_layers"]) != aux:
+        ctx.message(f"extract.aux_layers {sec['aux_layers']} used as {aux}: SGLang captures layers in ascending "
+                    "order, each once", level="warning")
     if mode == "online":
+        if not writer:
+            return 0
         ctx.metric("projected_bytes", 0)
         write_json(ctx.out / "manifest.json", {**base_manifest, "bytes": 0, "shards": [],
                                                "row_ids": [r.id for r in training_order(rows)]})
@@ -208,7 +247,15 @@ def run(ctx: StageContext, inputs: list[Path]) -> int:
                 f"aux layers {aux}; projected {projected / 1e9:.3f} GB"
                 + (f"; resuming with {len(done)} shards done" if done else ""))
     device, dtype = pick_device(sec)
-    target = load_target(model_id, aux, dtype=dtype, device=device)
+    if dist is not None:
+        dev = tp_device(dist)
+        dist.init(dev)
+        if sec.get("dtype") is None:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        target = load_target(model_id, aux, dtype=dtype, parallel="tp")
+        ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
+    else:
+        target = load_target(model_id, aux, dtype=dtype, device=device)
     batch_tokens = int(sec.get("batch_tokens", 8192))
     tokens_done = sum(v["tokens"] for v in done.values())
     actual = sum(v["bytes"] for v in done.values())
@@ -220,7 +267,10 @@ def run(ctx: StageContext, inputs: list[Path]) -> int:
             continue
         captured: list[dict[str, torch.Tensor]] = []
         for batch in length_batches(shard_rows, batch_tokens):
-            ctx.safe_point()
+            if dist is not None:
+                dist.safe_point(ctx, target.device)
+            else:
+                ctx.safe_point()
             t0 = time.monotonic()
             captured.extend(run_batch(target, batch))
             n = sum(r.num_tokens for r in batch)
@@ -228,11 +278,16 @@ def run(ctx: StageContext, inputs: list[Path]) -> int:
             dt = max(time.monotonic() - t0, 1e-9)
             ctx.metric("tokens_per_s", n / dt)
             ctx.progress(tokens_done, total_tokens, unit="tokens")
+        if not writer:
+            done[name] = {}
+            continue
         size = hs.write_shard(ctx.out / name, captured, [r.id for r in shard_rows])
         done[name] = {"rows": len(shard_rows), "tokens": sum(r.num_tokens for r in shard_rows), "bytes": size}
         actual += size
         write_json(state_path, {"fingerprint": fp, "done": done})
         ctx.metric("actual_bytes", actual, shard=si)
+    if not writer:
+        return 0
     manifest = {**base_manifest, "bytes": actual,
                 "shards": [{"file": hs.shard_name(i), **done[hs.shard_name(i)]} for i in range(len(shards))]}
     write_json(ctx.out / "manifest.json", manifest)

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from pipeline.data.shards import ShardError
+from pipeline.run.ranks import Dist, die_with_parent, parallel_settings, reexec_under_torchrun, under_torchrun
 from pipeline.run.runtime import StageContext, add_common_args, fail
 from pipeline.stages.bench.offline import run_offline
 
@@ -33,6 +34,7 @@ MODES = ("offline", "online")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.bench", description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--mode", choices=MODES, default=None, help="default: [bench] mode, else offline")
@@ -46,14 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     if mode not in MODES:
         fail(ctx, f"{ctx.plan.path}: bench.mode: expected one of {', '.join(MODES)}, got {mode!r}")
     inputs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
+    dist = Dist()
     try:
         if mode == "offline":
-            return run_offline(ctx, inputs)
+            par, size = parallel_settings(ctx.plan, "bench")
+            if par == "tp" and not under_torchrun():
+                ctx.message(f"tensor-parallel target: starting {size} ranks under torchrun")
+                ctx.close()
+                reexec_under_torchrun(size, "pipeline.stages.bench", argv)
+            if under_torchrun():
+                die_with_parent()
+            return run_offline(ctx, inputs, dist if par == "tp" else None)
         from pipeline.stages.bench.online import run_online
 
         return run_online(ctx, inputs, args)
     except (ValueError, ShardError, json.JSONDecodeError) as exc:
         fail(ctx, str(exc))
+    finally:
+        dist.close()
     return 1
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pipeline.run.ranks import Dist, tp_device
 from pipeline.run.rundir import write_json
 from pipeline.run.runtime import StageContext, fail
 from pipeline.stages.bench.inputs import find_draft, heldout_prompts
@@ -33,7 +34,9 @@ def eos_ids(model_id: str, target: Any) -> set[int]:
     return ids
 
 
-def run_offline(ctx: StageContext, inputs: list[Path]) -> int:
+def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
+    """Speculative decoding on held-out prompts; with ``dist`` every rank holds a tensor-parallel
+    shard of the target and runs the same decode (same tokens on every rank), rank 0 writes."""
     from pipeline.eagle3.draft_model import load_draft
     from pipeline.eagle3.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
     from pipeline.eagle3.target_capture import load_target
@@ -47,9 +50,16 @@ def run_offline(ctx: StageContext, inputs: list[Path]) -> int:
     n_prompts = int(sec.get("prompts", 16))
     if steps < 1 or max_new < 2 or n_prompts < 1:
         fail(ctx, f"{plan.path}: bench.steps >= 1, bench.max_new_tokens >= 2 and bench.prompts >= 1 are required")
-    dev = torch.device(sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev)
+    if dist is not None:
+        dev = tp_device(dist)
+        dist.init(dev)
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, parallel="tp")
+        ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
+    else:
+        dev = torch.device(sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev)
     vocab = int(target.embed_weight.shape[0])
     prompts = heldout_prompts(man, n_prompts, vocab)
     if not prompts:
@@ -67,7 +77,10 @@ def run_offline(ctx: StageContext, inputs: list[Path]) -> int:
     gen_tokens = 0
     mismatches = 0
     for i, (rid, prompt) in enumerate(prompts):
-        ctx.safe_point()
+        if dist is not None:
+            dist.safe_point(ctx, target.device)
+        else:
+            ctx.safe_point()
         res = speculative_generate(target, drafter, prompt, steps, max_new, eos)
         if check:
             ref = greedy_generate(target, prompt, max_new, eos)
@@ -86,6 +99,8 @@ def run_offline(ctx: StageContext, inputs: list[Path]) -> int:
                            "verify_steps": res.steps, "accept_len": res.accept_len, "accepted": res.accepted})
         ctx.progress(i + 1, len(prompts), unit="prompts")
     elapsed = time.monotonic() - t0
+    if dist is not None and not dist.main:
+        return 0
     if not accepted:
         fail(ctx, "no verify step ran (every prompt ended at its first token)")
     accept_len = sum(accepted) / len(accepted) + 1

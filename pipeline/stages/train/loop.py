@@ -17,11 +17,11 @@ from pipeline.data.shards import find_manifests
 from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft, save_draft
+from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
 from pipeline.run.rundir import write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
 from pipeline.stages.train.batches import OfflineData, OnlineData
 from pipeline.stages.train.checkpoints import FINAL_DIR, STATE_FILE, checkpoints, save_checkpoint
-from pipeline.stages.train.dist import Dist, die_with_parent, reexec_under_torchrun
 from pipeline.stages.train.loss import counts_of, ttt_sums
 from pipeline.stages.train.settings import TrainSettings, global_indices, lr_at
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx is not None:
             ctx.message(f"starting {s.nproc} processes under torchrun")
             ctx.close()
-        reexec_under_torchrun(s.nproc, argv)
+        reexec_under_torchrun(s.nproc, "pipeline.stages.train", argv)
     if dist.world != s.nproc and "LOCAL_RANK" in os.environ and ctx is not None:
         ctx.message(f"running with WORLD_SIZE={dist.world} (plan says nproc={s.nproc})", level="warning")
     inputs = [Path(p) for p in args.input] if args.input else [plan_ctx.inputs[k] for k in sorted(plan_ctx.inputs)]

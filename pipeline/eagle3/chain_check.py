@@ -1,0 +1,263 @@
+"""The deep plan check: what the EAGLE-3 stages will do with this plan's target, before hours are spent.
+
+``python -m pipeline.eagle3.chain_check PLAN [--json]`` (run by ``aerie plan check --deep`` and by
+``aerie preflight`` on the host). Reads the target's ``config.json`` and tokenizer from a local
+folder or the local Hugging Face cache — never a download — builds the model on the meta device
+(no memory, no weights) and checks the chain: the architecture is one Aerie can capture, the aux
+layers are in range, the draft config it will build, the draft vocabulary fits the target's, the
+chat template renders a two-turn conversation, the offline hidden states fit the disk, and what
+each GPU rank holds for capture and for training. Every failure names the plan file and key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.run import plan as plan_mod
+
+GiB = 1024**3
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    warning: bool = False
+
+
+@dataclass
+class Report:
+    plan: str
+    checks: list[Check] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, ok: bool, detail: str, warning: bool = False) -> bool:
+        self.checks.append(Check(name, ok, detail, warning))
+        return ok
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def render(self) -> str:
+        lines = [f"deep check of {self.plan}:"]
+        for c in self.checks:
+            mark = "ok  " if c.ok and not c.warning else ("warn" if c.ok else "FAIL")
+            lines.append(f"  {mark} {c.name:<14} {c.detail}")
+        lines.append("ok: the chain can run" if self.ok else "not ok: fix the FAIL lines above")
+        return "\n".join(lines)
+
+
+def local_model_dir(model: str) -> Path | None:
+    """The folder holding the target's files: a local path, a built-in model, or the local HF cache."""
+    from pipeline.data import model_assets
+
+    if model.startswith(model_assets.BUILTIN_PREFIX):
+        return Path(model_assets.resolve(model))
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(model, "config.json")
+    except Exception:  # noqa: BLE001 - an odd cache means "not found", reported below
+        hit = None
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+def param_bytes(model: Any, cfg: Any) -> dict[str, int]:
+    """Bytes of the target's parameters by where they go under tensor parallelism.
+
+    ``sharded``: what the text model's TP plan splits over the ranks (MLP, shared and routed experts);
+    ``replicated``: everything else (MLA attention, embeddings, norms, router, the vision tower).
+    Routed experts stored as packed INT4 (Kimi-K2.5's compressed-tensors, group 32) count 0.5 byte
+    plus a bf16 scale per group; everything else at the checkpoint's dtype (bf16).
+    """
+    import fnmatch
+
+    tcfg = getattr(cfg, "text_config", None) or cfg
+    plan = dict(getattr(tcfg, "base_model_tp_plan", None) or {})
+    q = (getattr(cfg, "quantization_config", None) or getattr(tcfg, "quantization_config", None) or {})
+    q = q if isinstance(q, dict) else q.to_dict()
+    groups = q.get("config_groups") or {}
+    bits = next((g.get("weights", {}).get("num_bits") for g in groups.values() if isinstance(g, dict)), None)
+    group = next((g.get("weights", {}).get("group_size") for g in groups.values() if isinstance(g, dict)), None) or 32
+    out = {"sharded": 0, "replicated": 0}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        routed = ".mlp.experts." in f".{name}." and "shared_experts" not in name
+        b = n * bits // 8 + (n // group) * 2 if bits and routed else n * 2
+        tail = name.split("layers.", 1)[-1] if "layers." in name else name
+        sharded = any(fnmatch.fnmatch("layers." + tail, pat) or fnmatch.fnmatch("layers." + tail.rsplit(".", 1)[0], pat)
+                      for pat in plan)
+        out["sharded" if sharded else "replicated"] += b
+    return out
+
+
+def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
+    """Run every check; ``free_bytes`` overrides the free space measured at the run directory."""
+    import torch
+
+    from pipeline.data import model_assets
+    from pipeline.eagle3 import hidden_store as hs
+    from pipeline.eagle3.draft_model import (
+        DraftConfig,
+        DraftModelError,
+        default_aux_layers,
+        normalise_aux_layers,
+    )
+    from pipeline.eagle3.target_capture import TargetError, tensor_roles, text_backbone
+
+    rep = Report(str(plan.path))
+    where = str(plan.path)
+    model = str(plan.target.get("model") or "")
+    folder = local_model_dir(model) if model else None
+    if folder is None or not (folder / "config.json").is_file():
+        rep.add("target", False, f"{where}: target.model: {model or '(not set)'}: no config.json in a local folder or "
+                                 "the local Hugging Face cache (download it first: nothing is fetched here)")
+        return rep
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = model_assets.model_config(str(folder))
+        cls = model_assets.model_class(cfg)
+        with torch.device("meta"):
+            meta = cls.from_config(cfg)
+        base = text_backbone(meta)
+        roles = tensor_roles(str(folder))
+    except (model_assets.ModelAssetError, TargetError, ValueError, OSError) as exc:
+        rep.add("architecture", False, f"{where}: target.model: {exc}")
+        return rep
+    tcfg = getattr(cfg, "text_config", None) or cfg
+    n_layers, hidden, vocab = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)
+    total = sum(p.numel() for p in meta.parameters())
+    rep.add("architecture", True, f"{tcfg.model_type} ({type(meta).__name__}): {n_layers} layers, hidden {hidden}, "
+                                  f"vocab {vocab}, {total / 1e9:.1f}B parameters; final norm {roles['norm']}")
+    del base
+
+    ext = plan.section("extract")
+    try:
+        aux = (normalise_aux_layers(ext["aux_layers"], n_layers, f"{where}: extract.aux_layers")
+               if "aux_layers" in ext else default_aux_layers(n_layers))
+        note = "" if ext.get("aux_layers") in (None, aux) else f" (plan order {ext['aux_layers']} sorted)"
+        rep.add("aux layers", True, f"{aux}{note}; SGLang captures the inputs of layers {[i + 1 for i in aux]}")
+    except DraftModelError as exc:
+        rep.add("aux layers", False, str(exc))
+        aux = default_aux_layers(n_layers)
+
+    dv = plan.section("vocab").get("draft_vocab_size", 32000)
+    if not isinstance(dv, int) or isinstance(dv, bool) or not 0 < dv <= vocab:
+        rep.add("draft vocab", False, f"{where}: vocab.draft_vocab_size: {dv!r} must be between 1 and the target's "
+                                      f"vocabulary ({vocab})")
+        dv = min(32000, vocab)
+    else:
+        rep.add("draft vocab", True, f"{dv} of the target's {vocab} tokens")
+    dcfg = DraftConfig.from_target(tcfg, dv, aux)
+    h, nh, hd, inter = dcfg.hidden_size, dcfg.num_attention_heads, dcfg.head_dim, dcfg.intermediate_size
+    draft_params = (3 * h * h + 2 * h * nh * hd * 2 + 2 * h * dcfg.num_key_value_heads * hd + nh * hd * h
+                    + 3 * h * inter + dv * h)
+    rope = (dcfg.rope_scaling or {}).get("rope_type", (dcfg.rope_scaling or {}).get("type", "default"))
+    rep.add("draft", True, f"hidden {h}, {nh} heads x {hd}, {dcfg.num_key_value_heads} KV heads, MLP {inter}, "
+                           f"rope {rope} (theta {dcfg.rope_theta:g}), {draft_params / 1e9:.2f}B trainable parameters")
+    rep.numbers["draft_params"] = draft_params
+
+    try:
+        from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
+
+        tok = load_hf_tokenizer(str(folder))
+        ct = ChatTokenizer(tok, int(plan.target.get("max_length", 2048)), tokenizer_id=model)
+        conv = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+                {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6."}]
+        enc = ct.encode([conv])[0]
+        if isinstance(enc, Exception):
+            raise ValueError(str(enc))
+        rep.add("chat template", bool(enc.target_tokens), f"a two-turn conversation renders to {enc.num_tokens} tokens, "
+                                                          f"{enc.target_tokens} of them trained (assistant)")
+    except Exception as exc:  # noqa: BLE001 - any template/tokenizer failure is this check's finding
+        rep.add("chat template", False, f"{where}: target.model: the tokenizer or its chat template fails: "
+                                        f"{type(exc).__name__}: {exc}")
+
+    # Disk: offline hidden states for the planned rows, against free space at the run directory.
+    from pipeline.run import budget
+
+    per_token = hs.bytes_per_token(hidden, len(aux))
+    max_len = int(ext.get("max_length", plan.target.get("max_length", 2048)))
+    rows = sum(int(d.quota or 0) for d in plan.datasets)
+    tokens = int(ext.get("max_tokens") or rows * max_len)
+    mode = budget.storage_mode(plan) if plan.section("train").get("target") != "online-tp" else "online"
+    need = 0 if mode == "online" else tokens * per_token
+    rep.numbers.update(bytes_per_token=per_token, tokens=tokens, hidden_state_bytes=need)
+    if free_bytes is None:
+        p = Path(plan.run_dir)
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        free_bytes = shutil.disk_usage(p).free
+    reserve = budget.reserve_bytes(plan)
+    if mode == "online":
+        rep.add("disk", True, "online training: no hidden states are stored (0 B)")
+    else:
+        fits = need + reserve <= free_bytes
+        rep.add("disk", fits, f"{where}: offline hidden states {budget.human_bytes(need)} ({per_token / 1000:.1f} KB/token x "
+                              f"{tokens:,} tokens, at most {rows:,} rows x {max_len} tokens) + reserve "
+                              f"{budget.human_bytes(reserve)} vs {budget.human_bytes(free_bytes)} free at the run "
+                              "directory" + ("" if fits else "; free space, lower the quotas or go online"))
+
+    # GPU memory per rank.
+    tp = int(ext.get("tp_size") or len(plan.gpus) or 1) if ext.get("parallel") == "tp" else 1
+    pb = param_bytes(meta, cfg)
+    capture = pb["replicated"] + pb["sharded"] // tp
+    batch_tokens = int(ext.get("batch_tokens", 8192))
+    act = batch_tokens * hidden * 2 * 8  # a few live (tokens x hidden) bf16 buffers per layer step
+    capture += act + batch_tokens * len(aux) * hidden * 2
+    tr = plan.section("train")
+    mb, ttt = int(tr.get("micro_batch", 8)), int(tr.get("ttt_steps", 7))
+    seq = int(tr.get("max_length") or max_len)
+    draft_state = draft_params * 16 + vocab * h * 2  # fp32 weights + grads + AdamW m, v; bf16 frozen embedding
+    train_act = mb * seq * (dv * 4 * 3 + ttt * h * 2 * 12)  # fp32 logits of one TTT step alive + per-step activations
+    training = draft_state + train_act + dv * h * 4
+    rep.numbers.update(capture_bytes_per_rank=capture, training_bytes_per_rank=training, tp_size=tp,
+                       target_sharded_bytes=pb["sharded"], target_replicated_bytes=pb["replicated"])
+    gpu_gb = plan.resources.get("gpu_memory_gb")
+    detail = (f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(pb['sharded'] // tp)} "
+              f"sharded + {budget.human_bytes(pb['replicated'])} replicated + activations); training "
+              f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
+              f"at micro_batch {mb} x {seq} tokens)")
+    if isinstance(gpu_gb, int | float) and not isinstance(gpu_gb, bool):
+        cap = float(gpu_gb) * 1e9
+        worst = max(capture, training)
+        rep.add("gpu memory", worst <= cap, detail + f" vs {gpu_gb} GB per GPU (resources.gpu_memory_gb)"
+                + ("" if worst <= cap else f"; {budget.human_bytes(worst)} does not fit"))
+    else:
+        rep.add("gpu memory", True, detail + " (set resources.gpu_memory_gb to have it checked)", warning=True)
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.eagle3.chain_check", description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--json", action="store_true", help="one JSON object: checks and numbers")
+    ap.add_argument("--free-bytes", type=int, default=None, help="use this free space instead of measuring it")
+    args = ap.parse_args(argv)
+    try:
+        plan = plan_mod.load(args.plan)
+    except plan_mod.PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rep = check(plan, args.free_bytes)
+    if args.json:
+        print(json.dumps({"ok": rep.ok, "checks": [asdict(c) for c in rep.checks], "numbers": rep.numbers}))
+    else:
+        print(rep.render())
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Kimi-K2.5's architecture as a test fixture: its published config, and a tiny random-weight model of it.
+
+:data:`KIMI_K25_CONFIG` is ``moonshotai/Kimi-K2.5``'s ``config.json`` as published (vision-language
+wrapper ``kimi_k25`` around a DeepSeek-V3-class text model). Each value says where it came from:
+
+* [dump] a printout of a local copy of ``moonshotai/Kimi-K2.5``'s config and weight table after
+  transformers 5.7.0 loaded it (stored public file, found with the library's ``search`` tool);
+* [mlx] a verbatim slice of ``mlx-community/Kimi-K2.5``'s ``config.json`` (the raw text config says
+  ``model_type = "kimi_k2"`` and ``rope_scaling``, which transformers renames on load);
+* [weights] the same dump's tensor table (shapes that pin the sizes: q_b_proj [12288, 1536] = 64 heads
+  × (128 + 64); kv_b_proj [16384, 512] = 64 × (128 + 128); layer 0 dense, layers 1..60 MoE).
+
+The chat template (``fixtures/kimi_k25/chat_template.jinja``) is Kimi-K2.5's ``chat_template.jinja``
+byte for byte, as vendored by lightseekorg/smg (crates/tokenizer/tests/fixtures/kimi_k25/, commit
+a18d64f5), which took it from huggingface.co/moonshotai/Kimi-K2.5. Kimi's real tokenizer (tiktoken,
+163,840 ids) cannot be shipped; :func:`build_tiny_tokenizer` trains a small byte-level BPE with
+Kimi's special tokens and attaches that template, so prep renders exactly what Kimi-K2.5 renders.
+
+The quantisation block (compressed-tensors INT4, group 32, the routed experts only) is part of the
+real-size config (the memory estimate of ``aerie plan check --deep`` reads it); the tiny model drops
+it: its random weights are plain fp32, not packed INT4.
+
+:func:`tiny_kimi_config` shrinks *only sizes* (layers, hidden, heads, LoRA ranks, head dims, experts,
+vocabulary) and keeps every other field — YaRN with Kimi's factors, sigmoid routing with
+``noaux_tc``, a shared expert, ``first_k_dense_replace = 1``, the routed scaling factor.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+KIMI_K25_TEXT: dict[str, Any] = {
+    "model_type": "kimi_k2",  # [mlx] (transformers maps kimi_k2 -> deepseek_v3)
+    "architectures": ["DeepseekV3ForCausalLM"],  # [dump]
+    "vocab_size": 163840,  # [dump] [weights] embed/lm_head [163840, 7168]
+    "hidden_size": 7168,  # [dump]
+    "intermediate_size": 18432,  # [dump] [weights] layer 0 mlp.gate_proj [18432, 7168]
+    "moe_intermediate_size": 2048,  # [dump] [weights] shared_experts [2048, 7168]
+    "num_hidden_layers": 61,  # [dump]
+    "num_attention_heads": 64,  # [dump] [weights]
+    "num_key_value_heads": 64,  # [dump]
+    "n_routed_experts": 384,  # [dump] [weights] gate.weight [384, 7168]
+    "n_shared_experts": 1,  # [dump]
+    "num_experts_per_tok": 8,  # [dump]
+    "first_k_dense_replace": 1,  # [dump] [weights] layer 0 dense, 1..60 MoE
+    "moe_layer_freq": 1,  # [dump]
+    "q_lora_rank": 1536,  # [dump] [weights] q_a_proj [1536, 7168]
+    "kv_lora_rank": 512,  # [dump] [weights] kv_a_proj_with_mqa [576, 7168] = 512 + 64
+    "qk_nope_head_dim": 128,  # [dump]
+    "qk_rope_head_dim": 64,  # [dump]
+    "v_head_dim": 128,  # [dump] [weights] o_proj [7168, 8192] = 64 x 128
+    "rope_theta": 50000.0,  # [dump] [mlx]
+    "rope_scaling": {  # [dump] [mlx]
+        "type": "yarn",
+        "factor": 64.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    "max_position_embeddings": 262144,  # [dump]
+    "routed_scaling_factor": 2.827,  # [dump]
+    "scoring_func": "sigmoid",  # [dump]
+    "topk_method": "noaux_tc",  # [dump]
+    "n_group": 1,  # [dump]
+    "topk_group": 1,  # [dump]
+    "norm_topk_prob": True,  # [dump]
+    "rms_norm_eps": 1e-05,  # [dump] [mlx] (Kimi-K2 had 1e-06)
+    "hidden_act": "silu",  # [dump]
+    "attention_bias": False,  # [dump]
+    "attention_dropout": 0.0,  # [dump]
+    "initializer_range": 0.02,  # [dump]
+    "tie_word_embeddings": False,  # [dump] [weights] embed and lm_head stored separately
+    "num_nextn_predict_layers": 0,  # [dump]
+    "bos_token_id": 163584,  # [dump]
+    "eos_token_id": 163585,  # [dump]
+    "pad_token_id": 163839,  # [dump]
+    "torch_dtype": "bfloat16",  # [dump]
+}
+
+KIMI_K25_VISION: dict[str, Any] = {  # [dump]; the tiny model shrinks these too (sizes only)
+    "patch_size": 14,
+    "pos_emb_height": 64,
+    "pos_emb_width": 64,
+    "pos_emb_time": 4,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "merge_kernel_size": [2, 2],
+}
+
+KIMI_K25_CONFIG: dict[str, Any] = {
+    "architectures": ["KimiK25ForConditionalGeneration"],  # [dump]
+    "model_type": "kimi_k25",  # [dump]
+    "bos_token_id": 163584,  # [dump]
+    "eos_token_id": 163585,  # [dump]
+    "pad_token_id": 163839,  # [dump]
+    "media_placeholder_token_id": 163605,  # [dump]
+    "tie_word_embeddings": False,  # [dump]
+    "torch_dtype": "bfloat16",  # [dump]
+    "text_config": KIMI_K25_TEXT,
+    "vision_config": KIMI_K25_VISION,
+    "quantization_config": {  # [dump]: INT4 routed experts; attention, shared experts, dense MLP, head in bf16
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                  "group_size": 32, "dynamic": False, "observer": "minmax"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": None,
+    },
+}
+
+# What "tiny" changes: sizes only. Every key not listed here keeps Kimi-K2.5's value.
+TINY_TEXT_SIZES: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 6,  # layer 0 dense, 1..5 MoE; EAGLE-3 needs >= 5 for low/mid/high
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "bos_token_id": 1,  # ids must exist in the tiny vocabulary
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+TINY_VISION_SIZES: dict[str, Any] = {
+    "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+    "pos_emb_height": 8, "pos_emb_width": 8,
+}
+
+
+def kimi_config(tiny: bool = False, **text_overrides: Any) -> dict[str, Any]:
+    """Kimi-K2.5's ``config.json`` as a dict; ``tiny`` shrinks sizes only."""
+    cfg = copy.deepcopy(KIMI_K25_CONFIG)
+    if tiny:
+        cfg["text_config"].update(TINY_TEXT_SIZES)
+        cfg["vision_config"].update(TINY_VISION_SIZES)
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            cfg[k] = TINY_TEXT_SIZES[k]
+        cfg.pop("media_placeholder_token_id", None)
+        cfg.pop("quantization_config", None)
+    cfg["text_config"].update(text_overrides)
+    return cfg
+
+
+def write_config(folder: Path, tiny: bool = False, **text_overrides: Any) -> Path:
+    """A model folder holding only ``config.json`` (shape-only checks: nothing is loaded)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(kimi_config(tiny, **text_overrides), indent=2))
+    return folder
+
+
+TEMPLATE = Path(__file__).parent / "fixtures" / "kimi_k25" / "chat_template.jinja"
+# Kimi-K2.5's special tokens (tokenizer_config.json of the K2 family); the tiny tokenizer numbers them
+# from 0 so they fit its 512-id vocabulary: [PAD] 0, [BOS] 1, [EOS] 2 (as TINY_TEXT_SIZES says).
+SPECIAL_TOKENS = [
+    "[PAD]", "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+    "<|im_middle|>", "[EOT]", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_begin|>",
+    "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<think>", "</think>", "[UNK]",
+]
+
+
+def build_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
+    """A byte-level BPE tokenizer with Kimi-K2.5's special tokens and chat template, ids < ``vocab_size``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [line for f in sorted((Path(__file__).resolve().parents[1] / "pipeline" / "data"
+                                                             / "fixtures" / "datasets").glob("*.jsonl"))
+              for line in f.read_text().splitlines()[:40]]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
+                                   unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS
+                                                           if t not in ("[PAD]", "[BOS]", "[EOS]", "[UNK]")]})
+    fast.chat_template = TEMPLATE.read_text()
+    fast.save_pretrained(str(folder))
+    assert len(fast) <= vocab_size, len(fast)
+    return folder
+
+
+def build_tiny_kimi(folder: Path, seed: int = 0, dtype: str = "float32", **text_overrides: Any) -> Path:
+    """A random-weight Kimi-K2.5-architecture model, saved with transformers' own classes in the layout
+    Kimi-K2.5's own files use (``language_model.model.layers.N``), with the tiny Kimi tokenizer."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    write_config(folder, tiny=True, **text_overrides)
+    cfg = AutoConfig.from_pretrained(str(folder))
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg, dtype=getattr(torch, dtype))
+    model.eval()
+    model.save_pretrained(str(folder))
+    # transformers 5.24 writes the text layers back as ``blocks.N`` (a vision rename applied in reverse);
+    # Kimi-K2.5's checkpoint says ``layers.N``, and both load. Keep what the real files say.
+    for f in folder.glob("*.safetensors"):
+        sd = load_file(str(f))
+        sd = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in sd.items()}
+        save_file(sd, str(f), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        d = json.loads(index.read_text())
+        d["weight_map"] = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+                           for k, v in d["weight_map"].items()}
+        index.write_text(json.dumps(d))
+    write_config(folder, tiny=True, **text_overrides)  # the published config.json, not transformers' rewrite
+    build_tiny_tokenizer(folder, int(TINY_TEXT_SIZES["vocab_size"]))
+    return folder
