@@ -8,6 +8,14 @@ in chunks, as the stage does. Timed three ways: the target forward with capture,
 (LM head) pass, and end to end with the copy to the host and one hidden-state shard written to
 local disk. MFU counts the model's FLOPs (linear layers + causal attention + LM head) over the bf16
 matmul ceiling measured in the same run. ``--shape tiny --device cpu`` is a smoke run.
+
+``python bench/gpu_extract.py --kimi [--kimi-mode one|auto|tp]`` times the MoE path instead: a
+tiny-but-wide Kimi-K2.5-architecture target (``tests/kimi_fixture.py``: the real ``kimi_k25`` /
+``deepseek_v3`` classes, MLA, YaRN, sigmoid-routed experts with a shared expert; hidden 2048, 8
+layers, 64 experts top-8) loaded the three ways the extract stage can: on one device, spread by
+accelerate (``device = "auto"``) and tensor-parallel through transformers' ``tp_plan`` under torchrun
+(``parallel = "tp"``, here 1 rank per visible GPU). Without ``--kimi-mode`` it runs all three (the TP
+one in a torchrun child) and prints tokens/s side by side.
 """
 
 from __future__ import annotations
@@ -37,8 +45,94 @@ def flops_per_token(cfg, seq: int) -> tuple[float, float]:
     return cfg.num_hidden_layers * (2 * linear + attn), 2 * h * cfg.vocab_size
 
 
+KIMI_WIDE = {"hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 512, "num_hidden_layers": 8,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64, "num_experts_per_tok": 8,
+             "q_lora_rank": 512, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+             "v_head_dim": 64, "vocab_size": 512}
+
+
+def kimi_capture(args: argparse.Namespace) -> int:
+    """One way of loading the Kimi-architecture target: capture tokens/s (prints one JSON line)."""
+    import json
+    import os
+
+    from pipeline.eagle3.target_capture import load_target
+    from pipeline.run.ranks import Dist, tp_device
+
+    folder = Path(args.kimi_dir)
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if args.kimi_mode == "tp":
+        dist = Dist()
+        dev = tp_device(dist)
+        target = load_target(str(folder), None, dtype=dtype, device=dev, parallel="tp")
+    else:
+        dev = torch.device("cuda" if on_gpu else "cpu")
+        target = load_target(str(folder), None, dtype=dtype, device="auto" if args.kimi_mode == "auto" else dev)
+    b, s = args.batch, args.seq
+    ids = torch.randint(3, 500, (b, s), device=target.device)
+    mask = torch.ones_like(ids)
+
+    def step() -> None:
+        c = target.capture(ids, attention_mask=mask)
+        target.argmax(c.last_hidden)
+
+    with torch.no_grad():
+        t = statistics.median(time_ms(step, target.device, reps=args.reps))
+    params = list(target.model.parameters())
+    res = {"mode": args.kimi_mode, "capture_ms": t, "capture_tok_s": b * s / (t / 1e3),
+           "param_devices": sorted({str(p.device) for p in params}),
+           "dtensor_params": sum(hasattr(p, "device_mesh") for p in params),
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+           "world": int(os.environ.get("WORLD_SIZE", "1"))}
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("KIMI " + json.dumps(res), flush=True)
+    return 0
+
+
+def kimi_compare(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.kimi_fixture import build_tiny_kimi
+
+    folder = Path(tempfile.mkdtemp(prefix="kimi_wide_"))
+    build_tiny_kimi(folder, dtype="bfloat16", **KIMI_WIDE)
+    base = [sys.executable, str(Path(__file__).resolve()), "--kimi", "--kimi-dir", str(folder), "--batch",
+            str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps)]
+    gpus = torch.cuda.device_count() or 1
+    runs = {"one": base + ["--kimi-mode", "one"], "auto": base + ["--kimi-mode", "auto"],
+            "tp": [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                   *base[1:], "--kimi-mode", "tp"]}
+    out = {}
+    for mode, cmd in runs.items():
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = next((x for x in p.stdout.splitlines() if x.startswith("KIMI ")), None)
+        out[mode] = json.loads(line[5:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
+    import transformers
+
+    res = {"bench": "gpu_extract_kimi", **device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+           "transformers": transformers.__version__, "shape": KIMI_WIDE, "batch": args.batch, "seq": args.seq,
+           "gpus": gpus, "modes": out}
+    write_out("gpu_extract_kimi.json", res)
+    print(f"\nKimi-K2.5-architecture capture (hidden 2048, 8 layers, 64 experts top-8), batch {args.batch}x{args.seq}, "
+          f"{gpus} GPU(s), transformers {transformers.__version__}")
+    for mode, r in out.items():
+        if "error" in r:
+            print(f"  {mode:<5} FAILED: {r['error'][-600:]}")
+        else:
+            print(f"  {mode:<5} {r['capture_tok_s']:10,.0f} tok/s  ({r['capture_ms']:.1f} ms/batch, "
+                  f"peak {r['peak_mem_gib'] or 0:.1f} GiB, {r['world']} rank(s))")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kimi", action="store_true", help="the Kimi-K2.5-architecture MoE target, three ways")
+    ap.add_argument("--kimi-mode", choices=("one", "auto", "tp"), default=None)
+    ap.add_argument("--kimi-dir", default=None)
     ap.add_argument("--shape", default="llama8b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
@@ -46,6 +140,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    if args.kimi:
+        return kimi_capture(args) if args.kimi_mode else kimi_compare(args)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ceiling = matmul_ceiling_tflops(dev)

@@ -225,6 +225,7 @@ def test_every_stage_runs_on_the_kimi_architecture(tmp_path: Path, tiny_kimi: Pa
     from tests.test_eagle3_model import SGLANG_PARAMS, sglang_param_for
 
     plan = _plan(tmp_path, tiny_kimi)
+    plan.write_text(plan.read_text().replace("check_lossless = true", 'check_lossless = true\ndevice = "cpu"'))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
     p = subprocess.run([sys.executable, "-m", "console.cli", "run", str(plan), "--headless"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
@@ -256,7 +257,7 @@ def test_every_stage_runs_on_the_kimi_architecture(tmp_path: Path, tiny_kimi: Pa
     # The offline bench with the target tensor-parallel over 2 gloo ranks (as the reference plan
     # runs it over 8 GPUs) decodes the same tokens and accepts the same drafts.
     tp_plan = plan.with_name("plan-tp.toml")
-    tp_plan.write_text(plan.read_text().replace("check_lossless = true", 'check_lossless = true\nparallel = "tp"\ntp_size = 2'))
+    tp_plan.write_text(plan.read_text().replace("check_lossless = true", 'check_lossless = true\nparallel = "tp"\ntp_size = 2\ndevice = "cpu"'))
     argv = [sys.executable, "-m", "pipeline.stages.bench", "--plan", str(tp_plan), "--out", str(tmp_path / "bench-tp"),
             "--input", str(out / "train" / "out")]
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -292,8 +293,8 @@ def test_tensor_parallel_capture_over_two_gloo_ranks_equals_one_process(tmp_path
     assert prep.returncode == 0, prep.stderr[-3000:]
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    one = _plan(tmp_path / "one", tiny_kimi)
-    two = _plan(tmp_path / "two", tiny_kimi, 'parallel = "tp"\ntp_size = 2')
+    one = _plan(tmp_path / "one", tiny_kimi, 'device = "cpu"')
+    two = _plan(tmp_path / "two", tiny_kimi, 'parallel = "tp"\ntp_size = 2\ndevice = "cpu"')
     _extract(one, tmp_path / "ext1", [tmp_path / "tok"])
     p = _extract(two, tmp_path / "ext2", [tmp_path / "tok"])
     assert "2 ranks" in p.stderr or "tensor-parallel" in (tmp_path / "ext2" / "events.jsonl").read_text()
@@ -412,3 +413,44 @@ def test_aerie_plan_check_deep_prints_the_checks(hf_cache: Path) -> None:
     # this machine's disk is far from the ~11 TB the reference run needs: the deep check says so
     assert "deep check of" in p.stdout and "architecture" in p.stdout and "gpu memory" in p.stdout
     assert (p.returncode == 0) == ("not ok" not in p.stdout)
+
+
+def split_layers(model: torch.nn.Module, base: torch.nn.Module, on_gpu: list[int]) -> None:
+    """Place the embedding and layers ``on_gpu`` on cuda:0, the rest on the CPU, each layer moving its
+    inputs to its own device first — what accelerate's dispatch does over several GPUs."""
+    def to_own_device(mod, args, kwargs):  # noqa: ANN001, ANN202
+        dev = next(mod.parameters()).device
+
+        def mv(x):  # noqa: ANN001, ANN202
+            if isinstance(x, torch.Tensor):
+                return x.to(dev)
+            if isinstance(x, tuple | list):
+                return type(x)(mv(y) for y in x)
+            return x
+        return mv(args), {k: mv(v) for k, v in kwargs.items()}
+
+    base.embed_tokens.to("cuda:0")
+    base.rotary_emb.to("cuda:0")
+    for i, layer in enumerate(base.layers):
+        layer.to("cuda:0" if i in on_gpu else "cpu")
+        layer.register_forward_pre_hook(to_own_device, with_kwargs=True)
+    base.norm.register_forward_pre_hook(to_own_device, with_kwargs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the model is split between cuda:0 and the CPU")
+def test_a_target_split_between_gpu_and_cpu_is_captured_on_one_device(tiny_kimi: Path) -> None:
+    """device = "auto" spreads layers over devices; the aux states come back from each layer's own
+    device and must be gathered (today's torch.cat failed across devices)."""
+    from pipeline.eagle3.target_capture import load_target
+
+    ref = load_target(str(tiny_kimi), [1, 2, 4], dtype=torch.float32, device="cpu")
+    spread = load_target(str(tiny_kimi), [1, 2, 4], dtype=torch.float32, device="cpu")
+    split_layers(spread.model, spread.base, on_gpu=[0, 1, 2])
+    assert spread.device.type == "cuda"
+    ids = torch.randint(3, 500, (2, 24))
+    a = ref.capture(ids, torch.ones_like(ids))
+    b = spread.capture(ids.to(spread.device), torch.ones_like(ids).to(spread.device))
+    assert {t.device.type for t in spread._aux.values()} == {"cuda", "cpu"}  # layers 1, 2 on the GPU, 4 on the CPU
+    assert b.aux.device == b.last_hidden.device
+    torch.testing.assert_close(b.aux.cpu(), a.aux, rtol=1e-4, atol=1e-4)
+    assert torch.equal(spread.argmax(b.last_hidden).cpu(), ref.argmax(a.last_hidden))

@@ -313,3 +313,35 @@ async def test_a_misspelt_executor_option_is_named_not_ignored(ssh_plan):
     rep = await preflight(plan)
     assert not rep.ok and [c.name for c in rep.checks] == ["plan"]
     assert f"{plan.path}: executor.options.know_hosts: unknown key" in rep.checks[0].detail
+
+
+async def test_preflight_runs_the_deep_chain_check_on_the_host(ssh_plan, tmp_path):
+    """An EAGLE-3 plan is checked on the host against the host's copy of the target (here a tiny
+    Kimi-K2.5-architecture model): the chain's findings are preflight lines, and a bad one stops it."""
+    from tests.kimi_fixture import build_tiny_kimi
+
+    model = build_tiny_kimi(tmp_path / "kimi")
+    body = f"""
+        [target]
+        model = "{model}"
+        max_length = 256
+        [extract]
+        aux_layers = [4, 1, 2]
+        [vocab]
+        draft_vocab_size = VOCAB
+        [[stage]]
+        id = "extract"
+        run = "extract"
+        """
+    rep = await preflight(plan_mod.load(ssh_plan(body.replace("VOCAB", "128"))))
+    assert rep.ok, rep.render()
+    lines = {c.name: c for c in rep.checks}
+    assert "kimi_k25" in lines["chain: architecture"].detail or "deepseek_v3" in lines["chain: architecture"].detail
+    assert lines["chain: aux layers"].detail.startswith("[1, 2, 4]")
+    assert "trained" in lines["chain: chat template"].detail
+
+    rep = await preflight(plan_mod.load(ssh_plan(body.replace("VOCAB", "100000"), name="bad.toml",
+                                                 remote_dir=tmp_path / "remote2" / "run")))
+    assert not rep.ok
+    bad = [c for c in rep.checks if not c.ok]
+    assert [c.name for c in bad] == ["chain: draft vocab"] and "vocab.draft_vocab_size" in bad[0].detail

@@ -90,6 +90,30 @@ print(json.dumps(r))
 '''
 
 
+EAGLE3_STAGES = ("extract", "train", "bench")
+
+
+async def _chain(rep: PreflightReport, conn: HostConnection, python: str, pythonpath: str | None,
+                 remote_plan: str) -> None:
+    """``python -m pipeline.eagle3.chain_check`` on the host: each of its checks becomes a ``chain:`` line.
+
+    A target not yet on the host (a plan whose first stages download it) is a warning, not a refusal.
+    """
+    cmd = remote_python(python, pythonpath, "-m", "pipeline.eagle3.chain_check", remote_plan, "--json")
+    r = await conn.run(cmd, timeout_s=900.0)
+    try:
+        doc = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        rep.add("chain", False, f"the deep check did not run on the host (exit {r.returncode}): "
+                                f"{(r.stderr or r.stdout).strip()[-400:]}")
+        return
+    for c in doc.get("checks", []):
+        if c["name"] == "target" and not c["ok"]:
+            rep.add("chain", True, c["detail"] + " — the deep check is skipped until it is there", warning=True)
+            return
+        rep.add(f"chain: {c['name']}", bool(c["ok"]), c["detail"], warning=bool(c.get("warning")))
+
+
 @dataclass
 class Check:
     name: str
@@ -315,6 +339,11 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             rep.add("disk", False, f"{_gib(free)} free at {root}, but the stages declare {_gib(declared)} of outputs")
             return
         rep.add("disk", True, f"{_gib(free)} free at {root}" + (f" (stages declare {_gib(declared)})" if declared else ""))
+        # 7. the EAGLE-3 chain, checked on the host against the host's copy of the target
+        if any(st.run in EAGLE3_STAGES for st in plan.stages):
+            await _chain(rep, conn, python, pythonpath, remote_plan)
+            if not rep.ok:
+                return
         layout = RemoteLayout(root=root, python=python, pythonpath=pythonpath, plan=remote_plan)
         await _write_atomic(sftp, posixpath.join(root, LAYOUT_FILE), layout.to_json().encode())
         rep.layout = layout

@@ -157,10 +157,14 @@ def load_target(model_id: str, aux_layer_ids: list[int] | None, dtype: torch.dty
     """Load the target for inference; ``aux_layer_ids=None`` picks SpecForge's default layers.
 
     ``parallel="tp"`` must run under ``torchrun``: transformers shards the model over the ranks
-    (``tp_plan="auto"``) and places each rank on its GPU (or the CPU, with gloo).
+    (``tp_plan="auto"``), starting the process group itself and placing each rank on its GPU (or the
+    CPU, with gloo); ``device`` is the rank's device.
     """
     if parallel == "tp":
         model = model_assets.load_model(model_id, dtype=dtype, tp_plan="auto")
+        # With one rank transformers applies no plan and leaves the weights where they were loaded.
+        if str(device) not in ("cpu", "auto") and not any(hasattr(p, "device_mesh") for p in model.parameters()):
+            model.to(device)
     elif str(device) == "auto":  # accelerate places the layers over every visible GPU
         model = model_assets.load_model(model_id, dtype=dtype, device_map="auto")
     elif isinstance(device, dict):  # an explicit device map (tests split a model over cuda:0 and cpu)

@@ -126,11 +126,12 @@ def parallel_settings(plan: Any, section: str) -> tuple[str | None, int]:
     return par, int(size) if par == "tp" else 1
 
 
-def tp_device(dist: Dist) -> Any:
-    """This rank's device: its GPU (torchrun's ``LOCAL_RANK``), or the CPU (gloo)."""
+def tp_device(dist: Dist, requested: str | None = None) -> Any:
+    """This rank's device: its GPU (torchrun's ``LOCAL_RANK``), or the CPU (gloo) when there is none
+    or the plan's ``device`` says ``"cpu"``."""
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and (requested is None or torch.device(requested).type != "cpu"):
         dev = torch.device("cuda", dist.local_rank)
         torch.cuda.set_device(dev)
         return dev

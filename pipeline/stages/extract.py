@@ -248,11 +248,13 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
                 + (f"; resuming with {len(done)} shards done" if done else ""))
     device, dtype = pick_device(sec)
     if dist is not None:
-        dev = tp_device(dist)
-        dist.init(dev)
+        dev = tp_device(dist, sec.get("device"))
+        if dev.type == "cpu":
+            dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
         if sec.get("dtype") is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        target = load_target(model_id, aux, dtype=dtype, parallel="tp")
+        target = load_target(model_id, aux, dtype=dtype, device=dev, parallel="tp")
+        dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
     else:
         target = load_target(model_id, aux, dtype=dtype, device=device)

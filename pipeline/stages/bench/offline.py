@@ -51,10 +51,12 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     if steps < 1 or max_new < 2 or n_prompts < 1:
         fail(ctx, f"{plan.path}: bench.steps >= 1, bench.max_new_tokens >= 2 and bench.prompts >= 1 are required")
     if dist is not None:
-        dev = tp_device(dist)
-        dist.init(dev)
+        dev = tp_device(dist, sec.get("device"))
+        if dev.type == "cpu":
+            dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, parallel="tp")
+        target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev, parallel="tp")
+        dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
     else:
         dev = torch.device(sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
