@@ -454,3 +454,21 @@ def test_a_target_split_between_gpu_and_cpu_is_captured_on_one_device(tiny_kimi:
     assert b.aux.device == b.last_hidden.device
     torch.testing.assert_close(b.aux.cpu(), a.aux, rtol=1e-4, atol=1e-4)
     assert torch.equal(spread.argmax(b.last_hidden).cpu(), ref.argmax(a.last_hidden))
+
+
+@pytest.mark.slow
+def test_the_online_tp_reference_plan_fits_each_h200_and_a_bigger_micro_batch_does_not(tmp_path: Path,
+                                                                                       hf_cache: Path) -> None:
+    rc, rep = deep(ROOT / "examples" / "kimi-k2.5-online.toml", hf_cache, "--free-bytes", str(10**12))
+    checks = by_name(rep)
+    assert rc == 0 and rep["ok"], rep
+    assert checks["disk"]["detail"].startswith("online training: no hidden states")
+    assert rep["numbers"]["hidden_state_bytes"] == 0
+    mem = checks["gpu memory"]["detail"]
+    assert mem.startswith("online-tp, per rank: target shard") and "(TP 8)" in mem
+    assert rep["numbers"]["online_tp_bytes_per_rank"] < 141e9
+    big = tmp_path / "big.toml"
+    big.write_text((ROOT / "examples" / "kimi-k2.5-online.toml").read_text().replace("micro_batch = 2", "micro_batch = 16"))
+    rc, rep = deep(big, hf_cache, "--free-bytes", str(10**12))
+    mem = by_name(rep)["gpu memory"]
+    assert rc == 1 and not mem["ok"] and "does not fit" in mem["detail"] and "micro_batch 16" in mem["detail"]

@@ -192,7 +192,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     max_len = int(ext.get("max_length", plan.target.get("max_length", 2048)))
     rows = sum(int(d.quota or 0) for d in plan.datasets)
     tokens = int(ext.get("max_tokens") or rows * max_len)
-    mode = budget.storage_mode(plan) if plan.section("train").get("target") != "online-tp" else "online"
+    mode = budget.storage_mode(plan)
     need = 0 if mode == "online" else tokens * per_token
     rep.numbers.update(bytes_per_token=per_token, tokens=tokens, hidden_state_bytes=need)
     if free_bytes is None:
@@ -211,7 +211,11 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
                               "directory" + ("" if fits else "; free space, lower the quotas or go online"))
 
     # GPU memory per rank.
-    tp = int(ext.get("tp_size") or len(plan.gpus) or 1) if ext.get("parallel") == "tp" else 1
+    online_tp = plan.section("train").get("target") == "online-tp"
+    if online_tp:
+        tp = int(plan.section("train").get("nproc") or len(plan.gpus) or 1)
+    else:
+        tp = int(ext.get("tp_size") or len(plan.gpus) or 1) if ext.get("parallel") == "tp" else 1
     pb = param_bytes(meta, cfg)
     capture = pb["replicated"] + pb["sharded"] // tp
     batch_tokens = int(ext.get("batch_tokens", 8192))
@@ -226,10 +230,20 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     rep.numbers.update(capture_bytes_per_rank=capture, training_bytes_per_rank=training, tp_size=tp,
                        target_sharded_bytes=pb["sharded"], target_replicated_bytes=pb["replicated"])
     gpu_gb = plan.resources.get("gpu_memory_gb")
-    detail = (f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(pb['sharded'] // tp)} "
-              f"sharded + {budget.human_bytes(pb['replicated'])} replicated + activations); training "
-              f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
-              f"at micro_batch {mb} x {seq} tokens)")
+    if online_tp:
+        # Every rank holds its target shard *and* trains its draft replica at the same time.
+        capture += training
+        rep.numbers["online_tp_bytes_per_rank"] = capture
+        detail = (f"online-tp, per rank: target shard {budget.human_bytes(pb['sharded'] // tp)} + replicated "
+                  f"{budget.human_bytes(pb['replicated'])} + capture activations {budget.human_bytes(act)} + draft and "
+                  f"AdamW {budget.human_bytes(draft_state)} + training activations {budget.human_bytes(train_act)} "
+                  f"(micro_batch {mb} x {seq} tokens) = {budget.human_bytes(capture)} (TP {tp})")
+        training = 0
+    else:
+        detail = (f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(pb['sharded'] // tp)} "
+                  f"sharded + {budget.human_bytes(pb['replicated'])} replicated + activations); training "
+                  f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
+                  f"at micro_batch {mb} x {seq} tokens)")
     if isinstance(gpu_gb, int | float) and not isinstance(gpu_gb, bool):
         cap = float(gpu_gb) * 1e9
         worst = max(capture, training)

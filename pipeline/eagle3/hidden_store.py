@@ -44,6 +44,11 @@ def storage_mode(plan: Any) -> str:
             raise StoreError(f"{plan.path}: {key}: expected one of {', '.join(MODES)}, got {v!r}")
     if ex is not None and tr is not None and ex != tr:
         raise StoreError(f"{plan.path}: extract.mode is {ex!r} but train.mode is {tr!r}; set one")
+    if plan.section("train").get("target") == "online-tp":
+        if ex == "offline" or tr == "offline":
+            raise StoreError(f"{plan.path}: train.target = \"online-tp\" captures during training; "
+                             "extract.mode = \"offline\" would store what it never reads: drop it")
+        return "online"
     return ex or tr or "offline"
 
 
@@ -102,6 +107,7 @@ class HiddenStore:
             raise StoreError(f"{self.dir / 'manifest.json'}: mode is {self.manifest.get('mode')!r}; no shards stored")
         self._files = []
         self.index: list[tuple[int, int, int]] = []  # (file, start, end)
+        self.ids: list[str] = []
         for fi, s in enumerate(self.manifest["shards"]):
             p = self.dir / s["file"]
             if not p.is_file():
@@ -111,6 +117,7 @@ class HiddenStore:
             if missing:
                 raise StoreError(f"{p}: missing tensors {missing}")
             off = f.get_tensor("offsets")
+            self.ids.extend(json.loads((f.metadata() or {}).get("ids", "[]")))
             self._files.append(f)
             self.index.extend((fi, int(off[i]), int(off[i + 1])) for i in range(off.numel() - 1))
 

@@ -145,6 +145,8 @@ def storage_mode(plan: Plan) -> str:
     mode = plan.section("extract").get("mode") or plan.section("train").get("mode") or "offline"
     if mode not in ("offline", "online"):
         raise BudgetError(f"{plan.path}: extract.mode: expected offline or online, got {mode!r}")
+    if plan.section("train").get("target") == "online-tp":
+        return "online"  # the target runs tensor-parallel inside training: nothing is stored
     return str(mode)
 
 

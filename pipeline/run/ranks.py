@@ -95,15 +95,67 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
-def reexec_under_torchrun(nproc: int, module: str, argv: list[str]) -> None:
-    """Replace this process by ``torchrun`` running ``python -m module argv`` on ``nproc`` ranks.
+def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = None) -> None:
+    """Run ``python -m module argv`` on ``nproc`` ranks under ``torchrun`` and exit with its status.
 
-    ``--max-restarts 0``: a rank that dies ends the stage (its exit code and the rank's last log
-    line reach the stage log), and the retry policy, not torchrun, decides what happens next.
+    torchrun is this process's child, in the stage's process group (a kill reaches it; its ranks die
+    with it). ``--max-restarts 0``: a rank that dies ends the stage — torchrun stops the others at
+    once — and the retry policy, not torchrun, decides what happens next. Each rank's output is kept
+    in ``OUT/ranks/`` and echoed to the stage log; when a rank fails, ``ctx`` (rank 0's voice) gets an
+    error naming the rank, how it ended and its last log line, instead of a bare exit code.
     """
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    log_dir = Path(tempfile.mkdtemp(prefix="aerie-ranks-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--max-restarts=0", "-m", module, *argv]
-    os.execv(sys.executable, cmd)
+           "--max-restarts=0", f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "-m", module, *argv]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    failed: dict[int, str] = {}  # rank -> exit code, from the agent's lines
+    root: list[str] = []  # torchrun's "Root Cause (first observed failure)" block
+    in_root = False
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        m = re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", line)
+        if m:
+            failed.setdefault(int(m.group(2)), m.group(1))
+        in_root = in_root or "Root Cause" in line
+        if in_root:
+            root.append(line)
+    m_rank = next((m for x in root if (m := re.search(r"^\s*rank\s*:\s*(\d+)", x))), None)
+    m_code = next((m for x in root if (m := re.search(r"^\s*exitcode\s*:\s*(-?\d+)", x))), None)
+    if m_rank:  # the first rank to fail, as torchrun observed it
+        failed = {int(m_rank.group(1)): m_code.group(1) if m_code else "", **failed}
+        failed = {int(m_rank.group(1)): failed[int(m_rank.group(1))]}
+    rc = proc.wait()
+    if rc != 0 and ctx is not None:
+        ctx.message(_rank_failure(failed, log_dir, rc), level="error", code="rank_failed")
+    shutil.rmtree(log_dir, ignore_errors=True)
+    sys.exit(rc if rc >= 0 else 128 - rc)  # a signal death as the shell reports it
+
+
+def _rank_failure(failed: dict[int, str], log_dir: Any, rc: int) -> str:
+    """"rank 1 was killed by signal 9; its last line: ..." from torchrun's summary and the rank logs."""
+    import signal as _signal
+
+    if not failed:
+        return f"torchrun exited with status {rc} (no rank reported a failure)"
+    rank = next(iter(failed))
+    code = failed[rank]
+    how = "failed"
+    if code.lstrip("-").isdigit():
+        c = int(code)
+        how = f"was killed by {_signal.Signals(-c).name}" if c < 0 else f"exited with status {c}"
+    last = ""
+    for f in sorted(log_dir.rglob(f"*/{rank}/std*.log")):
+        lines = [x for x in f.read_text(errors="replace").splitlines() if x.strip()]
+        if lines:
+            last = lines[-1].strip()
+    return f"rank {rank} {how}" + (f"; its last line: {last[-300:]}" if last else "; it wrote nothing")
 
 
 def stage_gpus() -> int:

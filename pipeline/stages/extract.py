@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         par, size = parallel_settings(ctx.plan, "extract")
         if par == "tp" and not under_torchrun():
             ctx.message(f"tensor-parallel capture: starting {size} ranks under torchrun")
-            ctx.close()
-            reexec_under_torchrun(size, "pipeline.stages.extract", argv)
+            reexec_under_torchrun(size, "pipeline.stages.extract", argv, ctx)
         if under_torchrun():
             die_with_parent()
         return run(ctx, collect_inputs(args, ctx), dist if par == "tp" else None)

@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             par, size = parallel_settings(ctx.plan, "bench")
             if par == "tp" and not under_torchrun():
                 ctx.message(f"tensor-parallel target: starting {size} ranks under torchrun")
-                ctx.close()
-                reexec_under_torchrun(size, "pipeline.stages.bench", argv)
+                reexec_under_torchrun(size, "pipeline.stages.bench", argv, ctx)
             if under_torchrun():
                 die_with_parent()
             return run_offline(ctx, inputs, dist if par == "tp" else None)

@@ -42,6 +42,9 @@ class OfflineData:
     def length(self, i: int) -> int:
         return self.store.length(i)
 
+    def row_id(self, i: int) -> str:
+        return self.store.ids[i]
+
     def batch(self, idx: list[int], device: torch.device, dtype: torch.dtype) -> Batch:
         samples = [self.store[i] for i in idx]
         n = max(s.input_ids.shape[0] for s in samples)
@@ -68,13 +71,19 @@ class OnlineData:
     def length(self, i: int) -> int:
         return self.rows[i].num_tokens
 
+    def row_id(self, i: int) -> str:
+        return self.rows[i].id
+
     def batch(self, idx: list[int], device: torch.device, dtype: torch.dtype) -> Batch:
         rows = [self.rows[i] for i in idx]
         n = max(r.num_tokens for r in rows)
         ids = pad_stack([torch.from_numpy(r.input_ids.astype("int64")) for r in rows], n).to(device)
         lengths = torch.tensor([r.num_tokens for r in rows], device=device)
         attn = (torch.arange(n, device=device)[None, :] < lengths[:, None]).long()
-        cap = self.target.capture(ids, attention_mask=attn)
-        am = self.target.argmax(cap.last_hidden)
+        cap = self.target.capture(ids.to(self.target.device), attention_mask=attn.to(self.target.device))
+        am = self.target.argmax(cap.last_hidden).to(device)
         mask = pad_stack([torch.from_numpy(r.loss_mask) for r in rows], n).to(device, torch.bool)
-        return Batch(cap.aux.to(dtype), cap.last_hidden.to(dtype), am, ids, mask, lengths)
+        # Rounded through bf16 exactly as the offline store keeps them, so online and offline train on
+        # the same numbers (on a GPU the target runs in bf16 anyway).
+        aux, last = (t.to(device, torch.bfloat16).to(dtype) for t in (cap.aux, cap.last_hidden))
+        return Batch(aux, last, am, ids, mask, lengths)

@@ -16,6 +16,7 @@ from pipeline.stages.train.settings import TrainSettings
 CKPT_DIR = "checkpoints"
 STATE_FILE = "training_state.pt"
 FINAL_DIR = "draft"
+STEPS_FILE = "steps.jsonl"
 
 
 def checkpoints(out: Path) -> list[tuple[int, Path]]:
@@ -48,3 +49,33 @@ def save_checkpoint(out: Path, step: int, draft: Eagle3Draft, opt: torch.optim.O
         if old.resolve().is_relative_to(out.resolve()):
             shutil.rmtree(old)
     return final
+
+
+class StepLog:
+    """``steps.jsonl``: one line per optimizer step, the global batch's row ids (rank 0 writes).
+
+    A resume from the checkpoint at step ``k`` first drops the lines after ``k`` (those steps are
+    trained again), so the file always says exactly which rows the draft has been trained on.
+    """
+
+    def __init__(self, path: Path, resume_step: int) -> None:
+        import json
+
+        self.path = path
+        kept = []
+        if resume_step and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line)
+                except (ValueError, KeyError):
+                    break  # a torn last line from a kill
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+
+    def record(self, step: int, rows: list[str]) -> None:
+        import json
+
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"step": step, "rows": rows}) + "\n")

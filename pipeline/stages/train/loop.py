@@ -21,7 +21,14 @@ from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
 from pipeline.run.rundir import write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
 from pipeline.stages.train.batches import OfflineData, OnlineData
-from pipeline.stages.train.checkpoints import FINAL_DIR, STATE_FILE, checkpoints, save_checkpoint
+from pipeline.stages.train.checkpoints import (
+    FINAL_DIR,
+    STATE_FILE,
+    STEPS_FILE,
+    StepLog,
+    checkpoints,
+    save_checkpoint,
+)
 from pipeline.stages.train.loss import counts_of, ttt_sums
 from pipeline.stages.train.settings import TrainSettings, global_indices, lr_at
 
@@ -40,6 +47,12 @@ def find_inputs(dirs: list[Path]) -> tuple[dict, Path, Path]:
     if vocab is None:
         raise ValueError(f"no draft vocabulary among the inputs ({', '.join(map(str, dirs))}): put the vocab stage in 'after'")
     return ext[0], ext[1], vocab
+
+
+def rank_chunks(all_idx: list[int], rank: int, world: int, length: Any, micro_batch: int) -> list[list[int]]:
+    """Rank ``rank``'s slice of a step's global batch, longest first, in micro-batches."""
+    idx = sorted(all_idx[rank::world], key=lambda i: (-length(i), i))
+    return [idx[a:a + micro_batch] for a in range(0, len(idx), micro_batch)]
 
 
 def pick_device(s: TrainSettings, dist: Dist) -> torch.device:
@@ -86,11 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         mode = hs.storage_mode(plan_ctx.plan)
     except (ValueError, hs.StoreError) as exc:
         fail(ctx, str(exc))
-    if s.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if (s.nproc > 1 or s.target == "online-tp") and "LOCAL_RANK" not in os.environ:
         if ctx is not None:
             ctx.message(f"starting {s.nproc} processes under torchrun")
-            ctx.close()
-        reexec_under_torchrun(s.nproc, "pipeline.stages.train", argv)
+        reexec_under_torchrun(s.nproc, "pipeline.stages.train", argv, ctx)
     if dist.world != s.nproc and "LOCAL_RANK" in os.environ and ctx is not None:
         ctx.message(f"running with WORLD_SIZE={dist.world} (plan says nproc={s.nproc})", level="warning")
     inputs = [Path(p) for p in args.input] if args.input else [plan_ctx.inputs[k] for k in sorted(plan_ctx.inputs)]
@@ -112,8 +124,13 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
     aux = list(man["aux_layer_ids"])
     if man.get("target") not in (None, model_id):
         raise ValueError(f"{ext_dir / 'manifest.json'}: extracted from {man.get('target')!r} but the plan's target is {model_id!r}")
+    online_tp = s.target == "online-tp"
+    if online_tp and man["mode"] != "online":
+        raise ValueError(f"{ext_dir / 'manifest.json'}: train.target = \"online-tp\" needs the extraction in online mode "
+                         f"(rows only), but it stored hidden states ({man['mode']}); retry extract with --fresh")
     device = pick_device(s, dist)
-    dist.init(device)
+    if not (online_tp and device.type == "cuda"):
+        dist.init(device)  # (on GPUs transformers starts the group for the tensor-parallel target, below)
     autocast = device.type == "cuda"
     dtype = torch.bfloat16 if autocast else torch.float32
     vm = draft_vocab.load(vocab_dir)
@@ -133,7 +150,12 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
         if len(rows) != len(wanted):
             raise ValueError(f"{ext_dir / 'manifest.json'}: lists {len(wanted)} rows but the sources now hold "
                              f"{len(rows)} of them; rerun extraction with --fresh")
-        data = OnlineData(rows, load_target(model_id, aux, dtype=dtype, device=device))
+        if online_tp:
+            target = load_target(model_id, aux, dtype=dtype, device=device, parallel="tp")
+            dist.init(device)  # a no-op where transformers started the group
+        else:
+            target = load_target(model_id, aux, dtype=dtype, device=device)
+        data = OnlineData(rows, target)
     n = len(data)
     if s.batch_size % dist.world:
         raise ValueError(f"train.batch_size ({s.batch_size}) must be a multiple of the {dist.world} processes")
@@ -159,20 +181,31 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
     draft.train()
     if ctx:
         ctx.message(f"training {sum(p.numel() for p in params) / 1e6:.1f}M parameters on {n:,} sequences "
-                    f"({man['mode']} data), {dist.world} process(es) on {device.type}, steps {start + 1}..{s.steps}, "
+                    f"({'online, target tensor-parallel over the ranks' if online_tp else man['mode']} data), "
+                    f"{dist.world} process(es) on {device.type}, steps {start + 1}..{s.steps}, "
                     f"TTT {s.ttt_steps}")
         ctx.progress(start, s.steps, unit="steps", force=True)
-    per_rank = s.batch_size // dist.world
-    extra = {"world_size": dist.world, "aux_layer_ids": aux, "mode": man["mode"]}
+    mode_name = "online-tp" if online_tp else man["mode"]
+    extra = {"world_size": dist.world, "aux_layer_ids": aux, "mode": mode_name}
+    steps_log = StepLog(out / STEPS_FILE, start) if dist.main else None
     last_saved = start
     for step in range(start + 1, s.steps + 1):
         if dist.any(plan_ctx.pause_requested(), device):
             wait_paused(ctx, plan_ctx, dist, device)
         t0 = time.monotonic()
-        idx = global_indices(step, n, s.batch_size, s.seed)[dist.rank::dist.world]
-        idx.sort(key=lambda i: (-data.length(i), i))
-        chunks = [idx[a:a + s.micro_batch] for a in range(0, per_rank, s.micro_batch)]
-        batches = [data.batch(c, device, dtype) for c in chunks]
+        all_idx = global_indices(step, n, s.batch_size, s.seed)
+
+        if online_tp:
+            # Every rank runs the target over the whole global batch (its tensor-parallel shard of
+            # each layer), rank by rank, and keeps its own slice: the same target work on every rank.
+            batches = []
+            for r in range(dist.world):
+                for c in rank_chunks(all_idx, r, dist.world, data.length, s.micro_batch):
+                    b = data.batch(c, device, dtype)
+                    if r == dist.rank:
+                        batches.append(b)
+        else:
+            batches = [data.batch(c, device, dtype) for c in rank_chunks(all_idx, dist.rank, dist.world, data.length, s.micro_batch)]
         counts = dist.sum(counts_of(batches, s.ttt_steps, device))
         denom = counts.clamp(min=1)
         lr = lr_at(step, s)
@@ -192,6 +225,8 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
             correct += corr
         torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
         opt.step()
+        if steps_log is not None:
+            steps_log.record(step, [data.row_id(i) for i in all_idx])
         stats = dist.sum(torch.cat([loss_sums, correct, torch.tensor([float(sum(int(b.lengths.sum()) for b in batches))],
                                                                       dtype=torch.float64, device=device)]))
         dt = time.monotonic() - t0
@@ -211,6 +246,8 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
                     ctx.message(f"checkpoint {p.name}", code="checkpoint", step=step)
             last_saved = step
             dist.barrier()
+    if ctx and device.type == "cuda":
+        ctx.metric("peak_memory_gib", torch.cuda.max_memory_allocated(device) / 2**30)
     if dist.main:
         final = out / FINAL_DIR
         tmp = out / (FINAL_DIR + ".partial")
@@ -221,7 +258,8 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
         os.replace(tmp, final)
         write_json(out / "manifest.json", {
             "kind": "draft", "path": FINAL_DIR, "step": last_saved, "target": model_id, "aux_layer_ids": aux,
-            "draft_vocab_size": vm.size, "ttt_steps": s.ttt_steps, "mode": man["mode"],
+            "steps_log": STEPS_FILE,
+            "draft_vocab_size": vm.size, "ttt_steps": s.ttt_steps, "mode": mode_name,
             "token_sources": list(man.get("sources", [])), "holdout": man.get("holdout"),
             "max_length": man.get("max_length"), "world_size": dist.world,
         })

@@ -29,6 +29,7 @@ class TrainSettings:
     device: str = ""
     init_lm_head: str = "target"  # "target": rows of the target's LM head; "random"
     max_length: int = 0  # 0: [target] max_length
+    target: str = ""  # "online-tp": every rank holds a tensor-parallel shard of the target and captures
 
     @classmethod
     def from_section(cls, sec: dict[str, Any], where: str) -> TrainSettings:
@@ -51,6 +52,8 @@ class TrainSettings:
                 raise ValueError(f"{where}: train.{k}: must be at least 1")
         if s.batch_size % s.nproc:
             raise ValueError(f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})")
+        if s.target not in ("", "online-tp"):
+            raise ValueError(f"{where}: train.target: \"online-tp\" (or leave it out), got {s.target!r}")
         if s.init_lm_head not in ("target", "random"):
             raise ValueError(f"{where}: train.init_lm_head: 'target' or 'random', got {s.init_lm_head!r}")
         return s
