@@ -4,6 +4,7 @@ kill resumes at the right data position, and a rank that dies takes the stage do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,12 +42,12 @@ def write_plan(path: Path, model: Path, online: bool) -> Path:
     return path
 
 
-def stage(module: str, plan: Path, out: Path, inputs: list[Path], **kw) -> subprocess.Popen:
+def stage(module: str, plan: Path, out: Path, inputs: list[Path], env: dict | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", module, "--plan", str(plan), "--out", str(out)]
     for i in inputs:
         argv += ["--input", str(i)]
-    return subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kw)
+    return subprocess.Popen(argv, cwd=ROOT, env=env or globals()["env"](), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def run(module: str, plan: Path, out: Path, inputs: list[Path]) -> str:
@@ -91,11 +92,18 @@ def losses(out: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def online_run(base) -> Path:
+def online_ext(base) -> Path:
+    """The online-mode extraction: the row list only."""
+    d = base["dir"]
+    run("pipeline.stages.extract", write_plan(d / "online.toml", base["model"], online=True), d / "ext-on", [base["tok"]])
+    return d / "ext-on"
+
+
+@pytest.fixture(scope="module")
+def online_run(base, online_ext: Path) -> Path:
     d = base["dir"]
     plan = write_plan(d / "online.toml", base["model"], online=True)
-    run("pipeline.stages.extract", plan, d / "ext-on", [base["tok"]])
-    run("pipeline.stages.train", plan, d / "train-on", [d / "ext-on", base["voc"]])
+    run("pipeline.stages.train", plan, d / "train-on", [online_ext, base["voc"]])
     return d / "train-on"
 
 
@@ -139,7 +147,7 @@ def test_a_killed_online_tp_stage_resumes_at_the_right_row(base, online_run: Pat
     out = d / "train-kill"
     p = stage("pipeline.stages.train", plan, out, [d / "ext-on", base["voc"]])
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and p.poll() is None:
         ev = out / "events.jsonl"
         if ev.is_file() and '"code":"checkpoint"' in ev.read_text().replace(" ", ""):
             break
@@ -181,7 +189,7 @@ def leftovers(out: Path) -> list[int]:
     return found
 
 
-def test_a_rank_that_dies_takes_the_stage_down_by_name(base) -> None:
+def test_a_rank_that_dies_takes_the_stage_down_by_name(base, online_ext: Path) -> None:
     d = base["dir"]
     plan = write_plan(d / "online.toml", base["model"], online=True)
     plan.write_text(plan.read_text().replace("steps = 6", "steps = 400").replace("checkpoint_every = 2",
@@ -190,7 +198,7 @@ def test_a_rank_that_dies_takes_the_stage_down_by_name(base) -> None:
     p = stage("pipeline.stages.train", plan, out, [d / "ext-on", base["voc"]])
     victim = None
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and victim is None:
+    while time.monotonic() < deadline and victim is None and p.poll() is None:
         ev = out / "events.jsonl"
         if ev.is_file() and '"name":"loss"' in ev.read_text().replace(" ", ""):
             for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -203,7 +211,7 @@ def test_a_rank_that_dies_takes_the_stage_down_by_name(base) -> None:
                         f"--out\0{out}".encode() in cmd:
                     victim = int(pid)
         time.sleep(0.2)
-    assert victim, "rank 1 never started"
+    assert victim, "rank 1 never started: " + (p.communicate()[0][-3000:] if p.poll() is not None else "")
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     text, _ = p.communicate(timeout=300)
@@ -213,5 +221,37 @@ def test_a_rank_that_dies_takes_the_stage_down_by_name(base) -> None:
     assert msgs and msgs[-1]["level"] == "error"
     assert msgs[-1]["text"].startswith("rank 1 was killed by SIGKILL"), msgs[-1]["text"]
     assert "its last line:" in msgs[-1]["text"]
+    time.sleep(2)
+    assert not leftovers(out)
+
+
+def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(base, online_ext: Path) -> None:
+    """A frozen rank (SIGSTOP: a stuck GPU, a deadlocked worker) must not hang the stage forever: the
+    others' collectives give up after AERIE_DIST_TIMEOUT_S and the stage fails naming a rank."""
+    d = base["dir"]
+    plan = write_plan(d / "online.toml", base["model"], online=True)
+    plan.write_text(plan.read_text().replace("steps = 6", "steps = 400").replace("checkpoint_every = 2",
+                                                                                "checkpoint_every = 400"))
+    out = d / "train-hang"
+    p = stage("pipeline.stages.train", plan, out, [d / "ext-on", base["voc"]], env={**env(), "AERIE_DIST_TIMEOUT_S": "15"})
+    victim = None
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and victim is None and p.poll() is None:
+        ev = out / "events.jsonl"
+        if ev.is_file() and '"name":"loss"' in ev.read_text().replace(" ", ""):
+            victim = next((pid for pid in leftovers(out)
+                           if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")), None)
+        time.sleep(0.2)
+    assert victim, "rank 1 never started: " + (p.communicate()[0][-3000:] if p.poll() is not None else "")
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        text, _ = p.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    assert p.returncode != 0 and time.monotonic() - t0 < 240
+    msgs = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if '"rank_failed"' in line]
+    assert msgs and msgs[-1]["text"].startswith("rank "), text[-3000:]
     time.sleep(2)
     assert not leftovers(out)

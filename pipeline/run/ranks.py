@@ -46,6 +46,7 @@ class Dist:
     def any(self, flag: bool, device: Any) -> bool:
         import torch
 
+        heartbeat()
         return bool(self.sum(torch.tensor([1.0 if flag else 0.0], device=device)).item() > 0)
 
     def safe_point(self, ctx: Any, device: Any, poll_s: float = 0.5) -> None:
@@ -108,12 +109,19 @@ def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = N
     import shutil
     import subprocess
     import tempfile
+    import threading
     from pathlib import Path
 
     log_dir = Path(tempfile.mkdtemp(prefix="aerie-ranks-"))
+    beats = log_dir / "heartbeats"
+    beats.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "--max-restarts=0", f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "-m", module, *argv]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace",
+                            env={**os.environ, HEARTBEAT_ENV: str(beats)})
+    stalled: list[str] = []
+    watchdog = threading.Thread(target=_watch_heartbeats, args=(proc, beats, nproc, stalled), daemon=True)
+    watchdog.start()
     failed: dict[int, str] = {}  # rank -> exit code, from the agent's lines
     root: list[str] = []  # torchrun's "Root Cause (first observed failure)" block
     in_root = False
@@ -133,9 +141,58 @@ def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = N
         failed = {int(m_rank.group(1)): failed[int(m_rank.group(1))]}
     rc = proc.wait()
     if rc != 0 and ctx is not None:
-        ctx.message(_rank_failure(failed, log_dir, rc), level="error", code="rank_failed")
+        text = stalled[0] + _last_line(log_dir, int(stalled[0].split()[1])) if stalled else _rank_failure(failed, log_dir, rc)
+        ctx.message(text, level="error", code="rank_failed")
     shutil.rmtree(log_dir, ignore_errors=True)
     sys.exit(rc if rc >= 0 else 128 - rc)  # a signal death as the shell reports it
+
+
+HEARTBEAT_ENV = "AERIE_HEARTBEAT_DIR"
+
+
+def heartbeat() -> None:
+    """A rank says it is making progress (touches its file in the stage's heartbeat folder)."""
+    d = os.environ.get(HEARTBEAT_ENV)
+    if d:
+        with open(os.path.join(d, f"rank-{os.environ.get('RANK', '0')}"), "w") as fh:
+            fh.write(str(os.getpid()))
+
+
+def _watch_heartbeats(proc: Any, beats: Any, nproc: int, stalled: list[str], poll_s: float = 1.0) -> None:
+    """Stop the ranks when none has made progress for the collective timeout.
+
+    A rank that hangs (a stuck GPU, a frozen process) blocks every other rank in its next collective;
+    the backends' own timeouts do not cover every group (a tensor-parallel target's mesh has its
+    own). Once every rank has beaten at least once, no beat for ``timeout()`` seconds ends torchrun;
+    the rank named is the one whose last beat is the oldest: it stopped first.
+    """
+    import signal as _signal
+    import time as _time
+
+    limit = timeout().total_seconds()
+    while proc.poll() is None:
+        _time.sleep(poll_s)
+        files = list(beats.glob("rank-*"))
+        if len(files) < nproc:
+            continue
+        ages = {int(f.name.split("-")[1]): _time.time() - f.stat().st_mtime for f in files}
+        if min(ages.values()) > limit:
+            rank = max(ages, key=lambda r: ages[r])
+            stalled.append(f"rank {rank} stalled: no rank made progress for {min(ages.values()):.0f} s "
+                           f"(AERIE_DIST_TIMEOUT_S = {limit:g}); the ranks were stopped")
+            proc.send_signal(_signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - then it is killed
+                proc.kill()
+            return
+
+
+def _last_line(log_dir: Any, rank: int) -> str:
+    lines: list[str] = []
+    for f in sorted(log_dir.rglob(f"*/{rank}/std*.log")):
+        lines += [x for x in f.read_text(errors="replace").splitlines() if x.strip()]
+    return f"; its last line: {lines[-1].strip()[-300:]}" if lines else "; it wrote nothing"
 
 
 def _rank_failure(failed: dict[int, str], log_dir: Any, rc: int) -> str:
