@@ -315,7 +315,7 @@ def describe_event(ev: Event) -> str:
     if ev.type == "finished":
         rc = d.get("returncode")
         return f"finished: {d.get('status')}" + (f" (rc {rc})" if rc not in (None, 0) else "") + (
-            f" {d['detail']}" if d.get("detail") else "")
+            f" {d['detail']}" if d.get("detail") else "") + (f": {d['error']}" if d.get("error") else "")
     if ev.type == "metric":
         v = d.get("value")
         return f"{d.get('name')} = {v:.4g}" if isinstance(v, float) else f"{d.get('name')} = {v}"

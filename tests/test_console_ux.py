@@ -146,8 +146,8 @@ async def test_a_failure_alerts_once_with_bell_and_hook_and_not_again_on_reattac
         app, notes, bells = await attach_once(run.root, 1.0)
         assert app.theme == "aerie-light", "the plan's [ui] theme applies"
         assert app.hooks_run == 1 and bells == [1]
-        assert any("bad attempt 1 failed" in n for n in notes)
-        assert hook_log.read_text().splitlines() == ["failed:bad:1|bad attempt 1 failed: exit 3"]
+        assert any("bad attempt 1 failed: exit 3: about to fail" in n for n in notes), "the alert says why"
+        assert hook_log.read_text().splitlines() == ["failed:bad:1|bad attempt 1 failed: exit 3: about to fail"]
         app2, notes2, bells2 = await attach_once(run.root, 1.0)  # re-attach: the same failure is old news
         assert app2.hooks_run == 0 and bells2 == [] and not any("failed" in n for n in notes2)
         assert hook_log.read_text().count("\n") == 1
