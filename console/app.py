@@ -37,7 +37,7 @@ from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.screens.datasets import DatasetsScreen
-from console.screens.dialogs import ConfirmScreen, HelpScreen, help_rows
+from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
 from console.screens.logview import LogScreen
 from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
 from console.transport import Transport
@@ -394,7 +394,7 @@ class AerieApp(App[int]):
         self.query_one(StageBoard).focus()
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(help_rows(self.screen), notes="Closing the console never stops a stage."))
+        self.push_screen(HelpScreen(help_sections(self.screen), notes="Closing the console never stops a stage."))
 
     def action_quit_console(self) -> None:
         self.exit(0, message=f"Aerie console closed; the run keeps going.\nRe-attach: aerie attach {self.model.run_dir}")

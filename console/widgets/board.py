@@ -90,12 +90,12 @@ class StageBoard(ScrollView, can_focus=True):
     """The board. Call :meth:`sync` with the model after each poll."""
 
     BINDINGS = [
-        Binding("up,k_up", "cursor(-1)", "Up", show=False),
-        Binding("down", "cursor(1)", "Down", show=False),
-        Binding("pageup", "cursor(-10)", show=False),
-        Binding("pagedown", "cursor(10)", show=False),
-        Binding("home", "cursor_to(0)", show=False),
-        Binding("end", "cursor_to(-1)", show=False),
+        Binding("up", "cursor(-1)", "Up", show=False, tooltip="previous / next stage"),
+        Binding("down", "cursor(1)", "Down", show=False, tooltip="previous / next stage"),
+        Binding("pageup", "cursor(-10)", show=False, tooltip="ten stages up / down"),
+        Binding("pagedown", "cursor(10)", show=False, tooltip="ten stages up / down"),
+        Binding("home", "cursor_to(0)", show=False, tooltip="first / last stage"),
+        Binding("end", "cursor_to(-1)", show=False, tooltip="first / last stage"),
     ]
     DEFAULT_CSS = """
     StageBoard { height: 1fr; }
