@@ -3,8 +3,9 @@
 Each :meth:`RunModel.poll` asks the transport for what was appended since the last poll:
 ``state.json`` (the supervisor's snapshot of every stage), each stage's ``events.jsonl`` from its
 byte offset, and the log tail of the stages being watched. Memory is bounded whatever the run's
-length: per stage the latest state, the latest value of each metric, a bounded window of progress
-samples (for rate and ETA), the last events and the last log lines. On attach the model starts
+length: per stage the latest state, the latest value of each metric, each metric's history for the
+curves (downsampled, see :mod:`console.series`), a bounded window of progress samples (for rate and
+ETA), the last events and the last log lines. On attach the model starts
 near the end of long event files instead of replaying days of history.
 
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
@@ -14,10 +15,12 @@ Widgets never see the transport: they read :class:`StageView` objects and redraw
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from console.series import StageHistory
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import Transport
 from pipeline.run.events import Event, parse_lines, split_complete
@@ -93,6 +96,8 @@ class StageView:
     log: deque[str] = field(default_factory=lambda: deque(maxlen=1000))
     log_total: int = 0  # lines ever appended to ``log`` (it is bounded; this is not)
     rejects: int = 0
+    history: StageHistory = field(default_factory=StageHistory)  # every metric over steps/time, bounded
+    ev_attempt: int | None = None  # the attempt the events being read belong to (from `started`)
 
     def elapsed_s(self, now: float | None = None) -> float | None:
         if self.started_at is None:
@@ -289,12 +294,20 @@ class RunModel:
                 st.rejects = int(bad)
         elif ev.type == "metric":
             name = str(ev.get("name"))
-            st.metrics[name] = float(ev.get("value", 0.0))
+            value = float(ev.get("value", 0.0))
+            st.metrics[name] = value
             if name == "rejects":
                 st.rejects = int(ev.get("value", 0))
+            if math.isfinite(value):
+                label = ev.get("label")
+                step = ev.get("step")
+                st.history.add(st.ev_attempt or st.attempt, f"{name}/{label}" if isinstance(label, str) and label else name,
+                               value, step if isinstance(step, int | float) and not isinstance(step, bool) else None, ev.t)
         elif ev.type == "started":
             st.metrics.clear()
             st.progress = Progress()
+            if isinstance(ev.get("attempt"), int):
+                st.ev_attempt = ev.get("attempt")
         if ev.type != "progress":
             st.events.append(ev)
 
