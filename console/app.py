@@ -83,7 +83,7 @@ class AerieApp(App[int]):
     """
     # Layout by terminal size (see docs/operating.md, "Layout"): the meters always span the full width
     # under the board (a GPU row never shares its line), the log takes what the facts leave.
-    WIDE_COLS = 150  # the detail's plot gets a column of its own
+    WIDE_COLS = 170  # the detail's plot gets a column of its own (narrower, it sits under the facts)
     SHORT_ROWS = 36  # smaller detail pane
     TALL_ROWS = 50  # larger detail pane
     BOARD_MIN_ROWS = 12  # GPUs become cells of a grid (several per line) when a row each would leave fewer

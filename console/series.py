@@ -1,12 +1,13 @@
 """Metric history for the console's curves: bounded, whatever the length of the run.
 
-Every numeric ``metric`` event a stage emits becomes a point of the series ``(stage, attempt, name)``:
+Every numeric ``metric`` event a stage emits becomes a sample of the series ``(stage, attempt, name)``:
 ``x`` is the event's ``step`` when it has one (training steps), else seconds since the attempt's
-first metric. A series keeps at most :data:`MAX_POINTS` points. When it is full, the older half is
-halved: neighbouring pairs there merge into one point (mean ``x``, mean ``y``), so the recent past
-stays at full resolution and older history gets coarser — a week-long run still draws its whole
-curve, in a fixed amount of memory (512 points x 2 floats per series). Per stage at most
-:data:`MAX_SERIES` names and the last :data:`MAX_ATTEMPTS` attempts are kept.
+first metric. A series holds at most :data:`MAX_POINTS` points. Each point is the mean of ``stride``
+consecutive samples; ``stride`` starts at 1 and doubles whenever the series is full, by merging
+neighbouring points in pairs. So a week-long run still draws its whole curve, evenly spaced from its
+first step to its last, in fixed memory (512 points x 2 floats per series); the latest value is kept
+exactly for the labels. Per stage at most :data:`MAX_SERIES` names and the last
+:data:`MAX_ATTEMPTS` attempts are kept.
 """
 
 from __future__ import annotations
@@ -20,36 +21,56 @@ MAX_ATTEMPTS = 3
 
 @dataclass
 class Series:
-    """One metric of one attempt: (x, y) points, downsampled in place when full."""
+    """One metric of one attempt: evenly downsampled points plus the bucket being filled."""
 
-    xs: list[float] = field(default_factory=list)
-    ys: list[float] = field(default_factory=list)
-    merged: int = 0  # how many times the older half was halved (0: every point is a sample)
+    points_x: list[float] = field(default_factory=list)
+    points_y: list[float] = field(default_factory=list)
+    stride: int = 1  # samples per point
+    last: float | None = None  # the latest sample, exactly
+    last_x: float | None = None
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _n: int = 0
 
     def add(self, x: float, y: float) -> None:
-        if self.xs and x < self.xs[-1]:
-            # A restart (a resumed training going back to its checkpoint step): the curve continues from there.
-            keep = next((i for i in range(len(self.xs) - 1, -1, -1) if self.xs[i] <= x), -1) + 1
-            del self.xs[keep:], self.ys[keep:]
-        self.xs.append(x)
-        self.ys.append(y)
-        if len(self.xs) > MAX_POINTS:
-            self._halve_old()
+        if self.last_x is not None and x < self.last_x:
+            self._restart(x)
+        self.last, self.last_x = y, x
+        self._sx += x
+        self._sy += y
+        self._n += 1
+        if self._n >= self.stride:
+            self.points_x.append(self._sx / self._n)
+            self.points_y.append(self._sy / self._n)
+            self._sx = self._sy = 0.0
+            self._n = 0
+            if len(self.points_x) >= MAX_POINTS:
+                self.points_x = [(a + b) / 2 for a, b in zip(self.points_x[::2], self.points_x[1::2], strict=True)]
+                self.points_y = [(a + b) / 2 for a, b in zip(self.points_y[::2], self.points_y[1::2], strict=True)]
+                self.stride *= 2
 
-    def _halve_old(self) -> None:
-        half = (len(self.xs) // 2) & ~1  # an even count of the oldest points, merged in pairs
-        xs = [(self.xs[i] + self.xs[i + 1]) / 2 for i in range(0, half, 2)]
-        ys = [(self.ys[i] + self.ys[i + 1]) / 2 for i in range(0, half, 2)]
-        self.xs[:half] = xs
-        self.ys[:half] = ys
-        self.merged += 1
+    def _restart(self, x: float) -> None:
+        """A resumed training went back to its checkpoint step: the curve continues from there."""
+        keep = next((i for i in range(len(self.points_x) - 1, -1, -1) if self.points_x[i] < x), -1) + 1
+        del self.points_x[keep:], self.points_y[keep:]
+        self._sx = self._sy = 0.0
+        self._n = 0
 
     @property
-    def last(self) -> float | None:
-        return self.ys[-1] if self.ys else None
+    def xs(self) -> list[float]:
+        return self.points_x + ([self._sx / self._n] if self._n else [])
+
+    @property
+    def ys(self) -> list[float]:
+        return self.points_y + ([self._sy / self._n] if self._n else [])
+
+    @property
+    def merged(self) -> int:
+        """How many times points were merged in pairs (0: every point is a sample)."""
+        return self.stride.bit_length() - 1
 
     def __len__(self) -> int:
-        return len(self.xs)
+        return len(self.points_x) + (1 if self._n else 0)
 
 
 class StageHistory:

@@ -1,9 +1,10 @@
 """The detail pane: the selected stage's facts, its last events (or, for a stage with a loss curve, a
 compact plot of loss and acc_0) and the live tail of its log.
 
-On a wide terminal (``-wide`` on the app, 150 columns and more) the plot is a column of its own
+On a wide terminal (``-wide`` on the app, 170 columns and more) the plot is a column of its own
 between the facts and the log; narrower, it takes the place of the event list under the facts, so the
-log keeps the width it needs to be read."""
+log keeps the width it needs to be read; on a short terminal (under 36 rows) there is no room for it
+there, and ``m`` (the metrics view) has the curves."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class StageDetail(Horizontal):
         """The compact loss / acc_0 plot, where the width puts it (or none for a stage without a loss)."""
         curves = mini_curves(st.history)
         wide = self.app.has_class("-wide")
+        if not wide and self.app.has_class("-short"):
+            curves = []  # under the facts it would get 3 rows: the events are more use there (m has the curves)
         col, inner = self.query_one("#plot-col", CurvePlot), self.query_one("#plot-in", CurvePlot)
         target = (col if wide else inner) if curves else None
         for plot in (col, inner):
