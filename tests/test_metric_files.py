@@ -90,6 +90,8 @@ def test_wandb_offline_files_when_the_plan_asks(tmp_path: Path, monkeypatch: pyt
     ctx.close()
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, list((run_dir / "wandb").iterdir())
-    runfile = next(offline[0].glob("*.wandb"))
-    assert runfile.stat().st_size > 0
+    data = next(offline[0].glob("*.wandb")).read_bytes()  # W&B's record log: history items as key + JSON value
+    for value in (1.0, 0.5, 1 / 3):
+        assert f"{value!r}".encode() in data, f"loss {value} is not in the offline run"
+    assert data.count(b"loss") >= 3
     assert scalars(run_dir / "tensorboard" / "train", "loss")[-1] == (3, round(1 / 3, 6)), "TensorBoard too"
