@@ -21,7 +21,7 @@ MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
 
 async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float = 0.5, every_s: float = 10.0,
                  timeout_s: float | None = None) -> int:
-    model = RunModel(transport)
+    model = RunModel(transport, backfill=False)  # no curves here: no need for the metric history's past
     seen_state: dict[str, tuple[str, int]] = {}
     seen_events: dict[str, float] = {}
     last_progress: dict[str, float] = {}

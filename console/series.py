@@ -82,7 +82,9 @@ class StageHistory:
         self.version = 0  # bumped on every point: widgets redraw when it moved
         self._stepped: set[str] = set()
 
-    def add(self, attempt: int, name: str, value: float, step: float | None, t: float) -> None:
+    def add(self, attempt: int, name: str, value: float, step: float | None, t: float,
+            x_time: float | None = None) -> None:
+        """A sample: at ``step``, else at wall time ``t`` (or at ``x_time`` seconds, already relative)."""
         series = self.attempts.get(attempt)
         if series is None:
             series = self.attempts[attempt] = {}
@@ -97,13 +99,28 @@ class StageHistory:
                 return
             s = series[name] = Series()
         if step is None:
-            t0 = self._t0.setdefault(attempt, t)
-            x = t - t0
+            x = x_time if x_time is not None else t - self._t0.setdefault(attempt, t)
         else:
             x = float(step)
             self._stepped.add(name)
         s.add(x, value)
         self.version += 1
+
+    def t0(self, attempt: int) -> float | None:
+        """Wall time of the attempt's first step-less metric (x = 0 on its time axis)."""
+        return self._t0.get(attempt)
+
+    def merge_after(self, later: StageHistory) -> None:
+        """Append ``later`` (what was read after this history's events) to this one, series by series."""
+        for attempt, series in sorted(later.attempts.items()):
+            for name, s in series.items():
+                shift = 0.0
+                if not later.uses_steps(name):
+                    lt0 = later.t0(attempt)
+                    if lt0 is not None:
+                        shift = lt0 - self._t0.setdefault(attempt, lt0)
+                for x, y in zip(s.xs, s.ys, strict=True):
+                    self.add(attempt, name, y, x if later.uses_steps(name) else None, 0.0, x_time=x + shift)
 
     def names(self, attempt: int | None = None) -> list[str]:
         """Metric names of an attempt (default: the latest), in the order they first appeared."""

@@ -175,3 +175,31 @@ def test_metrics_view_snapshot(snap_compare, live_meters: None) -> None:  # noqa
 def test_metrics_attempts_snapshot(snap_compare, live_meters: None) -> None:  # noqa: ANN001
     app = app_for(Path("/tmp/aerie-metrics-attempts"))
     assert snap_compare(app, terminal_size=(120, 40), run_before=lambda pilot: open_metrics(app, pilot, "a"))
+
+
+async def test_attaching_late_still_draws_the_curve_from_step_zero(tmp_path: Path) -> None:
+    from pipeline.run.events import EventWriter
+
+    sd = tmp_path / "stages" / "train"
+    sd.mkdir(parents=True)
+    with EventWriter(sd / "events.jsonl") as w:  # ~2 MB: attach reads only its last 256 KiB
+        w.write(make("started", t=1000.0, attempt=1, pid=1))
+        for step in range(0, 4000):
+            for name, value in train_metrics(step).items():
+                w.write(make("metric", t=1000.0 + step, name=name, value=value, step=step))
+
+    async def attach(backfill: bool) -> StageView:
+        model = RunModel(LocalTransport(str(tmp_path)), backfill=backfill)
+        model.stages["train"] = StageView(id="train", family="train")
+        model.order = ["train"]
+        for _ in range(10):
+            await model.poll()
+        return model.stages["train"]
+
+    late = await attach(backfill=False)
+    assert late.history.get("loss").xs[0] > 3000, "the tail alone starts near the end"
+    st = await attach(backfill=True)
+    loss = st.history.get("loss")
+    assert loss.xs[0] < 10 and loss.xs[-1] > 3990, "the head was read back: the whole run"
+    assert len(loss) <= 512 and loss.last == pytest.approx(train_metrics(3999)["loss"])
+    assert st.history.names()[:2] == ["loss", "acc_0"]
