@@ -475,8 +475,8 @@ class AerieApp(App[int]):
         if isinstance(screen, MetricsScreen):
             cmds += [("Metrics: show/hide metric", "tick or untick the highlighted metric", screen.action_toggle),
                      ("Metrics: compare attempts", "the highlighted metric, a curve per attempt", screen.action_attempts),
-                     ("Metrics: previous stage", "the previous stage with metrics", lambda: screen.action_stage(-1)),
-                     ("Metrics: next stage", "the next stage with metrics", lambda: screen.action_stage(1)),
+                     ("Metrics: previous stage", "the previous stage with metrics", screen.action_previous_stage),
+                     ("Metrics: next stage", "the next stage with metrics", screen.action_next_stage),
                      ("Metrics: back", "back to the board", screen.action_close)]
         cmds += [
             ("Pause / resume stage", "pause the selected stage at a safe point, or resume it", self.action_pause),

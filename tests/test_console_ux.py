@@ -24,6 +24,7 @@ from console.model import Progress, RunModel, StageView
 from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import HelpScreen
 from console.screens.logview import LogScreen
+from console.screens.metrics import MetricsScreen
 from console.settings import resolve
 from console.transport import LocalTransport
 from console.widgets.logview import LogView
@@ -261,7 +262,7 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
     app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
     async with app.run_test(size=(140, 40)) as pilot:
         await until(pilot, lambda: app.model.loaded, what="loaded")
-        for key, extra in ((None, ()), ("d", (DatasetsScreen,)), ("l", (LogScreen, LogView))):
+        for key, extra in ((None, ()), ("d", (DatasetsScreen,)), ("l", (LogScreen, LogView)), ("m", (MetricsScreen,))):
             if key == "l":
                 await pilot.press("down")  # a stage, not the family row
             if key:
@@ -292,7 +293,7 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
                     if action not in NOT_COMMANDS:
                         assert getattr(target, f"action_{action}") in callbacks, \
                             f"no palette command for {action} on {type(screen).__name__}"
-            while isinstance(app.screen, (LogScreen, DatasetsScreen)):
+            while isinstance(app.screen, (LogScreen, DatasetsScreen, MetricsScreen)):
                 app.screen.dismiss(None)
                 await pilot.pause(0.2)
 

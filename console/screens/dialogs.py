@@ -54,7 +54,7 @@ class ConfirmScreen(ModalScreen[bool]):
 # Help groups, in the order shown; an action not named here goes under "Views".
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "Navigate": ("cursor", "cursor_to", "scroll_lines", "scroll_cols", "top", "follow", "screen.top",
-                 "screen.follow", "back", "close", "clear_filter", "stage"),
+                 "screen.follow", "back", "close", "clear_filter", "previous_stage", "next_stage"),
     "Find": ("filter", "search", "next", "previous", "first_error"),
     "Control the selected stage": ("pause", "kill", "retry", "retry_fresh", "skip", "force"),
     "Views": (),

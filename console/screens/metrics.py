@@ -30,8 +30,8 @@ class MetricsScreen(Screen[None]):
         Binding("space", "toggle", "Show/hide", show=False, tooltip="show / hide the highlighted metric"),
         Binding("enter", "toggle", "Show/hide", show=False, tooltip="show / hide the highlighted metric"),
         Binding("a", "attempts", "Attempts", tooltip="compare the highlighted metric across attempts (again: back)"),
-        Binding("left_square_bracket", "stage(-1)", "Prev stage", tooltip="previous / next stage with metrics"),
-        Binding("right_square_bracket", "stage(1)", "Next stage", tooltip="previous / next stage with metrics"),
+        Binding("left_square_bracket", "previous_stage", "Prev stage", tooltip="previous / next stage with metrics"),
+        Binding("right_square_bracket", "next_stage", "Next stage", tooltip="previous / next stage with metrics"),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
     ]
     DEFAULT_CSS = """
@@ -173,6 +173,12 @@ class MetricsScreen(Screen[None]):
         self._names = []
         self.compare = False
         self.sync(self.model)
+
+    def action_previous_stage(self) -> None:
+        self.action_stage(-1)
+
+    def action_next_stage(self) -> None:
+        self.action_stage(1)
 
     def action_close(self) -> None:
         self.dismiss(None)
