@@ -63,6 +63,10 @@ async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float =
             ok = model.all_succeeded()
             counts = ", ".join(f"{n} {s}" for s, n in sorted(model.counts().items()))
             emit(f"run {'succeeded' if ok else 'did not succeed'}: {counts}")
+            for sid in model.order:  # why, once more at the end: the state lines may have scrolled away
+                st = model.stages[sid]
+                if st.state in ("failed", "killed"):
+                    emit(f"  {sid} {st.state}: {st.reason or 'no reason recorded'}")
             for sid in model.order:
                 st = model.stages[sid]
                 if "accept_len" in st.metrics:

@@ -58,6 +58,8 @@ async def test_headless_board_and_status_show_the_error_line(tmp_path: Path) -> 
         assert rc == 1
         assert "shard                        failed — exit 1: ValueError: shard 7 has no rows" in text, text
         assert "quiet                        failed — exit 4: giving up on host b" in text, text
+        summary = text.split("run did not succeed: 2 failed")[1]
+        assert "shard failed: exit 1: ValueError: shard 7 has no rows" in summary, summary
         status = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run.root)], capture_output=True,
                                 text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
         assert "ValueError: shard 7 has no rows" in status.stdout, status.stdout
