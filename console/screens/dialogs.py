@@ -8,7 +8,9 @@ bindings without a ``tooltip`` are the framework's and are left out.
 
 from __future__ import annotations
 
-from rich.markup import escape
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
@@ -107,11 +109,6 @@ def help_sections(screen: Screen) -> list[tuple[str, list[tuple[str, str]]]]:
     return [(g, r) for g, r in out.items() if r]
 
 
-def help_rows(screen: Screen) -> list[tuple[str, str]]:
-    """Every (keys, what) of :func:`help_sections`, flat."""
-    return [row for _g, rows in help_sections(screen) for row in rows]
-
-
 class HelpScreen(ModalScreen[None]):
     """The keys of the screen it was opened from, grouped, with what they do."""
 
@@ -130,15 +127,20 @@ class HelpScreen(ModalScreen[None]):
         self.title_text = title
 
     def compose(self) -> ComposeResult:
-        width = max((len(k) for _g, rows in self.sections for k, _ in rows), default=4) + 2
-        parts = [f"[b]{escape(self.title_text)}[/b]"]
+        width = max((len(k) for _g, rows in self.sections for k, _ in rows), default=4)
+        parts: list[RenderableType] = [Text(self.title_text, style="bold")]
         for group, rows in self.sections:
-            parts.append(f"\n[b $accent]{escape(group)}[/]")
-            parts += [f"  [b]{escape(k):<{width}}[/b]{escape(d)}" for k, d in rows]
+            parts.append(Text("\n" + group, style="bold"))
+            table = Table(box=None, show_header=False, padding=(0, 1), expand=True)
+            table.add_column(no_wrap=True, width=width + 2, style="bold")  # keys; a long description wraps beside them
+            table.add_column(ratio=1)
+            for k, d in rows:
+                table.add_row(f" {k}", d)
+            parts.append(table)
         if self.notes:
-            parts.append("\n" + escape(self.notes))
+            parts.append(Text("\n" + self.notes))
         with VerticalScroll():
-            yield Static("\n".join(parts), id="help-body")
+            yield Static(Group(*parts), id="help-body")
 
     @property
     def text(self) -> str:
