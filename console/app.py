@@ -155,6 +155,8 @@ class AerieApp(App[int]):
 
     def on_resize(self) -> None:
         self._apply_layout()
+        with contextlib.suppress(NoMatches):
+            self._update_header()
 
     def _apply_layout(self) -> None:
         w, h = self.size
@@ -256,12 +258,20 @@ class AerieApp(App[int]):
 
     def _update_header(self) -> None:
         m = self.model
+        counts = Text()
+        for state, n in sorted(m.counts().items()):
+            counts.append(f" {n} {state} ", style=self.state_style(state))
         t = Text()
         t.append(f" {m.run_name or 'Aerie'} ", style="bold")
         t.append(f" {self.transport.status.label()} ")
-        t.append(f" {m.run_dir} ", style="dim")
-        for state, n in sorted(m.counts().items()):
-            t.append(f" {n} {state} ", style=self.state_style(state))
+        # The run dir gives way (its start becomes "…") so the state counts always fit on the line.
+        room = self.size.width - 2 - t.cell_len - counts.cell_len - 2
+        path = str(m.run_dir)
+        if len(path) > room:
+            path = "…" + path[-max(0, room - 1):] if room > 8 else ""
+        if path:
+            t.append(f" {path} ", style="dim")
+        t.append_text(counts)
         self._set_text("#header", t)
         line = Text()
         if m.error:

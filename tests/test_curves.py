@@ -100,6 +100,7 @@ async def test_every_size_shows_whole_values_and_a_readable_log(tmp_path: Path, 
     width = size[0]
     text = "\n".join(rows)
     assert max(len(r) for r in rows) <= width
+    assert rows[0].rstrip().endswith("1 failed  12 succeeded"), "the state counts always fit in the header"
     # Board: every done/total value whole (9 full preps, the failed one), and the failure's reason, whole or
     # abbreviated at its end.
     assert text.count("120.0K/120.0K") >= min(9, text.count("├ prep.") + text.count("└ prep.") - 1)
