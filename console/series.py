@@ -64,11 +64,6 @@ class Series:
     def ys(self) -> list[float]:
         return self.points_y + ([self._sy / self._n] if self._n else [])
 
-    @property
-    def merged(self) -> int:
-        """How many times points were merged in pairs (0: every point is a sample)."""
-        return self.stride.bit_length() - 1
-
     def __len__(self) -> int:
         return len(self.points_x) + (1 if self._n else 0)
 

@@ -134,10 +134,10 @@ class MetricsScreen(Screen[None]):
         xlabel, scale = x_axis(h, shown[0], series) if shown else ("", 1.0)
         plot.empty_text = "tick a metric on the left (Space)"
         plot.draw(panels, xlabel, scale, key=(st.id, h.version, tuple(shown)))
-        merged = max((s.merged for s in series), default=0)
+        stride = max((s.stride for s in series), default=1)
         extra = [f"{len(names) - MAX_PANELS} more ticked: showing the first {MAX_PANELS}"] if len(names) > MAX_PANELS else []
-        if merged:
-            extra.append("older points averaged in pairs to keep memory bounded")
+        if stride > 1:
+            extra.append(f"each point is the mean of {stride} samples (memory stays bounded; TensorBoard has them all)")
         note.update(" · ".join([f"attempt {h.latest()}", *extra]))
 
     def _highlighted(self) -> str | None:
