@@ -1,7 +1,9 @@
 """The stage board: the run's DAG as a table, one row per stage, families grouped as blocks.
 
 Columns: stage, state, attempt, elapsed, progress bar, done/total, rate, ETA, note (why it waits,
-health, accept length...). A family with several members (the 10 preps) gets a header row with the
+health, accept length, why it failed...). Each column is as wide as its widest value; on a narrow
+terminal the progress bar shrinks and whole columns drop (``DROP_ORDER``) so that no value is cut
+and the note keeps room. A family with several members (the 10 preps) gets a header row with the
 aggregate progress and state counts, then its members indented below it. State colours come from
 the app's theme (``App.state_style``), never from this widget.
 
