@@ -7,7 +7,8 @@ on the recorded process group and the result comes back as a notification. Quitt
 never stops a stage: ``aerie attach RUN`` shows the same run, live.
 
 Around the board: the full log of any stage (``l``; the inference server's with ``L``) in the log
-viewer, the per-dataset progress screen (``d``), themes from ``themes/`` (``--theme``, the user's
+viewer, the per-dataset progress screen (``d``), the metrics' curves (``m``; a compact loss/acc_0
+plot in the detail pane of a training stage), themes from ``themes/`` (``--theme``, the user's
 config, the plan's ``[ui]``, or the command palette), failure alerts (notification, bell, the
 plan's ``[alerts] command``; see :mod:`console.alerts`), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
@@ -37,8 +38,9 @@ from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.screens.datasets import DatasetsScreen
-from console.screens.dialogs import ConfirmScreen, HelpScreen, help_rows
+from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
 from console.screens.logview import LogScreen
+from console.screens.metrics import MetricsScreen
 from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
 from console.transport import Transport
 from console.widgets.board import StageBoard
@@ -74,8 +76,17 @@ class AerieApp(App[int]):
     #filter.visible { display: block; }
     #main { height: 1fr; }
     #bottom { height: 14; border-top: solid $panel-lighten-2; }
-    #meters { width: 50; border-left: solid $panel-lighten-2; }
+    #meters { border-top: solid $panel-lighten-2; }
+    AerieApp.-short #bottom { height: 10; }
+    AerieApp.-tall #bottom { height: 18; }
+    AerieApp.-wide StageDetail #info { width: 56; }
     """
+    # Layout by terminal size (see docs/operating.md, "Layout"): the meters always span the full width
+    # under the board (a GPU row never shares its line), the log takes what the facts leave.
+    WIDE_COLS = 170  # the detail's plot gets a column of its own (narrower, it sits under the facts)
+    SHORT_ROWS = 36  # smaller detail pane
+    TALL_ROWS = 50  # larger detail pane
+    BOARD_MIN_ROWS = 12  # GPUs become cells of a grid (several per line) when a row each would leave fewer
     BINDINGS = [
         Binding("p", "pause", "Pause/resume",
                 tooltip="pause the selected stage at its next safe point (SIGSTOP after the grace period); "
@@ -93,6 +104,8 @@ class AerieApp(App[int]):
         Binding("l", "log", "Log", tooltip="the selected stage's full log (follow, search, filter, wrap)"),
         Binding("L", "server_log", "Server log", show=False, tooltip="the inference server's log (the serve stage)"),
         Binding("d", "datasets", "Datasets", tooltip="per-dataset progress: rows/quota, rate, ETA, rejects"),
+        Binding("m", "metrics", "Metrics",
+                tooltip="curves of the selected stage's metrics (loss, acc_0…, tokens/s), or one metric across attempts"),
         Binding("slash", "filter", "Filter", tooltip="filter stages by id or state; Esc clears"),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
         Binding("q", "quit_console", "Quit",
@@ -134,13 +147,37 @@ class AerieApp(App[int]):
         yield Input(placeholder="filter stages (id or state) — Enter to apply, Esc to clear", id="filter")
         with Vertical(id="main"):
             yield StageBoard(id="board")
+            yield MetersPanel(self.model.telemetry, id="meters")
             with Horizontal(id="bottom"):
                 yield StageDetail(id="detail")
-                yield MetersPanel(self.model.telemetry, id="meters")
         yield Static("", id="status-line")
         yield Footer()
 
+    def on_resize(self) -> None:
+        self._apply_layout()
+        with contextlib.suppress(NoMatches):
+            self._update_header()
+
+    def _apply_layout(self) -> None:
+        w, h = self.size
+        self.set_class(w >= self.WIDE_COLS, "-wide")
+        self.set_class(h < self.SHORT_ROWS, "-short")
+        self.set_class(h >= self.TALL_ROWS, "-tall")
+        with contextlib.suppress(NoMatches):
+            self._meters_layout()
+            detail = self.query_one(StageDetail)
+            st = self.model.stages.get(detail.stage_id or "")
+            if st is not None:
+                detail.sync(st)
+
+    def _meters_layout(self) -> None:
+        h = self.size.height
+        bottom = 10 if h < self.SHORT_ROWS else (18 if h >= self.TALL_ROWS else 14)
+        rows_each = len(self.model.telemetry.gpus) + 4  # title, a row per GPU, disk, host, border
+        self.query_one(MetersPanel).set_compact(h - 3 - bottom - rows_each < self.BOARD_MIN_ROWS)
+
     def on_mount(self) -> None:
+        self._apply_layout()
         self.theme = self.settings.theme
         self.query_one(StageBoard).focus()
         self.poll_model()
@@ -204,6 +241,8 @@ class AerieApp(App[int]):
         meters = self.query_one(MetersPanel)
         if meters.display != (self.model.telemetry_stage is not None):
             meters.display = self.model.telemetry_stage is not None  # no telemetry stage: no empty meters
+        if "telemetry" in changed:
+            self._meters_layout()
         detail = self.query_one(StageDetail)
         st = board.selected_stage(self.model)
         self.model.watch_log(st.id if st else None)
@@ -212,19 +251,27 @@ class AerieApp(App[int]):
         elif st is not None and (st.id in changed or "*" in changed or st.state in ("running", "paused")):
             detail.sync(st)
         screen = self.screen
-        if isinstance(screen, DatasetsScreen):
+        if isinstance(screen, DatasetsScreen | MetricsScreen):
             screen.sync(self.model)
         if self.alerts_enabled and self.model.loaded:
             self._check_alerts()
 
     def _update_header(self) -> None:
         m = self.model
+        counts = Text()
+        for state, n in sorted(m.counts().items()):
+            counts.append(f" {n} {state} ", style=self.state_style(state))
         t = Text()
         t.append(f" {m.run_name or 'Aerie'} ", style="bold")
         t.append(f" {self.transport.status.label()} ")
-        t.append(f" {m.run_dir} ", style="dim")
-        for state, n in sorted(m.counts().items()):
-            t.append(f" {n} {state} ", style=self.state_style(state))
+        # The run dir gives way (its start becomes "…") so the state counts always fit on the line.
+        room = self.size.width - 2 - t.cell_len - counts.cell_len - 2
+        path = str(m.run_dir)
+        if len(path) > room:
+            path = "…" + path[-max(0, room - 1):] if room > 8 else ""
+        if path:
+            t.append(f" {path} ", style="dim")
+        t.append_text(counts)
         self._set_text("#header", t)
         line = Text()
         if m.error:
@@ -372,6 +419,14 @@ class AerieApp(App[int]):
         else:
             self.push_screen(DatasetsScreen(self.model))
 
+    def action_metrics(self) -> None:
+        if isinstance(self.screen, MetricsScreen):
+            self.screen.dismiss(None)
+            return
+        st = self._selected()
+        if st is not None:
+            self.push_screen(MetricsScreen(self.model, st.id))
+
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.add_class("visible")
@@ -394,7 +449,7 @@ class AerieApp(App[int]):
         self.query_one(StageBoard).focus()
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(help_rows(self.screen), notes="Closing the console never stops a stage."))
+        self.push_screen(HelpScreen(help_sections(self.screen), notes="Closing the console never stops a stage."))
 
     def action_quit_console(self) -> None:
         self.exit(0, message=f"Aerie console closed; the run keeps going.\nRe-attach: aerie attach {self.model.run_dir}")
@@ -427,6 +482,12 @@ class AerieApp(App[int]):
         if isinstance(screen, DatasetsScreen):
             cmds += [("Datasets: open log", "the selected stage's log", screen.action_log),
                      ("Datasets: back", "back to the board", screen.action_close)]
+        if isinstance(screen, MetricsScreen):
+            cmds += [("Metrics: show/hide metric", "tick or untick the highlighted metric", screen.action_toggle),
+                     ("Metrics: compare attempts", "the highlighted metric, a curve per attempt", screen.action_attempts),
+                     ("Metrics: previous stage", "the previous stage with metrics", screen.action_previous_stage),
+                     ("Metrics: next stage", "the next stage with metrics", screen.action_next_stage),
+                     ("Metrics: back", "back to the board", screen.action_close)]
         cmds += [
             ("Pause / resume stage", "pause the selected stage at a safe point, or resume it", self.action_pause),
             ("Kill stage", "SIGTERM then SIGKILL to the selected stage's process group (asks)", self.action_kill),
@@ -437,6 +498,7 @@ class AerieApp(App[int]):
             ("Open stage log", "the selected stage's full log", self.action_log),
             ("Open server log", "the inference server's log", self.action_server_log),
             ("Dataset progress", "per-dataset rows, rate, ETA, rejects", self.action_datasets),
+            ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
             ("Filter stages", "filter the board by id or state", self.action_filter),
             ("Help", "every key of this screen", self.action_help),
             ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),

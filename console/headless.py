@@ -21,7 +21,7 @@ MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
 
 async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float = 0.5, every_s: float = 10.0,
                  timeout_s: float | None = None) -> int:
-    model = RunModel(transport)
+    model = RunModel(transport, backfill=False)  # no curves here: no need for the metric history's past
     seen_state: dict[str, tuple[str, int]] = {}
     seen_events: dict[str, float] = {}
     last_progress: dict[str, float] = {}
@@ -63,6 +63,10 @@ async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float =
             ok = model.all_succeeded()
             counts = ", ".join(f"{n} {s}" for s, n in sorted(model.counts().items()))
             emit(f"run {'succeeded' if ok else 'did not succeed'}: {counts}")
+            for sid in model.order:  # why, once more at the end: the state lines may have scrolled away
+                st = model.stages[sid]
+                if st.state in ("failed", "killed"):
+                    emit(f"  {sid} {st.state}: {st.reason or 'no reason recorded'}")
             for sid in model.order:
                 st = model.stages[sid]
                 if "accept_len" in st.metrics:

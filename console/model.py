@@ -3,9 +3,11 @@
 Each :meth:`RunModel.poll` asks the transport for what was appended since the last poll:
 ``state.json`` (the supervisor's snapshot of every stage), each stage's ``events.jsonl`` from its
 byte offset, and the log tail of the stages being watched. Memory is bounded whatever the run's
-length: per stage the latest state, the latest value of each metric, a bounded window of progress
-samples (for rate and ETA), the last events and the last log lines. On attach the model starts
-near the end of long event files instead of replaying days of history.
+length: per stage the latest state, the latest value of each metric, each metric's history for the
+curves (downsampled, see :mod:`console.series`), a bounded window of progress samples (for rate and
+ETA), the last events and the last log lines. On attach the model starts
+near the end of long event files instead of replaying days of history; the curves then read the
+skipped head back in the background, a chunk per poll (see :meth:`RunModel._backfill_step`).
 
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
 :meth:`poll` reports that something changed.
@@ -14,10 +16,12 @@ Widgets never see the transport: they read :class:`StageView` objects and redraw
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from console.series import StageHistory
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import Transport
 from pipeline.run.events import Event, parse_lines, split_complete
@@ -25,6 +29,7 @@ from pipeline.run.events import Event, parse_lines, split_complete
 TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10
+BACKFILL_CHUNK = 2 << 20  # bytes of an events file's skipped head read per poll for the curves
 RATE_WINDOW_S = 120.0
 
 
@@ -93,6 +98,8 @@ class StageView:
     log: deque[str] = field(default_factory=lambda: deque(maxlen=1000))
     log_total: int = 0  # lines ever appended to ``log`` (it is bounded; this is not)
     rejects: int = 0
+    history: StageHistory = field(default_factory=StageHistory)  # every metric over steps/time, bounded
+    ev_attempt: int | None = None  # the attempt the events being read belong to (from `started`)
 
     def elapsed_s(self, now: float | None = None) -> float | None:
         if self.started_at is None:
@@ -119,6 +126,7 @@ class _Stream:
     ino: int = 0
     primed: bool = False  # False until the first read decided where to start
     skip_partial: bool = False  # the next line is a fragment (we started mid-file)
+    skipped: int = 0  # bytes of the file's head jumped over on attach (the curves read them back later)
 
 
 def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int) -> list[bytes]:
@@ -140,6 +148,7 @@ def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int)
         if size - stream.offset > tail_bytes:
             stream.offset = size - tail_bytes
             stream.skip_partial = True
+            stream.skipped = stream.offset
             return []
     lines, used = split_complete(data)
     stream.offset += used
@@ -152,8 +161,10 @@ def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int)
 class RunModel:
     """The run as the console knows it. Call :meth:`poll` periodically (from a worker)."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, backfill: bool = True) -> None:
         self.transport = transport
+        self.backfill = backfill  # read back the metric history skipped on attach (the console; not headless)
+        self._backfill: dict[str, _Backfill] = {}
         self.run_name = ""
         self.run_dir = transport.run_root
         self.executor = "local"
@@ -232,7 +243,52 @@ class RunModel:
             if self.telemetry.ingest(r.data, r.size, r.ino):
                 changed.add("telemetry")
         # Streams for stages that just appeared in state.json start on the next poll.
+        if self.backfill:
+            changed |= await self._backfill_step()
         return changed
+
+    async def _backfill_step(self) -> set[str]:
+        """Read the next chunk of the head of one events file skipped on attach, for its metric history.
+
+        Attaching starts near the end of each events file (cheap, whatever the run's age); the curves
+        then fill in their past in the background, :data:`BACKFILL_CHUNK` bytes per poll, the
+        selected stage first. Once a stage's head is read its history is rebuilt head first, then
+        what was read live, so a curve on day three starts at step 0.
+        """
+        for sid, stream in self._events.items():
+            if stream.skipped and sid not in self._backfill:
+                self._backfill[sid] = _Backfill(end=stream.skipped)
+        todo = [sid for sid, b in self._backfill.items() if not b.done and sid in self.stages]
+        if not todo:
+            return set()
+        sid = next((s for s in self.watched if s in todo), todo[0])
+        b = self._backfill[sid]
+        try:
+            res = (await self.transport.read_many([(f"stages/{sid}/events.jsonl", b.pos)], max_bytes=BACKFILL_CHUNK))[0]
+        except Exception:
+            return set()
+        if res.size < b.end:  # the file was replaced: the live stream starts over anyway
+            b.done = True
+            return set()
+        data = res.data[: b.end - b.pos]
+        lines, used = split_complete(data)
+        if b.pos + len(data) >= b.end:
+            used = len(data)  # the last line before the tail may be cut: the tail skipped it too
+        b.pos += used
+        wanted = [ln for ln in lines if b'"metric"' in ln or b'"started"' in ln]
+        events, _bad = parse_lines(wanted)
+        st = self.stages[sid]
+        for ev in events:
+            if ev.type == "started" and isinstance(ev.get("attempt"), int):
+                b.attempt = ev.get("attempt")
+            elif ev.type == "metric":
+                _add_metric(b.history, b.attempt or 1, ev)
+        if b.pos >= b.end or not used:
+            b.done = True
+            b.history.merge_after(st.history)
+            st.history = b.history
+            return {sid}
+        return set()
 
     def _apply_state(self, raw: bytes) -> set[str]:
         try:
@@ -292,9 +348,12 @@ class RunModel:
             st.metrics[name] = float(ev.get("value", 0.0))
             if name == "rejects":
                 st.rejects = int(ev.get("value", 0))
+            _add_metric(st.history, st.ev_attempt or st.attempt, ev)
         elif ev.type == "started":
             st.metrics.clear()
             st.progress = Progress()
+            if isinstance(ev.get("attempt"), int):
+                st.ev_attempt = ev.get("attempt")
         if ev.type != "progress":
             st.events.append(ev)
 
@@ -307,6 +366,30 @@ class RunModel:
         st.log_total += len(lines)
         return True
 
+@dataclass
+class _Backfill:
+    """Progress reading back the head of one events file for the curves."""
+
+    end: int
+    pos: int = 0
+    attempt: int | None = None
+    done: bool = False
+    history: StageHistory = field(default_factory=StageHistory)
+
+
+def _add_metric(history: StageHistory, attempt: int, ev: Event) -> None:
+    """A metric event as a point of its series (``name`` or ``name/label``; finite values only)."""
+    try:
+        value = float(ev.get("value", 0.0))
+    except (TypeError, ValueError):
+        return
+    if not math.isfinite(value):
+        return
+    name, label, step = str(ev.get("name")), ev.get("label"), ev.get("step")
+    history.add(attempt, f"{name}/{label}" if isinstance(label, str) and label else name, value,
+                step if isinstance(step, int | float) and not isinstance(step, bool) else None, ev.t)
+
+
 def describe_event(ev: Event) -> str:
     """One human line for an event (detail pane, headless output)."""
     d = ev.data
@@ -315,7 +398,7 @@ def describe_event(ev: Event) -> str:
     if ev.type == "finished":
         rc = d.get("returncode")
         return f"finished: {d.get('status')}" + (f" (rc {rc})" if rc not in (None, 0) else "") + (
-            f" {d['detail']}" if d.get("detail") else "")
+            f" {d['detail']}" if d.get("detail") else "") + (f": {d['error']}" if d.get("error") else "")
     if ev.type == "metric":
         v = d.get("value")
         return f"{d.get('name')} = {v:.4g}" if isinstance(v, float) else f"{d.get('name')} = {v}"

@@ -152,8 +152,13 @@ class DiskView:
 
     def status(self) -> tuple[str, str]:
         """(text, level) for the disk meter: level is ``ok``, ``warning`` or ``error``."""
+        parts, level = self.status_parts()
+        return " · ".join(parts), level
+
+    def status_parts(self) -> tuple[list[str], str]:
+        """The disk meter's facts, most important first (a narrow meter shows the first that fit)."""
         if self.avail is None:
-            return "disk: no reading", "warning"
+            return ["disk: no reading"], "warning"
         room = self.room if self.room is not None else self.avail
         parts = [f"{size(self.avail)} free of {size(self.total)}"]
         full = self.full_in_s
@@ -173,7 +178,9 @@ class DiskView:
         if room <= 0:
             level = "error"
             parts.append("below the reserve")
-        return " · ".join(parts), level
+        if level != "ok":  # the warning before the growth rate
+            parts[1:] = sorted(parts[1:], key=lambda p: p.startswith(("full in", "not growing")))
+        return parts, level
 
 
 @dataclass

@@ -181,3 +181,137 @@ def finished_run(root: Path) -> RunDir:
                              "signal": "SIGTERM" if status == "killed" else None, "t": end})
         sd.log.write_text(f"===== aerie: {sid} attempt 1 =====\nworking on {ds}\n")
     return run
+
+
+CONSOLE_PLAN = """
+[run]
+name = "kimi-eagle3"
+dir = "run"
+[resources]
+cpu_slots = 4
+gpus = [0, 1, 2, 3, 4, 5, 6, 7]
+{datasets}
+[[stage]]
+id = "prep"
+command = "true"
+for_each = "dataset"
+[[stage]]
+id = "telemetry"
+run = "telemetry"
+service = true
+cpu = 0
+[[stage]]
+id = "train"
+command = "true"
+gpus = [0, 1, 2, 3, 4, 5, 6, 7]
+[[stage]]
+id = "bench"
+command = "true"
+after = ["train"]
+"""
+TELEMETRY_FIXTURE = Path(__file__).parent / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"
+
+
+def train_metrics(step: int) -> dict[str, float]:
+    """Deterministic training curves: loss falls, acceptance rises, with a little wiggle."""
+    import math
+
+    wiggle = 0.08 * math.sin(step / 37.0)
+    acc = 0.74 * (1 - math.exp(-step / 500.0))
+    return {"loss": 1.3 + 6.7 * math.exp(-step / 450.0) + wiggle, "acc_0": acc + wiggle / 20, "acc_1": 0.8 * acc,
+            "acc_2": 0.62 * acc, "lr": 1e-4 * min(1.0, (step + 1) / 200), "tokens_per_s": 41_000 + 900 * math.sin(step / 90)}
+
+
+def console_run(root: Path) -> RunDir:
+    """A finished run as an operator sees it after two days: 10 preps (one failed, its log saying why), 8 GPUs of
+    telemetry, a training that failed once (OOM) and resumed, its curves, and a benchmark. Fixed times."""
+    import shutil
+
+    from pipeline.run.events import EventWriter, make
+    from pipeline.run.rundir import write_json
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    datasets = "".join(f'[[datasets]]\nname = "{d}"\nsource = "x"\nkind = "target-native"\nquota = 120000\n'
+                       for d in DATASETS)
+    plan_path = root / "plan.src.toml"
+    plan_path.write_text(CONSOLE_PLAN.format(datasets=datasets))
+    run = create_run(plan_mod.load(plan_path, run_dir=root / "run"), root / "run")
+    t0 = 1_796_000_000.0
+    pid = 4_100_000
+
+    def finish(sid: str, attempt: int, start: float, end: float, rc: int, error: str = "") -> None:
+        sd = run.stage(sid)
+        if attempt > 1:
+            write_json(sd.attempt_file, {"attempt": attempt})
+        write_json(sd.launch, {"attempt": attempt, "t": start})
+        write_json(sd.proc, {"attempt": attempt, "pid": pid, "pgid": pid, "start_time": 1, "boot_id": "", "t": start})
+        write_json(sd.exit, {"attempt": attempt, "returncode": rc, "signal": None, "t": end,
+                             **({"error": error} if error else {})})
+
+    for i, ds in enumerate(DATASETS):
+        sid = f"prep.{ds}"
+        start, end = t0 + i * 40, t0 + 1800 + i * 330
+        ok = ds != "sharegpt"
+        done = 120_000 if ok else 48_211
+        error = "" if ok else "KeyError: 'conversations' (row 48212 of sharegpt_V3_filtered.json)"
+        with EventWriter(run.stage(sid).events) as w:
+            w.write(make("started", t=start, attempt=1, pid=pid))
+            for k in range(1, 6):
+                w.write(make("progress", t=start + k * (end - start) / 5, done=done * k // 5, total=120_000,
+                             unit="rows", key=ds))
+            w.write(make("finished", t=end, status="succeeded" if ok else "failed", returncode=0 if ok else 1,
+                         **({} if ok else {"error": error})))
+        run.stage(sid).log.write_text(
+            f"===== aerie: {sid} attempt 1 started =====\nreading {ds}: 120,000 rows wanted\n"
+            + ("" if ok else "Traceback (most recent call last):\n  File \"prep/rows.py\", line 41, in rows\n"
+               "    turns = row['conversations']\n" + error + "\n"))
+        finish(sid, 1, start, end, 0 if ok else 1, error)
+
+    tel = run.stage("telemetry")
+    tel.out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for line in TELEMETRY_FIXTURE.read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "gpu":
+            for g in range(8):
+                procs = [{"pid": 5000 + g, "mem": 96 << 30, "type": "compute", "owner": "train", "name": "python3"}]
+                lines.append(json.dumps(dict(r, index=g, util=min(100, r["util"] + 3 * g), mem_used=(98 << 30) + g * (1 << 30),
+                                             temp_c=r["temp_c"] + g, procs=procs)))
+        else:
+            lines.append(line)
+    (tel.out / "telemetry.jsonl").write_text("\n".join(lines) + "\n")
+    finish("telemetry", 1, t0, t0 + 9000, 0)
+    with EventWriter(tel.events) as w:
+        w.write(make("started", t=t0, attempt=1, pid=pid))
+        w.write(make("finished", t=t0 + 9000, status="succeeded", returncode=0))
+
+    train = run.stage("train")
+    with EventWriter(train.events) as w:
+        for attempt, (s0, s1, start) in enumerate(((0, 800, t0 + 3600), (600, 2000, t0 + 6000)), start=1):
+            w.write(make("started", t=start, attempt=attempt, pid=pid))
+            for step in range(s0, s1 + 1, 20):
+                t = start + (step - s0) * 1.5
+                for name, value in train_metrics(step).items():
+                    w.write(make("metric", t=t, name=name, value=value, step=step))
+                w.write(make("progress", t=t, done=step, total=2000, unit="steps"))
+            if attempt == 1:
+                w.write(make("message", t=start + 1201, level="error", text="CUDA out of memory at step 800"))
+                w.write(make("finished", t=start + 1202, status="failed", returncode=1,
+                             error="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"))
+        w.write(make("finished", t=t0 + 8100, status="succeeded", returncode=0))
+    train.log.write_text("===== aerie: train attempt 2 started 2026-12-01 06:13:20 pid 4100000 =====\n" + "".join(
+        f"[rank0] step {s:>5}/2000 loss {m['loss']:.4f} acc_0 {m['acc_0']:.4f} acc_1 {m['acc_1']:.4f} "
+        f"lr {m['lr']:.2e} tok/s {m['tokens_per_s']:,.0f} ckpt out/checkpoints/step-{s // 200 * 200:06d}\n"
+        for s in range(600, 2001, 100) for m in [train_metrics(s)]))
+    finish("train", 2, t0 + 6000, t0 + 8100, 0)
+
+    bench = run.stage("bench")
+    with EventWriter(bench.events) as w:
+        w.write(make("started", t=t0 + 8200, attempt=1, pid=pid))
+        w.write(make("metric", t=t0 + 8500, name="accept_len", value=2.91, label="eagle3"))
+        w.write(make("metric", t=t0 + 8500, name="output_tok_s", value=1812.4, label="eagle3"))
+        w.write(make("finished", t=t0 + 8600, status="succeeded", returncode=0))
+    bench.log.write_text("===== aerie: bench attempt 1 started =====\naccept length 2.91 over 80 prompts\n")
+    finish("bench", 1, t0 + 8200, t0 + 8600, 0)
+    return run

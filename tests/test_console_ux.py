@@ -24,6 +24,7 @@ from console.model import Progress, RunModel, StageView
 from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import HelpScreen
 from console.screens.logview import LogScreen
+from console.screens.metrics import MetricsScreen
 from console.settings import resolve
 from console.transport import LocalTransport
 from console.widgets.logview import LogView
@@ -146,8 +147,8 @@ async def test_a_failure_alerts_once_with_bell_and_hook_and_not_again_on_reattac
         app, notes, bells = await attach_once(run.root, 1.0)
         assert app.theme == "aerie-light", "the plan's [ui] theme applies"
         assert app.hooks_run == 1 and bells == [1]
-        assert any("bad attempt 1 failed" in n for n in notes)
-        assert hook_log.read_text().splitlines() == ["failed:bad:1|bad attempt 1 failed: exit 3"]
+        assert any("bad attempt 1 failed: exit 3: about to fail" in n for n in notes), "the alert says why"
+        assert hook_log.read_text().splitlines() == ["failed:bad:1|bad attempt 1 failed: exit 3: about to fail"]
         app2, notes2, bells2 = await attach_once(run.root, 1.0)  # re-attach: the same failure is old news
         assert app2.hooks_run == 0 and bells2 == [] and not any("failed" in n for n in notes2)
         assert hook_log.read_text().count("\n") == 1
@@ -255,13 +256,13 @@ NOT_COMMANDS = {"clear_filter", "back", "help"}  # Esc and ?: keys, not palette 
 
 
 async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path) -> None:
-    from textual.binding import Binding
+    from console.screens.dialogs import key_label
 
     run = finished_run(tmp_path / "r")
     app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
     async with app.run_test(size=(140, 40)) as pilot:
         await until(pilot, lambda: app.model.loaded, what="loaded")
-        for key, extra in ((None, ()), ("d", (DatasetsScreen,)), ("l", (LogScreen, LogView))):
+        for key, extra in ((None, ()), ("d", (DatasetsScreen,)), ("l", (LogScreen, LogView)), ("m", (MetricsScreen,))):
             if key == "l":
                 await pilot.press("down")  # a stage, not the family row
             if key:
@@ -270,13 +271,20 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
             screen = app.screen
             await pilot.press("question_mark")
             await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
-            labels = {line.split("  ")[0] for line in app.screen.text.splitlines()}
+            help_text = app.screen.text
+            labels = {line.split("  ")[0] for line in help_text.splitlines()}
             shown = {k for label in labels for k in label.split(" / ")}
+            groups = [line for line in help_text.splitlines() if line.startswith("[")]
+            assert groups[:1] == ["[Navigate]"] and "[Views]" in groups, groups
+            if key != "d":
+                assert "[Control the selected stage]" in groups
+            for internal in ("cursor", "(-", "Scroll Left", "Page Left", "Focus Next", "k_up", "pgup", "^p"):
+                assert internal not in help_text, f"{internal!r} is framework talk, in the help of {screen}"
             await pilot.press("escape")
             for src in (AerieApp, *extra):
                 for b in src.BINDINGS:
                     for k in b.key.split(","):
-                        label = app.get_key_display(Binding(k.strip(), "x"))
+                        label = key_label(app, k.strip())
                         assert label in shown, f"{k!r} ({label}) is not in the help of {type(screen).__name__}"
             callbacks = [c.callback for c in app.get_system_commands(screen)]
             for src, target in ((AerieApp, app), *((cls, screen) for cls in extra[:1])):
@@ -285,7 +293,7 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
                     if action not in NOT_COMMANDS:
                         assert getattr(target, f"action_{action}") in callbacks, \
                             f"no palette command for {action} on {type(screen).__name__}"
-            while isinstance(app.screen, (LogScreen, DatasetsScreen)):
+            while isinstance(app.screen, (LogScreen, DatasetsScreen, MetricsScreen)):
                 app.screen.dismiss(None)
                 await pilot.pause(0.2)
 

@@ -1,4 +1,4 @@
-"""The console in a real terminal: ``aerie attach`` inside tmux at 120x40, driven with send-keys.
+"""The console in a real terminal: ``aerie attach`` inside tmux at 120x40 and 200x50, driven with send-keys.
 
 What the operator sees is read back with ``capture-pane``: the board, a stage paused and resumed
 with ``p``, the log viewer opened with ``l`` following the stage's output, and ``q`` leaving the
@@ -48,21 +48,22 @@ class Tmux:
         assert p.returncode == 0, f"tmux {' '.join(args)}: {p.stderr}"
         return p.stdout
 
-    def start(self, command: list[str], env: dict[str, str]) -> None:
+    def start(self, command: list[str], env: dict[str, str], size: tuple[int, int] = (120, 40)) -> None:
         envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         # COLUMNS/LINES may be inherited from the test runner; a stale pair would pin the console to it.
-        self("new-session", "-d", "-s", "aerie", "-x", "120", "-y", "40",
+        self("new-session", "-d", "-s", "aerie", "-x", str(size[0]), "-y", str(size[1]),
              f"env -u COLUMNS -u LINES {envs} {shlex.join(command)}")
         self("set-option", "-g", "remain-on-exit", "on")
 
-    def screen(self) -> str:
-        return self("capture-pane", "-p", "-t", "aerie")
+    def screen(self, history: bool = False) -> str:
+        """The visible pane; with ``history`` also what scrolled off its top (text printed after the UI ended)."""
+        return self("capture-pane", "-p", "-t", "aerie", *(("-S", "-") if history else ()))
 
-    def wait(self, pred: Callable[[str], object], what: str, timeout: float = 60.0) -> str:
+    def wait(self, pred: Callable[[str], object], what: str, timeout: float = 60.0, history: bool = False) -> str:
         deadline = time.monotonic() + timeout
         text = ""
         while time.monotonic() < deadline:
-            text = self.screen()
+            text = self.screen(history)
             if pred(text):
                 return text
             time.sleep(0.2)
@@ -83,7 +84,9 @@ def state_of(screen: str, stage: str) -> str | None:
     return None
 
 
-def test_console_in_tmux_pause_resume_log_and_quit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [(120, 40), (200, 50)], ids=["120x40", "200x50"])
+def test_console_in_tmux_pause_resume_log_and_quit(tmp_path: Path, size: tuple[int, int]) -> None:
+    cols, rows = size
     (tmp_path / "w.py").write_text(WORKER)
     run = make_run(tmp_path, f"""
         [run]
@@ -105,13 +108,17 @@ def test_console_in_tmux_pause_resume_log_and_quit(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(ROOT), "AERIE_CONFIG": str(tmp_path / "none.toml"), "AERIE_HOME": str(tmp_path / "home"),
            "TERM": "tmux-256color", "COLORTERM": "truecolor"}
     try:
-        tmux.start([sys.executable, "-m", "console.cli", "attach", str(run.root), "--poll", "0.3"], env)
+        tmux.start([sys.executable, "-m", "console.cli", "attach", str(run.root), "--poll", "0.3"], env, size)
         screen = tmux.wait(lambda s: state_of(s, "work") == "running" and "%" in s
-                           and "Pause/resume" in s.rstrip("\n").split("\n")[-1] and len(s.rstrip("\n").split("\n")) == 40,
-                           "the board at 120x40 with work running and the footer on the last line")
-        assert max(len(x) for x in screen.split("\n")) <= 120
-        assert tmux("display", "-p", "-t", "aerie", "#{window_width}x#{window_height}").strip() == "120x40"
+                           and "Pause/resume" in s.rstrip("\n").split("\n")[-1] and len(s.rstrip("\n").split("\n")) == rows,
+                           f"the board at {cols}x{rows} with work running and the footer on the last line")
+        assert max(len(x) for x in screen.split("\n")) <= cols
+        assert tmux("display", "-p", "-t", "aerie", "#{window_width}x#{window_height}").strip() == f"{cols}x{rows}"
         assert state_of(screen, "after-work") == "pending"
+        # The detail pane's log, beside the facts, is wide enough to read (it was 15 columns at 120).
+        screen = tmux.wait(lambda s: "worker step" in s, "the stage's log tail in the detail pane")
+        log_line = next(x for x in screen.split("\n") if "│worker step" in x)
+        assert cols - log_line.index("│worker step") - 1 >= 70, log_line
 
         tmux.keys("p")
         tmux.wait(lambda s: state_of(s, "work") == "paused", "work paused on screen")
@@ -130,7 +137,7 @@ def test_console_in_tmux_pause_resume_log_and_quit(tmp_path: Path) -> None:
         tmux.wait(lambda s: state_of(s, "work") == "running", "back on the board")
 
         tmux.keys("q")
-        tmux.wait(lambda s: "Aerie console closed; the run keeps going." in s, "the quit message")
+        tmux.wait(lambda s: "Aerie console closed; the run keeps going." in s, "the quit message", history=True)
         assert states(run)["work"] == "running", "quitting the console leaves the stage running"
     finally:
         tmux.kill()

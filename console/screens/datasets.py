@@ -98,6 +98,6 @@ class DatasetsScreen(Screen[None]):
             self.app.open_log(sid)
 
     def action_help(self) -> None:
-        from console.screens.dialogs import HelpScreen, help_rows
+        from console.screens.dialogs import HelpScreen, help_sections
 
-        self.app.push_screen(HelpScreen(help_rows(self), title="Datasets — keys"))
+        self.app.push_screen(HelpScreen(help_sections(self), title="Datasets — keys"))

@@ -2,13 +2,16 @@
 
 The help screen is generated from the bindings active on the screen it was opened from (the
 screen's, its focused widget's and the app's), so it lists every key there is, with the long
-description each binding carries in its ``tooltip``.
+description each binding carries in its ``tooltip``, grouped (navigate / find / control / views);
+bindings without a ``tooltip`` are the framework's and are left out.
 """
 
 from __future__ import annotations
 
-from rich.markup import escape
-from textual.app import ComposeResult
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
 from textual.screen import ModalScreen, Screen
@@ -50,53 +53,103 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(False)
 
 
-def help_rows(screen: Screen) -> list[tuple[str, str]]:
-    """(keys, what they do) for every binding active on ``screen``; keys of one action share a row."""
+# Help groups, in the order shown; an action not named here goes under "Views".
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "Navigate": ("cursor", "cursor_to", "scroll_lines", "scroll_cols", "top", "follow", "screen.top",
+                 "screen.follow", "back", "close", "clear_filter", "previous_stage", "next_stage"),
+    "Find": ("filter", "search", "next", "previous", "first_error"),
+    "Control the selected stage": ("pause", "kill", "retry", "retry_fresh", "skip", "force"),
+    "Views": (),
+}
+FRAMEWORK_ACTIONS = ("quit", "command_palette")  # Textual's Ctrl+Q (`q` is ours) and its palette row (ours below)
+KEY_WORDS = {"⏎": "Enter", "pgup": "PgUp", "pgdn": "PgDn", "home": "Home", "end": "End", "esc": "Esc", "space": "Space",
+             "enter": "Enter", "tab": "Tab"}
+
+
+def key_label(app: App, key: str) -> str:
+    """A key as an operator reads it: ``PgUp``, ``Esc``, ``Ctrl+P``, ``?`` (not ``pgup`` or ``^p``)."""
+    label = app.get_key_display(Binding(key, "x"))
+    if label.startswith("^") and len(label) > 1:
+        rest = label[1:]
+        return "Ctrl+" + KEY_WORDS.get(rest, rest.upper() if len(rest) == 1 else rest)
+    return KEY_WORDS.get(label, label)
+
+
+def _group(action: str) -> str:
+    name = action.split("(")[0]
+    return next((g for g, names in HELP_GROUPS.items() if name in names), "Views")
+
+
+def help_sections(screen: Screen) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(group, [(keys, what they do)]) for the keys active on ``screen``, in operator words.
+
+    Only bindings that carry a description for the operator (``tooltip``) are listed: the
+    framework's own (focus cycling, copy, page left...) are not keys of Aerie. Keys that do the
+    same thing share a row (``↑ / ↓``).
+    """
     app = screen.app
-    rows: dict[tuple[str, str], list[str]] = {}
-    for active in screen.active_bindings.values():
+    own = {k.strip(): b for b in getattr(screen, "BINDINGS", []) if isinstance(b, Binding) for k in b.key.split(",")}
+    rows: dict[str, tuple[str, list[str]]] = {}
+    for key, active in screen.active_bindings.items():
         b = active.binding
-        if b.system and not b.description:
+        if not b.tooltip and key in own:  # a focused table's Enter does what the screen says it does
+            b = own[key]
+        if not b.tooltip or b.system or b.action in FRAMEWORK_ACTIONS:
             continue
-        what = b.tooltip or b.description or b.action.replace("_", " ")
-        keys = rows.setdefault((b.action, what), [])
-        label = app.get_key_display(b)
+        group, keys = rows.setdefault(b.tooltip, (_group(b.action), []))
+        label = key_label(app, key)
         if label not in keys:
             keys.append(label)
-    out = [(" / ".join(keys), what) for (_action, what), keys in rows.items()]
-    if app.ENABLE_COMMAND_PALETTE and not any("palette" in what for _, what in out):
-        out.append((app.get_key_display(Binding(app.COMMAND_PALETTE_BINDING, "command_palette")),
-                    "command palette: every action, themes"))
-    return out
+    if app.ENABLE_COMMAND_PALETTE:
+        rows.setdefault("command palette: every action, and the themes",
+                        ("Views", [key_label(app, app.COMMAND_PALETTE_BINDING)]))
+    out: dict[str, list[tuple[str, str]]] = {g: [] for g in HELP_GROUPS}
+    for what, (group, keys) in rows.items():
+        out[group].append((" / ".join(keys), what))
+    return [(g, r) for g, r in out.items() if r]
 
 
 class HelpScreen(ModalScreen[None]):
-    """Every key of the screen it was opened from, with what it does."""
+    """The keys of the screen it was opened from, grouped, with what they do."""
 
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > VerticalScroll { width: 96; height: auto; max-height: 90%; border: thick $primary;
-                                  background: $surface; padding: 1 2; }
+    HelpScreen > VerticalScroll { width: 100; max-width: 96%; height: auto; max-height: 90%;
+                                  border: thick $primary; background: $surface; padding: 1 2; }
     """
 
-    def __init__(self, rows: list[tuple[str, str]], notes: str = "", title: str = "Aerie — keys") -> None:
+    def __init__(self, sections: list[tuple[str, list[tuple[str, str]]]], notes: str = "",
+                 title: str = "Aerie — keys") -> None:
         super().__init__()
-        self.rows = rows
+        self.sections = sections
         self.notes = notes
         self.title_text = title
 
     def compose(self) -> ComposeResult:
-        width = max((len(k) for k, _ in self.rows), default=4) + 2
-        body = "\n".join(f"[b]{escape(k):<{width}}[/b]{escape(d)}" for k, d in self.rows)
+        width = max((len(k) for _g, rows in self.sections for k, _ in rows), default=4)
+        parts: list[RenderableType] = [Text(self.title_text, style="bold")]
+        for group, rows in self.sections:
+            parts.append(Text("\n" + group, style="bold"))
+            table = Table(box=None, show_header=False, padding=(0, 1), expand=True)
+            table.add_column(no_wrap=True, width=width + 2, style="bold")  # keys; a long description wraps beside them
+            table.add_column(ratio=1)
+            for k, d in rows:
+                table.add_row(f" {k}", d)
+            parts.append(table)
+        if self.notes:
+            parts.append(Text("\n" + self.notes))
         with VerticalScroll():
-            yield Static(f"[b]{escape(self.title_text)}[/b]\n\n" + body
-                         + ("\n\n" + escape(self.notes) if self.notes else ""), id="help-body")
+            yield Static(Group(*parts), id="help-body")
 
     @property
     def text(self) -> str:
-        """The help as plain text (what the operator reads)."""
-        return "\n".join(f"{k}  {d}" for k, d in self.rows) + "\n" + self.notes
+        """The help as plain text (what the operator reads): group titles, then ``keys  what`` rows."""
+        out = []
+        for group, rows in self.sections:
+            out.append(f"[{group}]")
+            out += [f"{k}  {d}" for k, d in rows]
+        return "\n".join(out) + "\n" + self.notes
 
     def action_close(self) -> None:
         self.dismiss(None)

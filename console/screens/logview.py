@@ -327,9 +327,9 @@ class LogScreen(Screen[None]):
         self.dismiss(None)
 
     def action_help(self) -> None:
-        from console.screens.dialogs import HelpScreen, help_rows
+        from console.screens.dialogs import HelpScreen, help_sections
 
-        self.app.push_screen(HelpScreen(help_rows(self), title="Log viewer — keys",
+        self.app.push_screen(HelpScreen(help_sections(self), title="Log viewer — keys",
                                         notes="The log is read in place: nothing is loaded whole, "
                                               "however large it is."))
 

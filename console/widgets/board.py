@@ -1,7 +1,9 @@
 """The stage board: the run's DAG as a table, one row per stage, families grouped as blocks.
 
 Columns: stage, state, attempt, elapsed, progress bar, done/total, rate, ETA, note (why it waits,
-health, accept length...). A family with several members (the 10 preps) gets a header row with the
+health, accept length, why it failed...). Each column is as wide as its widest value; on a narrow
+terminal the progress bar shrinks and whole columns drop (``DROP_ORDER``) so that no value is cut
+and the note keeps room. A family with several members (the 10 preps) gets a header row with the
 aggregate progress and state counts, then its members indented below it. State colours come from
 the app's theme (``App.state_style``), never from this widget.
 
@@ -30,11 +32,29 @@ from console.model import RunModel, StageView
 from pipeline.serving.sglang_log import ServerStats
 
 COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA", "Note")
-WIDTHS = (0, 16, 4, 9, 18, 14, 15, 9, 0)  # 0: sized from content (stage) or the rest (note)
+# Every column but the note is as wide as its widest value (so no value is ever cut); when the note
+# would get fewer than NOTE_MIN columns, the progress bar shrinks to BAR_NARROW cells and then whole
+# columns go, in this order. The note, a sentence, is abbreviated with "…" at its end.
+DROP_ORDER = ("Rate", "ETA", "Try", "Elapsed", "Done")
+NOTE_MIN = 30
+BAR_WIDE, BAR_NARROW = 12, 6
 GROUP_PREFIX = "group:"
 # A family row shows the state that most needs the operator's eye.
 FAMILY_PRECEDENCE = ("failed", "killed", "unhealthy", "paused", "pausing", "running", "starting", "ready",
                      "upstream-failed", "pending", "succeeded", "skipped")
+
+
+class _Bar(str):
+    """A progress cell: the fraction, drawn at the width the board can afford (see :func:`_bar`)."""
+
+    fraction: float | None
+
+    def __new__(cls, fraction: float | None) -> _Bar:
+        obj = super().__new__(cls, _bar(fraction))
+        obj.fraction = fraction
+        return obj
+
+
 Cell = str | Text
 
 
@@ -90,12 +110,12 @@ class StageBoard(ScrollView, can_focus=True):
     """The board. Call :meth:`sync` with the model after each poll."""
 
     BINDINGS = [
-        Binding("up,k_up", "cursor(-1)", "Up", show=False),
-        Binding("down", "cursor(1)", "Down", show=False),
-        Binding("pageup", "cursor(-10)", show=False),
-        Binding("pagedown", "cursor(10)", show=False),
-        Binding("home", "cursor_to(0)", show=False),
-        Binding("end", "cursor_to(-1)", show=False),
+        Binding("up", "cursor(-1)", "Up", show=False, tooltip="previous / next stage"),
+        Binding("down", "cursor(1)", "Down", show=False, tooltip="previous / next stage"),
+        Binding("pageup", "cursor(-10)", show=False, tooltip="ten stages up / down"),
+        Binding("pagedown", "cursor(10)", show=False, tooltip="ten stages up / down"),
+        Binding("home", "cursor_to(0)", show=False, tooltip="first / last stage"),
+        Binding("end", "cursor_to(-1)", show=False, tooltip="first / last stage"),
     ]
     DEFAULT_CSS = """
     StageBoard { height: 1fr; }
@@ -120,6 +140,9 @@ class StageBoard(ScrollView, can_focus=True):
         self._cache: dict[tuple, Strip] = {}
         self.cursor_row = 0
         self._stage_w = 20
+        self._bar_w = BAR_WIDE
+        self._content_sig: int = 0
+        self._width_cache: tuple[tuple, list[int]] = ((), [])
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -168,6 +191,7 @@ class StageBoard(ScrollView, can_focus=True):
         self._rows = new
         self._index = {r.key: i for i, r in enumerate(new)}
         self._stage_w = max([len(str(r.cells[0])) for r in new] + [12]) + 1
+        self._content_sig = hash(tuple(tuple(_plain_len(c) for c in r.cells[:-1]) for r in new))
         if structure_changed:
             self.virtual_size = Size(self.size.width, len(new) + 1)
             self.cursor_row = self._index.get(selected, min(self.cursor_row, max(0, len(new) - 1))) if selected else 0
@@ -199,7 +223,7 @@ class StageBoard(ScrollView, can_focus=True):
             elapsed = max(e for _, e in spans) - min(b for b, _ in spans) if spans else None
             overall = next((s for s in FAMILY_PRECEDENCE if s in counts), "pending")
             return (Text(f"▾ {fam} ({len(members)})", style="bold"), Text(overall, style=self._style(overall)), "",
-                    fmt.duration(elapsed), _bar(done / total if total else None),
+                    fmt.duration(elapsed), _Bar(done / total if total else None),
                     f"{fmt.count(done)}/{fmt.count(total)}" if total else "",
                     fmt.rate(rate, unit) if rate else "", fmt.duration(eta) if eta else "", summary)
         branch = "└" if st.id in self._last_members else "├"
@@ -212,14 +236,35 @@ class StageBoard(ScrollView, can_focus=True):
         eta = st.progress.eta_s() if running else None
         return (
             label, Text(state, style=self._style(state)), str(st.attempt), fmt.duration(st.elapsed_s(now)),
-            _bar(frac), done, fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
+            _Bar(frac), done, fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
             fmt.duration(eta) if eta is not None else "", note_for(st),
         )
 
     # ------------------------------------------------------------------------------ rendering
     def _widths(self, total: int) -> list[int]:
-        widths = [self._stage_w, *WIDTHS[1:-1]]
+        """Column widths for a board ``total`` cells wide (0: the column is not shown)."""
+        key = (total, self._content_sig)
+        if self._width_cache[0] == key:
+            return self._width_cache[1]
+        cols = list(COLUMNS)
+        widest = [max([len(c) for c in cols][i], *(_plain_len(r.cells[i]) for r in self._rows)) + 1
+                  if self._rows else len(cols[i]) + 1 for i in range(len(cols))]
+        widest[0] = self._stage_w
+        bar_i = cols.index("Progress")
+        bar_w = BAR_WIDE
+        widths = widest[:-1]
+        for step in ("bar", *DROP_ORDER):
+            if total - sum(widths) >= NOTE_MIN:
+                break
+            if step == "bar":
+                bar_w = BAR_NARROW
+                if widths[bar_i] > 1:
+                    widths[bar_i] -= BAR_WIDE - BAR_NARROW
+            else:
+                widths[cols.index(step)] = 0
         widths.append(max(0, total - sum(widths)))
+        self._bar_w = bar_w
+        self._width_cache = (key, widths)
         return widths
 
     def _line_text(self, cells: tuple[Cell, ...], widths: list[int]) -> Text:
@@ -227,6 +272,8 @@ class StageBoard(ScrollView, can_focus=True):
         for cell, w in zip(cells, widths, strict=True):
             if w <= 0:
                 continue
+            if isinstance(cell, _Bar) and self._bar_w != BAR_WIDE:
+                cell = _bar(cell.fraction, self._bar_w)
             t = cell.copy() if isinstance(cell, Text) else Text(str(cell))
             t.truncate(w - 1, overflow="ellipsis")
             t.pad_right(w - t.cell_len)
@@ -234,7 +281,7 @@ class StageBoard(ScrollView, can_focus=True):
         return line
 
     def render_line(self, y: int) -> Strip:
-        width = self.size.width
+        width = self.scrollable_content_region.width  # without the scrollbar: nothing hides under it
         scroll_y = int(self.scroll_offset.y)
         widths = self._widths(width)
         if y == 0:
@@ -249,7 +296,7 @@ class StageBoard(ScrollView, can_focus=True):
         row = self._rows[idx]
         selected = idx == self.cursor_row
         style = self.get_component_rich_style("board--cursor") if selected else self.rich_style
-        key = (row.key, row.sig, width, selected, style)
+        key = (row.key, row.sig, width, tuple(widths), selected, style)
         strip = self._cache.get(key)
         if strip is None:
             if len(self._cache) > 4096:
@@ -295,7 +342,11 @@ class StageBoard(ScrollView, can_focus=True):
             self._move_to(int(self.scroll_offset.y) + event.y - 1)
 
 
-def _bar(frac: float | None) -> str:
+def _bar(frac: float | None, width: int = BAR_WIDE) -> str:
     if frac is None:
         return ""
-    return f"{fmt.bar(frac)} {frac * 100:3.0f}%"
+    return f"{fmt.bar(frac, width)} {frac * 100:3.0f}%"
+
+
+def _plain_len(cell: Cell) -> int:
+    return cell.cell_len if isinstance(cell, Text) else len(cell)

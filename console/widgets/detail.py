@@ -1,4 +1,10 @@
-"""The detail pane: the selected stage's facts, its last events and the live tail of its log."""
+"""The detail pane: the selected stage's facts, its last events (or, for a stage with a loss curve, a
+compact plot of loss and acc_0) and the live tail of its log.
+
+On a wide terminal (``-wide`` on the app, 170 columns and more) the plot is a column of its own
+between the facts and the log; narrower, it takes the place of the event list under the facts, so the
+log keeps the width it needs to be read; on a short terminal (under 36 rows) there is no room for it
+there, and ``m`` (the metrics view) has the curves."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from textual.widgets import Log, Static
 from console import fmt
 from console.model import StageView, describe_event
 from console.widgets.board import server_line
+from console.widgets.curves import CurvePlot, mini_curves
 
 
 class StageDetail(Horizontal):
@@ -19,10 +26,12 @@ class StageDetail(Horizontal):
 
     DEFAULT_CSS = """
     StageDetail { height: 1fr; }
-    StageDetail #info { width: 52; padding: 0 1; }
-    StageDetail #facts { height: 6; }
+    StageDetail #info { width: 46; padding: 0 1; }
+    StageDetail #facts { height: auto; max-height: 6; }
     StageDetail #events { height: 1fr; color: $text-muted; }
     StageDetail Log { width: 1fr; border-left: solid $panel-lighten-2; }
+    StageDetail CurvePlot { display: none; }
+    StageDetail #plot-col { width: 46; border-left: solid $panel-lighten-2; }
     """
 
     def __init__(self, **kw: object) -> None:
@@ -34,7 +43,24 @@ class StageDetail(Horizontal):
         with Vertical(id="info"):
             yield Static("Select a stage", id="facts")
             yield Static("", id="events")
+            yield CurvePlot(id="plot-in")
+        yield CurvePlot(id="plot-col")
         yield Log(max_lines=1000, auto_scroll=True, id="stage-log")
+
+    def _plot(self, st: StageView) -> None:
+        """The compact loss / acc_0 plot, where the width puts it (or none for a stage without a loss)."""
+        curves = mini_curves(st.history)
+        wide = self.app.has_class("-wide")
+        if not wide and self.app.has_class("-short"):
+            curves = []  # under the facts it would get 3 rows: the events are more use there (m has the curves)
+        col, inner = self.query_one("#plot-col", CurvePlot), self.query_one("#plot-in", CurvePlot)
+        target = (col if wide else inner) if curves else None
+        for plot in (col, inner):
+            if plot.display != (plot is target):
+                plot.display = plot is target
+        self.query_one("#events").display = target is not inner
+        if target is not None:
+            target.draw([("", curves)], "step", key=(st.id, st.history.version, wide), compact=True)
 
     def show(self, st: StageView | None) -> None:
         if st is None or st.id != self.stage_id:
@@ -48,6 +74,9 @@ class StageDetail(Horizontal):
         if st is None:
             facts.update("Select a stage (↑/↓)")
             self.query_one("#events", Static).update("")
+            for plot in self.query(CurvePlot):
+                plot.display = False
+            self.query_one("#events").display = True
             return
         style = getattr(self.app, "state_style", lambda s: "")
         t = Text()
@@ -73,7 +102,8 @@ class StageDetail(Horizontal):
         elif st.metrics:
             shown = list(st.metrics.items())[-8:]
             t.append("\n" + "  ".join(f"{k}={v:.4g}" for k, v in shown))
-        facts.update(t, layout=False)
+        facts.update(t)
+        self._plot(st)
         evs = [ev for ev in st.events if ev.type != "progress"][-6:]
         lines = Text()
         for ev in evs:

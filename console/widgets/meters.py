@@ -7,13 +7,16 @@ changed (or call :meth:`MetersPanel.sync` at once). A GPU row reads::
     GPU0 H200    util ██████████ 100%  mem ▆▁▁▁▁▁▁▁▁▁ 9.1/140.4 GiB  62°C  635/700 W  gpuwork  ▁▁▃▇████
 
 Rows are mounted and removed as GPUs appear, from none (with the reason: no driver, waiting) to 8
-or more. Every colour comes from the theme through component classes (``$primary``, ``$warning``,
+or more; on a short terminal (:meth:`MetersPanel.set_compact`) the GPUs are cells of a grid instead,
+several per line. A meter too narrow for all its facts drops the least important ones whole
+(:meth:`MeterLine.fit`) rather than cutting a value in the middle. Every colour comes from the theme through component classes (``$primary``, ``$warning``,
 ``$error``...), so themes restyle the meters; nothing here names a colour.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 from rich.style import Style
@@ -87,6 +90,16 @@ class MeterLine(Widget):
     def st(self, name: str) -> Style:
         return self.get_component_rich_style(f"meters--{name}", partial=True)
 
+    def fit(self, t: Text, pieces: list[tuple[str, Style | str]], reserve: int = 0) -> None:
+        """Append the pieces that fit in the widget's width, in order, each whole or not at all.
+
+        A narrow meter drops its least important facts instead of cutting a value in the middle.
+        """
+        room = self.size.width - reserve
+        for text, style in pieces:
+            if t.cell_len + len(text) <= room:
+                t.append(text, style)
+
     def add_bar(self, t: Text, fraction: float | None, style: str = "bar", width: int = BAR_W) -> None:
         filled, empty = bar(fraction, width)
         t.append(filled, self.st(style))
@@ -154,11 +167,14 @@ class DiskMeter(MeterLine):
             t.append("waiting for telemetry…", self.st("muted"))
             return t
         frac = d.used_fraction
-        text, level = d.status()
-        self.add_bar(t, frac, "error" if level == "error" else ("warning" if level == "warning" else "bar"))
+        parts, level = d.status_parts()
+        narrow = self.size.width < 70
+        self.add_bar(t, frac, "error" if level == "error" else ("warning" if level == "warning" else "bar"),
+                     width=6 if narrow else BAR_W)
         t.append(f" {100 * frac:>3.0f}%  " if frac is not None else "   —  ")
-        t.append(text, self.st(level) if level != "ok" else "")
-        t.append(f"  {d.path}", self.st("muted"))
+        style = self.st(level) if level != "ok" else ""
+        self.fit(t, [(("" if i == 0 else " · ") + p, style) for i, p in enumerate(parts)])
+        self.fit(t, [(f"  {d.path}", self.st("muted"))])
         return t
 
 
@@ -172,17 +188,57 @@ class HostMeter(MeterLine):
         if h is None:
             t.append("waiting for telemetry…", self.st("muted"))
             return t
+        narrow = self.size.width < 90
+        bw = 6 if narrow else BAR_W
         t.append("cpu ", self.st("muted"))
-        self.add_bar(t, h.cpu_pct / 100.0 if h.cpu_pct is not None else None)
-        cores = f" of {h.ncpu} cores" if h.ncpu else ""
-        t.append(f" {h.cpu_pct:>3.0f}%{cores}" if h.cpu_pct is not None else f"   —{cores}")
-        if h.load1 is not None:
-            t.append(f" · load {h.load1:.1f}", self.st("muted"))
+        self.add_bar(t, h.cpu_pct / 100.0 if h.cpu_pct is not None else None, width=bw)
+        t.append(f" {h.cpu_pct:>3.0f}%" if h.cpu_pct is not None else "   —")
+        t.append(f" of {h.ncpu} cores" if h.ncpu else "")
         t.append("  ram ", self.st("muted"))
         mf = h.mem_fraction
-        self.add_bar(t, mf, "warning" if mf is not None and mf > 0.92 else "bar-alt")
-        t.append(f" {size(h.mem_used)}/{size(h.mem_total)}  ")
+        self.add_bar(t, mf, "warning" if mf is not None and mf > 0.92 else "bar-alt", width=bw)
+        t.append(f" {size(h.mem_used)}/{size(h.mem_total)}")
+        if h.load1 is not None:
+            self.fit(t, [(f" · load {h.load1:.1f}", self.st("muted"))])
+        t.append("  ")
         t.append(sparkline(list(h.cpu_hist), max(0, self.size.width - t.cell_len)), self.st("spark"))
+        return t
+
+
+class GpuGrid(MeterLine):
+    """Every GPU as a cell, several per line: the meters of a short terminal (8 GPUs in 2 lines at 100 columns).
+
+    A cell reads ``GPU3 ███▌  97% 98/140G 62°C``: util bar and percentage, memory used/total, temperature.
+    """
+
+    CELL_W = 30
+
+    def cells_per_line(self) -> int:
+        return max(1, self.size.width // self.CELL_W)
+
+    def lines_for(self, width: int) -> int:
+        n = len(self.model.gpus)
+        return max(1, -(-n // max(1, width // self.CELL_W)))
+
+    def render(self) -> Text:
+        t = Text(no_wrap=True, overflow="crop")
+        per = self.cells_per_line()
+        for k, g in enumerate(self.model.gpu_rows()):
+            if k and k % per == 0:
+                t.append("\n")
+            cell = Text()
+            cell.append(f"GPU{g.index:<2}", self.st("label"))
+            self.add_bar(cell, g.util / 100.0 if g.util is not None else None, width=4)
+            cell.append(f"{g.util:>4.0f}%" if g.util is not None else "    —")
+            mem = (f" {g.mem_used / (1 << 30):.0f}/{g.mem_total / (1 << 30):.0f}G" if g.mem_used is not None and g.mem_total
+                   else " —")
+            cell.append(mem)
+            hot = g.temp_c is not None and g.temp_c >= HOT_C
+            cell.append(f" {g.temp_c:.0f}°C" if g.temp_c is not None else "", self.st("warning") if hot else "")
+            if g.has_foreign or g.ecc_uncorrected or g.xid_total:
+                cell.append(" !", self.st("error"))
+            cell.pad_right(self.CELL_W - cell.cell_len)
+            t.append_text(cell)
         return t
 
 
@@ -197,26 +253,34 @@ class GpuPanel(Vertical):
     def __init__(self, model: TelemetryModel, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.model = model
+        self.compact = False  # a cell per GPU, several per line (short terminals), instead of a row per GPU
 
     def compose(self) -> ComposeResult:
         yield Static("", classes="gpu-note")
+        yield GpuGrid(self.model)
 
     def sync(self) -> None:
         note = self.query_one(".gpu-note", Static)
         note.update(self.model.gpu_note)
         note.display = not self.model.gpus
+        grid = self.query_one(GpuGrid)
+        grid.display = self.compact and bool(self.model.gpus)
+        if grid.display:
+            grid.styles.height = grid.lines_for(self.size.width or self.app.size.width)
+            grid.refresh()
         rows = {r.index: r for r in self.query(GpuRow)}
-        wanted = sorted(self.model.gpus)
+        wanted = [] if self.compact else sorted(self.model.gpus)
         for idx, row in rows.items():
-            if idx not in self.model.gpus:
+            if idx not in wanted:
                 row.remove()
         new = [GpuRow(self.model, i, id=f"gpu-row-{i}") for i in wanted if i not in rows]
         if new:
             self.mount_all(new)
             if rows:  # keep index order when a GPU appears between existing rows
                 self.sort_children(key=lambda w: getattr(w, "index", -1))
-        for row in rows.values():
-            row.refresh()
+        for idx, row in rows.items():
+            if idx in wanted:
+                row.refresh()
 
 
 class MetersPanel(Vertical):
@@ -227,6 +291,8 @@ class MetersPanel(Vertical):
     MetersPanel > .meters-title { height: 1; color: $foreground-muted; }
     MetersPanel > .meters-title.-stale { color: $warning; }
     """
+
+    clock: Callable[[], float] = staticmethod(time.time)  # what "now" is for the sample's age (tests fix it)
 
     def __init__(self, model: TelemetryModel, poll_s: float = 1.0, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
@@ -254,7 +320,7 @@ class MetersPanel(Vertical):
             self._title()  # ages keep moving
 
     def _title(self, now: float | None = None) -> None:
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         m = self.model
         n = len(m.gpus)
         host = m.meta.get("host")
@@ -268,6 +334,13 @@ class MetersPanel(Vertical):
             self._title_text = text
             title.update(text, layout=False)
         title.set_class(stale, "-stale")
+
+    def set_compact(self, compact: bool) -> None:
+        """GPUs as a grid of cells (short terminals) or a row each."""
+        panel = self.query_one(GpuPanel)
+        if panel.compact != compact:
+            panel.compact = compact
+            self.sync()
 
     def sync(self) -> None:
         """Redraw from the model now."""

@@ -88,6 +88,21 @@ def builtin_model_dir(name: str = SMOLLM2) -> Path:
     return dest
 
 
+def check_available(model: str) -> None:
+    """Raise :class:`ModelAssetError` now if a built-in model's files are missing (nothing is loaded).
+
+    Called before a run starts any stage, so a missing demo model is one clear error with the install
+    command instead of every stage failing on it later.
+    """
+    if not model.startswith(BUILTIN_PREFIX):
+        return  # hub ids and paths are the stages' business (they may only exist on the GPU host)
+    name = model[len(BUILTIN_PREFIX):]
+    if name != SMOLLM2:
+        raise ModelAssetError(f"unknown built-in model {name!r} (known: {SMOLLM2})")
+    if not (cache_dir() / "models" / name / "config.json").is_file():
+        smollm2_gguf()
+
+
 def resolve(model: str) -> str:
     """A path or hub id transformers can load: built-in names become the cached folder."""
     if model.startswith(BUILTIN_PREFIX):

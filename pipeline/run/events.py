@@ -13,7 +13,7 @@ Event types:
 * ``metric``    ``{name, value, step?}``
 * ``message``   ``{level, text}``                       level: info | warning | error
 * ``health``    ``{state}``                             services: starting | ready | unhealthy
-* ``finished``  ``{status, returncode?, detail?}``      written by the launcher
+* ``finished``  ``{status, returncode?, detail?, error?}``    written by the launcher
 
 Readers use :class:`EventTail`, which reads from a byte offset and only ever returns complete
 lines, so an event is never seen half-written, never lost and never seen twice.

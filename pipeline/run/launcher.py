@@ -7,7 +7,8 @@ stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
 2. writes the ``started`` event and a banner line in the log,
 3. runs the stage (a built-in ``python -m pipeline.X`` or the operator's ``/bin/sh -c`` command)
    as a child in the same process group, with the ``AERIE_*`` environment,
-4. writes ``exit.json`` and the ``finished`` event when the child ends.
+4. writes ``exit.json`` and the ``finished`` event when the child ends; for a failure both carry
+   ``error``, the log line that says why (the exception, or the last error / non-empty line).
 
 It survives SIGTERM (ignored here, so the child's death is still recorded); a SIGKILL to the
 group ends it too, and the supervisor then records the exit on its behalf.
@@ -23,6 +24,7 @@ import sys
 import time
 
 from pipeline.run.events import EventWriter
+from pipeline.run.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.plan import StageSpec, stage_module
 from pipeline.run.procs import ProcIdentity, env_with_pipeline
 from pipeline.run.rundir import RunDir, read_json, write_json
@@ -47,6 +49,17 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
         ENV_INPUTS: json.dumps(inputs), ENV_PLAN: str(run.plan_path), "PYTHONUNBUFFERED": "1",
     })
     return env
+
+
+def failure_line(log: os.PathLike[str] | str) -> str:
+    """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
+    sys.stdout.flush()
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - ERROR_TAIL_BYTES))
+            return last_error_line(fh.read().decode(errors="replace"))
+    except OSError:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         status = "succeeded" if killed.get("reason") == "stop" else "killed"
     else:
         status = "failed"
-    write_json(sd.exit, {"attempt": attempt, "returncode": rc, "signal": sig_name, "t": time.time()})
-    events.emit("finished", status=status, returncode=rc, detail=sig_name)
+    why = failure_line(sd.log) if status == "failed" else ""
+    write_json(sd.exit, {"attempt": attempt, "returncode": rc, "signal": sig_name, "t": time.time(),
+                         **({"error": why} if why else {})})
+    events.emit("finished", status=status, returncode=rc, detail=sig_name, **({"error": why} if why else {}))
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
     return 0

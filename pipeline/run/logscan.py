@@ -220,3 +220,42 @@ def find_file(path: str | os.PathLike[str], pattern: str, start: int, end: int |
         return out
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------------ why a stage failed
+_EXC_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt)|[A-Z]\w*Error)"
+                       r"(?::.*)?$")
+_ERROR_WORD = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|^error:", re.IGNORECASE)
+_BANNER = re.compile(r"^===== aerie: ")
+ERROR_TAIL_BYTES = 16 << 10  # how much of a log's end :func:`last_error_line` needs
+ERROR_LINE_MAX = 300
+
+
+def last_error_line(tail: str) -> str:
+    """The line that says why a stage failed, from the end of its log (its last attempt).
+
+    The last exception line of a traceback (``ModelAssetError: the demo model is missing …``), else
+    the last ``ERROR``/``FATAL``/``error:`` line, else the last non-empty line; "" for an empty log.
+    Only the lines after the last attempt banner count, so an older attempt's error is never shown.
+    """
+    lines = [ln.rstrip() for ln in tail.replace("\r", "\n").splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _BANNER.match(lines[i]):
+            lines = lines[i + 1:]
+            break
+    lines = [ln for ln in lines if ln.strip()]
+    if not lines:
+        return ""
+    pick = ""
+    in_tb = any(ln.startswith("Traceback (most recent call last)") for ln in lines)
+    for ln in reversed(lines):
+        if in_tb and not ln.startswith((" ", "\t")) and _EXC_LINE.match(ln):
+            pick = ln
+            break
+    if not pick:
+        pick = next((ln for ln in reversed(lines) if _ERROR_WORD.search(ln)), lines[-1])
+    pick = pick.strip()
+    if in_tb and _EXC_LINE.match(pick):  # pipeline.data.model_assets.ModelAssetError: … -> ModelAssetError: …
+        head, sep, rest = pick.partition(":")
+        pick = head.rsplit(".", 1)[-1] + sep + rest
+    return pick if len(pick) <= ERROR_LINE_MAX else pick[: ERROR_LINE_MAX - 1] + "…"

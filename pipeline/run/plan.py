@@ -25,7 +25,8 @@ DATASET_KINDS = ("target-native", "prompt-only")
 EXECUTOR_KINDS = ("local", "ssh")
 # Top-level tables besides the core ones hold per-stage-family settings, read by those stages.
 CORE_KEYS = {"run", "executor", "resources", "target", "datasets", "stage"}
-SECTION_KEYS = {"prep", "regen", "serve", "extract", "vocab", "train", "bench", "telemetry", "alerts", "ui", "deploy"}
+SECTION_KEYS = {"prep", "regen", "serve", "extract", "vocab", "train", "bench", "telemetry", "alerts", "ui", "deploy", "wandb"}
+WANDB_KEYS = {"project", "entity", "mode", "group"}
 STAGE_KEYS = {
     "id", "run", "command", "for_each", "when", "args", "after", "uses", "service", "cpu", "gpus",
     "output_bytes", "retry", "env", "skip", "pause_grace_s", "kill_grace_s", "description", "label",
@@ -204,6 +205,20 @@ def stage_module(name: str) -> str:
         raise KeyError(f"unknown stage {name!r} (known: {', '.join(BUILTIN_STAGES)})") from None
 
 
+def _wandb(path: Path, w: dict[str, Any]) -> None:
+    """``[wandb]``: metrics also go to Weights & Biases (see ``pipeline.run.metric_sinks``)."""
+    for key in w:
+        if key not in WANDB_KEYS:
+            raise PlanError(path, f"wandb.{key}", f"unknown key (known: {', '.join(sorted(WANDB_KEYS))})")
+    if "project" not in w:
+        raise PlanError(path, "wandb.project", "required: the W&B project the stages log to")
+    for key in WANDB_KEYS:
+        if key in w:
+            _type(path, f"wandb.{key}", w[key], str, "a string")
+    if w.get("mode", "offline") not in ("online", "offline"):
+        raise PlanError(path, "wandb.mode", f"expected online or offline, got {w['mode']!r}")
+
+
 def load(path: Path | str, run_dir: Path | str | None = None) -> Plan:
     """Read, validate and expand a plan file. ``run_dir`` overrides ``[run] dir``."""
     path = Path(path)
@@ -258,6 +273,8 @@ def from_dict(raw: dict[str, Any], path: Path, run_dir: Path | str | None = None
     for key in SECTION_KEYS:
         if key in raw:
             sections[key] = _type(path, key, raw[key], dict, "a table")
+    if "wandb" in sections:
+        _wandb(path, sections["wandb"])
     stages = _stages(path, raw.get("stage", []), datasets, cpu_slots, tuple(gpus))
     plan = Plan(
         path=path, name=name, run_dir=Path(run_dir), executor=executor, cpu_slots=cpu_slots,

@@ -12,6 +12,8 @@ A built-in stage does::
 Under the supervisor the launcher sets ``AERIE_*`` variables (run dir, stage id, attempt, out dir,
 inputs); run by hand (``python -m pipeline.stages.prep --plan P --dataset D --out DIR``) events go to a
 file in the out dir and a short form to stderr, so every stage is also a plain program.
+Under a run, metrics also go to ``RUN/tensorboard/<stage>/`` (and W&B when the plan asks), see
+:mod:`pipeline.run.metric_sinks`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter, make
+from pipeline.run.metric_sinks import MetricSinks
 from pipeline.run.rundir import RunDir
 
 ENV_RUN = "AERIE_RUN_DIR"
@@ -61,8 +64,12 @@ class StageContext:
         self._pause_flag = (RunDir(run_dir).stage(stage_id).pause_flag if run_dir else None)
         self._last_progress = 0.0
         self._plan: plan_mod.Plan | None = None
-        # Under torchrun every rank runs the stage; rank 0 alone speaks for it (no duplicate events).
+        # Under torchrun every rank runs the stage; rank 0 alone speaks for it (no duplicate events,
+        # one writer of the TensorBoard/W&B files).
         self.quiet = int(os.environ.get("RANK", "0") or 0) != 0
+        self._sinks = MetricSinks(None if self.quiet else run_dir, stage_id, attempt,
+                                  lambda text, level: self.message(text, level=level),
+                                  wandb_cfg=self._wandb_cfg, run_name=run_dir.name if run_dir else "")
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -91,6 +98,15 @@ class StageContext:
             self._plan = plan_mod.load(self.plan_path, run_dir=self.run_dir)
         return self._plan
 
+    def _wandb_cfg(self) -> dict[str, Any] | None:
+        """The plan's ``[wandb]`` section, if there is a plan and it has one."""
+        if self.plan_path is None:
+            return None
+        try:
+            return self.plan.sections.get("wandb")
+        except plan_mod.PlanError:
+            return None
+
     # -- events -----------------------------------------------------------------------------
     def emit(self, type_: str, **data: Any) -> None:
         if self.quiet:
@@ -110,7 +126,14 @@ class StageContext:
         self.emit("progress", done=done, total=total, unit=unit, key=key, **extra)
 
     def metric(self, name: str, value: float, step: int | None = None, **extra: Any) -> None:
-        self.emit("metric", name=name, value=float(value), step=step, **extra)
+        """A numeric metric: an event, and a point in the run's TensorBoard (and W&B) files."""
+        if self.quiet:
+            return
+        ev = make("metric", name=name, value=float(value), step=step, **extra)
+        self._writer.write(ev)
+        if self._echo:
+            print(f"[{self.stage_id}] {ev.to_json()}", file=sys.stderr, flush=True)
+        self._sinks.add(name, float(value), step, ev.t, extra)
 
     def message(self, text: str, level: str = "info", code: str | None = None, **extra: Any) -> None:
         self.emit("message", text=text, level=level, code=code, **extra)
@@ -132,6 +155,7 @@ class StageContext:
         self.message("resumed", code="resumed")
 
     def close(self) -> None:
+        self._sinks.close()
         self._writer.close()
 
 

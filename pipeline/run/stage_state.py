@@ -146,6 +146,8 @@ class StateDeriver:
         else:
             st.state = "failed"
             st.reason = ex.get("detail") or (f"exit {st.returncode}" if st.returncode is not None else "lost")
+            if ex.get("error"):
+                st.reason += f": {ex['error']}"  # the log line that says why
             spec = self.specs[st.id]
             if attempt < spec.retry.max_attempts:
                 st.retry_at = float(ex.get("t", time.time())) + spec.retry.backoff_s * (2 ** (attempt - 1))

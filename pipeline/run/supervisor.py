@@ -413,6 +413,23 @@ def default_admission() -> list[AdmissionCheck]:
     return [disk_budget_check, gpu_guard_check]
 
 
+class ModelMissing(RuntimeError):
+    """The plan's built-in target model is not installed on this host."""
+
+
+def check_model(plan: plan_mod.Plan) -> None:
+    """Before any stage starts: a built-in target model (the demo's) must be installed here."""
+    model = plan.target.get("model")
+    if not isinstance(model, str) or not model.startswith("builtin:"):
+        return
+    from pipeline.data.model_assets import ModelAssetError, check_available
+
+    try:
+        check_available(model)
+    except ModelAssetError as exc:
+        raise ModelMissing(f"target.model {model}: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.run.supervisor", description=__doc__.split("\n")[0])
     ap.add_argument("run", nargs="?", help="run directory")
@@ -423,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.create:
             plan = plan_mod.load(args.create, run_dir=args.run)
+            check_model(plan)
             run = create_run(plan, Path(args.run) if args.run else None)
         elif args.run:
             run = RunDir(args.run)
@@ -434,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             print(run.root)
             return 0
         return Supervisor(run, poll_s=args.poll, admission=default_admission()).run_forever()
-    except (plan_mod.PlanError, SupervisorError) as exc:
+    except (plan_mod.PlanError, SupervisorError, ModelMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
