@@ -223,9 +223,10 @@ def _name(file: Path, key: str, value: Any, what: str) -> str:
     """A stage id or dataset name: it becomes a directory name and a word in commands, so no path or
     shell characters at all (``../``, quotes, ``;``, ``$()``, spaces and non-ASCII are refused)."""
     _type(file, key, value, str, "a string")
-    if not value or not set(value) <= _NAME_CHARS or len(value) > 100:
-        raise PlanError(file, key, f"{value!r}: a {what} uses only lowercase letters, digits, '-' and '_' "
-                                   "(at most 100)")
+    if not value or not set(value) <= _NAME_CHARS or len(value) > 100 or not value[0].isalnum():
+        # and it starts with a letter or digit: "-rf" would read as an option wherever it is an argv word
+        raise PlanError(file, key, f"{value!r}: a {what} uses only lowercase letters, digits, '-' and '_', "
+                                   "starts with a letter or digit (at most 100)")
     return value
 
 
