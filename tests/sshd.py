@@ -134,7 +134,7 @@ class LoopbackSshd:
         """The OpenSSH client command line that reaches this server (for baselines)."""
         return ["ssh", "-p", str(self.port), "-i", str(self.client_key), "-o", f"UserKnownHostsFile={known_hosts}",
                 "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
-                f"{self.user}@127.0.0.1"]
+                f"{self.user}@{self.listen}"]
 
     # ------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> None:
