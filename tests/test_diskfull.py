@@ -130,6 +130,7 @@ for_each = "dataset"
         check_every_json_parses(run.root)
         assert states(run) == {"prep.chat": "failed"}
         done_before = {r["file"]: r["sha256"] for r in recs}
+        print(f"\ndisk full after {len(recs)} of {ROWS // 100} shards: {ex['detail']}")
         mtimes = {f: (out / f).stat().st_mtime_ns for f in done_before}
 
         ballast.unlink()  # space is freed
@@ -216,3 +217,62 @@ after = ["a"]
         stop(sup)
         kill_run_stages(run)
     check_every_json_parses(run.root)
+
+
+@pytest.fixture()
+def disk_24m(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to mount a size-limited tmpfs (mount -t tmpfs -o size=...)")
+    disk = tmp_path / "disk24"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0755", "aerie-test-disk", str(disk)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_extraction_on_a_full_disk_fails_naming_it_and_resumes_after_space_is_freed(
+        tmp_path_factory, tmp_path: Path, disk_24m: Path) -> None:
+    from safetensors import safe_open
+
+    from pipeline.data.shards import iter_rows
+    from tests.eagle3_fixtures import events as stage_events
+    from tests.eagle3_fixtures import run_stage, shared
+    from tests.eagle3_fixtures import write_plan as write_eagle_plan
+
+    tok = shared(tmp_path_factory, "tok")
+    plan = write_eagle_plan(tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300},
+                            bench={"holdout": 0.2})
+    out = disk_24m / "ext"
+    st = os.statvfs(disk_24m)
+    ballast = disk_24m / "ballast"
+    ballast.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (4 << 20)))  # leave 4 MiB: ~3 shards of ~1.2 MB
+    p = run_stage("pipeline.stages.extract", plan, out, [tok], check=False)
+    assert p.returncode != 0, "extraction did not run out of space"
+    text = [e.get("text") for e in stage_events(out) if e.type == "message" and e.get("code") == "nospace"]
+    assert text and text[0].startswith(f"no space left on device aerie-test-disk (tmpfs at {disk_24m}"), \
+        (text, p.stderr[-2000:])
+    state = json.loads((out / "extract-state.json").read_text())
+    done = state["done"]
+    assert done, "the disk filled before the first shard"
+    assert not (out / "manifest.json").exists()
+    for name, rec in done.items():  # every shard recorded as done is whole
+        assert (out / name).stat().st_size == rec["bytes"]
+        with safe_open(str(out / name), framework="pt") as f:
+            assert f.get_tensor("offsets").numel() - 1 == rec["rows"]
+    check_every_json_parses(out)
+    stamps = {name: (out / name).stat().st_mtime_ns for name in done}
+    print(f"\nextraction: disk full after {len(done)} shards: {text[0]}")
+    ballast.unlink()
+    run_stage("pipeline.stages.extract", plan, out, [tok])
+    for name, ns in stamps.items():
+        assert (out / name).stat().st_mtime_ns == ns, f"{name} was extracted twice"
+    man = json.loads((out / "manifest.json").read_text())
+    expected = [r for r in iter_rows([tok], 0.2, "train") if r.num_tokens >= 2 and r.loss_mask.any()]
+    assert man["rows"] == len(expected) == sum(s["rows"] for s in man["shards"])
+    check_every_json_parses(out)
