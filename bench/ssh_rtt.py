@@ -1,6 +1,6 @@
 """SSH round trips: one persistent agent channel vs a command per channel vs a fresh ``ssh`` per command.
 
-    python bench/ssh_rtt.py [--n 40] [--drops 5] [--down 2.0]
+    python bench/ssh_rtt.py [--n 40] [--drops 5] [--down 2.0] [--link loopback|veth|bad]
 
 Starts a private OpenSSH sshd on 127.0.0.1 (``tests/sshd.py``: own host key, authorised test key)
 and a small run directory, then measures, all in this one run:
@@ -15,7 +15,12 @@ and a small run directory, then measures, all in this one run:
   seconds; time from the restart until a poll succeeds again, with the console's default
   reconnect backoff (0.5 s doubling to 15 s) and with a 0.1 s one (the floor: handshake + agent start).
 
-Prints medians and p90 in ms and how many times faster than the baseline each is.
+Prints medians, p90 and p99 in ms and how many times faster than the baseline each is.
+
+``--link veth`` puts sshd in a private network namespace behind a veth pair (tests/netlink.py; root
+needed); ``--link bad`` also applies ``tc netem`` delay 150 ms ± 30 ms and 2 % loss each way (the bad
+link of docs/reliability.md; the kernel needs ``sch_netem``), and reports the console's poll latency
+p50/p99 over it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from netlink import BadLink  # noqa: E402
 from sshd import LoopbackSshd  # noqa: E402
 
 from console.ssh.connection import HostConnection, SshTarget  # noqa: E402
@@ -88,8 +94,18 @@ async def reattach(server: LoopbackSshd, target: SshTarget, layout: RemoteLayout
 
 
 async def main(args: argparse.Namespace) -> None:
+    if args.link == "loopback":
+        await bench(args, None)
+        return
+    with BadLink() as link:
+        if args.link == "bad" and not link.impair(150, 30, 2.0):
+            raise SystemExit(f"--link bad: {link.netem_error}")
+        await bench(args, link)
+
+
+async def bench(args: argparse.Namespace, link: BadLink | None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="aerie-ssh-bench-"))
-    server = LoopbackSshd(tmp / "sshd")
+    server = LoopbackSshd(tmp / "sshd", listen=link.remote, netns=link.ns) if link else LoopbackSshd(tmp / "sshd")
     server.start()
     try:
         kh = server.write_known_hosts(tmp / "known_hosts")
@@ -98,7 +114,7 @@ async def main(args: argparse.Namespace) -> None:
         for sid in ("a", "b"):
             run.stage(sid).events.write_text('{"type":"started","t":1}\n' * 50)
         (run.root / "state.json").write_text('{"stages": []}\n' * 20)
-        target = SshTarget(host="127.0.0.1", port=server.port, user=server.user, identity=str(server.client_key),
+        target = SshTarget(host=server.listen, port=server.port, user=server.user, identity=str(server.client_key),
                            known_hosts=str(kh))
         layout = RemoteLayout(root=str(run.root), python=sys.executable, pythonpath=str(ROOT))
         conn = HostConnection(target)
@@ -127,12 +143,14 @@ async def main(args: argparse.Namespace) -> None:
         await transport.close()
 
         base = statistics.median(rows["fresh `ssh host true` per command (baseline)"])
-        print(f"loopback OpenSSH sshd, user {server.user}; n={args.n}; connect {connect_ms:.0f} ms, "
+        where = ("loopback" if link is None else
+                 f"veth into a network namespace ({link.impairment or 'no impairment'})")
+        print(f"OpenSSH sshd over {where}, user {server.user}; n={args.n}; connect {connect_ms:.0f} ms, "
               f"agent start {agent_start_ms:.0f} ms")
-        print(f"{'what':<48} {'median ms':>10} {'p90 ms':>8} {'baseline/this':>14}")
+        print(f"{'what':<48} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'baseline/this':>14}")
         for name, xs in rows.items():
             m = statistics.median(xs)
-            print(f"{name:<48} {m:>10.2f} {pct(xs, 0.9):>8.2f} {base / m:>13.0f}x")
+            print(f"{name:<48} {m:>10.2f} {pct(xs, 0.9):>8.2f} {pct(xs, 0.99):>8.2f} {base / m:>13.0f}x")
 
         for label, backoff in (("default backoff 0.5 s..15 s", (0.5, 15.0)), ("backoff 0.1 s", (0.1, 0.5))):
             ts = [await reattach(server, target, layout, backoff, args.down) for _ in range(args.drops)]
@@ -147,4 +165,6 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--drops", type=int, default=5)
     ap.add_argument("--down", type=float, default=2.0)
+    ap.add_argument("--link", choices=("loopback", "veth", "bad"), default="loopback",
+                    help="loopback (default), a veth into a network namespace, or that veth with netem impairment")
     asyncio.run(main(ap.parse_args()))

@@ -81,7 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.theme and _bad_theme(args.theme):
         return EXIT_USAGE
     try:
-        return serve(args.run, args.host, args.port, args.theme, args.poll)
+        return serve(args.run, args.host, args.port, args.theme, args.poll, allow_remote=args.allow_remote,
+                     token_file=args.token_file)
     except ServeError as exc:
         err(str(exc))
         return EXIT_USAGE
@@ -262,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--theme", default=None, help="console theme")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --host; every request then needs the token")
+    p.add_argument("--token-file", default=None,
+                   help="with --allow-remote: file holding the token (else $AERIE_SERVE_TOKEN, else a random one)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("status", help="print every stage's state")

@@ -70,8 +70,12 @@ def _exe(pid: int) -> str:
 class LoopbackSshd:
     """One private sshd on 127.0.0.1; :meth:`start`, :meth:`drop` (kill it and its connections), restart."""
 
-    def __init__(self, root: Path, port: int | None = None, max_sessions: int | None = None) -> None:
+    def __init__(self, root: Path, port: int | None = None, max_sessions: int | None = None,
+                 listen: str = "127.0.0.1", netns: str | None = None) -> None:
+        """``listen``/``netns``: bind another address, inside a network namespace the caller made
+        (``nsenter --net=/run/netns/NETNS sshd ...``), e.g. behind an impaired veth link (tests/test_ssh_badlink.py)."""
         self.root = Path(root)
+        self.listen, self.netns = listen, netns
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.max_sessions = max_sessions
@@ -87,7 +91,7 @@ class LoopbackSshd:
 
     def _write_config(self) -> None:
         lines = [
-            "ListenAddress 127.0.0.1",
+            f"ListenAddress {self.listen}",
             f"HostKey {self.host_key}",
             f"PidFile {self.root / 'sshd.pid'}",
             f"AuthorizedKeysFile {self.authorized}",
@@ -108,7 +112,7 @@ class LoopbackSshd:
         return " ".join(self.host_key.with_suffix(".pub").read_text().split()[:2])
 
     def known_hosts_line(self) -> str:
-        return f"[127.0.0.1]:{self.port} {self.host_pubkey()}\n"
+        return f"[{self.listen}]:{self.port} {self.host_pubkey()}\n"
 
     def write_known_hosts(self, path: Path) -> Path:
         path.write_text(self.known_hosts_line())
@@ -130,7 +134,7 @@ class LoopbackSshd:
         """The OpenSSH client command line that reaches this server (for baselines)."""
         return ["ssh", "-p", str(self.port), "-i", str(self.client_key), "-o", f"UserKnownHostsFile={known_hosts}",
                 "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
-                f"{self.user}@127.0.0.1"]
+                f"{self.user}@{self.listen}"]
 
     # ------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> None:
@@ -140,7 +144,9 @@ class LoopbackSshd:
             Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege-separation dir sshd insists on
         logfh = open(self.log, "ab")  # noqa: SIM115
         try:
-            self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.config), "-p", str(self.port)],
+            # nsenter execs sshd (same pid; `ip netns exec` would fork and stand in between)
+            prefix = ["nsenter", f"--net=/run/netns/{self.netns}"] if self.netns else []
+            self.proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", str(self.config), "-p", str(self.port)],
                                          stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT)
         finally:
             logfh.close()
@@ -149,12 +155,12 @@ class LoopbackSshd:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sshd exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                with socket.create_connection((self.listen, self.port), timeout=1) as s:
                     if s.recv(4).startswith(b"SSH-"):
                         return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError(f"sshd did not listen on 127.0.0.1:{self.port} within {timeout_s}s")
+        raise RuntimeError(f"sshd did not listen on {self.listen}:{self.port} within {timeout_s}s")
 
     def drop(self) -> None:
         """Stop the server *and* every connection it serves, as a reboot or network cut would.

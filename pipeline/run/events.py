@@ -108,7 +108,23 @@ class EventWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, ev: Event) -> None:
-        os.write(self._fd, (ev.to_json() + "\n").encode())
+        """Append one whole line, or nothing: a full disk must never leave a torn line behind.
+
+        A write that fails part-way (``ENOSPC`` after some bytes reached the file) is rolled back with
+        ``ftruncate`` to where the line started, then the error is raised."""
+        data = (ev.to_json() + "\n").encode()
+        n = os.write(self._fd, data)
+        if n == len(data):
+            return
+        end = os.lseek(self._fd, 0, os.SEEK_CUR)  # O_APPEND: our bytes end here
+        start = end - n
+        try:
+            while n < len(data):
+                n += os.write(self._fd, data[n:])
+        except OSError:
+            if os.fstat(self._fd).st_size == start + n:  # nobody appended after us meanwhile
+                os.ftruncate(self._fd, start)
+            raise
 
     def emit(self, type_: str, **data: Any) -> Event:
         ev = make(type_, **data)

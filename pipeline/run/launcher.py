@@ -16,18 +16,21 @@ group ends it too, and the supervisor then records the exit on its behalf.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from pipeline.run import nospace, oom
 from pipeline.run.events import EventWriter
 from pipeline.run.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.plan import StageSpec, stage_module
 from pipeline.run.procs import ProcIdentity, env_with_pipeline
-from pipeline.run.rundir import RunDir, read_json, write_json
+from pipeline.run.rundir import RunDir, StageDir, read_json, write_json
 from pipeline.run.runtime import ENV_ATTEMPT, ENV_INPUTS, ENV_OUT, ENV_PLAN, ENV_RUN, ENV_STAGE
 
 
@@ -62,6 +65,38 @@ def failure_line(log: os.PathLike[str] | str) -> str:
         return ""
 
 
+def _ran_out_of_space(sd: StageDir) -> bool:
+    """Did the stage die of a full disk? Its filesystem is (nearly) full, or its log's tail says so."""
+    try:
+        st = os.statvfs(sd.out)
+        if st.f_bavail * st.f_frsize < 64 * 1024:
+            return True
+    except OSError:
+        pass
+    try:
+        with open(sd.log, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 16384))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        return False
+    tail = tail.rsplit(f"===== aerie: {sd.id} attempt ", 1)[-1].lower()  # this attempt's lines only
+    return any(t.lower() in tail for t in nospace.NOSPACE_TEXT)
+
+
+def _write_exit(path: Path, record: dict) -> None:
+    """exit.json, retried for a while when the disk is full (the stage's failure usually frees its temp files);
+    if it still cannot be written the supervisor records the exit itself."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            write_json(path, record)
+            return
+        except OSError as exc:
+            if not nospace.is_nospace(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3:
@@ -81,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
     print(f"===== $ {' '.join(argv_child)}", flush=True)
     events.emit("started", attempt=attempt, pid=ident.pid, pgid=ident.pgid)
+    oom_before = oom.reading()  # to tell an OOM kill from any other SIGKILL when the child dies
     try:
         child = subprocess.Popen(
             argv_child, stdin=subprocess.DEVNULL, env=stage_env(spec, run, attempt), cwd=str(sd.out),
@@ -108,11 +144,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         status = "failed"
     why = failure_line(sd.log) if status == "failed" else ""
-    write_json(sd.exit, {"attempt": attempt, "returncode": rc, "signal": sig_name, "t": time.time(),
-                         **({"error": why} if why else {})})
-    events.emit("finished", status=status, returncode=rc, detail=sig_name, **({"error": why} if why else {}))
+    record = {"attempt": attempt, "returncode": rc, "signal": sig_name, "t": time.time(),
+              **({"error": why} if why else {})}
+    if rc > 0 and _ran_out_of_space(sd):
+        # "exit 1: no space left on device /dev/sdb1 (ext4 at /data, 0 B free of 2.0 TiB)"
+        record["detail"] = f"exit {rc}: {nospace.describe(sd.out)}"
+    if sig:
+        # "killed by signal 9 (SIGKILL): out of memory — the kernel's OOM killer, at the memory limit of ..."
+        record["detail"] = oom.describe(sig, oom_before, oom.reading(), sent_by_aerie=bool(killed))
+        with contextlib.suppress(OSError):
+            print(f"aerie: {stage_id} {record['detail']}", flush=True)
+        if not killed:
+            events.emit("message", level="error", code="signal", signal=sig, text=record["detail"])
+    _write_exit(sd.exit, record)
+    with contextlib.suppress(OSError):  # a full disk: the exit record above is what counts
+        events.emit("finished", status=status, returncode=rc, detail=record.get("detail") or sig_name,
+                    **({"error": why} if why else {}))
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
+    with contextlib.suppress(OSError):
+        print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
     return 0
 
 

@@ -172,8 +172,69 @@ def _str_list(file: Path, key: str, value: Any) -> list[str]:
         value = [value]
     _type(file, key, value, list, "a list of strings")
     for i, v in enumerate(value):
-        _type(file, f"{key}[{i}]", v, str, "a string")
+        _text(file, f"{key}[{i}]", v)
     return list(value)
+
+
+# Anything outside these bounds is a typo (or a fuzzer), and would overflow a float or a C long downstream.
+MAX_INT = 2**53
+_CONTROL = {chr(c) for c in range(32)} | {"\x7f"}
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
+_HOST_BAD = set(" \t'\"`$;&|<>(){}\\*?!#")
+
+
+def _text(file: Path, key: str, value: Any, what: str = "a string", multiline: bool = False,
+          empty: bool = True) -> str:
+    """A string with no NUL (it cannot reach an argv or a path) and no control characters except,
+    where ``multiline``, newline and tab (a shell command may span lines)."""
+    _type(file, key, value, str, what)
+    bad = _CONTROL - ({"\n", "\t", "\r"} if multiline else set())
+    hit = next((c for c in value if c in bad), None)
+    if hit is not None:
+        raise PlanError(file, key, f"contains the control character {hit!r}; not allowed here")
+    if not empty and not value.strip():
+        raise PlanError(file, key, f"expected {what}, got an empty string")
+    return value
+
+
+def _key(prefix: str, k: Any) -> str:
+    """How an error names key ``k`` under ``prefix``: as TOML writes it, quoted when it is not a bare key."""
+    name = k if isinstance(k, str) and k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) \
+        else json.dumps(str(k), ensure_ascii=False)
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _int(file: Path, key: str, value: Any, what: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    _type(file, key, value, int, what)
+    if not lo <= value <= hi:
+        raise PlanError(file, key, f"{value} is out of range ({lo}..{hi})")
+    return value
+
+
+def _num(file: Path, key: str, value: Any, what: str, lo: float = 0.0, hi: float = 1e9) -> float:
+    _type(file, key, value, int | float, what)
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+        raise PlanError(file, key, f"{value} is out of range ({lo:g}..{hi:g})")
+    if not lo <= float(value) <= hi:  # also refuses nan and inf
+        raise PlanError(file, key, f"{value!r} is out of range ({lo:g}..{hi:g})")
+    return float(value)
+
+
+def _name(file: Path, key: str, value: Any, what: str) -> str:
+    """A stage id or dataset name: it becomes a directory name and a word in commands, so no path or
+    shell characters at all (``../``, quotes, ``;``, ``$()``, spaces and non-ASCII are refused)."""
+    _type(file, key, value, str, "a string")
+    if not value or not set(value) <= _NAME_CHARS or len(value) > 100 or not value[0].isalnum():
+        # and it starts with a letter or digit: "-rf" would read as an option wherever it is an argv word
+        raise PlanError(file, key, f"{value!r}: a {what} uses only lowercase letters, digits, '-' and '_', "
+                                   "starts with a letter or digit (at most 100)")
+    return value
+
+
+def _bool(file: Path, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise PlanError(file, key, f"expected true or false, got {type(value).__name__} {value!r}")
+    return value
 
 
 # The built-in stage programs, by the short name a plan gives in ``run``. Each module has a
@@ -223,50 +284,56 @@ def load(path: Path | str, run_dir: Path | str | None = None) -> Plan:
     """Read, validate and expand a plan file. ``run_dir`` overrides ``[run] dir``."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise PlanError(path, "", "plan file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise PlanError(path, "", f"not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise PlanError(path, "", f"not UTF-8 text: {exc}") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
+        raise PlanError(path, "", f"not valid TOML: {exc or 'nested too deeply'}") from None
+    except OSError as exc:
+        raise PlanError(path, "", f"cannot read the plan: {exc.strerror or exc}") from None
     # A plan frozen into a run dir resolves relative paths against where the original plan lived.
     origin = path.parent / "plan-origin.json"
     base = None
     if origin.is_file():
         try:
             base = Path(json.loads(origin.read_text())["base"])
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, TypeError, OSError):
             base = None
     return from_dict(raw, path, run_dir, base=base)
 
 
 def from_dict(raw: dict[str, Any], path: Path, run_dir: Path | str | None = None, base: Path | None = None) -> Plan:
     base = base or path.parent.absolute()
+    _type(path, "", raw, dict, "a table at the top level")
     for key in raw:
         if key not in CORE_KEYS | SECTION_KEYS:
-            raise PlanError(path, key, f"unknown top-level key (known: {', '.join(sorted(CORE_KEYS | SECTION_KEYS))})")
+            raise PlanError(path, _key("", key), f"unknown top-level key (known: {', '.join(sorted(CORE_KEYS | SECTION_KEYS))})")
     run = _type(path, "run", raw.get("run", {}), dict, "a table")
-    name = _type(path, "run.name", run.get("name", path.stem), str, "a string")
+    for k in run:
+        if k not in ("name", "dir"):
+            raise PlanError(path, _key("run", k), "unknown key (known: dir, name)")
+    name = _text(path, "run.name", run.get("name", path.stem))
     if run_dir is None:
-        d = _type(path, "run.dir", run.get("dir"), str, "a string (the run directory)")
+        d = _text(path, "run.dir", run.get("dir"), "a string (the run directory)", empty=False)
         run_dir = Path(d).expanduser()
         if not run_dir.is_absolute():
             run_dir = base / run_dir
     executor = _executor(path, raw.get("executor", {}))
 
     res = _type(path, "resources", raw.get("resources", {}), dict, "a table")
-    cpu_slots = _type(path, "resources.cpu_slots", res.get("cpu_slots", 4), int, "an integer")
-    if cpu_slots < 1:
-        raise PlanError(path, "resources.cpu_slots", "must be at least 1")
+    cpu_slots = _int(path, "resources.cpu_slots", res.get("cpu_slots", 4), "an integer", lo=1, hi=100_000)
     gpus = res.get("gpus", [])
     _type(path, "resources.gpus", gpus, list, "a list of GPU ids")
     for i, g in enumerate(gpus):
-        _type(path, f"resources.gpus[{i}]", g, int, "an integer GPU id")
+        _int(path, f"resources.gpus[{i}]", g, "an integer GPU id", hi=4096)
 
     target = _type(path, "target", raw.get("target", {}), dict, "a table")
     if "model" in target:
-        _type(path, "target.model", target["model"], str, "a string")
+        _text(path, "target.model", target["model"])
     if "max_length" in target:
-        _type(path, "target.max_length", target["max_length"], int, "an integer")
+        _int(path, "target.max_length", target["max_length"], "an integer", lo=1, hi=1 << 24)
 
     datasets = _datasets(path, raw.get("datasets", []), base)
     sections = {}
@@ -293,17 +360,30 @@ def _executor(path: Path, ex: Any) -> Executor:
     known = {"kind", "host", "user", "port", "identity", "remote_dir", "python", "options"}
     for k in ex:
         if k not in known:
-            raise PlanError(path, f"executor.{k}", f"unknown key (known: {', '.join(sorted(known))})")
+            raise PlanError(path, _key("executor", k), f"unknown key (known: {', '.join(sorted(known))})")
     if kind == "ssh" and not ex.get("host"):
         raise PlanError(path, "executor.host", "an ssh executor needs a host (an alias from ~/.ssh/config works)")
     if kind == "ssh" and not ex.get("remote_dir"):
         raise PlanError(path, "executor.remote_dir", "an ssh executor needs the remote run directory")
+    for k in ("host", "user"):
+        # A host or user is one word for ssh: never an option ("-oProxyCommand=...") nor shell text.
+        v = ex.get(k)
+        if v is not None:
+            _text(path, f"executor.{k}", v, empty=False)
+            if v.startswith("-") or any(c in _HOST_BAD for c in v):
+                raise PlanError(path, f"executor.{k}", f"{v!r}: not a valid {k} (no spaces, quotes, shell "
+                                                       "characters or leading '-')")
     port = ex.get("port")
     if port is not None:
-        _type(path, "executor.port", port, int, "an integer")
+        _int(path, "executor.port", port, "an integer", lo=1, hi=65535)
+    for k in ("identity", "remote_dir", "python"):
+        # Paths on the host: kept verbatim and always passed quoted (shlex) or as one argv word.
+        if ex.get(k) is not None:
+            _text(path, f"executor.{k}", ex[k], "a path", empty=False)
+    options = _type(path, "executor.options", ex.get("options", {}), dict, "a table")
     return Executor(
         kind=kind, host=ex.get("host"), user=ex.get("user"), port=port, identity=ex.get("identity"),
-        remote_dir=ex.get("remote_dir"), python=ex.get("python", "python3"), options=dict(ex.get("options", {})),
+        remote_dir=ex.get("remote_dir"), python=ex.get("python", "python3"), options=dict(options),
     )
 
 
@@ -316,26 +396,28 @@ def _datasets(path: Path, items: Any, base: Path) -> list[Dataset]:
         _type(path, key, d, dict, "a table")
         for k in d:
             if k not in DATASET_KEYS:
-                raise PlanError(path, f"{key}.{k}", f"unknown key (known: {', '.join(sorted(DATASET_KEYS))})")
-        name = _type(path, f"{key}.name", d.get("name"), str, "a string")
-        if not name or not set(name) <= set("abcdefghijklmnopqrstuvwxyz0123456789_-"):
-            raise PlanError(path, f"{key}.name", f"{name!r}: use lowercase letters, digits, '-' and '_'")
+                raise PlanError(path, _key(key, k), f"unknown key (known: {', '.join(sorted(DATASET_KEYS))})")
+        name = _name(path, f"{key}.name", d.get("name"), "dataset name")
         if name in seen:
             raise PlanError(path, f"{key}.name", f"duplicate dataset name {name!r}")
         seen.add(name)
-        source = _type(path, f"{key}.source", d.get("source"), str, "a string")
+        source = _text(path, f"{key}.source", d.get("source"), empty=False)
         kind = d.get("kind")
         if kind not in DATASET_KINDS:
             raise PlanError(path, f"{key}.kind", f"must be one of {', '.join(DATASET_KINDS)}, got {kind!r}")
-        quota = _type(path, f"{key}.quota", d.get("quota"), int, "an integer number of samples")
-        if quota < 1:
-            raise PlanError(path, f"{key}.quota", "must be at least 1")
+        quota = _int(path, f"{key}.quota", d.get("quota"), "an integer number of samples", lo=1, hi=10**12)
         p = d.get("path")
         if p is not None:
-            _type(path, f"{key}.path", p, str, "a string")
+            # Spaces, quotes, ';', '$()' and non-ASCII are fine in a path: it is only ever opened, never
+            # given to a shell. Control characters are not.
+            _text(path, f"{key}.path", p, "a path", empty=False)
             if not Path(p).expanduser().is_absolute():
                 p = str(base / p)
-        out.append(Dataset(name, source, kind, quota, p, d.get("split"), d.get("config"), dict(d.get("options", {}))))
+        for k in ("split", "config"):
+            if d.get(k) is not None:
+                _text(path, f"{key}.{k}", d[k])
+        options = _type(path, f"{key}.options", d.get("options", {}), dict, "a table")
+        out.append(Dataset(name, source, kind, quota, p, d.get("split"), d.get("config"), dict(options)))
     return out
 
 
@@ -356,10 +438,8 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
         _type(path, key, s, dict, "a table")
         for k in s:
             if k not in STAGE_KEYS:
-                raise PlanError(path, f"{key}.{k}", f"unknown key (known: {', '.join(sorted(STAGE_KEYS))})")
-        sid = _type(path, f"{key}.id", s.get("id"), str, "a string")
-        if not sid or not set(sid) <= set("abcdefghijklmnopqrstuvwxyz0123456789_-"):
-            raise PlanError(path, f"{key}.id", f"{sid!r}: use lowercase letters, digits, '-' and '_'")
+                raise PlanError(path, _key(key, k), f"unknown key (known: {', '.join(sorted(STAGE_KEYS))})")
+        sid = _name(path, f"{key}.id", s.get("id"), "stage id")
         if sid in families:
             raise PlanError(path, f"{key}.id", f"duplicate stage id {sid!r}")
         families.add(sid)
@@ -374,20 +454,21 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
                 raise PlanError(path, f"{key}.run",
                                 f"unknown stage {run!r} (known: {', '.join(BUILTIN_STAGES)}){hint}")
         else:
-            _type(path, f"{key}.command", command, str, "a string")
+            _text(path, f"{key}.command", command, "a shell command", multiline=True, empty=False)
         fe = s.get("for_each")
         if fe is not None and fe != "dataset":
             raise PlanError(path, f"{key}.for_each", f"only 'dataset' is supported, got {fe!r}")
         when = _type(path, f"{key}.when", s.get("when", {}), dict, "a table")
-        for wk in when:
+        for wk, wv in when.items():
             if wk not in ("kind", "name", "source"):
-                raise PlanError(path, f"{key}.when.{wk}", "can filter on kind, name or source")
+                raise PlanError(path, _key(f"{key}.when", wk), "can filter on kind, name or source")
+            _type(path, f"{key}.when.{wk}", wv, str, "a string")
         if when and fe is None:
             raise PlanError(path, f"{key}.when", "'when' needs for_each = \"dataset\"")
         args = _str_list(path, f"{key}.args", s.get("args", []))
         after = _str_list(path, f"{key}.after", s.get("after", []))
         uses = _str_list(path, f"{key}.uses", s.get("uses", []))
-        cpu = _type(path, f"{key}.cpu", s.get("cpu", 1), int, "an integer")
+        cpu = _int(path, f"{key}.cpu", s.get("cpu", 1), "an integer", lo=-MAX_INT)
         if not 0 <= cpu <= cpu_slots:
             raise PlanError(path, f"{key}.cpu", f"{cpu} slots requested but resources.cpu_slots is {cpu_slots}")
         sg = s.get("gpus", [])
@@ -395,22 +476,32 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
             sg = list(gpus)
         _type(path, f"{key}.gpus", sg, list, "a list of GPU ids or \"all\"")
         for j, g in enumerate(sg):
-            _type(path, f"{key}.gpus[{j}]", g, int, "an integer")
+            _int(path, f"{key}.gpus[{j}]", g, "an integer", lo=-MAX_INT)
             if g not in gpus:
                 raise PlanError(path, f"{key}.gpus[{j}]", f"GPU {g} is not in resources.gpus {list(gpus)}")
-        ob = _type(path, f"{key}.output_bytes", s.get("output_bytes", 0), int, "an integer number of bytes")
+        ob = _int(path, f"{key}.output_bytes", s.get("output_bytes", 0), "an integer number of bytes", hi=1 << 62)
         retry = _type(path, f"{key}.retry", s.get("retry", {}), dict, "a table")
         for rk in retry:
             if rk not in ("max_attempts", "backoff_s"):
-                raise PlanError(path, f"{key}.retry.{rk}", "known keys: max_attempts, backoff_s")
-        ma = _type(path, f"{key}.retry.max_attempts", retry.get("max_attempts", 1), int, "an integer")
-        bo = _type(path, f"{key}.retry.backoff_s", retry.get("backoff_s", 30.0), int | float, "a number")
+                raise PlanError(path, _key(f"{key}.retry", rk), "known keys: max_attempts, backoff_s")
+        ma = _int(path, f"{key}.retry.max_attempts", retry.get("max_attempts", 1), "an integer", lo=1, hi=1000)
+        bo = _num(path, f"{key}.retry.backoff_s", retry.get("backoff_s", 30.0), "a number", hi=7 * 86400)
         env = _type(path, f"{key}.env", s.get("env", {}), dict, "a table of strings")
         for ek, ev in env.items():
-            _type(path, f"{key}.env.{ek}", ev, str, "a string")
+            if not ek or not (ek[0].isascii() and (ek[0].isalpha() or ek[0] == "_")) \
+                    or not all(c.isascii() and (c.isalnum() or c == "_") for c in ek):
+                raise PlanError(path, f"{key}.env", f"{ek!r} is not an environment variable name")
+            _text(path, f"{key}.env.{ek}", ev, multiline=True)
         for gk in ("pause_grace_s", "kill_grace_s"):
             if gk in s:
-                _type(path, f"{key}.{gk}", s[gk], int | float, "a number of seconds")
+                _num(path, f"{key}.{gk}", s[gk], "a number of seconds", hi=86400)
+        for bk in ("service", "skip"):
+            if bk in s:
+                _bool(path, f"{key}.{bk}", s[bk])
+        if "description" in s:
+            _text(path, f"{key}.description", s["description"], multiline=True)
+        if "label" in s:
+            _text(path, f"{key}.label", s["label"])
         targets = [d for d in datasets if all(getattr(d, wk) == wv for wk, wv in when.items())] if fe else [None]
         if fe and not datasets:
             raise PlanError(path, f"{key}.for_each", "for_each = \"dataset\" but the plan has no [[datasets]]")
@@ -463,28 +554,33 @@ def _resolve(path: Path, key: str, patterns: list[str], ids: list[str], self_id:
 
 def topo_order(path: Path, stages: list[StageSpec]) -> list[str]:
     """Plan order made dependency-consistent; raises :class:`PlanError` naming a cycle."""
+    # Iterative depth-first search: a plan with thousands of chained stages must not hit Python's
+    # recursion limit (that would be a traceback, not a plan error).
     by_id = {s.id: s for s in stages}
-    state: dict[str, int] = {}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
     order: list[str] = []
-    stack: list[str] = []
-
-    def visit(sid: str) -> None:
-        st = state.get(sid, 0)
-        if st == 2:
-            return
-        if st == 1:
-            cycle = stack[stack.index(sid):] + [sid]
-            raise PlanError(path, "stage", "dependency cycle: " + " -> ".join(cycle))
-        state[sid] = 1
-        stack.append(sid)
-        for dep in (*by_id[sid].after, *by_id[sid].uses):
-            visit(dep)
-        stack.pop()
-        state[sid] = 2
-        order.append(sid)
-
     for s in stages:
-        visit(s.id)
+        if state.get(s.id):
+            continue
+        state[s.id] = 1
+        path_ids = [s.id]
+        todo = [iter((*s.after, *s.uses))]
+        while todo:
+            dep = next(todo[-1], None)
+            if dep is None:
+                todo.pop()
+                done = path_ids.pop()
+                state[done] = 2
+                order.append(done)
+                continue
+            st = state.get(dep, 0)
+            if st == 1:
+                cycle = path_ids[path_ids.index(dep):] + [dep]
+                raise PlanError(path, "stage", "dependency cycle: " + " -> ".join(cycle))
+            if st == 0:
+                state[dep] = 1
+                path_ids.append(dep)
+                todo.append(iter((*by_id[dep].after, *by_id[dep].uses)))
     return order
 
 

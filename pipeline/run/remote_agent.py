@@ -53,13 +53,19 @@ class AgentError(ValueError):
 
 
 def _safe_path(root: Path, rel: str) -> Path:
-    """``root/rel``, refusing absolute paths and anything that leaves the run directory."""
+    """``root/rel``, refusing absolute paths and anything that leaves the run directory, also through a
+    symlink (``stages/a/stage.log -> /etc/shadow``, or a symlinked directory on the way)."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\x00" in rel:
         raise AgentError(f"bad run-relative path {rel!r}")
     parts = Path(rel).parts
     if ".." in parts:
         raise AgentError(f"path {rel!r} leaves the run directory")
-    return root / rel
+    path = root / rel
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)  # resolves every symlink that exists; a missing tail stays as written
+    if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+        raise AgentError(f"path {rel!r} leaves the run directory (it resolves to {real})")
+    return path
 
 
 def read_many(root: Path, reqs: list[Any], max_bytes: int, budget: int = READ_BUDGET) -> list[list[Any]]:
@@ -68,6 +74,8 @@ def read_many(root: Path, reqs: list[Any], max_bytes: int, budget: int = READ_BU
     left = budget
     for item in reqs:
         rel, offset = item[0], int(item[1])
+        if offset < 0 or max_bytes < 0:
+            raise AgentError(f"negative offset or size for {rel!r}")
         path = _safe_path(root, rel)
         try:
             with open(path, "rb") as fh:
@@ -118,7 +126,10 @@ class Agent:
         if op == "ping":
             return {"t": time.time()}
         if op == "read":
-            return {"results": read_many(self.root, list(req.get("reqs") or []), int(req.get("max_bytes", 1 << 20)))}
+            reqs = req.get("reqs") or []
+            if not isinstance(reqs, list) or not all(isinstance(r, list) and len(r) == 2 for r in reqs):
+                raise AgentError("reqs must be a list of [path, offset] pairs")
+            return {"results": read_many(self.root, reqs, int(req.get("max_bytes", 1 << 20)))}
         if op == "ctl":
             return run_ctl(self.root, list(req.get("args") or []), float(req.get("timeout", CTL_TIMEOUT_S)))
         if op == "lines":

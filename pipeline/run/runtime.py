@@ -19,6 +19,7 @@ Under a run, metrics also go to ``RUN/tensorboard/<stage>/`` (and W&B when the p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.run import nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter, make
 from pipeline.run.metric_sinks import MetricSinks
@@ -59,6 +61,7 @@ class StageContext:
         self.run_dir = run_dir
         self.attempt = attempt
         self.inputs = inputs or {}
+        self.events_path = events_path
         self._writer = EventWriter(events_path)
         self._echo = echo
         self._pause_flag = (RunDir(run_dir).stage(stage_id).pause_flag if run_dir else None)
@@ -70,6 +73,7 @@ class StageContext:
         self._sinks = MetricSinks(None if self.quiet else run_dir, stage_id, attempt,
                                   lambda text, level: self.message(text, level=level),
                                   wandb_cfg=self._wandb_cfg, run_name=run_dir.name if run_dir else "")
+        _install_nospace_hook(self)
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -157,6 +161,28 @@ class StageContext:
     def close(self) -> None:
         self._sinks.close()
         self._writer.close()
+
+
+def _install_nospace_hook(ctx: StageContext) -> None:
+    """A stage that dies of a full disk says which disk, as its last words (whatever stage it is).
+
+    Installed by every :class:`StageContext`: an uncaught ``ENOSPC``/``EDQUOT`` (also one pyarrow or
+    torch re-raised with the text only) becomes an ``error`` message event naming the device, and an
+    ``error: no space left on device ...`` line in the stage's log, before the usual traceback. Both
+    are best effort — the disk is full — and the launcher names the device in ``exit.json`` too."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if nospace.is_nospace(exc):
+            text = f"{nospace.describe(ctx.out)}: {exc}"
+            with contextlib.suppress(OSError), EventWriter(ctx.events_path) as w:  # the stage may have closed ctx
+                w.emit("message", text=text, level="error", code="nospace")
+            with contextlib.suppress(OSError):
+                print(f"error: {text}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            previous(kind, exc, tb)
+
+    sys.excepthook = hook
 
 
 def fail(ctx: StageContext | None, text: str, code: int = 1) -> None:

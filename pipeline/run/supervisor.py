@@ -18,6 +18,7 @@ acts on those states.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import signal
@@ -29,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pipeline.run import nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter
 from pipeline.run.plan import Plan, StageSpec
@@ -87,13 +89,16 @@ class Supervisor:
         self.admission: list[AdmissionCheck] = list(admission or [])
         self._last_written: str = ""
         self._last_write_t = 0.0
+        self._nospace_logged = 0.0
+        self._identity_pending = False
         self._lock_fd: int | None = None
         self._refused: dict[str, str] = {}
         self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
 
     # ----------------------------------------------------------------------------------- utils
     def log(self, text: str) -> None:
-        self.log_fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        with contextlib.suppress(OSError):  # a full disk loses log lines, never the supervisor
+            self.log_fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
 
     def acquire_lock(self) -> bool:
         fd = os.open(self.run.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -103,9 +108,18 @@ class Supervisor:
             os.close(fd)
             return False
         self._lock_fd = fd
-        ident = ProcIdentity.of_self()
-        write_json(self.run.supervisor_path, {**ident.to_dict(), "t": time.time()})
+        self._write_identity()
         return True
+
+    def _write_identity(self) -> None:
+        """supervisor.json (who supervises this run); on a full disk, again at each tick until it is written."""
+        try:
+            write_json(self.run.supervisor_path, {**ProcIdentity.of_self().to_dict(), "t": time.time()})
+            self._identity_pending = False
+        except OSError as exc:
+            if not nospace.is_nospace(exc):
+                raise
+            self._identity_pending = True
 
     def sd(self, sid: str) -> StageDir:
         return self.run.stage(sid)
@@ -340,13 +354,21 @@ class Supervisor:
         body = repr(snap["stages"])
         now = time.time()
         if force or body != self._last_written or now - self._last_write_t > 5.0:
-            write_json(self.run.state_path, snap)
+            try:
+                write_json(self.run.state_path, snap)
+            except OSError as exc:
+                if not nospace.is_nospace(exc):
+                    raise
+                # A full disk: readers keep the previous state.json, whole (atomic rename); next tick retries.
+                return
             self._last_written, self._last_write_t = body, now
 
     def finished(self) -> bool:
         return all(st.state in TERMINAL and st.retry_at is None for st in self.status.values())
 
     def tick(self) -> None:
+        if self._identity_pending:
+            self._write_identity()
         self.refresh()
         acted = self.handle_requests()
         self.enforce()
@@ -372,7 +394,20 @@ class Supervisor:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
         while not stop:
-            self.tick()
+            try:
+                self.tick()
+            except OSError as exc:
+                if not nospace.is_nospace(exc):
+                    raise
+                # A full disk: every file we write is atomic (temp + rename) or whole-line, so nothing is
+                # torn; keep supervising and try again next tick (the stages' own errors say which disk).
+                now = time.time()
+                if now - self._nospace_logged > 60:
+                    self._nospace_logged = now
+                    with contextlib.suppress(OSError):
+                        self.log(f"cannot write the run directory: {nospace.describe(self.run.root)}; retrying")
+                time.sleep(self.poll_s)
+                continue
             if exit_when_done and self.finished() and not any(True for _ in self.run.pending_requests()):
                 self.write_state(force=True)
                 self.log("every stage is finished: supervisor exits")
