@@ -1,8 +1,8 @@
 """``aerie serve`` under faults and hostile binds (issue 18, items 5 and 6), with the real server and processes.
 
 * No orphans: a raw websocket client connects (so a console process is started for it), then vanishes —
-  either without closing its socket (held open, as headless Chromium's screenshot mode did) or by a
-  TCP reset — and ``aerie serve`` is then sent SIGTERM, or SIGKILL. Every process the server started
+  without closing its socket (held open, as headless Chromium's screenshot mode did), by a TCP reset, or
+  by a plain close with no websocket close frame — and ``aerie serve`` is then sent SIGTERM, or SIGKILL. Every process the server started
   must be gone within a few seconds; none may be left with parent pid 1.
 * Binds: a non-loopback address is refused unless ``--allow-remote`` is given, and then every request
   needs the token. The non-loopback address lives on a veth interface in a network namespace this
@@ -137,7 +137,7 @@ def reap(server: subprocess.Popen, procs: dict[int, int]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("client_end", "server_sig"), [
     ("held-open", signal.SIGTERM), ("reset", signal.SIGTERM), ("reset-then-wait", signal.SIGTERM),
-    ("held-open", signal.SIGKILL),
+    ("closed", signal.SIGTERM), ("held-open", signal.SIGKILL),
 ])
 def test_no_console_outlives_aerie_serve(tmp_path: Path, client_end: str, server_sig: signal.Signals) -> None:
     port = free_port()
@@ -155,6 +155,9 @@ def test_no_console_outlives_aerie_serve(tmp_path: Path, client_end: str, server
             got += chunk
         procs = descendants(server.pid)
         assert procs, "aerie serve started no console process"
+        if client_end == "closed":
+            sock.close()  # FIN without a websocket close frame: the client process simply went away
+            time.sleep(1)
         if client_end.startswith("reset"):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.close()  # RST: the client vanished

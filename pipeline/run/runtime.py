@@ -170,12 +170,18 @@ def _install_nospace_hook(ctx: StageContext) -> None:
     torch re-raised with the text only) becomes an ``error`` message event naming the device, and an
     ``error: no space left on device ...`` line in the stage's log, before the usual traceback. Both
     are best effort — the disk is full — and the launcher names the device in ``exit.json`` too."""
+    global _NOSPACE_CTX
+    first = _NOSPACE_CTX is None
+    _NOSPACE_CTX = ctx  # the latest context speaks (a stage may make more than one): one message, not one each
+    if not first:
+        return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if nospace.is_nospace(exc):
-            text = f"{nospace.describe(ctx.out)}: {exc}"
-            with contextlib.suppress(OSError), EventWriter(ctx.events_path) as w:  # the stage may have closed ctx
+        c = _NOSPACE_CTX
+        if c is not None and nospace.is_nospace(exc):
+            text = f"{nospace.describe(c.out)}: {exc}"
+            with contextlib.suppress(OSError), EventWriter(c.events_path) as w:  # the stage may have closed c
                 w.emit("message", text=text, level="error", code="nospace")
             with contextlib.suppress(OSError):
                 print(f"error: {text}", file=sys.stderr, flush=True)
@@ -183,6 +189,9 @@ def _install_nospace_hook(ctx: StageContext) -> None:
             previous(kind, exc, tb)
 
     sys.excepthook = hook
+
+
+_NOSPACE_CTX: StageContext | None = None
 
 
 def fail(ctx: StageContext | None, text: str, code: int = 1) -> None:
