@@ -235,6 +235,20 @@ def parallel_settings(plan: Any, section: str) -> tuple[str | None, int]:
     return par, int(size) if par == "tp" else 1
 
 
+def tensor_parallel_rank(ctx: Any, section: str, module: str, argv: list[str]) -> bool:
+    """For a stage whose ``[section] parallel = "tp"``: re-run it under torchrun (this call then never
+    returns: the process exits with torchrun's status) or, in a rank, tie it to its agent and say so.
+    False when the stage runs its target in one process."""
+    par, size = parallel_settings(ctx.plan, section)
+    if par != "tp":
+        return False
+    if not under_torchrun():
+        ctx.message(f"tensor-parallel target: starting {size} ranks under torchrun")
+        reexec_under_torchrun(size, module, argv, ctx)
+    die_with_parent()
+    return True
+
+
 def tp_device(dist: Dist, requested: str | None = None) -> Any:
     """This rank's device: its GPU (torchrun's ``LOCAL_RANK``), or the CPU (gloo) when there is none
     or the plan's ``device`` says ``"cpu"``."""

@@ -45,14 +45,7 @@ from pipeline.eagle3.draft_model import (
     normalise_aux_layers,
     sglang_capture_ids,
 )
-from pipeline.run.ranks import (
-    Dist,
-    die_with_parent,
-    parallel_settings,
-    reexec_under_torchrun,
-    tp_device,
-    under_torchrun,
-)
+from pipeline.run.ranks import Dist, tensor_parallel_rank, tp_device
 from pipeline.run.rundir import read_json, write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
 
@@ -157,13 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = StageContext.from_cli(args)
     dist = Dist()
     try:
-        par, size = parallel_settings(ctx.plan, "extract")
-        if par == "tp" and not under_torchrun():
-            ctx.message(f"tensor-parallel capture: starting {size} ranks under torchrun")
-            reexec_under_torchrun(size, "pipeline.stages.extract", argv, ctx)
-        if under_torchrun():
-            die_with_parent()
-        return run(ctx, collect_inputs(args, ctx), dist if par == "tp" else None)
+        tp = tensor_parallel_rank(ctx, "extract", "pipeline.stages.extract", argv)
+        return run(ctx, collect_inputs(args, ctx), dist if tp else None)
     except (ShardError, hs.StoreError, ValueError) as exc:
         fail(ctx, str(exc))
     finally:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from pipeline.data.shards import ShardError
-from pipeline.run.ranks import Dist, die_with_parent, parallel_settings, reexec_under_torchrun, under_torchrun
+from pipeline.run.ranks import Dist, tensor_parallel_rank
 from pipeline.run.runtime import StageContext, add_common_args, fail
 from pipeline.stages.bench.offline import run_offline
 
@@ -51,13 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     dist = Dist()
     try:
         if mode == "offline":
-            par, size = parallel_settings(ctx.plan, "bench")
-            if par == "tp" and not under_torchrun():
-                ctx.message(f"tensor-parallel target: starting {size} ranks under torchrun")
-                reexec_under_torchrun(size, "pipeline.stages.bench", argv, ctx)
-            if under_torchrun():
-                die_with_parent()
-            return run_offline(ctx, inputs, dist if par == "tp" else None)
+            tp = tensor_parallel_rank(ctx, "bench", "pipeline.stages.bench", argv)
+            return run_offline(ctx, inputs, dist if tp else None)
         from pipeline.stages.bench.online import run_online
 
         return run_online(ctx, inputs, args)
