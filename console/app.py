@@ -235,7 +235,11 @@ class AerieApp(App[int]):
         ticking = any(s.state in ("running", "paused") for s in self.model.stages.values())
         if not changed and not ticking and self.model.loaded:
             return  # nothing new and no elapsed clock to advance
-        board = self.query_one(StageBoard)
+        try:
+            board = self.query_one(StageBoard)
+        except NoMatches:
+            return  # a poll that finished while the app is closing (or before it composed): nothing to draw
+
         board.sync(self.model)
         self._update_header()
         meters = self.query_one(MetersPanel)

@@ -82,8 +82,9 @@ def app_for(root: Path) -> AerieApp:
 
 
 async def select_train(app: AerieApp, pilot) -> None:  # noqa: ANN001
-    await until(pilot, lambda: app.model.loaded and app.model.done and app.model.telemetry.gpus,
-                what="the finished run and its telemetry")
+    await until(pilot, lambda: app.model.loaded and app.model.done and app.model.telemetry.gpus
+                and app.model.telemetry.disk is not None and app.model.telemetry.host is not None,
+                what="the finished run and its telemetry (GPUs, disk, host)")
     await pilot.press("end", "up")  # train, the stage with curves
     await until(pilot, lambda: app.query_one("#detail").stage_id == "train", what="train selected")
     await until(pilot, lambda: app.model.stages["train"].log_total >= 16, what="its log tail in the detail pane")

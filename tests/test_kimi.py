@@ -257,7 +257,7 @@ def test_every_stage_runs_on_the_kimi_architecture(tmp_path: Path, tiny_kimi: Pa
     # The offline bench with the target tensor-parallel over 2 gloo ranks (as the reference plan
     # runs it over 8 GPUs) decodes the same tokens and accepts the same drafts.
     tp_plan = plan.with_name("plan-tp.toml")
-    tp_plan.write_text(plan.read_text().replace("check_lossless = true", 'check_lossless = true\nparallel = "tp"\ntp_size = 2\ndevice = "cpu"'))
+    tp_plan.write_text(plan.read_text().replace("check_lossless = true", 'check_lossless = true\nparallel = "tp"\ntp_size = 2'))
     argv = [sys.executable, "-m", "pipeline.stages.bench", "--plan", str(tp_plan), "--out", str(tmp_path / "bench-tp"),
             "--input", str(out / "train" / "out")]
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
