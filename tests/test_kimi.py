@@ -22,10 +22,9 @@ from pipeline.eagle3.draft_model import (
     Eagle3Draft,
     default_aux_layers,
     normalise_aux_layers,
-    rope_attention_scale,
-    rope_inv_freq,
     save_draft,
 )
+from pipeline.eagle3.rope import rope_attention_scale, rope_inv_freq
 from pipeline.eagle3.target_capture import checkpoint_key, target_config, tensor_roles
 from tests.kimi_fixture import KIMI_K25_CONFIG, build_tiny_kimi, write_config
 
