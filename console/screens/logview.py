@@ -19,6 +19,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
@@ -215,7 +216,10 @@ class LogScreen(Screen[None]):
             t.append(f" · {self.note}")
         if t.plain != self._status_shown:  # a one-line Static: no re-layout, and only on change
             self._status_shown = t.plain
-            self.query_one("#log-status", Static).update(t, layout=False)
+            try:
+                self.query_one("#log-status", Static).update(t, layout=False)
+            except NoMatches:  # a refresh that lands while the screen is being dismissed
+                self._status_shown = ""
 
     # ------------------------------------------------------------------------------ actions
     def _need_index(self) -> bool:
