@@ -159,6 +159,22 @@ def effective_steps(evs: list) -> list[int]:
     return lineages[-1] if lineages else []
 
 
+def train_checkpointed(run: RunDir) -> bool:
+    return any(e.get("code") == "checkpoint" for e in read_all(run.stage("train").events))
+
+
+def wait_for_train(run: RunDir, need_checkpoint: bool, deadline: float) -> bool:
+    """Wait until training runs (and has written a checkpoint, if asked); False if the run finished first."""
+    while time.monotonic() < deadline:
+        snapshot = states(run)
+        if snapshot and all(s == "succeeded" for s in snapshot.values()):
+            return False
+        if snapshot.get("train") == "running" and (not need_checkpoint or train_checkpointed(run)):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.slow
 def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> None:
     cuts_wanted = int(os.environ.get("AERIE_POWER_CUTS", "20"))
@@ -173,24 +189,24 @@ def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> N
     try:
         sup = start(run, kg)
         deadline = time.monotonic() + 1800
-        # At least the wanted number of cuts, and at least 3 of them while training runs (the stage with the
-        # most state), so every stage is cut at random moments; bounded at 3x the wanted number.
+        # First the wanted number of cuts at random moments: quick ones (within a model load, a shard, a step)
+        # and longer ones (a stage gets somewhere). Then, however fast or slow this machine runs the plan,
+        # cuts aimed at training: wait until it runs (and, for the last, until it has written a checkpoint)
+        # and cut at a random moment within the next second; bounded at 3x the wanted number.
         while ((cuts < cuts_wanted or where["train"] < 3 or where["train after a checkpoint"] < 1)
                and cuts < 3 * cuts_wanted and time.monotonic() < deadline):
-            # Random moments: within a model load or a shard, or long enough for a stage to get somewhere.
-            # The first cuts come quickly (within a load, a shard, a step), so the wanted number is reached
-            # however fast this machine runs the plan; then longer gaps let training reach a checkpoint.
-            r = rng.random()
             if cuts < cuts_wanted:
-                time.sleep(rng.uniform(0.2, 3) if r < 0.5 else rng.uniform(3, 8))
+                time.sleep(rng.uniform(0.2, 3) if rng.random() < 0.5 else rng.uniform(3, 8))
             else:
-                time.sleep(rng.uniform(0.2, 3) if r < 0.3 else rng.uniform(3, 20) if r < 0.7 else rng.uniform(20, 45))
+                need_checkpoint = where["train"] >= 2 and where["train after a checkpoint"] < 1
+                if not wait_for_train(run, need_checkpoint, deadline):
+                    break  # the run finished first: the assertions below say so
+                time.sleep(rng.uniform(0.05, 1.0))
             snapshot = states(run)
             if snapshot and all(s == "succeeded" for s in snapshot.values()):
                 break  # finished before the cuts ran out: counted below
             where.update(sid for sid, st in snapshot.items() if st == "running")
-            if snapshot.get("train") == "running" and any(
-                    e.get("code") == "checkpoint" for e in read_all(run.stage("train").events)):
+            if snapshot.get("train") == "running" and train_checkpointed(run):
                 where["train after a checkpoint"] += 1
             killed += kg.cut()
             sup.wait(10)
