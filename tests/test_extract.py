@@ -83,8 +83,11 @@ def test_extraction_reports_projected_and_actual_bytes(tmp_path_factory) -> None
     man = json.loads((out / "manifest.json").read_text())
     proj = metrics(out, "projected_bytes")
     act = metrics(out, "actual_bytes")
-    assert proj[0].get("value") == man["tokens"] * hs.bytes_per_token(576, 3)
-    assert act[-1].get("value") == man["bytes"] == sum((out / s["file"]).stat().st_size for s in man["shards"])
+    # the held-out rows training measures acceptance on are stored too, and counted in the budget
+    assert man["eval_rows"] > 0 and man["eval_shards"]
+    assert proj[0].get("value") == (man["tokens"] + man["eval_tokens"]) * hs.bytes_per_token(576, 3)
+    assert act[-1].get("value") == man["bytes"] == sum((out / s["file"]).stat().st_size
+                                                       for s in man["shards"] + man["eval_shards"])
     assert abs(man["bytes"] - proj[0].get("value")) / proj[0].get("value") < 0.05  # headers only
     assert metrics(out, "tokens_per_s") and len(man["shards"]) > 1
 

@@ -39,9 +39,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.shard_writer import sha256_file
+from pipeline.eagle3.hidden_store import HiddenStore
 from pipeline.run.events import read_all
 from pipeline.run.rundir import RunDir
-from pipeline.stages.train.settings import global_indices
+from pipeline.stages.train.settings import BatchSchedule, TrainSettings
 from tests.eagle3_fixtures import MODEL, TEST_SECTIONS
 from tests.runs import ROOT, make_run, states, wait_done, wait_for
 
@@ -255,9 +256,11 @@ def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> N
     evs = read_all(run.stage("train").events)
     eff = effective_steps(evs)
     assert eff == list(range(1, STEPS + 1)), (eff, seed)
-    rows = Counter(i for step in eff for i in global_indices(step, man["rows"], BATCH, TEST_SECTIONS["train"].get("seed", 0)))
-    clean = Counter(i for step in range(1, STEPS + 1)
-                    for i in global_indices(step, man["rows"], BATCH, TEST_SECTIONS["train"].get("seed", 0)))
+    store = HiddenStore(ext)
+    schedule = BatchSchedule(man["rows"], BATCH, TEST_SECTIONS["train"].get("seed", 0),
+                             [store.length(i) for i in range(len(store))], TrainSettings().length_grouping)
+    rows = Counter(i for step in eff for i in schedule.rows(step))
+    clean = Counter(i for step in range(1, STEPS + 1) for i in schedule.rows(step))
     assert rows == clean and sum(rows.values()) == STEPS * BATCH
     attempts = sum(1 for e in evs if e.type == "started")
     resumed = [e.get("step") for e in evs if e.get("code") == "resumed_from_checkpoint"]

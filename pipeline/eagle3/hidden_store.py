@@ -8,7 +8,8 @@ One shard is one safetensors file holding a group of rows back to back (no paddi
 * ``input_ids`` (N,) int32, ``loss_mask`` (N,) int8, ``offsets`` (R+1,) int64 row boundaries
 
 ``manifest.json`` (kind ``hidden_states``) lists the shards with rows, tokens and bytes, the aux
-layer ids and the target. In ``online`` mode the manifest stores no shards, only the tokenized
+layer ids and the target; ``eval_shards`` (``eval-*.safetensors``, same layout) hold a few held-out rows
+on which the train stage measures acceptance while it trains. In ``online`` mode the manifest stores no shards, only the tokenized
 sources, and training runs the target itself. Shards are written to a temporary name and renamed,
 so a killed extraction leaves whole shards only.
 """
@@ -16,6 +17,7 @@ so a killed extraction leaves whole shards only.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,15 @@ def shard_name(i: int) -> str:
     return f"hs-{i:05d}.safetensors"
 
 
+def eval_shard_name(i: int) -> str:
+    """Held-out rows, stored like training rows but never trained on (acceptance while training)."""
+    return f"eval-{i:05d}.safetensors"
+
+
+def is_eval_shard(name: str) -> bool:
+    return name.startswith("eval-")
+
+
 def write_shard(path: Path, rows: list[dict[str, torch.Tensor]], ids: list[str]) -> int:
     """Write one shard atomically; returns its size in bytes."""
     import os
@@ -95,30 +106,77 @@ class Sample:
     loss_mask: torch.Tensor
 
 
+_NP_DTYPES = {"BF16": ("<i2", torch.bfloat16), "F16": ("<f2", torch.float16), "F32": ("<f4", torch.float32),
+              "I8": ("i1", torch.int8), "I32": ("<i4", torch.int32), "I64": ("<i8", torch.int64)}
+
+
+class ShardMap:
+    """One shard memory-mapped once: each stored tensor as a zero-copy torch view of the file.
+
+    A row is a contiguous byte range of every tensor, so reading it is one ``memcpy`` per tensor
+    straight from the page cache into the batch buffer (no per-row tensor objects, no lazy
+    ``get_slice`` round trips). The mapping is private (copy-on-write): nothing can write the file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import mmap
+
+        import numpy as np
+
+        self.path = path
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            size = os.fstat(fh.fileno()).st_size
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        missing = [t for t in TENSORS if t not in header]
+        if missing:
+            raise StoreError(f"{path}: missing tensors {missing}")
+        base = 8 + n
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name in TENSORS:
+            info = header[name]
+            if info["dtype"] not in _NP_DTYPES:
+                raise StoreError(f"{path}: tensor {name} has dtype {info['dtype']}, not one this store writes")
+            np_dt, t_dt = _NP_DTYPES[info["dtype"]]
+            a, b = info["data_offsets"]
+            if base + b > size:
+                raise StoreError(f"{path}: tensor {name} runs past the end of the file (truncated shard?)")
+            shape = tuple(info["shape"])
+            if b == a:
+                self.tensors[name] = torch.empty(shape, dtype=t_dt)
+                continue
+            arr = np.frombuffer(self._map, dtype=np_dt, count=(b - a) // np.dtype(np_dt).itemsize, offset=base + a)
+            self.tensors[name] = torch.from_numpy(arr.reshape(shape)).view(t_dt)
+
+
 class HiddenStore:
-    """Random access to the rows of an offline extraction (slices are read lazily from the files)."""
+    """Random access to the rows of an offline extraction, read from memory-mapped shards."""
 
-    def __init__(self, out_dir: Path) -> None:
-        from safetensors import safe_open
-
+    def __init__(self, out_dir: Path, split: str = "train") -> None:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.dir = Path(out_dir)
         self.manifest = read_manifest(self.dir)
         if self.manifest.get("mode") != "offline":
             raise StoreError(f"{self.dir / 'manifest.json'}: mode is {self.manifest.get('mode')!r}; no shards stored")
-        self._files = []
+        self.shards: list[ShardMap] = []
         self.index: list[tuple[int, int, int]] = []  # (file, start, end)
         self.ids: list[str] = []
-        for fi, s in enumerate(self.manifest["shards"]):
+        for fi, s in enumerate(self.manifest.get("shards" if split == "train" else "eval_shards") or []):
             p = self.dir / s["file"]
             if not p.is_file():
                 raise StoreError(f"{self.dir / 'manifest.json'}: shard {s['file']} is missing")
-            f = safe_open(str(p), framework="pt")
-            missing = [t for t in TENSORS if t not in f.keys()]  # noqa: SIM118 - safe_open has no __contains__
-            if missing:
-                raise StoreError(f"{p}: missing tensors {missing}")
-            off = f.get_tensor("offsets")
-            self.ids.extend(json.loads((f.metadata() or {}).get("ids", "[]")))
-            self._files.append(f)
+            try:
+                m = ShardMap(p)
+            except (ValueError, OSError) as exc:
+                if isinstance(exc, StoreError):
+                    raise
+                raise StoreError(f"{p}: not a readable shard: {exc}") from None
+            off = m.tensors["offsets"]
+            self.ids.extend(json.loads(m.metadata.get("ids", "[]")))
+            self.shards.append(m)
             self.index.extend((fi, int(off[i]), int(off[i + 1])) for i in range(off.numel() - 1))
 
     def __len__(self) -> int:
@@ -132,11 +190,14 @@ class HiddenStore:
         _, a, b = self.index[i]
         return b - a
 
-    def __getitem__(self, i: int) -> Sample:
+    def view(self, i: int, name: str) -> torch.Tensor:
+        """Row ``i`` of tensor ``name``: a view of the mapped file (copy it before keeping it)."""
         fi, a, b = self.index[i]
-        f = self._files[fi]
-        return Sample(*(f.get_slice(name)[a:b] for name in ("aux", "last_hidden", "target_argmax",
-                                                           "input_ids", "loss_mask")))
+        return self.shards[fi].tensors[name][a:b]
+
+    def __getitem__(self, i: int) -> Sample:
+        return Sample(*(self.view(i, name).clone() for name in ("aux", "last_hidden", "target_argmax",
+                                                                 "input_ids", "loss_mask")))
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any]:

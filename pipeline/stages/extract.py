@@ -13,7 +13,8 @@ at the tokenized sources, and ``projected_bytes`` is 0.
 
 Plan keys (``[extract]``): ``mode``, ``aux_layers`` (default SpecForge's ``[1, L//2-1, L-4]``),
 ``batch_tokens`` (8192), ``shard_tokens`` (262144), ``max_length`` (default ``[target] max_length``),
-``max_rows`` / ``max_tokens`` (caps, for demos), ``device`` (``"auto"``: the target's layers spread over
+``max_rows`` / ``max_tokens`` (caps, for demos), ``eval_rows`` (64: held-out rows stored as ``eval-*`` shards,
+on which training measures acceptance), ``device`` (``"auto"``: the target's layers spread over
 every visible GPU, for a target no single GPU holds), ``parallel = "tp"`` with ``tp_size`` (default: the
 number of GPUs the stage holds) and ``dtype`` (bf16 on GPU, fp32 on CPU).
 
@@ -109,6 +110,16 @@ def length_batches(rows: list[Row], batch_tokens: int) -> list[list[Row]]:
     return out
 
 
+def eval_split(inputs: list[Path], holdout: float, vocab_size: int, max_length: Any, n: int) -> list[Row]:
+    """The first ``n`` held-out rows (training order) with something to predict: stored apart, so the train
+    stage can measure acceptance on rows it never trains on (the bench stage's prompts come from the same split)."""
+    if n <= 0 or holdout <= 0:
+        return []
+    held = [r for r in iter_rows(inputs, holdout, "heldout", vocab_size, max_length)
+            if r.num_tokens >= 2 and r.loss_mask.any()]
+    return training_order(held)[:n]
+
+
 def fingerprint(rows: list[Row], aux: list[int], model: str) -> str:
     h = hashlib.sha1(json.dumps([model, aux]).encode())
     for r in rows:
@@ -178,6 +189,7 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     max_length = sec.get("max_length", plan.target.get("max_length"))
     rows = list(iter_rows(inputs, holdout, "train", int(tcfg.vocab_size), max_length))
     rows = [r for r in rows if r.num_tokens >= 2 and r.loss_mask.any()]
+    eval_rows = eval_split(inputs, holdout, int(tcfg.vocab_size), max_length, int(sec.get("eval_rows", 64)))
     if sec.get("max_rows"):
         rows = rows[: int(sec["max_rows"])]
     if sec.get("max_tokens"):
@@ -191,13 +203,15 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     if not rows:
         fail(ctx, f"no training rows in the inputs ({', '.join(map(str, inputs))}): every row is held out, empty or "
                   "has no assistant tokens")
-    total_tokens = sum(r.num_tokens for r in rows)
+    total_tokens = sum(r.num_tokens for r in rows) + sum(r.num_tokens for r in eval_rows)
     per_token = hs.bytes_per_token(hidden, len(aux))
     sources = [str(Path(p).absolute()) for p in inputs]
     base_manifest = {"kind": hs.KIND, "format": hs.FORMAT, "mode": mode, "target": model_id, "hidden_size": hidden,
                      "num_layers": num_layers, "aux_layer_ids": aux, "sglang_layers_to_capture": sglang_capture_ids(aux),
                      "dtype": "bfloat16", "sources": sources,
-                     "holdout": holdout, "max_length": max_length, "rows": len(rows), "tokens": total_tokens}
+                     "holdout": holdout, "max_length": max_length, "rows": len(rows),
+                     "tokens": total_tokens - sum(r.num_tokens for r in eval_rows), "eval_rows": len(eval_rows),
+                     "eval_tokens": sum(r.num_tokens for r in eval_rows)}
     writer = dist is None or dist.main
     if sec.get("aux_layers") is not None and list(sec["aux_layers"]) != aux:
         ctx.message(f"extract.aux_layers {sec['aux_layers']} used as {aux}: SGLang captures layers in ascending "
@@ -214,8 +228,10 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
         return 0
 
-    shards = plan_shards(rows, int(sec.get("shard_tokens", 262144)))
-    fp = fingerprint(rows, aux, model_id)
+    shard_tokens = int(sec.get("shard_tokens", 262144))
+    jobs = [(hs.shard_name(i), sh) for i, sh in enumerate(plan_shards(rows, shard_tokens))]
+    jobs += [(hs.eval_shard_name(i), sh) for i, sh in enumerate(plan_shards(eval_rows, shard_tokens))]
+    fp = fingerprint(rows + eval_rows, aux, model_id)
     state_path = ctx.out / STATE_FILE
     state = read_json(state_path) or {}
     if state.get("fingerprint") not in (None, fp):
@@ -225,12 +241,13 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     done = {k: v for k, v in done.items() if (ctx.out / k).is_file()}
     projected = total_tokens * per_token
     ctx.metric("projected_bytes", projected, tokens=total_tokens, bytes_per_token=per_token)
-    if len(done) == len(shards) and (ctx.out / "manifest.json").is_file():
+    if len(done) == len(jobs) and (ctx.out / "manifest.json").is_file():
         ctx.metric("actual_bytes", sum(v["bytes"] for v in done.values()))
         ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
-        ctx.message(f"already extracted: {len(shards)} shards, {total_tokens:,} tokens")
+        ctx.message(f"already extracted: {len(jobs)} shards, {total_tokens:,} tokens")
         return 0
-    ctx.message(f"extracting {len(rows):,} rows / {total_tokens:,} tokens into {len(shards)} shards; "
+    ctx.message(f"extracting {len(rows):,} rows (+ {len(eval_rows)} held out, for acceptance while training) / "
+                f"{total_tokens:,} tokens into {len(jobs)} shards; "
                 f"aux layers {aux}; projected {projected / 1e9:.3f} GB"
                 + (f"; resuming with {len(done)} shards done" if done else ""))
     device, dtype = pick_device(sec)
@@ -250,8 +267,7 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     actual = sum(v["bytes"] for v in done.values())
     ctx.progress(tokens_done, total_tokens, unit="tokens", force=True)
     t_start, tok_start = time.monotonic(), tokens_done
-    for si, shard_rows in enumerate(shards):
-        name = hs.shard_name(si)
+    for si, (name, shard_rows) in enumerate(jobs):
         if name in done:
             continue
         captured: list[dict[str, torch.Tensor]] = []
@@ -278,7 +294,8 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     if not writer:
         return 0
     manifest = {**base_manifest, "bytes": actual,
-                "shards": [{"file": hs.shard_name(i), **done[hs.shard_name(i)]} for i in range(len(shards))]}
+                "shards": [{"file": name, **done[name]} for name, _ in jobs if not hs.is_eval_shard(name)],
+                "eval_shards": [{"file": name, **done[name]} for name, _ in jobs if hs.is_eval_shard(name)]}
     write_json(ctx.out / "manifest.json", manifest)
     elapsed = time.monotonic() - t_start
     if tokens_done > tok_start:

@@ -33,6 +33,13 @@ def pad_stack(seqs: list[torch.Tensor], length: int, fill: float = 0) -> torch.T
 
 
 class OfflineData:
+    """Batches from the hidden-state store: each row copied once, from the mapped shard into the batch.
+
+    :meth:`host_batch` fills padded host tensors (pinned when the batch goes to a GPU, so the copy
+    to the device can overlap compute); :meth:`batch` also moves it to the device. The store keeps
+    bf16, and so does the host batch: on a GPU the step runs under bf16 autocast anyway.
+    """
+
     def __init__(self, store: hs.HiddenStore) -> None:
         self.store = store
 
@@ -45,17 +52,30 @@ class OfflineData:
     def row_id(self, i: int) -> str:
         return self.store.ids[i]
 
+    def host_batch(self, idx: list[int], pin: bool = False) -> Batch:
+        lengths = [self.store.length(i) for i in idx]
+        n = max(lengths)
+        out = {}
+        for name in ("aux", "last_hidden", "target_argmax", "input_ids", "loss_mask"):
+            first = self.store.view(idx[0], name)
+            buf = torch.zeros((len(idx), n, *first.shape[1:]), dtype=first.dtype, pin_memory=pin)
+            for k, i in enumerate(idx):
+                buf[k, : lengths[k]].copy_(self.store.view(i, name))
+            out[name] = buf
+        return Batch(out["aux"], out["last_hidden"], out["target_argmax"], out["input_ids"], out["loss_mask"],
+                     torch.tensor(lengths))
+
     def batch(self, idx: list[int], device: torch.device, dtype: torch.dtype) -> Batch:
-        samples = [self.store[i] for i in idx]
-        n = max(s.input_ids.shape[0] for s in samples)
-        return Batch(
-            pad_stack([s.aux for s in samples], n).to(device, dtype),
-            pad_stack([s.last_hidden for s in samples], n).to(device, dtype),
-            pad_stack([s.target_argmax for s in samples], n).to(device, torch.long),
-            pad_stack([s.input_ids for s in samples], n).to(device, torch.long),
-            pad_stack([s.loss_mask for s in samples], n).to(device, torch.bool),
-            torch.tensor([s.input_ids.shape[0] for s in samples], device=device),
-        )
+        return to_device(self.host_batch(idx, pin=device.type == "cuda"), device, dtype)
+
+
+def to_device(b: Batch, device: torch.device, dtype: torch.dtype) -> Batch:
+    """The batch on ``device`` (features in ``dtype``); non-blocking from pinned host memory."""
+    nb = b.aux.is_pinned()
+    return Batch(b.aux.to(device, dtype, non_blocking=nb), b.last_hidden.to(device, dtype, non_blocking=nb),
+                 b.target_argmax.to(device, torch.long, non_blocking=nb),
+                 b.input_ids.to(device, torch.long, non_blocking=nb),
+                 b.loss_mask.to(device, torch.bool, non_blocking=nb), b.lengths.to(device, non_blocking=nb))
 
 
 class OnlineData:

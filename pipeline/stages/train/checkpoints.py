@@ -16,6 +16,7 @@ from pipeline.stages.train.settings import TrainSettings
 CKPT_DIR = "checkpoints"
 STATE_FILE = "training_state.pt"
 FINAL_DIR = "draft"
+BEST_DIR = "best"  # the checkpointed draft with the best simulated accept length so far, and best.json
 STEPS_FILE = "steps.jsonl"
 
 
@@ -79,3 +80,34 @@ class StepLog:
 
         with open(self.path, "a") as fh:
             fh.write(json.dumps({"step": step, "rows": rows}) + "\n")
+
+
+def save_best(out: Path, draft: Eagle3Draft, best: dict[str, Any]) -> None:
+    """``best/``: the draft (SGLang-loadable) and ``best.json`` saying its step and accept length, atomically."""
+    import json
+
+    final, tmp = out / BEST_DIR, out / (BEST_DIR + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_draft(draft, tmp)
+    (tmp / "best.json").write_text(json.dumps(best) + "\n")
+    old = out / (BEST_DIR + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_best(out: Path) -> dict[str, Any] | None:
+    """What ``best/best.json`` says, or None (no evaluation has finished yet, or its write was cut)."""
+    import json
+
+    for d in (out / BEST_DIR, out / (BEST_DIR + ".old")):
+        try:
+            best = json.loads((d / "best.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if d.name != BEST_DIR:
+            os.replace(d, out / BEST_DIR)  # cut between the two renames: the previous best is whole
+        return best
+    return None

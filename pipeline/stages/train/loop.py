@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +21,22 @@ from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft, save_draft
 from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
 from pipeline.run.rundir import write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
-from pipeline.stages.train.batches import OfflineData, OnlineData
+from pipeline.stages.train.acceptance import simulated_accept_length
+from pipeline.stages.train.batches import Batch, OfflineData, OnlineData
 from pipeline.stages.train.checkpoints import (
+    BEST_DIR,
     FINAL_DIR,
     STATE_FILE,
     STEPS_FILE,
     StepLog,
     checkpoints,
+    read_best,
+    save_best,
     save_checkpoint,
 )
+from pipeline.stages.train.feeder import Feeder, Inline
 from pipeline.stages.train.loss import counts_of, ttt_sums
-from pipeline.stages.train.settings import TrainSettings, global_indices, lr_at
+from pipeline.stages.train.settings import BatchSchedule, TrainSettings, lr_at
 
 
 def find_inputs(dirs: list[Path]) -> tuple[dict, Path, Path]:
@@ -137,8 +143,11 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
     draft, head_d = build_draft(model_id, aux, vm, s)
     draft.to(device)
     head_d = head_d.to(device)
+    eval_data: Any = None
     if man["mode"] == "offline":
         data: Any = OfflineData(hs.HiddenStore(ext_dir))
+        if s.eval_interval and man.get("eval_shards"):
+            eval_data = OfflineData(hs.HiddenStore(ext_dir, split="eval"))
     else:
         from pipeline.data.shards import iter_rows, training_order
         from pipeline.eagle3.target_capture import load_target
@@ -156,11 +165,21 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
         else:
             target = load_target(model_id, aux, dtype=dtype, device=device)
         data = OnlineData(rows, target)
+        if s.eval_interval and float(man.get("holdout") or 0) > 0:
+            held = training_order(list(iter_rows([Path(p) for p in man["sources"]], float(man["holdout"]), "heldout",
+                                                 None, max_len)))
+            held = [r for r in held if r.num_tokens >= 2 and r.loss_mask.any()][: s.eval_rows]
+            eval_data = OnlineData(held, target) if held else None
     n = len(data)
     if s.batch_size % dist.world:
         raise ValueError(f"train.batch_size ({s.batch_size}) must be a multiple of the {dist.world} processes")
     if n < s.batch_size:
         raise ValueError(f"only {n} training sequences but train.batch_size is {s.batch_size}")
+    eval_rows = list(range(min(s.eval_rows, len(eval_data)))) if eval_data is not None else []
+    if ctx and s.eval_interval and not eval_rows:
+        ctx.message("no held-out rows in the extraction (extract.eval_rows = 0, bench.holdout = 0, or an extraction "
+                    "made before this version): acceptance is not tracked and draft/ is the last step",
+                    level="warning")
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
     start = 0
@@ -173,6 +192,9 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
         start = int(st["step"])
         if ctx:
             ctx.message(f"resuming from checkpoint {path.name} (step {start})", code="resumed_from_checkpoint", step=start)
+    best = read_best(out)
+    if best is not None and best["step"] > start:
+        best = None  # chosen in an attempt whose steps after the checkpoint were lost: not this lineage
     model: Any = draft
     if dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -189,85 +211,172 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
     extra = {"world_size": dist.world, "aux_layer_ids": aux, "mode": mode_name}
     steps_log = StepLog(out / STEPS_FILE, start) if dist.main else None
     last_saved = start
-    for step in range(start + 1, s.steps + 1):
-        if dist.any(plan_ctx.pause_requested(), device):
-            wait_paused(ctx, plan_ctx, dist, device)
-        t0 = time.monotonic()
-        all_idx = global_indices(step, n, s.batch_size, s.seed)
+    schedule = BatchSchedule(n, s.batch_size, s.seed, [data.length(i) for i in range(n)] if s.length_grouping else None,
+                             s.length_grouping)
 
-        if online_tp:
-            # Every rank runs the target over the whole global batch (its tensor-parallel shard of
-            # each layer), rank by rank, and keeps its own slice: the same target work on every rank.
-            batches = []
-            for r in range(dist.world):
-                for c in rank_chunks(all_idx, r, dist.world, data.length, s.micro_batch):
-                    b = data.batch(c, device, dtype)
-                    if r == dist.rank:
-                        batches.append(b)
-        else:
-            batches = [data.batch(c, device, dtype) for c in rank_chunks(all_idx, dist.rank, dist.world, data.length, s.micro_batch)]
-        counts = dist.sum(counts_of(batches, s.ttt_steps, device))
-        denom = counts.clamp(min=1)
-        lr = lr_at(step, s)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss_sums = torch.zeros(s.ttt_steps, dtype=torch.float64, device=device)
-        correct = torch.zeros(s.ttt_steps, dtype=torch.float64, device=device)
-        for bi, b in enumerate(batches):
-            sync = bi == len(batches) - 1 or dist.world == 1
-            ctxm = model.no_sync() if (dist.world > 1 and not sync) else _null()
-            with ctxm:
-                losses, corr = ttt_sums(model, draft, b, head_d, s.ttt_steps, autocast)
-                total = sum((s.loss_decay ** j) * losses[j] / denom[j] for j in range(s.ttt_steps))
-                (total * dist.world).backward()
-            loss_sums += torch.stack([x.detach().double() for x in losses])
-            correct += corr
-        torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
-        opt.step()
-        if steps_log is not None:
-            steps_log.record(step, [data.row_id(i) for i in all_idx])
-        stats = dist.sum(torch.cat([loss_sums, correct, torch.tensor([float(sum(int(b.lengths.sum()) for b in batches))],
-                                                                      dtype=torch.float64, device=device)]))
-        dt = time.monotonic() - t0
-        k = s.ttt_steps
-        step_loss = sum((s.loss_decay ** j) * float(stats[j] / denom[j]) for j in range(k))
-        if ctx and (step % s.log_every == 0 or step == s.steps or step == start + 1):
-            ctx.metric("loss", step_loss, step=step)
-            for j in range(k):
-                ctx.metric(f"acc_{j}", float(stats[k + j] / denom[j]), step=step)
-            ctx.metric("lr", lr, step=step)
-            ctx.metric("tokens_per_s", float(stats[2 * k]) / max(dt, 1e-9), step=step)
-            ctx.progress(step, s.steps, unit="steps")
-        if step % s.checkpoint_every == 0 or step == s.steps:
-            if dist.main:
-                p = save_checkpoint(out, step, draft, opt, s, extra)
-                if ctx:
-                    ctx.message(f"checkpoint {p.name}", code="checkpoint", step=step)
-            last_saved = step
-            dist.barrier()
+    def my_chunks(step: int) -> list[list[int]]:
+        return rank_chunks(schedule.rows(step), dist.rank, dist.world, data.length, s.micro_batch)
+
+    feeder: Any = (Feeder(data, range(start + 1, s.steps + 1), my_chunks, device, dtype, s.prefetch)
+                   if isinstance(data, OfflineData) and s.prefetch else Inline(data, my_chunks, device, dtype))
+    steps = Steps(ctx, plan_ctx, s, dist, device, dtype, data, online_tp, model, draft, opt, params, head_d,
+                  autocast, steps_log, out, extra, schedule, feeder, eval_data, eval_rows, best, start + 1)
+    if start and steps.eval_due(start) and (best is None or best["step"] < start):
+        steps.evaluate(start, saved=True)  # killed between that checkpoint and its evaluation
+    try:
+        for step in range(start + 1, s.steps + 1):
+            steps.run(step)
+            if step % s.checkpoint_every == 0 or step == s.steps:
+                steps.checkpoint(step)
+                last_saved = step
+            if steps.eval_due(step):
+                steps.evaluate(step, saved=last_saved == step)
+    finally:
+        feeder.close()
+    best = steps.best
     if ctx and device.type == "cuda":
         ctx.metric("peak_memory_gib", torch.cuda.max_memory_allocated(device) / 2**30)
     if dist.main:
         final = out / FINAL_DIR
         tmp = out / (FINAL_DIR + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_draft(draft, tmp)
+        if best is not None:
+            shutil.copytree(out / BEST_DIR, tmp)
+            (tmp / "best.json").unlink(missing_ok=True)
+        else:
+            save_draft(draft, tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_json(out / "manifest.json", {
-            "kind": "draft", "path": FINAL_DIR, "step": last_saved, "target": model_id, "aux_layer_ids": aux,
-            "steps_log": STEPS_FILE,
+            "kind": "draft", "path": FINAL_DIR, "step": best["step"] if best else last_saved, "last_step": last_saved,
+            "chosen_by": "simulated accept length on held-out rows" if best else "last step",
+            "accept_length": best["accept_length"] if best else None,
+            "eval_spec_steps": s.eval_spec_steps if best else None,
+            "target": model_id, "aux_layer_ids": aux, "steps_log": STEPS_FILE,
             "draft_vocab_size": vm.size, "ttt_steps": s.ttt_steps, "mode": mode_name,
             "token_sources": list(man.get("sources", [])), "holdout": man.get("holdout"),
             "max_length": man.get("max_length"), "world_size": dist.world,
         })
         if ctx:
             ctx.progress(s.steps, s.steps, unit="steps", force=True)
-            ctx.message(f"draft written to {final} (SGLang: --speculative-algorithm EAGLE3 "
+            which = (f"the step-{best['step']} checkpoint, best simulated accept length {best['accept_length']:.3f}"
+                     if best else f"step {last_saved}")
+            ctx.message(f"draft written to {final} ({which}; SGLang: --speculative-algorithm EAGLE3 "
                         f"--speculative-draft-model-path {final})")
     return 0
+
+
+@dataclass
+class Steps:
+    """Everything a training step needs, and what happens at a step: the update, the checkpoint, the evaluation."""
+
+    ctx: StageContext | None
+    plan_ctx: StageContext
+    s: TrainSettings
+    dist: Dist
+    device: torch.device
+    dtype: torch.dtype
+    data: Any
+    online_tp: bool
+    model: Any  # the draft, or DDP around it
+    draft: Eagle3Draft
+    opt: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    head_d: torch.Tensor
+    autocast: bool
+    steps_log: StepLog | None
+    out: Path
+    extra: dict[str, Any]
+    schedule: BatchSchedule
+    feeder: Any
+    eval_data: Any
+    eval_rows: list[int]
+    best: dict[str, Any] | None
+    first: int  # this attempt's first step (always logged)
+
+    def batches(self, step: int, all_idx: list[int]) -> list[Batch]:
+        s, dist = self.s, self.dist
+        if not self.online_tp:
+            return self.feeder.next(step)
+        # Every rank runs the target over the whole global batch (its tensor-parallel shard of
+        # each layer), rank by rank, and keeps its own slice: the same target work on every rank.
+        mine = []
+        for r in range(dist.world):
+            for c in rank_chunks(all_idx, r, dist.world, self.data.length, s.micro_batch):
+                b = self.data.batch(c, self.device, self.dtype)
+                if r == dist.rank:
+                    mine.append(b)
+        return mine
+
+    def run(self, step: int) -> None:
+        s, dist, ctx, device = self.s, self.dist, self.ctx, self.device
+        if dist.any(self.plan_ctx.pause_requested(), device):
+            wait_paused(ctx, self.plan_ctx, dist, device)
+        t0 = time.monotonic()
+        all_idx = self.schedule.rows(step)
+        batches = self.batches(step, all_idx)
+        counts = dist.sum(counts_of(batches, s.ttt_steps, device))
+        denom = counts.clamp(min=1)
+        lr = lr_at(step, s)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        loss_sums = torch.zeros(s.ttt_steps, dtype=torch.float64, device=device)
+        correct = torch.zeros(s.ttt_steps, dtype=torch.float64, device=device)
+        for bi, b in enumerate(batches):
+            sync = bi == len(batches) - 1 or dist.world == 1
+            ctxm = self.model.no_sync() if (dist.world > 1 and not sync) else _null()
+            with ctxm:
+                losses, corr = ttt_sums(self.model, self.draft, b, self.head_d, s.ttt_steps, self.autocast)
+                total = sum((s.loss_decay ** j) * losses[j] / denom[j] for j in range(s.ttt_steps))
+                (total * dist.world).backward()
+            loss_sums += torch.stack([x.detach().double() for x in losses])
+            correct += corr
+        torch.nn.utils.clip_grad_norm_(self.params, s.max_grad_norm)
+        self.opt.step()
+        if self.steps_log is not None:
+            self.steps_log.record(step, [self.data.row_id(i) for i in all_idx])
+        stats = dist.sum(torch.cat([loss_sums, correct, torch.tensor([float(sum(int(b.lengths.sum()) for b in batches))],
+                                                                      dtype=torch.float64, device=device)]))
+        dt = time.monotonic() - t0
+        k = s.ttt_steps
+        step_loss = sum((s.loss_decay ** j) * float(stats[j] / denom[j]) for j in range(k))
+        if ctx and (step % s.log_every == 0 or step == s.steps or step == self.first):
+            ctx.metric("loss", step_loss, step=step)
+            for j in range(k):
+                ctx.metric(f"acc_{j}", float(stats[k + j] / denom[j]), step=step)
+            ctx.metric("lr", lr, step=step)
+            ctx.metric("tokens_per_s", float(stats[2 * k]) / max(dt, 1e-9), step=step)
+            ctx.progress(step, s.steps, unit="steps")
+
+    def checkpoint(self, step: int) -> None:
+        if self.dist.main:
+            p = save_checkpoint(self.out, step, self.draft, self.opt, self.s, self.extra)
+            if self.ctx:
+                self.ctx.message(f"checkpoint {p.name}", code="checkpoint", step=step)
+        self.dist.barrier()
+
+    def eval_due(self, step: int) -> bool:
+        every = self.s.eval_interval
+        return bool(self.eval_rows) and every > 0 and (step % every == 0 or step == self.s.steps)
+
+    def evaluate(self, step: int, saved: bool) -> None:
+        """Simulated accept length on the held-out rows (every rank computes it: online-TP captures together);
+        rank 0 keeps the best draft. Only at a checkpointed step can it become the best: a resume never keeps a
+        draft from steps it has lost."""
+        acc = simulated_accept_length(self.draft, self.eval_data, self.eval_rows, self.device, self.dtype,
+                                      self.s.eval_spec_steps, self.s.micro_batch, self.autocast)
+        if self.ctx:
+            self.ctx.metric("accept_length", acc, step=step)
+        if saved and (self.best is None or acc > self.best["accept_length"]):
+            self.best = {"step": step, "accept_length": acc, "spec_steps": self.s.eval_spec_steps}
+            if self.dist.main:
+                save_best(self.out, self.draft, self.best)
+                if self.ctx:
+                    self.ctx.message(f"best draft so far: step {step}, simulated accept length {acc:.3f} "
+                                     f"(steps = {self.s.eval_spec_steps})", code="best_draft", step=step)
+        self.dist.barrier()
 
 
 class _null:
