@@ -10,6 +10,12 @@ MFU counts the useful FLOPs — draft linear layers and causal chain attention (
 backward) plus the target-head soft labels (forward only) — over the bf16 matmul ceiling measured
 in the same run; ``attn_exec/useful`` says how much more attention the implementation executes
 (the chain keys are concatenated and masked). ``--shape tiny --device cpu`` is a smoke run.
+
+``--store`` (issue 15) also writes a real hidden-state store of the same shapes to local disk and trains
+from it through the stage's data path — ``OfflineData`` on mapped shards, pinned batches, the ``Feeder``
+thread with its copy stream — and, for comparison, with the rows read on the step's thread as before;
+each printed as a share of the synthetic tokens/s (goal: ≥ 85 %). ``--baseline specforge`` times
+SpecForge 0.2.0's draft forward+backward (``bench/specforge_peer.py``) on the same config and batch.
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, time_ms, write_out  # noqa: E402
+from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, sync, time_ms, write_out  # noqa: E402
 from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
 from pipeline.stages.train.batches import Batch  # noqa: E402
 from pipeline.stages.train.loss import ttt_sums  # noqa: E402
@@ -41,7 +50,7 @@ def flops(cfg: DraftConfig, seq: int, ttt: int) -> dict[str, float]:
     return {"useful": 3 * (ttt * linear + fc + attn_useful) + soft, "attn_useful": attn_useful, "attn_exec": attn_exec}
 
 
-def run_config(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch.device) -> dict:
+def build(cfg: DraftConfig, dev: torch.device) -> tuple[Eagle3Draft, torch.Tensor, torch.Tensor, list, torch.optim.Optimizer]:
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg).to(dev)
     vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
@@ -54,27 +63,101 @@ def run_config(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torc
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     head_d = (torch.randn(vd, h, device=dev) * h**-0.5).to(fdt)
-    batch = Batch(torch.randn(b, s, 3 * h, device=dev, dtype=fdt), torch.randn(b, s, h, device=dev, dtype=fdt),
-                  ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)], torch.randint(0, v, (b, s), device=dev),
-                  torch.ones(b, s, dtype=torch.bool, device=dev), torch.full((b,), s, device=dev))
-    counts = torch.tensor([float(batch.step_mask(j).sum()) for j in range(ttt)], device=dev)
+    return draft, head_d, ids, params, opt
 
-    def step() -> None:
+
+def step_fn(draft: Eagle3Draft, head_d: torch.Tensor, params: list, opt: torch.optim.Optimizer, ttt: int,
+            dev: torch.device) -> Callable[[Batch], float]:
+    """The stage's optimizer step on one batch; returns the real tokens it trained on (a host sync, as the stage's
+    metrics are)."""
+
+    def step(batch: Batch) -> float:
+        counts = torch.stack([batch.step_mask(j).sum() for j in range(ttt)]).double().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         losses, _ = ttt_sums(draft, draft, batch, head_d, ttt, autocast=dev.type == "cuda")
         sum((0.8 ** j) * losses[j] / counts[j] for j in range(ttt)).backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
+        return float(batch.lengths.sum())
+
+    return step
+
+
+def run_config(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch.device) -> dict:
+    draft, head_d, ids, params, opt = build(cfg, dev)
+    vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
+    fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    batch = Batch(torch.randn(b, s, 3 * h, device=dev, dtype=fdt), torch.randn(b, s, h, device=dev, dtype=fdt),
+                  ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)], torch.randint(0, v, (b, s), device=dev),
+                  torch.ones(b, s, dtype=torch.bool, device=dev), torch.full((b,), s, device=dev))
+    step = step_fn(draft, head_d, params, opt, ttt, dev)
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    ms = statistics.median(time_ms(step, dev, warmup=2, reps=steps))
+    ms = statistics.median(time_ms(lambda: step(batch), dev, warmup=2, reps=steps))
     f = flops(cfg, s, ttt)
     tok_s = b * s / (ms / 1e3)
     out = {"batch": b, "seq": s, "ttt": ttt, "step_ms": ms, "tok_s": tok_s, "useful_tflop_s": f["useful"] * tok_s / 1e12,
            "attn_exec_over_useful": f["attn_exec"] / f["attn_useful"],
            "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
     return out
+
+
+def write_store(root: Path, cfg: DraftConfig, rows: int, seq: int, draft_ids: torch.Tensor, rows_per_shard: int) -> Path:
+    """A real offline store (``hidden_store`` shards + manifest) of ``rows`` random rows of ``seq`` tokens."""
+    from pipeline.eagle3 import hidden_store as hs
+    from pipeline.run.rundir import write_json
+
+    h, g = cfg.hidden_size, torch.Generator().manual_seed(0)
+    shards = []
+    for si, a in enumerate(range(0, rows, rows_per_shard)):
+        chunk = []
+        for _ in range(min(rows_per_shard, rows - a)):
+            chunk.append({"aux": torch.randn(seq, 3 * h, generator=g).to(torch.bfloat16),
+                          "last_hidden": torch.randn(seq, h, generator=g).to(torch.bfloat16),
+                          "target_argmax": draft_ids[torch.randint(0, len(draft_ids), (seq,), generator=g)],
+                          "input_ids": torch.randint(0, cfg.vocab_size, (seq,), generator=g),
+                          "loss_mask": torch.ones(seq, dtype=torch.int8)})
+        name = hs.shard_name(si)
+        size = hs.write_shard(root / name, chunk, [f"r{a + k}" for k in range(len(chunk))])
+        shards.append({"file": name, "rows": len(chunk), "tokens": len(chunk) * seq, "bytes": size})
+    write_json(root / "manifest.json", {"kind": hs.KIND, "format": hs.FORMAT, "mode": "offline", "aux_layer_ids": [1, 2, 3],
+                                        "rows": rows, "shards": shards, "eval_shards": []})
+    return root
+
+
+def run_store(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch.device, store_dir: Path,
+              prefetch: int) -> dict:
+    """The stage's data path: rows read from a real store on disk by ``OfflineData`` (through the ``Feeder`` thread
+    when ``prefetch`` > 0, else on the step's thread as before issue 15), same shapes as the synthetic run."""
+    from pipeline.eagle3 import hidden_store as hs
+    from pipeline.stages.train.batches import OfflineData
+    from pipeline.stages.train.feeder import Feeder, Inline
+    from pipeline.stages.train.settings import BatchSchedule
+
+    draft, head_d, _, params, opt = build(cfg, dev)
+    step = step_fn(draft, head_d, params, opt, ttt, dev)
+    data = OfflineData(hs.HiddenStore(store_dir))
+    sched = BatchSchedule(len(data), b, 0, [data.length(i) for i in range(len(data))], 16)
+    fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    total = steps + 2
+    chunks = lambda k: [sched.rows(k)]  # noqa: E731 - one micro-batch per step, as the synthetic run
+    feeder = Feeder(data, range(1, total + 1), chunks, dev, fdt, prefetch) if prefetch else Inline(data, chunks, dev, fdt)
+    try:
+        for k in (1, 2):  # warm-up, as the synthetic run
+            step(feeder.next(k)[0])
+        sync(dev)
+        t0, tokens, per_step = time.perf_counter(), 0.0, []
+        for k in range(3, total + 1):
+            t = time.perf_counter()
+            tokens += step(feeder.next(k)[0])
+            per_step.append((time.perf_counter() - t) * 1e3)
+        sync(dev)
+        wall = time.perf_counter() - t0
+    finally:
+        feeder.close()
+    return {"batch": b, "seq": s, "ttt": ttt, "tok_s": tokens / wall, "step_ms": statistics.median(per_step),
+            "step_ms_max": max(per_step), "prefetch": prefetch}
 
 
 def check_against_cpu(cfg: DraftConfig, dev: torch.device, seq: int = 256, ttt: int = 3) -> dict[str, list[float]]:
@@ -107,6 +190,11 @@ def main() -> int:
     ap.add_argument("--configs", default="2x2048x7,4x2048x7,2x4096x7,4x2048x1")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--store", action="store_true",
+                    help="also train each config from a real store on disk through the stage's data path "
+                         "(the feeder thread, and the old on-the-step-thread read), next to the synthetic step")
+    ap.add_argument("--baseline", choices=["specforge"], default=None,
+                    help="also time SpecForge's draft forward+backward on the same config, batch and sequence length")
     args = ap.parse_args()
     dev = torch.device(args.device)
     ceiling = matmul_ceiling_tflops(dev)
@@ -125,6 +213,20 @@ def main() -> int:
         except torch.OutOfMemoryError:
             r = {"batch": b, "seq": s, "ttt": t, "error": "out of memory"}
             torch.cuda.empty_cache()
+        if args.store and "error" not in r:
+            with tempfile.TemporaryDirectory(prefix="aerie-bench-store-") as d:
+                write_store(Path(d), cfg, b * (args.steps + 2), s, torch.sort(torch.randperm(cfg.vocab_size)[
+                    :cfg.draft_vocab_size]).values.to(torch.int32), rows_per_shard=max(1, b))
+                for prefetch in (2, 0):
+                    rs = run_store(cfg, b, s, t, args.steps, dev, Path(d), prefetch)
+                    r[f"store_prefetch{prefetch}_tok_s"] = rs["tok_s"]
+                    r[f"store_prefetch{prefetch}_step_ms_max"] = rs["step_ms_max"]
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+        if args.baseline == "specforge" and "error" not in r:
+            from bench.specforge_peer import time_specforge_vs_aerie
+
+            r["specforge"] = time_specforge_vs_aerie(dev, cfg, b, s, args.steps)
         rows.append(r)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -145,6 +247,15 @@ def main() -> int:
             continue
         print(f"  {name:>18} {r['step_ms']:9.1f} {r['tok_s']:9,.0f} {r['useful_tflop_s']:8.1f} {r['mfu']:6.1%} "
               f"{r['attn_exec_over_useful']:7.1f} {r['peak_mem_gib'] or 0:6.1f}")
+        if "store_prefetch2_tok_s" in r:
+            for pf, what in ((2, "feeder thread (the stage)"), (0, "read on the step's thread (before)")):
+                v = r[f"store_prefetch{pf}_tok_s"]
+                print(f"  {'':>18} real store, {what}: {v:,.0f} tok/s = {v / r['tok_s']:.1%} of synthetic "
+                      f"(slowest step {r[f'store_prefetch{pf}_step_ms_max']:.0f} ms)")
+        if "specforge" in r:
+            sf = r["specforge"]
+            print(f"  {'':>18} SpecForge 0.2.0 draft fwd+bwd: {sf['specforge_tok_s']:,.0f} tok/s, Aerie "
+                  f"{sf['aerie_tok_s']:,.0f} tok/s: Aerie/SpecForge = {sf['ratio']:.2f}x")
     return 0
 
 

@@ -68,9 +68,31 @@ def _convert_smollm2(dest: Path) -> None:
         with contextlib.suppress(AttributeError):
             model.is_quantized = False
     model.config.architectures = [type(model).__name__]
+    fix_turn_tokens(tok, model)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     os.replace(tmp, dest)
+
+
+def fix_turn_tokens(tok: Any, model: Any) -> None:
+    """Write the end-of-turn and pad tokens the chat template defines into the converted folder.
+
+    transformers 5.17 converts this GGUF with ``eos_token = "<|im_start|>"`` (the token that *opens* a
+    turn) and no pad token; 5.24 with ``<|im_end|>``. The CPU server stops on the folder's generation config,
+    so without this one transformers version would generate past the end of every answer.
+    """
+    from pipeline.data.token_facts import resolve
+
+    facts = resolve(tok, getattr(model, "generation_config", None))
+    eot = facts.end_of_turn
+    tok.eos_token = tok.convert_ids_to_tokens(eot[0])
+    tok.pad_token = tok.convert_ids_to_tokens(facts.pad)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.eos_token_id = eot[0] if len(eot) == 1 else list(eot)
+        gen.pad_token_id = facts.pad
+    model.config.eos_token_id = eot[0]
+    model.config.pad_token_id = facts.pad
 
 
 def builtin_model_dir(name: str = SMOLLM2) -> Path:

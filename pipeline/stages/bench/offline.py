@@ -15,23 +15,18 @@ from pipeline.stages.bench.inputs import find_draft, heldout_prompts
 
 
 def eos_ids(model_id: str, target: Any) -> set[int]:
-    """End-of-sequence ids from the tokenizer and the model's generation/model config."""
-    from pipeline.data.model_assets import load_tokenizer
+    """The ids that end the target's answer (:mod:`pipeline.data.token_facts`: chat template + generation config)."""
+    from pipeline.data import token_facts
 
-    ids: set[int] = set()
     try:
-        tok = load_tokenizer(model_id)
-        if tok.eos_token_id is not None:
-            ids.add(int(tok.eos_token_id))
-    except (OSError, ValueError):  # a weights-only folder (no tokenizer files)
-        pass
-    for src in (getattr(target.model, "generation_config", None), getattr(target.model, "config", None)):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(e, int):
-            ids.add(e)
-        elif isinstance(e, list):
-            ids.update(int(x) for x in e)
-    return ids
+        facts = token_facts.for_model(model_id)
+    except (OSError, ValueError):  # a weights-only folder (no tokenizer files): the loaded model's generation config
+        gen = getattr(target.model, "generation_config", None)
+        ids = token_facts._ids(getattr(gen, "eos_token_id", None))
+        if not ids:
+            raise
+        return set(ids)
+    return facts.stop_ids
 
 
 def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:

@@ -218,7 +218,8 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
         return rank_chunks(schedule.rows(step), dist.rank, dist.world, data.length, s.micro_batch)
 
     feeder: Any = (Feeder(data, range(start + 1, s.steps + 1), my_chunks, device, dtype, s.prefetch)
-                   if isinstance(data, OfflineData) and s.prefetch else Inline(data, my_chunks, device, dtype))
+                   if isinstance(data, OfflineData) and s.prefetch and device.type == "cuda"
+                   else Inline(data, my_chunks, device, dtype))
     steps = Steps(ctx, plan_ctx, s, dist, device, dtype, data, online_tp, model, draft, opt, params, head_d,
                   autocast, steps_log, out, extra, schedule, feeder, eval_data, eval_rows, best, start + 1)
     if start and steps.eval_due(start) and (best is None or best["step"] < start):

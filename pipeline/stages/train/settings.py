@@ -31,7 +31,7 @@ class TrainSettings:
     max_length: int = 0  # 0: [target] max_length
     target: str = ""  # "online-tp": every rank holds a tensor-parallel shard of the target and captures
     length_grouping: int = 16  # sort rows by length within windows of this many batches (0: plain shuffle)
-    prefetch: int = 2  # batches assembled ahead on a background thread (offline data; 0: on the step's thread)
+    prefetch: int = 2  # GPU, offline data: steps assembled ahead on a feeder thread (0: on the step's thread)
     eval_every: int = 0  # simulated acceptance on held-out rows every N steps (0: at every checkpoint; -1: never)
     eval_rows: int = 64  # held-out rows it reads (the first N of the extraction's eval split)
     eval_spec_steps: int = 3  # draft steps per verification it simulates (SGLang's --speculative-num-steps)
