@@ -34,6 +34,9 @@ class Feeder:
                  device: torch.device, dtype: torch.dtype, depth: int = 2) -> None:
         self.data, self.chunks, self.device, self.dtype = data, chunks, device, dtype
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # "cuda" means the caller's current GPU; the thread must name it
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.stop = threading.Event()
