@@ -244,6 +244,20 @@ def test_sink_chain_attention_in_bf16_stays_within_bf16_of_float64() -> None:
     assert err_new <= 2 * err_old + 1e-3, (err_new, err_old)
 
 
+def test_sink_chain_attention_under_bf16_autocast_stays_within_bf16_of_float64() -> None:
+    """fp32 inputs under autocast (how the GPU trains): SDPA runs them in bf16, the sink score survives."""
+    q, k0, v0, chain = _chain_inputs(5, 1, 4, 2, 64, 16, 6, torch.float64)
+    cols = torch.arange(64)
+    exact = chain_attention_reference(q, k0, v0, cols, None, chain)
+    f = [t.float() for t in (q, k0, v0)]
+    fchain = [(k.float(), v.float()) for k, v in chain]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        new = chain_attention(*f, cols, None, fchain, causal=True)
+        old = chain_attention_reference(*f, cols, None, fchain)
+    err_new, err_old = (new.double() - exact).abs().max(), (old.double() - exact).abs().max()
+    assert err_new <= 2 * err_old + 1e-3, (err_new, err_old)
+
+
 def test_ttt_logits_equal_the_full_mask_ttt_in_float64(monkeypatch) -> None:
     """Whole TTT (7 steps, padded rows) with the sink attention == with the old full-mask attention."""
     import pipeline.eagle3.draft_model as dm

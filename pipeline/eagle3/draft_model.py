@@ -275,8 +275,11 @@ def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols:
                        torch.stack([v for _, v in chain], dim=3))
     dt = q.dtype
     sink_score = lse / scale  # q_aug · sink_key * scale == lse
-    hi = sink_score.to(dt)
-    lo = (sink_score - hi.to(acc)).to(dt)
+    # Split on a bf16 boundary whatever q's dtype: SDPA under autocast runs fp32 inputs in bf16, and
+    # a bf16 hi plus the small remainder keeps the score to ~2^-16 there (exact in fp32/fp64).
+    hi = sink_score.to(torch.bfloat16).to(acc)
+    lo = (sink_score - hi).to(dt)
+    hi = hi.to(dt)
     pad_q = torch.zeros(b, nh, sq, _SINK_DIMS - 2, dtype=dt, device=q.device)
     q_aug = torch.cat([q, hi[..., None], lo[..., None], pad_q], dim=-1)
     pad_k = torch.zeros(b, nh, skv, _SINK_DIMS, dtype=k0.dtype, device=q.device)
