@@ -218,7 +218,7 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
             sync = bi == len(batches) - 1 or dist.world == 1
             ctxm = model.no_sync() if (dist.world > 1 and not sync) else _null()
             with ctxm:
-                losses, corr = ttt_sums(model, draft, b, head_d, s.ttt_steps, autocast)
+                losses, corr = ttt_sums(model, draft, b, head_d, s.ttt_steps, autocast, s.loss_chunk_tokens)
                 total = sum((s.loss_decay ** j) * losses[j] / denom[j] for j in range(s.ttt_steps))
                 (total * dist.world).backward()
             loss_sums += torch.stack([x.detach().double() for x in losses])

@@ -30,6 +30,7 @@ class TrainSettings:
     init_lm_head: str = "target"  # "target": rows of the target's LM head; "random"
     max_length: int = 0  # 0: [target] max_length
     target: str = ""  # "online-tp": every rank holds a tensor-parallel shard of the target and captures
+    loss_chunk_tokens: int = 4096  # tokens per soft-label loss chunk (0: every step's full logits at once)
 
     @classmethod
     def from_section(cls, sec: dict[str, Any], where: str) -> TrainSettings:
@@ -50,6 +51,8 @@ class TrainSettings:
         for k in ("steps", "batch_size", "micro_batch", "ttt_steps", "checkpoint_every", "log_every", "nproc"):
             if getattr(s, k) < 1:
                 raise ValueError(f"{where}: train.{k}: must be at least 1")
+        if s.loss_chunk_tokens < 0:
+            raise ValueError(f"{where}: train.loss_chunk_tokens: must be 0 (no chunking) or more")
         if s.batch_size % s.nproc:
             raise ValueError(f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})")
         if s.target not in ("", "online-tp"):
