@@ -271,8 +271,8 @@ def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols:
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in fp32 at least
     diag = torch.stack([(q * k).sum(-1) for k, _ in chain], dim=-1).to(acc) * scale  # (B, H, Sq, J)
     lse = torch.logsumexp(diag, dim=-1)
-    mix = torch.einsum("bhsj,bhsjd->bhsd", torch.softmax(diag, dim=-1).to(v0.dtype),
-                       torch.stack([v for _, v in chain], dim=3))
+    w = torch.softmax(diag, dim=-1).to(v0.dtype)
+    mix = sum(w[..., i, None] * v for i, (_, v) in enumerate(chain))  # no stacked copy of the values
     dt = q.dtype
     sink_score = lse / scale  # q_aug · sink_key * scale == lse
     # Split on a bf16 boundary whatever q's dtype: SDPA under autocast runs fp32 inputs in bf16, and
