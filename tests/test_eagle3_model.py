@@ -23,6 +23,7 @@ from pipeline.eagle3.draft_model import (
     DraftModelError,
     Eagle3Draft,
     chain_attention,
+    chain_attention_reference,
     default_aux_layers,
     load_draft,
     save_draft,
@@ -189,3 +190,91 @@ def test_chain_attention_sees_exactly_its_column_and_chain() -> None:
         vals = torch.cat([v0[:, :, : t + 1], v1[:, :, t:t + 1]], 2)
         w = torch.softmax((q[:, :, t:t + 1] @ keys.transpose(-1, -2)) / 8 ** 0.5, -1)
         assert torch.allclose(out[:, :, t:t + 1], w @ vals, atol=1e-5)
+
+
+def _chain_inputs(seed: int, b: int, nh: int, nkv: int, s: int, d: int, steps: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nh, s, d, generator=g, dtype=dtype) * 2  # scores of a few units: a peaked softmax
+    k0, v0 = (torch.randn(b, nkv, s, d, generator=g, dtype=dtype) for _ in range(2))
+    chain = [tuple(torch.randn(b, nkv, s, d, generator=g, dtype=dtype) for _ in range(2)) for _ in range(steps)]
+    return q, k0, v0, chain
+
+
+@pytest.mark.parametrize("nkv", [4, 2])
+@pytest.mark.parametrize("steps", [0, 1, 6])
+def test_sink_chain_attention_equals_the_full_mask_form_with_gradients(nkv: int, steps: int) -> None:
+    """The attention TTT runs now (sink key, causal kernel) == the old full (Sq, 7·Sq) mask, values and grads."""
+    q, k0, v0, chain = _chain_inputs(steps, 2, 4, nkv, 11, 8, steps, torch.float64)
+    leaves = [q, k0, v0, *[t for kv in chain for t in kv]]
+    for t in leaves:
+        t.requires_grad_(True)
+    cols = torch.arange(11)
+    new = chain_attention(q, k0, v0, cols, None, chain, causal=True)
+    ref = chain_attention_reference(q, k0, v0, cols, None, chain)
+    assert torch.allclose(new, ref, atol=1e-10)
+    w = torch.randn_like(ref)
+    g_new = torch.autograd.grad((new * w).sum(), leaves)
+    g_ref = torch.autograd.grad((ref * w).sum(), leaves)
+    for a, b in zip(g_new, g_ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_sink_chain_attention_with_a_key_mask_and_drafting_columns() -> None:
+    """The general (drafting) form: arbitrary query columns and a per-row key mask, as the reference."""
+    q, k0, v0, chain = _chain_inputs(7, 2, 4, 2, 9, 8, 3, torch.float64)
+    q = q[:, :, 4:7]
+    chain = [(k[:, :, 4:7], v[:, :, 4:7]) for k, v in chain]
+    cols = torch.tensor([4, 5, 6])
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 2] = False  # a hidden key in row 1 only
+    new = chain_attention(q, k0, v0, cols, valid, chain)
+    ref = chain_attention_reference(q, k0, v0, cols, valid, chain)
+    assert torch.allclose(new, ref, atol=1e-10)
+
+
+def test_sink_chain_attention_in_bf16_stays_within_bf16_of_float64() -> None:
+    """bf16 loses nothing extra: the sink's logsumexp travels as a hi/lo pair, not one rounded number."""
+    q, k0, v0, chain = _chain_inputs(3, 1, 4, 4, 64, 16, 6, torch.float64)
+    cols = torch.arange(64)
+    exact = chain_attention_reference(q, k0, v0, cols, None, chain)
+    bf = [t.bfloat16() for t in (q, k0, v0)]
+    new = chain_attention(*bf, cols, None, [(k.bfloat16(), v.bfloat16()) for k, v in chain], causal=True)
+    old = chain_attention_reference(*bf, cols, None, [(k.bfloat16(), v.bfloat16()) for k, v in chain])
+    err_new, err_old = (new.double() - exact).abs().max(), (old.double() - exact).abs().max()
+    assert err_new <= 2 * err_old + 1e-3, (err_new, err_old)
+
+
+def test_sink_chain_attention_under_bf16_autocast_stays_within_bf16_of_float64() -> None:
+    """fp32 inputs under autocast (how the GPU trains): SDPA runs them in bf16, the sink score survives."""
+    q, k0, v0, chain = _chain_inputs(5, 1, 4, 2, 64, 16, 6, torch.float64)
+    cols = torch.arange(64)
+    exact = chain_attention_reference(q, k0, v0, cols, None, chain)
+    f = [t.float() for t in (q, k0, v0)]
+    fchain = [(k.float(), v.float()) for k, v in chain]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        new = chain_attention(*f, cols, None, fchain, causal=True)
+        old = chain_attention_reference(*f, cols, None, fchain)
+    err_new, err_old = (new.double() - exact).abs().max(), (old.double() - exact).abs().max()
+    assert err_new <= 2 * err_old + 1e-3, (err_new, err_old)
+
+
+def test_ttt_logits_equal_the_full_mask_ttt_in_float64(monkeypatch) -> None:
+    """Whole TTT (7 steps, padded rows) with the sink attention == with the old full-mask attention."""
+    import pipeline.eagle3.draft_model as dm
+
+    d = tiny_draft(seed=4).double().eval()
+    aux, ids = torch.randn(2, 12, 96, dtype=torch.float64), torch.randint(0, 64, (2, 12))
+    lengths = torch.tensor([12, 8])
+    with torch.no_grad():
+        new = d.ttt(aux, ids, lengths, 7)
+
+        def old(q, k0, v0, q_cols, key_valid=None, chain=None, causal=False):
+            valid = torch.arange(k0.shape[2])[None, :] < (lengths[:, None] - 1) if causal else key_valid
+            return chain_attention_reference(q, k0, v0, q_cols, valid, chain)
+
+        monkeypatch.setattr(dm, "chain_attention", old)
+        ref = d.ttt(aux, ids, lengths, 7)
+    for j in range(7):
+        for row, n in enumerate(lengths.tolist()):
+            # every column before the row's last one (the last has no next token: nothing to score)
+            assert torch.allclose(new[j][row, : n - 1], ref[j][row, : n - 1], atol=1e-10), (j, row)

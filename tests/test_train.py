@@ -39,6 +39,9 @@ def test_settings_are_validated() -> None:
         TrainSettings.from_section({"stepz": 3}, "p.toml")
     with pytest.raises(ValueError, match="train.lr: expected float"):
         TrainSettings.from_section({"lr": "fast"}, "p.toml")
+    with pytest.raises(ValueError, match="train.loss_chunk_tokens: must be 0"):
+        TrainSettings.from_section({"loss_chunk_tokens": -1}, "p.toml")
+    assert TrainSettings.from_section({"loss_chunk_tokens": 0}, "p.toml").loss_chunk_tokens == 0
 
 
 @pytest.mark.slow

@@ -329,7 +329,8 @@ class Steps:
             sync = bi == len(batches) - 1 or dist.world == 1
             ctxm = self.model.no_sync() if (dist.world > 1 and not sync) else _null()
             with ctxm:
-                losses, corr = ttt_sums(self.model, self.draft, b, self.head_d, s.ttt_steps, self.autocast)
+                losses, corr = ttt_sums(self.model, self.draft, b, self.head_d, s.ttt_steps, self.autocast,
+                                        s.loss_chunk_tokens)
                 total = sum((s.loss_decay ** j) * losses[j] / denom[j] for j in range(s.ttt_steps))
                 (total * dist.world).backward()
             loss_sums += torch.stack([x.detach().double() for x in losses])

@@ -35,6 +35,7 @@ class TrainSettings:
     eval_every: int = 0  # simulated acceptance on held-out rows every N steps (0: at every checkpoint; -1: never)
     eval_rows: int = 64  # held-out rows it reads (the first N of the extraction's eval split)
     eval_spec_steps: int = 3  # draft steps per verification it simulates (SGLang's --speculative-num-steps)
+    loss_chunk_tokens: int = 4096  # tokens per soft-label loss chunk (0: every step's full logits at once)
 
     @classmethod
     def from_section(cls, sec: dict[str, Any], where: str) -> TrainSettings:
@@ -56,6 +57,8 @@ class TrainSettings:
                   "eval_spec_steps"):
             if getattr(s, k) < 1:
                 raise ValueError(f"{where}: train.{k}: must be at least 1")
+        if s.loss_chunk_tokens < 0:
+            raise ValueError(f"{where}: train.loss_chunk_tokens: must be 0 (no chunking) or more")
         if s.batch_size % s.nproc:
             raise ValueError(f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})")
         for k in ("length_grouping", "prefetch", "eval_rows"):

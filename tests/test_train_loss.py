@@ -1,0 +1,92 @@
+"""The TTT loss, chunked over tokens (issue 15): same losses, accuracy and gradients as the plain form,
+and what it keeps for backward no longer grows with (steps × tokens × draft vocab)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.stages.train.batches import Batch
+from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked
+from tests.test_eagle3_model import tiny_config, tiny_draft
+
+
+def batch(seed: int, lengths: list[int], vocab: int = 64, hidden: int = 32) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    b, s = len(lengths), max(lengths)
+    n = torch.tensor(lengths)
+    real = torch.arange(s)[None, :] < n[:, None]
+    mask = real & (torch.rand(b, s, generator=g) < 0.7)  # prompt tokens and padding are not scored
+    return Batch(aux=torch.randn(b, s, 3 * hidden, generator=g), last_hidden=torch.randn(b, s, hidden, generator=g),
+                 target_argmax=torch.randint(0, vocab, (b, s), generator=g), input_ids=torch.randint(0, vocab, (b, s), generator=g),
+                 loss_mask=mask, lengths=n)
+
+
+def grads_of(draft, losses) -> dict[str, torch.Tensor]:
+    draft.zero_grad(set_to_none=True)
+    sum((0.8 ** j) * x for j, x in enumerate(losses)).backward()
+    return {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+def test_chunked_loss_accuracy_and_gradients_equal_the_unchunked(chunk: int) -> None:
+    draft = tiny_draft(seed=5)
+    head_d = torch.randn(16, 32)
+    b = batch(1, [13, 9, 4])  # the 4-token row has nothing to score after step 1
+    ref_losses, ref_correct = ttt_sums_unchunked(draft, draft, b, head_d, 7, autocast=False)
+    ref_grads = grads_of(draft, ref_losses)
+    losses, correct = ttt_sums(draft, draft, b, head_d, 7, autocast=False, chunk_tokens=chunk)
+    grads = grads_of(draft, losses)
+    assert torch.equal(correct, ref_correct)
+    for a, r in zip(losses, ref_losses, strict=True):
+        assert a.item() == pytest.approx(r.item(), rel=1e-5, abs=1e-6)
+    assert ref_grads.keys() == grads.keys() and "lm_head.weight" in grads and "fc.weight" in grads
+    for k in ref_grads:
+        assert torch.allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_a_micro_batch_with_nothing_to_score_still_gives_every_parameter_a_gradient() -> None:
+    """DDP needs a gradient for every parameter on every rank, even one whose rows are all prompt."""
+    draft = tiny_draft(seed=6)
+    b = batch(2, [6, 6])
+    b.loss_mask[:] = False
+    losses, correct = ttt_sums(draft, draft, b, torch.randn(16, 32), 3, autocast=False, chunk_tokens=4)
+    grads = grads_of(draft, losses)
+    assert float(sum(x.detach() for x in losses)) == 0.0 and int(correct.sum()) == 0
+    assert {"lm_head.weight", "norm.weight", "fc.weight"} <= grads.keys()
+
+
+def saved_bytes(loss_fn, draft, b: Batch, head_d: torch.Tensor, **kw) -> int:
+    """Bytes autograd keeps for backward while ``loss_fn`` runs 7 TTT steps, by storage, beyond the
+    weights and the batch (held anyway). A count of saved tensors, not an allocator peak."""
+    alive = [*draft.parameters(), *draft.buffers(), head_d, *vars(b).values()]
+    held = {t.untyped_storage().data_ptr() for t in alive}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in held:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = loss_fn(draft, draft, b, head_d, 7, autocast=False, **kw)
+    del out
+    return sum(seen.values())
+
+
+def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_the_draft_vocab() -> None:
+    """Plain: every step keeps (tokens × vocab) fp32 tensors until backward. Chunked: none survive a chunk."""
+    kept = {}
+    for vocab in (1024, 4096):
+        torch.manual_seed(7)
+        draft = Eagle3Draft(tiny_config(vocab_size=vocab, draft_vocab_size=vocab))
+        draft.set_vocab(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+        b = batch(3, [64, 64], vocab=vocab)
+        head_d = torch.randn(vocab, 32)
+        kept[vocab, "plain"] = saved_bytes(ttt_sums_unchunked, draft, b, head_d)
+        kept[vocab, "chunked"] = saved_bytes(ttt_sums, draft, b, head_d, chunk_tokens=16)
+    step_logits = 2 * 64 * (4096 - 1024) * 4  # one step's extra fp32 (tokens × vocab) bytes
+    assert kept[4096, "plain"] - kept[1024, "plain"] >= 7 * 2 * step_logits  # log-softmax and targets, 7 steps
+    assert abs(kept[4096, "chunked"] - kept[1024, "chunked"]) < step_logits / 8, kept
