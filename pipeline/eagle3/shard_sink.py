@@ -97,12 +97,10 @@ class HostStager:
 
     def __init__(self, device: torch.device | str, slots: int = 4) -> None:
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
         self._free: queue.Queue[_Slot | None] = queue.Queue()
-        if self.cuda:
-            for _ in range(max(1, slots)):
-                self._free.put(None)  # allocated on first use, at the size the batches need
-            self._stream = torch.cuda.Stream(device=self.device)
+        for _ in range(max(1, slots)):
+            self._free.put(None)  # pinned on first use (CUDA only), at the size the batches need
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one copy stream per source GPU
 
     def stage(self, aux: torch.Tensor, last_hidden: torch.Tensor, argmax: torch.Tensor, lengths: list[int],
               input_ids: np.ndarray, loss_mask: np.ndarray) -> HostBatch:
@@ -117,7 +115,7 @@ class HostStager:
         mask = np.ascontiguousarray(loss_mask, dtype=np.int8)
         if len(ids) != n or len(mask) != n:
             raise ValueError(f"{len(ids)} input ids / {len(mask)} mask values for {n} captured tokens")
-        if not self.cuda:
+        if aux.device.type != "cuda":  # on the CPU: the plain conversions the stage always made
             return HostBatch(aux.reshape(b * s, -1).index_select(0, idx.to(aux.device)).to("cpu", torch.bfloat16),
                              last_hidden.reshape(b * s, -1).index_select(0, idx.to(aux.device)).to("cpu", torch.bfloat16),
                              argmax.reshape(b * s).index_select(0, idx.to(argmax.device)).to("cpu", torch.int32),
@@ -131,14 +129,18 @@ class HostStager:
                 or slot.last_hidden.shape[1] != packed[1].shape[1]:
             slot = _Slot(max(n, slot.capacity if slot else 0), packed[0].shape[1], packed[1].shape[1])
         host = (slot.aux[:n], slot.last_hidden[:n], slot.target_argmax[:n])
-        producer = torch.cuda.current_stream(aux.device)
-        self._stream.wait_stream(producer)
-        with torch.cuda.stream(self._stream):
+        # The copy runs on a side stream of the GPU holding the capture (with ``device = "auto"`` that is
+        # the final norm's, not the embedding's), after what produced it, so the next batch need not wait.
+        stream = self._streams.get(aux.device)
+        if stream is None:
+            stream = self._streams[aux.device] = torch.cuda.Stream(device=aux.device)
+        stream.wait_stream(torch.cuda.current_stream(aux.device))
+        with torch.cuda.stream(stream):
             for dst, src in zip(host, packed, strict=True):
                 dst.copy_(src, non_blocking=True)
-                src.record_stream(self._stream)  # the allocator must not reuse it before the copy ran
+                src.record_stream(stream)  # the allocator must not reuse it before the copy ran
             ready = torch.cuda.Event()
-            ready.record(self._stream)
+            ready.record(stream)
         return HostBatch(*host, ids, mask, ready=ready, release=lambda: self._free.put(slot))
 
 
