@@ -158,3 +158,63 @@ def test_a_bad_row_is_named_by_file_row_and_field(tmp_path) -> None:
     p = run_stage("pipeline.stages.extract", plan, tmp_path / "ext", [tok], check=False)
     assert p.returncode != 0
     assert "shard-00000.parquet: row 2 (id='row-0002'): loss_mask has" in p.stderr
+
+
+@pytest.mark.slow
+def test_the_stored_shards_are_what_the_synchronous_write_path_stored_from_the_same_rows(tmp_path_factory, tmp_path) -> None:
+    """The writer thread and pinned-buffer path against the old one: capture, one host copy per row, write_shard."""
+    from safetensors import safe_open
+
+    from pipeline.eagle3.target_capture import load_target
+    from pipeline.stages.extract import capture_batch
+    from tests.eagle3_fixtures import TEST_SECTIONS
+    from tests.test_shard_sink import tensor_digests
+
+    out, tok = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "tok")
+    man = json.loads((out / "manifest.json").read_text())
+    train_rows = {r.id: r for r in iter_rows([tok], 0.2, "train")}
+    target = load_target(MODEL, man["aux_layer_ids"])
+    for s in man["shards"]:
+        with safe_open(str(out / s["file"]), framework="pt") as f:
+            ids = json.loads(f.metadata()["ids"])
+        captured = []
+        for batch in length_batches([train_rows[i] for i in ids], TEST_SECTIONS["extract"]["batch_tokens"]):
+            cap, am = capture_batch(target, batch)
+            captured += [{"aux": cap.aux[i, :r.num_tokens].to("cpu", torch.bfloat16),
+                          "last_hidden": cap.last_hidden[i, :r.num_tokens].to("cpu", torch.bfloat16),
+                          "target_argmax": am[i, :r.num_tokens].to("cpu", torch.int32),
+                          "input_ids": torch.from_numpy(r.input_ids), "loss_mask": torch.from_numpy(r.loss_mask)}
+                         for i, r in enumerate(batch)]
+        hs.write_shard(tmp_path / s["file"], captured, ids)
+        assert tensor_digests(out / s["file"]) == tensor_digests(tmp_path / s["file"]), s["file"]
+
+
+@pytest.mark.slow
+def test_a_shard_that_cannot_be_written_fails_the_stage_naming_it_and_a_retry_completes(tmp_path_factory, tmp_path) -> None:
+    from safetensors import safe_open
+
+    tok = shared(tmp_path_factory, "tok")
+    plan = write_plan(tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2})
+    out = tmp_path / "ext"
+    blocker = out / "hs-00002.safetensors.partial"
+    blocker.mkdir(parents=True)  # a directory where the third shard's file must go: even root cannot write it
+    p = run_stage("pipeline.stages.extract", plan, out, [tok], check=False)
+    assert p.returncode != 0
+    said = f"writing shard {out / 'hs-00002.safetensors'}"
+    assert said in p.stderr, p.stderr[-2000:]
+    assert any(said in (e.get("text") or "") for e in events(out) if e.type == "message" and e.get("level") == "error")
+    done = json.loads((out / "extract-state.json").read_text())["done"]
+    assert sorted(done) == ["hs-00000.safetensors", "hs-00001.safetensors"]
+    for name, rec in done.items():  # the shards before the failure are whole and recorded
+        assert (out / name).stat().st_size == rec["bytes"]
+        with safe_open(str(out / name), framework="pt") as f:
+            assert f.get_tensor("offsets").numel() - 1 == rec["rows"]
+    assert not (out / "manifest.json").exists()
+    stamps = {name: (out / name).stat().st_mtime_ns for name in done}
+    blocker.rmdir()
+    run_stage("pipeline.stages.extract", plan, out, [tok])
+    for name, ns in stamps.items():
+        assert (out / name).stat().st_mtime_ns == ns, f"{name} was extracted twice"
+    man = json.loads((out / "manifest.json").read_text())
+    assert len(hs.HiddenStore(out)) == man["rows"] == len(list(iter_rows([tok], 0.2, "train")))
+    assert not list(out.glob("*.partial"))

@@ -5,9 +5,12 @@
 Reads every ``tokenized`` manifest of its inputs (``prompts`` manifests are skipped), leaves out the
 held-out rows (``[bench] holdout``), orders the rest by length and cuts them into shards of about
 ``[extract] shard_tokens`` tokens; each shard is run through the target in batches of at most
-``batch_tokens`` padded tokens and written atomically (see ``pipeline.eagle3.hidden_store``). A retry skips
-the shards already written, so a kill costs at most one shard. Events: progress in tokens, a
-``tokens_per_s`` metric per batch, ``projected_bytes`` before the first shard and ``actual_bytes``
+``batch_tokens`` padded tokens and written atomically (see ``pipeline.eagle3.hidden_store``). The host
+copy and the write run behind the target (``pipeline.eagle3.shard_sink``: pinned buffers and
+asynchronous copies on CUDA, a writer thread streaming each batch into its shard file while the
+next batch runs, one fsync per shard). A retry skips the shards already written, so a kill costs at
+most the shards in flight. Events: progress in tokens, a ``tokens_per_s`` metric per batch (with the
+writer behind, the first batches of a run can read high; the ``overall`` one at the end is exact), ``projected_bytes`` before the first shard and ``actual_bytes``
 after each. With ``[extract] mode = "online"`` nothing is stored: the manifest only points training
 at the tokenized sources, and ``projected_bytes`` is 0.
 
@@ -16,7 +19,9 @@ Plan keys (``[extract]``): ``mode``, ``aux_layers`` (default SpecForge's ``[1, L
 ``max_rows`` / ``max_tokens`` (caps, for demos), ``eval_rows`` (64: held-out rows stored as ``eval-*`` shards,
 on which training measures acceptance), ``device`` (``"auto"``: the target's layers spread over
 every visible GPU, for a target no single GPU holds), ``parallel = "tp"`` with ``tp_size`` (default: the
-number of GPUs the stage holds) and ``dtype`` (bf16 on GPU, fp32 on CPU).
+number of GPUs the stage holds), ``dtype`` (bf16 on GPU, fp32 on CPU), ``write_queue`` (2: batches
+that may wait for the writer thread; 0 writes in the stage's own thread, one batch at a time) and
+``io_threads`` (4: parallel ``pwrite`` calls for one batch's large tensors).
 
 **Tensor-parallel capture** (``parallel = "tp"``, for a target like Kimi-K2.5 that no GPU holds): the
 stage re-runs itself under ``torchrun`` with ``tp_size`` ranks; each rank loads its shard of the target
@@ -29,6 +34,7 @@ and speaks for the stage. Pause is taken by all ranks together at a batch bounda
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
@@ -36,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeline.data.shards import Row, ShardError, holdout_fraction, iter_rows, training_order
@@ -46,6 +53,8 @@ from pipeline.eagle3.draft_model import (
     normalise_aux_layers,
     sglang_capture_ids,
 )
+from pipeline.eagle3.shard_sink import HostBatch, HostStager, ShardSink, ShardWriteError, WrittenShard
+from pipeline.run import nospace
 from pipeline.run.ranks import Dist, tensor_parallel_rank, tp_device
 from pipeline.run.rundir import read_json, write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
@@ -132,7 +141,8 @@ def collect_inputs(args: argparse.Namespace, ctx: StageContext) -> list[Path]:
     return dirs
 
 
-def run_batch(target: Any, batch: list[Row]) -> list[dict[str, torch.Tensor]]:
+def capture_batch(target: Any, batch: list[Row]) -> tuple[Any, torch.Tensor]:
+    """The target over one padded batch: its :class:`Capture` and greedy tokens, left on the device."""
     longest = max(r.num_tokens for r in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     mask = torch.zeros(len(batch), longest, dtype=torch.long)
@@ -140,16 +150,14 @@ def run_batch(target: Any, batch: list[Row]) -> list[dict[str, torch.Tensor]]:
         ids[i, : r.num_tokens] = torch.from_numpy(r.input_ids.astype("int64"))
         mask[i, : r.num_tokens] = 1
     cap = target.capture(ids.to(target.device), attention_mask=mask.to(target.device))
-    am = target.argmax(cap.last_hidden)
-    out = []
-    for i, r in enumerate(batch):
-        n = r.num_tokens
-        out.append({
-            "aux": cap.aux[i, :n].to("cpu", torch.bfloat16), "last_hidden": cap.last_hidden[i, :n].to("cpu", torch.bfloat16),
-            "target_argmax": am[i, :n].to("cpu", torch.int32), "input_ids": torch.from_numpy(r.input_ids),
-            "loss_mask": torch.from_numpy(r.loss_mask),
-        })
-    return out
+    return cap, target.argmax(cap.last_hidden)
+
+
+def stage_batch(stager: HostStager, target: Any, batch: list[Row]) -> HostBatch:
+    """Capture one batch and start its rows' copy to the host (asynchronous on CUDA)."""
+    cap, am = capture_batch(target, batch)
+    return stager.stage(cap.aux, cap.last_hidden, am, [r.num_tokens for r in batch],
+                        np.concatenate([r.input_ids for r in batch]), np.concatenate([r.loss_mask for r in batch]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tp = tensor_parallel_rank(ctx, "extract", "pipeline.stages.extract", argv)
         return run(ctx, collect_inputs(args, ctx), dist if tp else None)
+    except ShardWriteError as exc:
+        if nospace.is_nospace(exc):
+            raise  # the stage's full-disk hook names the device (and the message names the shard)
+        fail(ctx, str(exc))
     except (ShardError, hs.StoreError, ValueError) as exc:
         fail(ctx, str(exc))
     finally:
@@ -212,7 +224,7 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
                      "holdout": holdout, "max_length": max_length, "rows": len(rows),
                      "tokens": total_tokens - sum(r.num_tokens for r in eval_rows), "eval_rows": len(eval_rows),
                      "eval_tokens": sum(r.num_tokens for r in eval_rows)}
-    writer = dist is None or dist.main
+    writer = dist is None or dist.main  # tensor-parallel: rank 0 alone writes
     if sec.get("aux_layers") is not None and list(sec["aux_layers"]) != aux:
         ctx.message(f"extract.aux_layers {sec['aux_layers']} used as {aux}: SGLang captures layers in ascending "
                     "order, each once", level="warning")
@@ -267,30 +279,57 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     actual = sum(v["bytes"] for v in done.values())
     ctx.progress(tokens_done, total_tokens, unit="tokens", force=True)
     t_start, tok_start = time.monotonic(), tokens_done
-    for si, (name, shard_rows) in enumerate(jobs):
-        if name in done:
-            continue
-        captured: list[dict[str, torch.Tensor]] = []
-        for batch in length_batches(shard_rows, batch_tokens):
-            if dist is not None:
-                dist.safe_point(ctx, target.device)
+
+    def record(written: list[WrittenShard]) -> None:
+        """Shards the sink made whole: into the state file (what a retry skips), then the metric."""
+        nonlocal actual
+        for w in written:
+            done[w.name] = {"rows": w.rows, "tokens": w.tokens, "bytes": w.bytes}
+            actual += w.bytes
+            write_json(state_path, {"fingerprint": fp, "done": done})
+            ctx.metric("actual_bytes", actual, shard=w.index)
+
+    sink = stager = None
+    if writer:
+        stager = HostStager(target.device, slots=int(sec.get("write_queue", 2)) + 2)
+        sink = ShardSink(ctx.out, len(aux) * hidden, hidden, queue_batches=int(sec.get("write_queue", 2)),
+                         io_threads=int(sec.get("io_threads", 4)))
+    try:
+        for si, (name, shard_rows) in enumerate(jobs):
+            if name in done:
+                continue
+            if sink is not None:
+                sink.begin(si, name, [r.id for r in shard_rows], [r.num_tokens for r in shard_rows])
+            for batch in length_batches(shard_rows, batch_tokens):
+                if dist is not None:
+                    dist.safe_point(ctx, target.device)
+                else:
+                    ctx.safe_point()
+                t0 = time.monotonic()
+                if sink is not None and stager is not None:
+                    sink.put(stage_batch(stager, target, batch))
+                else:
+                    capture_batch(target, batch)  # a tensor-parallel rank that does not write
+                n = sum(r.num_tokens for r in batch)
+                tokens_done += n
+                dt = max(time.monotonic() - t0, 1e-9)
+                ctx.metric("tokens_per_s", n / dt)
+                ctx.progress(tokens_done, total_tokens, unit="tokens")
+                if sink is not None:
+                    record(sink.completed())
+            if sink is not None:
+                sink.end()
+                record(sink.completed())
             else:
-                ctx.safe_point()
-            t0 = time.monotonic()
-            captured.extend(run_batch(target, batch))
-            n = sum(r.num_tokens for r in batch)
-            tokens_done += n
-            dt = max(time.monotonic() - t0, 1e-9)
-            ctx.metric("tokens_per_s", n / dt)
-            ctx.progress(tokens_done, total_tokens, unit="tokens")
-        if not writer:
-            done[name] = {}
-            continue
-        size = hs.write_shard(ctx.out / name, captured, [r.id for r in shard_rows])
-        done[name] = {"rows": len(shard_rows), "tokens": sum(r.num_tokens for r in shard_rows), "bytes": size}
-        actual += size
-        write_json(state_path, {"fingerprint": fp, "done": done})
-        ctx.metric("actual_bytes", actual, shard=si)
+                done[name] = {}
+        if sink is not None:
+            record(sink.close())
+    except BaseException:
+        if sink is not None:
+            sink.abort()  # shards already whole stay, and are recorded; the open one is removed
+            with contextlib.suppress(OSError):  # (the disk may be full: the first error is the one to tell)
+                record(sink.drain())
+        raise
     if not writer:
         return 0
     manifest = {**base_manifest, "bytes": actual,
