@@ -43,11 +43,10 @@ def generate_conversations(n: int, answer_tokens: int, batch: int, seed: int) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.data import token_facts
-    from pipeline.data.model_assets import load_tokenizer, resolve
+    from pipeline.data.model_assets import load_tokenizer, resolve, turn_tokens
 
     tok = load_tokenizer(MODEL)
-    facts = token_facts.for_model(MODEL)
+    facts = turn_tokens(MODEL)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(resolve(MODEL), dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     model = model.to(dev).eval()

@@ -12,7 +12,7 @@ import copy
 import pytest
 
 from pipeline.data import token_facts
-from pipeline.data.model_assets import fix_turn_tokens, load_tokenizer, smollm2_gguf
+from pipeline.data.model_assets import fix_turn_tokens, load_tokenizer, smollm2_gguf, turn_tokens
 from tests.eagle3_fixtures import MODEL
 
 
@@ -64,7 +64,7 @@ def test_the_converted_demo_folder_stops_on_im_end_whatever_the_converter_wrote(
     assert t.eos_token == "<|im_end|>" and t.pad_token == "<|im_end|>"
     assert m.generation_config.eos_token_id == t.convert_tokens_to_ids("<|im_end|>")
     folder = load_tokenizer(MODEL)  # the cached folder every stage and the CPU server use
-    assert token_facts.for_model(MODEL).end_of_turn == [folder.convert_tokens_to_ids("<|im_end|>")]
+    assert turn_tokens(MODEL).end_of_turn == [folder.convert_tokens_to_ids("<|im_end|>")]
 
 
 def test_no_template_no_config_and_an_opener_for_eos_is_a_clear_error(gguf_pair) -> None:

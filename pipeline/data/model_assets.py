@@ -174,3 +174,18 @@ def load_model(model: str, dtype: Any = None, **kw: Any):  # noqa: ANN201
     path = resolve(model)
     cls = model_class(model_config(model))
     return cls.from_pretrained(path, dtype=dtype or torch.float32, **kw)
+
+
+def turn_tokens(model: str) -> Any:
+    """The model's end-of-turn and pad ids (:class:`pipeline.data.token_facts.TokenFacts`): its tokenizer's chat
+    template and its folder's generation config, never ``tok.eos_token_id`` alone."""
+    from pipeline.data.token_facts import resolve as resolve_facts
+
+    tok = load_tokenizer(model)
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(resolve(model))
+    except (OSError, ValueError):
+        gen = None  # no generation_config.json: the template decides
+    return resolve_facts(tok, gen)

@@ -113,19 +113,3 @@ def resolve(tok: Any, generation_config: Any = None) -> TokenFacts:
             pad = eot[0]
             sources["pad"] = "first end-of-turn id (the tokenizer has no usable pad token)"
     return TokenFacts(eot, int(pad), openers, sources)
-
-
-def for_model(model_id: str) -> TokenFacts:
-    """:func:`resolve` for a plan's ``target.model`` (tokenizer and generation config from its folder)."""
-    from pipeline.data.model_assets import load_tokenizer
-    from pipeline.data.model_assets import resolve as resolve_model
-
-    tok = load_tokenizer(model_id)
-    gen = None
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(resolve_model(model_id))
-    except (OSError, ValueError):
-        gen = None  # no generation_config.json: the template decides
-    return resolve(tok, gen)

@@ -17,9 +17,10 @@ from pipeline.stages.bench.inputs import find_draft, heldout_prompts
 def eos_ids(model_id: str, target: Any) -> set[int]:
     """The ids that end the target's answer (:mod:`pipeline.data.token_facts`: chat template + generation config)."""
     from pipeline.data import token_facts
+    from pipeline.data.model_assets import turn_tokens
 
     try:
-        facts = token_facts.for_model(model_id)
+        facts = turn_tokens(model_id)
     except (OSError, ValueError):  # a weights-only folder (no tokenizer files): the loaded model's generation config
         gen = getattr(target.model, "generation_config", None)
         ids = token_facts._ids(getattr(gen, "eos_token_id", None))
