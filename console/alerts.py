@@ -10,7 +10,8 @@ The disk alert re-arms once the projection is back to fitting.
 
 :func:`run_hook` runs an ``[alerts] command`` (e.g. ``curl`` to a webhook) in its own session with
 the event in ``AERIE_ALERT_*`` environment variables (never spliced into the command line), bounded
-by a timeout after which its process group is killed. The console calls all of this from workers.
+by a timeout after which its process group is killed; under ``console/hook_guard.py`` it also dies with
+the console, however the console ends. The console calls all of this from workers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import fcntl
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,8 +127,11 @@ async def run_hook(command: str, alert: Alert, run: str, timeout_s: float) -> tu
     env = dict(os.environ, AERIE_ALERT_KIND=alert.kind, AERIE_ALERT_KEY=alert.key, AERIE_ALERT_TITLE=alert.title,
                AERIE_ALERT_TEXT=alert.text, AERIE_ALERT_STAGE=alert.stage, AERIE_ALERT_ATTEMPT=str(alert.attempt),
                AERIE_ALERT_RUN=run)
-    proc = await asyncio.create_subprocess_shell(
-        command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    # Through the guard (console/hook_guard.py), leader of the hook's own session: the hook dies with this
+    # console however it ends (SIGKILL included), and is killed whole when it times out or the console closes.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).with_name("hook_guard.py")), str(os.getpid()), command,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env=env, start_new_session=True)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
@@ -135,4 +140,8 @@ async def run_hook(command: str, alert: Alert, run: str, timeout_s: float) -> tu
             os.killpg(proc.pid, signal.SIGKILL)  # the hook's own session: it and its children only
         await proc.wait()
         return None, f"no answer within {timeout_s:g}s (killed)"
+    except BaseException:  # cancelled: the console is closing; the hook goes with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return proc.returncode, out.decode(errors="replace").strip()[-400:]

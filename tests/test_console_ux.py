@@ -194,14 +194,76 @@ def test_alert_book_claims_each_event_once_across_consoles(tmp_path: Path) -> No
 async def test_a_hook_that_hangs_is_killed_after_its_timeout(tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
     alert = Alert("failed:s:1", "stage-failed", "s failed", "s attempt 1 failed", "s", 1)
-    rc, out = await run_hook(f"echo $$ > {pidfile}; sleep 60", alert, "local:/run", 0.5)
+    rc, out = await run_hook(f"echo $$ > {pidfile}; sleep 60", alert, "local:/run", 3)
     assert rc is None and "killed" in out
     pid = int(pidfile.read_text())
-    await asyncio.sleep(0.2)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert await asyncio.to_thread(gone, [pid]), "the timed-out hook is still running"
     rc, out = await run_hook("echo $AERIE_ALERT_STAGE $AERIE_ALERT_ATTEMPT; exit 4", alert, "local:/run", 5)
     assert (rc, out) == (4, "s 1")
+
+
+def hook_pids(pidfile: Path, deadline_s: float = 20) -> list[int]:
+    """The hook shell's pid and its child's (written by the hook as ``$$ $!``)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        text = pidfile.read_text() if pidfile.exists() else ""
+        if text.endswith("\n"):
+            return [int(x) for x in text.split()]
+        time.sleep(0.05)
+    raise AssertionError("the hook never started")
+
+
+def gone(pids: list[int], within_s: float = 10) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+HANGING_HOOK = "sleep 300 & echo $$ $! > {pidfile}; wait"  # a shell with a child, as curl under sh -c would be
+
+
+async def test_a_hook_running_when_the_console_closes_is_killed_with_its_children(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids"
+    alert = Alert("failed:s:1", "stage-failed", "s failed", "s attempt 1 failed", "s", 1)
+    task = asyncio.create_task(run_hook(HANGING_HOOK.format(pidfile=pidfile), alert, "local:/run", 600))
+    pids = await asyncio.to_thread(hook_pids, pidfile)
+    task.cancel()  # what closing the console does to the worker awaiting the hook
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await asyncio.to_thread(gone, pids), "the hook (or its child) outlived the closed console"
+
+
+@pytest.mark.slow
+def test_a_hook_does_not_outlive_a_sigkilled_console(tmp_path: Path) -> None:
+    """Issue 18 item 6: the console process SIGKILLed mid-hook; the hook and its child go too."""
+    import signal
+    import subprocess
+    import sys
+
+    pidfile = tmp_path / "pids"
+    script = ("import asyncio, sys\n"
+              "from console.alerts import Alert, run_hook\n"
+              "a = Alert('failed:s:1', 'stage-failed', 's failed', 'x', 's', 1)\n"
+              f"asyncio.run(run_hook({HANGING_HOOK.format(pidfile=pidfile)!r}, a, 'local:/run', 600))\n")
+    console = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent)
+    try:
+        pids = hook_pids(pidfile)
+        os.kill(console.pid, signal.SIGKILL)
+        console.wait(10)
+        assert gone(pids), "the hook (or its child) outlived the SIGKILLed console"
+    finally:
+        if console.poll() is None:
+            console.kill()
 
 
 # ------------------------------------------------------------------------------ datasets
