@@ -96,3 +96,27 @@ def write_out(name: str, doc: dict[str, Any]) -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out, name).write_text(json.dumps(doc, indent=1))
+
+
+def random_draft(cfg: Any, dev: torch.device) -> tuple[Any, torch.Tensor]:
+    """An ``Eagle3Draft`` of ``cfg`` (seeded random weights) with a random draft vocabulary; (draft, its target ids)."""
+    from pipeline.eagle3.draft_model import Eagle3Draft
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    vd, v = cfg.draft_vocab_size, cfg.vocab_size
+    ids = torch.sort(torch.randperm(v)[:vd]).values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(vd), t2d)
+    return draft.to(dev), ids
+
+
+def synthetic_batch(cfg: Any, ids: torch.Tensor, b: int, s: int, dev: torch.device, dtype: torch.dtype) -> Any:
+    """A full (no padding) training batch of random features, targets in the draft vocabulary."""
+    from pipeline.stages.train.batches import Batch
+
+    vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
+    return Batch(torch.randn(b, s, 3 * h, device=dev, dtype=dtype), torch.randn(b, s, h, device=dev, dtype=dtype),
+                 ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)], torch.randint(0, v, (b, s), device=dev),
+                 torch.ones(b, s, dtype=torch.bool, device=dev), torch.full((b,), s, device=dev))

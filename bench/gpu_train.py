@@ -8,8 +8,10 @@ labels from the target head, bf16 autocast over fp32 master weights, AdamW, grad
 synthetic offline batches (random features: throughput only). Each config is ``BATCHxSEQxTTT``.
 MFU counts the useful FLOPs — draft linear layers and causal chain attention (x3 for forward and
 backward) plus the target-head soft labels (forward only) — over the bf16 matmul ceiling measured
-in the same run; ``attn_exec/useful`` says how much more attention the implementation executes
-(the chain keys are concatenated and masked). ``--shape tiny --device cpu`` is a smoke run.
+in the same run; ``attn_exec/useful`` says how much more attention the implementation executes: ~1 since
+issue 15 (causal step-0 scores plus one sink key per query for the chain's diagonal scores, see
+``draft_model.chain_attention``); the old concatenate-and-mask form executed 8x at TTT 7.
+``--shape tiny --device cpu`` is a smoke run.
 
 ``--store`` (issue 15) also writes a real hidden-state store of the same shapes to local disk and trains
 from it through the stage's data path — ``OfflineData`` on mapped shards, pinned batches, the ``Feeder``
@@ -32,7 +34,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, sync, time_ms, write_out  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    device_info,
+    llama_config,
+    matmul_ceiling_tflops,
+    random_draft,
+    sync,
+    synthetic_batch,
+    time_ms,
+    write_out,
+)
 from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
 from pipeline.stages.train.batches import Batch  # noqa: E402
 from pipeline.stages.train.loss import ttt_sums  # noqa: E402
@@ -45,20 +56,14 @@ def flops(cfg: DraftConfig, seq: int, ttt: int) -> dict[str, float]:
     linear = 2 * (2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + h * vd)
     fc = 2 * 3 * h * h
     attn_useful = sum(4 * nh * hd * ((seq + 1) / 2 + j) for j in range(ttt))
-    attn_exec = sum(4 * nh * hd * seq * (1 + j) for j in range(ttt))
+    attn_exec = sum(4 * nh * hd * ((seq + 1) / 2 + 1 + j) for j in range(ttt))  # + the sink key, + j diagonals
     soft = 2 * h * vd
     return {"useful": 3 * (ttt * linear + fc + attn_useful) + soft, "attn_useful": attn_useful, "attn_exec": attn_exec}
 
 
 def build(cfg: DraftConfig, dev: torch.device) -> tuple[Eagle3Draft, torch.Tensor, torch.Tensor, list, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    draft = Eagle3Draft(cfg).to(dev)
-    vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
-    ids = torch.sort(torch.randperm(v)[:vd]).values
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(vd), t2d)
-    draft.to(dev)
+    draft, ids = random_draft(cfg, dev)
+    vd, h = cfg.draft_vocab_size, cfg.hidden_size
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -85,11 +90,8 @@ def step_fn(draft: Eagle3Draft, head_d: torch.Tensor, params: list, opt: torch.o
 
 def run_config(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch.device) -> dict:
     draft, head_d, ids, params, opt = build(cfg, dev)
-    vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
     fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    batch = Batch(torch.randn(b, s, 3 * h, device=dev, dtype=fdt), torch.randn(b, s, h, device=dev, dtype=fdt),
-                  ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)], torch.randint(0, v, (b, s), device=dev),
-                  torch.ones(b, s, dtype=torch.bool, device=dev), torch.full((b,), s, device=dev))
+    batch = synthetic_batch(cfg, ids, b, s, dev, fdt)
     step = step_fn(draft, head_d, params, opt, ttt, dev)
 
     if dev.type == "cuda":

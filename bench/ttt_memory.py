@@ -31,10 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_common import SHAPES, sync, time_ms  # noqa: E402
+from bench.gpu_common import SHAPES, random_draft, sync, synthetic_batch, time_ms  # noqa: E402
 from pipeline.eagle3 import draft_model as dm  # noqa: E402
-from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
-from pipeline.stages.train.batches import Batch  # noqa: E402
+from pipeline.eagle3.draft_model import DraftConfig  # noqa: E402
 from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked  # noqa: E402
 
 VARIANTS = ("old", "attn", "new")
@@ -88,22 +87,14 @@ class RssPeak:
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device(args.device)
-    torch.manual_seed(0)
     cfg = draft_config(args.shape, args.draft_vocab)
-    draft = Eagle3Draft(cfg)
-    vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
-    ids = torch.sort(torch.randperm(v)[:vd]).values
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[ids] = True
-    draft.set_vocab(ids - torch.arange(vd), t2d)
-    draft.to(dev)
+    draft, ids = random_draft(cfg, dev)
+    vd, h = cfg.draft_vocab_size, cfg.hidden_size
     autocast = dev.type == "cuda"
     fdt = torch.bfloat16 if autocast else torch.float32
     b, s, ttt = args.batch, args.seq, args.ttt
     head_d = (torch.randn(vd, h, device=dev) * h**-0.5).to(fdt)
-    batch = Batch(torch.randn(b, s, 3 * h, device=dev, dtype=fdt), torch.randn(b, s, h, device=dev, dtype=fdt),
-                  ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)], torch.randint(0, v, (b, s), device=dev),
-                  torch.ones(b, s, dtype=torch.bool, device=dev), torch.full((b,), s, device=dev))
+    batch = synthetic_batch(cfg, ids, b, s, dev, fdt)
     counts = [max(float(batch.step_mask(j).sum()), 1.0) for j in range(ttt)]
     if variant == "old":
         dm.chain_attention = _old_attention  # type: ignore[assignment]  # this process only
