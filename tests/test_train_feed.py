@@ -43,6 +43,9 @@ def test_length_grouping_settings_are_checked() -> None:
         TrainSettings.from_section({"eval_spec_steps": 5, "ttt_steps": 3}, "plan.toml")
     assert TrainSettings.from_section({"checkpoint_every": 40}, "p").eval_interval == 40
     assert TrainSettings.from_section({"eval_every": -1}, "p").eval_interval == 0
+    # unset, it follows a shallow TTT instead of refusing a plan that never asked for it
+    assert TrainSettings.from_section({"ttt_steps": 2}, "p").spec_steps == 2
+    assert TrainSettings.from_section({}, "p").spec_steps == 3
 
 
 @pytest.mark.slow

@@ -253,7 +253,7 @@ def train(ctx: StageContext | None, plan_ctx: StageContext, s: TrainSettings, mo
             "kind": "draft", "path": FINAL_DIR, "step": best["step"] if best else last_saved, "last_step": last_saved,
             "chosen_by": "simulated accept length on held-out rows" if best else "last step",
             "accept_length": best["accept_length"] if best else None,
-            "eval_spec_steps": s.eval_spec_steps if best else None,
+            "eval_spec_steps": s.spec_steps if best else None,
             "target": model_id, "aux_layer_ids": aux, "steps_log": STEPS_FILE,
             "draft_vocab_size": vm.size, "ttt_steps": s.ttt_steps, "mode": mode_name,
             "token_sources": list(man.get("sources", [])), "holdout": man.get("holdout"),
@@ -368,16 +368,16 @@ class Steps:
         rank 0 keeps the best draft. Only at a checkpointed step can it become the best: a resume never keeps a
         draft from steps it has lost."""
         acc = simulated_accept_length(self.draft, self.eval_data, self.eval_rows, self.device, self.dtype,
-                                      self.s.eval_spec_steps, self.s.micro_batch, self.autocast)
+                                      self.s.spec_steps, self.s.micro_batch, self.autocast)
         if self.ctx:
             self.ctx.metric("accept_length", acc, step=step)
         if saved and (self.best is None or acc > self.best["accept_length"]):
-            self.best = {"step": step, "accept_length": acc, "spec_steps": self.s.eval_spec_steps}
+            self.best = {"step": step, "accept_length": acc, "spec_steps": self.s.spec_steps}
             if self.dist.main:
                 save_best(self.out, self.draft, self.best)
                 if self.ctx:
                     self.ctx.message(f"best draft so far: step {step}, simulated accept length {acc:.3f} "
-                                     f"(steps = {self.s.eval_spec_steps})", code="best_draft", step=step)
+                                     f"(steps = {self.s.spec_steps})", code="best_draft", step=step)
         self.dist.barrier()
 
 

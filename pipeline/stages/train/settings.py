@@ -34,7 +34,7 @@ class TrainSettings:
     prefetch: int = 2  # GPU, offline data: steps assembled ahead on a feeder thread (0: on the step's thread)
     eval_every: int = 0  # simulated acceptance on held-out rows every N steps (0: at every checkpoint; -1: never)
     eval_rows: int = 64  # held-out rows it reads (the first N of the extraction's eval split)
-    eval_spec_steps: int = 3  # draft steps per verification it simulates (SGLang's --speculative-num-steps)
+    eval_spec_steps: int = 0  # draft steps per verification it simulates (--speculative-num-steps); 0: min(3, ttt_steps)
     loss_chunk_tokens: int = 4096  # tokens per soft-label loss chunk (0: every step's full logits at once)
 
     @classmethod
@@ -53,15 +53,14 @@ class TrainSettings:
                 raise ValueError(f"{where}: train.{k}: expected {want.__name__}, got {v!r}")
             vals[k] = v
         s = cls(**vals)
-        for k in ("steps", "batch_size", "micro_batch", "ttt_steps", "checkpoint_every", "log_every", "nproc",
-                  "eval_spec_steps"):
+        for k in ("steps", "batch_size", "micro_batch", "ttt_steps", "checkpoint_every", "log_every", "nproc"):
             if getattr(s, k) < 1:
                 raise ValueError(f"{where}: train.{k}: must be at least 1")
         if s.loss_chunk_tokens < 0:
             raise ValueError(f"{where}: train.loss_chunk_tokens: must be 0 (no chunking) or more")
         if s.batch_size % s.nproc:
             raise ValueError(f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})")
-        for k in ("length_grouping", "prefetch", "eval_rows"):
+        for k in ("length_grouping", "prefetch", "eval_rows", "eval_spec_steps"):
             if getattr(s, k) < 0:
                 raise ValueError(f"{where}: train.{k}: must be 0 or more")
         if s.eval_every < -1:
@@ -78,6 +77,11 @@ class TrainSettings:
     @property
     def warmup(self) -> int:
         return self.warmup_steps if self.warmup_steps >= 0 else max(1, round(0.015 * self.steps))
+
+    @property
+    def spec_steps(self) -> int:
+        """Draft tokens per verification the acceptance evaluation simulates."""
+        return self.eval_spec_steps or min(3, self.ttt_steps)
 
     @property
     def eval_interval(self) -> int:
