@@ -1,0 +1,235 @@
+"""The Slurm executor against a real Slurm (slurmctld + two slurmd on this machine; see slurm_cluster.py).
+
+Every stage attempt is a Slurm job: dependent stages run to success; kill is ``scancel`` and spares a
+process of the same name outside Slurm; a supervisor SIGKILLed mid-run (even between ``sbatch`` and
+writing the job id down) re-attaches without submitting again; a job Slurm rejects fails the stage
+with Slurm's message; a job cancelled outside Aerie says so; pause falls back to ``scontrol suspend``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import slurm_cluster as cluster_mod
+from slurm_cluster import SlurmCluster
+
+from pipeline.run import slurm
+from pipeline.run.rundir import RunDir, read_json, write_json
+from pipeline.run.slurm_jobs import batch_script
+from tests.runs import (
+    ctl,
+    make_run,
+    pid_alive,
+    stage_state,
+    start_supervisor,
+    states,
+    stop,
+    wait_done,
+    wait_for,
+)
+
+pytest_plugins = ["conftest_slurm"]
+pytestmark = pytest.mark.slow
+
+HEAD = f"""
+[run]
+name = "slurm-test"
+dir = "run"
+[executor]
+kind = "slurm"
+[slurm]
+partition = "{cluster_mod.PARTITION}"
+time = 10
+"""
+
+
+def jobs_named(prefix: str) -> list[tuple[str, str, str]]:
+    """(job id, name, state) of every job this cluster knows whose name starts with ``prefix``."""
+    out = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i|%j|%T"], capture_output=True,
+                         text=True, check=True).stdout
+    rows = [tuple(line.split("|")) for line in out.splitlines() if line.strip()]
+    return [r for r in rows if r[1].startswith(prefix)]  # type: ignore[misc]
+
+
+def job_of(run: RunDir, sid: str) -> str:
+    rec = wait_for(lambda: (read_json(run.stage(sid).slurm_job) or {}).get("job_id"), 30, f"{sid}'s job id")
+    return str(rec)
+
+
+def test_dependent_stages_run_to_success_as_slurm_jobs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "make"
+command = "echo $SLURM_JOB_ID > $AERIE_OUT/job; echo 21 > $AERIE_OUT/n"
+cpu = 2
+[[stage]]
+id = "double"
+command = "echo $SLURM_JOB_ID > $AERIE_OUT/job; echo $(( $(cat ../../make/out/n) * 2 )) > $AERIE_OUT/n"
+after = ["make"]
+[[stage]]
+id = "report"
+command = "echo $SLURM_JOB_ID > $AERIE_OUT/job; test $(cat ../../double/out/n) = 42"
+after = ["double"]
+""")
+    sup = start_supervisor(run)
+    try:
+        assert wait_done(run, 120) == {"make": "succeeded", "double": "succeeded", "report": "succeeded"}
+    finally:
+        stop(sup)
+    seen = set()
+    for sid in ("make", "double", "report"):
+        rec = read_json(run.stage(sid).slurm_job)
+        # The job that ran the stage is the one recorded, and Slurm says it completed.
+        assert (run.stage(sid).out / "job").read_text().strip() == rec["job_id"]
+        assert slurm.query(rec["job_id"]).state == "COMPLETED"
+        seen.add(rec["job_id"])
+    assert len(seen) == 3
+    assert (run.stage("double").out / "n").read_text().strip() == "42"
+    # The resources went to Slurm: 2 CPUs for "make".
+    out = subprocess.run(["scontrol", "show", "job", read_json(run.stage("make").slurm_job)["job_id"]],
+                         capture_output=True, text=True).stdout
+    assert "NumCPUs=2" in out
+
+
+def test_kill_is_scancel_and_spares_a_same_named_process_outside_slurm(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    bystander = subprocess.Popen(["sleep", "4321"], start_new_session=True)
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "long"
+command = "sleep 4321"
+kill_grace_s = 5
+""")
+    sup = start_supervisor(run)
+    try:
+        job = job_of(run, "long")
+        wait_for(lambda: slurm.query(job).state == "RUNNING" and read_json(run.stage("long").proc), 60,
+                 "the job running")
+        launcher_pid = read_json(run.stage("long").proc)["pid"]
+        r = ctl(run, "kill", "long")
+        assert r.returncode == 0 and f"scancel sent to Slurm job {job}" in r.stdout
+        wait_for(lambda: states(run).get("long") == "killed", 60, "long killed")
+        assert slurm.query(job).state == "CANCELLED"
+        assert not pid_alive(launcher_pid)
+        assert bystander.poll() is None, "a process outside Slurm with the same command was touched"
+    finally:
+        stop(sup)
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_supervisor_sigkilled_mid_run_reattaches_without_resubmitting(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "slow"
+command = "sleep 6; echo finished > $AERIE_OUT/done"
+[[stage]]
+id = "next"
+command = "true"
+after = ["slow"]
+""")
+    sup = start_supervisor(run)
+    job = job_of(run, "slow")
+    wait_for(lambda: slurm.query(job).state == "RUNNING", 60, "the job running")
+    os.kill(sup.pid, signal.SIGKILL)  # the supervisor only: the job is Slurm's, not its child
+    sup.wait()
+    sup = start_supervisor(run)
+    try:
+        assert wait_done(run, 120) == {"slow": "succeeded", "next": "succeeded"}
+    finally:
+        stop(sup)
+    assert [j[0] for j in jobs_named("aerie-slow-")] == [job]  # one job, the first one
+    assert len(jobs_named("aerie-next-")) == 1
+
+
+def test_a_supervisor_killed_between_sbatch_and_the_record_finds_the_job_by_name(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "once"
+command = "echo ran >> $AERIE_OUT/runs"
+""")
+    sd = run.stage("once")
+    # What a supervisor leaves when it dies right after sbatch returned: the "submitting" record, a job.
+    name = "aerie-once-1-feedfacecafe"
+    write_json(sd.launch, {"attempt": 1, "t": time.time()})
+    write_json(sd.slurm_job, {"attempt": 1, "name": name, "token": "feedfacecafe", "state": "submitting",
+                              "t": time.time()})
+    script = sd.path / "job-1.sh"
+    script.write_text(batch_script(run, "once", 1, sys.executable))
+    sd.out.mkdir(parents=True, exist_ok=True)
+    job = slurm.submit(script, name, "aerie:feedfacecafe", sd.log, sd.out, [f"--partition={cluster_mod.PARTITION}"])
+    sup = start_supervisor(run)
+    try:
+        assert wait_done(run, 120) == {"once": "succeeded"}
+    finally:
+        stop(sup)
+    rec = read_json(sd.slurm_job)
+    assert rec["job_id"] == job and rec.get("found_by_name")
+    assert [j[0] for j in jobs_named("aerie-once-")] == [job]
+    assert (sd.out / "runs").read_text() == "ran\n"
+
+
+def test_a_job_slurm_rejects_fails_the_stage_with_slurms_message(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD.replace(f'partition = "{cluster_mod.PARTITION}"', 'partition = "nosuch"') + """
+[[stage]]
+id = "a"
+command = "true"
+[[stage]]
+id = "b"
+command = "true"
+after = ["a"]
+""")
+    sup = start_supervisor(run)
+    try:
+        assert wait_done(run, 60) == {"a": "failed", "b": "upstream-failed"}
+    finally:
+        stop(sup)
+    reason = stage_state(run, "a")["reason"]
+    assert "Slurm rejected the job" in reason and "Invalid partition name specified" in reason
+    assert "Invalid partition name specified" in run.stage("a").log.read_text()
+
+
+def test_a_job_cancelled_outside_aerie_shows_as_such(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "victim"
+command = "sleep 600"
+""")
+    sup = start_supervisor(run)
+    try:
+        job = job_of(run, "victim")
+        wait_for(lambda: read_json(run.stage("victim").proc), 60, "the launcher started")
+        subprocess.run(["scancel", job], check=True)
+        wait_for(lambda: states(run).get("victim") == "failed", 60, "victim failed")
+        wait_for(lambda: "CANCELLED outside Aerie" in stage_state(run, "victim")["reason"], 30,
+                 "the reason naming the cancel")
+    finally:
+        stop(sup)
+
+
+def test_pause_without_a_safe_point_suspends_the_job_and_resume_thaws_it(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "busy"
+command = "for i in $(seq 1 8); do sleep 1; done"
+pause_grace_s = 1
+""")
+    sup = start_supervisor(run)
+    try:
+        job = job_of(run, "busy")
+        wait_for(lambda: read_json(run.stage("busy").proc), 60, "the launcher started")
+        r = ctl(run, "pause", "busy")
+        assert r.returncode == 0 and "scontrol suspend" in r.stdout
+        wait_for(lambda: states(run).get("busy") == "paused", 30, "busy paused")
+        assert slurm.query(job).state == "SUSPENDED"
+        assert ctl(run, "resume", "busy").returncode == 0
+        wait_for(lambda: slurm.query(job).state in ("RUNNING", "COMPLETED"), 30, "the job thawed")
+        assert wait_done(run, 60) == {"busy": "succeeded"}
+    finally:
+        stop(sup)

@@ -1,0 +1,81 @@
+"""Slurm plans: ``[executor] kind = "slurm"``, ``[slurm]``, per-stage ``nodes`` and ``slurm = {...}``;
+every mistake is refused naming the file and the key, and the sbatch options follow the plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.run import plan as plan_mod
+from pipeline.run.slurm import sbatch_options
+from tests.runs import write_plan
+
+BASE = """
+[run]
+name = "t"
+dir = "run"
+[executor]
+kind = "slurm"
+[slurm]
+partition = "gpu"
+account = "team"
+time = "4:00:00"
+extra = ["--constraint=h100"]
+"""
+
+
+def load(tmp_path: Path, body: str) -> plan_mod.Plan:
+    return plan_mod.load(write_plan(tmp_path, body))
+
+
+def error(tmp_path: Path, body: str) -> str:
+    with pytest.raises(plan_mod.PlanError) as exc:
+        load(tmp_path, body)
+    return str(exc.value)
+
+
+def test_stage_resources_map_to_sbatch_options_with_stage_overrides(tmp_path: Path) -> None:
+    plan = load(tmp_path, BASE + """
+[[stage]]
+id = "train"
+command = "true"
+cpu = 16
+gpus = 8
+nodes = 2
+slurm = { partition = "big", time = 600, extra = ["--exclusive"] }
+[[stage]]
+id = "prep"
+command = "true"
+""")
+    train, prep = plan.stage("train"), plan.stage("prep")
+    assert (train.nodes, len(train.gpus), train.cpu) == (2, 8, 16)
+    opts = sbatch_options(plan.section("slurm"), train)
+    assert "--nodes=2" in opts and "--cpus-per-task=16" in opts and "--gpus-per-node=8" in opts
+    assert "--partition=big" in opts and "--account=team" in opts and "--time=600" in opts
+    assert opts[-2:] == ["--constraint=h100", "--exclusive"]
+    opts = sbatch_options(plan.section("slurm"), prep)
+    assert "--partition=gpu" in opts and "--time=4:00:00" in opts and "--nodes=1" in opts
+    assert not any(o.startswith("--gpus-per-node") for o in opts)
+    # The spec a run dir freezes keeps both.
+    again = plan_mod.StageSpec.from_dict(train.to_dict())
+    assert (again.nodes, again.slurm) == (2, train.slurm)
+
+
+@pytest.mark.parametrize(("body", "key", "words"), [
+    ("[executor]\nkind = \"local\"\n[[stage]]\nid = \"a\"\ncommand = \"true\"\nnodes = 2\n",
+     "stage[0].nodes", "needs executor.kind = \"slurm\""),
+    ("[executor]\nkind = \"local\"\n[slurm]\npartition = \"x\"\n", "slurm", "needs executor.kind"),
+    ("[executor]\nkind = \"slurm\"\n[slurm]\npartiton = \"x\"\n", "slurm.partiton", "unknown key"),
+    ("[executor]\nkind = \"slurm\"\n[slurm]\npartition = \"a b\"\n", "slurm.partition", "not a valid"),
+    ("[executor]\nkind = \"slurm\"\n[slurm]\ntime = \"soon\"\n", "slurm.time", "not a Slurm time limit"),
+    ("[executor]\nkind = \"slurm\"\n[slurm]\nextra = [\"; rm -rf /\"]\n", "slurm.extra[0]", "sbatch long option"),
+    ("[executor]\nkind = \"slurm\"\n[[stage]]\nid = \"a\"\ncommand = \"true\"\nnodes = 0\n",
+     "stage[0].nodes", "out of range"),
+    ("[executor]\nkind = \"slurm\"\n[[stage]]\nid = \"a\"\ncommand = \"true\"\nslurm = { qos = \"-x\" }\n",
+     "stage[0].slurm.qos", "not a valid"),
+    ("[executor]\nkind = \"slurm\"\nhost = \"login1\"\n", "executor.remote_dir", "shared filesystem"),
+])
+def test_mistakes_name_the_file_and_key(tmp_path: Path, body: str, key: str, words: str) -> None:
+    msg = error(tmp_path, "[run]\ndir = \"run\"\n" + body)
+    assert str(tmp_path / "plan.toml") in msg and f": {key}: " in msg and words in msg
