@@ -1,0 +1,70 @@
+"""A ``nodes = 2`` training stage through Slurm: ``srun`` starts one torchrun agent on each of the job's two
+nodes (gloo, CPU), rendezvous at the first node, and the result equals one process on the same global batch.
+
+The two nodes are two ``slurmd`` daemons on this one machine (``n1``, ``n2``, both at 127.0.0.1; see
+slurm_cluster.py): Slurm allocates, launches and tracks them as two nodes, but the processes share the
+machine's cores and network, so this checks Aerie's multi-node wiring, not a real interconnect.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import slurm_cluster as cluster_mod
+import torch
+from slurm_cluster import SlurmCluster
+
+from pipeline.run import plan as plan_mod
+from pipeline.run import slurm
+from pipeline.run.events import read_all
+from pipeline.run.rundir import read_json
+from pipeline.run.supervisor import create_run
+from tests.eagle3_fixtures import TEST_SECTIONS, events, run_stage, shared, write_plan
+from tests.runs import start_supervisor, stop, wait_done
+
+pytest_plugins = ["conftest_slurm"]
+pytestmark = pytest.mark.slow
+
+
+def losses(evs: list) -> dict[int, float]:
+    return {e.get("step"): e.get("value") for e in evs if e.type == "metric" and e.get("name") == "loss"}
+
+
+def test_two_node_torchrun_training_equals_one_process(slurm_cluster: SlurmCluster, tmp_path_factory, tmp_path) -> None:
+    ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
+    train = {**TEST_SECTIONS["train"], "steps": 3, "checkpoint_every": 3}
+    # One process, no Slurm: the reference.
+    one = tmp_path / "one"
+    run_stage("pipeline.stages.train", write_plan(tmp_path / "plan1.toml", **{**TEST_SECTIONS, "train": {**train, "nproc": 1}}),
+              one, [ext, voc])
+    # Two nodes x one rank, as a Slurm job run by the supervisor.
+    sections = {**TEST_SECTIONS, "train": {**train, "nproc": 2}, "executor": {"kind": "slurm"},
+                "slurm": {"partition": cluster_mod.PARTITION, "time": 10}}
+    path = write_plan(tmp_path / "plan2.toml", **sections)
+    path.write_text(path.read_text() + "\n[[stage]]\nid = \"train\"\nrun = \"train\"\nnodes = 2\n"
+                    f"args = {json.dumps(['--input', str(ext), '--input', str(voc)])}\n")
+    run = create_run(plan_mod.load(path), tmp_path / "run")
+    sup = start_supervisor(run)
+    try:
+        states = wait_done(run, 600)
+    finally:
+        stop(sup)
+    sd = run.stage("train")
+    assert states == {"train": "succeeded"}, sd.log.read_text()[-3000:]
+    job = slurm.query(read_json(sd.slurm_job)["job_id"])
+    assert job.state == "COMPLETED" and slurm.hostnames(job.nodes) == ["n1", "n2"]
+    two = sd.out
+    ev2 = read_all(sd.events)
+    s1 = torch.load(one / "checkpoints" / "step_00000003" / "training_state.pt", weights_only=False)
+    s2 = torch.load(two / "checkpoints" / "step_00000003" / "training_state.pt", weights_only=False)
+    assert s1["world_size"] == 1 and s2["world_size"] == 2
+    l1, l2 = losses(events(one)), losses(ev2)
+    assert list(l1) == list(l2) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+    for k, v in s1["model"].items():
+        if v.is_floating_point():
+            assert torch.allclose(v, s2["model"][k], atol=2e-5, rtol=1e-4), k
+    texts = [e.get("text", "") for e in ev2 if e.type == "message"]
+    assert any("2 nodes x 1 ranks under torchrun" in t for t in texts), texts
