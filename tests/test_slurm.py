@@ -233,3 +233,20 @@ pause_grace_s = 1
         assert wait_done(run, 60) == {"busy": "succeeded"}
     finally:
         stop(sup)
+
+
+def test_retry_is_a_new_job_for_the_next_attempt(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "flaky"
+command = "test -e $AERIE_OUT/second || { touch $AERIE_OUT/second; echo 'first try fails' >&2; exit 3; }"
+retry = { max_attempts = 2, backoff_s = 0.5 }
+""")
+    sup = start_supervisor(run)
+    try:
+        assert wait_done(run, 120) == {"flaky": "succeeded"}
+    finally:
+        stop(sup)
+    jobs = jobs_named("aerie-flaky-")
+    assert len(jobs) == 2 and {j[2] for j in jobs} == {"FAILED", "COMPLETED"}
+    assert [j[1].split("-")[2] for j in sorted(jobs, key=lambda j: int(j[0]))] == ["1", "2"]  # attempt 1, then 2
