@@ -250,3 +250,26 @@ retry = { max_attempts = 2, backoff_s = 0.5 }
     jobs = jobs_named("aerie-flaky-")
     assert len(jobs) == 2 and {j[2] for j in jobs} == {"FAILED", "COMPLETED"}
     assert [j[1].split("-")[2] for j in sorted(jobs, key=lambda j: int(j[0]))] == ["1", "2"]  # attempt 1, then 2
+
+
+def test_a_service_with_replicas_runs_one_job_per_replica_and_all_are_stopped(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "server"
+command = "hostname > $AERIE_OUT/node; sleep 600"
+service = true
+replicas = 2
+[[stage]]
+id = "work"
+command = "sleep 4"
+""")
+    sup = start_supervisor(run)
+    try:
+        jobs = [job_of(run, f"server.r{k}") for k in (1, 2)]
+        wait_for(lambda: all(slurm.query(j).state == "RUNNING" for j in jobs), 60, "both server jobs running")
+        # Once nobody needs them, the supervisor stops every replica (scancel), and they count as done.
+        assert wait_done(run, 120) == {"server.r1": "succeeded", "server.r2": "succeeded", "work": "succeeded"}
+    finally:
+        stop(sup)
+    assert len(set(jobs)) == 2 and all(slurm.query(j).state == "CANCELLED" for j in jobs)

@@ -1,5 +1,6 @@
 """Slurm plans: ``[executor] kind = "slurm"``, ``[slurm]``, per-stage ``nodes`` and ``slurm = {...}``;
-every mistake is refused naming the file and the key, and the sbatch options follow the plan."""
+every mistake is refused naming the file and the key, and the sbatch options follow the plan; a service
+with ``replicas = N`` is N stages (N server jobs) whose endpoints name their nodes."""
 
 from __future__ import annotations
 
@@ -79,3 +80,45 @@ command = "true"
 def test_mistakes_name_the_file_and_key(tmp_path: Path, body: str, key: str, words: str) -> None:
     msg = error(tmp_path, "[run]\ndir = \"run\"\n" + body)
     assert str(tmp_path / "plan.toml") in msg and f": {key}: " in msg and words in msg
+
+
+def test_a_replicated_service_is_one_stage_per_server_job_and_uses_means_all(tmp_path: Path) -> None:
+    plan = load(tmp_path, BASE + """
+[[stage]]
+id = "serve"
+run = "serve"
+service = true
+replicas = 3
+gpus = 8
+[[stage]]
+id = "regen"
+command = "true"
+uses = ["serve"]
+[[stage]]
+id = "extract"
+command = "true"
+after = ["regen", "serve"]
+""")
+    assert [s.id for s in plan.stages if s.family == "serve"] == ["serve.r1", "serve.r2", "serve.r3"]
+    assert plan.stage("regen").uses == ("serve.r1", "serve.r2", "serve.r3")
+    assert plan.stage("extract").after == ("regen", "serve.r1", "serve.r2", "serve.r3")
+    msg = error(tmp_path, BASE + "[[stage]]\nid = \"s\"\ncommand = \"true\"\nreplicas = 2\n")
+    assert ": stage[0].replicas: " in msg and "needs a service stage" in msg
+
+
+def test_a_server_listening_everywhere_under_slurm_advertises_its_node(tmp_path: Path, monkeypatch) -> None:
+    """A replica's endpoint.json names its node, so regen jobs on other nodes reach it."""
+    import socket
+    from types import SimpleNamespace
+
+    from pipeline.serving.sglang_args import ServerSettings
+    from pipeline.stages.serve.stage import ServeStage
+
+    stage = ServeStage(SimpleNamespace(out=tmp_path), ServerSettings(backend="local", model="m", host="0.0.0.0",
+                                                                     port=31234), 5.0)  # type: ignore[arg-type]
+    monkeypatch.delenv("AERIE_EXECUTOR", raising=False)
+    assert stage.advertised_url() == "http://0.0.0.0:31234"
+    monkeypatch.setenv("AERIE_EXECUTOR", "slurm")
+    assert stage.advertised_url() == f"http://{socket.gethostname()}:31234"
+    local = ServeStage(SimpleNamespace(out=tmp_path), ServerSettings(backend="local", model="m"), 5.0)  # type: ignore[arg-type]
+    assert local.advertised_url() == "http://127.0.0.1:30000"

@@ -33,7 +33,7 @@ SLURM_KEYS = {"partition", "account", "qos", "time", "extra"}
 STAGE_KEYS = {
     "id", "run", "command", "for_each", "when", "args", "after", "uses", "service", "cpu", "gpus",
     "output_bytes", "retry", "env", "skip", "pause_grace_s", "kill_grace_s", "description", "label",
-    "nodes", "slurm",
+    "nodes", "slurm", "replicas",
 }
 DATASET_KEYS = {"name", "source", "kind", "quota", "path", "split", "config", "options"}
 
@@ -478,6 +478,7 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
     expanded: list[StageSpec] = []
     raw_deps: list[tuple[str, list[str], list[str]]] = []
     families: set[str] = set()
+    groups: dict[str, list[str]] = {}  # a replicated service's id -> its replicas' stage ids
     for i, s in enumerate(items):
         key = f"stage[{i}]"
         _type(path, key, s, dict, "a table")
@@ -534,6 +535,12 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
             raise PlanError(path, f"{key}.nodes", f"nodes = {nodes} needs executor.kind = \"slurm\" "
                                                   f"(a {executor_kind} executor runs every stage on one host)")
         stage_slurm = _slurm(path, f"{key}.slurm", s.get("slurm", {}))
+        replicas = _int(path, f"{key}.replicas", s.get("replicas", 1), "a number of server jobs", lo=1, hi=1000)
+        if replicas > 1 and not (slurm and s.get("service") is True):
+            raise PlanError(path, f"{key}.replicas", "replicas > 1 needs a service stage (service = true) under "
+                                                     "executor.kind = \"slurm\" (one server job per replica)")
+        if replicas > 1 and fe:
+            raise PlanError(path, f"{key}.replicas", "replicas cannot be combined with for_each")
         if stage_slurm and not slurm:
             raise PlanError(path, f"{key}.slurm", f"Slurm overrides need executor.kind = \"slurm\" (it is {executor_kind!r})")
         ob = _int(path, f"{key}.output_bytes", s.get("output_bytes", 0), "an integer number of bytes", hi=1 << 62)
@@ -562,8 +569,11 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
         targets = [d for d in datasets if all(getattr(d, wk) == wv for wk, wv in when.items())] if fe else [None]
         if fe and not datasets:
             raise PlanError(path, f"{key}.for_each", "for_each = \"dataset\" but the plan has no [[datasets]]")
-        for ds in targets:
-            stage_id = f"{sid}.{ds.name}" if ds else sid
+        if replicas > 1:
+            # One stage (one Slurm job) per replica: serve.r1 ... serve.rN; `uses = ["serve"]` means them all.
+            groups[sid] = [f"{sid}.r{k}" for k in range(1, replicas + 1)]
+        for ds, stage_id in ([(None, r) for r in groups[sid]] if replicas > 1 else
+                             [(ds, f"{sid}.{ds.name}" if ds else sid) for ds in targets]):
             stage_args = [_subst(a, ds) for a in args]
             if run is not None and ds is not None and "--dataset" not in stage_args:
                 stage_args = ["--dataset", ds.name, *stage_args]
@@ -582,8 +592,8 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
     services = {s.id for s in expanded if s.service}
     out: list[StageSpec] = []
     for spec, (key, after, uses) in zip(expanded, raw_deps, strict=True):
-        dep_ids = _resolve(path, f"{key}.after", after, ids, spec.id)
-        use_ids = _resolve(path, f"{key}.uses", uses, ids, spec.id)
+        dep_ids = _resolve(path, f"{key}.after", after, ids, spec.id, groups)
+        use_ids = _resolve(path, f"{key}.uses", uses, ids, spec.id, groups)
         for u in use_ids:
             if u not in services:
                 raise PlanError(path, f"{key}.uses", f"{u!r} is not a service stage (service = true)")
@@ -591,12 +601,16 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
     return out
 
 
-def _resolve(path: Path, key: str, patterns: list[str], ids: list[str], self_id: str) -> list[str]:
+def _resolve(path: Path, key: str, patterns: list[str], ids: list[str], self_id: str,
+             groups: dict[str, list[str]] | None = None) -> list[str]:
     out: list[str] = []
+    groups = groups or {}
     for pat in patterns:
         if any(c in pat for c in "*?["):
             hits = [i for i in ids if fnmatch.fnmatchcase(i, pat) and i != self_id]
             # A glob may legitimately match nothing (no prompt-only datasets): that is not an error.
+        elif pat in groups:
+            hits = list(groups[pat])
         else:
             if pat not in ids:
                 raise PlanError(path, key, f"unknown stage {pat!r} (stages: {', '.join(ids)})")
