@@ -239,7 +239,7 @@ def cmd_plan_check(args: argparse.Namespace) -> int:
 
     from console.transport import child_env
 
-    if plan.executor.kind == "ssh":
+    if plan.executor.host:
         print(f"note: {plan.path} runs on {plan.executor.host}; this checks the target as found on this machine "
               "(aerie preflight runs the same check on the host)")
     p = subprocess.run([sys.executable, "-m", "pipeline.eagle3.chain_check", str(plan.path)], env=child_env())
