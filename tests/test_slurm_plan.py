@@ -122,3 +122,15 @@ def test_a_server_listening_everywhere_under_slurm_advertises_its_node(tmp_path:
     assert stage.advertised_url() == f"http://{socket.gethostname()}:31234"
     local = ServeStage(SimpleNamespace(out=tmp_path), ServerSettings(backend="local", model="m"), 5.0)  # type: ignore[arg-type]
     assert local.advertised_url() == "http://127.0.0.1:30000"
+
+
+def test_the_example_slurm_plan_is_valid_and_spreads_capture_and_training_over_two_nodes() -> None:
+    from tests.runs import ROOT
+
+    plan = plan_mod.load(ROOT / "examples" / "kimi-k2.5-slurm.toml")
+    assert plan.executor.kind == "slurm" and plan.executor.host
+    assert (plan.stage("extract").nodes, plan.stage("train").nodes) == (2, 2)
+    assert plan.section("train")["nproc"] == 16 and plan.section("extract")["tp_size"] == 16
+    assert plan.stage("regen.ultrachat").uses == ("serve.r1", "serve.r2")
+    opts = sbatch_options(plan.section("slurm"), plan.stage("train"))
+    assert {"--nodes=2", "--gpus-per-node=8", "--time=4-00:00:00", "--exclusive"} <= set(opts)
