@@ -18,9 +18,13 @@ from slurm_cluster import SlurmCluster, missing_binaries
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     missing = missing_binaries()
+    why = ""
     if missing:
         why = (f"Slurm is not installed here (missing {', '.join(missing)}): "
                "apt-get install slurm-wlm munge (.ci/run does)")
+    elif os.geteuid() != 0:
+        why = "the test Slurm cluster runs its daemons as root (SlurmUser=root); run the Slurm tests as root"
+    if why:
         if os.environ.get("AERIE_REQUIRE_SLURM") == "1":
             pytest.fail(why)
         pytest.skip(why)

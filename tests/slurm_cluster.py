@@ -125,7 +125,7 @@ class SlurmCluster:
         self.pids.append(p.pid)
         self._procs = [*getattr(self, "_procs", []), p]
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 120.0) -> None:
         self.write_config()
         r = self.root
         self._spawn([_bin("munged"), "--foreground", "--force", f"--key-file={r / 'munge' / 'munge.key'}",
@@ -166,9 +166,15 @@ class SlurmCluster:
     def stop(self) -> None:
         """End the jobs still queued or running, then every daemon this cluster started (by pid)."""
         with contextlib.suppress(Exception):
-            subprocess.run(["scancel", "--full", "--user=root"], env=self.env(), timeout=20,
-                           capture_output=True)
-            time.sleep(1)
+            subprocess.run(["scancel", "--user=root"], env=self.env(), timeout=20, capture_output=True)
+            # Let the jobs' slurmstepd finish (a stopped slurmd leaves its steps running).
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                out = subprocess.run(["squeue", "--noheader", "--states=running,completing,suspended,pending"],
+                                     env=self.env(), timeout=20, capture_output=True, text=True).stdout
+                if not out.strip():
+                    break
+                time.sleep(0.5)
         for p in reversed(getattr(self, "_procs", [])):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
