@@ -5,11 +5,14 @@ It writes a munge key and a ``slurm.conf`` under a temporary folder and starts `
 ports: Debian's Slurm lets ``slurmd -N NAME`` play one node of several on one host), waits until
 ``sinfo`` shows both nodes idle, and stops every daemon it started (by the pid it recorded) after.
 
-CPU only: ``proctrack/linuxproc`` and ``task/none`` (no cgroups in a container), no accounting
-database (``sacct`` is unavailable; finished jobs stay visible to ``squeue``/``scontrol`` for
-``MinJobAge``). Clients find the cluster through ``SLURM_CONF``, which :meth:`SlurmCluster.env` sets.
+CPU only: ``proctrack/linuxproc`` and ``task/none`` (no cgroups in a container); finished jobs stay
+visible to ``squeue``/``scontrol`` for ``MinJobAge`` (an hour). Clients find the cluster through ``SLURM_CONF``, which :meth:`SlurmCluster.env` sets.
 
-``python tests/slurm_cluster.py DIR`` starts one by hand and keeps it until Ctrl-C.
+With ``accounting`` (where ``slurmdbd`` and MariaDB are installed) it also starts a private MariaDB
+server (own datadir, socket and loopback port) and ``slurmdbd`` on it, so ``sacct`` answers as on a
+production cluster.
+
+``python tests/slurm_cluster.py DIR [--accounting]`` starts one by hand and keeps it until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import time
 from pathlib import Path
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol", "sinfo")
+# Job accounting (``sacct``): slurmdbd on a private MariaDB server, when both are installed.
+ACCOUNTING_BINARIES = ("slurmdbd", "sacct", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4  # more than the machine has: Slurm schedules slots, the kernel shares the cores
 PARTITION = "debug"
@@ -36,6 +41,10 @@ def missing_binaries() -> list[str]:
         if not (shutil.which(b) or Path(f"/usr/sbin/{b}").exists()):
             found.append(b)
     return found
+
+
+def accounting_missing() -> list[str]:
+    return [b for b in ACCOUNTING_BINARIES if not (shutil.which(b) or Path(f"/usr/sbin/{b}").exists())]
 
 
 def _bin(name: str) -> str:
@@ -51,8 +60,11 @@ def _free_port() -> int:
 class SlurmCluster:
     """munged + slurmctld + one slurmd per node, all under ``root``; :meth:`stop` ends what it started."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, accounting: bool = False, min_job_age_s: int = 3600) -> None:
         self.root = Path(root)
+        self.accounting = accounting
+        self.min_job_age_s = min_job_age_s  # how long slurmctld (squeue, scontrol) remembers an ended job
+        self.db_port = self.dbd_port = 0
         self.conf = self.root / "slurm.conf"
         self.socket = self.root / "munge" / "munge.socket.2"
         self.pids: list[int] = []
@@ -70,6 +82,7 @@ class SlurmCluster:
             (r / d).mkdir(parents=True, exist_ok=True)
         for n in NODES:
             (r / "spool" / n).mkdir(parents=True, exist_ok=True)
+        self.db_port, self.dbd_port = _free_port(), _free_port()
         os.chmod(r / "munge", 0o700)
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -99,9 +112,12 @@ class SlurmCluster:
             "ReturnToService=2",
             "MpiDefault=none",
             "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
+            *(["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
+               f"AccountingStoragePort={self.dbd_port}",
+               f"AccountingStoragePass={self.socket}"] if self.accounting else  # munge's socket, for slurmdbd
+              ["AccountingStorageType=accounting_storage/none"]),
             "JobCompType=jobcomp/none",
-            "MinJobAge=3600",
+            f"MinJobAge={self.min_job_age_s}",
             "SlurmdParameters=config_overrides",
             "SlurmctldTimeout=30",
             "SlurmdTimeout=60",
@@ -115,6 +131,16 @@ class SlurmCluster:
                          f"CPUs={CPUS_PER_NODE} RealMemory=2000 State=UNKNOWN")
         lines.append(f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
+        if self.accounting:
+            dbd = r / "slurmdbd.conf"  # beside slurm.conf: where slurmdbd looks (SLURM_CONF's folder)
+            dbd.write_text("\n".join([
+                "AuthType=auth/munge", f"AuthInfo=socket={self.socket}", "DbdHost=localhost", "DbdAddr=127.0.0.1",
+                f"DbdPort={self.dbd_port}", "SlurmUser=root", f"PidFile={r / 'run' / 'slurmdbd.pid'}",
+                f"LogFile={r / 'log' / 'slurmdbd.log'}", "StorageType=accounting_storage/mysql",
+                "StorageHost=127.0.0.1", f"StoragePort={self.db_port}", "StorageUser=slurm", "StoragePass=aerie",
+                "StorageLoc=slurm_acct",
+            ]) + "\n")
+            os.chmod(dbd, 0o600)
 
     # -- daemons --------------------------------------------------------------------------------
     def _spawn(self, argv: list[str], pidfile: Path | None = None) -> None:
@@ -132,10 +158,41 @@ class SlurmCluster:
                      f"--socket={self.socket}", f"--pid-file={r / 'munge' / 'munged.pid'}",
                      f"--log-file={r / 'log' / 'munged.log'}", f"--seed-file={r / 'munge' / 'munge.seed'}"])
         self._wait(lambda: self.socket.exists(), 15, "munged's socket")
+        if self.accounting:
+            self._start_accounting()
         self._spawn([_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         for n in NODES:
             self._spawn([_bin("slurmd"), "-D", "-N", n, "-f", str(self.conf)])
         self._wait(self._all_idle, timeout_s, "every node idle in sinfo")
+
+    def _start_accounting(self) -> None:
+        """A private MariaDB (its own datadir, socket and port) and slurmdbd on it, then the cluster registered."""
+        r = self.root / "db"
+        sock = r / "mariadb.sock"
+        r.mkdir(parents=True, exist_ok=True)
+        subprocess.run([_bin("mariadb-install-db"), "--no-defaults", "--user=root", f"--datadir={r / 'data'}",
+                        "--auth-root-authentication-method=socket", "--skip-test-db"], check=True,
+                       capture_output=True, timeout=120)
+        self._spawn([_bin("mariadbd"), "--no-defaults", "--user=root", f"--datadir={r / 'data'}", f"--socket={sock}",
+                     f"--port={self.db_port}", "--bind-address=127.0.0.1", f"--pid-file={r / 'mariadb.pid'}",
+                     f"--log-error={self.root / 'log' / 'mariadb.log'}", "--innodb-buffer-pool-size=32M"])
+        sql = "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'aerie'; " \
+              "GRANT ALL ON *.* TO 'slurm'@'127.0.0.1';"
+
+        def db_ready() -> bool:
+            p = subprocess.run([_bin("mariadb"), "--no-defaults", "-S", str(sock), "-u", "root", "-e", sql],
+                               capture_output=True, timeout=20)
+            return p.returncode == 0
+
+        self._wait(db_ready, 60, "MariaDB answering")
+        self._spawn([_bin("slurmdbd"), "-D"])
+
+        def registered() -> bool:
+            p = subprocess.run([_bin("sacctmgr"), "-i", "add", "cluster", "aerie-test"], capture_output=True,
+                               text=True, env=self.env(), timeout=30)
+            return p.returncode == 0 or "already exists" in (p.stdout + p.stderr)
+
+        self._wait(registered, 60, "slurmdbd accepting the cluster")
 
     def _all_idle(self) -> bool:
         for p in getattr(self, "_procs", []):
@@ -192,10 +249,10 @@ if __name__ == "__main__":
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
-    c = SlurmCluster(Path(sys.argv[1]))
-    c.start()
-    print(f"export SLURM_CONF={c.conf}", flush=True)
+    c = SlurmCluster(Path(sys.argv[1]), accounting="--accounting" in sys.argv[2:])
     try:
+        c.start()
+        print(f"export SLURM_CONF={c.conf}", flush=True)
         signal.pause()
     except KeyboardInterrupt:
         pass

@@ -14,6 +14,7 @@ carrying Slurm's own message. Standard library only.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -134,19 +135,19 @@ class JobInfo:
         return f"Slurm job {self.job_id} {how}{code}"
 
 
-_ACCOUNTING: bool | None = None
+_ACCOUNTING: dict[str, bool] = {}
 
 
 def accounting() -> bool:
-    """Does this cluster keep job accounting (``sacct`` answers)? Asked once per process."""
-    global _ACCOUNTING
-    if _ACCOUNTING is None:
+    """Does this cluster keep job accounting (``sacct`` answers)? Asked once per process and ``SLURM_CONF``."""
+    key = os.environ.get("SLURM_CONF", "")
+    if key not in _ACCOUNTING:
         try:
             p = _run(["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobIDRaw", "--jobs=1"])
-            _ACCOUNTING = p.returncode == 0 and "disabled" not in (p.stderr + p.stdout).lower()
+            _ACCOUNTING[key] = p.returncode == 0 and "disabled" not in (p.stderr + p.stdout).lower()
         except SlurmError:
-            _ACCOUNTING = False
-    return _ACCOUNTING
+            _ACCOUNTING[key] = False
+    return _ACCOUNTING[key]
 
 
 def _exit_pair(text: str) -> tuple[int | None, int | None]:

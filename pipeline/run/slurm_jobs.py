@@ -139,6 +139,14 @@ class SlurmJobs:
             st.started_at = proc.get("t")
         ex = sd.record_for(sd.exit, attempt)
         job = str(rec["job_id"]) if rec.get("job_id") else None
+        if job is None and rec.get("state") == "submitting":
+            # The supervisor died around sbatch: find the job by its name (never submit it twice).
+            job = self._find_lost_submission(sd, rec, may_abandon=ex is None)
+            if job is None and ex is None:
+                if self.record(sd, attempt) is None:
+                    return None  # never reached Slurm: the attempt is submitted again
+                st.state, st.reason = "running", "submitting to Slurm"
+                return st
         if ex:
             if job and ex.get("returncode") != 0 and "slurm_state" not in ex:
                 ex = self._annotate(sd, ex, job)
@@ -147,12 +155,8 @@ class SlurmJobs:
                     return st
             return deriver._finished(st, sd, ex, attempt)
         if job is None:
-            job = self._find_lost_submission(sd, rec)
-            if job is None:
-                if self.record(sd, attempt) is None:
-                    return None  # never reached Slurm: the attempt is submitted again
-                st.state, st.reason = "running", "submitting to Slurm"
-                return st
+            return deriver._finished(st, sd, deriver.record_lost(sd.id, attempt, "no Slurm job id recorded"),
+                                     attempt)
         info = self.info(job)
         if info is None:
             st.state, st.reason = "running", f"Slurm job {job}: Slurm is not answering"
@@ -175,7 +179,7 @@ class SlurmJobs:
         ex = self._record_ended(sd, attempt, info)
         return deriver._finished(st, sd, ex, attempt)
 
-    def _find_lost_submission(self, sd: StageDir, rec: dict) -> str | None:
+    def _find_lost_submission(self, sd: StageDir, rec: dict, may_abandon: bool = True) -> str | None:
         """A 'submitting' record without an id: the supervisor died around sbatch. Find the job by name."""
         try:
             ids = slurm.find_by_name(rec["name"])
@@ -188,7 +192,7 @@ class SlurmJobs:
             self.log(f"{sd.id}: attempt {rec['attempt']}: found Slurm job {job} by its name {rec['name']} "
                      "(the submitting supervisor died before recording it): not submitting again")
             return job
-        if time.time() - float(rec.get("t", 0)) > SUBMIT_GRACE_S:
+        if may_abandon and time.time() - float(rec.get("t", 0)) > SUBMIT_GRACE_S:
             write_json(sd.slurm_job, {**rec, "state": "abandoned", "abandoned_t": time.time()})
             self.log(f"{sd.id}: attempt {rec['attempt']}: Slurm has no job named {rec['name']}: "
                      "its submission never reached Slurm; submitting it now")
