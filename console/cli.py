@@ -172,8 +172,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     stages = state.get("stages", [])
     if args.json:
         for st in stages:
-            print(json.dumps({k: st.get(k) for k in ("id", "state", "attempt", "pid", "pgid", "started_at",
-                                                      "finished_at", "returncode", "reason", "health", "progress")}))
+            print(json.dumps({**{k: st.get(k) for k in ("id", "state", "attempt", "pid", "pgid", "started_at",
+                                                         "finished_at", "returncode", "reason", "health", "progress")},
+                              **({"job": st["job"]} if st.get("job") else {})}))  # a Slurm stage's job id
         return EXIT_OK
     for st in stages:
         prog = st.get("progress") or {}

@@ -8,6 +8,7 @@ with Slurm's message; a job cancelled outside Aerie says so; pause falls back to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from pipeline.run.rundir import RunDir, read_json, write_json
 from pipeline.run.slurm_jobs import batch_script
 from tests.runs import (
     ctl,
+    events,
     make_run,
     pid_alive,
     stage_state,
@@ -91,6 +93,11 @@ after = ["double"]
         seen.add(rec["job_id"])
     assert len(seen) == 3
     assert (run.stage("double").out / "n").read_text().strip() == "42"
+    # `aerie status --json` names each stage's job.
+    out = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run.root), "--json"], capture_output=True,
+                         text=True, check=True).stdout
+    jobs = {d["id"]: d.get("job") for d in map(json.loads, out.splitlines())}
+    assert jobs == {sid: read_json(run.stage(sid).slurm_job)["job_id"] for sid in ("make", "double", "report")}
     # The resources went to Slurm: 2 CPUs for "make".
     out = subprocess.run(["scontrol", "show", "job", read_json(run.stage("make").slurm_job)["job_id"]],
                          capture_output=True, text=True).stdout
@@ -273,3 +280,33 @@ command = "sleep 4"
     finally:
         stop(sup)
     assert len(set(jobs)) == 2 and all(slurm.query(j).state == "CANCELLED" for j in jobs)
+
+
+def test_a_pause_slurm_cannot_freeze_says_so(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A job still queued cannot be suspended: the stage gets a clear "cannot freeze" message, and kill still works."""
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "hog"
+command = "sleep 600"
+nodes = 2
+cpu = 4
+[[stage]]
+id = "waiter"
+command = "sleep 600"
+cpu = 4
+pause_grace_s = 1
+""")
+    sup = start_supervisor(run)
+    try:
+        waiter = job_of(run, "waiter")
+        wait_for(lambda: slurm.query(waiter).state == "PENDING" and "queued" in stage_state(run, "waiter").get("reason", ""),
+                 60, "waiter queued behind hog")
+        assert ctl(run, "pause", "waiter").returncode == 0
+        msg = wait_for(lambda: next((e.get("text") for e in events(run, "waiter", "message")
+                                     if e.get("code") == "cannot_freeze"), None), 30, "the cannot-freeze message")
+        assert "cannot freeze this stage: Slurm refused to suspend its job" in msg and "pending" in msg.lower()
+        for sid in ("waiter", "hog"):
+            assert ctl(run, "kill", sid).returncode == 0
+        assert wait_done(run, 60) == {"hog": "killed", "waiter": "killed"}
+    finally:
+        stop(sup)

@@ -147,6 +147,7 @@ class SlurmJobs:
                     return None  # never reached Slurm: the attempt is submitted again
                 st.state, st.reason = "running", "submitting to Slurm"
                 return st
+        st.job = job
         if ex:
             if job and ex.get("returncode") != 0 and "slurm_state" not in ex:
                 ex = self._annotate(sd, ex, job)
@@ -163,6 +164,7 @@ class SlurmJobs:
             return st
         if info.queued:
             st.state, st.reason = "running", f"queued: Slurm job {job} {info.state.lower()} ({info.reason})"
+            st.pausing = sd.pause_flag.exists()  # nothing to freeze yet: Slurm will say so
             return st
         if info.active:
             self._ended_seen.pop(job, None)
@@ -221,12 +223,13 @@ class SlurmJobs:
         ex = sd.record_for(sd.exit, attempt)
         if ex:
             return ex
-        ex = {"attempt": attempt, "returncode": info.exit_code, "t": time.time(), "recorded_by": "supervisor",
+        # Without the launcher's record the stage never counts as succeeded: a job cancelled while queued
+        # ends "0:0" too. A non-zero code from Slurm is kept.
+        ex = {"attempt": attempt, "returncode": info.exit_code or None, "t": time.time(), "recorded_by": "supervisor",
               "signal": None, "slurm_state": info.state,
               "detail": info.describe() if not killed else f"Slurm job {info.job_id} cancelled by Aerie"}
-        if info.state == "COMPLETED" and info.exit_code == 0:
+        if info.state == "COMPLETED" and not info.exit_code:
             ex["detail"] = f"Slurm job {info.job_id} completed but its launcher wrote no exit record"
-            ex["returncode"] = None
         write_json(sd.exit, ex)
         with EventWriter(sd.events) as w:
             if not killed:

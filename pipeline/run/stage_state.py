@@ -52,6 +52,7 @@ class StageStatus:
     after: list[str] = field(default_factory=list)
     uses: list[str] = field(default_factory=list)
     run: str | None = None  # the built-in module, None for an operator command
+    job: str | None = None  # the Slurm executor: the attempt's Slurm job id
 
 
 @dataclass
