@@ -134,3 +134,14 @@ def test_the_example_slurm_plan_is_valid_and_spreads_capture_and_training_over_t
     assert plan.stage("regen.ultrachat").uses == ("serve.r1", "serve.r2")
     opts = sbatch_options(plan.section("slurm"), plan.stage("train"))
     assert {"--nodes=2", "--gpus-per-node=8", "--time=4-00:00:00", "--exclusive"} <= set(opts)
+
+
+def test_the_board_shows_a_job_waiting_in_slurms_queue_as_starting_with_slurms_reason() -> None:
+    from console.model import StageView
+    from console.widgets.board import note_for
+
+    st = StageView(id="train", family="train")
+    st.state, st.reason = "running", "queued: Slurm job 12 pending (Resources)"
+    assert st.display_state == "starting" and note_for(st) == "queued: Slurm job 12 pending (Resources)"
+    st.reason = "Slurm job 12 on n[1-2]"
+    assert st.display_state == "running" and not st.queued
