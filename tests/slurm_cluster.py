@@ -33,6 +33,7 @@ ACCOUNTING_BINARIES = ("slurmdbd", "sacct", "sacctmgr", "mariadbd", "mariadb-ins
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4  # more than the machine has: Slurm schedules slots, the kernel shares the cores
 PARTITION = "debug"
+URGENT = "urgent"  # same nodes, higher priority tier: its jobs pre-empt (cancel) debug's
 
 
 def missing_binaries() -> list[str]:
@@ -125,11 +126,15 @@ class SlurmCluster:
             "KillWait=5",
             "MessageTimeout=20",
             "PropagateResourceLimits=NONE",
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=CANCEL",
         ]
         for n, port in zip(NODES, node_ports, strict=True):
             lines.append(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} "
                          f"CPUs={CPUS_PER_NODE} RealMemory=2000 State=UNKNOWN")
-        lines.append(f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
+        lines.append(f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP "
+                     "PriorityTier=1")
+        lines.append(f"PartitionName={URGENT} Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityTier=10")
         self.conf.write_text("\n".join(lines) + "\n")
         if self.accounting:
             dbd = r / "slurmdbd.conf"  # beside slurm.conf: where slurmdbd looks (SLURM_CONF's folder)

@@ -310,3 +310,29 @@ pause_grace_s = 1
         assert wait_done(run, 60) == {"hog": "killed", "waiter": "killed"}
     finally:
         stop(sup)
+
+
+def test_a_job_preempted_by_slurm_shows_as_such(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "low"
+command = "sleep 600"
+nodes = 2
+cpu = 4
+""")
+    sup = start_supervisor(run)
+    urgent = None
+    try:
+        job = job_of(run, "low")
+        wait_for(lambda: read_json(run.stage("low").proc), 60, "the launcher started")
+        # Someone's job in a higher-priority partition needs every CPU: Slurm pre-empts ours.
+        urgent = subprocess.run(["sbatch", "--parsable", f"--partition={cluster_mod.URGENT}", "--nodes=2",
+                                 "--cpus-per-task=4", "--wrap", "sleep 1"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        wait_for(lambda: states(run).get("low") == "failed", 90, "low failed")
+        wait_for(lambda: "PREEMPTED" in stage_state(run, "low").get("reason", ""), 30, "the reason naming it")
+        assert slurm.query(job).state == "PREEMPTED"
+    finally:
+        stop(sup)
+        if urgent:
+            subprocess.run(["scancel", urgent], capture_output=True)

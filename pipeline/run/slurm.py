@@ -73,6 +73,9 @@ def submit(script: Path, name: str, comment: str, log: Path, workdir: Path, opti
     """``sbatch --parsable``: returns the job id, or raises :class:`SlurmError` with Slurm's reason."""
     argv = ["sbatch", "--parsable", f"--job-name={name}", f"--comment={comment}", f"--output={log}",
             "--open-mode=append", f"--chdir={workdir}", "--export=ALL", "--kill-on-invalid-dep=yes",
+            # A pre-empted or failed job must not run the same attempt again behind Aerie's back: it ends, and
+            # the stage's retry policy decides.
+            "--no-requeue",
             *options, str(script)]
     p = _run(argv)
     job = p.stdout.strip().split(";")[0] if p.returncode == 0 else ""
