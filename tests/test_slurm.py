@@ -92,6 +92,8 @@ after = ["double"]
         assert slurm.query(rec["job_id"]).state == "COMPLETED"
         seen.add(rec["job_id"])
     assert len(seen) == 3
+    # One squeue call answers for many jobs, and leaves out one Slurm does not know.
+    assert {j: i.state for j, i in slurm.states([*sorted(seen), "999999"]).items()} == dict.fromkeys(seen, "COMPLETED")
     assert (run.stage("double").out / "n").read_text().strip() == "42"
     # `aerie status --json` names each stage's job.
     out = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run.root), "--json"], capture_output=True,

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 SUBMIT_GRACE_S = 30.0  # a job name Slurm does not know this long after "submitting" was never submitted
 EXIT_GRACE_S = 10.0  # an ended job's launcher may still be writing exit.json over the shared filesystem
-QUERY_EVERY_S = 1.0  # ask Slurm about a running job at most this often (the login node is shared)
+QUERY_EVERY_S = 1.0  # ask Slurm about the running jobs at most this often: one squeue call for all of them
 
 
 def job_name(sid: str, attempt: int, token: str) -> str:
@@ -67,6 +67,7 @@ class SlurmJobs:
         self.log = log
         self.python = python
         self._cache: dict[str, tuple[float, slurm.JobInfo]] = {}
+        self._asked: dict[str, float] = {}  # job -> when a stage last asked about it
         self._ended_seen: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------- records
@@ -115,18 +116,37 @@ class SlurmJobs:
 
     # ------------------------------------------------------------------------------- observe
     def info(self, job: str, fresh: bool = False) -> slurm.JobInfo | None:
-        """Slurm's view of ``job`` (cached for :data:`QUERY_EVERY_S`); None while Slurm does not answer."""
+        """Slurm's view of ``job`` (cached for :data:`QUERY_EVERY_S`); None while Slurm does not answer.
+
+        One ``squeue`` call refreshes every job a stage asked about lately, however many run; only a job
+        that ended (or that slurmctld forgot) costs a call of its own, for its exit code (``sacct``/``scontrol``).
+        """
         now = time.monotonic()
+        self._asked[job] = now
         hit = self._cache.get(job)
         if hit and not fresh and now - hit[0] < QUERY_EVERY_S:
             return hit[1]
+        for j, t in list(self._asked.items()):
+            if now - t > 10 * QUERY_EVERY_S:  # no stage follows it any more
+                del self._asked[j]
+                self._cache.pop(j, None)
+        batch = sorted(j for j in self._asked if j == job or not (j in self._cache and self._cache[j][1].ended))
         try:
-            info = slurm.query(job)
+            seen = slurm.states(batch)
         except slurm.SlurmError as exc:
-            self.log(f"Slurm job {job}: cannot query: {exc}")
+            self.log(f"Slurm jobs {', '.join(batch)}: cannot query: {exc}")
             return hit[1] if hit else None
-        self._cache[job] = (now, info)
-        return info
+        for j in batch:
+            got = seen.get(j)
+            if got is None or got.ended:
+                try:
+                    got = slurm.query(j)
+                except slurm.SlurmError as exc:
+                    self.log(f"Slurm job {j}: cannot query: {exc}")
+                    continue
+            self._cache[j] = (now, got)
+        hit = self._cache.get(job)
+        return hit[1] if hit else None
 
     def derive(self, st: StageStatus, sd: StageDir, attempt: int, acked: bool,
                deriver: StateDeriver) -> StageStatus | None:
