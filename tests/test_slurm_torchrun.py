@@ -1,5 +1,6 @@
 """A ``nodes = 2`` training stage through Slurm: ``srun`` starts one torchrun agent on each of the job's two
-nodes (gloo, CPU), rendezvous at the first node, and the result equals one process on the same global batch.
+nodes (gloo, CPU), rendezvous at the first node, and the result equals one process on the same global batch;
+likewise a 2-node tensor-parallel capture (extract) stores what one process stores.
 
 The two nodes are two ``slurmd`` daemons on this one machine (``n1``, ``n2``, both at 127.0.0.1; see
 slurm_cluster.py): Slurm allocates, launches and tracks them as two nodes, but the processes share the
@@ -68,3 +69,55 @@ def test_two_node_torchrun_training_equals_one_process(slurm_cluster: SlurmClust
             assert torch.allclose(v, s2["model"][k], atol=2e-5, rtol=1e-4), k
     texts = [e.get("text", "") for e in ev2 if e.type == "message"]
     assert any("2 nodes x 1 ranks under torchrun" in t for t in texts), texts
+
+
+def test_two_node_tensor_parallel_capture_equals_one_process(slurm_cluster: SlurmCluster, tmp_path) -> None:
+    """``extract`` with ``nodes = 2`` and the target tensor-parallel over 2 ranks (one per node, gloo) stores
+    what one process stores, within one bf16 step (the all-reduce sums partial products in another order;
+    see test_kimi's single-node version of this check)."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.eagle3 import hidden_store as hs
+    from tests.kimi_fixture import build_tiny_kimi
+    from tests.runs import ROOT
+    from tests.test_kimi import _extract, _plan
+
+    model = build_tiny_kimi(tmp_path / "kimi")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+    prep = subprocess.run([sys.executable, "-m", "pipeline.stages.prep", "--plan", str(_plan(tmp_path, model)),
+                           "--dataset", "kimi", "--out", str(tmp_path / "tok")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    (tmp_path / "one").mkdir()
+    _extract(_plan(tmp_path / "one", model, 'device = "cpu"'), tmp_path / "ext1", [tmp_path / "tok"])
+    (tmp_path / "two").mkdir()
+    text = _plan(tmp_path / "two", model, 'parallel = "tp"\ntp_size = 2\ndevice = "cpu"').read_text()
+    text = text.replace("[target]", f'[executor]\nkind = "slurm"\n[slurm]\npartition = "{cluster_mod.PARTITION}"\n'
+                                    "time = 15\n\n[target]", 1)
+    text = text[:text.index("[[stage]]")] + (f'[[stage]]\nid = "extract"\nrun = "extract"\nnodes = 2\n'
+                                              f"args = {json.dumps(['--input', str(tmp_path / 'tok')])}\n")
+    path = tmp_path / "two" / "slurm.toml"
+    path.write_text(text)
+    run = create_run(plan_mod.load(path), tmp_path / "two" / "run")
+    sup = start_supervisor(run)
+    try:
+        states = wait_done(run, 600)
+    finally:
+        stop(sup)
+    sd = run.stage("extract")
+    assert states == {"extract": "succeeded"}, sd.log.read_text()[-3000:]
+    assert slurm.hostnames(slurm.query(read_json(sd.slurm_job)["job_id"]).nodes) == ["n1", "n2"]
+    s1, s2 = hs.HiddenStore(tmp_path / "ext1"), hs.HiddenStore(sd.out)
+    assert len(s1) == len(s2) > 0
+    step = 2.0 ** -7
+    for i in range(len(s1)):
+        a, b = s1[i], s2[i]
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.target_argmax, b.target_argmax)
+        for x, y in ((a.aux, b.aux), (a.last_hidden, b.last_hidden)):
+            x, y = x.float(), y.float()
+            assert ((x - y).abs() <= step * torch.maximum(x.abs(), y.abs())).all(), f"row {i}"
+    texts = [e.get("text", "") for e in read_all(sd.events) if e.type == "message"]
+    assert any("2 nodes x 1 ranks under torchrun" in t for t in texts), texts
+    assert any("loaded tensor-parallel over 2 ranks" in t for t in texts), texts
