@@ -89,7 +89,8 @@ after = ["double"]
         rec = read_json(run.stage(sid).slurm_job)
         # The job that ran the stage is the one recorded, and Slurm says it completed.
         assert (run.stage(sid).out / "job").read_text().strip() == rec["job_id"]
-        assert slurm.query(rec["job_id"]).state == "COMPLETED"
+        # (the stage is done when its launcher recorded the exit; Slurm closes the job a moment later)
+        wait_for(lambda rec=rec: slurm.query(rec["job_id"]).state == "COMPLETED", 30, "the job completed")
         seen.add(rec["job_id"])
     assert len(seen) == 3
     # One squeue call answers for many jobs, and leaves out one Slurm does not know.
@@ -256,8 +257,13 @@ retry = { max_attempts = 2, backoff_s = 0.5 }
         assert wait_done(run, 120) == {"flaky": "succeeded"}
     finally:
         stop(sup)
-    jobs = jobs_named("aerie-flaky-")
-    assert len(jobs) == 2 and {j[2] for j in jobs} == {"FAILED", "COMPLETED"}
+    # The stage is done once the launcher recorded its exit; Slurm closes the job a moment later.
+    def ended() -> list | None:
+        js = jobs_named("aerie-flaky-")
+        return js if {j[2] for j in js} == {"FAILED", "COMPLETED"} else None
+
+    jobs = wait_for(ended, 30, "both jobs ended in Slurm")
+    assert len(jobs) == 2
     assert [j[1].split("-")[2] for j in sorted(jobs, key=lambda j: int(j[0]))] == ["1", "2"]  # attempt 1, then 2
 
 
@@ -329,7 +335,7 @@ cpu = 4
         wait_for(lambda: read_json(run.stage("low").proc), 60, "the launcher started")
         # Someone's job in a higher-priority partition needs every CPU: Slurm pre-empts ours.
         urgent = subprocess.run(["sbatch", "--parsable", f"--partition={cluster_mod.URGENT}", "--nodes=2",
-                                 "--cpus-per-task=4", "--wrap", "sleep 1"], capture_output=True, text=True,
+                                 "--cpus-per-task=4", "--output=/dev/null", "--wrap", "sleep 1"], capture_output=True, text=True,
                                 check=True).stdout.strip()
         wait_for(lambda: states(run).get("low") == "failed", 90, "low failed")
         wait_for(lambda: "PREEMPTED" in stage_state(run, "low").get("reason", ""), 30, "the reason naming it")

@@ -22,7 +22,7 @@ from pipeline.run.events import read_all
 from pipeline.run.rundir import read_json
 from pipeline.run.supervisor import create_run
 from tests.eagle3_fixtures import TEST_SECTIONS, events, run_stage, shared, write_plan
-from tests.runs import start_supervisor, stop, wait_done
+from tests.runs import start_supervisor, stop, wait_done, wait_for
 
 pytest_plugins = ["conftest_slurm"]
 pytestmark = pytest.mark.slow
@@ -53,8 +53,9 @@ def test_two_node_torchrun_training_equals_one_process(slurm_cluster: SlurmClust
         stop(sup)
     sd = run.stage("train")
     assert states == {"train": "succeeded"}, sd.log.read_text()[-3000:]
-    job = slurm.query(read_json(sd.slurm_job)["job_id"])
-    assert job.state == "COMPLETED" and slurm.hostnames(job.nodes) == ["n1", "n2"]
+    job_id = read_json(sd.slurm_job)["job_id"]
+    wait_for(lambda: slurm.query(job_id).state == "COMPLETED", 30, "Slurm closing the job")
+    assert slurm.hostnames(slurm.query(job_id).nodes) == ["n1", "n2"]
     two = sd.out
     ev2 = read_all(sd.events)
     s1 = torch.load(one / "checkpoints" / "step_00000003" / "training_state.pt", weights_only=False)
