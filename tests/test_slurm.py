@@ -344,3 +344,31 @@ cpu = 4
         stop(sup)
         if urgent:
             subprocess.run(["scancel", urgent], capture_output=True)
+
+
+def test_an_sbatch_that_gets_no_answer_is_never_submitted_twice(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """slurmctld frozen while the supervisor submits: sbatch times out, but the request may still be served
+    once slurmctld wakes. The stage keeps its 'submitting' record and finds the job by name (or, if Slurm
+    never created it, submits once more): exactly one job runs."""
+    ctld = next(p for p in slurm_cluster._procs if Path(p.args[0]).name == "slurmctld")
+    monkeypatch.setenv("AERIE_SLURM_TIMEOUT_S", "3")
+    run = make_run(tmp_path, HEAD + """
+[[stage]]
+id = "frozen"
+command = "echo ran >> $AERIE_OUT/runs"
+""")
+    ctld.send_signal(signal.SIGSTOP)  # a daemon this test's cluster started, by its pid
+    try:
+        sup = start_supervisor(run)
+        wait_for(lambda: run.supervisor_log.exists() and "did not answer" in run.supervisor_log.read_text(), 30,
+                 "sbatch timing out")
+        assert (read_json(run.stage("frozen").slurm_job) or {}).get("state") == "submitting"
+    finally:
+        ctld.send_signal(signal.SIGCONT)
+    try:
+        assert wait_done(run, 120) == {"frozen": "succeeded"}
+    finally:
+        stop(sup)
+    assert len(jobs_named("aerie-frozen-")) == 1
+    assert (run.stage("frozen").out / "runs").read_text() == "ran\n"

@@ -25,7 +25,7 @@ from typing import Any
 
 from pipeline.run.plan import StageSpec
 
-TIMEOUT_S = 30.0
+TIMEOUT_S = float(os.environ.get("AERIE_SLURM_TIMEOUT_S", "30"))  # how long a Slurm command may take
 # Slurm job states (``squeue``/``sacct`` long names): waiting for nodes, holding them, and done.
 QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "POWER_UP_NODE"}
 ACTIVE = {"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
@@ -34,6 +34,10 @@ GONE = "GONE"  # Slurm no longer knows the job (purged after MinJobAge, or never
 
 class SlurmError(RuntimeError):
     """A Slurm command failed; the message is Slurm's own (``sbatch: error: ...``)."""
+
+
+class SlurmTimeout(SlurmError):
+    """A Slurm command got no answer in time: what it asked for may still have happened (a job submitted)."""
 
 
 def available() -> str | None:
@@ -49,7 +53,7 @@ def _run(argv: list[str], timeout_s: float = TIMEOUT_S) -> subprocess.CompletedP
     except FileNotFoundError:
         raise SlurmError(f"{argv[0]}: command not found (is Slurm installed on this host?)") from None
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"{argv[0]} did not answer within {timeout_s:g}s (is slurmctld up?)") from None
+        raise SlurmTimeout(f"{argv[0]} did not answer within {timeout_s:g}s (is slurmctld up?)") from None
 
 
 def _why(p: subprocess.CompletedProcess[str]) -> str:

@@ -95,6 +95,12 @@ class SlurmJobs:
         options = slurm.sbatch_options(self.section, spec)
         try:
             job = slurm.submit(script, name, f"aerie:{token}", sd.log, sd.out, options)
+        except slurm.SlurmTimeout as exc:
+            # No answer is not a refusal: slurmctld may still create the job. The "submitting" record stays, so
+            # the job is found by its name, or the attempt is submitted again once Slurm knows no such job.
+            self.log(f"{sid}: attempt {attempt}: {exc}; looking for job {name} before submitting again")
+            write_json(sd.slurm_job, {**rec, "unanswered_t": time.time()})
+            return
         except slurm.SlurmError as exc:
             self._rejected(sd, rec, str(exc))
             return
@@ -202,7 +208,8 @@ class SlurmJobs:
         return deriver._finished(st, sd, ex, attempt)
 
     def _find_lost_submission(self, sd: StageDir, rec: dict, may_abandon: bool = True) -> str | None:
-        """A 'submitting' record without an id: the supervisor died around sbatch. Find the job by name."""
+        """A 'submitting' record without an id (the supervisor died around sbatch, or sbatch got no answer in
+        time): find the job by its name."""
         try:
             ids = slurm.find_by_name(rec["name"])
         except slurm.SlurmError as exc:
@@ -212,9 +219,10 @@ class SlurmJobs:
             job = ids[0]
             write_json(sd.slurm_job, {**rec, "state": "submitted", "job_id": job, "found_by_name": time.time()})
             self.log(f"{sd.id}: attempt {rec['attempt']}: found Slurm job {job} by its name {rec['name']} "
-                     "(the submitting supervisor died before recording it): not submitting again")
+                     "(sbatch got no answer, or the supervisor died, before its id was recorded): not submitting again")
             return job
-        if may_abandon and time.time() - float(rec.get("t", 0)) > SUBMIT_GRACE_S:
+        since = float(rec.get("unanswered_t", rec.get("t", 0)))  # an sbatch that timed out: from then on
+        if may_abandon and time.time() - since > SUBMIT_GRACE_S:
             write_json(sd.slurm_job, {**rec, "state": "abandoned", "abandoned_t": time.time()})
             self.log(f"{sd.id}: attempt {rec['attempt']}: Slurm has no job named {rec['name']}: "
                      "its submission never reached Slurm; submitting it now")
