@@ -4,7 +4,8 @@
     aerie run PLAN [--headless]             create/attach the plan's run, start its supervisor, watch it
     aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
                                             RUN may be ssh://[user@]host[:port]/path or an ssh PLAN
-    aerie preflight PLAN                    ssh plans: bootstrap the host and check it, start nothing
+    aerie preflight PLAN                    ssh plans: bootstrap the host and check it, start nothing;
+                                            slurm plans: sinfo, a probe job (shared run dir, imports)
     aerie serve RUN [--port 8000]           the console in a web browser, on 127.0.0.1 (textual-serve)
     aerie status RUN [--json]               one line (or JSON object) per stage
     aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
@@ -94,8 +95,9 @@ def _start(plan_path: Path, run_dir: Path | None) -> Path | int:
     except plan_mod.PlanError as exc:
         err(str(exc))
         return EXIT_USAGE
-    if plan.executor.kind != "local":
+    if plan.executor.kind == "ssh" or plan.executor.host:
         return _start_remote(plan)
+    # local, or slurm from this (login) node: the supervisor runs here (and submits the stages' jobs)
     rc, out, stderr = start_local_run(plan_path, run_dir)
     if rc != 0:
         err(stderr.replace("error: ", "") or f"could not start the run (exit {rc})")
@@ -170,8 +172,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     stages = state.get("stages", [])
     if args.json:
         for st in stages:
-            print(json.dumps({k: st.get(k) for k in ("id", "state", "attempt", "pid", "pgid", "started_at",
-                                                      "finished_at", "returncode", "reason", "health", "progress")}))
+            print(json.dumps({**{k: st.get(k) for k in ("id", "state", "attempt", "pid", "pgid", "started_at",
+                                                         "finished_at", "returncode", "reason", "health", "progress")},
+                              **({"job": st["job"]} if st.get("job") else {})}))  # a Slurm stage's job id
         return EXIT_OK
     for st in stages:
         prog = st.get("progress") or {}
@@ -202,6 +205,20 @@ def cmd_control(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_mod.load(args.plan)
+    except plan_mod.PlanError as exc:
+        err(str(exc))
+        return EXIT_USAGE
+    if plan.executor.kind == "slurm" and not plan.executor.host:
+        # Slurm from this login node: the checks need the Slurm commands, so they run as a pipeline program.
+        import subprocess
+
+        from console.transport import child_env
+
+        p = subprocess.run([sys.executable, "-m", "pipeline.run.slurm_preflight", str(plan.path)], env=child_env(),
+                           stdin=subprocess.DEVNULL)
+        return EXIT_OK if p.returncode == 0 else EXIT_USAGE
     from console.ssh.commands import cmd_preflight as preflight
 
     return preflight(args)
@@ -223,7 +240,7 @@ def cmd_plan_check(args: argparse.Namespace) -> int:
 
     from console.transport import child_env
 
-    if plan.executor.kind == "ssh":
+    if plan.executor.host:
         print(f"note: {plan.path} runs on {plan.executor.host}; this checks the target as found on this machine "
               "(aerie preflight runs the same check on the host)")
     p = subprocess.run([sys.executable, "-m", "pipeline.eagle3.chain_check", str(plan.path)], env=child_env())
@@ -282,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--fresh", action="store_true", help="clear the stage's outputs (inside the run dir) first")
         p.set_defaults(fn=cmd_control, action=action)
 
-    p = sub.add_parser("preflight", help="ssh plans: bootstrap the host and check it (starts nothing)")
+    p = sub.add_parser("preflight", help="ssh plans: bootstrap the host and check it; slurm plans: sinfo and a "
+                       "probe job (starts nothing)")
     p.add_argument("plan")
     p.set_defaults(fn=cmd_preflight)
 

@@ -108,12 +108,17 @@ class StageView:
         return max(0.0, end - self.started_at)
 
     @property
+    def queued(self) -> bool:
+        """A Slurm stage whose job waits in Slurm's queue (or is being submitted): launched, not running yet."""
+        return self.state == "running" and (self.reason.startswith("queued:") or self.reason == "submitting to Slurm")
+
+    @property
     def display_state(self) -> str:
         if self.state == "running" and self.pausing:
             return "pausing"
         if self.state == "running" and self.service and self.health:
             return self.health if self.health != "ready" else "ready"
-        if self.state == "running" and self.reason == "starting":
+        if self.state == "running" and (self.reason == "starting" or self.queued):
             return "starting"
         return self.state
 

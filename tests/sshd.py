@@ -71,10 +71,12 @@ class LoopbackSshd:
     """One private sshd on 127.0.0.1; :meth:`start`, :meth:`drop` (kill it and its connections), restart."""
 
     def __init__(self, root: Path, port: int | None = None, max_sessions: int | None = None,
-                 listen: str = "127.0.0.1", netns: str | None = None) -> None:
+                 listen: str = "127.0.0.1", netns: str | None = None, env: dict[str, str] | None = None) -> None:
         """``listen``/``netns``: bind another address, inside a network namespace the caller made
-        (``nsenter --net=/run/netns/NETNS sshd ...``), e.g. behind an impaired veth link (tests/test_ssh_badlink.py)."""
+        (``nsenter --net=/run/netns/NETNS sshd ...``), e.g. behind an impaired veth link (tests/test_ssh_badlink.py).
+        ``env``: variables every session gets (sshd's ``SetEnv``), as a login node's profile would set them."""
         self.root = Path(root)
+        self.env = dict(env or {})
         self.listen, self.netns = listen, netns
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -105,6 +107,8 @@ class LoopbackSshd:
         ]
         if self.max_sessions is not None:
             lines.append(f"MaxSessions {self.max_sessions}")
+        if self.env:
+            lines.append("SetEnv " + " ".join(f"{k}={v}" for k, v in self.env.items()))
         self.config.write_text("\n".join(lines) + "\n")
 
     # ------------------------------------------------------------------------------------------

@@ -274,3 +274,18 @@ async def test_pause_holds_new_requests_and_is_acknowledged():
     finally:
         await runner.cleanup()
     assert acks == [True, False] and sorted(got) == ["q0", "q1", "q2", "q3"]
+
+
+async def test_requests_are_spread_over_every_replica_of_the_server():
+    """serve with replicas = N (Slurm): regen sends to each server in turn."""
+    a, b = Flaky({}), Flaky({})
+    (ra, pa), (rb, pb) = await serve_app(a), await serve_app(b)
+    got = {}
+    try:
+        r = Regenerator(cfg(pa, more_urls=(f"http://127.0.0.1:{pb}",)), lambda rec: got.__setitem__(rec["id"], rec))
+        await r.run([(f"p{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(10)])
+    finally:
+        await ra.cleanup()
+        await rb.cleanup()
+    assert len(got) == 10
+    assert sum(a.calls.values()) == 5 and sum(b.calls.values()) == 5

@@ -52,7 +52,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     plan = _load_ssh_plan(args.plan)
     if isinstance(plan, int):
         return plan
-    if plan.executor.kind != "ssh":
+    if not plan.executor.host:
         print(f"{plan.path}: executor.kind = {plan.executor.kind!r}: nothing to preflight (runs on this machine)")
         return EXIT_OK
     try:
@@ -91,7 +91,7 @@ def attach_transport(arg: str) -> Transport | int:
             plan = _load_ssh_plan(arg)
             if isinstance(plan, int):
                 return plan
-            if plan.executor.kind != "ssh":
+            if not plan.executor.host:  # local, or slurm from this login node
                 if not (plan.run_dir / "plan.toml").is_file():
                     _err(f"{plan.run_dir}: no such run (start it with `aerie run {arg}`)")
                     return EXIT_USAGE

@@ -77,7 +77,7 @@ class SshTarget:
     @classmethod
     def from_executor(cls, ex: Executor, file: str | Path = "plan") -> SshTarget:
         """The target a plan's ``[executor]`` names; bad ``options`` are refused naming the key."""
-        if ex.kind != "ssh" or not ex.host:
+        if ex.kind not in ("ssh", "slurm") or not ex.host:  # slurm: the login node is reached over ssh
             raise SshError(f"{file}: executor: {ex.kind!r} is not an ssh executor with a host")
         o = ex.options
         for k in o:

@@ -14,6 +14,9 @@ Over the one connection, in order, each step a named check in the report:
    ``pipeline``; every built-in stage module the plan uses must import there (a missing
    ``torch`` is reported now, not an hour into the run);
 6. **disk** — free space at the run directory, refused when below the plan's declared outputs.
+7. **chain** — the EAGLE-3 chain against the host's copy of the target, when the plan trains;
+8. **slurm** — for ``[executor] kind = "slurm"`` with a host (the login node): ``sinfo`` and a probe
+   job on a compute node (``python -m pipeline.run.slurm_preflight`` on the login node).
 
 Nothing is started when a check fails; :meth:`PreflightReport.render` lists every check with
 what to do. On success the report carries the :class:`RemoteLayout` (also written to
@@ -343,6 +346,15 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
         if any(st.run in EAGLE3_STAGES for st in plan.stages):
             await _chain(rep, conn, python, pythonpath, remote_plan)
             if not rep.ok:
+                return
+        # 8. a Slurm plan: the login node's sinfo and a probe job on a compute node (pipeline.run.slurm_preflight)
+        if ex.kind == "slurm":
+            r = await conn.run(remote_python(python, pythonpath, "-m", "pipeline.run.slurm_preflight", remote_plan,
+                                             "--run-dir", root), timeout_s=600.0)
+            lines = [x.strip() for x in (r.stdout + r.stderr).splitlines() if x.strip().startswith(("ok", "FAIL"))]
+            detail = "; ".join(x.split(None, 1)[-1] for x in lines if x.startswith("FAIL")) if r.returncode else \
+                f"{len(lines)} checks passed: " + "; ".join(x.split(None, 1)[-1] for x in lines)
+            if not rep.add("slurm", r.returncode == 0, detail or (r.stderr or r.stdout).strip()[-500:]):
                 return
         layout = RemoteLayout(root=root, python=python, pythonpath=pythonpath, plan=remote_plan)
         await _write_atomic(sftp, posixpath.join(root, LAYOUT_FILE), layout.to_json().encode())

@@ -70,6 +70,8 @@ def server_line(st: StageView) -> str | None:
 
 
 def note_for(st: StageView) -> str:
+    if st.queued:  # "queued: Slurm job 12 pending (Resources)"
+        return st.reason
     live = server_line(st) if st.state in ("running", "paused") else None
     if live:
         return live

@@ -339,7 +339,7 @@ def gpu_probe() -> GpuProbe:
 def gpu_guard_check(spec: StageSpec, sup: RunView, probe: GpuProbe | None = None) -> str | None:
     """Refuse a stage needing GPUs while any process holds one of them (the stage is not running yet,
     so every holder is someone else: a foreign process, or a leftover of a stopped stage)."""
-    if not spec.gpus:
+    if not spec.gpus or sup.plan.executor.kind == "slurm":  # Slurm hands out the GPUs of its nodes
         return None
     try:
         holders = (probe or gpu_probe()).holders(sup.run)

@@ -10,7 +10,8 @@ stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
 4. writes ``exit.json`` and the ``finished`` event when the child ends; for a failure both carry
    ``error``, the log line that says why (the exception, or the last error / non-empty line).
 
-It survives SIGTERM (ignored here, so the child's death is still recorded); a SIGKILL to the
+Under the Slurm executor (``AERIE_EXECUTOR=slurm``) it is the batch script's process and exits with
+the stage's status, so Slurm's accounting says FAILED for a failed stage. It survives SIGTERM (ignored here, so the child's death is still recorded); a SIGKILL to the
 group ends it too, and the supervisor then records the exit on its behalf.
 """
 
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with contextlib.suppress(OSError):
         print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
+    if os.environ.get("AERIE_EXECUTOR") == "slurm":
+        # Slurm's record of the job (sacct, scontrol) carries the stage's own status, as a shell reports it.
+        return rc if rc >= 0 else 128 - rc
     return 0
 
 

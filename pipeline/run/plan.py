@@ -22,14 +22,18 @@ from pathlib import Path
 from typing import Any
 
 DATASET_KINDS = ("target-native", "prompt-only")
-EXECUTOR_KINDS = ("local", "ssh")
+EXECUTOR_KINDS = ("local", "ssh", "slurm")
 # Top-level tables besides the core ones hold per-stage-family settings, read by those stages.
 CORE_KEYS = {"run", "executor", "resources", "target", "datasets", "stage"}
-SECTION_KEYS = {"prep", "regen", "serve", "extract", "vocab", "train", "bench", "telemetry", "alerts", "ui", "deploy", "wandb"}
+SECTION_KEYS = {"prep", "regen", "serve", "extract", "vocab", "train", "bench", "telemetry", "alerts", "ui", "deploy", "wandb",
+                "slurm"}
 WANDB_KEYS = {"project", "entity", "mode", "group"}
+# ``[slurm]`` (and a stage's ``slurm = {...}`` overrides): where and how the Slurm executor submits jobs.
+SLURM_KEYS = {"partition", "account", "qos", "time", "extra"}
 STAGE_KEYS = {
     "id", "run", "command", "for_each", "when", "args", "after", "uses", "service", "cpu", "gpus",
     "output_bytes", "retry", "env", "skip", "pause_grace_s", "kill_grace_s", "description", "label",
+    "nodes", "slurm", "replicas",
 }
 DATASET_KEYS = {"name", "source", "kind", "quota", "path", "split", "config", "options"}
 
@@ -82,6 +86,8 @@ class StageSpec:
     pause_grace_s: float = 10.0
     kill_grace_s: float = 10.0
     description: str = ""
+    nodes: int = 1  # Slurm executor: the job's node count (``--nodes``)
+    slurm: dict[str, Any] = field(default_factory=dict)  # Slurm executor: this stage's [slurm] overrides
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +98,7 @@ class StageSpec:
             "retry": {"max_attempts": self.retry.max_attempts, "backoff_s": self.retry.backoff_s},
             "env": dict(self.env), "skip": self.skip, "pause_grace_s": self.pause_grace_s,
             "kill_grace_s": self.kill_grace_s, "description": self.description,
+            "nodes": self.nodes, "slurm": dict(self.slurm),
         }
 
     @classmethod
@@ -105,7 +112,7 @@ class StageSpec:
             retry=RetryPolicy(int(r.get("max_attempts", 1)), float(r.get("backoff_s", 30.0))),
             env=dict(d.get("env", {})), skip=bool(d.get("skip")),
             pause_grace_s=float(d.get("pause_grace_s", 10.0)), kill_grace_s=float(d.get("kill_grace_s", 10.0)),
-            description=d.get("description", ""),
+            description=d.get("description", ""), nodes=int(d.get("nodes", 1)), slurm=dict(d.get("slurm") or {}),
         )
 
 
@@ -342,7 +349,11 @@ def from_dict(raw: dict[str, Any], path: Path, run_dir: Path | str | None = None
             sections[key] = _type(path, key, raw[key], dict, "a table")
     if "wandb" in sections:
         _wandb(path, sections["wandb"])
-    stages = _stages(path, raw.get("stage", []), datasets, cpu_slots, tuple(gpus))
+    if "slurm" in sections:
+        if executor.kind != "slurm":
+            raise PlanError(path, "slurm", f"a [slurm] table needs executor.kind = \"slurm\" (it is {executor.kind!r})")
+        _slurm(path, "slurm", sections["slurm"])
+    stages = _stages(path, raw.get("stage", []), datasets, cpu_slots, tuple(gpus), executor.kind)
     plan = Plan(
         path=path, name=name, run_dir=Path(run_dir), executor=executor, cpu_slots=cpu_slots,
         gpus=tuple(gpus), target=target, datasets=datasets, stages=stages, sections=sections, raw=raw,
@@ -365,6 +376,9 @@ def _executor(path: Path, ex: Any) -> Executor:
         raise PlanError(path, "executor.host", "an ssh executor needs a host (an alias from ~/.ssh/config works)")
     if kind == "ssh" and not ex.get("remote_dir"):
         raise PlanError(path, "executor.remote_dir", "an ssh executor needs the remote run directory")
+    if kind == "slurm" and ex.get("host") and not ex.get("remote_dir"):
+        raise PlanError(path, "executor.remote_dir", "a slurm executor reached over ssh (executor.host) needs the "
+                                                     "run directory on the cluster's shared filesystem")
     for k in ("host", "user"):
         # A host or user is one word for ssh: never an option ("-oProxyCommand=...") nor shell text.
         v = ex.get(k)
@@ -385,6 +399,35 @@ def _executor(path: Path, ex: Any) -> Executor:
         kind=kind, host=ex.get("host"), user=ex.get("user"), port=port, identity=ex.get("identity"),
         remote_dir=ex.get("remote_dir"), python=ex.get("python", "python3"), options=dict(options),
     )
+
+
+_SLURM_TIME_CHARS = set("0123456789-:")
+
+
+def _slurm(path: Path, key: str, table: Any) -> dict[str, Any]:
+    """``[slurm]`` or a stage's ``slurm = {...}``: each value becomes one ``sbatch`` argv word, never shell text."""
+    _type(path, key, table, dict, "a table")
+    for k, v in table.items():
+        if k not in SLURM_KEYS:
+            raise PlanError(path, _key(key, k), f"unknown key (known: {', '.join(sorted(SLURM_KEYS))})")
+        if k in ("partition", "account", "qos"):
+            _text(path, f"{key}.{k}", v, empty=False)
+            if v.startswith("-") or any(c.isspace() or c in _HOST_BAD for c in v):
+                raise PlanError(path, f"{key}.{k}", f"{v!r}: not a valid Slurm {k} name")
+        elif k == "time":
+            if isinstance(v, int) and not isinstance(v, bool):
+                _int(path, f"{key}.time", v, "minutes", lo=1, hi=10**7)
+            else:
+                _text(path, f"{key}.time", v, "a Slurm time limit (minutes, or \"D-HH:MM:SS\")", empty=False)
+                if not set(v) <= _SLURM_TIME_CHARS or not v[0].isdigit():
+                    raise PlanError(path, f"{key}.time", f"{v!r}: not a Slurm time limit (e.g. \"90\", "
+                                                         "\"4:00:00\", \"1-12:00:00\")")
+        elif k == "extra":
+            for i, word in enumerate(_str_list(path, f"{key}.extra", v)):
+                if not word.startswith("--") or len(word) < 3:
+                    raise PlanError(path, f"{key}.extra[{i}]", f"{word!r}: each extra item is one sbatch long "
+                                                               "option, e.g. \"--constraint=h100\"")
+    return dict(table)
 
 
 def _datasets(path: Path, items: Any, base: Path) -> list[Dataset]:
@@ -427,12 +470,15 @@ def _subst(value: str, ds: Dataset | None) -> str:
     return value.replace("{dataset}", ds.name).replace("{kind}", ds.kind).replace("{source}", ds.source)
 
 
-def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpus: tuple[int, ...]) -> list[StageSpec]:
+def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpus: tuple[int, ...],
+            executor_kind: str = "local") -> list[StageSpec]:
+    slurm = executor_kind == "slurm"
     _type(path, "stage", items, list, "an array of tables ([[stage]])")
     entries: list[tuple[str, dict, Dataset | None]] = []
     expanded: list[StageSpec] = []
     raw_deps: list[tuple[str, list[str], list[str]]] = []
     families: set[str] = set()
+    groups: dict[str, list[str]] = {}  # a replicated service's id -> its replicas' stage ids
     for i, s in enumerate(items):
         key = f"stage[{i}]"
         _type(path, key, s, dict, "a table")
@@ -469,16 +515,34 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
         after = _str_list(path, f"{key}.after", s.get("after", []))
         uses = _str_list(path, f"{key}.uses", s.get("uses", []))
         cpu = _int(path, f"{key}.cpu", s.get("cpu", 1), "an integer", lo=-MAX_INT)
-        if not 0 <= cpu <= cpu_slots:
+        if slurm:  # Slurm's nodes hold the CPUs (cpus-per-task), not this host's slots
+            _int(path, f"{key}.cpu", cpu, "an integer", lo=0, hi=100_000)
+        elif not 0 <= cpu <= cpu_slots:
             raise PlanError(path, f"{key}.cpu", f"{cpu} slots requested but resources.cpu_slots is {cpu_slots}")
         sg = s.get("gpus", [])
         if sg == "all":
             sg = list(gpus)
-        _type(path, f"{key}.gpus", sg, list, "a list of GPU ids or \"all\"")
+        if slurm and isinstance(sg, int) and not isinstance(sg, bool):
+            # Under Slurm a stage asks for a number of GPUs per node; Slurm picks which.
+            sg = list(range(_int(path, f"{key}.gpus", sg, "a number of GPUs per node", hi=4096)))
+        _type(path, f"{key}.gpus", sg, list, "a list of GPU ids or \"all\"" + (" or a count" if slurm else ""))
         for j, g in enumerate(sg):
             _int(path, f"{key}.gpus[{j}]", g, "an integer", lo=-MAX_INT)
-            if g not in gpus:
+            if g not in gpus and not slurm:
                 raise PlanError(path, f"{key}.gpus[{j}]", f"GPU {g} is not in resources.gpus {list(gpus)}")
+        nodes = _int(path, f"{key}.nodes", s.get("nodes", 1), "a number of nodes", lo=1, hi=100_000)
+        if nodes > 1 and not slurm:
+            raise PlanError(path, f"{key}.nodes", f"nodes = {nodes} needs executor.kind = \"slurm\" "
+                                                  f"(a {executor_kind} executor runs every stage on one host)")
+        stage_slurm = _slurm(path, f"{key}.slurm", s.get("slurm", {}))
+        replicas = _int(path, f"{key}.replicas", s.get("replicas", 1), "a number of server jobs", lo=1, hi=1000)
+        if replicas > 1 and not (slurm and s.get("service") is True):
+            raise PlanError(path, f"{key}.replicas", "replicas > 1 needs a service stage (service = true) under "
+                                                     "executor.kind = \"slurm\" (one server job per replica)")
+        if replicas > 1 and fe:
+            raise PlanError(path, f"{key}.replicas", "replicas cannot be combined with for_each")
+        if stage_slurm and not slurm:
+            raise PlanError(path, f"{key}.slurm", f"Slurm overrides need executor.kind = \"slurm\" (it is {executor_kind!r})")
         ob = _int(path, f"{key}.output_bytes", s.get("output_bytes", 0), "an integer number of bytes", hi=1 << 62)
         retry = _type(path, f"{key}.retry", s.get("retry", {}), dict, "a table")
         for rk in retry:
@@ -505,8 +569,11 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
         targets = [d for d in datasets if all(getattr(d, wk) == wv for wk, wv in when.items())] if fe else [None]
         if fe and not datasets:
             raise PlanError(path, f"{key}.for_each", "for_each = \"dataset\" but the plan has no [[datasets]]")
-        for ds in targets:
-            stage_id = f"{sid}.{ds.name}" if ds else sid
+        if replicas > 1:
+            # One stage (one Slurm job) per replica: serve.r1 ... serve.rN; `uses = ["serve"]` means them all.
+            groups[sid] = [f"{sid}.r{k}" for k in range(1, replicas + 1)]
+        for ds, stage_id in ([(None, r) for r in groups[sid]] if replicas > 1 else
+                             [(ds, f"{sid}.{ds.name}" if ds else sid) for ds in targets]):
             stage_args = [_subst(a, ds) for a in args]
             if run is not None and ds is not None and "--dataset" not in stage_args:
                 stage_args = ["--dataset", ds.name, *stage_args]
@@ -516,7 +583,7 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
                 cpu=cpu, gpus=tuple(sg), output_bytes=ob, retry=RetryPolicy(ma, float(bo)),
                 env={k: _subst(v, ds) for k, v in env.items()}, skip=bool(s.get("skip", False)),
                 pause_grace_s=float(s.get("pause_grace_s", 10.0)), kill_grace_s=float(s.get("kill_grace_s", 10.0)),
-                description=str(s.get("description", "")),
+                description=str(s.get("description", "")), nodes=nodes, slurm=stage_slurm,
             )
             expanded.append(spec)
             entries.append((key, s, ds))
@@ -525,8 +592,8 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
     services = {s.id for s in expanded if s.service}
     out: list[StageSpec] = []
     for spec, (key, after, uses) in zip(expanded, raw_deps, strict=True):
-        dep_ids = _resolve(path, f"{key}.after", after, ids, spec.id)
-        use_ids = _resolve(path, f"{key}.uses", uses, ids, spec.id)
+        dep_ids = _resolve(path, f"{key}.after", after, ids, spec.id, groups)
+        use_ids = _resolve(path, f"{key}.uses", uses, ids, spec.id, groups)
         for u in use_ids:
             if u not in services:
                 raise PlanError(path, f"{key}.uses", f"{u!r} is not a service stage (service = true)")
@@ -534,12 +601,16 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
     return out
 
 
-def _resolve(path: Path, key: str, patterns: list[str], ids: list[str], self_id: str) -> list[str]:
+def _resolve(path: Path, key: str, patterns: list[str], ids: list[str], self_id: str,
+             groups: dict[str, list[str]] | None = None) -> list[str]:
     out: list[str] = []
+    groups = groups or {}
     for pat in patterns:
         if any(c in pat for c in "*?["):
             hits = [i for i in ids if fnmatch.fnmatchcase(i, pat) and i != self_id]
             # A glob may legitimately match nothing (no prompt-only datasets): that is not an error.
+        elif pat in groups:
+            hits = list(groups[pat])
         else:
             if pat not in ids:
                 raise PlanError(path, key, f"unknown stage {pat!r} (stages: {', '.join(ids)})")
@@ -607,6 +678,8 @@ def render_dag(plan: Plan) -> str:
         if first.gpus:
             tags.append(f"gpus {','.join(map(str, first.gpus))}")
         tags.append(f"cpu {first.cpu}")
+        if first.nodes > 1:
+            tags.append(f"nodes {first.nodes}")
         lines.append(f"[{level[first.id]}] {fam}  ({what}; {'; '.join(tags)})" + (f"  x{len(specs)}" if len(specs) > 1 else ""))
         for s in specs:
             deps = ", ".join(_compress(list(s.after))) or "-"

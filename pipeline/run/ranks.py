@@ -2,7 +2,8 @@
 
 Rank and world from torchrun's environment, the process group with a timeout (a rank that dies makes
 the others fail within ``AERIE_DIST_TIMEOUT_S`` instead of hanging), collective pause checks, the
-re-exec under torchrun, and ranks that die with their agent. torch is imported only when a method
+re-exec under torchrun (under a Slurm job of several nodes: one agent per node through ``srun``), and
+ranks that die with their agent. torch is imported only when a method
 needs it, so the run machinery stays importable without it.
 """
 
@@ -115,13 +116,19 @@ def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = N
     log_dir = Path(tempfile.mkdtemp(prefix="aerie-ranks-"))
     beats = log_dir / "heartbeats"
     beats.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--max-restarts=0", f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "-m", module, *argv]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace",
-                            env={**os.environ, HEARTBEAT_ENV: str(beats)})
+    nodes = slurm_nodes()
+    tail = ["--max-restarts=0", f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "-m", module, *argv]
+    env = dict(os.environ)
+    if nodes > 1:
+        cmd = multi_node_command(nodes, nproc, tail, ctx)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *tail]
+        env[HEARTBEAT_ENV] = str(beats)  # the heartbeat folder is on this node only
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     stalled: list[str] = []
-    watchdog = threading.Thread(target=_watch_heartbeats, args=(proc, beats, nproc, stalled), daemon=True)
-    watchdog.start()
+    if nodes == 1:
+        watchdog = threading.Thread(target=_watch_heartbeats, args=(proc, beats, nproc, stalled), daemon=True)
+        watchdog.start()
     failed: dict[int, str] = {}  # rank -> exit code, from the agent's lines
     root: list[str] = []  # torchrun's "Root Cause (first observed failure)" block
     in_root = False
@@ -145,6 +152,45 @@ def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = N
         ctx.message(text, level="error", code="rank_failed")
     shutil.rmtree(log_dir, ignore_errors=True)
     sys.exit(rc if rc >= 0 else 128 - rc)  # a signal death as the shell reports it
+
+
+def slurm_nodes() -> int:
+    """How many nodes this stage's Slurm job holds (1 outside Slurm, or for a one-node job)."""
+    if os.environ.get("AERIE_EXECUTOR") != "slurm":
+        return 1
+    n = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
+    return int(n) if n.isdigit() else 1
+
+
+def multi_node_command(nodes: int, nproc: int, tail: list[str], ctx: Any = None) -> list[str]:
+    """``srun`` one torchrun agent per node of the job, ``nproc / nodes`` ranks each, meeting at the job's
+    first node (its ``NodeAddr``; port ``AERIE_RDZV_PORT``, else one derived from the job id).
+
+    Static rendezvous: each agent's node rank is Slurm's ``SLURM_NODEID`` (0 on the first node, which
+    hosts the store), so global ranks are laid out node by node. ``--kill-on-bad-exit``: a rank that
+    dies ends every node's agent, like ``--max-restarts=0`` on one node.
+    """
+    from pipeline.run import slurm
+
+    if nproc % nodes:
+        text = f"{nproc} ranks cannot be spread evenly over the job's {nodes} nodes: make nproc a multiple of nodes"
+        if ctx is not None:
+            ctx.message(text, level="error", code="rank_failed")
+        print(f"aerie: {text}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    first = slurm.hostnames(os.environ["SLURM_JOB_NODELIST"])[0]
+    addr = slurm.node_address(first)
+    job = os.environ.get("SLURM_JOB_ID", "0")
+    port = int(os.environ.get("AERIE_RDZV_PORT") or 20000 + (int(job) if job.isdigit() else 0) % 20000)
+    if ctx is not None:
+        ctx.message(f"{nodes} nodes x {nproc // nodes} ranks under torchrun, rendezvous at {addr}:{port} ({first})")
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={nproc // nodes}",
+             f"--master_addr={addr}", f"--master_port={port}", *tail]
+    # The node rank differs per node, so a tiny shell puts Slurm's SLURM_NODEID in front of the rest.
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            *([f"--cpus-per-task={cpus}"] if cpus else []),
+            "/bin/sh", "-c", 'p=$0 m=$1 r=$2; shift 2; exec "$p" "$m" "$r" --node_rank="$SLURM_NODEID" "$@"', *agent[:3], *agent[3:]]
 
 
 HEARTBEAT_ENV = "AERIE_HEARTBEAT_DIR"

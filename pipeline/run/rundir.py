@@ -19,6 +19,8 @@ The run directory on the executing host is the single source of truth. Layout::
         pause                   present while a pause is requested (the stage polls it)
         kill.json               present when a kill was requested for attempt N
         force.json              admission checks overridden for attempt N (``--force``)
+        slurm.json              Slurm executor: job name, then job id, of attempt N (before and after sbatch)
+        job-<N>.sh              Slurm executor: the batch script of attempt N
         out/                    the stage's outputs (``--fresh`` clears this, nothing else)
 
 Every JSON state file is written atomically (temp file in the same directory, fsync, rename).
@@ -177,6 +179,7 @@ class StageDir:
     pause_flag = property(lambda self: self.path / "pause")
     kill_marker = property(lambda self: self.path / "kill.json")
     force_marker = property(lambda self: self.path / "force.json")
+    slurm_job = property(lambda self: self.path / "slurm.json")
     out = property(lambda self: self.path / "out")
 
     def attempt(self) -> int:

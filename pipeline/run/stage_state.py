@@ -52,6 +52,7 @@ class StageStatus:
     after: list[str] = field(default_factory=list)
     uses: list[str] = field(default_factory=list)
     run: str | None = None  # the built-in module, None for an operator command
+    job: str | None = None  # the Slurm executor: the attempt's Slurm job id
 
 
 @dataclass
@@ -68,8 +69,10 @@ class EventMemory:
 class StateDeriver:
     """Derives each stage's :class:`StageStatus` from its files; records a launch that was lost."""
 
-    def __init__(self, run: RunDir, specs: dict[str, StageSpec], log: Callable[[str], None]) -> None:
+    def __init__(self, run: RunDir, specs: dict[str, StageSpec], log: Callable[[str], None],
+                 jobs: Any = None) -> None:
         self.run = run
+        self.jobs = jobs  # the Slurm executor's SlurmJobs: attempts are Slurm jobs, not local processes
         self.specs = specs
         self.log = log
         self.memory = {sid: EventMemory(EventTail(run.stage(sid).events)) for sid in specs}
@@ -104,6 +107,12 @@ class StateDeriver:
         st.progress = tr.progress if current else None
         proc = sd.record_for(sd.proc, attempt)
         launch = sd.record_for(sd.launch, attempt)
+        if self.jobs is not None:
+            # Under Slurm the launcher's pid is on a node we may not see: the job's state says it all.
+            done = self.jobs.derive(st, sd, attempt, current and tr.paused_ack_t > 0, self)
+            if done is not None:
+                return done
+            proc = launch = None
         if proc:
             ident = ProcIdentity.from_dict(proc)
             st.pid, st.pgid, st.started_at = ident.pid, ident.pgid, proc.get("t")

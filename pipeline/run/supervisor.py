@@ -36,6 +36,7 @@ from pipeline.run.events import EventWriter
 from pipeline.run.plan import Plan, StageSpec
 from pipeline.run.procs import ProcIdentity, StrangerError, env_with_pipeline, signal_group
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
+from pipeline.run.slurm_jobs import SlurmJobs
 from pipeline.run.stage_state import TERMINAL, StageStatus, StateDeriver
 
 AdmissionCheck = Callable[[StageSpec, "Supervisor"], "str | None"]
@@ -83,7 +84,11 @@ class Supervisor:
         for sid in run.stage_ids():
             self.specs[sid] = StageSpec.from_dict(read_json(run.stage(sid).spec))
         self.order = list(self.specs)
-        self.deriver = StateDeriver(run, self.specs, self.log)
+        self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
+        # [executor] kind = "slurm": every attempt is a Slurm job (see pipeline.run.slurm_jobs).
+        self.jobs = SlurmJobs(run, self.specs, self.plan.section("slurm"), self.log, python) \
+            if self.plan.executor.kind == "slurm" else None
+        self.deriver = StateDeriver(run, self.specs, self.log, jobs=self.jobs)
         self.children: dict[str, subprocess.Popen] = {}
         self.status: dict[str, StageStatus] = {}
         self.admission: list[AdmissionCheck] = list(admission or [])
@@ -93,7 +98,6 @@ class Supervisor:
         self._identity_pending = False
         self._lock_fd: int | None = None
         self._refused: dict[str, str] = {}
-        self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
 
     # ----------------------------------------------------------------------------------- utils
     def log(self, text: str) -> None:
@@ -151,6 +155,9 @@ class Supervisor:
         if st.state != "running":
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to pause")
         write_json(self.sd(sid).pause_flag, {"attempt": st.attempt, "t": time.time()})
+        if self.jobs is not None:
+            return (f"{sid}: pause requested (safe point, then scontrol suspend after "
+                    f"{self.specs[sid].pause_grace_s:g}s)")
         return f"{sid}: pause requested (safe point, then SIGSTOP after {self.specs[sid].pause_grace_s:g}s)"
 
     def do_resume(self, sid: str) -> str:
@@ -158,7 +165,12 @@ class Supervisor:
         st = self.status[sid]
         if not sd.pause_flag.exists() and st.state != "paused":
             raise SupervisorError(f"{sid} is {st.state}, not paused")
+        flag = read_json(sd.pause_flag) or {}
         sd.pause_flag.unlink(missing_ok=True)
+        if self.jobs is not None:
+            if flag.get("stopped"):
+                self.jobs.thaw(sid)
+            return f"{sid}: resumed"
         self._signal(sid, signal.SIGCONT)
         return f"{sid}: resumed"
 
@@ -168,7 +180,16 @@ class Supervisor:
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to kill")
         sd = self.sd(sid)
         write_json(sd.kill_marker, {"attempt": st.attempt, "t": time.time(), "reason": reason})
+        flag = read_json(sd.pause_flag) or {}
         sd.pause_flag.unlink(missing_ok=True)
+        if self.jobs is not None:
+            if flag.get("stopped"):
+                self.jobs.thaw(sid)  # a suspended job acts on its cancel once resumed
+            msg = self.jobs.kill(sid)
+            if self.jobs.job_id(sid):
+                write_json(sd.kill_marker, {**(read_json(sd.kill_marker) or {}), "scancel": time.time()})
+            self.log(f"{msg} ({reason})")
+            return f"{msg}; scancel --signal=KILL after {self.specs[sid].kill_grace_s:g}s"
         self._signal(sid, signal.SIGTERM)
         self._signal(sid, signal.SIGCONT)  # a stopped group must run to act on SIGTERM
         self.log(f"{sid}: SIGTERM to pgid {st.pgid} ({reason})")
@@ -246,7 +267,9 @@ class Supervisor:
 
     def why_not_admitted(self, spec: StageSpec) -> str | None:
         cpu, gpus = self._held()
-        if cpu + spec.cpu > self.plan.cpu_slots:
+        if self.jobs is not None:
+            cpu, gpus = 0, set()  # Slurm schedules CPUs and GPUs on its nodes
+        if cpu + spec.cpu > self.plan.cpu_slots and self.jobs is None:
             return f"waiting for CPU slots ({cpu}/{self.plan.cpu_slots} in use)"
         busy = gpus & set(spec.gpus)
         if busy:
@@ -266,6 +289,9 @@ class Supervisor:
         attempt = sd.attempt()
         sd.pause_flag.unlink(missing_ok=True)
         write_json(sd.launch, {"attempt": attempt, "t": time.time(), "supervisor": os.getpid()})
+        if self.jobs is not None:
+            self.jobs.launch(sid, attempt)
+            return
         logfh = open(sd.log, "ab")  # noqa: SIM115
         try:
             child = subprocess.Popen(
@@ -311,7 +337,9 @@ class Supervisor:
         for sid, st in self.status.items():
             sd = self.sd(sid)
             spec = self.specs[sid]
-            if st.pausing:
+            if st.pausing and self.jobs is not None:
+                self._freeze_job(sid, st.attempt, now)
+            elif st.pausing:
                 flag = read_json(sd.pause_flag) or {}
                 if now - float(flag.get("t", now)) > spec.pause_grace_s and not flag.get("stopped"):
                     self._signal(sid, signal.SIGSTOP)
@@ -320,15 +348,41 @@ class Supervisor:
             killed = sd.record_for(sd.kill_marker, st.attempt)
             if (killed and st.state in ("running", "paused") and not killed.get("sigkill")
                     and now - float(killed["t"]) > spec.kill_grace_s):
-                    self._signal(sid, signal.SIGKILL)
+                    if self.jobs is not None:
+                        self.log(f"{sid}: still running after {spec.kill_grace_s:g}s: {self.jobs.kill(sid, hard=True)}")
+                    else:
+                        self._signal(sid, signal.SIGKILL)
+                        self.log(f"{sid}: still alive after {spec.kill_grace_s:g}s: SIGKILL to pgid {st.pgid}")
                     write_json(sd.kill_marker, {**killed, "sigkill": now})
-                    self.log(f"{sid}: still alive after {spec.kill_grace_s:g}s: SIGKILL to pgid {st.pgid}")
             if spec.service and st.state in ("running", "paused") and not killed and self._service_idle(sid):
                 self.do_kill(sid, reason="stop")
                 self.log(f"{sid}: service no longer needed: stopping it")
         for sid, child in list(self.children.items()):
             if child.poll() is not None:
                 del self.children[sid]
+        if self.jobs is not None:
+            for sid in self.jobs.pending_kills():  # a kill asked while the job id was still being found
+                sd = self.sd(sid)
+                self.log(self.jobs.kill(sid))
+                write_json(sd.kill_marker, {**(read_json(sd.kill_marker) or {}), "scancel": now})
+
+    def _freeze_job(self, sid: str, attempt: int, now: float) -> None:
+        """A Slurm stage that reached no safe point within its grace: ``scontrol suspend``, or say why not."""
+        sd, spec = self.sd(sid), self.specs[sid]
+        flag = read_json(sd.pause_flag) or {}
+        if now - float(flag.get("t", now)) <= spec.pause_grace_s or flag.get("stopped") or flag.get("cannot_freeze"):
+            return
+        why = self.jobs.freeze(sid) if self.jobs is not None else "not a Slurm stage"
+        if why is None:
+            write_json(sd.pause_flag, {**flag, "stopped": now})
+            self.log(f"{sid}: no safe point within {spec.pause_grace_s:g}s: scontrol suspend")
+            return
+        text = (f"cannot freeze this stage: Slurm refused to suspend its job ({why}); it pauses at its next "
+                "safe point, or kill it")
+        write_json(sd.pause_flag, {**flag, "cannot_freeze": text})
+        with EventWriter(sd.events) as w:
+            w.emit("message", level="warning", code="cannot_freeze", attempt=attempt, text=text)
+        self.log(f"{sid}: {text}")
 
     def _service_idle(self, sid: str) -> bool:
         users = [s for s in self.order if sid in self.specs[s].uses]

@@ -66,6 +66,7 @@ class ClientConfig:
     drain_timeout_s: float = 8.0
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, max_tokens, ... (body keys)
     api_key: str | None = None
+    more_urls: tuple[str, ...] = ()  # further replicas of the server: requests go to each in turn
 
 
 @dataclass
@@ -143,7 +144,8 @@ class Regenerator:
         self._stopping = False
         self._outage_since: float | None = None
         self._outage_detail = ""
-        self._endpoint = cfg.url.rstrip("/") + "/v1/chat/completions"
+        self._endpoints = [u.rstrip("/") + "/v1/chat/completions" for u in (cfg.url, *cfg.more_urls)]
+        self._endpoint = self._endpoints[0]
         self._headers = {"Content-Type": "application/json"}
         if cfg.api_key:
             self._headers["Authorization"] = f"Bearer {cfg.api_key}"
@@ -184,7 +186,9 @@ class Regenerator:
     async def _post(self, session: aiohttp.ClientSession, body: bytes) -> Any:
         self.stats.sent += 1
         try:
-            async with session.post(self._endpoint, data=body, headers=self._headers) as resp:
+            # Round robin over the server's replicas (one endpoint: always that one).
+            endpoint = self._endpoints[self.stats.sent % len(self._endpoints)]
+            async with session.post(endpoint, data=body, headers=self._headers) as resp:
                 raw = await resp.read()
                 if resp.status == 200:
                     try:

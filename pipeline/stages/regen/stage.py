@@ -2,7 +2,8 @@
 
 1. Read the ``prompts`` shards of the upstream prep stage (``ctx.inputs``; ``--input`` by hand).
 2. Ask the inference server (the service this stage ``uses``: its ``out/endpoint.json``; or
-   ``[regen] server_url`` / ``--server-url``) for each prompt not yet in ``out/responses.jsonl``.
+   ``[regen] server_url`` / ``--server-url``) for each prompt not yet in ``out/responses.jsonl``; a
+   service with ``replicas = N`` (Slurm) has N endpoints, and requests go to each in turn.
 3. Tokenise prompt + answer with the target's chat template and write loss-masked shards
    (:mod:`pipeline.data.tokenise`), ``manifest.json`` of kind ``tokenized`` last.
 
@@ -132,23 +133,28 @@ def read_prompts(d: Path, limit: int | None = None) -> list[tuple[str, list[dict
     return out
 
 
-def server_url(ctx: StageContext, plan: Plan, s: dict[str, Any], override: str | None) -> str:
+def server_urls(ctx: StageContext, plan: Plan, s: dict[str, Any], override: str | None) -> list[str]:
+    """Every server to send requests to: the override, ``[regen] server_url``, else the ``endpoint.json``
+    of each service this stage uses (several with ``replicas = N`` under Slurm), else ``[serve]``'s."""
     if override:
-        return override
+        return [override]
     if s.get("server_url"):
-        return s["server_url"]
+        return [s["server_url"]]
     uses: tuple[str, ...] = ()
     with contextlib.suppress(KeyError):
         uses = plan.stage(ctx.stage_id).uses
+    urls: list[str] = []
     if ctx.run_dir is not None:
         for u in uses:
             ep = read_json(RunDir(ctx.run_dir).stage(u).out / "endpoint.json")
-            if ep and ep.get("url"):
-                return str(ep["url"])
+            if ep and ep.get("url") and str(ep["url"]) not in urls:
+                urls.append(str(ep["url"]))
+    if urls:
+        return urls
     serve = plan.section("serve")
     port = serve.get("port", 30000)
     if port:
-        return f"http://{serve.get('host', '127.0.0.1')}:{port}"
+        return [f"http://{serve.get('host', '127.0.0.1')}:{port}"]
     raise InputError("no server address: the service's endpoint.json is missing and [serve] port is 0; "
                      "pass --server-url or set [regen] server_url")
 
@@ -343,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(src, s.get("max_records"))
         if not prompts:
             fail(ctx, f"{src}: no prompts to regenerate", 2)
-        url = server_url(ctx, plan, s, args.server_url)
+        urls = server_urls(ctx, plan, s, args.server_url)
+        url = urls[0]
     except (PlanError, InputError, ValueError) as exc:
         fail(ctx, str(exc), 2)
     from pipeline.data.tokenise import load_chat_tokenizer
@@ -363,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                  "raise [target] max_length, or drop this dataset", 2)
         ctx.message(text, level="warning", code="prompts-too-long", skipped=len(too_long))
     api_key = os.environ.get(s["api_key_env"]) if s.get("api_key_env") else None
+    if len(urls) > 1:
+        ctx.message(f"spreading requests over {len(urls)} servers: {', '.join(urls)}")
     cfg = ClientConfig(
-        url=url, model=s.get("model"), concurrency=int(s["concurrency"]), request_timeout_s=float(s["request_timeout_s"]),
+        url=url, more_urls=tuple(urls[1:]), model=s.get("model"), concurrency=int(s["concurrency"]), request_timeout_s=float(s["request_timeout_s"]),
         max_attempts=int(s["max_attempts"]), backoff_s=float(s["backoff_s"]), backoff_max_s=float(s["backoff_max_s"]),
         outage_timeout_s=float(s["outage_timeout_s"]), sampling=sampling_body(s), api_key=api_key,
         drain_timeout_s=max(1.0, _kill_grace(plan, ctx.stage_id) - 2.0),

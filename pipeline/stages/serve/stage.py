@@ -127,9 +127,18 @@ class ServeStage:
         sd = RunDir(self.ctx.run_dir).stage(self.ctx.stage_id)
         return sd.record_for(sd.force_marker, self.ctx.attempt) is not None
 
+    def advertised_url(self) -> str:
+        """The URL clients use. Under Slurm a server listening on every interface (``[serve] host =
+        "0.0.0.0"``) is reached at its node's name: regen jobs run on other nodes."""
+        if os.environ.get("AERIE_EXECUTOR") == "slurm" and self.s.host in ("0.0.0.0", "::", ""):
+            import socket
+
+            return f"http://{socket.gethostname()}:{self.s.port}"
+        return self.s.url
+
     def write_endpoint(self, state: str) -> None:
         write_json(self.endpoint, {
-            "url": self.s.url, "host": self.s.host, "port": self.s.port, "backend": self.s.backend,
+            "url": self.advertised_url(), "host": self.s.host, "port": self.s.port, "backend": self.s.backend,
             "model": self.s.model, "served_model_name": self.s.served_model_name, "state": state,
             "pid": self.child.pid if self.child else None, "attempt": self.ctx.attempt, "t": time.time(),
             "speculative": self.s.speculative is not None,
