@@ -256,8 +256,8 @@ def main() -> int:
                       f"(slowest step {r[f'store_prefetch{pf}_step_ms_max']:.0f} ms)")
         if "specforge" in r:
             sf = r["specforge"]
-            print(f"  {'':>18} SpecForge 0.2.0 draft fwd+bwd: {sf['specforge_tok_s']:,.0f} tok/s, Aerie "
-                  f"{sf['aerie_tok_s']:,.0f} tok/s: Aerie/SpecForge = {sf['ratio']:.2f}x")
+            print(f"  {'':>18} SpecForge 0.2.0 draft fwd+bwd: {sf['specforge_tokens_per_s']:,.0f} tok/s, Aerie "
+                  f"{sf['aerie_tokens_per_s']:,.0f} tok/s: Aerie/SpecForge = {sf['ratio']:.2f}x")
     return 0
 
 
