@@ -13,8 +13,13 @@ token (mapped through d2t) equals the target's greedy token.
 fp32 on the CPU, bf16 autocast (fp32 master weights) on a GPU. Every ``checkpoint_every`` steps a
 checkpoint ``checkpoints/step_NNNNNNNN/`` (SGLang-loadable ``config.json`` + ``model.safetensors``,
 plus ``training_state.pt``) appears atomically; a retry resumes from the newest one and the loss
-curve continues from that step. The finished draft is ``draft/`` (pass it to SGLang as
-``--speculative-draft-model-path``).
+curve continues from that step. At every checkpoint the draft's accept length is simulated on the
+extraction's held-out rows (:mod:`.acceptance`); the finished draft ``draft/`` is the checkpoint where it
+was best (or the last step without held-out rows) — pass it to SGLang as ``--speculative-draft-model-path``.
+
+Modules: :mod:`.settings` (``[train]`` and the data order), :mod:`.batches` (from the store or the target),
+:mod:`.feeder` (batches assembled ahead on a GPU), :mod:`.loss`, :mod:`.acceptance`, :mod:`.checkpoints`,
+:mod:`.steps` (one step and what happens at it), :mod:`.loop` (the program).
 
 Several processes: ``[train] nproc = N`` makes the stage re-run itself under ``torchrun`` (gloo on the
 CPU, NCCL on GPUs); plain DDP, every rank holds the whole draft; the global batch is split by rank
