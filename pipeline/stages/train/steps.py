@@ -26,7 +26,6 @@ def rank_chunks(all_idx: list[int], rank: int, world: int, length: Any, micro_ba
     return [idx[a:a + micro_batch] for a in range(0, len(idx), micro_batch)]
 
 
-
 @dataclass
 class Steps:
     """Everything a training step needs, and what happens at a step: the update, the checkpoint, the evaluation."""
