@@ -41,7 +41,8 @@ class TokenFacts:
         return set(self.end_of_turn)
 
 
-def _ids(value: Any) -> list[int]:
+def id_list(value: Any) -> list[int]:
+    """A config's token id field (an id, a list of ids, or unset) as a list."""
     if value is None:
         return []
     if isinstance(value, int):
@@ -89,7 +90,7 @@ def resolve(tok: Any, generation_config: Any = None) -> TokenFacts:
     if closing:
         eot += closing
         sources["end_of_turn"] = "chat template"
-    gen = [i for i in _ids(getattr(generation_config, "eos_token_id", None)) if i not in openers]
+    gen = [i for i in id_list(getattr(generation_config, "eos_token_id", None)) if i not in openers]
     for i in gen:
         if i not in eot:
             eot.append(i)

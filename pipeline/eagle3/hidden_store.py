@@ -74,8 +74,6 @@ def is_eval_shard(name: str) -> bool:
 
 def write_shard(path: Path, rows: list[dict[str, torch.Tensor]], ids: list[str]) -> int:
     """Write one shard atomically; returns its size in bytes."""
-    import os
-
     from safetensors.torch import save_file
 
     lengths = [int(r["input_ids"].shape[0]) for r in rows]
@@ -170,9 +168,9 @@ class HiddenStore:
                 raise StoreError(f"{self.dir / 'manifest.json'}: shard {s['file']} is missing")
             try:
                 m = ShardMap(p)
+            except StoreError:
+                raise
             except (ValueError, OSError) as exc:
-                if isinstance(exc, StoreError):
-                    raise
                 raise StoreError(f"{p}: not a readable shard: {exc}") from None
             off = m.tensors["offsets"]
             self.ids.extend(json.loads(m.metadata.get("ids", "[]")))

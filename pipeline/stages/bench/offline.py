@@ -23,7 +23,7 @@ def eos_ids(model_id: str, target: Any) -> set[int]:
         facts = turn_tokens(model_id)
     except (OSError, ValueError):  # a weights-only folder (no tokenizer files): the loaded model's generation config
         gen = getattr(target.model, "generation_config", None)
-        ids = token_facts._ids(getattr(gen, "eos_token_id", None))
+        ids = token_facts.id_list(getattr(gen, "eos_token_id", None))
         if not ids:
             raise
         return set(ids)
