@@ -197,6 +197,8 @@ def main() -> int:
                          "(the feeder thread, and the old on-the-step-thread read), next to the synthetic step")
     ap.add_argument("--baseline", choices=["specforge"], default=None,
                     help="also time SpecForge's draft forward+backward on the same config, batch and sequence length")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="with --baseline: print each side's top ROWS operators by device time")
     args = ap.parse_args()
     dev = torch.device(args.device)
     ceiling = matmul_ceiling_tflops(dev)
@@ -228,7 +230,11 @@ def main() -> int:
         if args.baseline == "specforge" and "error" not in r:
             from bench.specforge_peer import time_specforge_vs_aerie
 
-            r["specforge"] = time_specforge_vs_aerie(dev, cfg, b, s, args.steps)
+            r["specforge"] = time_specforge_vs_aerie(dev, cfg, b, s, t, reps=args.steps, profile_rows=args.profile)
+            for side in ("aerie", "specforge"):
+                if args.profile:
+                    print(f"--- {side}, {b}x{s}x{t}: top operators by device time (two steps)")
+                    print(r["specforge"].pop(f"{side}_profile"))
         rows.append(r)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -256,7 +262,8 @@ def main() -> int:
                       f"(slowest step {r[f'store_prefetch{pf}_step_ms_max']:.0f} ms)")
         if "specforge" in r:
             sf = r["specforge"]
-            print(f"  {'':>18} SpecForge 0.2.0 draft fwd+bwd: {sf['specforge_tokens_per_s']:,.0f} tok/s, Aerie "
+            print(f"  {'':>18} {sf['batch']}x{sf['seq_len']}x{sf['ttt']} fwd+bwd, SpecForge 0.2.0 draft: "
+                  f"{sf['specforge_tokens_per_s']:,.0f} tok/s, Aerie "
                   f"{sf['aerie_tokens_per_s']:,.0f} tok/s: Aerie/SpecForge = {sf['ratio']:.2f}x")
     return 0
 

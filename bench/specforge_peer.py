@@ -211,13 +211,15 @@ def aerie_ttt(aerie: Eagle3Draft, pb: PeerBatch, steps: int, autocast: bool = Fa
 
 
 def time_specforge_vs_aerie(device: str | torch.device, config: DraftConfig, batch: int, seq_len: int,
-                            steps: int, reps: int = 5, attention_backend: str = "sdpa") -> dict[str, Any]:
+                            steps: int, reps: int = 5, attention_backend: str = "sdpa",
+                            profile_rows: int = 0) -> dict[str, Any]:
     """Tokens/s of one training forward+backward of each, on one batch of ``batch × seq_len`` tokens.
 
     Each is trained as it trains itself: Aerie with fp32 master weights under bf16 autocast on CUDA
     (fp32 on CPU), its loss chunked; SpecForge with its draft in bf16 on CUDA (fp32 on CPU), its
     ``attention_backend`` (``sdpa``: the diagonal form; ``flex_attention``), its Triton loss on CUDA.
-    Returns tokens/s of each and ``ratio`` = Aerie / SpecForge.
+    Returns tokens/s of each and ``ratio`` = Aerie / SpecForge; with ``profile_rows``, also each side's
+    top kernels by device time over two more steps (``torch.profiler``), under ``<name>_profile``.
     """
     dev = torch.device(device)
     aerie, sf = build_pair(config, seed=0, device=dev, attention_backend=attention_backend, ttt=steps)
@@ -255,8 +257,24 @@ def time_specforge_vs_aerie(device: str | torch.device, config: DraftConfig, bat
             out[f"{name}_tokens_per_s"] = round(positions / (ms / 1e3), 1)
             if cuda:
                 out[f"{name}_peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+            if profile_rows:
+                out[f"{name}_profile"] = profile_table(fn, dev, profile_rows)
     out["ratio"] = round(out["aerie_tokens_per_s"] / out["specforge_tokens_per_s"], 3)
     return out
+
+
+def profile_table(fn: Any, dev: torch.device, rows: int) -> str:
+    """The top ``rows`` operators of two calls of ``fn`` by self device time (CPU time off CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(2):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
 def tiny_config(draft_vocab: int = 64, vocab: int = 256) -> DraftConfig:

@@ -77,7 +77,8 @@ def saved_bytes(loss_fn, draft, b: Batch, head_d: torch.Tensor, **kw) -> int:
 
 
 def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_the_draft_vocab() -> None:
-    """Plain: every step keeps (tokens × vocab) fp32 tensors until backward. Chunked: none survive a chunk."""
+    """Plain: every step keeps (tokens × vocab) fp32 tensors until backward. Chunked: none of the steps'
+    survive a chunk; the one (tokens × vocab) tensor kept is the target's logits, shared by all steps."""
     kept = {}
     for vocab in (1024, 4096):
         torch.manual_seed(7)
@@ -89,4 +90,4 @@ def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_the_draft_v
         kept[vocab, "chunked"] = saved_bytes(ttt_sums, draft, b, head_d, chunk_tokens=16)
     step_logits = 2 * 64 * (4096 - 1024) * 4  # one step's extra fp32 (tokens × vocab) bytes
     assert kept[4096, "plain"] - kept[1024, "plain"] >= 7 * 2 * step_logits  # log-softmax and targets, 7 steps
-    assert abs(kept[4096, "chunked"] - kept[1024, "chunked"]) < step_logits / 8, kept
+    assert abs(kept[4096, "chunked"] - kept[1024, "chunked"]) < step_logits * 9 / 8, kept

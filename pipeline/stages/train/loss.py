@@ -4,7 +4,10 @@
 only and ``chunk_tokens`` of them at a time, each chunk under non-reentrant activation
 checkpointing: the (tokens × draft vocab) fp32 logits, log-softmax and target probabilities of a
 chunk live only while that chunk is computed (forward) or recomputed (backward), never those of
-all TTT steps at once. ``chunk_tokens=0`` keeps the plain form (every step's full logits alive
+all TTT steps at once. The target's logits over the draft vocabulary are computed once per batch
+(bf16 under autocast, as the target itself would give them; fp32 otherwise) and shared by every
+step and chunk, which only gather their rows: a recomputed chunk repeats the softmax, not the
+(tokens × hidden × draft vocab) product (done per chunk in fp32 it cost more than the draft). ``chunk_tokens=0`` keeps the plain form (every step's full logits alive
 until backward), which the tests and ``bench/ttt_memory.py`` compare against.
 """
 
@@ -37,6 +40,8 @@ def ttt_sums(model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.Tensor, ste
     """
     if chunk_tokens <= 0:
         return ttt_sums_unchunked(model, draft, b, head_d, steps, autocast)
+    with torch.no_grad():
+        target_logits = target_logits_of(b.last_hidden, head_d, autocast)
     with torch.autocast(b.aux.device.type, dtype=torch.bfloat16, enabled=autocast):
         hiddens = model(b.aux, b.input_ids, b.lengths, steps, logits=False)
     losses, correct = [], torch.zeros(steps, dtype=torch.float64, device=b.aux.device)
@@ -44,14 +49,14 @@ def ttt_sums(model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.Tensor, ste
         m = b.step_mask(j)
         rows, cols = m.nonzero(as_tuple=True)  # the scored columns; the rest only cost memory
         h = hj[rows, cols]
-        last = b.last_hidden[rows, cols + 1 + j]
-        am = b.target_argmax[rows, cols + 1 + j]
+        tcols = cols + 1 + j
+        am = b.target_argmax[rows, tcols]
         weight = draft.t2d[am].to(torch.float32)  # a target token outside the draft vocab teaches nothing
         loss = h.new_zeros((), dtype=torch.float32)
         n = h.shape[0]
         for a in range(0, max(n, 1), chunk_tokens):
             sl = slice(a, a + chunk_tokens)
-            part = (h[sl], last[sl], weight[sl], head_d)
+            part = (h[sl], target_logits, rows[sl], tcols[sl], weight[sl])
             fn = _ChunkLoss(draft, autocast)
             if torch.is_grad_enabled() and h.requires_grad and n:
                 loss_c, guess = checkpoint(fn, *part, use_reentrant=False)
@@ -63,6 +68,14 @@ def ttt_sums(model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.Tensor, ste
     return losses, correct
 
 
+def target_logits_of(last_hidden: torch.Tensor, head_d: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """(B, S, draft vocab): the target's logits over the draft vocabulary, from its stored final hidden."""
+    if autocast:
+        with torch.autocast(last_hidden.device.type, dtype=torch.bfloat16):
+            return last_hidden @ head_d.T
+    return last_hidden.float() @ head_d.float().T
+
+
 class _ChunkLoss:
     """One chunk's summed soft-label CE (fp32) and its greedy guesses (target ids, no grad)."""
 
@@ -70,14 +83,14 @@ class _ChunkLoss:
         self.draft = draft
         self.autocast = autocast
 
-    def __call__(self, h: torch.Tensor, last: torch.Tensor, weight: torch.Tensor,
-                 head_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, h: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.draft
         with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             logits = d.logits(h)
         logits = logits.float()
         with torch.no_grad():
-            p = (last.float() @ head_d.float().T).log_softmax(-1).exp()  # the target over the draft vocab
+            p = target_logits[rows, cols].float().softmax(-1)  # the target over the draft vocab
             guess = d.draft_to_target(logits.argmax(-1))
         ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)
         return (ce * weight).sum(), guess
