@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 FRUITS = ["apples", "pears", "plums", "cherries", "lemons", "grapes", "mangoes", "peaches"]
 
 
-def conversations(n: int) -> list[tuple[str, list[dict]]]:
+def conversations(n: int, prefix: str = "row") -> list[tuple[str, list[dict]]]:
     """Small, regular chats (so a few training steps already learn something)."""
     out = []
     for i in range(n):
         a, b = i % 7 + 2, i % 5 + 3
         fruit = FRUITS[i % len(FRUITS)]
-        out.append((f"row-{i:04d}", [
+        out.append((f"{prefix}-{i:04d}", [
             {"role": "user", "content": f"I have {a} {fruit} and buy {b} more. How many {fruit} do I have?"},
             {"role": "assistant", "content": f"You have {a} {fruit} and you buy {b} more, so you have "
                                              f"{a + b} {fruit} in total. Enjoy your {fruit}!"},
@@ -37,7 +37,7 @@ def _ids(enc: object) -> list[int]:
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
-def write_tokenized(out: Path, n: int = 24, rows_per_shard: int = 12) -> Path:
+def write_tokenized(out: Path, n: int = 24, rows_per_shard: int = 12, prefix: str = "row") -> Path:
     """A ``tokenized`` out dir with ``n`` rows in Parquet shards; returns ``out``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -47,7 +47,7 @@ def write_tokenized(out: Path, n: int = 24, rows_per_shard: int = 12) -> Path:
     tok = load_tokenizer(MODEL)
     out.mkdir(parents=True, exist_ok=True)
     recs = []
-    for rid, msgs in conversations(n):
+    for rid, msgs in conversations(n, prefix):
         prompt = _ids(tok.apply_chat_template(msgs[:-1], tokenize=True, add_generation_prompt=True))
         full = _ids(tok.apply_chat_template(msgs, tokenize=True))
         assert full[: len(prompt)] == prompt

@@ -17,13 +17,19 @@ def find_draft(inputs: list[Path]) -> tuple[dict, Path]:
 
 
 def heldout_prompts(man: dict, n: int, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """Up to ``n`` held-out (id, prompt ids), taken in turn from each token source (one per dataset):
+    the acceptance of the training mix, not of whichever dataset happens to come first."""
     sources = [Path(p) for p in man.get("token_sources", [])]
     holdout = float(man.get("holdout") or 0.0)
-    out = []
-    for row in iter_rows(sources, holdout, "heldout", vocab_size, man.get("max_length")):
-        p = row.prompt()
-        if 0 < p.size < row.num_tokens:
-            out.append((row.id, p.astype("int64").tolist()))
-        if len(out) >= n:
-            break
+    streams = [iter_rows([src], holdout, "heldout", vocab_size, man.get("max_length")) for src in sources]
+    out: list[tuple[str, list[int]]] = []
+    while streams and len(out) < n:
+        for it in list(streams):
+            row = next((r for r in it if 0 < r.prompt().size < r.num_tokens), None)
+            if row is None:
+                streams.remove(it)
+                continue
+            out.append((row.id, row.prompt().astype("int64").tolist()))
+            if len(out) >= n:
+                break
     return out
