@@ -30,6 +30,15 @@ def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
     for sid in preps:
         manifest = json.loads((run_dir / "stages" / sid / "out" / "manifest.json").read_text())
         assert manifest["rows"] > 0
+    # The draft works: the bench's accept length at steps = 3 on held-out prompts of every dataset. Measured
+    # 1.60 on the 2-core dev VM (docs/eagle3.md, "The demo"; issue 15 asks >= 1.5); an untrained-looking draft
+    # measured 1.19. The bar is 1.4, not 1.5: regen's greedy answers come from a continuously batching CPU
+    # server whose batch composition depends on timing, so a few answers can differ by a token between
+    # machines and the 9-prompt mean moves with them.
+    bench = json.loads((run_dir / "stages" / "bench" / "out" / "results.json").read_text())
+    assert bench["accept_len"] >= 1.4, bench["per_prompt"]
+    assert len({p["id"].rsplit("-", 1)[0] for p in bench["per_prompt"]}) >= 5  # the mix, not one dataset
+    assert f"bench: mean accepted length {bench['accept_len']:.3f}" in out.stdout
     status = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run_dir), "--json"],
                             capture_output=True, text=True, env=env)
     assert status.returncode == 0
