@@ -231,10 +231,9 @@ def main() -> int:
             from bench.specforge_peer import time_specforge_vs_aerie
 
             r["specforge"] = time_specforge_vs_aerie(dev, cfg, b, s, t, reps=args.steps, profile_rows=args.profile)
-            for side in ("aerie", "specforge"):
-                if args.profile:
-                    print(f"--- {side}, {b}x{s}x{t}: top operators by device time (two steps)")
-                    print(r["specforge"].pop(f"{side}_profile"))
+            for side in ("aerie", "specforge") if args.profile else ():
+                print(f"--- {side}, {b}x{s}x{t}: top operators by device time (two steps)")
+                print(r["specforge"].pop(f"{side}_profile"))
         rows.append(r)
         if dev.type == "cuda":
             torch.cuda.empty_cache()

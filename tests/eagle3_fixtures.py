@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 MODEL = "builtin:smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,3 +149,36 @@ def _build(base: Path, what: str) -> Path:
         raise ValueError(what)
     done.touch()
     return target
+
+
+def losses(evs: list) -> dict[int, float]:
+    """Step -> loss, from a train stage's events."""
+    return {e.get("step"): e.get("value") for e in evs if e.type == "metric" and e.get("name") == "loss"}
+
+
+def assert_same_training(one: tuple[dict, dict], two: tuple[dict, dict]) -> None:
+    """Two train runs of steps 1-3 ((losses, training_state) each) learnt the same: equal losses and weights
+    to fp32 reduction-order tolerance (a different world size sums gradients in another order)."""
+    (l1, s1), (l2, s2) = one, two
+    assert list(l1) == list(l2) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+    for k, v in s1["model"].items():
+        if v.is_floating_point():
+            assert torch.allclose(v, s2["model"][k], atol=2e-5, rtol=1e-4), k
+
+
+def assert_stores_match(a: Path, b: Path) -> None:
+    """Two hidden-state stores hold the same rows: ids and greedy tokens equal, features within one bf16 step."""
+    from pipeline.eagle3 import hidden_store as hs
+
+    s1, s2 = hs.HiddenStore(a), hs.HiddenStore(b)
+    assert len(s1) == len(s2) > 0
+    step = 2.0 ** -7
+    for i in range(len(s1)):
+        r1, r2 = s1[i], s2[i]
+        assert torch.equal(r1.input_ids, r2.input_ids) and torch.equal(r1.target_argmax, r2.target_argmax)
+        for x, y in ((r1.aux, r2.aux), (r1.last_hidden, r2.last_hidden)):
+            x, y = x.float(), y.float()
+            bound = step * torch.maximum(x.abs(), y.abs())
+            assert ((x - y).abs() <= bound).all(), f"row {i}: max excess {float(((x - y).abs() - bound).max()):.3g}"

@@ -21,15 +21,20 @@ from pipeline.run import slurm
 from pipeline.run.events import read_all
 from pipeline.run.rundir import read_json
 from pipeline.run.supervisor import create_run
-from tests.eagle3_fixtures import TEST_SECTIONS, events, run_stage, shared, write_plan
+from tests.eagle3_fixtures import (
+    TEST_SECTIONS,
+    assert_same_training,
+    assert_stores_match,
+    events,
+    losses,
+    run_stage,
+    shared,
+    write_plan,
+)
 from tests.runs import start_supervisor, stop, wait_done, wait_for
 
 pytest_plugins = ["conftest_slurm"]
 pytestmark = pytest.mark.slow
-
-
-def losses(evs: list) -> dict[int, float]:
-    return {e.get("step"): e.get("value") for e in evs if e.type == "metric" and e.get("name") == "loss"}
 
 
 def test_two_node_torchrun_training_equals_one_process(slurm_cluster: SlurmCluster, tmp_path_factory, tmp_path) -> None:
@@ -61,13 +66,7 @@ def test_two_node_torchrun_training_equals_one_process(slurm_cluster: SlurmClust
     s1 = torch.load(one / "checkpoints" / "step_00000003" / "training_state.pt", weights_only=False)
     s2 = torch.load(two / "checkpoints" / "step_00000003" / "training_state.pt", weights_only=False)
     assert s1["world_size"] == 1 and s2["world_size"] == 2
-    l1, l2 = losses(events(one)), losses(ev2)
-    assert list(l1) == list(l2) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
-    for k, v in s1["model"].items():
-        if v.is_floating_point():
-            assert torch.allclose(v, s2["model"][k], atol=2e-5, rtol=1e-4), k
+    assert_same_training((losses(events(one)), s1), (losses(ev2), s2))
     texts = [e.get("text", "") for e in ev2 if e.type == "message"]
     assert any("2 nodes x 1 ranks under torchrun" in t for t in texts), texts
 
@@ -80,7 +79,6 @@ def test_two_node_tensor_parallel_capture_equals_one_process(slurm_cluster: Slur
     import subprocess
     import sys
 
-    from pipeline.eagle3 import hidden_store as hs
     from tests.kimi_fixture import build_tiny_kimi
     from tests.runs import ROOT
     from tests.test_kimi import _extract, _plan
@@ -110,15 +108,7 @@ def test_two_node_tensor_parallel_capture_equals_one_process(slurm_cluster: Slur
     sd = run.stage("extract")
     assert states == {"extract": "succeeded"}, sd.log.read_text()[-3000:]
     assert slurm.hostnames(slurm.query(read_json(sd.slurm_job)["job_id"]).nodes) == ["n1", "n2"]
-    s1, s2 = hs.HiddenStore(tmp_path / "ext1"), hs.HiddenStore(sd.out)
-    assert len(s1) == len(s2) > 0
-    step = 2.0 ** -7
-    for i in range(len(s1)):
-        a, b = s1[i], s2[i]
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.target_argmax, b.target_argmax)
-        for x, y in ((a.aux, b.aux), (a.last_hidden, b.last_hidden)):
-            x, y = x.float(), y.float()
-            assert ((x - y).abs() <= step * torch.maximum(x.abs(), y.abs())).all(), f"row {i}"
+    assert_stores_match(tmp_path / "ext1", sd.out)
     texts = [e.get("text", "") for e in read_all(sd.events) if e.type == "message"]
     assert any("2 nodes x 1 ranks under torchrun" in t for t in texts), texts
     assert any("loaded tensor-parallel over 2 ranks" in t for t in texts), texts
