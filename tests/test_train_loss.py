@@ -76,18 +76,69 @@ def saved_bytes(loss_fn, draft, b: Batch, head_d: torch.Tensor, **kw) -> int:
     return sum(seen.values())
 
 
-def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_the_draft_vocab() -> None:
+def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_tokens_times_vocab() -> None:
     """Plain: every step keeps (tokens × vocab) fp32 tensors until backward. Chunked: none of the steps'
-    survive a chunk; the one (tokens × vocab) tensor kept is the target's logits, shared by all steps."""
+    survive a chunk. What is kept and grows with the vocabulary is the target's logits (one tokens × vocab
+    tensor, shared by all steps) and each step's ``lm_head`` gradient (hidden × vocab, taken in the
+    forward pass); with more tokens only the target's logits and (tokens × hidden) tensors grow."""
     kept = {}
+    hidden = 32
     for vocab in (1024, 4096):
-        torch.manual_seed(7)
-        draft = Eagle3Draft(tiny_config(vocab_size=vocab, draft_vocab_size=vocab))
-        draft.set_vocab(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
-        b = batch(3, [64, 64], vocab=vocab)
-        head_d = torch.randn(vocab, 32)
-        kept[vocab, "plain"] = saved_bytes(ttt_sums_unchunked, draft, b, head_d)
-        kept[vocab, "chunked"] = saved_bytes(ttt_sums, draft, b, head_d, chunk_tokens=16)
-    step_logits = 2 * 64 * (4096 - 1024) * 4  # one step's extra fp32 (tokens × vocab) bytes
-    assert kept[4096, "plain"] - kept[1024, "plain"] >= 7 * 2 * step_logits  # log-softmax and targets, 7 steps
-    assert abs(kept[4096, "chunked"] - kept[1024, "chunked"]) < step_logits * 9 / 8, kept
+        for seq in (64, 128):
+            torch.manual_seed(7)
+            draft = Eagle3Draft(tiny_config(vocab_size=vocab, draft_vocab_size=vocab))
+            draft.set_vocab(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+            b = batch(3, [seq, seq], vocab=vocab)
+            head_d = torch.randn(vocab, hidden)
+            kept[vocab, seq, "plain"] = saved_bytes(ttt_sums_unchunked, draft, b, head_d)
+            kept[vocab, seq, "chunked"] = saved_bytes(ttt_sums, draft, b, head_d, chunk_tokens=16)
+    dv = 4096 - 1024
+    logits = 2 * 64 * dv * 4  # one step's extra fp32 (tokens × vocab) bytes, 64-token rows
+    assert kept[4096, 64, "plain"] - kept[1024, 64, "plain"] >= 7 * 2 * logits  # log-softmax and targets, 7 steps
+    grown = kept[4096, 64, "chunked"] - kept[1024, 64, "chunked"]
+    assert grown <= logits + 7 * hidden * dv * 4, kept  # target logits once + one lm_head gradient per step
+    # The (tokens × vocab) term: what 64 more tokens per row add at the large vocabulary beyond what they
+    # add at the small one. Plain: 7 steps × 2 tensors; chunked: the target's logits only.
+    def cross(kind: str) -> int:
+        return (kept[4096, 128, kind] - kept[4096, 64, kind]) - (kept[1024, 128, kind] - kept[1024, 64, kind])
+    assert cross("plain") >= 7 * 2 * logits
+    assert cross("chunked") <= logits * 9 / 8, kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled loss runs on CUDA only)")
+def test_on_a_gpu_the_compiled_soft_label_loss_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the train stage runs on a GPU (``torch.compile``'d elementwise part, bf16 products) against the
+    same function run eagerly, and both against float64: loss, greedy ids and both gradients."""
+    from pipeline.stages.train.head_loss import linear_soft_ce
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hidden, vocab = 3000, 256, 5000
+    x0 = torch.randn(n, hidden, device="cuda", generator=g)
+    w0 = torch.randn(vocab, hidden, device="cuda", generator=g) * hidden ** -0.5 * 3
+    tl = (torch.randn(2, 2048, vocab, device="cuda", generator=g) * 3).bfloat16()
+    rows = torch.randint(0, 2, (n,), device="cuda", generator=g)
+    cols = torch.randint(0, 2048, (n,), device="cuda", generator=g)
+    wt = (torch.rand(n, device="cuda", generator=g) < 0.9).float()
+
+    def run(eager: bool) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+        monkeypatch.setenv("AERIE_EAGER_LOSS", "1" if eager else "0")
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss, guess = linear_soft_ce(x, w, tl, rows, cols, wt, 1024, torch.bfloat16)
+        loss.backward()
+        return loss.item(), guess, x.grad, w.grad
+
+    eager, compiled = run(True), run(False)
+    x, w = x0.double().requires_grad_(), w0.double().requires_grad_()
+    z = x @ w.T
+    p = tl[rows, cols].double().softmax(-1)
+    ref = (-(p * z.log_softmax(-1)).sum(-1) * wt.double()).sum()
+    ref.backward()
+    z16 = (x0.bfloat16() @ w0.bfloat16().T).float()  # the products the loss takes its greedy ids from
+    for loss, guess, gx, gw in (eager, compiled):
+        assert loss == pytest.approx(ref.item(), rel=2e-3)
+        assert torch.equal(guess, z16.argmax(-1))
+        assert (guess == z.argmax(-1)).float().mean() > 0.95  # bf16 products flip some of 5000-way near-ties
+        for got, want in ((gx, x.grad), (gw, w.grad)):  # bf16 products: about 2^-8 relative, as autocast gives
+            assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
+    assert torch.equal(compiled[1], eager[1])
