@@ -67,9 +67,10 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor, w: torch.Tensor, chunk: int, work: torch.dtype,
-                rows_fn: RowsFn) -> tuple[torch.Tensor, torch.Tensor]:
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+                cols: torch.Tensor, w: torch.Tensor, chunk: int, work: torch.dtype, rows_fn: RowsFn,
+                grads: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # needs_input_grad stays True under no_grad; ``grads`` is the caller's grad mode
+        need_x, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
             wl, xl = weight.to(work), x.to(work)
             table = target_logits.reshape(-1, target_logits.shape[-1])
@@ -99,7 +100,7 @@ class _LinearSoftCE(torch.autograd.Function):
         xd, wd = ctx.dtypes
         dx = None if gx is None else (gx.float() * g).to(xd)
         dw = None if gw is None else (gw.float() * g).to(wd)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor,
@@ -115,11 +116,12 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.T
     work = work or weight.dtype
     fn = rows_fn_for(x.device)
     chunk = max(int(chunk_tokens), 1)
+    grads = torch.is_grad_enabled()
     if fn is not soft_ce_rows:
         try:
-            return _LinearSoftCE.apply(x, weight, target_logits, rows, cols, w, chunk, work, fn)
+            return _LinearSoftCE.apply(x, weight, target_logits, rows, cols, w, chunk, work, fn, grads)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop training; it costs speed
             warnings.warn(f"compiled soft-label loss failed ({type(exc).__name__}: {exc}); running it eagerly",
                           stacklevel=2)
             _compiled["cuda"] = soft_ce_rows
-    return _LinearSoftCE.apply(x, weight, target_logits, rows, cols, w, chunk, work, soft_ce_rows)
+    return _LinearSoftCE.apply(x, weight, target_logits, rows, cols, w, chunk, work, soft_ce_rows, grads)
