@@ -7,10 +7,11 @@ data is its own, made here as the regen stage would make it: the target invents 
 the chat template's user turn), then answers them greedily — the draft must learn the *target's* outputs.
 The conversations are written as an UltraChat-schema JSONL and the real stages run on them through their
 command lines: ``prep`` (tokenise) → ``extract`` → ``vocab`` → ``train`` → ``bench`` (offline speculative decoding
-of held-out prompts; ``--check-lossless`` also compares each with plain greedy decoding). Reported: the train stage's simulated accept length on held-out
-rows at every checkpoint (``accept_length`` metric, steps = 3), the checkpoint it kept, and the bench stage's
-measured accept length at steps = 3, top-k 1, 4 draft tokens (SGLang's ``3/1/4``). Each phase's wall time is
-printed as it ends and written to ``$OUT/gpu_quality.json`` so a call cut at its limit still says where it got.
+of held-out prompts; ``--check-lossless`` also compares each with plain greedy decoding). Reported: the
+train stage's simulated accept length on held-out rows at every checkpoint (``accept_length`` metric,
+steps = 3), the checkpoint it kept, and the bench stage's measured accept length at steps = 3, top-k 1,
+4 draft tokens (SGLang's ``3/1/4``). Each phase's wall time is printed as it ends and written to
+``$OUT/gpu_quality.json`` so a call cut at its limit still says where it got.
 Without a GPU it runs on the CPU (a smoke run: ``--prompts 16 --answer-tokens 24 --steps 4 --checkpoint-every 2
 --gen-batch 8 --bench-prompts 2``).
 """

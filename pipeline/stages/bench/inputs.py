@@ -25,11 +25,11 @@ def heldout_prompts(man: dict, n: int, vocab_size: int) -> list[tuple[str, list[
     out: list[tuple[str, list[int]]] = []
     while streams and len(out) < n:
         for it in list(streams):
-            row = next((r for r in it if 0 < r.prompt().size < r.num_tokens), None)
-            if row is None:
+            found = next(((r.id, p) for r in it if 0 < (p := r.prompt()).size < r.num_tokens), None)
+            if found is None:
                 streams.remove(it)
                 continue
-            out.append((row.id, row.prompt().astype("int64").tolist()))
+            out.append((found[0], found[1].astype("int64").tolist()))
             if len(out) >= n:
                 break
     return out

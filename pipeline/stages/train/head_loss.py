@@ -40,16 +40,17 @@ def soft_ce_rows(z: torch.Tensor, table: torch.Tensor, idx: torch.Tensor,
     return (ce * w).sum(), grad.to(z.dtype), zf.argmax(-1)
 
 
-_compiled: dict[str, RowsFn] = {}
+_compiled: RowsFn | None = None  # built on first CUDA use; soft_ce_rows itself once compiling has failed
 
 
 def rows_fn_for(device: torch.device) -> RowsFn:
     """:func:`soft_ce_rows`, compiled on CUDA unless ``AERIE_EAGER_LOSS=1``."""
+    global _compiled
     if device.type != "cuda" or os.environ.get("AERIE_EAGER_LOSS") == "1":
         return soft_ce_rows
-    if "cuda" not in _compiled:
-        _compiled["cuda"] = torch.compile(soft_ce_rows, dynamic=True)
-    return _compiled["cuda"]
+    if _compiled is None:
+        _compiled = torch.compile(soft_ce_rows, dynamic=True)
+    return _compiled
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -113,6 +114,7 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.T
     row weights (0 scores nothing). ``work``: the dtype of the products (bf16 under autocast; default
     ``weight``'s). Differentiable in ``x`` and ``weight``.
     """
+    global _compiled
     work = work or weight.dtype
     fn = rows_fn_for(x.device)
     chunk = max(int(chunk_tokens), 1)
@@ -120,8 +122,10 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.T
     if fn is not soft_ce_rows:
         try:
             return _LinearSoftCE.apply(x, weight, target_logits, rows, cols, w, chunk, work, fn, grads)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the stage's OOM handling must see it; eager would not fit either
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop training; it costs speed
             warnings.warn(f"compiled soft-label loss failed ({type(exc).__name__}: {exc}); running it eagerly",
                           stacklevel=2)
-            _compiled["cuda"] = soft_ce_rows
+            _compiled = soft_ce_rows
     return _LinearSoftCE.apply(x, weight, target_logits, rows, cols, w, chunk, work, soft_ce_rows, grads)

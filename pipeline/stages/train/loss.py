@@ -72,7 +72,7 @@ def ttt_sums_unchunked(model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.T
                        autocast: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`ttt_sums` as first written: every step's full (B, S, Vd) logits kept for backward."""
     with torch.no_grad():
-        tgt = (b.last_hidden.float() @ head_d.float().T).log_softmax(-1)  # target over the draft vocab
+        tgt = target_logits_of(b.last_hidden, head_d, False).log_softmax(-1)  # target over the draft vocab
     with torch.autocast(b.aux.device.type, dtype=torch.bfloat16, enabled=autocast):
         logits = model(b.aux, b.input_ids, b.lengths, steps)
     losses, correct = [], torch.zeros(steps, dtype=torch.float64, device=b.aux.device)
