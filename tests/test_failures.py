@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ FAILING_PLAN = """
     dir = "run"
     [[stage]]
     id = "shard"
-    command = "echo reading; python3 -c 'raise ValueError(\\"shard 7 has no rows\\")'"
+    command = "echo reading; {python} -c 'raise ValueError(\\"shard 7 has no rows\\")'"
     [[stage]]
     id = "quiet"
     command = "echo copied 3 files; echo giving up on host b; exit 4"
@@ -49,7 +50,7 @@ FAILING_PLAN = """
 
 
 async def test_headless_board_and_status_show_the_error_line(tmp_path: Path) -> None:
-    run = make_run(tmp_path, FAILING_PLAN)
+    run = make_run(tmp_path, FAILING_PLAN.format(python=shlex.quote(sys.executable)))
     sup = start_supervisor(run)
     try:
         out = io.StringIO()

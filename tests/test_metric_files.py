@@ -3,6 +3,8 @@ executing host by the stage itself: no console attached, TensorBoard's own reade
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +32,7 @@ PLAN = """
     dir = "run"
     [[stage]]
     id = "train"
-    command = "python3 {script}"
+    command = "{python} {script}"
 """
 
 
@@ -43,7 +45,7 @@ def scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
 def test_a_stage_under_the_supervisor_writes_tensorboard_files(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAINING)
-    run = make_run(tmp_path, PLAN.format(script=script))
+    run = make_run(tmp_path, PLAN.format(python=shlex.quote(sys.executable), script=script))
     sup = start_supervisor(run)
     try:
         assert wait_done(run) == {"train": "succeeded"}
