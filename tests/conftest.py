@@ -1,7 +1,12 @@
-"""Shared test setup: no hub access, a private AERIE_HOME, and helpers to run real plans.
+"""Shared test setup: no hub access, a private AERIE_HOME, the slow and GPU tiers, and CI's "no skips" switch.
 
 The model cache ($AERIE_CACHE, default ~/.cache/aerie) is shared on purpose: the bundled demo model
 is converted once per machine, not once per test.
+
+``AERIE_REQUIRE_ALL=1`` (``.ci/run`` sets it) turns every skip into a failure that names what is missing
+(sshd, tmux, Slurm, cgroups, a size-limited tmpfs, network namespaces, SpecForge, SGLang's parser…),
+except the tests marked ``gpu``, which need a CUDA device CI does not have; those are listed by name at
+the end of the run. The test-specific switches (``AERIE_REQUIRE_SSHD`` and the others) still work alone.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+REQUIRE_ALL = os.environ.get("AERIE_REQUIRE_ALL") == "1"
+if REQUIRE_ALL:  # the older, per-fixture switches make their fixtures fail with their own message
+    for _var in ("AERIE_REQUIRE_SSHD", "AERIE_REQUIRE_TMUX", "AERIE_REQUIRE_SPECFORGE", "AERIE_REQUIRE_SLURM"):
+        os.environ.setdefault(_var, "1")
+
 
 @pytest.fixture(autouse=True)
 def _aerie_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,9 +37,63 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if gpu_items:
+        import torch
+
+        if not torch.cuda.is_available():
+            no_gpu = pytest.mark.skip(reason="gpu: needs a CUDA device (run on the lent GPU machine)")
+            for item in gpu_items:
+                item.add_marker(no_gpu)
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow (the README's test command and CI do)")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _skip_reason(longrepr: object) -> str:
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """Under AERIE_REQUIRE_ALL, a skip is a failure unless the test is GPU-only (or slow without --slow)."""
+    report: pytest.TestReport = yield
+    if not (REQUIRE_ALL and report.skipped) or hasattr(report, "wasxfail"):
+        return report
+    if "gpu" in item.keywords:
+        return report
+    if "slow" in item.keywords and not item.config.getoption("--slow"):
+        return report
+    report.outcome = "failed"
+    report.longrepr = (f"AERIE_REQUIRE_ALL=1: this test was skipped, and CI must run it: "
+                       f"{_skip_reason(report.longrepr)}")
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    """A whole module skipped at import (``importorskip``, ``skip(allow_module_level=True)``) counts too."""
+    report: pytest.CollectReport = yield
+    if REQUIRE_ALL and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = (f"AERIE_REQUIRE_ALL=1: {collector.nodeid} was skipped at import, and CI must run it: "
+                           f"{_skip_reason(report.longrepr)}")
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and "gpu" in report.keywords and report.when == "setup":
+        _GPU_SKIPPED.append(report.nodeid)
+
+
+_GPU_SKIPPED: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _GPU_SKIPPED:
+        terminalreporter.write_sep("-", f"{len(_GPU_SKIPPED)} GPU-only tests not run here (no CUDA device)")
+        for nodeid in sorted(set(_GPU_SKIPPED)):
+            terminalreporter.write_line(f"  {nodeid}")

@@ -428,7 +428,7 @@ def split_layers(model: torch.nn.Module, base: torch.nn.Module, on_gpu: list[int
     base.norm.register_forward_pre_hook(to_own_device, with_kwargs=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the model is split between cuda:0 and the CPU")
+@pytest.mark.gpu  # the model is split between cuda:0 and the CPU
 def test_a_target_split_between_gpu_and_cpu_is_captured_on_one_device(tiny_kimi: Path) -> None:
     """device = "auto" spreads layers over devices; the aux states come back from each layer's own
     device and must be gathered (today's torch.cat failed across devices)."""

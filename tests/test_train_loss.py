@@ -105,7 +105,7 @@ def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_tokens_time
     assert cross("chunked") <= logits * 9 / 8, kept
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled loss runs on CUDA only)")
+@pytest.mark.gpu  # the compiled loss runs on CUDA only
 def test_on_a_gpu_the_compiled_soft_label_loss_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the train stage runs on a GPU (``torch.compile``'d elementwise part, bf16 products) against the
     same function run eagerly, and both against float64: loss, greedy ids and both gradients."""
