@@ -61,15 +61,25 @@ def make_run(tmp: Path, n_stages: int, steps: int) -> Path:
     (tmp / "plan.toml").write_text(textwrap.dedent(body))
     run = create_run(plan_mod.load(tmp / "plan.toml", run_dir=tmp / "run"), tmp / "run")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.Popen([sys.executable, "-m", "pipeline.run.supervisor", str(run.root)], env=env,
-                     start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(
+        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return run.root
 
 
 def measure(run_root: Path, seconds: float) -> float:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([sys.executable, "-c", CONSOLE, str(run_root), str(POLL_S)], env=env, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CONSOLE, str(run_root), str(POLL_S)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(5.0)  # start-up (imports, first render) is not "at rest"
         c0, t0 = cpu_seconds(p.pid), time.monotonic()
@@ -85,7 +95,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--stages", type=int, default=12)
-    ap.add_argument("--poll", type=float, default=1.0, help="the console's poll interval (default as shipped)")
+    ap.add_argument(
+        "--poll", type=float, default=1.0, help="the console's poll interval (default as shipped)"
+    )
     args = ap.parse_args()
     global POLL_S
     POLL_S = args.poll
@@ -95,15 +107,20 @@ def main() -> None:
         live = make_run(tmp / "live", args.stages, steps) if (tmp / "live").mkdir() is None else None
         time.sleep(2.0)
         live_pct = measure(live, args.seconds)
-        events = sum(1 for sid in range(args.stages)
-                     for _ in open(live / "stages" / f"s{sid:02d}" / "events.jsonl"))  # noqa: SIM115
+        events = sum(
+            1
+            for sid in range(args.stages)
+            for _ in open(live / "stages" / f"s{sid:02d}" / "events.jsonl")  # noqa: SIM115
+        )
         done = make_run(tmp / "done", 1, 1) if (tmp / "done").mkdir() is None else None
         for _ in range(100):
             if (read_json(done / "state.json") or {}).get("done"):
                 break
             time.sleep(0.1)
         idle_pct = measure(done, args.seconds)
-    print(f"console CPU, attached to {args.stages} live stages (~{args.stages * 4} events/s): {live_pct:.2f} % of a core")
+    print(
+        f"console CPU, attached to {args.stages} live stages (~{args.stages * 4} events/s): {live_pct:.2f} % of a core"
+    )
     print(f"console CPU, attached to a finished run (baseline):            {idle_pct:.2f} % of a core")
     print(f"ratio live / finished: {live_pct / idle_pct:.2f}x" if idle_pct > 0 else "ratio: n/a")
     print(f"events written during the run: {events}")

@@ -16,14 +16,40 @@ import torch
 
 # Llama-3.1-8B's decoder shape (random weights: throughput only), and a tiny one for CPU smoke runs.
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=128, vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=8192,
-                    rope_theta=500000.0),
+    "llama8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
     # SmolLM2-135M's (the demo target): the issue-15 measurement of the data path (12k vs 93-98k tok/s) was this shape.
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                    vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=100000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 vocab_size=512, rms_norm_eps=1e-5, max_position_embeddings=1024, rope_theta=10000.0),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -112,11 +138,18 @@ def random_draft(cfg: Any, dev: torch.device) -> tuple[Any, torch.Tensor]:
     return draft.to(dev), ids
 
 
-def synthetic_batch(cfg: Any, ids: torch.Tensor, b: int, s: int, dev: torch.device, dtype: torch.dtype) -> Any:
+def synthetic_batch(
+    cfg: Any, ids: torch.Tensor, b: int, s: int, dev: torch.device, dtype: torch.dtype
+) -> Any:
     """A full (no padding) training batch of random features, targets in the draft vocabulary."""
     from pipeline.stages.train.batches import Batch
 
     vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
-    return Batch(torch.randn(b, s, 3 * h, device=dev, dtype=dtype), torch.randn(b, s, h, device=dev, dtype=dtype),
-                 ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)], torch.randint(0, v, (b, s), device=dev),
-                 torch.ones(b, s, dtype=torch.bool, device=dev), torch.full((b,), s, device=dev))
+    return Batch(
+        torch.randn(b, s, 3 * h, device=dev, dtype=dtype),
+        torch.randn(b, s, h, device=dev, dtype=dtype),
+        ids.to(dev)[torch.randint(0, vd, (b, s), device=dev)],
+        torch.randint(0, v, (b, s), device=dev),
+        torch.ones(b, s, dtype=torch.bool, device=dev),
+        torch.full((b,), s, device=dev),
+    )

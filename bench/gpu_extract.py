@@ -48,15 +48,29 @@ from pipeline.eagle3.target_capture import Target  # noqa: E402
 
 def flops_per_token(cfg, seq: int) -> tuple[float, float]:
     """(decoder layers, LM head) forward FLOPs per token, causal attention averaged over the sequence."""
-    h, nh, nkv, hd, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                             cfg.intermediate_size)
+    h, nh, nkv, hd, inter = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
     linear = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * inter
     attn = 2 * 2 * nh * hd * (seq + 1) / 2
     return cfg.num_hidden_layers * (2 * linear + attn), 2 * h * cfg.vocab_size
 
 
-def write_path(target: Target, ids: torch.Tensor, mask: torch.Tensor, out: Path, batches: int, shard_batches: int,
-               write_queue: int, io_threads: int, stager: HostStager) -> tuple[float, int, int]:
+def write_path(
+    target: Target,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    out: Path,
+    batches: int,
+    shard_batches: int,
+    write_queue: int,
+    io_threads: int,
+    stager: HostStager,
+) -> tuple[float, int, int]:
     """``batches`` captured batches through the stage's write path into ``out``: (seconds, bytes, shards).
 
     What ``pipeline.stages.extract`` does per batch (capture, greedy token, :class:`HostStager`,
@@ -71,11 +85,14 @@ def write_path(target: Target, ids: torch.Tensor, mask: torch.Tensor, out: Path,
     out.mkdir(parents=True, exist_ok=True)
     sync(dev)
     t0 = time.perf_counter()
-    with ShardSink(out, len(target.aux_layer_ids) * hidden, hidden, queue_batches=write_queue,
-                   io_threads=io_threads) as sink:
+    with ShardSink(
+        out, len(target.aux_layer_ids) * hidden, hidden, queue_batches=write_queue, io_threads=io_threads
+    ) as sink:
         for k, first in enumerate(range(0, batches, shard_batches)):
             nb = min(shard_batches, batches - first)
-            sink.begin(k, hs.shard_name(k), [f"b{first + j}r{i}" for j in range(nb) for i in range(b)], lengths * nb)
+            sink.begin(
+                k, hs.shard_name(k), [f"b{first + j}r{i}" for j in range(nb) for i in range(b)], lengths * nb
+            )
             for _ in range(nb):
                 c = target.capture(ids, attention_mask=mask)
                 am = target.argmax(c.last_hidden)
@@ -86,10 +103,22 @@ def write_path(target: Target, ids: torch.Tensor, mask: torch.Tensor, out: Path,
     return seconds, sum(w.bytes for w in written), len(written)
 
 
-KIMI_WIDE = {"hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 512, "num_hidden_layers": 8,
-             "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64, "num_experts_per_tok": 8,
-             "q_lora_rank": 512, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
-             "v_head_dim": 64, "vocab_size": 512}
+KIMI_WIDE = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 8,
+    "q_lora_rank": 512,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "vocab_size": 512,
+}
 
 
 def kimi_capture(args: argparse.Namespace) -> int:
@@ -109,7 +138,9 @@ def kimi_capture(args: argparse.Namespace) -> int:
         target = load_target(str(folder), None, dtype=dtype, device=dev, parallel="tp")
     else:
         dev = torch.device("cuda" if on_gpu else "cpu")
-        target = load_target(str(folder), None, dtype=dtype, device="auto" if args.kimi_mode == "auto" else dev)
+        target = load_target(
+            str(folder), None, dtype=dtype, device="auto" if args.kimi_mode == "auto" else dev
+        )
     b, s = args.batch, args.seq
     ids = torch.randint(3, 500, (b, s), device=target.device)
     mask = torch.ones_like(ids)
@@ -121,11 +152,15 @@ def kimi_capture(args: argparse.Namespace) -> int:
     with torch.no_grad():
         t = statistics.median(time_ms(step, target.device, reps=args.reps))
     params = list(target.model.parameters())
-    res = {"mode": args.kimi_mode, "capture_ms": t, "capture_tok_s": b * s / (t / 1e3),
-           "param_devices": sorted({str(p.device) for p in params}),
-           "dtensor_params": sum(hasattr(p, "device_mesh") for p in params),
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-           "world": int(os.environ.get("WORLD_SIZE", "1"))}
+    res = {
+        "mode": args.kimi_mode,
+        "capture_ms": t,
+        "capture_tok_s": b * s / (t / 1e3),
+        "param_devices": sorted({str(p.device) for p in params}),
+        "dtensor_params": sum(hasattr(p, "device_mesh") for p in params),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        "world": int(os.environ.get("WORLD_SIZE", "1")),
+    }
     if int(os.environ.get("RANK", "0")) == 0:
         print("KIMI " + json.dumps(res), flush=True)
     return 0
@@ -141,12 +176,34 @@ def kimi_compare(args: argparse.Namespace) -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="kimi_wide_"))
     build_tiny_kimi(folder, dtype="bfloat16", **KIMI_WIDE)
-    base = [sys.executable, str(Path(__file__).resolve()), "--kimi", "--kimi-dir", str(folder), "--batch",
-            str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps)]
+    base = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--kimi",
+        "--kimi-dir",
+        str(folder),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--reps",
+        str(args.reps),
+    ]
     gpus = torch.cuda.device_count() or 1
-    runs = {"one": base + ["--kimi-mode", "one"], "auto": base + ["--kimi-mode", "auto"],
-            "tp": [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-                   *base[1:], "--kimi-mode", "tp"]}
+    runs = {
+        "one": base + ["--kimi-mode", "one"],
+        "auto": base + ["--kimi-mode", "auto"],
+        "tp": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={gpus}",
+            *base[1:],
+            "--kimi-mode",
+            "tp",
+        ],
+    }
     out = {}
     for mode, cmd in runs.items():
         p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -154,18 +211,29 @@ def kimi_compare(args: argparse.Namespace) -> int:
         out[mode] = json.loads(line[5:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
     import transformers
 
-    res = {"bench": "gpu_extract_kimi", **device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
-           "transformers": transformers.__version__, "shape": KIMI_WIDE, "batch": args.batch, "seq": args.seq,
-           "gpus": gpus, "modes": out}
+    res = {
+        "bench": "gpu_extract_kimi",
+        **device_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+        "transformers": transformers.__version__,
+        "shape": KIMI_WIDE,
+        "batch": args.batch,
+        "seq": args.seq,
+        "gpus": gpus,
+        "modes": out,
+    }
     write_out("gpu_extract_kimi.json", res)
-    print(f"\nKimi-K2.5-architecture capture (hidden 2048, 8 layers, 64 experts top-8), batch {args.batch}x{args.seq}, "
-          f"{gpus} GPU(s), transformers {transformers.__version__}")
+    print(
+        f"\nKimi-K2.5-architecture capture (hidden 2048, 8 layers, 64 experts top-8), batch {args.batch}x{args.seq}, "
+        f"{gpus} GPU(s), transformers {transformers.__version__}"
+    )
     for mode, r in out.items():
         if "error" in r:
             print(f"  {mode:<5} FAILED: {r['error'][-600:]}")
         else:
-            print(f"  {mode:<5} {r['capture_tok_s']:10,.0f} tok/s  ({r['capture_ms']:.1f} ms/batch, "
-                  f"peak {r['peak_mem_gib'] or 0:.1f} GiB, {r['world']} rank(s))")
+            print(
+                f"  {mode:<5} {r['capture_tok_s']:10,.0f} tok/s  ({r['capture_ms']:.1f} ms/batch, "
+                f"peak {r['peak_mem_gib'] or 0:.1f} GiB, {r['world']} rank(s))"
+            )
     return 0
 
 
@@ -182,7 +250,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--e2e-batches", type=int, default=16, help="batches in the end-to-end run")
     ap.add_argument("--shard-batches", type=int, default=4, help="batches per shard in the end-to-end run")
-    ap.add_argument("--write-queue", type=int, default=2, help="batches queued for the writer thread (0: none)")
+    ap.add_argument(
+        "--write-queue", type=int, default=2, help="batches queued for the writer thread (0: none)"
+    )
     ap.add_argument("--io-threads", type=int, default=4, help="parallel pwrite calls per batch")
     ap.add_argument("--out-dir", default=None, help="where the end-to-end shards go (default: a temp dir)")
     args = ap.parse_args()
@@ -228,41 +298,87 @@ def main() -> int:
             # Warm-up through the same stager: its pinned buffers are allocated once per extraction (the
             # stage keeps one for the whole run), so the timed batches find them as a long run does.
             stager = HostStager(dev, slots=args.write_queue + 2)
-            write_path(target, ids, mask, tmp / "warm", args.write_queue + 2, args.shard_batches, args.write_queue,
-                       args.io_threads, stager)
+            write_path(
+                target,
+                ids,
+                mask,
+                tmp / "warm",
+                args.write_queue + 2,
+                args.shard_batches,
+                args.write_queue,
+                args.io_threads,
+                stager,
+            )
             shutil.rmtree(tmp / "warm")
-            e2e_s, shard_bytes, n_shards = write_path(target, ids, mask, tmp / "run", args.e2e_batches,
-                                                      args.shard_batches, args.write_queue, args.io_threads, stager)
+            e2e_s, shard_bytes, n_shards = write_path(
+                target,
+                ids,
+                mask,
+                tmp / "run",
+                args.e2e_batches,
+                args.shard_batches,
+                args.write_queue,
+                args.io_threads,
+                stager,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     e2e_tokens = tokens * args.e2e_batches
     t_e2e = e2e_s * 1e3 / args.e2e_batches  # per batch
     f_layers, f_head = flops_per_token(cfg, s)
     res = {
-        "bench": "gpu_extract", **device_info(dev), "shape": args.shape, "layers": args.layers, "aux_layers": aux,
-        "batch": b, "seq": s, "tokens_per_batch": tokens, "matmul_ceiling_tflops": ceiling,
-        "forward_ms": t_fwd, "lm_head_argmax_ms": t_head, "end_to_end_ms": t_e2e,
-        "forward_tok_s": tokens / (t_fwd / 1e3), "capture_tok_s": tokens / ((t_fwd + t_head) / 1e3),
+        "bench": "gpu_extract",
+        **device_info(dev),
+        "shape": args.shape,
+        "layers": args.layers,
+        "aux_layers": aux,
+        "batch": b,
+        "seq": s,
+        "tokens_per_batch": tokens,
+        "matmul_ceiling_tflops": ceiling,
+        "forward_ms": t_fwd,
+        "lm_head_argmax_ms": t_head,
+        "end_to_end_ms": t_e2e,
+        "forward_tok_s": tokens / (t_fwd / 1e3),
+        "capture_tok_s": tokens / ((t_fwd + t_head) / 1e3),
         "end_to_end_tok_s": tokens / (t_e2e / 1e3),
         "forward_mfu": f_layers * tokens / (t_fwd / 1e3) / (ceiling * 1e12),
         "capture_mfu": (f_layers + f_head) * tokens / ((t_fwd + t_head) / 1e3) / (ceiling * 1e12),
         "end_to_end_over_capture": (tokens / (t_e2e / 1e3)) / (tokens / ((t_fwd + t_head) / 1e3)),
-        "end_to_end": {**e2e, "batches": args.e2e_batches, "shard_batches": args.shard_batches, "shards": n_shards,
-                       "tokens": e2e_tokens, "seconds": e2e_s, "out_dir": str(base)},
-        "shard_bytes": shard_bytes, "bytes_per_token": shard_bytes / e2e_tokens,
+        "end_to_end": {
+            **e2e,
+            "batches": args.e2e_batches,
+            "shard_batches": args.shard_batches,
+            "shards": n_shards,
+            "tokens": e2e_tokens,
+            "seconds": e2e_s,
+            "out_dir": str(base),
+        },
+        "shard_bytes": shard_bytes,
+        "bytes_per_token": shard_bytes / e2e_tokens,
         "write_mb_s": shard_bytes / 1e6 / e2e_s,
         "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
     }
     write_out("gpu_extract.json", res)
     print(f"\ngpu_extract on {res.get('name', dev)}: {args.shape} x{args.layers} layers, batch {b}x{s}")
     print(f"  bf16 matmul ceiling          {ceiling:8.1f} TFLOP/s")
-    print(f"  forward + aux capture        {res['forward_tok_s']:10,.0f} tok/s   MFU {res['forward_mfu']:.1%}")
-    print(f"  + greedy token (LM head)     {res['capture_tok_s']:10,.0f} tok/s   MFU {res['capture_mfu']:.1%}")
-    print(f"  end to end (stage write path) {res['end_to_end_tok_s']:9,.0f} tok/s   {res['write_mb_s']:.0f} MB/s written "
-          f"({args.e2e_batches} batches, {n_shards} shards, write queue {args.write_queue}, to {base})")
+    print(
+        f"  forward + aux capture        {res['forward_tok_s']:10,.0f} tok/s   MFU {res['forward_mfu']:.1%}"
+    )
+    print(
+        f"  + greedy token (LM head)     {res['capture_tok_s']:10,.0f} tok/s   MFU {res['capture_mfu']:.1%}"
+    )
+    print(
+        f"  end to end (stage write path) {res['end_to_end_tok_s']:9,.0f} tok/s   {res['write_mb_s']:.0f} MB/s written "
+        f"({args.e2e_batches} batches, {n_shards} shards, write queue {args.write_queue}, to {base})"
+    )
     ratio = res["end_to_end_over_capture"]
-    print(f"  end to end / capture         {ratio:10.0%}        goal >= 60%: {'met' if ratio >= 0.6 else 'NOT met'}")
-    print(f"  stored {res['bytes_per_token']:.0f} B/token; peak GPU memory {res['peak_mem_gib'] or 0:.1f} GiB")
+    print(
+        f"  end to end / capture         {ratio:10.0%}        goal >= 60%: {'met' if ratio >= 0.6 else 'NOT met'}"
+    )
+    print(
+        f"  stored {res['bytes_per_token']:.0f} B/token; peak GPU memory {res['peak_mem_gib'] or 0:.1f} GiB"
+    )
     return 0
 
 

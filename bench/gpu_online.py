@@ -29,14 +29,14 @@ from bench.gpu_pipeline import make_data, make_model, metric, stage  # noqa: E40
 def plan_text(work: Path, args: argparse.Namespace, online: bool) -> str:
     return f"""[run]
 name = "gpu-online"
-dir = "{work / 'run'}"
+dir = "{work / "run"}"
 [target]
-model = "{work / 'model'}"
+model = "{work / "model"}"
 max_length = {args.seq}
 [extract]
 batch_tokens = 16384
 shard_tokens = 65536
-{'mode = "online"' if online else ''}
+{'mode = "online"' if online else ""}
 [vocab]
 draft_vocab_size = 32000
 [train]
@@ -47,7 +47,7 @@ ttt_steps = 7
 lr = 0.0001
 checkpoint_every = {args.steps}
 log_every = 1
-{'target = "online-tp"' if online else ''}
+{'target = "online-tp"' if online else ""}
 """
 
 
@@ -77,13 +77,26 @@ def main() -> int:
     on.write_text(plan_text(work, args, online=True))
     t = {"vocab_s": stage("pipeline.stages.vocab", off, work / "voc", [work / "tok"])}
     t["offline_extract_s"] = stage("pipeline.stages.extract", off, work / "ext-off", [work / "tok"])
-    t["offline_train_s"] = stage("pipeline.stages.train", off, work / "train-off", [work / "ext-off", work / "voc"])
+    t["offline_train_s"] = stage(
+        "pipeline.stages.train", off, work / "train-off", [work / "ext-off", work / "voc"]
+    )
     t["online_extract_s"] = stage("pipeline.stages.extract", on, work / "ext-on", [work / "tok"])
-    t["online_train_s"] = stage("pipeline.stages.train", on, work / "train-on", [work / "ext-on", work / "voc"])
+    t["online_train_s"] = stage(
+        "pipeline.stages.train", on, work / "train-on", [work / "ext-on", work / "voc"]
+    )
     ext = json.loads((work / "ext-off" / "manifest.json").read_text())
-    res: dict = {"bench": "gpu_online", "shape": args.shape, "layers": args.layers, "rows": args.rows, "seq": args.seq,
-                 "steps": args.steps, **t, "offline_bytes": ext["bytes"], "offline_tokens": ext["tokens"],
-                 "online_bytes": json.loads((work / "ext-on" / "manifest.json").read_text())["bytes"]}
+    res: dict = {
+        "bench": "gpu_online",
+        "shape": args.shape,
+        "layers": args.layers,
+        "rows": args.rows,
+        "seq": args.seq,
+        "steps": args.steps,
+        **t,
+        "offline_bytes": ext["bytes"],
+        "offline_tokens": ext["tokens"],
+        "online_bytes": json.loads((work / "ext-on" / "manifest.json").read_text())["bytes"],
+    }
     ext_tps = [e["value"] for e in metric(work / "ext-off", "tokens_per_s") if e.get("overall")]
     res["extract_tok_s"] = ext_tps[-1] if ext_tps else None
     for mode in ("off", "on"):
@@ -98,20 +111,35 @@ def main() -> int:
     extract_h = ref_tokens / max(1.0, res["extract_tok_s"] or 1.0) / gpus / 3600
     off_train_h = ref_tokens * args.epochs / max(1.0, res["train_off_tok_s"]) / gpus / 3600
     on_train_h = ref_tokens * args.epochs / max(1.0, res["train_on_tok_s"]) / gpus / 3600
-    res["projection"] = {"ref_tokens": ref_tokens, "epochs": args.epochs, "gpus": gpus, "bytes_per_token_this_shape": bpt,
-                         "offline_disk_bytes": ref_tokens * bpt, "online_disk_bytes": 0,
-                         "offline_hours": extract_h + off_train_h, "online_hours": on_train_h}
+    res["projection"] = {
+        "ref_tokens": ref_tokens,
+        "epochs": args.epochs,
+        "gpus": gpus,
+        "bytes_per_token_this_shape": bpt,
+        "offline_disk_bytes": ref_tokens * bpt,
+        "online_disk_bytes": 0,
+        "offline_hours": extract_h + off_train_h,
+        "online_hours": on_train_h,
+    }
     write_out("gpu_online.json", res)
-    print(f"\ngpu_online: {args.shape} x{args.layers} layers, {args.rows} rows x {args.seq} tokens, {args.steps} steps")
-    print(f"  offline: extract {t['offline_extract_s']:.1f} s ({res['extract_tok_s'] or 0:,.0f} tok/s, "
-          f"{ext['bytes'] / 1e9:.2f} GB stored) + train {t['offline_train_s']:.1f} s "
-          f"({res['train_off_tok_s']:,.0f} tok/s, peak {res['train_off_peak_gib'] or 0:.1f} GiB)")
-    print(f"  online-tp: train {t['online_train_s']:.1f} s ({res['train_on_tok_s']:,.0f} tok/s, "
-          f"peak {res['train_on_peak_gib'] or 0:.1f} GiB), 0 B stored")
+    print(
+        f"\ngpu_online: {args.shape} x{args.layers} layers, {args.rows} rows x {args.seq} tokens, {args.steps} steps"
+    )
+    print(
+        f"  offline: extract {t['offline_extract_s']:.1f} s ({res['extract_tok_s'] or 0:,.0f} tok/s, "
+        f"{ext['bytes'] / 1e9:.2f} GB stored) + train {t['offline_train_s']:.1f} s "
+        f"({res['train_off_tok_s']:,.0f} tok/s, peak {res['train_off_peak_gib'] or 0:.1f} GiB)"
+    )
+    print(
+        f"  online-tp: train {t['online_train_s']:.1f} s ({res['train_on_tok_s']:,.0f} tok/s, "
+        f"peak {res['train_on_peak_gib'] or 0:.1f} GiB), 0 B stored"
+    )
     pr = res["projection"]
-    print(f"  reference run ({args.ref_rows:,} rows x {args.ref_tokens} tokens, {args.epochs} epoch(s), rates x{gpus} GPUs, "
-          f"this shape): offline {pr['offline_disk_bytes'] / 1e12:.2f} TB, {pr['offline_hours']:.1f} h; "
-          f"online-tp 0 TB, {pr['online_hours']:.1f} h")
+    print(
+        f"  reference run ({args.ref_rows:,} rows x {args.ref_tokens} tokens, {args.epochs} epoch(s), rates x{gpus} GPUs, "
+        f"this shape): offline {pr['offline_disk_bytes'] / 1e12:.2f} TB, {pr['offline_hours']:.1f} h; "
+        f"online-tp 0 TB, {pr['online_hours']:.1f} h"
+    )
     return 0
 
 

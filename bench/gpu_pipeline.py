@@ -55,13 +55,20 @@ def make_data(path: Path, rows: int, seq: int, vocab: int) -> None:
         ids = [rng.integers(3, vocab, seq).astype(np.int32).tolist() for _ in range(n)]
         prompt = 64
         masks = [[0] * prompt + [1] * (seq - prompt) for _ in range(n)]
-        t = pa.table({"id": pa.array([f"r{si + i}" for i in range(n)]), "input_ids": pa.array(ids, pa.list_(pa.int32())),
-                      "loss_mask": pa.array(masks, pa.list_(pa.int8())), "num_tokens": pa.array([seq] * n, pa.int32())})
+        t = pa.table(
+            {
+                "id": pa.array([f"r{si + i}" for i in range(n)]),
+                "input_ids": pa.array(ids, pa.list_(pa.int32())),
+                "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+                "num_tokens": pa.array([seq] * n, pa.int32()),
+            }
+        )
         name = f"data-{si // per:05d}.parquet"
         pq.write_table(t, path / name)
         shards.append({"file": name, "rows": n, "tokens": n * seq})
-    (path / "manifest.json").write_text(json.dumps({"kind": "tokenized", "rows": rows, "tokens": rows * seq,
-                                                    "shards": shards}))
+    (path / "manifest.json").write_text(
+        json.dumps({"kind": "tokenized", "rows": rows, "tokens": rows * seq, "shards": shards})
+    )
 
 
 def stage(module: str, plan: Path, out: Path, inputs: list[Path], torchrun: int = 0) -> float:
@@ -107,9 +114,9 @@ def main() -> int:
     plan = work / "plan.toml"
     plan.write_text(f"""[run]
 name = "gpu"
-dir = "{work / 'run'}"
+dir = "{work / "run"}"
 [target]
-model = "{work / 'model'}"
+model = "{work / "model"}"
 max_length = {args.seq}
 [extract]
 batch_tokens = 16384
@@ -134,30 +141,51 @@ check_lossless = true
     times = {"model_build_s": t_model}
     times["extract_s"] = stage("pipeline.stages.extract", plan, work / "ext", [work / "tok"])
     times["vocab_s"] = stage("pipeline.stages.vocab", plan, work / "voc", [work / "tok"])
-    times["train_s"] = stage("pipeline.stages.train", plan, work / "train", [work / "ext", work / "voc"], torchrun=args.nproc)
+    times["train_s"] = stage(
+        "pipeline.stages.train", plan, work / "train", [work / "ext", work / "voc"], torchrun=args.nproc
+    )
     times["bench_s"] = stage("pipeline.stages.bench", plan, work / "bench", [work / "train"])
     ext_tps = [e["value"] for e in metric(work / "ext", "tokens_per_s") if e.get("overall")]
     train_tps = sorted(e["value"] for e in metric(work / "train", "tokens_per_s"))
     man = json.loads((work / "ext" / "manifest.json").read_text())
     bench = json.loads((work / "bench" / "results.json").read_text())
     msgs = [e.get("text", "") for e in events(work / "bench") if e.get("type") == "message"]
-    res = {"bench": "gpu_pipeline", "shape": args.shape, "layers": args.layers, "rows": args.rows, "seq": args.seq,
-           "nproc": args.nproc, **times, "extract_tok_s": ext_tps[-1] if ext_tps else None,
-           "extract_bytes": man["bytes"], "extract_tokens": man["tokens"],
-           "train_tok_s_median": train_tps[len(train_tps) // 2] if train_tps else None,
-           "train_loss_first_last": [metric(work / "train", "loss")[0]["value"], metric(work / "train", "loss")[-1]["value"]],
-           "accept_len": bench["accept_len"], "verify_steps": bench["verify_steps"],
-           "lossless_warnings": [m for m in msgs if "differs" in m],
-           "checkpoints": sorted(p.name for p in (work / "train" / "checkpoints").iterdir()),
-           "draft_files": sorted(p.name for p in (work / "train" / "draft").iterdir())}
+    res = {
+        "bench": "gpu_pipeline",
+        "shape": args.shape,
+        "layers": args.layers,
+        "rows": args.rows,
+        "seq": args.seq,
+        "nproc": args.nproc,
+        **times,
+        "extract_tok_s": ext_tps[-1] if ext_tps else None,
+        "extract_bytes": man["bytes"],
+        "extract_tokens": man["tokens"],
+        "train_tok_s_median": train_tps[len(train_tps) // 2] if train_tps else None,
+        "train_loss_first_last": [
+            metric(work / "train", "loss")[0]["value"],
+            metric(work / "train", "loss")[-1]["value"],
+        ],
+        "accept_len": bench["accept_len"],
+        "verify_steps": bench["verify_steps"],
+        "lossless_warnings": [m for m in msgs if "differs" in m],
+        "checkpoints": sorted(p.name for p in (work / "train" / "checkpoints").iterdir()),
+        "draft_files": sorted(p.name for p in (work / "train" / "draft").iterdir()),
+    }
     write_out("gpu_pipeline.json", res)
-    print(f"\ngpu_pipeline: {args.shape} x{args.layers} layers, {args.rows} rows x {args.seq} tokens, torchrun x{args.nproc}")
+    print(
+        f"\ngpu_pipeline: {args.shape} x{args.layers} layers, {args.rows} rows x {args.seq} tokens, torchrun x{args.nproc}"
+    )
     for k in ("model_build_s", "extract_s", "vocab_s", "train_s", "bench_s"):
         print(f"  {k:<14} {times[k]:7.1f} s")
-    print(f"  extract {res['extract_tok_s'] or 0:,.0f} tok/s ({man['bytes'] / 1e9:.2f} GB for {man['tokens']:,} tokens); "
-          f"train {res['train_tok_s_median'] or 0:,.0f} tok/s (median step); loss {res['train_loss_first_last']}")
-    print(f"  bench accept_len {res['accept_len']:.2f} over {res['verify_steps']} verify steps; "
-          f"lossless warnings: {len(res['lossless_warnings'])}; checkpoints {res['checkpoints']}")
+    print(
+        f"  extract {res['extract_tok_s'] or 0:,.0f} tok/s ({man['bytes'] / 1e9:.2f} GB for {man['tokens']:,} tokens); "
+        f"train {res['train_tok_s_median'] or 0:,.0f} tok/s (median step); loss {res['train_loss_first_last']}"
+    )
+    print(
+        f"  bench accept_len {res['accept_len']:.2f} over {res['verify_steps']} verify steps; "
+        f"lossless warnings: {len(res['lossless_warnings'])}; checkpoints {res['checkpoints']}"
+    )
     os.sync()
     return 0
 

@@ -49,7 +49,9 @@ def generate_conversations(n: int, answer_tokens: int, batch: int, seed: int) ->
     tok = load_tokenizer(MODEL)
     facts = turn_tokens(MODEL)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(resolve(MODEL), dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve(MODEL), dtype=torch.bfloat16 if dev == "cuda" else torch.float32
+    )
     model = model.to(dev).eval()
     tok.padding_side = "left"
     mark = "AERIE-PROMPT-MARK"
@@ -62,9 +64,16 @@ def generate_conversations(n: int, answer_tokens: int, batch: int, seed: int) ->
     while len(prompts) < n:
         enc = tok([head] * batch, return_tensors="pt", add_special_tokens=False).to(dev)
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=0.95, max_new_tokens=64,
-                                 eos_token_id=facts.end_of_turn, pad_token_id=facts.pad)
-        for row in out[:, enc["input_ids"].shape[1]:]:
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_p=0.95,
+                max_new_tokens=64,
+                eos_token_id=facts.end_of_turn,
+                pad_token_id=facts.pad,
+            )
+        for row in out[:, enc["input_ids"].shape[1] :]:
             text = tok.decode(row, skip_special_tokens=True).strip()
             if len(text) >= 12 and text not in seen:
                 seen.add(text)
@@ -75,19 +84,35 @@ def generate_conversations(n: int, answer_tokens: int, batch: int, seed: int) ->
     convs = []
     order = sorted(range(n), key=lambda i: len(prompts[i]))  # similar lengths per batch: less padding
     for a in range(0, n, batch):
-        idx = order[a:a + batch]
-        texts = [tok.apply_chat_template([{"role": "user", "content": prompts[i]}], tokenize=False,
-                                         add_generation_prompt=True) for i in idx]
+        idx = order[a : a + batch]
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": prompts[i]}], tokenize=False, add_generation_prompt=True
+            )
+            for i in idx
+        ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(dev)
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=answer_tokens,
-                                 eos_token_id=facts.end_of_turn, pad_token_id=facts.pad)
-        for i, row in zip(idx, out[:, enc["input_ids"].shape[1]:], strict=True):
+            out = model.generate(
+                **enc,
+                do_sample=False,
+                max_new_tokens=answer_tokens,
+                eos_token_id=facts.end_of_turn,
+                pad_token_id=facts.pad,
+            )
+        for i, row in zip(idx, out[:, enc["input_ids"].shape[1] :], strict=True):
             answer = tok.decode(row, skip_special_tokens=True).strip()
             if answer:
-                convs.append({"prompt": prompts[i], "prompt_id": f"q{i:06d}",
-                              "messages": [{"role": "user", "content": prompts[i]},
-                                           {"role": "assistant", "content": answer}]})
+                convs.append(
+                    {
+                        "prompt": prompts[i],
+                        "prompt_id": f"q{i:06d}",
+                        "messages": [
+                            {"role": "user", "content": prompts[i]},
+                            {"role": "assistant", "content": answer},
+                        ],
+                    }
+                )
     log(f"{len(convs)} greedy answers from the target in {time.monotonic() - t0:.0f} s")
     del model
     if dev == "cuda":
@@ -124,9 +149,12 @@ def main() -> int:
     ap.add_argument("--ttt", type=int, default=4)
     ap.add_argument("--checkpoint-every", type=int, default=300)
     ap.add_argument("--bench-prompts", type=int, default=48)
-    ap.add_argument("--check-lossless", action="store_true",
-                    help="also decode each bench prompt plainly and compare (doubles the bench phase; the equality "
-                         "itself is tested by tests/test_bench.py)")
+    ap.add_argument(
+        "--check-lossless",
+        action="store_true",
+        help="also decode each bench prompt plainly and compare (doubles the bench phase; the equality "
+        "itself is tested by tests/test_bench.py)",
+    )
     ap.add_argument("--work", default="/tmp/gpu_quality")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -144,7 +172,7 @@ def main() -> int:
     plan = work / "plan.toml"
     plan.write_text(f"""[run]
 name = "quality"
-dir = "{work / 'run'}"
+dir = "{work / "run"}"
 [target]
 model = "{MODEL}"
 max_length = 1024
@@ -187,25 +215,42 @@ quota = {len(convs)}
     write_out("gpu_quality.json", res)
     times["train_s"] = stage("pipeline.stages.train", plan, work / "train", [work / "ext", work / "voc"])
     ev = events(work / "train")
-    curve = {e["step"]: e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "accept_length"}
+    curve = {
+        e["step"]: e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "accept_length"
+    }
     tps = sorted(e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s")
     man = json.loads((work / "train" / "manifest.json").read_text())
-    res.update(times, sim_accept_by_step=curve, kept_step=man["step"], train_tok_s_median=tps[len(tps) // 2] if tps else None,
-               extract_tokens=json.loads((work / "ext" / "manifest.json").read_text())["tokens"])
+    res.update(
+        times,
+        sim_accept_by_step=curve,
+        kept_step=man["step"],
+        train_tok_s_median=tps[len(tps) // 2] if tps else None,
+        extract_tokens=json.loads((work / "ext" / "manifest.json").read_text())["tokens"],
+    )
     write_out("gpu_quality.json", res)
-    log("simulated accept length (steps=3) by training step: "
-        + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(curve.items())))
+    log(
+        "simulated accept length (steps=3) by training step: "
+        + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(curve.items()))
+    )
     res["bench_s"] = stage("pipeline.stages.bench", plan, work / "bench", [work / "train"])
     bench = json.loads((work / "bench" / "results.json").read_text())
-    res.update(accept_len=bench["accept_len"], verify_steps=bench["verify_steps"], total_s=time.monotonic() - t_all)
+    res.update(
+        accept_len=bench["accept_len"], verify_steps=bench["verify_steps"], total_s=time.monotonic() - t_all
+    )
     write_out("gpu_quality.json", res)
-    print(f"\ngpu_quality: SmolLM2-135M-Instruct, {len(convs)} self-generated conversations "
-          f"({res['extract_tokens']:,} training tokens), {args.steps} steps x {args.batch}, TTT {args.ttt}, lr {args.lr}")
+    print(
+        f"\ngpu_quality: SmolLM2-135M-Instruct, {len(convs)} self-generated conversations "
+        f"({res['extract_tokens']:,} training tokens), {args.steps} steps x {args.batch}, TTT {args.ttt}, lr {args.lr}"
+    )
     for k in ("generate_s", "prep_s", "extract_s", "vocab_s", "train_s", "bench_s", "total_s"):
         print(f"  {k:<11} {res[k]:7.1f} s")
-    print(f"  train {res['train_tok_s_median'] or 0:,.0f} tok/s (median logged step); kept checkpoint step {man['step']}")
-    print(f"  accept length at steps=3 (bench stage, held-out prompts, 3/1/4): {bench['accept_len']:.2f} "
-          f"over {bench['verify_steps']} verify steps")
+    print(
+        f"  train {res['train_tok_s_median'] or 0:,.0f} tok/s (median logged step); kept checkpoint step {man['step']}"
+    )
+    print(
+        f"  accept length at steps=3 (bench stage, held-out prompts, 3/1/4): {bench['accept_len']:.2f} "
+        f"over {bench['verify_steps']} verify steps"
+    )
     os.sync()
     return 0
 

@@ -51,17 +51,31 @@ from pipeline.stages.train.loss import ttt_sums  # noqa: E402
 
 def flops(cfg: DraftConfig, seq: int, ttt: int) -> dict[str, float]:
     """Per-token FLOPs of one training step (forward x3 for the draft, x1 for the soft labels)."""
-    h, nh, nkv, hd, inter, vd = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                 cfg.intermediate_size, cfg.draft_vocab_size)
+    h, nh, nkv, hd, inter, vd = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.draft_vocab_size,
+    )
     linear = 2 * (2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter + h * vd)
     fc = 2 * 3 * h * h
     attn_useful = sum(4 * nh * hd * ((seq + 1) / 2 + j) for j in range(ttt))
-    attn_exec = sum(4 * nh * hd * ((seq + 1) / 2 + 1 + j) for j in range(ttt))  # + the sink key, + j diagonals
+    attn_exec = sum(
+        4 * nh * hd * ((seq + 1) / 2 + 1 + j) for j in range(ttt)
+    )  # + the sink key, + j diagonals
     soft = 2 * h * vd
-    return {"useful": 3 * (ttt * linear + fc + attn_useful) + soft, "attn_useful": attn_useful, "attn_exec": attn_exec}
+    return {
+        "useful": 3 * (ttt * linear + fc + attn_useful) + soft,
+        "attn_useful": attn_useful,
+        "attn_exec": attn_exec,
+    }
 
 
-def build(cfg: DraftConfig, dev: torch.device) -> tuple[Eagle3Draft, torch.Tensor, torch.Tensor, list, torch.optim.Optimizer]:
+def build(
+    cfg: DraftConfig, dev: torch.device
+) -> tuple[Eagle3Draft, torch.Tensor, torch.Tensor, list, torch.optim.Optimizer]:
     draft, ids = random_draft(cfg, dev)
     vd, h = cfg.draft_vocab_size, cfg.hidden_size
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -71,8 +85,14 @@ def build(cfg: DraftConfig, dev: torch.device) -> tuple[Eagle3Draft, torch.Tenso
     return draft, head_d, ids, params, opt
 
 
-def step_fn(draft: Eagle3Draft, head_d: torch.Tensor, params: list, opt: torch.optim.Optimizer, ttt: int,
-            dev: torch.device) -> Callable[[Batch], float]:
+def step_fn(
+    draft: Eagle3Draft,
+    head_d: torch.Tensor,
+    params: list,
+    opt: torch.optim.Optimizer,
+    ttt: int,
+    dev: torch.device,
+) -> Callable[[Batch], float]:
     """The stage's optimizer step on one batch; returns the real tokens it trained on (a host sync, as the stage's
     metrics are)."""
 
@@ -80,7 +100,7 @@ def step_fn(draft: Eagle3Draft, head_d: torch.Tensor, params: list, opt: torch.o
         counts = torch.stack([batch.step_mask(j).sum() for j in range(ttt)]).double().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         losses, _ = ttt_sums(draft, draft, batch, head_d, ttt, autocast=dev.type == "cuda")
-        sum((0.8 ** j) * losses[j] / counts[j] for j in range(ttt)).backward()
+        sum((0.8**j) * losses[j] / counts[j] for j in range(ttt)).backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         return float(batch.lengths.sum())
@@ -99,13 +119,22 @@ def run_config(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torc
     ms = statistics.median(time_ms(lambda: step(batch), dev, warmup=2, reps=steps))
     f = flops(cfg, s, ttt)
     tok_s = b * s / (ms / 1e3)
-    out = {"batch": b, "seq": s, "ttt": ttt, "step_ms": ms, "tok_s": tok_s, "useful_tflop_s": f["useful"] * tok_s / 1e12,
-           "attn_exec_over_useful": f["attn_exec"] / f["attn_useful"],
-           "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+    out = {
+        "batch": b,
+        "seq": s,
+        "ttt": ttt,
+        "step_ms": ms,
+        "tok_s": tok_s,
+        "useful_tflop_s": f["useful"] * tok_s / 1e12,
+        "attn_exec_over_useful": f["attn_exec"] / f["attn_useful"],
+        "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+    }
     return out
 
 
-def write_store(root: Path, cfg: DraftConfig, rows: int, seq: int, draft_ids: torch.Tensor, rows_per_shard: int) -> Path:
+def write_store(
+    root: Path, cfg: DraftConfig, rows: int, seq: int, draft_ids: torch.Tensor, rows_per_shard: int
+) -> Path:
     """A real offline store (``hidden_store`` shards + manifest) of ``rows`` random rows of ``seq`` tokens."""
     from pipeline.eagle3 import hidden_store as hs
     from pipeline.run.rundir import write_json
@@ -115,21 +144,36 @@ def write_store(root: Path, cfg: DraftConfig, rows: int, seq: int, draft_ids: to
     for si, a in enumerate(range(0, rows, rows_per_shard)):
         chunk = []
         for _ in range(min(rows_per_shard, rows - a)):
-            chunk.append({"aux": torch.randn(seq, 3 * h, generator=g).to(torch.bfloat16),
-                          "last_hidden": torch.randn(seq, h, generator=g).to(torch.bfloat16),
-                          "target_argmax": draft_ids[torch.randint(0, len(draft_ids), (seq,), generator=g)],
-                          "input_ids": torch.randint(0, cfg.vocab_size, (seq,), generator=g),
-                          "loss_mask": torch.ones(seq, dtype=torch.int8)})
+            chunk.append(
+                {
+                    "aux": torch.randn(seq, 3 * h, generator=g).to(torch.bfloat16),
+                    "last_hidden": torch.randn(seq, h, generator=g).to(torch.bfloat16),
+                    "target_argmax": draft_ids[torch.randint(0, len(draft_ids), (seq,), generator=g)],
+                    "input_ids": torch.randint(0, cfg.vocab_size, (seq,), generator=g),
+                    "loss_mask": torch.ones(seq, dtype=torch.int8),
+                }
+            )
         name = hs.shard_name(si)
         size = hs.write_shard(root / name, chunk, [f"r{a + k}" for k in range(len(chunk))])
         shards.append({"file": name, "rows": len(chunk), "tokens": len(chunk) * seq, "bytes": size})
-    write_json(root / "manifest.json", {"kind": hs.KIND, "format": hs.FORMAT, "mode": "offline", "aux_layer_ids": [1, 2, 3],
-                                        "rows": rows, "shards": shards, "eval_shards": []})
+    write_json(
+        root / "manifest.json",
+        {
+            "kind": hs.KIND,
+            "format": hs.FORMAT,
+            "mode": "offline",
+            "aux_layer_ids": [1, 2, 3],
+            "rows": rows,
+            "shards": shards,
+            "eval_shards": [],
+        },
+    )
     return root
 
 
-def run_store(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch.device, store_dir: Path,
-              prefetch: int) -> dict:
+def run_store(
+    cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch.device, store_dir: Path, prefetch: int
+) -> dict:
     """The stage's data path: rows read from a real store on disk by ``OfflineData`` (through the ``Feeder`` thread
     when ``prefetch`` > 0, else on the step's thread as before issue 15), same shapes as the synthetic run."""
     from pipeline.eagle3 import hidden_store as hs
@@ -144,7 +188,11 @@ def run_store(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch
     fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     total = steps + 2
     chunks = lambda k: [sched.rows(k)]  # noqa: E731 - one micro-batch per step, as the synthetic run
-    feeder = Feeder(data, range(1, total + 1), chunks, dev, fdt, prefetch) if prefetch else Inline(data, chunks, dev, fdt)
+    feeder = (
+        Feeder(data, range(1, total + 1), chunks, dev, fdt, prefetch)
+        if prefetch
+        else Inline(data, chunks, dev, fdt)
+    )
     try:
         for k in (1, 2):  # warm-up, as the synthetic run
             step(feeder.next(k)[0])
@@ -158,11 +206,20 @@ def run_store(cfg: DraftConfig, b: int, s: int, ttt: int, steps: int, dev: torch
         wall = time.perf_counter() - t0
     finally:
         feeder.close()
-    return {"batch": b, "seq": s, "ttt": ttt, "tok_s": tokens / wall, "step_ms": statistics.median(per_step),
-            "step_ms_max": max(per_step), "prefetch": prefetch}
+    return {
+        "batch": b,
+        "seq": s,
+        "ttt": ttt,
+        "tok_s": tokens / wall,
+        "step_ms": statistics.median(per_step),
+        "step_ms_max": max(per_step),
+        "prefetch": prefetch,
+    }
 
 
-def check_against_cpu(cfg: DraftConfig, dev: torch.device, seq: int = 256, ttt: int = 3) -> dict[str, list[float]]:
+def check_against_cpu(
+    cfg: DraftConfig, dev: torch.device, seq: int = 256, ttt: int = 3
+) -> dict[str, list[float]]:
     """TTT logits on the device (fp32, and bf16 autocast as trained) vs a float64 CPU reference."""
     torch.manual_seed(1)
     draft = Eagle3Draft(cfg)
@@ -192,13 +249,25 @@ def main() -> int:
     ap.add_argument("--configs", default="2x2048x7,4x2048x7,2x4096x7,4x2048x1")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--store", action="store_true",
-                    help="also train each config from a real store on disk through the stage's data path "
-                         "(the feeder thread, and the old on-the-step-thread read), next to the synthetic step")
-    ap.add_argument("--baseline", choices=["specforge"], default=None,
-                    help="also time SpecForge's draft forward+backward on the same config, batch and sequence length")
-    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                    help="with --baseline: print each side's top ROWS operators by device time")
+    ap.add_argument(
+        "--store",
+        action="store_true",
+        help="also train each config from a real store on disk through the stage's data path "
+        "(the feeder thread, and the old on-the-step-thread read), next to the synthetic step",
+    )
+    ap.add_argument(
+        "--baseline",
+        choices=["specforge"],
+        default=None,
+        help="also time SpecForge's draft forward+backward on the same config, batch and sequence length",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="with --baseline: print each side's top ROWS operators by device time",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     ceiling = matmul_ceiling_tflops(dev)
@@ -219,8 +288,14 @@ def main() -> int:
             torch.cuda.empty_cache()
         if args.store and "error" not in r:
             with tempfile.TemporaryDirectory(prefix="aerie-bench-store-") as d:
-                write_store(Path(d), cfg, b * (args.steps + 2), s, torch.sort(torch.randperm(cfg.vocab_size)[
-                    :cfg.draft_vocab_size]).values.to(torch.int32), rows_per_shard=max(1, b))
+                write_store(
+                    Path(d),
+                    cfg,
+                    b * (args.steps + 2),
+                    s,
+                    torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values.to(torch.int32),
+                    rows_per_shard=max(1, b),
+                )
                 for prefetch in (2, 0):
                     rs = run_store(cfg, b, s, t, args.steps, dev, Path(d), prefetch)
                     r[f"store_prefetch{prefetch}_tok_s"] = rs["tok_s"]
@@ -230,40 +305,62 @@ def main() -> int:
         if args.baseline == "specforge" and "error" not in r:
             from bench.specforge_peer import time_specforge_vs_aerie
 
-            r["specforge"] = time_specforge_vs_aerie(dev, cfg, b, s, t, reps=args.steps, profile_rows=args.profile)
+            r["specforge"] = time_specforge_vs_aerie(
+                dev, cfg, b, s, t, reps=args.steps, profile_rows=args.profile
+            )
             for side in ("aerie", "specforge") if args.profile else ():
                 print(f"--- {side}, {b}x{s}x{t}: top operators by device time (two steps)")
                 print(r["specforge"].pop(f"{side}_profile"))
         rows.append(r)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    res = {"bench": "gpu_train", **device_info(dev), "shape": args.shape, "draft_vocab": cfg.draft_vocab_size,
-           "draft_params_m": sum(p.numel() for p in Eagle3Draft(cfg).parameters() if p.requires_grad) / 1e6,
-           "matmul_ceiling_tflops": ceiling, "check": check, "configs": rows}
+    res = {
+        "bench": "gpu_train",
+        **device_info(dev),
+        "shape": args.shape,
+        "draft_vocab": cfg.draft_vocab_size,
+        "draft_params_m": sum(p.numel() for p in Eagle3Draft(cfg).parameters() if p.requires_grad) / 1e6,
+        "matmul_ceiling_tflops": ceiling,
+        "check": check,
+        "configs": rows,
+    }
     write_out("gpu_train.json", res)
-    print(f"\ngpu_train on {res.get('name', dev)}: {args.shape} draft, {res['draft_params_m']:.0f}M trainable, "
-          f"draft vocab {cfg.draft_vocab_size}; bf16 matmul ceiling {ceiling:.1f} TFLOP/s")
-    print("  TTT logits vs float64 CPU, relative error per step: fp32 "
-          + " ".join(f"{e:.1e}" for e in check["fp32_rel_err"]) + "; bf16 autocast "
-          + " ".join(f"{e:.1e}" for e in check["bf16_rel_err"]))
-    print(f"  {'batch x seq x ttt':>18} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'attn x':>7} {'GiB':>6}")
+    print(
+        f"\ngpu_train on {res.get('name', dev)}: {args.shape} draft, {res['draft_params_m']:.0f}M trainable, "
+        f"draft vocab {cfg.draft_vocab_size}; bf16 matmul ceiling {ceiling:.1f} TFLOP/s"
+    )
+    print(
+        "  TTT logits vs float64 CPU, relative error per step: fp32 "
+        + " ".join(f"{e:.1e}" for e in check["fp32_rel_err"])
+        + "; bf16 autocast "
+        + " ".join(f"{e:.1e}" for e in check["bf16_rel_err"])
+    )
+    print(
+        f"  {'batch x seq x ttt':>18} {'step ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'attn x':>7} {'GiB':>6}"
+    )
     for r in rows:
         name = f"{r['batch']}x{r['seq']}x{r['ttt']}"
         if "error" in r:
             print(f"  {name:>18} {r['error']}")
             continue
-        print(f"  {name:>18} {r['step_ms']:9.1f} {r['tok_s']:9,.0f} {r['useful_tflop_s']:8.1f} {r['mfu']:6.1%} "
-              f"{r['attn_exec_over_useful']:7.1f} {r['peak_mem_gib'] or 0:6.1f}")
+        print(
+            f"  {name:>18} {r['step_ms']:9.1f} {r['tok_s']:9,.0f} {r['useful_tflop_s']:8.1f} {r['mfu']:6.1%} "
+            f"{r['attn_exec_over_useful']:7.1f} {r['peak_mem_gib'] or 0:6.1f}"
+        )
         if "store_prefetch2_tok_s" in r:
             for pf, what in ((2, "feeder thread (the stage)"), (0, "read on the step's thread (before)")):
                 v = r[f"store_prefetch{pf}_tok_s"]
-                print(f"  {'':>18} real store, {what}: {v:,.0f} tok/s = {v / r['tok_s']:.1%} of synthetic "
-                      f"(slowest step {r[f'store_prefetch{pf}_step_ms_max']:.0f} ms)")
+                print(
+                    f"  {'':>18} real store, {what}: {v:,.0f} tok/s = {v / r['tok_s']:.1%} of synthetic "
+                    f"(slowest step {r[f'store_prefetch{pf}_step_ms_max']:.0f} ms)"
+                )
         if "specforge" in r:
             sf = r["specforge"]
-            print(f"  {'':>18} {sf['batch']}x{sf['seq_len']}x{sf['ttt']} fwd+bwd, SpecForge 0.2.0 draft: "
-                  f"{sf['specforge_tokens_per_s']:,.0f} tok/s, Aerie "
-                  f"{sf['aerie_tokens_per_s']:,.0f} tok/s: Aerie/SpecForge = {sf['ratio']:.2f}x")
+            print(
+                f"  {'':>18} {sf['batch']}x{sf['seq_len']}x{sf['ttt']} fwd+bwd, SpecForge 0.2.0 draft: "
+                f"{sf['specforge_tokens_per_s']:,.0f} tok/s, Aerie "
+                f"{sf['aerie_tokens_per_s']:,.0f} tok/s: Aerie/SpecForge = {sf['ratio']:.2f}x"
+            )
     return 0
 
 

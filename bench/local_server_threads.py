@@ -40,9 +40,24 @@ def measure(model: str, threads: int | None, max_tokens: int, timeout: float) ->
     env.pop("OMP_NUM_THREADS", None)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    p = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1",
-                          "--port", str(port), "--device", "cpu", model], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            model,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -53,10 +68,18 @@ def measure(model: str, threads: int | None, max_tokens: int, timeout: float) ->
                 time.sleep(0.5)
 
         def req(i: int) -> None:
-            body = json.dumps({"model": model, "max_tokens": max_tokens, "messages": [
-                {"role": "user", "content": f"Write a short poem about the sea, number {i}."}]}).encode()
-            r = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                       headers={"Content-Type": "application/json"})
+            body = json.dumps(
+                {
+                    "model": model,
+                    "max_tokens": max_tokens,
+                    "messages": [
+                        {"role": "user", "content": f"Write a short poem about the sea, number {i}."}
+                    ],
+                }
+            ).encode()
+            r = urllib.request.Request(
+                url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             urllib.request.urlopen(r, timeout=timeout).read()
 
         req(0)  # warm-up
@@ -88,8 +111,10 @@ def main() -> int:
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes to run meanwhile")
     args = ap.parse_args()
     model = resolve("builtin:smollm2-135m-instruct")
-    print(f"cores: {os.cpu_count()}, load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}, "
-          f"busy processes: {args.busy}")
+    print(
+        f"cores: {os.cpu_count()}, load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}, "
+        f"busy processes: {args.busy}"
+    )
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         base = measure(model, None, args.max_tokens, args.timeout)
@@ -104,7 +129,9 @@ def main() -> int:
 
     print(f"torch default threads:   2 sequential {fmt(base[0])}   2 at once {fmt(base[1])}")
     print(f"OMP_NUM_THREADS={args.threads}:       2 sequential {fmt(pinned[0])}   2 at once {fmt(pinned[1])}")
-    print(f"speed-up with pinned threads: sequential {base[0] / pinned[0]:.1f}x, at once {base[1] / pinned[1]:.1f}x")
+    print(
+        f"speed-up with pinned threads: sequential {base[0] / pinned[0]:.1f}x, at once {base[1] / pinned[1]:.1f}x"
+    )
     return 0
 
 

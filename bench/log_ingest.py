@@ -148,9 +148,14 @@ def open_existing(tmp: Path, lines: int) -> dict:
     """A fresh viewer on the log the follow run left: how soon its end shows, how soon it is indexed."""
     out = tmp / "open.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", VIEWER, str(tmp / "index"), REL, str(lines), "open", str(out)],
-                       env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", VIEWER, str(tmp / "index"), REL, str(lines), "open", str(out)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=600,
+    )
     if p.returncode != 0:
         raise SystemExit(f"open: viewer failed: {p.stderr.decode()[-2000:]}")
     res = json.loads(out.read_text())
@@ -165,11 +170,17 @@ def run(tmp: Path, lines: int, mode: str) -> dict:
     log.write_bytes(b"")
     out = tmp / f"{mode}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    viewer = subprocess.Popen([sys.executable, "-c", VIEWER, str(tmp / mode), REL, str(lines), mode, str(out)],
-                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    viewer = subprocess.Popen(
+        [sys.executable, "-c", VIEWER, str(tmp / mode), REL, str(lines), mode, str(out)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     time.sleep(3.0)  # imports and the first frame are not what is measured
-    writer = subprocess.run([sys.executable, "-c", WRITER, str(log), str(lines)], capture_output=True, text=True,
-                            check=True)
+    writer = subprocess.run(
+        [sys.executable, "-c", WRITER, str(log), str(lines)], capture_output=True, text=True, check=True
+    )
     w_start, w_end = map(float, writer.stdout.split())
     try:
         viewer.wait(timeout=600)
@@ -190,12 +201,21 @@ def run(tmp: Path, lines: int, mode: str) -> dict:
             behind = max(behind, min(lines, int((t - t0) * wrate)) - count)
     if mode != "index":
         log.unlink()
-    return {"lines_per_s": res["lines"] / (t1 - t0), "writer_lines_per_s": wrate, "span_s": t1 - t0,
-            "first_ms": 1000 * (frames[0] - t0) if frames else float("nan"),
-            "max_gap_ms": 1000 * max(gaps, default=float("nan")), "frames": len(frames),
-            "p50_gap_ms": 1000 * pct(gaps, 0.5), "p99_gap_ms": 1000 * pct(gaps, 0.99),
-            "lag_ms": 1000 * res["lag_s"], "rss_mb": res["rss_mb"], "behind": behind, "bytes": size,
-            "cpu_s": res["cpu_s"]}
+    return {
+        "lines_per_s": res["lines"] / (t1 - t0),
+        "writer_lines_per_s": wrate,
+        "span_s": t1 - t0,
+        "first_ms": 1000 * (frames[0] - t0) if frames else float("nan"),
+        "max_gap_ms": 1000 * max(gaps, default=float("nan")),
+        "frames": len(frames),
+        "p50_gap_ms": 1000 * pct(gaps, 0.5),
+        "p99_gap_ms": 1000 * pct(gaps, 0.99),
+        "lag_ms": 1000 * res["lag_s"],
+        "rss_mb": res["rss_mb"],
+        "behind": behind,
+        "bytes": size,
+        "cpu_s": res["cpu_s"],
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -215,19 +235,29 @@ def main() -> None:
         ours = run(tmp, args.lines, "index")
         opened = open_existing(tmp, args.lines)
         base = run(tmp, args.baseline_lines, "log")
-    for name, r, n in (("log viewer (line index)", ours, args.lines), ("baseline: Textual Log", base,
-                                                                        args.baseline_lines)):
+    for name, r, n in (
+        ("log viewer (line index)", ours, args.lines),
+        ("baseline: Textual Log", base, args.baseline_lines),
+    ):
         print(f"{name}: {n:,} lines (~{r['bytes'] / 2**20:.0f} MiB) in {r['span_s']:.2f} s")
-        print(f"  sustained {r['lines_per_s']:,.0f} lines/s (writer {r['writer_lines_per_s']:,.0f} lines/s, "
-              f"at most ~{max(0, r['behind']):,} lines behind)")
-        print(f"  first frame {r['first_ms']:.0f} ms after the writer started; {r['frames']} frames, gaps between them "
-              f"p50 {r['p50_gap_ms']:.0f} / p99 {r['p99_gap_ms']:.0f} / longest {r['max_gap_ms']:.0f} ms; "
-              f"longest UI-loop stall {r['lag_ms']:.0f} ms")
-        print(f"  RSS after the last line {r['rss_mb']:.0f} MB; the viewer process used {r['cpu_s']:.1f} s of CPU "
-              "in all (start-up included)")
-    print(f"opening that {args.lines:,}-line log afresh: its end on screen after {opened['open_s'] * 1000:.0f} ms "
-          f"(start-up of the screen included), fully indexed after {opened['indexed_s']:.2f} s, RSS "
-          f"{opened['rss_mb']:.0f} MB")
+        print(
+            f"  sustained {r['lines_per_s']:,.0f} lines/s (writer {r['writer_lines_per_s']:,.0f} lines/s, "
+            f"at most ~{max(0, r['behind']):,} lines behind)"
+        )
+        print(
+            f"  first frame {r['first_ms']:.0f} ms after the writer started; {r['frames']} frames, gaps between them "
+            f"p50 {r['p50_gap_ms']:.0f} / p99 {r['p99_gap_ms']:.0f} / longest {r['max_gap_ms']:.0f} ms; "
+            f"longest UI-loop stall {r['lag_ms']:.0f} ms"
+        )
+        print(
+            f"  RSS after the last line {r['rss_mb']:.0f} MB; the viewer process used {r['cpu_s']:.1f} s of CPU "
+            "in all (start-up included)"
+        )
+    print(
+        f"opening that {args.lines:,}-line log afresh: its end on screen after {opened['open_s'] * 1000:.0f} ms "
+        f"(start-up of the screen included), fully indexed after {opened['indexed_s']:.2f} s, RSS "
+        f"{opened['rss_mb']:.0f} MB"
+    )
     print(f"ratio lines/s viewer / baseline: {ours['lines_per_s'] / base['lines_per_s']:.1f}x")
     print(f"host: {os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.1f}")
 

@@ -32,7 +32,9 @@ def main() -> None:
     xs = list(range(MAX_POINTS))
     mini = Plot()
     mini.plot(xs, [2 + math.exp(-x / 100) for x in xs], marker="braille", label="loss")
-    mini.plot(xs, [0.7 * (1 - math.exp(-x / 100)) for x in xs], marker="braille", yside="right", label="acc_0")
+    mini.plot(
+        xs, [0.7 * (1 - math.exp(-x / 100)) for x in xs], marker="braille", yside="right", label="acc_0"
+    )
     mini.plotsize(44, 8)
     full = Plot()
     full.subplots(4, 1)

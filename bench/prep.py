@@ -36,13 +36,37 @@ def trajectories(n: int) -> list[sources.RawRow]:
     """Agent trajectories in the DeepSWE (tool-call) schema: 12-40 turns, long tool outputs."""
     rows = []
     for i in range(n):
-        msgs = [{"role": "system", "content": "You are a software engineering agent. Use the tools, then call finish."},
-                {"role": "user", "content": f"<issue>\nTest {i}: the parser drops field {i % 13} on empty input.\n</issue>"}]
+        msgs = [
+            {
+                "role": "system",
+                "content": "You are a software engineering agent. Use the tools, then call finish.",
+            },
+            {
+                "role": "user",
+                "content": f"<issue>\nTest {i}: the parser drops field {i % 13} on empty input.\n</issue>",
+            },
+        ]
         for step in range(6 + i % 14):
-            msgs.append({"role": "assistant", "content": f"Step {step}: inspecting module_{step}.py.",
-                         "tool_calls": [{"id": f"c{step}", "type": "function", "function": {
-                             "name": "execute_bash", "arguments": json.dumps({"command": f"sed -n 1,80p module_{step}.py"})}}]})
-            body = "\n".join(f"{n}:     value_{n} = parse(field_{n}, mode={step})  # case {i}" for n in range(40 + step * 3))
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": f"Step {step}: inspecting module_{step}.py.",
+                    "tool_calls": [
+                        {
+                            "id": f"c{step}",
+                            "type": "function",
+                            "function": {
+                                "name": "execute_bash",
+                                "arguments": json.dumps({"command": f"sed -n 1,80p module_{step}.py"}),
+                            },
+                        }
+                    ],
+                }
+            )
+            body = "\n".join(
+                f"{n}:     value_{n} = parse(field_{n}, mode={step})  # case {i}"
+                for n in range(40 + step * 3)
+            )
             msgs.append({"role": "tool", "content": body, "tool_call_id": f"c{step}"})
         msgs.append({"role": "assistant", "content": f"Fixed the parser for case {i}; the tests pass."})
         rows.append(sources.RawRow(i, {"messages": msgs}))
@@ -51,10 +75,19 @@ def trajectories(n: int) -> list[sources.RawRow]:
 
 def reasoning(n: int) -> list[sources.RawRow]:
     """Single-turn distilled reasoning rows in the Kimi flat schema."""
-    return [sources.RawRow(i, {"problem": f"Problem {i}: how many ways can {i % 9 + 3} books be arranged on a shelf?",
-                               "thinking": " ".join(f"Consider position {k}; {i % 9 + 3 - k} choices remain." for k in range(60)),
-                               "response": f"There are {i % 9 + 3}! arrangements.\n\n**Answer:** see above ({i})."})
-            for i in range(n)]
+    return [
+        sources.RawRow(
+            i,
+            {
+                "problem": f"Problem {i}: how many ways can {i % 9 + 3} books be arranged on a shelf?",
+                "thinking": " ".join(
+                    f"Consider position {k}; {i % 9 + 3 - k} choices remain." for k in range(60)
+                ),
+                "response": f"There are {i % 9 + 3}! arrangements.\n\n**Answer:** see above ({i}).",
+            },
+        )
+        for i in range(n)
+    ]
 
 
 def chats(n: int) -> list[sources.RawRow]:
@@ -63,18 +96,32 @@ def chats(n: int) -> list[sources.RawRow]:
     for i in range(n):
         msgs = []
         for t in range(2 + i % 5):
-            msgs.append({"role": "user", "content": f"Question {t} of chat {i}: explain topic {t * 7 + i} briefly."})
-            msgs.append({"role": "assistant", "content": " ".join(f"Point {k} about topic {t * 7 + i}." for k in range(25))})
+            msgs.append(
+                {"role": "user", "content": f"Question {t} of chat {i}: explain topic {t * 7 + i} briefly."}
+            )
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": " ".join(f"Point {k} about topic {t * 7 + i}." for k in range(25)),
+                }
+            )
         rows.append(sources.RawRow(i, {"messages": msgs}))
     return rows
 
 
-def naive(tok, convs: list[list[dict]], max_length: int, with_mask: bool = True) -> list[tuple[list[int], list[int]]]:  # noqa: ANN001
+def naive(
+    tok, convs: list[list[dict]], max_length: int, with_mask: bool = True
+) -> list[tuple[list[int], list[int]]]:  # noqa: ANN001
     """The per-row loop: apply_chat_template for the whole conversation and every assistant prefix."""
     out = []
-    trail = len(tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=False)) - len(
-        tok(tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False).rstrip(),
-            add_special_tokens=False)["input_ids"])
+    trail = len(
+        tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=False)
+    ) - len(
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False).rstrip(),
+            add_special_tokens=False,
+        )["input_ids"]
+    )
     for msgs in convs:
         ids = list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))[:max_length]
         mask = [0] * len(ids)
@@ -82,7 +129,11 @@ def naive(tok, convs: list[list[dict]], max_length: int, with_mask: bool = True)
             for i, m in enumerate(msgs):
                 if m["role"] != "assistant":
                     continue
-                a = len(tok.apply_chat_template(msgs[:i], tokenize=True, add_generation_prompt=True, return_dict=False))
+                a = len(
+                    tok.apply_chat_template(
+                        msgs[:i], tokenize=True, add_generation_prompt=True, return_dict=False
+                    )
+                )
                 b = len(tok.apply_chat_template(msgs[: i + 1], tokenize=True, return_dict=False)) - trail
                 for j in range(min(a, len(ids)), min(b, len(ids))):
                     mask[j] = 1
@@ -97,12 +148,18 @@ def main() -> int:
     args = ap.parse_args()
     hf = load_hf_tokenizer(MODEL)
     ct = ChatTokenizer(hf, args.max_length, tokenizer_id=MODEL)
-    kinds = [("agent trajectories", "deepswe-kimi-k2", trajectories(args.rows)),
-             ("single-turn reasoning", "kimik2-5-2000x", reasoning(args.rows)),
-             ("multi-turn chat", "ultrachat", chats(args.rows))]
-    print(f"prep benchmark: {MODEL}, max_length {args.max_length}, {args.rows} rows per kind, "
-          f"tokenizer threads {os.environ['RAYON_NUM_THREADS']}")
-    print(f"{'rows':<24}{'prep rows/s':>12}{'naive rows/s':>14}{'speed-up':>10}{'bare ACT rows/s':>17}{'identical':>11}")
+    kinds = [
+        ("agent trajectories", "deepswe-kimi-k2", trajectories(args.rows)),
+        ("single-turn reasoning", "kimik2-5-2000x", reasoning(args.rows)),
+        ("multi-turn chat", "ultrachat", chats(args.rows)),
+    ]
+    print(
+        f"prep benchmark: {MODEL}, max_length {args.max_length}, {args.rows} rows per kind, "
+        f"tokenizer threads {os.environ['RAYON_NUM_THREADS']}"
+    )
+    print(
+        f"{'rows':<24}{'prep rows/s':>12}{'naive rows/s':>14}{'speed-up':>10}{'bare ACT rows/s':>17}{'identical':>11}"
+    )
     tot_prep = tot_naive = tot_bare = 0.0
     total = 0
     for label, key, raw in kinds:
@@ -111,24 +168,34 @@ def main() -> int:
         t0 = time.perf_counter()
         outs = []
         for k in range(0, len(raw), 64):  # the stage's batches
-            outs.extend(proc.process(raw[k:k + 64]))
+            outs.extend(proc.process(raw[k : k + 64]))
         t_prep = time.perf_counter() - t0
         convs = [ct.template_messages(trim_to_last_assistant(sources.normalise(src, r.row, {}))) for r in raw]
         t0 = time.perf_counter()
-        ref = naive(hf, [[{k: v for k, v in m.items() if k != "_src"} for m in c] for c in convs], args.max_length)
+        ref = naive(
+            hf, [[{k: v for k, v in m.items() if k != "_src"} for m in c] for c in convs], args.max_length
+        )
         t_naive = time.perf_counter() - t0
         t0 = time.perf_counter()
         naive(hf, convs, args.max_length, with_mask=False)
         t_bare = time.perf_counter() - t0
-        same = sum(o.kind == "accept" and o.encoded.input_ids.tolist() == ids and o.encoded.loss_mask.tolist() == mask
-                   for o, (ids, mask) in zip(outs, ref, strict=True))
+        same = sum(
+            o.kind == "accept"
+            and o.encoded.input_ids.tolist() == ids
+            and o.encoded.loss_mask.tolist() == mask
+            for o, (ids, mask) in zip(outs, ref, strict=True)
+        )
         n = len(raw)
         total += n
         tot_prep, tot_naive, tot_bare = tot_prep + t_prep, tot_naive + t_naive, tot_bare + t_bare
-        print(f"{label:<24}{n / t_prep:>12.0f}{n / t_naive:>14.0f}{t_naive / t_prep:>9.1f}x{n / t_bare:>17.0f}"
-              f"{same:>7}/{n}")
-    print(f"{'all':<24}{total / tot_prep:>12.0f}{total / tot_naive:>14.0f}{tot_naive / tot_prep:>9.1f}x"
-          f"{total / tot_bare:>17.0f}")
+        print(
+            f"{label:<24}{n / t_prep:>12.0f}{n / t_naive:>14.0f}{t_naive / t_prep:>9.1f}x{n / t_bare:>17.0f}"
+            f"{same:>7}/{n}"
+        )
+    print(
+        f"{'all':<24}{total / tot_prep:>12.0f}{total / tot_naive:>14.0f}{tot_naive / tot_prep:>9.1f}x"
+        f"{total / tot_bare:>17.0f}"
+    )
     print(f"prep vs bare apply_chat_template (no mask at all): {tot_bare / tot_prep:.1f}x")
     return 0
 

@@ -29,12 +29,24 @@ import aiohttp  # noqa: E402
 from pipeline.stages.regen.client import ClientConfig, Regenerator  # noqa: E402
 from pipeline.stages.regen.store import ResponseLog  # noqa: E402
 
-ANSWER = json.dumps({
-    "id": "x", "object": "chat.completion", "model": "bench-model",
-    "choices": [{"index": 0, "finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "An instant answer of a few words, as a server gives."}}],
-    "usage": {"prompt_tokens": 21, "completion_tokens": 12, "total_tokens": 33},
-}).encode()
+ANSWER = json.dumps(
+    {
+        "id": "x",
+        "object": "chat.completion",
+        "model": "bench-model",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {
+                    "role": "assistant",
+                    "content": "An instant answer of a few words, as a server gives.",
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 21, "completion_tokens": 12, "total_tokens": 33},
+    }
+).encode()
 MODELS = json.dumps({"object": "list", "data": [{"id": "bench-model", "object": "model"}]}).encode()
 
 
@@ -62,8 +74,12 @@ class InstantHTTP(asyncio.Protocol):
                 return
             self.buf = self.buf[end:]
             body = MODELS if head.startswith("GET") else ANSWER
-            self.t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.t.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
 
 
 def serve(port: int, ready: mp.Event) -> None:  # type: ignore[valid-type]
@@ -85,15 +101,18 @@ def free_port() -> int:
 
 async def baseline(url: str, n: int, concurrency: int) -> float:
     """Bare aiohttp: same requests, no retry bookkeeping, no parsing into records, no log."""
-    body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "q"}], "max_tokens": 16}).encode()
+    body = json.dumps(
+        {"model": "bench-model", "messages": [{"role": "user", "content": "q"}], "max_tokens": 16}
+    ).encode()
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as s:
         it = iter(range(n))
 
         async def worker() -> None:
             for _ in it:
-                async with s.post(url + "/v1/chat/completions", data=body,
-                                  headers={"Content-Type": "application/json"}) as r:
+                async with s.post(
+                    url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
 
         t0 = time.perf_counter()
@@ -103,8 +122,10 @@ async def baseline(url: str, n: int, concurrency: int) -> float:
 
 def ours(url: str, n: int, concurrency: int, out: Path) -> float:
     log = ResponseLog(out / "responses.jsonl")
-    prompts = [(f"r{i:07d}", [{"role": "user", "content": f"question number {i}, please answer briefly"}])
-               for i in range(n)]
+    prompts = [
+        (f"r{i:07d}", [{"role": "user", "content": f"question number {i}, please answer briefly"}])
+        for i in range(n)
+    ]
     cfg = ClientConfig(url=url, concurrency=concurrency, sampling={"temperature": 0.7, "max_tokens": 16})
     r = Regenerator(cfg, log.append)
     t0 = time.perf_counter()

@@ -35,13 +35,18 @@ CHUNK = 32 << 20
 
 def host_batch(tokens: int, hidden: int) -> HostBatch:
     g = torch.Generator().manual_seed(0)
-    return HostBatch(torch.randn(tokens, 3 * hidden, generator=g).to(torch.bfloat16),
-                     torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
-                     torch.randint(0, 1 << 16, (tokens,), generator=g, dtype=torch.int32),
-                     np.zeros(tokens, np.int32), np.ones(tokens, np.int8))
+    return HostBatch(
+        torch.randn(tokens, 3 * hidden, generator=g).to(torch.bfloat16),
+        torch.randn(tokens, hidden, generator=g).to(torch.bfloat16),
+        torch.randint(0, 1 << 16, (tokens,), generator=g, dtype=torch.int32),
+        np.zeros(tokens, np.int32),
+        np.ones(tokens, np.int8),
+    )
 
 
-def sink_rate(out: Path, batch: HostBatch, hidden: int, batches: int, per_shard: int, queue: int, io: int) -> float:
+def sink_rate(
+    out: Path, batch: HostBatch, hidden: int, batches: int, per_shard: int, queue: int, io: int
+) -> float:
     n = batch.tokens
     t = time.perf_counter()
     with ShardSink(out, 3 * hidden, hidden, queue_batches=queue, io_threads=io) as sink:
@@ -57,7 +62,10 @@ def sink_rate(out: Path, batch: HostBatch, hidden: int, batches: int, per_shard:
 
 
 def raw_rate(out: Path, batch: HostBatch, batches: int, per_shard: int) -> float:
-    sizes = [x.nbytes for x in (batch.aux, batch.last_hidden, batch.target_argmax, batch.input_ids, batch.loss_mask)]
+    sizes = [
+        x.nbytes
+        for x in (batch.aux, batch.last_hidden, batch.target_argmax, batch.input_ids, batch.loss_mask)
+    ]
     data = memoryview(np.random.default_rng(0).bytes(max(sizes)))
     parts = [data[:n] for n in sizes]  # the same write sizes as the sink's tensors (contents do not matter)
     per_batch = sum(sizes)
@@ -70,7 +78,7 @@ def raw_rate(out: Path, batch: HostBatch, batches: int, per_shard: int) -> float
         for _ in range(nb):
             for p in parts:
                 for a in range(0, len(p), CHUNK):
-                    off += os.pwrite(fd, p[a:a + CHUNK], off)
+                    off += os.pwrite(fd, p[a : a + CHUNK], off)
         os.fsync(fd)
         os.close(fd)
         total += off
@@ -79,7 +87,9 @@ def raw_rate(out: Path, batch: HostBatch, batches: int, per_shard: int) -> float
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default=None, help="where to write (default: a temp dir; point it at the run disk)")
+    ap.add_argument(
+        "--out-dir", default=None, help="where to write (default: a temp dir; point it at the run disk)"
+    )
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--batches", type=int, default=8)
@@ -94,8 +104,12 @@ def main() -> int:
             q, io = (int(x) for x in mode.split(":"))
             d = base / f"sink-{q}-{io}"
             d.mkdir()
-            rows.append((f"ShardSink, queue {q}, io_threads {io}",
-                         sink_rate(d, batch, args.hidden, args.batches, args.shard_batches, q, io)))
+            rows.append(
+                (
+                    f"ShardSink, queue {q}, io_threads {io}",
+                    sink_rate(d, batch, args.hidden, args.batches, args.shard_batches, q, io),
+                )
+            )
             shutil.rmtree(d)
         d = base / "raw"
         d.mkdir()
@@ -104,8 +118,10 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     gb = args.batches * args.batch_tokens * (8 * args.hidden + 9) / 1e9
-    print(f"shard_write: {gb:.1f} GB in {args.batches} batches of {args.batch_tokens} tokens, "
-          f"{args.shard_batches} batches a shard, into {args.out_dir or tempfile.gettempdir()}")
+    print(
+        f"shard_write: {gb:.1f} GB in {args.batches} batches of {args.batch_tokens} tokens, "
+        f"{args.shard_batches} batches a shard, into {args.out_dir or tempfile.gettempdir()}"
+    )
     for name, r in rows:
         print(f"  {name:<36} {r:6.2f} GB/s  = {r / raw:6.1%} of raw")
     print(f"  {'raw os.pwrite, one writer':<36} {raw:6.2f} GB/s")

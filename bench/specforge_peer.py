@@ -74,12 +74,23 @@ def specforge_config(cfg: DraftConfig) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
-        target_hidden_size=cfg.target_hidden_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings, hidden_act=cfg.hidden_act, num_hidden_layers=1,
-        pretraining_tp=1, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        draft_vocab_size=cfg.draft_vocab_size,
+        target_hidden_size=cfg.target_hidden_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        hidden_act=cfg.hidden_act,
+        num_hidden_layers=1,
+        pretraining_tp=1,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
     )
 
 
@@ -111,12 +122,19 @@ def param_map(aerie: Eagle3Draft, specforge: torch.nn.Module) -> dict[str, str]:
     a, s = set(aerie.state_dict()), set(specforge.state_dict())
     s -= {k for k in s if "rotary_emb" in k}  # SpecForge's RoPE caches, non-persistent in Aerie
     if a != s:
-        raise AssertionError(f"draft tensors differ: only Aerie {sorted(a - s)}, only SpecForge {sorted(s - a)}")
+        raise AssertionError(
+            f"draft tensors differ: only Aerie {sorted(a - s)}, only SpecForge {sorted(s - a)}"
+        )
     return {k: k for k in sorted(a)}
 
 
-def build_pair(cfg: DraftConfig, seed: int = 0, device: str | torch.device = "cpu",
-               attention_backend: str = "sdpa", ttt: int = 7) -> tuple[Eagle3Draft, Any]:
+def build_pair(
+    cfg: DraftConfig,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "sdpa",
+    ttt: int = 7,
+) -> tuple[Eagle3Draft, Any]:
     """(Aerie's draft, SpecForge's ``OnlineEagle3Model`` around its draft), same random weights and vocab map."""
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
@@ -127,7 +145,7 @@ def build_pair(cfg: DraftConfig, seed: int = 0, device: str | torch.device = "cp
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             p.data.uniform_(0.5, 1.5)  # not all ones: a swapped norm must show
         else:
-            p.data.normal_(0, cfg.hidden_size ** -0.5)
+            p.data.normal_(0, cfg.hidden_size**-0.5)
     ids = torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[ids] = True
@@ -151,8 +169,14 @@ class PeerBatch:
     specforge: dict[str, torch.Tensor]
 
 
-def make_batch(aerie: Eagle3Draft, batch: int, seq_len: int, seed: int = 0, device: str | torch.device = "cpu",
-               lengths: list[int] | None = None) -> PeerBatch:
+def make_batch(
+    aerie: Eagle3Draft,
+    batch: int,
+    seq_len: int,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    lengths: list[int] | None = None,
+) -> PeerBatch:
     """Random target features and head; ``lengths`` pads rows shorter than ``seq_len``."""
     cfg = aerie.cfg
     dev = torch.device(device)
@@ -162,7 +186,7 @@ def make_batch(aerie: Eagle3Draft, batch: int, seq_len: int, seed: int = 0, devi
     real = torch.arange(seq_len)[None, :] < n[:, None]
     aux = torch.randn(batch, seq_len, 3 * h, generator=g)
     last = torch.randn(batch, seq_len, h, generator=g)
-    head = torch.randn(cfg.vocab_size, h, generator=g) * h ** -0.5 * 4  # peaked enough to have an argmax
+    head = torch.randn(cfg.vocab_size, h, generator=g) * h**-0.5 * 4  # peaked enough to have an argmax
     logits = last @ head.T
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g) * real
     mask = real & (torch.rand(batch, seq_len, generator=g) < 0.8)
@@ -171,8 +195,10 @@ def make_batch(aerie: Eagle3Draft, batch: int, seq_len: int, seed: int = 0, devi
     head_d = head[aerie.d2t.cpu() + torch.arange(cfg.draft_vocab_size)]
     sf = {
         # TargetHead.preprocess: ids and target logits shifted one left; loss mask shifted by us (see above)
-        "input_ids": shift_left(ids, 1), "target": shift_left(logits, 1),
-        "loss_mask": shift_left(mask, 2, False).long()[..., None], "attention_mask": real.long(),
+        "input_ids": shift_left(ids, 1),
+        "target": shift_left(logits, 1),
+        "loss_mask": shift_left(mask, 2, False).long()[..., None],
+        "attention_mask": real.long(),
         "hidden_states": aux,
     }
     return PeerBatch(ab, head.to(dev), head_d.to(dev), {k: v.to(dev) for k, v in sf.items()})
@@ -192,13 +218,21 @@ def specforge_ttt(sf: Any, pb: PeerBatch) -> dict[str, Any]:
     draft.compute_logits = record
     try:
         b = pb.specforge
-        plosses, _, _, corrects, _, _, _ = sf(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                                              target=b["target"], loss_mask=b["loss_mask"],
-                                              hidden_states=b["hidden_states"])
+        plosses, _, _, corrects, _, _, _ = sf(
+            input_ids=b["input_ids"],
+            attention_mask=b["attention_mask"],
+            target=b["target"],
+            loss_mask=b["loss_mask"],
+            hidden_states=b["hidden_states"],
+        )
     finally:
         del draft.compute_logits
     positions = b["input_ids"].numel()
-    return {"logits": seen, "losses": [x * positions for x in plosses], "correct": [float(c) for c in corrects]}
+    return {
+        "logits": seen,
+        "losses": [x * positions for x in plosses],
+        "correct": [float(c) for c in corrects],
+    }
 
 
 def aerie_ttt(aerie: Eagle3Draft, pb: PeerBatch, steps: int, autocast: bool = False) -> dict[str, Any]:
@@ -210,9 +244,16 @@ def aerie_ttt(aerie: Eagle3Draft, pb: PeerBatch, steps: int, autocast: bool = Fa
     return {"logits": logits, "losses": losses, "correct": correct.tolist()}
 
 
-def time_specforge_vs_aerie(device: str | torch.device, config: DraftConfig, batch: int, seq_len: int,
-                            steps: int, reps: int = 5, attention_backend: str = "sdpa",
-                            profile_rows: int = 0) -> dict[str, Any]:
+def time_specforge_vs_aerie(
+    device: str | torch.device,
+    config: DraftConfig,
+    batch: int,
+    seq_len: int,
+    steps: int,
+    reps: int = 5,
+    attention_backend: str = "sdpa",
+    profile_rows: int = 0,
+) -> dict[str, Any]:
     """Tokens/s of one training forward+backward of each, on one batch of ``batch × seq_len`` tokens.
 
     Each is trained as it trains itself: Aerie with fp32 master weights under bf16 autocast on CUDA
@@ -236,18 +277,29 @@ def time_specforge_vs_aerie(device: str | torch.device, config: DraftConfig, bat
     def aerie_step() -> None:
         aerie.zero_grad(set_to_none=True)
         losses, _ = ttt_sums(aerie, aerie, pb.aerie, pb.head_d, steps, autocast=cuda)
-        sum(DECAY ** j * losses[j] / counts[j] for j in range(steps)).backward()
+        sum(DECAY**j * losses[j] / counts[j] for j in range(steps)).backward()
 
     def sf_step() -> None:
         sf.zero_grad(set_to_none=True)
         b = pb.specforge
-        plosses = sf(input_ids=b["input_ids"], attention_mask=b["attention_mask"], target=b["target"],
-                     loss_mask=b["loss_mask"], hidden_states=b["hidden_states"])[0]
-        sum(DECAY ** j * plosses[j] * positions / counts[j] for j in range(steps)).backward()
+        plosses = sf(
+            input_ids=b["input_ids"],
+            attention_mask=b["attention_mask"],
+            target=b["target"],
+            loss_mask=b["loss_mask"],
+            hidden_states=b["hidden_states"],
+        )[0]
+        sum(DECAY**j * plosses[j] * positions / counts[j] for j in range(steps)).backward()
 
-    out: dict[str, Any] = {"device": str(dev), "batch": batch, "seq_len": seq_len, "ttt": steps,
-                           "hidden": config.hidden_size, "draft_vocab": config.draft_vocab_size,
-                           "specforge_backend": attention_backend}
+    out: dict[str, Any] = {
+        "device": str(dev),
+        "batch": batch,
+        "seq_len": seq_len,
+        "ttt": steps,
+        "hidden": config.hidden_size,
+        "draft_vocab": config.draft_vocab_size,
+        "specforge_backend": attention_backend,
+    }
     with specforge_runs_here(dev):
         for name, fn in (("aerie", aerie_step), ("specforge", sf_step)):
             if cuda:
@@ -278,9 +330,19 @@ def profile_table(fn: Any, dev: torch.device, rows: int) -> str:
 
 
 def tiny_config(draft_vocab: int = 64, vocab: int = 256) -> DraftConfig:
-    return DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layer_ids=[1, 2, 3],
-                       target_hidden_size=64, rope_theta=10000.0, max_position_embeddings=2048)
+    return DraftConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=[1, 2, 3],
+        target_hidden_size=64,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

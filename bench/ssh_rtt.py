@@ -73,8 +73,9 @@ async def timed(n: int, fn) -> list[float]:  # noqa: ANN001
     return out
 
 
-async def reattach(server: LoopbackSshd, target: SshTarget, layout: RemoteLayout, backoff: tuple[float, float],
-                   down_s: float) -> float:
+async def reattach(
+    server: LoopbackSshd, target: SshTarget, layout: RemoteLayout, backoff: tuple[float, float], down_s: float
+) -> float:
     conn = HostConnection(target, backoff_s=backoff)
     transport = SshTransport(conn, layout)
     reqs = [("state.json", 0)]
@@ -109,7 +110,9 @@ async def main(args: argparse.Namespace) -> None:
 
 async def bench(args: argparse.Namespace, link: BadLink | None, relay: bool = False) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="aerie-ssh-bench-"))
-    server = LoopbackSshd(tmp / "sshd", listen=link.remote, netns=link.ns) if link else LoopbackSshd(tmp / "sshd")
+    server = (
+        LoopbackSshd(tmp / "sshd", listen=link.remote, netns=link.ns) if link else LoopbackSshd(tmp / "sshd")
+    )
     server.start()
     proxy = ImpairedProxy(server.listen, server.port, 150, 30, 2.0).__enter__() if relay else None
     try:
@@ -121,8 +124,9 @@ async def bench(args: argparse.Namespace, link: BadLink | None, relay: bool = Fa
         for sid in ("a", "b"):
             run.stage(sid).events.write_text('{"type":"started","t":1}\n' * 50)
         (run.root / "state.json").write_text('{"stages": []}\n' * 20)
-        target = SshTarget(host=host, port=port, user=server.user, identity=str(server.client_key),
-                           known_hosts=str(kh))
+        target = SshTarget(
+            host=host, port=port, user=server.user, identity=str(server.client_key), known_hosts=str(kh)
+        )
         layout = RemoteLayout(root=str(run.root), python=sys.executable, pythonpath=str(ROOT))
         conn = HostConnection(target)
         t0 = time.perf_counter()
@@ -152,10 +156,15 @@ async def bench(args: argparse.Namespace, link: BadLink | None, relay: bool = Fa
         await transport.close()
 
         base = statistics.median(rows["fresh `ssh host true` per command (baseline)"])
-        where = ("loopback" if link is None else
-                 f"veth into a network namespace ({(proxy.impairment if proxy else link.impairment) or 'no impairment'})")
-        print(f"OpenSSH sshd over {where}, user {server.user}; n={args.n}; connect {connect_ms:.0f} ms, "
-              f"agent start {agent_start_ms:.0f} ms")
+        where = (
+            "loopback"
+            if link is None
+            else f"veth into a network namespace ({(proxy.impairment if proxy else link.impairment) or 'no impairment'})"
+        )
+        print(
+            f"OpenSSH sshd over {where}, user {server.user}; n={args.n}; connect {connect_ms:.0f} ms, "
+            f"agent start {agent_start_ms:.0f} ms"
+        )
         print(f"{'what':<48} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8} {'baseline/this':>14}")
         for name, xs in rows.items():
             m = statistics.median(xs)
@@ -163,8 +172,10 @@ async def bench(args: argparse.Namespace, link: BadLink | None, relay: bool = Fa
 
         for label, backoff in (("default backoff 0.5 s..15 s", (0.5, 15.0)), ("backoff 0.1 s", (0.1, 0.5))):
             ts = [await reattach(server, target, layout, backoff, args.down) for _ in range(args.drops)]
-            print(f"re-attach after a drop ({label}; sshd down {args.down:g} s): median {statistics.median(ts):.0f} ms, "
-                  f"max {max(ts):.0f} ms over {args.drops} drops (from sshd back up to a successful poll)")
+            print(
+                f"re-attach after a drop ({label}; sshd down {args.down:g} s): median {statistics.median(ts):.0f} ms, "
+                f"max {max(ts):.0f} ms over {args.drops} drops (from sshd back up to a successful poll)"
+            )
     finally:
         if proxy is not None:
             proxy.__exit__()
@@ -176,6 +187,10 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--drops", type=int, default=5)
     ap.add_argument("--down", type=float, default=2.0)
-    ap.add_argument("--link", choices=("loopback", "veth", "bad"), default="loopback",
-                    help="loopback (default), a veth into a network namespace, or that veth with netem impairment")
+    ap.add_argument(
+        "--link",
+        choices=("loopback", "veth", "bad"),
+        default="loopback",
+        help="loopback (default), a veth into a network namespace, or that veth with netem impairment",
+    )
     asyncio.run(main(ap.parse_args()))

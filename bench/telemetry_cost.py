@@ -62,8 +62,10 @@ def busy_fixture(tmp: Path) -> Path:
 
 
 def make_run(tmp: Path) -> tuple[RunDir, plan_mod.Plan]:
-    ds = "".join(f'[[datasets]]\nname = "d{i}"\nsource = "s"\nkind = "target-native"\nquota = 1000\n'
-                 for i in range(10))
+    ds = "".join(
+        f'[[datasets]]\nname = "d{i}"\nsource = "s"\nkind = "target-native"\nquota = 1000\n'
+        for i in range(10)
+    )
     body = f"""
 [run]
 name = "bench"
@@ -98,8 +100,17 @@ cpu = 0
     plan = plan_mod.load(tmp / "plan.toml", run_dir=tmp / "run")
     run = create_run(plan, tmp / "run")
     for i, sid in enumerate(run.stage_ids()):  # recorded groups that no longer exist
-        write_json(run.stage(sid).proc, {"attempt": 1, "pid": 3_900_000 + i, "pgid": 3_900_000 + i,
-                                         "start_time": 1, "boot_id": "", "t": 0})
+        write_json(
+            run.stage(sid).proc,
+            {
+                "attempt": 1,
+                "pid": 3_900_000 + i,
+                "pgid": 3_900_000 + i,
+                "start_time": 1,
+                "boot_id": "",
+                "t": 0,
+            },
+        )
     return run, plan
 
 
@@ -159,12 +170,18 @@ def main() -> int:
     print(f"    of which the fake NVML replay itself: {1e3 * r:7.3f} ms")
     print(f"  projection of remaining output:         {1e3 * proj:7.3f} ms every {PROJECTION_EVERY_S:g} s")
     print(f"  amortised per sample:                   {1e3 * amortised:7.3f} ms")
-    print(f"  share of one core at {INTERVAL_S:g} s interval:      {100 * amortised / INTERVAL_S:7.3f} %  (goal: well under 1 %)")
+    print(
+        f"  share of one core at {INTERVAL_S:g} s interval:      {100 * amortised / INTERVAL_S:7.3f} %  (goal: well under 1 %)"
+    )
     for name, v in live.items():
-        print(f"  live loop at {INTERVAL_S:g} s, {name + ':':<9}            {1e3 * v:7.3f} ms   "
-              f"= {100 * v / INTERVAL_S:.3f} % of a core")
-    print(f"  file growth: {sample_bytes} B/sample = {sample_bytes * 3600 / INTERVAL_S / 2**20:.1f} MiB/h "
-          "(capped by [telemetry] max_mb, one rotation kept)")
+        print(
+            f"  live loop at {INTERVAL_S:g} s, {name + ':':<9}            {1e3 * v:7.3f} ms   "
+            f"= {100 * v / INTERVAL_S:.3f} % of a core"
+        )
+    print(
+        f"  file growth: {sample_bytes} B/sample = {sample_bytes * 3600 / INTERVAL_S / 2**20:.1f} MiB/h "
+        "(capped by [telemetry] max_mb, one rotation kept)"
+    )
     return 0
 
 

@@ -41,15 +41,30 @@ VARIANTS = ("old", "attn", "new")
 
 def draft_config(shape: str, draft_vocab: int) -> DraftConfig:
     s = SHAPES[shape]
-    return DraftConfig(hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-                       num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"],
-                       head_dim=s["head_dim"], vocab_size=max(s["vocab_size"], draft_vocab), draft_vocab_size=draft_vocab,
-                       aux_layer_ids=[1, 2, 3], target_hidden_size=s["hidden_size"], rope_theta=s["rope_theta"],
-                       max_position_embeddings=max(s["max_position_embeddings"], 8192))
+    return DraftConfig(
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
+        num_attention_heads=s["num_attention_heads"],
+        num_key_value_heads=s["num_key_value_heads"],
+        head_dim=s["head_dim"],
+        vocab_size=max(s["vocab_size"], draft_vocab),
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=[1, 2, 3],
+        target_hidden_size=s["hidden_size"],
+        rope_theta=s["rope_theta"],
+        max_position_embeddings=max(s["max_position_embeddings"], 8192),
+    )
 
 
-def _old_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols: torch.Tensor,
-                   key_valid: torch.Tensor | None = None, chain: list | None = None, causal: bool = False) -> torch.Tensor:
+def _old_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    q_cols: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+    chain: list | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
     return dm.chain_attention_reference(q, k0, v0, q_cols, key_valid, chain)
 
 
@@ -106,7 +121,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             losses, _ = ttt_sums(draft, draft, batch, head_d, ttt, autocast, chunk_tokens=chunk)
         else:
             losses, _ = ttt_sums_unchunked(draft, draft, batch, head_d, ttt, autocast)
-        sum((0.8 ** j) * losses[j] / counts[j] for j in range(ttt)).backward()
+        sum((0.8**j) * losses[j] / counts[j] for j in range(ttt)).backward()
 
     step()  # warm-up: kernels, allocator pools, gradient buffers
     sync(dev)
@@ -115,16 +130,30 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         before = torch.cuda.memory_allocated(dev)
         step()
         sync(dev)
-        peak, how = torch.cuda.max_memory_allocated(dev) - before, "torch.cuda.max_memory_allocated over the step"
+        peak, how = (
+            torch.cuda.max_memory_allocated(dev) - before,
+            "torch.cuda.max_memory_allocated over the step",
+        )
     else:
         with RssPeak() as r:
             before = r.rss()
             step()
         peak, how = r.peak - before, "sampled process RSS during the step, minus RSS before it"
     ms = statistics.median(time_ms(step, dev, warmup=0, reps=args.reps))
-    return {"variant": variant, "peak_mib": round(peak / 2**20, 1), "memory": how, "step_ms": round(ms, 2),
-            "tokens_per_s": round(b * s / (ms / 1e3)), "batch": b, "seq": s, "ttt": ttt, "draft_vocab": vd,
-            "hidden": h, "chunk": chunk, "device": str(dev)}
+    return {
+        "variant": variant,
+        "peak_mib": round(peak / 2**20, 1),
+        "memory": how,
+        "step_ms": round(ms, 2),
+        "tokens_per_s": round(b * s / (ms / 1e3)),
+        "batch": b,
+        "seq": s,
+        "ttt": ttt,
+        "draft_vocab": vd,
+        "hidden": h,
+        "chunk": chunk,
+        "device": str(dev),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     base = [a for a in (argv if argv is not None else sys.argv[1:])]
     for variant in args.variants.split(","):
-        p = subprocess.run([sys.executable, __file__, *base, "--child", variant], capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, __file__, *base, "--child", variant], capture_output=True, text=True
+        )
         if p.returncode != 0:
             tail = (p.stderr.strip().splitlines() or ["?"])[-1]
             rows.append({"variant": variant, "error": tail})
@@ -155,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = [r for r in rows if "error" not in r]
     if ok:
         r0 = ok[0]
-        print(f"{r0['device']}: batch {r0['batch']} x seq {r0['seq']}, TTT {r0['ttt']}, hidden {r0['hidden']}, "
-              f"draft vocab {r0['draft_vocab']}; memory = {r0['memory']}")
+        print(
+            f"{r0['device']}: batch {r0['batch']} x seq {r0['seq']}, TTT {r0['ttt']}, hidden {r0['hidden']}, "
+            f"draft vocab {r0['draft_vocab']}; memory = {r0['memory']}"
+        )
     print(f"{'variant':>8} {'peak MiB':>10} {'step ms':>10} {'tokens/s':>10}")
     for r in rows:
         if "error" in r:

@@ -63,8 +63,16 @@ class AlertWatcher:
                 continue
             self.seen.add(key)
             why = st.reason or (f"exit {st.returncode}" if st.returncode is not None else "failed")
-            out.append(Alert(key, "stage-failed", f"{st.id} failed", f"{st.id} attempt {st.attempt} failed: {why}",
-                             st.id, st.attempt))
+            out.append(
+                Alert(
+                    key,
+                    "stage-failed",
+                    f"{st.id} failed",
+                    f"{st.id} attempt {st.attempt} failed: {why}",
+                    st.id,
+                    st.attempt,
+                )
+            )
         disk = model.telemetry.disk
         level = disk.status()[1] if disk is not None and disk.avail is not None else "ok"
         changed = None
@@ -124,15 +132,29 @@ class AlertBook:
 
 async def run_hook(command: str, alert: Alert, run: str, timeout_s: float) -> tuple[int | None, str]:
     """Run one hook for ``alert``; (exit code or None on timeout, the tail of its output)."""
-    env = dict(os.environ, AERIE_ALERT_KIND=alert.kind, AERIE_ALERT_KEY=alert.key, AERIE_ALERT_TITLE=alert.title,
-               AERIE_ALERT_TEXT=alert.text, AERIE_ALERT_STAGE=alert.stage, AERIE_ALERT_ATTEMPT=str(alert.attempt),
-               AERIE_ALERT_RUN=run)
+    env = dict(
+        os.environ,
+        AERIE_ALERT_KIND=alert.kind,
+        AERIE_ALERT_KEY=alert.key,
+        AERIE_ALERT_TITLE=alert.title,
+        AERIE_ALERT_TEXT=alert.text,
+        AERIE_ALERT_STAGE=alert.stage,
+        AERIE_ALERT_ATTEMPT=str(alert.attempt),
+        AERIE_ALERT_RUN=run,
+    )
     # Through the guard (console/hook_guard.py), leader of the hook's own session: the hook dies with this
     # console however it ends (SIGKILL included), and is killed whole when it times out or the console closes.
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(Path(__file__).with_name("hook_guard.py")), str(os.getpid()), command,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env=env, start_new_session=True)
+        sys.executable,
+        str(Path(__file__).with_name("hook_guard.py")),
+        str(os.getpid()),
+        command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:

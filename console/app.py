@@ -50,9 +50,18 @@ from themes import load_themes
 
 # Theme variables a theme may set per state (``state-running`` ...); else these fall-backs.
 STATE_FALLBACK = {
-    "running": "primary", "starting": "primary", "ready": "success", "pausing": "warning", "paused": "warning",
-    "succeeded": "success", "failed": "error", "killed": "error", "upstream-failed": "error",
-    "unhealthy": "error", "pending": "foreground-muted", "skipped": "foreground-muted",
+    "running": "primary",
+    "starting": "primary",
+    "ready": "success",
+    "pausing": "warning",
+    "paused": "warning",
+    "succeeded": "success",
+    "failed": "error",
+    "killed": "error",
+    "upstream-failed": "error",
+    "unhealthy": "error",
+    "pending": "foreground-muted",
+    "skipped": "foreground-muted",
 }
 STALE_SUPERVISOR_S = 15.0
 
@@ -88,33 +97,78 @@ class AerieApp(App[int]):
     TALL_ROWS = 50  # larger detail pane
     BOARD_MIN_ROWS = 12  # GPUs become cells of a grid (several per line) when a row each would leave fewer
     BINDINGS = [
-        Binding("p", "pause", "Pause/resume",
-                tooltip="pause the selected stage at its next safe point (SIGSTOP after the grace period); "
-                        "again to resume"),
-        Binding("k", "kill", "Kill",
-                tooltip="kill: SIGTERM to the stage's recorded process group, SIGKILL after the grace (asks first)"),
-        Binding("r", "retry", "Retry", tooltip="retry a failed/killed/skipped stage; it resumes from what is done"),
-        Binding("R", "retry_fresh", "Retry fresh", show=False,
-                tooltip="retry from scratch: clears the stage's outputs in the run dir first (asks first)"),
-        Binding("s", "skip", "Skip", show=False,
-                tooltip="skip a stage that has not started (its dependants treat it as done)"),
-        Binding("F", "force", "Force", show=False,
-                tooltip="start a stage held by an admission check (disk budget, foreign GPU process) anyway, "
-                        "once (asks first)"),
+        Binding(
+            "p",
+            "pause",
+            "Pause/resume",
+            tooltip="pause the selected stage at its next safe point (SIGSTOP after the grace period); "
+            "again to resume",
+        ),
+        Binding(
+            "k",
+            "kill",
+            "Kill",
+            tooltip="kill: SIGTERM to the stage's recorded process group, SIGKILL after the grace (asks first)",
+        ),
+        Binding(
+            "r", "retry", "Retry", tooltip="retry a failed/killed/skipped stage; it resumes from what is done"
+        ),
+        Binding(
+            "R",
+            "retry_fresh",
+            "Retry fresh",
+            show=False,
+            tooltip="retry from scratch: clears the stage's outputs in the run dir first (asks first)",
+        ),
+        Binding(
+            "s",
+            "skip",
+            "Skip",
+            show=False,
+            tooltip="skip a stage that has not started (its dependants treat it as done)",
+        ),
+        Binding(
+            "F",
+            "force",
+            "Force",
+            show=False,
+            tooltip="start a stage held by an admission check (disk budget, foreign GPU process) anyway, "
+            "once (asks first)",
+        ),
         Binding("l", "log", "Log", tooltip="the selected stage's full log (follow, search, filter, wrap)"),
-        Binding("L", "server_log", "Server log", show=False, tooltip="the inference server's log (the serve stage)"),
+        Binding(
+            "L",
+            "server_log",
+            "Server log",
+            show=False,
+            tooltip="the inference server's log (the serve stage)",
+        ),
         Binding("d", "datasets", "Datasets", tooltip="per-dataset progress: rows/quota, rate, ETA, rejects"),
-        Binding("m", "metrics", "Metrics",
-                tooltip="curves of the selected stage's metrics (loss, acc_0…, tokens/s), or one metric across attempts"),
+        Binding(
+            "m",
+            "metrics",
+            "Metrics",
+            tooltip="curves of the selected stage's metrics (loss, acc_0…, tokens/s), or one metric across attempts",
+        ),
         Binding("slash", "filter", "Filter", tooltip="filter stages by id or state; Esc clears"),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
-        Binding("q", "quit_console", "Quit",
-                tooltip="quit the console: stages keep running; `aerie attach RUN` re-attaches"),
+        Binding(
+            "q",
+            "quit_console",
+            "Quit",
+            tooltip="quit the console: stages keep running; `aerie attach RUN` re-attaches",
+        ),
         Binding("escape", "clear_filter", "Clear filter", show=False, tooltip="clear the stage filter"),
     ]
 
-    def __init__(self, transport: Transport, poll_s: float = 1.0, theme: str | None = None,
-                 alerts: bool = True, user_config: dict | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        poll_s: float = 1.0,
+        theme: str | None = None,
+        alerts: bool = True,
+        user_config: dict | None = None,
+    ) -> None:
         super().__init__()
         self.transport = transport
         self.model = RunModel(transport)
@@ -132,14 +186,22 @@ class AerieApp(App[int]):
         self.settings.problems[:0] = problems
         self.alerts_enabled = alerts
         self.alert_watcher = AlertWatcher()
-        self.alert_book = AlertBook(state_dir() / "alerts.json", f"{transport.status.host}:{transport.run_root}")
+        self.alert_book = AlertBook(
+            state_dir() / "alerts.json", f"{transport.status.host}:{transport.run_root}"
+        )
         self.hooks_run = 0  # hook commands completed (tests wait on it)
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
 
     def _resolve(self, plan_raw: dict) -> Settings:
-        return resolve(self._cli_theme, self._user_config, str(user_config_path()), plan_raw,
-                       f"{self.transport.run_root}/plan.toml", [*self.themes, *BUILTIN_THEMES])
+        return resolve(
+            self._cli_theme,
+            self._user_config,
+            str(user_config_path()),
+            plan_raw,
+            f"{self.transport.run_root}/plan.toml",
+            [*self.themes, *BUILTIN_THEMES],
+        )
 
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -272,7 +334,7 @@ class AerieApp(App[int]):
         room = self.size.width - 2 - t.cell_len - counts.cell_len - 2
         path = str(m.run_dir)
         if len(path) > room:
-            path = "…" + path[-max(0, room - 1):] if room > 8 else ""
+            path = "…" + path[-max(0, room - 1) :] if room > 8 else ""
         if path:
             t.append(f" {path} ", style="dim")
         t.append_text(counts)
@@ -284,11 +346,15 @@ class AerieApp(App[int]):
             line.append("waiting for the supervisor's first snapshot…")
         elif m.done:
             ok = m.all_succeeded()
-            line.append("run finished: " + ("every stage succeeded" if ok else "some stages did not succeed"),
-                        style=self.state_style("succeeded" if ok else "failed"))
+            line.append(
+                "run finished: " + ("every stage succeeded" if ok else "some stages did not succeed"),
+                style=self.state_style("succeeded" if ok else "failed"),
+            )
         elif m.supervisor_t and time.time() - m.supervisor_t > STALE_SUPERVISOR_S:
-            line.append(f"supervisor silent for {time.time() - m.supervisor_t:.0f}s — restarting it",
-                        style=self.state_style("paused"))
+            line.append(
+                f"supervisor silent for {time.time() - m.supervisor_t:.0f}s — restarting it",
+                style=self.state_style("paused"),
+            )
         else:
             line.append(f"supervisor pid {m.supervisor_pid} · polling every {self.poll_s:g}s")
         self._set_text("#status-line", line)
@@ -323,8 +389,12 @@ class AerieApp(App[int]):
         if res.returncode == 0:
             self.notify(res.message or f"{action} {stage_id}: done", title=action)
         else:
-            self.notify(res.message or f"{action} {stage_id} failed (exit {res.returncode})", title=action,
-                        severity="error", timeout=8)
+            self.notify(
+                res.message or f"{action} {stage_id} failed (exit {res.returncode})",
+                title=action,
+                severity="error",
+                timeout=8,
+            )
         self.poll_model()
 
     @work(group="ctl")
@@ -340,7 +410,9 @@ class AerieApp(App[int]):
         elif st.state == "running":
             self.run_ctl("pause", st.id)
         else:
-            self.notify(f"{st.id} is {st.display_state}: only a running stage can be paused", severity="warning")
+            self.notify(
+                f"{st.id} is {st.display_state}: only a running stage can be paused", severity="warning"
+            )
 
     def action_kill(self) -> None:
         st = self._selected()
@@ -354,9 +426,13 @@ class AerieApp(App[int]):
             if yes:
                 self.run_ctl("kill", st.id)
 
-        self.push_screen(ConfirmScreen(
-            f"Kill {st.id}?\n\nSIGTERM to its process group {st.pgid} (pid {st.pid}), SIGKILL after the "
-            "grace period. Its children die too; nothing else is touched."), done)
+        self.push_screen(
+            ConfirmScreen(
+                f"Kill {st.id}?\n\nSIGTERM to its process group {st.pgid} (pid {st.pid}), SIGKILL after the "
+                "grace period. Its children die too; nothing else is touched."
+            ),
+            done,
+        )
 
     def action_retry(self) -> None:
         st = self._selected()
@@ -372,8 +448,13 @@ class AerieApp(App[int]):
             if yes:
                 self.run_ctl("retry", st.id, "--fresh")
 
-        self.push_screen(ConfirmScreen(f"Retry {st.id} from scratch?\n\nIts outputs in the run directory "
-                                       f"(stages/{st.id}/out) are deleted first."), done)
+        self.push_screen(
+            ConfirmScreen(
+                f"Retry {st.id} from scratch?\n\nIts outputs in the run directory "
+                f"(stages/{st.id}/out) are deleted first."
+            ),
+            done,
+        )
 
     def action_skip(self) -> None:
         st = self._selected()
@@ -385,15 +466,22 @@ class AerieApp(App[int]):
         if st is None:
             return
         if st.state != "pending":
-            self.notify(f"{st.id} is {st.display_state}: only a waiting stage can be forced", severity="warning")
+            self.notify(
+                f"{st.id} is {st.display_state}: only a waiting stage can be forced", severity="warning"
+            )
             return
 
         def done(yes: bool | None) -> None:
             if yes:
                 self.run_ctl("force", st.id)
 
-        self.push_screen(ConfirmScreen(f"Force {st.id}?\n\nIt starts once despite its admission check "
-                                       f"({st.reason or 'waiting'}); the override is recorded in its events."), done)
+        self.push_screen(
+            ConfirmScreen(
+                f"Force {st.id}?\n\nIt starts once despite its admission check "
+                f"({st.reason or 'waiting'}); the override is recorded in its events."
+            ),
+            done,
+        )
 
     def action_log(self) -> None:
         st = self._selected()
@@ -413,7 +501,9 @@ class AerieApp(App[int]):
     def action_server_log(self) -> None:
         st = self.server_stage()
         if st is None:
-            self.notify("this plan has no inference server stage (a service stage such as serve)", severity="warning")
+            self.notify(
+                "this plan has no inference server stage (a service stage such as serve)", severity="warning"
+            )
             return
         self.open_log(st.id, title=f"{st.id} — inference server log")
 
@@ -453,10 +543,15 @@ class AerieApp(App[int]):
         self.query_one(StageBoard).focus()
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(help_sections(self.screen), notes="Closing the console never stops a stage."))
+        self.push_screen(
+            HelpScreen(help_sections(self.screen), notes="Closing the console never stops a stage.")
+        )
 
     def action_quit_console(self) -> None:
-        self.exit(0, message=f"Aerie console closed; the run keeps going.\nRe-attach: aerie attach {self.model.run_dir}")
+        self.exit(
+            0,
+            message=f"Aerie console closed; the run keeps going.\nRe-attach: aerie attach {self.model.run_dir}",
+        )
 
     def action_set_theme(self, name: str) -> None:
         self.theme = name
@@ -484,17 +579,33 @@ class AerieApp(App[int]):
                 ("Log: back", "back to the board", screen.action_close),
             ]
         if isinstance(screen, DatasetsScreen):
-            cmds += [("Datasets: open log", "the selected stage's log", screen.action_log),
-                     ("Datasets: back", "back to the board", screen.action_close)]
+            cmds += [
+                ("Datasets: open log", "the selected stage's log", screen.action_log),
+                ("Datasets: back", "back to the board", screen.action_close),
+            ]
         if isinstance(screen, MetricsScreen):
-            cmds += [("Metrics: show/hide metric", "tick or untick the highlighted metric", screen.action_toggle),
-                     ("Metrics: compare attempts", "the highlighted metric, a curve per attempt", screen.action_attempts),
-                     ("Metrics: previous stage", "the previous stage with metrics", screen.action_previous_stage),
-                     ("Metrics: next stage", "the next stage with metrics", screen.action_next_stage),
-                     ("Metrics: back", "back to the board", screen.action_close)]
+            cmds += [
+                ("Metrics: show/hide metric", "tick or untick the highlighted metric", screen.action_toggle),
+                (
+                    "Metrics: compare attempts",
+                    "the highlighted metric, a curve per attempt",
+                    screen.action_attempts,
+                ),
+                ("Metrics: previous stage", "the previous stage with metrics", screen.action_previous_stage),
+                ("Metrics: next stage", "the next stage with metrics", screen.action_next_stage),
+                ("Metrics: back", "back to the board", screen.action_close),
+            ]
         cmds += [
-            ("Pause / resume stage", "pause the selected stage at a safe point, or resume it", self.action_pause),
-            ("Kill stage", "SIGTERM then SIGKILL to the selected stage's process group (asks)", self.action_kill),
+            (
+                "Pause / resume stage",
+                "pause the selected stage at a safe point, or resume it",
+                self.action_pause,
+            ),
+            (
+                "Kill stage",
+                "SIGTERM then SIGKILL to the selected stage's process group (asks)",
+                self.action_kill,
+            ),
             ("Retry stage", "start the next attempt of a failed/killed/skipped stage", self.action_retry),
             ("Retry stage from scratch", "clear its outputs, then retry (asks)", self.action_retry_fresh),
             ("Skip stage", "mark a stage that has not started as skipped", self.action_skip),
@@ -508,12 +619,16 @@ class AerieApp(App[int]):
             ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),
         ]
         for name in self.themes:
-            cmds.append((f"Theme: {name}", f"switch to the {name} theme", lambda n=name: self.action_set_theme(n)))
+            cmds.append(
+                (f"Theme: {name}", f"switch to the {name} theme", lambda n=name: self.action_set_theme(n))
+            )
         for title, help_text, cb in cmds:
             yield SystemCommand(title, help_text, cb)
         for cmd in super().get_system_commands(screen):
             if cmd.title == "Quit":
-                yield SystemCommand("Quit console", "close the console; stages keep running", self.action_quit_console)
+                yield SystemCommand(
+                    "Quit console", "close the console; stages keep running", self.action_quit_console
+                )
             else:
                 yield cmd
 
@@ -526,7 +641,9 @@ class AerieApp(App[int]):
     @work(group="alerts")
     async def fire_alerts(self, fails: list[Alert], disk_level: str | None) -> None:
         try:
-            new, disk_fire = await asyncio.to_thread(self.alert_book.claim, [a.key for a in fails], disk_level)
+            new, disk_fire = await asyncio.to_thread(
+                self.alert_book.claim, [a.key for a in fails], disk_level
+            )
         except OSError as exc:  # no state dir: announce anyway, once per session
             self.notify(f"cannot record alerts in {self.alert_book.path}: {exc}", severity="warning")
             new, disk_fire = [a.key for a in fails], disk_level in ("warning", "error")
@@ -553,5 +670,9 @@ class AerieApp(App[int]):
             rc, out = 127, str(exc)
         self.hooks_run += 1
         if rc != 0:
-            self.notify(f"alert hook `{command}` failed ({'timeout' if rc is None else f'exit {rc}'}): {out}",
-                        title="alert hook", severity="warning", timeout=10)
+            self.notify(
+                f"alert hook `{command}` failed ({'timeout' if rc is None else f'exit {rc}'}): {out}",
+                title="alert hook",
+                severity="warning",
+                timeout=10,
+            )

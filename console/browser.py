@@ -46,10 +46,12 @@ def check_loopback(host: str) -> str:
         raise ServeError(f"--host {host}: cannot resolve it: {exc}") from None
     addrs = {info[4][0] for info in infos}
     if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
-        raise ServeError(f"--host {host}: not a loopback address ({', '.join(sorted(addrs))}). The console can kill "
-                         "stages and has no login: serve it on 127.0.0.1 and reach it through an SSH port-forward "
-                         "(ssh -L 8000:127.0.0.1:8000 HOST); to expose it anyway pass --allow-remote, and every "
-                         "request will then need a token")
+        raise ServeError(
+            f"--host {host}: not a loopback address ({', '.join(sorted(addrs))}). The console can kill "
+            "stages and has no login: serve it on 127.0.0.1 and reach it through an SSH port-forward "
+            "(ssh -L 8000:127.0.0.1:8000 HOST); to expose it anyway pass --allow-remote, and every "
+            "request will then need a token"
+        )
     return host
 
 
@@ -68,7 +70,9 @@ def read_token(token_file: str | None) -> tuple[str, bool]:
         try:
             token = Path(token_file).expanduser().read_text().strip()
         except OSError as exc:
-            raise ServeError(f"--token-file {token_file}: cannot read the token: {exc.strerror or exc}") from None
+            raise ServeError(
+                f"--token-file {token_file}: cannot read the token: {exc.strerror or exc}"
+            ) from None
         if len(token) < 16:
             raise ServeError(f"--token-file {token_file}: the token must be at least 16 characters")
         return token, False
@@ -121,7 +125,11 @@ class ConsoleGroups:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(p.pid, s)
             deadline = time.monotonic() + grace_s
-            while sig == signal.SIGTERM and time.monotonic() < deadline and any(_group_alive(p.pid) for p in live):
+            while (
+                sig == signal.SIGTERM
+                and time.monotonic() < deadline
+                and any(_group_alive(p.pid) for p in live)
+            ):
                 time.sleep(0.05)
         self.procs.clear()
 
@@ -145,7 +153,9 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def make_server(command: str, host: str, port: int, title: str, token: str | None, groups: ConsoleGroups) -> Any:
+def make_server(
+    command: str, host: str, port: int, title: str, token: str | None, groups: ConsoleGroups
+) -> Any:
     """A textual-serve Server whose consoles are recorded, own their group, die with it, and (with a
     token) that answers only requests carrying the token."""
     from aiohttp import web
@@ -158,9 +168,14 @@ def make_server(command: str, host: str, port: int, title: str, token: str | Non
             parent = os.getpid()
             # exec: the shell becomes the console, so the recorded pid is the console itself.
             self._process = process = await asyncio.create_subprocess_shell(
-                f"exec {self.command}", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
-                preexec_fn=lambda: _child_setup(parent))
+                f"exec {self.command}",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                preexec_fn=lambda: _child_setup(parent),
+            )
             groups.add(process)
             assert process.stdin is not None
             self._stdin = process.stdin
@@ -182,9 +197,14 @@ def make_server(command: str, host: str, port: int, title: str, token: str | Non
             app_service: AppService | None = None
             try:
                 await websocket.prepare(request)
-                app_service = _AppService(self.command, write_bytes=websocket.send_bytes,
-                                          write_str=websocket.send_str, close=websocket.close,
-                                          download_manager=self.download_manager, debug=self.debug)
+                app_service = _AppService(
+                    self.command,
+                    write_bytes=websocket.send_bytes,
+                    write_str=websocket.send_str,
+                    close=websocket.close,
+                    download_manager=self.download_manager,
+                    debug=self.debug,
+                )
                 await app_service.start(width, height)
                 try:
                     await self._process_messages(websocket, app_service)
@@ -221,8 +241,10 @@ def _token_gate(token: str) -> Any:
         if not given and auth.startswith("Bearer "):
             given = auth[7:]
         if not hmac.compare_digest(given.encode(), expected):
-            raise web.HTTPUnauthorized(text="aerie serve: this console needs its token (open the URL with "
-                                            "?token=... that aerie serve printed)\n")
+            raise web.HTTPUnauthorized(
+                text="aerie serve: this console needs its token (open the URL with "
+                "?token=... that aerie serve printed)\n"
+            )
         resp = await handler(request)
         if request.query.get("token") and not resp.prepared:
             resp.set_cookie(COOKIE, token, httponly=True, samesite="Strict")
@@ -231,8 +253,15 @@ def _token_gate(token: str) -> Any:
     return gate
 
 
-def serve(run: str, host: str, port: int, theme: str | None, poll_s: float, allow_remote: bool = False,
-          token_file: str | None = None) -> int:
+def serve(
+    run: str,
+    host: str,
+    port: int,
+    theme: str | None,
+    poll_s: float,
+    allow_remote: bool = False,
+    token_file: str | None = None,
+) -> int:
     """Serve until interrupted (Ctrl-C or SIGTERM); returns the exit code."""
     token: str | None = None
     generated = False
@@ -241,17 +270,25 @@ def serve(run: str, host: str, port: int, theme: str | None, poll_s: float, allo
     elif not is_loopback(host):
         token, generated = read_token(token_file)
     # The per-session console imports `console` from this checkout, whatever the browser's cwd.
-    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH")
-                                           else "")
+    os.environ["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
+    )
     groups = ConsoleGroups()
     server = make_server(console_command(run, theme, poll_s), host, port, f"Aerie — {run}", token, groups)
     where = f"http://{host}:{port}/"
     if token is not None:
         where += f"?token={token}" if generated else "?token=<the token from your token file>"
-        print(f"aerie serve: WARNING: serving on {host}, not loopback: anyone who has the token can kill "
-              "stages", file=sys.stderr, flush=True)
-    print(f"aerie serve: the console for {run} at {where} (Ctrl-C stops serving; the run keeps going)",
-          file=sys.stderr, flush=True)
+        print(
+            f"aerie serve: WARNING: serving on {host}, not loopback: anyone who has the token can kill "
+            "stages",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"aerie serve: the console for {run} at {where} (Ctrl-C stops serving; the run keeps going)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.serve()
     finally:

@@ -82,8 +82,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.theme and _bad_theme(args.theme):
         return EXIT_USAGE
     try:
-        return serve(args.run, args.host, args.port, args.theme, args.poll, allow_remote=args.allow_remote,
-                     token_file=args.token_file)
+        return serve(
+            args.run,
+            args.host,
+            args.port,
+            args.theme,
+            args.poll,
+            allow_remote=args.allow_remote,
+            token_file=args.token_file,
+        )
     except ServeError as exc:
         err(str(exc))
         return EXIT_USAGE
@@ -112,7 +119,9 @@ def _start_remote(plan: plan_mod.Plan) -> Transport | int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir) if args.run_dir else aerie_home() / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir = (
+        Path(args.run_dir) if args.run_dir else aerie_home() / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
+    )
     started = _start(demo_plan_path(), run_dir)
     if isinstance(started, int):
         return started
@@ -172,14 +181,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     stages = state.get("stages", [])
     if args.json:
         for st in stages:
-            print(json.dumps({**{k: st.get(k) for k in ("id", "state", "attempt", "pid", "pgid", "started_at",
-                                                         "finished_at", "returncode", "reason", "health", "progress")},
-                              **({"job": st["job"]} if st.get("job") else {})}))  # a Slurm stage's job id
+            print(
+                json.dumps(
+                    {
+                        **{
+                            k: st.get(k)
+                            for k in (
+                                "id",
+                                "state",
+                                "attempt",
+                                "pid",
+                                "pgid",
+                                "started_at",
+                                "finished_at",
+                                "returncode",
+                                "reason",
+                                "health",
+                                "progress",
+                            )
+                        },
+                        **({"job": st["job"]} if st.get("job") else {}),
+                    }
+                )
+            )  # a Slurm stage's job id
         return EXIT_OK
     for st in stages:
         prog = st.get("progress") or {}
         p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
-        print(f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip())
+        print(
+            f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip()
+        )
     return EXIT_OK
 
 
@@ -216,8 +247,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
         from console.transport import child_env
 
-        p = subprocess.run([sys.executable, "-m", "pipeline.run.slurm_preflight", str(plan.path)], env=child_env(),
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [sys.executable, "-m", "pipeline.run.slurm_preflight", str(plan.path)],
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+        )
         return EXIT_OK if p.returncode == 0 else EXIT_USAGE
     from console.ssh.commands import cmd_preflight as preflight
 
@@ -241,20 +275,27 @@ def cmd_plan_check(args: argparse.Namespace) -> int:
     from console.transport import child_env
 
     if plan.executor.host:
-        print(f"note: {plan.path} runs on {plan.executor.host}; this checks the target as found on this machine "
-              "(aerie preflight runs the same check on the host)")
+        print(
+            f"note: {plan.path} runs on {plan.executor.host}; this checks the target as found on this machine "
+            "(aerie preflight runs the same check on the host)"
+        )
     p = subprocess.run([sys.executable, "-m", "pipeline.eagle3.chain_check", str(plan.path)], env=child_env())
     return EXIT_OK if p.returncode == 0 else EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="aerie", description="Operations console for EAGLE-3 draft-model training runs.",
-                                 epilog="Exit codes:" + __doc__.split("Exit codes:")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="aerie",
+        description="Operations console for EAGLE-3 draft-model training runs.",
+        epilog="Exit codes:" + __doc__.split("Exit codes:")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def watch_opts(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--headless", action="store_true", help="no UI: print progress lines; exit 0 iff all succeeded")
+        p.add_argument(
+            "--headless", action="store_true", help="no UI: print progress lines; exit 0 iff all succeeded"
+        )
         p.add_argument("--theme", default=None, help="console theme")
         p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
 
@@ -274,16 +315,24 @@ def build_parser() -> argparse.ArgumentParser:
     watch_opts(p)
     p.set_defaults(fn=cmd_attach)
 
-    p = sub.add_parser("serve", help="serve the console to a web browser on 127.0.0.1 (use an SSH port-forward)")
+    p = sub.add_parser(
+        "serve", help="serve the console to a web browser on 127.0.0.1 (use an SSH port-forward)"
+    )
     p.add_argument("run")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--theme", default=None, help="console theme")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow a non-loopback --host; every request then needs the token")
-    p.add_argument("--token-file", default=None,
-                   help="with --allow-remote: file holding the token (else $AERIE_SERVE_TOKEN, else a random one)")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --host; every request then needs the token",
+    )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="with --allow-remote: file holding the token (else $AERIE_SERVE_TOKEN, else a random one)",
+    )
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("status", help="print every stage's state")
@@ -296,11 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run")
         p.add_argument("stage")
         if action == "retry":
-            p.add_argument("--fresh", action="store_true", help="clear the stage's outputs (inside the run dir) first")
+            p.add_argument(
+                "--fresh", action="store_true", help="clear the stage's outputs (inside the run dir) first"
+            )
         p.set_defaults(fn=cmd_control, action=action)
 
-    p = sub.add_parser("preflight", help="ssh plans: bootstrap the host and check it; slurm plans: sinfo and a "
-                       "probe job (starts nothing)")
+    p = sub.add_parser(
+        "preflight",
+        help="ssh plans: bootstrap the host and check it; slurm plans: sinfo and a "
+        "probe job (starts nothing)",
+    )
     p.add_argument("plan")
     p.set_defaults(fn=cmd_preflight)
 
@@ -308,9 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     psub = p.add_subparsers(dest="plan_cmd", required=True)
     pc = psub.add_parser("check", help="validate a plan and print its DAG")
     pc.add_argument("plan")
-    pc.add_argument("--deep", action="store_true",
-                    help="also check the EAGLE-3 chain against the target's config and tokenizer (no weights loaded): "
-                         "architecture, aux layers, draft config, draft vocab, chat template, disk, GPU memory per rank")
+    pc.add_argument(
+        "--deep",
+        action="store_true",
+        help="also check the EAGLE-3 chain against the target's config and tokenizer (no weights loaded): "
+        "architecture, aux layers, draft config, draft vocab, chat template, disk, GPU memory per rank",
+    )
     pc.set_defaults(fn=cmd_plan_check)
     return ap
 

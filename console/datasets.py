@@ -13,8 +13,20 @@ from dataclasses import dataclass
 
 from console.model import RunModel, StageView
 
-STATE_RANK = {"failed": 0, "killed": 1, "unhealthy": 2, "running": 3, "starting": 3, "pausing": 3, "ready": 3,
-              "paused": 4, "pending": 5, "upstream-failed": 6, "succeeded": 7, "skipped": 8}
+STATE_RANK = {
+    "failed": 0,
+    "killed": 1,
+    "unhealthy": 2,
+    "running": 3,
+    "starting": 3,
+    "pausing": 3,
+    "ready": 3,
+    "paused": 4,
+    "pending": 5,
+    "upstream-failed": 6,
+    "succeeded": 7,
+    "skipped": 8,
+}
 
 
 @dataclass(frozen=True)
@@ -40,10 +52,19 @@ def row_for(st: StageView) -> DatasetRow:
     running = st.state == "running"
     prog = st.progress
     note = st.reason if st.state in ("pending", "failed", "killed", "upstream-failed") else ""
-    return DatasetRow(stage=st.id, dataset=st.dataset or st.id, family=st.family, state=st.display_state,
-                      done=prog.done, total=prog.total, unit=prog.unit or "rows",
-                      rate=prog.rate() if running else None, eta_s=prog.eta_s() if running else None,
-                      rejects=st.rejects, note=note)
+    return DatasetRow(
+        stage=st.id,
+        dataset=st.dataset or st.id,
+        family=st.family,
+        state=st.display_state,
+        done=prog.done,
+        total=prog.total,
+        unit=prog.unit or "rows",
+        rate=prog.rate() if running else None,
+        eta_s=prog.eta_s() if running else None,
+        rejects=st.rejects,
+        note=note,
+    )
 
 
 def sort_key(r: DatasetRow) -> tuple:

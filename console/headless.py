@@ -19,8 +19,13 @@ from console.transport import Transport
 MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
 
 
-async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float = 0.5, every_s: float = 10.0,
-                 timeout_s: float | None = None) -> int:
+async def follow(
+    transport: Transport,
+    out: TextIO = sys.stdout,
+    poll_s: float = 0.5,
+    every_s: float = 10.0,
+    timeout_s: float | None = None,
+) -> int:
     model = RunModel(transport, backfill=False)  # no curves here: no need for the metric history's past
     seen_state: dict[str, tuple[str, int]] = {}
     seen_events: dict[str, float] = {}
@@ -42,9 +47,17 @@ async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float =
             if seen_state.get(sid) != key:
                 seen_state[sid] = key
                 extra = f" — {st.reason}" if st.reason and st.state not in ("running", "succeeded") else ""
-                emit(f"{sid:<28} {st.display_state}" + (f" (attempt {st.attempt})" if st.attempt > 1 else "") + extra)
+                emit(
+                    f"{sid:<28} {st.display_state}"
+                    + (f" (attempt {st.attempt})" if st.attempt > 1 else "")
+                    + extra
+                )
             for ev in st.events:
-                if ev.t > seen_events.get(sid, 0.0) and ev.type == "message" and ev.get("level") in ("warning", "error"):
+                if (
+                    ev.t > seen_events.get(sid, 0.0)
+                    and ev.type == "message"
+                    and ev.get("level") in ("warning", "error")
+                ):
                     n = warned.get((sid, st.attempt), 0)
                     warned[(sid, st.attempt)] = n + 1
                     if ev.get("level") == "error" or n < MAX_WARNINGS:
@@ -57,8 +70,11 @@ async def follow(transport: Transport, out: TextIO = sys.stdout, poll_s: float =
                 last_progress[sid] = now
                 p = st.progress
                 eta = p.eta_s()
-                emit(f"{sid:<28} {fmt.count(p.done)}/{fmt.count(p.total)} {p.unit}"
-                     f"  {fmt.rate(p.rate(), p.unit)}" + (f"  ETA {fmt.duration(eta)}" if eta is not None else ""))
+                emit(
+                    f"{sid:<28} {fmt.count(p.done)}/{fmt.count(p.total)} {p.unit}"
+                    f"  {fmt.rate(p.rate(), p.unit)}"
+                    + (f"  ETA {fmt.duration(eta)}" if eta is not None else "")
+                )
         if model.loaded and model.done:
             ok = model.all_succeeded()
             counts = ", ".join(f"{n} {s}" for s, n in sorted(model.counts().items()))
@@ -82,5 +98,7 @@ def run_headless(transport: Transport, **kw: object) -> int:
     try:
         return asyncio.run(follow(transport, **kw))  # type: ignore[arg-type]
     except KeyboardInterrupt:
-        print(f"\ndetached; the run keeps going. Re-attach: aerie attach {transport.run_root}", file=sys.stderr)
+        print(
+            f"\ndetached; the run keeps going. Re-attach: aerie attach {transport.run_root}", file=sys.stderr
+        )
         return 130

@@ -147,7 +147,9 @@ class LogIndex:
         have = {b: self._blocks[b] for b in want if b in self._blocks}
         missing = [b for b in want if b not in have]
         if missing:
-            res = await self.transport.read_many([(self.path, b * self.block) for b in missing], max_bytes=self.block)
+            res = await self.transport.read_many(
+                [(self.path, b * self.block) for b in missing], max_bytes=self.block
+            )
             for b, r in zip(missing, res, strict=True):
                 have[b] = r.data
                 if len(r.data) == self.block and (b + 1) * self.block <= self.indexed_to:
@@ -192,7 +194,7 @@ class LogIndex:
                     # The unfinished last line, or one longer than MAX_LINE_BYTES (shown cut), or
                     # one running past these blocks: the next line is located afresh from the index.
                     if len(data) - i >= MAX_LINE_BYTES:
-                        out.append(Row(n, clean(data[i:i + MAX_LINE_BYTES]) + CUT_MARK))
+                        out.append(Row(n, clean(data[i : i + MAX_LINE_BYTES]) + CUT_MARK))
                         n += 1
                     elif b * self.block + len(data) >= self.size:
                         out.append(Row(n, clean(data[i:])))
@@ -211,7 +213,7 @@ class LogIndex:
         res = (await self.transport.read_many([(self.path, start)], max_bytes=self.size - start))[0]
         data = res.data
         if start > 0:
-            data = data[data.find(b"\n") + 1:]
+            data = data[data.find(b"\n") + 1 :]
         lines = data.split(b"\n")
         if lines and lines[-1] == b"":
             lines.pop()
@@ -261,8 +263,9 @@ class LogFilter:
         added = False
         self.done = False
         for _ in range(calls):
-            r = await self.index.transport.find_lines(self.index.path, self.pattern, self.next, None, self.next_line,
-                                                      limit=limit)
+            r = await self.index.transport.find_lines(
+                self.index.path, self.pattern, self.next, None, self.next_line, limit=limit
+            )
             for ln, off in r["hits"]:
                 self.lines.append(ln)
                 self.offsets.append(off)
@@ -283,8 +286,9 @@ class LogFilter:
         sel = range(first, min(first + count, len(self.lines)))
         if not sel:
             return []
-        res = await self.index.transport.read_many([(self.index.path, self.offsets[i]) for i in sel],
-                                                   max_bytes=MAX_LINE_BYTES + 1)
+        res = await self.index.transport.read_many(
+            [(self.index.path, self.offsets[i]) for i in sel], max_bytes=MAX_LINE_BYTES + 1
+        )
         out = []
         for i, r in zip(sel, res, strict=True):
             data = r.data

@@ -110,7 +110,9 @@ class StageView:
     @property
     def queued(self) -> bool:
         """A Slurm stage whose job waits in Slurm's queue (or is being submitted): launched, not running yet."""
-        return self.state == "running" and (self.reason.startswith("queued:") or self.reason == "submitting to Slurm")
+        return self.state == "running" and (
+            self.reason.startswith("queued:") or self.reason == "submitting to Slurm"
+        )
 
     @property
     def display_state(self) -> str:
@@ -269,7 +271,11 @@ class RunModel:
         sid = next((s for s in self.watched if s in todo), todo[0])
         b = self._backfill[sid]
         try:
-            res = (await self.transport.read_many([(f"stages/{sid}/events.jsonl", b.pos)], max_bytes=BACKFILL_CHUNK))[0]
+            res = (
+                await self.transport.read_many(
+                    [(f"stages/{sid}/events.jsonl", b.pos)], max_bytes=BACKFILL_CHUNK
+                )
+            )[0]
         except Exception:
             return set()
         if res.size < b.end:  # the file was replaced: the live stream starts over anyway
@@ -314,8 +320,23 @@ class RunModel:
             if st is None:
                 st = self.stages[sid] = StageView(id=sid, family=d.get("family", sid))
             before = (st.state, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at)
-            for key in ("dataset", "state", "attempt", "pid", "pgid", "started_at", "finished_at", "returncode",
-                        "reason", "health", "pausing", "service", "retry_at", "gpus", "after"):
+            for key in (
+                "dataset",
+                "state",
+                "attempt",
+                "pid",
+                "pgid",
+                "started_at",
+                "finished_at",
+                "returncode",
+                "reason",
+                "health",
+                "pausing",
+                "service",
+                "retry_at",
+                "gpus",
+                "after",
+            ):
                 if key in d:
                     setattr(st, key, d[key])
             prog = d.get("progress")
@@ -371,6 +392,7 @@ class RunModel:
         st.log_total += len(lines)
         return True
 
+
 @dataclass
 class _Backfill:
     """Progress reading back the head of one events file for the curves."""
@@ -391,8 +413,13 @@ def _add_metric(history: StageHistory, attempt: int, ev: Event) -> None:
     if not math.isfinite(value):
         return
     name, label, step = str(ev.get("name")), ev.get("label"), ev.get("step")
-    history.add(attempt, f"{name}/{label}" if isinstance(label, str) and label else name, value,
-                step if isinstance(step, int | float) and not isinstance(step, bool) else None, ev.t)
+    history.add(
+        attempt,
+        f"{name}/{label}" if isinstance(label, str) and label else name,
+        value,
+        step if isinstance(step, int | float) and not isinstance(step, bool) else None,
+        ev.t,
+    )
 
 
 def describe_event(ev: Event) -> str:
@@ -402,8 +429,12 @@ def describe_event(ev: Event) -> str:
         return f"started attempt {d.get('attempt')} (pid {d.get('pid')})"
     if ev.type == "finished":
         rc = d.get("returncode")
-        return f"finished: {d.get('status')}" + (f" (rc {rc})" if rc not in (None, 0) else "") + (
-            f" {d['detail']}" if d.get("detail") else "") + (f": {d['error']}" if d.get("error") else "")
+        return (
+            f"finished: {d.get('status')}"
+            + (f" (rc {rc})" if rc not in (None, 0) else "")
+            + (f" {d['detail']}" if d.get("detail") else "")
+            + (f": {d['error']}" if d.get("error") else "")
+        )
     if ev.type == "metric":
         v = d.get("value")
         return f"{d.get('name')} = {v:.4g}" if isinstance(v, float) else f"{d.get('name')} = {v}"

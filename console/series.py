@@ -45,8 +45,12 @@ class Series:
             self._sx = self._sy = 0.0
             self._n = 0
             if len(self.points_x) >= MAX_POINTS:
-                self.points_x = [(a + b) / 2 for a, b in zip(self.points_x[::2], self.points_x[1::2], strict=True)]
-                self.points_y = [(a + b) / 2 for a, b in zip(self.points_y[::2], self.points_y[1::2], strict=True)]
+                self.points_x = [
+                    (a + b) / 2 for a, b in zip(self.points_x[::2], self.points_x[1::2], strict=True)
+                ]
+                self.points_y = [
+                    (a + b) / 2 for a, b in zip(self.points_y[::2], self.points_y[1::2], strict=True)
+                ]
                 self.stride *= 2
 
     def _restart(self, x: float) -> None:
@@ -77,8 +81,9 @@ class StageHistory:
         self.version = 0  # bumped on every point: widgets redraw when it moved
         self._stepped: set[str] = set()
 
-    def add(self, attempt: int, name: str, value: float, step: float | None, t: float,
-            x_time: float | None = None) -> None:
+    def add(
+        self, attempt: int, name: str, value: float, step: float | None, t: float, x_time: float | None = None
+    ) -> None:
         """A sample: at ``step``, else at wall time ``t`` (or at ``x_time`` seconds, already relative)."""
         series = self.attempts.get(attempt)
         if series is None:

@@ -68,7 +68,9 @@ def read_user_config(path: Path | None = None) -> tuple[dict[str, Any], list[str
         return {}, [f"{path}: not valid TOML: {exc}"]
 
 
-def _section(raw: dict[str, Any], name: str, keys: tuple[str, ...], where: str, problems: list[str]) -> dict[str, Any]:
+def _section(
+    raw: dict[str, Any], name: str, keys: tuple[str, ...], where: str, problems: list[str]
+) -> dict[str, Any]:
     sec = raw.get(name, {})
     if not isinstance(sec, dict):
         problems.append(f"{where}: {name}: expected a table, got {sec!r}")
@@ -82,8 +84,15 @@ def _section(raw: dict[str, Any], name: str, keys: tuple[str, ...], where: str, 
     return out
 
 
-def _typed(sec: dict[str, Any], key: str, types: tuple[type, ...], what: str, where: str, section: str,
-           problems: list[str]) -> Any:
+def _typed(
+    sec: dict[str, Any],
+    key: str,
+    types: tuple[type, ...],
+    what: str,
+    where: str,
+    section: str,
+    problems: list[str],
+) -> Any:
     if key not in sec:
         return None
     v = sec[key]
@@ -93,8 +102,14 @@ def _typed(sec: dict[str, Any], key: str, types: tuple[type, ...], what: str, wh
     return v
 
 
-def resolve(cli_theme: str | None, user: dict[str, Any], user_where: str, plan: dict[str, Any], plan_where: str,
-            known_themes: list[str]) -> Settings:
+def resolve(
+    cli_theme: str | None,
+    user: dict[str, Any],
+    user_where: str,
+    plan: dict[str, Any],
+    plan_where: str,
+    known_themes: list[str],
+) -> Settings:
     """Merge the three sources (see the module docstring); unknown themes fall back with a problem."""
     s = Settings()
     p = s.problems

@@ -170,8 +170,10 @@ class DiskView:
         need = self.projected_remaining
         if need:
             if need > room:
-                parts.append(f"⚠ {size(need)} still to write: {size(need - room)} short"
-                             + (f" (reserve {size(self.reserve)})" if self.reserve else ""))
+                parts.append(
+                    f"⚠ {size(need)} still to write: {size(need - room)} short"
+                    + (f" (reserve {size(self.reserve)})" if self.reserve else "")
+                )
                 level = "warning"
             else:
                 parts.append(f"{size(need)} still to write: fits")
@@ -232,8 +234,14 @@ def _int(v: Any) -> int | None:
 class TelemetryModel:
     """Everything the meters show, from telemetry records. ``version`` changes when anything did."""
 
-    def __init__(self, history_s: float = 300.0, interval_s: float = 2.0, rate_window_s: float = 60.0,
-                 path: str = f"stages/telemetry/out/{TELEMETRY_FILE}", tail_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        history_s: float = 300.0,
+        interval_s: float = 2.0,
+        rate_window_s: float = 60.0,
+        path: str = f"stages/telemetry/out/{TELEMETRY_FILE}",
+        tail_bytes: int = 1 << 20,
+    ) -> None:
         self.history_s = history_s
         self.interval_s = interval_s
         self.rate_window_s = rate_window_s

@@ -29,7 +29,9 @@ class ConnectionStatus:
     """What the header shows: where the run executes and whether we can reach it."""
 
     host: str = "local"
-    state: str = "connected"  # connected | connecting | disconnected | refused (host key/credentials: no retry)
+    state: str = (
+        "connected"  # connected | connecting | disconnected | refused (host key/credentials: no retry)
+    )
     retries: int = 0
     rtt_ms: float | None = None
     detail: str = ""
@@ -77,13 +79,22 @@ class Transport(Protocol):
         """Run ``python -m pipeline.run.ctl RUN *args`` on the executing host."""
         ...
 
-    async def count_lines(self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES,
-                          block: int = logscan.BLOCK) -> dict[str, Any]:
+    async def count_lines(
+        self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES, block: int = logscan.BLOCK
+    ) -> dict[str, Any]:
         """Newlines per block of a run-dir file from ``offset`` (see ``pipeline.run.logscan.count_blocks``)."""
         ...
 
-    async def find_lines(self, rel: str, pattern: str, start: int, end: int | None, line0: int,
-                         backward: bool = False, limit: int = 1000) -> dict[str, Any]:
+    async def find_lines(
+        self,
+        rel: str,
+        pattern: str,
+        start: int,
+        end: int | None,
+        line0: int,
+        backward: bool = False,
+        limit: int = 1000,
+    ) -> dict[str, Any]:
         """Lines of a run-dir file matching a regex (see ``pipeline.run.logscan.find_lines``)."""
         ...
 
@@ -117,21 +128,39 @@ class LocalTransport:
 
     async def ctl(self, *args: str) -> CtlResult:
         proc = await asyncio.create_subprocess_exec(
-            self.python, "-m", "pipeline.run.ctl", self.run_root, *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+            self.python,
+            "-m",
+            "pipeline.run.ctl",
+            self.run_root,
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
             env=child_env(),
         )
         out, err = await proc.communicate()
         return CtlResult(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
 
-    async def count_lines(self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES,
-                          block: int = logscan.BLOCK) -> dict[str, Any]:
-        return await asyncio.to_thread(logscan.count_file, Path(self.run_root) / rel, offset, max_bytes, block)
+    async def count_lines(
+        self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES, block: int = logscan.BLOCK
+    ) -> dict[str, Any]:
+        return await asyncio.to_thread(
+            logscan.count_file, Path(self.run_root) / rel, offset, max_bytes, block
+        )
 
-    async def find_lines(self, rel: str, pattern: str, start: int, end: int | None, line0: int,
-                         backward: bool = False, limit: int = 1000) -> dict[str, Any]:
-        return await asyncio.to_thread(logscan.find_file, Path(self.run_root) / rel, pattern, start, end, line0,
-                                       backward, limit)
+    async def find_lines(
+        self,
+        rel: str,
+        pattern: str,
+        start: int,
+        end: int | None,
+        line0: int,
+        backward: bool = False,
+        limit: int = 1000,
+    ) -> dict[str, Any]:
+        return await asyncio.to_thread(
+            logscan.find_file, Path(self.run_root) / rel, pattern, start, end, line0, backward, limit
+        )
 
     async def close(self) -> None:
         return None
@@ -145,7 +174,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start_local_run(plan_path: Path, run_dir: Path | None, python: str = sys.executable) -> tuple[int, str, str]:
+def start_local_run(
+    plan_path: Path, run_dir: Path | None, python: str = sys.executable
+) -> tuple[int, str, str]:
     """Create the run dir and start its supervisor detached (used by ``aerie run`` before the UI)."""
     import subprocess
 

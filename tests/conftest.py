@@ -22,7 +22,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REQUIRE_ALL = os.environ.get("AERIE_REQUIRE_ALL") == "1"
 if REQUIRE_ALL:  # the older, per-fixture switches make their fixtures fail with their own message
-    for _var in ("AERIE_REQUIRE_SSHD", "AERIE_REQUIRE_TMUX", "AERIE_REQUIRE_SPECFORGE", "AERIE_REQUIRE_SLURM"):
+    for _var in (
+        "AERIE_REQUIRE_SSHD",
+        "AERIE_REQUIRE_TMUX",
+        "AERIE_REQUIRE_SPECFORGE",
+        "AERIE_REQUIRE_SLURM",
+    ):
         os.environ.setdefault(_var, "1")
 
 
@@ -32,8 +37,12 @@ def _aerie_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--slow", action="store_true", default=False,
-                     help="also run tests marked slow (model loads, the whole demo); CI does")
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=False,
+        help="also run tests marked slow (model loads, the whole demo); CI does",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -68,8 +77,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if "slow" in item.keywords and not item.config.getoption("--slow"):
         return report
     report.outcome = "failed"
-    report.longrepr = (f"AERIE_REQUIRE_ALL=1: this test was skipped, and CI must run it: "
-                       f"{_skip_reason(report.longrepr)}")
+    report.longrepr = (
+        f"AERIE_REQUIRE_ALL=1: this test was skipped, and CI must run it: {_skip_reason(report.longrepr)}"
+    )
     return report
 
 
@@ -79,8 +89,10 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
     report: pytest.CollectReport = yield
     if REQUIRE_ALL and report.skipped:
         report.outcome = "failed"
-        report.longrepr = (f"AERIE_REQUIRE_ALL=1: {collector.nodeid} was skipped at import, and CI must run it: "
-                           f"{_skip_reason(report.longrepr)}")
+        report.longrepr = (
+            f"AERIE_REQUIRE_ALL=1: {collector.nodeid} was skipped at import, and CI must run it: "
+            f"{_skip_reason(report.longrepr)}"
+        )
     return report
 
 

@@ -21,8 +21,10 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, name: str, **kw: object) 
     missing = missing_binaries() + (accounting_missing() if kw.get("accounting") else [])
     why = ""
     if missing:
-        why = (f"Slurm is not installed here (missing {', '.join(missing)}): "
-               "apt-get install slurm-wlm munge slurmdbd mariadb-server (.ci/run does)")
+        why = (
+            f"Slurm is not installed here (missing {', '.join(missing)}): "
+            "apt-get install slurm-wlm munge slurmdbd mariadb-server (.ci/run does)"
+        )
     elif os.geteuid() != 0:
         why = "the test Slurm cluster runs its daemons as root (SlurmUser=root); run the Slurm tests as root"
     if why:

@@ -46,8 +46,15 @@ def known_hosts(sshd: LoopbackSshd, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def target(sshd: LoopbackSshd, known_hosts: Path) -> SshTarget:
-    return SshTarget(host="127.0.0.1", port=sshd.port, user=sshd.user, identity=str(sshd.client_key),
-                     known_hosts=str(known_hosts), keepalive_s=1.0, connect_timeout_s=5.0)
+    return SshTarget(
+        host="127.0.0.1",
+        port=sshd.port,
+        user=sshd.user,
+        identity=str(sshd.client_key),
+        known_hosts=str(known_hosts),
+        keepalive_s=1.0,
+        connect_timeout_s=5.0,
+    )
 
 
 @pytest.fixture
@@ -69,8 +76,14 @@ def ssh_plan(sshd: LoopbackSshd, known_hosts: Path, tmp_path: Path) -> Iterator[
     """
     remotes: list[Path] = []
 
-    def write(stages: str, name: str = "plan.toml", remote_dir: Path | None = None, python: str = sys.executable,
-              options: str = "", executor: str | None = None) -> Path:
+    def write(
+        stages: str,
+        name: str = "plan.toml",
+        remote_dir: Path | None = None,
+        python: str = sys.executable,
+        options: str = "",
+        executor: str | None = None,
+    ) -> Path:
         remote = remote_dir or tmp_path / "remote" / "not" / "yet" / "there" / "run"
         remotes.append(remote)
         ex = executor or textwrap.dedent(f"""\

@@ -28,11 +28,22 @@ def conversations(n: int, prefix: str = "row") -> list[tuple[str, list[dict]]]:
     for i in range(n):
         a, b = i % 7 + 2, i % 5 + 3
         fruit = FRUITS[i % len(FRUITS)]
-        out.append((f"{prefix}-{i:04d}", [
-            {"role": "user", "content": f"I have {a} {fruit} and buy {b} more. How many {fruit} do I have?"},
-            {"role": "assistant", "content": f"You have {a} {fruit} and you buy {b} more, so you have "
-                                             f"{a + b} {fruit} in total. Enjoy your {fruit}!"},
-        ]))
+        out.append(
+            (
+                f"{prefix}-{i:04d}",
+                [
+                    {
+                        "role": "user",
+                        "content": f"I have {a} {fruit} and buy {b} more. How many {fruit} do I have?",
+                    },
+                    {
+                        "role": "assistant",
+                        "content": f"You have {a} {fruit} and you buy {b} more, so you have "
+                        f"{a + b} {fruit} in total. Enjoy your {fruit}!",
+                    },
+                ],
+            )
+        )
     return out
 
 
@@ -57,26 +68,44 @@ def write_tokenized(out: Path, n: int = 24, rows_per_shard: int = 12, prefix: st
         recs.append((rid, full, [0] * len(prompt) + [1] * (len(full) - len(prompt))))
     shards = []
     for si in range(0, n, rows_per_shard):
-        part = recs[si:si + rows_per_shard]
-        table = pa.table({
-            "id": pa.array([r[0] for r in part], pa.string()),
-            "input_ids": pa.array([r[1] for r in part], pa.list_(pa.int32())),
-            "loss_mask": pa.array([r[2] for r in part], pa.list_(pa.int8())),
-            "num_tokens": pa.array([len(r[1]) for r in part], pa.int32()),
-        })
+        part = recs[si : si + rows_per_shard]
+        table = pa.table(
+            {
+                "id": pa.array([r[0] for r in part], pa.string()),
+                "input_ids": pa.array([r[1] for r in part], pa.list_(pa.int32())),
+                "loss_mask": pa.array([r[2] for r in part], pa.list_(pa.int8())),
+                "num_tokens": pa.array([len(r[1]) for r in part], pa.int32()),
+            }
+        )
         name = f"shard-{si // rows_per_shard:05d}.parquet"
         pq.write_table(table, out / name)
         shards.append({"file": name, "rows": len(part), "tokens": sum(len(r[1]) for r in part)})
-    (out / "manifest.json").write_text(json.dumps({
-        "kind": "tokenized", "dataset": "fixture", "rows": n, "tokens": sum(s["tokens"] for s in shards),
-        "shards": shards}))
+    (out / "manifest.json").write_text(
+        json.dumps(
+            {
+                "kind": "tokenized",
+                "dataset": "fixture",
+                "rows": n,
+                "tokens": sum(s["tokens"] for s in shards),
+                "shards": shards,
+            }
+        )
+    )
     return out
 
 
 def write_plan(path: Path, **sections: dict) -> Path:
     """A plan with no stages, the demo target and the given ``[section]`` tables."""
-    lines = ['[run]', 'name = "t"', f'dir = "{path.parent / "run"}"', "", "[target]",
-             f'model = "{MODEL}"', "max_length = 256", ""]
+    lines = [
+        "[run]",
+        'name = "t"',
+        f'dir = "{path.parent / "run"}"',
+        "",
+        "[target]",
+        f'model = "{MODEL}"',
+        "max_length = 256",
+        "",
+    ]
     for name, table in sections.items():
         lines.append(f"[{name}]")
         for k, v in table.items():
@@ -86,8 +115,9 @@ def write_plan(path: Path, **sections: dict) -> Path:
     return path
 
 
-def run_stage(module: str, plan: Path, out: Path, inputs: list[Path], *extra: str,
-              check: bool = True) -> subprocess.CompletedProcess:
+def run_stage(
+    module: str, plan: Path, out: Path, inputs: list[Path], *extra: str, check: bool = True
+) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", module, "--plan", str(plan), "--out", str(out)]
     for i in inputs:
         argv += ["--input", str(i)]
@@ -113,8 +143,15 @@ def metrics(out: Path, name: str) -> list:
 TEST_SECTIONS = {
     "extract": {"shard_tokens": 900, "batch_tokens": 600},
     "vocab": {"draft_vocab_size": 512},
-    "train": {"steps": 24, "batch_size": 4, "micro_batch": 2, "ttt_steps": 3, "checkpoint_every": 12,
-              "lr": 0.002, "log_every": 1},
+    "train": {
+        "steps": 24,
+        "batch_size": 4,
+        "micro_batch": 2,
+        "ttt_steps": 3,
+        "checkpoint_every": 12,
+        "lr": 0.002,
+        "log_every": 1,
+    },
     "bench": {"holdout": 0.2, "prompts": 2, "max_new_tokens": 20, "steps": 3},
 }
 
@@ -144,7 +181,9 @@ def _build(base: Path, what: str) -> Path:
     elif what == "voc":
         run_stage("pipeline.stages.vocab", _build(base, "plan"), target, [_build(base, "tok")])
     elif what == "train":
-        run_stage("pipeline.stages.train", _build(base, "plan"), target, [_build(base, "ext"), _build(base, "voc")])
+        run_stage(
+            "pipeline.stages.train", _build(base, "plan"), target, [_build(base, "ext"), _build(base, "voc")]
+        )
     else:
         raise ValueError(what)
     done.touch()
@@ -174,11 +213,13 @@ def assert_stores_match(a: Path, b: Path) -> None:
 
     s1, s2 = hs.HiddenStore(a), hs.HiddenStore(b)
     assert len(s1) == len(s2) > 0
-    step = 2.0 ** -7
+    step = 2.0**-7
     for i in range(len(s1)):
         r1, r2 = s1[i], s2[i]
         assert torch.equal(r1.input_ids, r2.input_ids) and torch.equal(r1.target_argmax, r2.target_argmax)
         for x, y in ((r1.aux, r2.aux), (r1.last_hidden, r2.last_hidden)):
             x, y = x.float(), y.float()
             bound = step * torch.maximum(x.abs(), y.abs())
-            assert ((x - y).abs() <= bound).all(), f"row {i}: max excess {float(((x - y).abs() - bound).max()):.3g}"
+            assert ((x - y).abs() <= bound).all(), (
+                f"row {i}: max excess {float(((x - y).abs() - bound).max()):.3g}"
+            )

@@ -24,23 +24,35 @@ import threading
 
 
 class ImpairedProxy:
-    def __init__(self, host: str, port: int, delay_ms: float = 150, jitter_ms: float = 30, loss_pct: float = 2.0,
-                 loss_stall_ms: float = 500, seed: int = 0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        delay_ms: float = 150,
+        jitter_ms: float = 30,
+        loss_pct: float = 2.0,
+        loss_stall_ms: float = 500,
+        seed: int = 0,
+    ) -> None:
         self.target = (host, port)
         self.delay, self.jitter = delay_ms / 1000, jitter_ms / 1000
         self.loss, self.stall = loss_pct / 100, loss_stall_ms / 1000
         self.rng = random.Random(seed)
         self.port = 0
         self.stalls = 0
-        self.impairment = (f"user-space relay (no sch_netem here): delay {delay_ms:g} ms ± {jitter_ms:g} ms each way, "
-                           f"{loss_pct:g} % of chunks stalled {loss_stall_ms:g} ms (a retransmission)")
+        self.impairment = (
+            f"user-space relay (no sch_netem here): delay {delay_ms:g} ms ± {jitter_ms:g} ms each way, "
+            f"{loss_pct:g} % of chunks stalled {loss_stall_ms:g} ms (a retransmission)"
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
 
     def __enter__(self) -> ImpairedProxy:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="impaired-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._main()), name="impaired-proxy", daemon=True
+        )
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("the impaired proxy did not start")
@@ -68,8 +80,9 @@ class ImpairedProxy:
             c_writer.close()
             return
         try:
-            await asyncio.gather(self._pipe(c_reader, s_writer), self._pipe(s_reader, c_writer),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                self._pipe(c_reader, s_writer), self._pipe(s_reader, c_writer), return_exceptions=True
+            )
         except asyncio.CancelledError:
             pass  # the relay is shutting down: end quietly (a cancelled handler task is logged as an error)
         finally:

@@ -109,10 +109,28 @@ KIMI_K25_CONFIG: dict[str, Any] = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                                  "group_size": 32, "dynamic": False, "observer": "minmax"}}},
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "output_activations": None,
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 32,
+                    "dynamic": False,
+                    "observer": "minmax",
+                },
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+        ],
         "kv_cache_scheme": None,
     },
 }
@@ -138,8 +156,12 @@ TINY_TEXT_SIZES: dict[str, Any] = {
     "pad_token_id": 0,
 }
 TINY_VISION_SIZES: dict[str, Any] = {
-    "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
-    "pos_emb_height": 8, "pos_emb_width": 8,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "pos_emb_height": 8,
+    "pos_emb_width": 8,
 }
 
 
@@ -168,10 +190,27 @@ TEMPLATE = Path(__file__).parent / "fixtures" / "kimi_k25" / "chat_template.jinj
 # Kimi-K2.5's special tokens (tokenizer_config.json of the K2 family); the tiny tokenizer numbers them
 # from 0 so they fit its 512-id vocabulary: [PAD] 0, [BOS] 1, [EOS] 2 (as TINY_TEXT_SIZES says).
 SPECIAL_TOKENS = [
-    "[PAD]", "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
-    "<|im_middle|>", "[EOT]", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_begin|>",
-    "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<think>", "</think>", "[UNK]",
+    "[PAD]",
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "[EOT]",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "<think>",
+    "</think>",
+    "[UNK]",
 ]
 
 
@@ -180,19 +219,35 @@ def build_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [line for f in sorted((Path(__file__).resolve().parents[1] / "pipeline" / "data"
-                                                             / "fixtures" / "datasets").glob("*.jsonl"))
-              for line in f.read_text().splitlines()[:40]]
+    corpus = [
+        line
+        for f in sorted(
+            (Path(__file__).resolve().parents[1] / "pipeline" / "data" / "fixtures" / "datasets").glob(
+                "*.jsonl"
+            )
+        )
+        for line in f.read_text().splitlines()[:40]
+    ]
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
-                                   unk_token="[UNK]")
-    fast.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS
-                                                           if t not in ("[PAD]", "[BOS]", "[EOS]", "[UNK]")]})
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]"
+    )
+    fast.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                t for t in SPECIAL_TOKENS if t not in ("[PAD]", "[BOS]", "[EOS]", "[UNK]")
+            ]
+        }
+    )
     fast.chat_template = TEMPLATE.read_text()
     fast.save_pretrained(str(folder))
     assert len(fast) <= vocab_size, len(fast)
@@ -216,13 +271,18 @@ def build_tiny_kimi(folder: Path, seed: int = 0, dtype: str = "float32", **text_
     # Kimi-K2.5's checkpoint says ``layers.N``, and both load. Keep what the real files say.
     for f in folder.glob("*.safetensors"):
         sd = load_file(str(f))
-        sd = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in sd.items()}
+        sd = {
+            k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+            for k, v in sd.items()
+        }
         save_file(sd, str(f), metadata={"format": "pt"})
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         d = json.loads(index.read_text())
-        d["weight_map"] = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v
-                           for k, v in d["weight_map"].items()}
+        d["weight_map"] = {
+            k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+            for k, v in d["weight_map"].items()
+        }
         index.write_text(json.dumps(d))
     write_config(folder, tiny=True, **text_overrides)  # the published config.json, not transformers' rewrite
     build_tiny_tokenizer(folder, int(TINY_TEXT_SIZES["vocab_size"]))

@@ -67,11 +67,16 @@ class BadLink:
         """netem on both ends; False (and :attr:`netem_error`) when this kernel has no netem."""
         spec = ["delay", f"{delay_ms}ms", f"{jitter_ms}ms", "loss", f"{loss_pct:g}%"]
         for dev, ns in ((self.outer, None), (self.inner, self.ns)):
-            r = subprocess.run(["tc", *(["-n", ns] if ns else []), "qdisc", "replace", "dev", dev, "root", "netem",
-                                *spec], capture_output=True, text=True)
+            r = subprocess.run(
+                ["tc", *(["-n", ns] if ns else []), "qdisc", "replace", "dev", dev, "root", "netem", *spec],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode != 0:
-                self.netem_error = (f"tc netem is not available here ({r.stderr.strip() or r.returncode}): the "
-                                    "kernel lacks sch_netem")
+                self.netem_error = (
+                    f"tc netem is not available here ({r.stderr.strip() or r.returncode}): the "
+                    "kernel lacks sch_netem"
+                )
                 return False
         self.impairment = f"netem delay {delay_ms} ms ± {jitter_ms} ms, loss {loss_pct:g} % each way"
         return True

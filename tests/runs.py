@@ -37,8 +37,13 @@ def make_run(tmp: Path, body: str) -> RunDir:
 def start_supervisor(run: RunDir, poll: float = 0.1) -> subprocess.Popen:
     """A real supervisor process (its own session, like the detached one)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", str(poll)],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", str(poll)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def states(run: RunDir) -> dict[str, str]:
@@ -73,8 +78,13 @@ def events(run: RunDir, sid: str, type_: str | None = None) -> list:
 
 def ctl(run: RunDir, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "pipeline.run.ctl", str(run.root), *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.run.ctl", str(run.root), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def pid_alive(pid: int) -> bool:
@@ -127,8 +137,18 @@ id = "bench"
 command = "true"
 after = ["train"]
 """
-DATASETS = ["swe-agent", "deepswe-kimi", "opencodeinstruct", "magicoder", "mot", "openthoughts",
-            "ultrachat", "sharegpt", "kimi-2000x", "codefeedback"]
+DATASETS = [
+    "swe-agent",
+    "deepswe-kimi",
+    "opencodeinstruct",
+    "magicoder",
+    "mot",
+    "openthoughts",
+    "ultrachat",
+    "sharegpt",
+    "kimi-2000x",
+    "codefeedback",
+]
 
 
 def finished_run(root: Path) -> RunDir:
@@ -145,8 +165,9 @@ def finished_run(root: Path) -> RunDir:
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    datasets = "".join(f'[[datasets]]\nname = "{d}"\nsource = "x"\nkind = "target-native"\nquota = 1000\n'
-                       for d in DATASETS)
+    datasets = "".join(
+        f'[[datasets]]\nname = "{d}"\nsource = "x"\nkind = "target-native"\nquota = 1000\n' for d in DATASETS
+    )
     plan_path = root / "plan.src.toml"
     plan_path.write_text(FINISHED_PLAN.format(datasets=datasets))
     run = create_run(plan_mod.load(plan_path, run_dir=root / "run"), root / "run")
@@ -164,21 +185,45 @@ def finished_run(root: Path) -> RunDir:
         start = t0 + i * 7
         end = start + 60 + i * 13
         write_json(sd.launch, {"attempt": 1, "t": start})
-        write_json(sd.proc, {"attempt": 1, "pid": 4_000_000 + i, "pgid": 4_000_000 + i, "start_time": 1,
-                             "boot_id": "", "t": start})
+        write_json(
+            sd.proc,
+            {
+                "attempt": 1,
+                "pid": 4_000_000 + i,
+                "pgid": 4_000_000 + i,
+                "start_time": 1,
+                "boot_id": "",
+                "t": start,
+            },
+        )
         done = 1000 if status == "succeeded" else 400 + 30 * i
         with EventWriter(sd.events) as w:
             w.write(make("started", t=start, attempt=1, pid=4_000_000 + i))
             for k in range(1, 5):
-                w.write(make("progress", t=start + k * (end - start) / 4, done=done * k // 4, total=1000,
-                             unit="rows", key=ds))
+                w.write(
+                    make(
+                        "progress",
+                        t=start + k * (end - start) / 4,
+                        done=done * k // 4,
+                        total=1000,
+                        unit="rows",
+                        key=ds,
+                    )
+                )
             if status == "failed":
                 w.write(make("message", t=end, level="error", text="row 412: field 'conversations' missing"))
             w.write(make("finished", t=end, status=status, returncode=0 if status == "succeeded" else 1))
         if status == "killed":
             write_json(sd.kill_marker, {"attempt": 1, "t": end - 1, "reason": "operator"})
-        write_json(sd.exit, {"attempt": 1, "returncode": 0 if status == "succeeded" else (-15 if status == "killed" else 1),
-                             "signal": "SIGTERM" if status == "killed" else None, "t": end})
+        write_json(
+            sd.exit,
+            {
+                "attempt": 1,
+                "returncode": 0 if status == "succeeded" else (-15 if status == "killed" else 1),
+                "signal": "SIGTERM" if status == "killed" else None,
+                "t": end,
+            },
+        )
         sd.log.write_text(f"===== aerie: {sid} attempt 1 =====\nworking on {ds}\n")
     return run
 
@@ -218,8 +263,14 @@ def train_metrics(step: int) -> dict[str, float]:
 
     wiggle = 0.08 * math.sin(step / 37.0)
     acc = 0.74 * (1 - math.exp(-step / 500.0))
-    return {"loss": 1.3 + 6.7 * math.exp(-step / 450.0) + wiggle, "acc_0": acc + wiggle / 20, "acc_1": 0.8 * acc,
-            "acc_2": 0.62 * acc, "lr": 1e-4 * min(1.0, (step + 1) / 200), "tokens_per_s": 41_000 + 900 * math.sin(step / 90)}
+    return {
+        "loss": 1.3 + 6.7 * math.exp(-step / 450.0) + wiggle,
+        "acc_0": acc + wiggle / 20,
+        "acc_1": 0.8 * acc,
+        "acc_2": 0.62 * acc,
+        "lr": 1e-4 * min(1.0, (step + 1) / 200),
+        "tokens_per_s": 41_000 + 900 * math.sin(step / 90),
+    }
 
 
 def console_run(root: Path) -> RunDir:
@@ -232,8 +283,10 @@ def console_run(root: Path) -> RunDir:
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    datasets = "".join(f'[[datasets]]\nname = "{d}"\nsource = "x"\nkind = "target-native"\nquota = 120000\n'
-                       for d in DATASETS)
+    datasets = "".join(
+        f'[[datasets]]\nname = "{d}"\nsource = "x"\nkind = "target-native"\nquota = 120000\n'
+        for d in DATASETS
+    )
     plan_path = root / "plan.src.toml"
     plan_path.write_text(CONSOLE_PLAN.format(datasets=datasets))
     run = create_run(plan_mod.load(plan_path, run_dir=root / "run"), root / "run")
@@ -245,9 +298,19 @@ def console_run(root: Path) -> RunDir:
         if attempt > 1:
             write_json(sd.attempt_file, {"attempt": attempt})
         write_json(sd.launch, {"attempt": attempt, "t": start})
-        write_json(sd.proc, {"attempt": attempt, "pid": pid, "pgid": pid, "start_time": 1, "boot_id": "", "t": start})
-        write_json(sd.exit, {"attempt": attempt, "returncode": rc, "signal": None, "t": end,
-                             **({"error": error} if error else {})})
+        write_json(
+            sd.proc, {"attempt": attempt, "pid": pid, "pgid": pid, "start_time": 1, "boot_id": "", "t": start}
+        )
+        write_json(
+            sd.exit,
+            {
+                "attempt": attempt,
+                "returncode": rc,
+                "signal": None,
+                "t": end,
+                **({"error": error} if error else {}),
+            },
+        )
 
     for i, ds in enumerate(DATASETS):
         sid = f"prep.{ds}"
@@ -258,14 +321,34 @@ def console_run(root: Path) -> RunDir:
         with EventWriter(run.stage(sid).events) as w:
             w.write(make("started", t=start, attempt=1, pid=pid))
             for k in range(1, 6):
-                w.write(make("progress", t=start + k * (end - start) / 5, done=done * k // 5, total=120_000,
-                             unit="rows", key=ds))
-            w.write(make("finished", t=end, status="succeeded" if ok else "failed", returncode=0 if ok else 1,
-                         **({} if ok else {"error": error})))
+                w.write(
+                    make(
+                        "progress",
+                        t=start + k * (end - start) / 5,
+                        done=done * k // 5,
+                        total=120_000,
+                        unit="rows",
+                        key=ds,
+                    )
+                )
+            w.write(
+                make(
+                    "finished",
+                    t=end,
+                    status="succeeded" if ok else "failed",
+                    returncode=0 if ok else 1,
+                    **({} if ok else {"error": error}),
+                )
+            )
         run.stage(sid).log.write_text(
             f"===== aerie: {sid} attempt 1 started =====\nreading {ds}: 120,000 rows wanted\n"
-            + ("" if ok else "Traceback (most recent call last):\n  File \"prep/rows.py\", line 41, in rows\n"
-               "    turns = row['conversations']\n" + error + "\n"))
+            + (
+                ""
+                if ok
+                else 'Traceback (most recent call last):\n  File "prep/rows.py", line 41, in rows\n'
+                "    turns = row['conversations']\n" + error + "\n"
+            )
+        )
         finish(sid, 1, start, end, 0 if ok else 1, error)
 
     tel = run.stage("telemetry")
@@ -275,9 +358,21 @@ def console_run(root: Path) -> RunDir:
         r = json.loads(line)
         if r["kind"] == "gpu":
             for g in range(8):
-                procs = [{"pid": 5000 + g, "mem": 96 << 30, "type": "compute", "owner": "train", "name": "python3"}]
-                lines.append(json.dumps(dict(r, index=g, util=min(100, r["util"] + 3 * g), mem_used=(98 << 30) + g * (1 << 30),
-                                             temp_c=r["temp_c"] + g, procs=procs)))
+                procs = [
+                    {"pid": 5000 + g, "mem": 96 << 30, "type": "compute", "owner": "train", "name": "python3"}
+                ]
+                lines.append(
+                    json.dumps(
+                        dict(
+                            r,
+                            index=g,
+                            util=min(100, r["util"] + 3 * g),
+                            mem_used=(98 << 30) + g * (1 << 30),
+                            temp_c=r["temp_c"] + g,
+                            procs=procs,
+                        )
+                    )
+                )
         else:
             lines.append(line)
     (tel.out / "telemetry.jsonl").write_text("\n".join(lines) + "\n")
@@ -297,13 +392,25 @@ def console_run(root: Path) -> RunDir:
                 w.write(make("progress", t=t, done=step, total=2000, unit="steps"))
             if attempt == 1:
                 w.write(make("message", t=start + 1201, level="error", text="CUDA out of memory at step 800"))
-                w.write(make("finished", t=start + 1202, status="failed", returncode=1,
-                             error="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"))
+                w.write(
+                    make(
+                        "finished",
+                        t=start + 1202,
+                        status="failed",
+                        returncode=1,
+                        error="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB",
+                    )
+                )
         w.write(make("finished", t=t0 + 8100, status="succeeded", returncode=0))
-    train.log.write_text("===== aerie: train attempt 2 started 2026-12-01 06:13:20 pid 4100000 =====\n" + "".join(
-        f"[rank0] step {s:>5}/2000 loss {m['loss']:.4f} acc_0 {m['acc_0']:.4f} acc_1 {m['acc_1']:.4f} "
-        f"lr {m['lr']:.2e} tok/s {m['tokens_per_s']:,.0f} ckpt out/checkpoints/step-{s // 200 * 200:06d}\n"
-        for s in range(600, 2001, 100) for m in [train_metrics(s)]))
+    train.log.write_text(
+        "===== aerie: train attempt 2 started 2026-12-01 06:13:20 pid 4100000 =====\n"
+        + "".join(
+            f"[rank0] step {s:>5}/2000 loss {m['loss']:.4f} acc_0 {m['acc_0']:.4f} acc_1 {m['acc_1']:.4f} "
+            f"lr {m['lr']:.2e} tok/s {m['tokens_per_s']:,.0f} ckpt out/checkpoints/step-{s // 200 * 200:06d}\n"
+            for s in range(600, 2001, 100)
+            for m in [train_metrics(s)]
+        )
+    )
     finish("train", 2, t0 + 6000, t0 + 8100, 0)
 
     bench = run.stage("bench")

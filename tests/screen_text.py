@@ -11,7 +11,9 @@ _TEXT = re.compile(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)" textLength="(
 def svg_rows(svg: str) -> list[str]:
     rows: dict[float, list[tuple[float, str, float]]] = {}
     for m in _TEXT.finditer(svg):
-        rows.setdefault(float(m[2]), []).append((float(m[1]), html.unescape(m[4]).replace("\xa0", " "), float(m[3])))
+        rows.setdefault(float(m[2]), []).append(
+            (float(m[1]), html.unescape(m[4]).replace("\xa0", " "), float(m[3]))
+        )
     cell = next((tl / len(t) for items in rows.values() for _x, t, tl in items if len(t) > 3), 12.2)
     out = []
     for y in sorted(rows):

@@ -113,10 +113,17 @@ class SlurmCluster:
             "ReturnToService=2",
             "MpiDefault=none",
             "JobAcctGatherType=jobacct_gather/none",
-            *(["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
-               f"AccountingStoragePort={self.dbd_port}",
-               f"AccountingStoragePass={self.socket}"] if self.accounting else  # munge's socket, for slurmdbd
-              ["AccountingStorageType=accounting_storage/none"]),
+            *(
+                [
+                    "AccountingStorageType=accounting_storage/slurmdbd",
+                    "AccountingStorageHost=127.0.0.1",
+                    f"AccountingStoragePort={self.dbd_port}",
+                    f"AccountingStoragePass={self.socket}",
+                ]
+                if self.accounting
+                # munge's socket, for slurmdbd
+                else ["AccountingStorageType=accounting_storage/none"]
+            ),
             "JobCompType=jobcomp/none",
             f"MinJobAge={self.min_job_age_s}",
             "SlurmdParameters=config_overrides",
@@ -130,28 +137,54 @@ class SlurmCluster:
             "PreemptMode=CANCEL",
         ]
         for n, port in zip(NODES, node_ports, strict=True):
-            lines.append(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} "
-                         f"CPUs={CPUS_PER_NODE} RealMemory=2000 State=UNKNOWN")
-        lines.append(f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP "
-                     "PriorityTier=1")
-        lines.append(f"PartitionName={URGENT} Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityTier=10")
+            lines.append(
+                f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} "
+                f"CPUs={CPUS_PER_NODE} RealMemory=2000 State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP "
+            "PriorityTier=1"
+        )
+        lines.append(
+            f"PartitionName={URGENT} Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityTier=10"
+        )
         self.conf.write_text("\n".join(lines) + "\n")
         if self.accounting:
             dbd = r / "slurmdbd.conf"  # beside slurm.conf: where slurmdbd looks (SLURM_CONF's folder)
-            dbd.write_text("\n".join([
-                "AuthType=auth/munge", f"AuthInfo=socket={self.socket}", "DbdHost=localhost", "DbdAddr=127.0.0.1",
-                f"DbdPort={self.dbd_port}", "SlurmUser=root", f"PidFile={r / 'run' / 'slurmdbd.pid'}",
-                f"LogFile={r / 'log' / 'slurmdbd.log'}", "StorageType=accounting_storage/mysql",
-                "StorageHost=127.0.0.1", f"StoragePort={self.db_port}", "StorageUser=slurm", "StoragePass=aerie",
-                "StorageLoc=slurm_acct",
-            ]) + "\n")
+            dbd.write_text(
+                "\n".join(
+                    [
+                        "AuthType=auth/munge",
+                        f"AuthInfo=socket={self.socket}",
+                        "DbdHost=localhost",
+                        "DbdAddr=127.0.0.1",
+                        f"DbdPort={self.dbd_port}",
+                        "SlurmUser=root",
+                        f"PidFile={r / 'run' / 'slurmdbd.pid'}",
+                        f"LogFile={r / 'log' / 'slurmdbd.log'}",
+                        "StorageType=accounting_storage/mysql",
+                        "StorageHost=127.0.0.1",
+                        f"StoragePort={self.db_port}",
+                        "StorageUser=slurm",
+                        "StoragePass=aerie",
+                        "StorageLoc=slurm_acct",
+                    ]
+                )
+                + "\n"
+            )
             os.chmod(dbd, 0o600)
 
     # -- daemons --------------------------------------------------------------------------------
     def _spawn(self, argv: list[str], pidfile: Path | None = None) -> None:
         log = open(self.root / "log" / f"{Path(argv[0]).name}-{len(self.pids)}.out", "ab")  # noqa: SIM115
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             env=self.env(), start_new_session=True)
+        p = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,
+        )
         log.close()
         self.pids.append(p.pid)
         self._procs = [*getattr(self, "_procs", []), p]
@@ -159,9 +192,18 @@ class SlurmCluster:
     def start(self, timeout_s: float = 120.0) -> None:
         self.write_config()
         r = self.root
-        self._spawn([_bin("munged"), "--foreground", "--force", f"--key-file={r / 'munge' / 'munge.key'}",
-                     f"--socket={self.socket}", f"--pid-file={r / 'munge' / 'munged.pid'}",
-                     f"--log-file={r / 'log' / 'munged.log'}", f"--seed-file={r / 'munge' / 'munge.seed'}"])
+        self._spawn(
+            [
+                _bin("munged"),
+                "--foreground",
+                "--force",
+                f"--key-file={r / 'munge' / 'munge.key'}",
+                f"--socket={self.socket}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}",
+                f"--log-file={r / 'log' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'munge.seed'}",
+            ]
+        )
         self._wait(lambda: self.socket.exists(), 15, "munged's socket")
         if self.accounting:
             self._start_accounting()
@@ -175,26 +217,57 @@ class SlurmCluster:
         r = self.root / "db"
         sock = r / "mariadb.sock"
         r.mkdir(parents=True, exist_ok=True)
-        subprocess.run([_bin("mariadb-install-db"), "--no-defaults", "--user=root", f"--datadir={r / 'data'}",
-                        "--auth-root-authentication-method=socket", "--skip-test-db"], check=True,
-                       capture_output=True, timeout=120)
-        self._spawn([_bin("mariadbd"), "--no-defaults", "--user=root", f"--datadir={r / 'data'}", f"--socket={sock}",
-                     f"--port={self.db_port}", "--bind-address=127.0.0.1", f"--pid-file={r / 'mariadb.pid'}",
-                     f"--log-error={self.root / 'log' / 'mariadb.log'}", "--innodb-buffer-pool-size=32M"])
-        sql = "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'aerie'; " \
-              "GRANT ALL ON *.* TO 'slurm'@'127.0.0.1';"
+        subprocess.run(
+            [
+                _bin("mariadb-install-db"),
+                "--no-defaults",
+                "--user=root",
+                f"--datadir={r / 'data'}",
+                "--auth-root-authentication-method=socket",
+                "--skip-test-db",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        self._spawn(
+            [
+                _bin("mariadbd"),
+                "--no-defaults",
+                "--user=root",
+                f"--datadir={r / 'data'}",
+                f"--socket={sock}",
+                f"--port={self.db_port}",
+                "--bind-address=127.0.0.1",
+                f"--pid-file={r / 'mariadb.pid'}",
+                f"--log-error={self.root / 'log' / 'mariadb.log'}",
+                "--innodb-buffer-pool-size=32M",
+            ]
+        )
+        sql = (
+            "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'aerie'; "
+            "GRANT ALL ON *.* TO 'slurm'@'127.0.0.1';"
+        )
 
         def db_ready() -> bool:
-            p = subprocess.run([_bin("mariadb"), "--no-defaults", "-S", str(sock), "-u", "root", "-e", sql],
-                               capture_output=True, timeout=20)
+            p = subprocess.run(
+                [_bin("mariadb"), "--no-defaults", "-S", str(sock), "-u", "root", "-e", sql],
+                capture_output=True,
+                timeout=20,
+            )
             return p.returncode == 0
 
         self._wait(db_ready, 60, "MariaDB answering")
         self._spawn([_bin("slurmdbd"), "-D"])
 
         def registered() -> bool:
-            p = subprocess.run([_bin("sacctmgr"), "-i", "add", "cluster", "aerie-test"], capture_output=True,
-                               text=True, env=self.env(), timeout=30)
+            p = subprocess.run(
+                [_bin("sacctmgr"), "-i", "add", "cluster", "aerie-test"],
+                capture_output=True,
+                text=True,
+                env=self.env(),
+                timeout=30,
+            )
             return p.returncode == 0 or "already exists" in (p.stdout + p.stderr)
 
         self._wait(registered, 60, "slurmdbd accepting the cluster")
@@ -202,10 +275,13 @@ class SlurmCluster:
     def _all_idle(self) -> bool:
         for p in getattr(self, "_procs", []):
             if p.poll() is not None:
-                raise RuntimeError(f"{p.args[0]} exited with {p.returncode}; logs in {self.root / 'log'}:\n"
-                                   + self.logs_tail())
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
-                             env=self.env(), timeout=20)
+                raise RuntimeError(
+                    f"{p.args[0]} exited with {p.returncode}; logs in {self.root / 'log'}:\n"
+                    + self.logs_tail()
+                )
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env(), timeout=20
+        )
         states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
         return all(states.get(n) == "idle" for n in NODES)
 
@@ -215,8 +291,10 @@ class SlurmCluster:
             if pred():
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"test Slurm cluster: no {what} after {timeout_s:g}s; logs in {self.root / 'log'}:\n"
-                           + self.logs_tail())
+        raise RuntimeError(
+            f"test Slurm cluster: no {what} after {timeout_s:g}s; logs in {self.root / 'log'}:\n"
+            + self.logs_tail()
+        )
 
     def logs_tail(self, n: int = 15) -> str:
         out = []
@@ -232,8 +310,13 @@ class SlurmCluster:
             # Let the jobs' slurmstepd finish (a stopped slurmd leaves its steps running).
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
-                out = subprocess.run(["squeue", "--noheader", "--states=running,completing,suspended,pending"],
-                                     env=self.env(), timeout=20, capture_output=True, text=True).stdout
+                out = subprocess.run(
+                    ["squeue", "--noheader", "--states=running,completing,suspended,pending"],
+                    env=self.env(),
+                    timeout=20,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 if not out.strip():
                     break
                 time.sleep(0.5)
@@ -250,6 +333,7 @@ class SlurmCluster:
 
 
 if __name__ == "__main__":
+
     def _term(*_: object) -> None:
         raise KeyboardInterrupt
 

@@ -40,8 +40,11 @@ def keygen(path: Path, comment: str = "aerie-test") -> Path:
     """A fresh ed25519 key pair at ``path`` / ``path.pub``."""
     path.unlink(missing_ok=True)
     path.with_suffix(".pub").unlink(missing_ok=True)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
-                   check=True, stdin=subprocess.DEVNULL)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
     return path
 
 
@@ -54,7 +57,7 @@ def _children(pid: int) -> list[int]:
             raw = Path(f"/proc/{entry.name}/stat").read_text()
         except OSError:
             continue
-        ppid = int(raw[raw.rfind(")") + 2:].split()[1])
+        ppid = int(raw[raw.rfind(")") + 2 :].split()[1])
         if ppid == pid:
             out.append(int(entry.name))
     return out
@@ -70,8 +73,15 @@ def _exe(pid: int) -> str:
 class LoopbackSshd:
     """One private sshd on 127.0.0.1; :meth:`start`, :meth:`drop` (kill it and its connections), restart."""
 
-    def __init__(self, root: Path, port: int | None = None, max_sessions: int | None = None,
-                 listen: str = "127.0.0.1", netns: str | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        port: int | None = None,
+        max_sessions: int | None = None,
+        listen: str = "127.0.0.1",
+        netns: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """``listen``/``netns``: bind another address, inside a network namespace the caller made
         (``nsenter --net=/run/netns/NETNS sshd ...``), e.g. behind an impaired veth link (tests/test_ssh_badlink.py).
         ``env``: variables every session gets (sshd's ``SetEnv``), as a login node's profile would set them."""
@@ -136,9 +146,22 @@ class LoopbackSshd:
 
     def ssh_argv(self, known_hosts: Path) -> list[str]:
         """The OpenSSH client command line that reaches this server (for baselines)."""
-        return ["ssh", "-p", str(self.port), "-i", str(self.client_key), "-o", f"UserKnownHostsFile={known_hosts}",
-                "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
-                f"{self.user}@{self.listen}"]
+        return [
+            "ssh",
+            "-p",
+            str(self.port),
+            "-i",
+            str(self.client_key),
+            "-o",
+            f"UserKnownHostsFile={known_hosts}",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            f"{self.user}@{self.listen}",
+        ]
 
     # ------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> None:
@@ -150,8 +173,12 @@ class LoopbackSshd:
         try:
             # nsenter execs sshd (same pid; `ip netns exec` would fork and stand in between)
             prefix = ["nsenter", f"--net=/run/netns/{self.netns}"] if self.netns else []
-            self.proc = subprocess.Popen([*prefix, SSHD, "-D", "-e", "-f", str(self.config), "-p", str(self.port)],
-                                         stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [*prefix, SSHD, "-D", "-e", "-f", str(self.config), "-p", str(self.port)],
+                stdin=subprocess.DEVNULL,
+                stdout=logfh,
+                stderr=subprocess.STDOUT,
+            )
         finally:
             logfh.close()
         deadline = time.monotonic() + timeout_s
@@ -201,4 +228,3 @@ def _username() -> str:
     import pwd
 
     return pwd.getpwuid(os.getuid()).pw_name
-

@@ -36,8 +36,11 @@ def prompt() -> tuple[list[int], set[int]]:
     from pipeline.data.model_assets import load_tokenizer
 
     tok = load_tokenizer(MODEL)
-    enc = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
-                                  tokenize=True, add_generation_prompt=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three colours of the rainbow."}],
+        tokenize=True,
+        add_generation_prompt=True,
+    )
     return list(enc["input_ids"]), {int(tok.eos_token_id)}
 
 
@@ -84,16 +87,22 @@ def test_output_is_the_targets_greedy_output_whatever_the_draft(target, prompt, 
 @pytest.mark.slow
 def test_bench_stage_reports_accept_length_on_held_out_prompts(tmp_path_factory, tmp_path) -> None:
     train = shared(tmp_path_factory, "train")
-    plan = write_plan(tmp_path / "plan.toml", **{**TEST_SECTIONS,
-                                                 "bench": {**TEST_SECTIONS["bench"], "check_lossless": True}})
+    plan = write_plan(
+        tmp_path / "plan.toml",
+        **{**TEST_SECTIONS, "bench": {**TEST_SECTIONS["bench"], "check_lossless": True}},
+    )
     run_stage("pipeline.stages.bench", plan, tmp_path / "bench", [train])
     res = json.loads((tmp_path / "bench" / "results.json").read_text())
     acc = metrics(tmp_path / "bench", "accept_len")
     assert len(acc) == 1 and acc[0].get("max") == 4
     steps = [n for p in res["per_prompt"] for n in p["accepted"]]
-    assert acc[0].get("value") == pytest.approx(sum(steps) / len(steps) + 1) == pytest.approx(res["accept_len"])
+    assert (
+        acc[0].get("value") == pytest.approx(sum(steps) / len(steps) + 1) == pytest.approx(res["accept_len"])
+    )
     assert res["prompts"] == 2 and res["lossless_checked"] is True
-    assert metrics(tmp_path / "bench", "accept_rate")[0].get("value") == pytest.approx(sum(steps) / (3 * len(steps)))
+    assert metrics(tmp_path / "bench", "accept_rate")[0].get("value") == pytest.approx(
+        sum(steps) / (3 * len(steps))
+    )
     # the prompts are held-out rows, never extracted for training
     ext = json.loads((shared(tmp_path_factory, "ext") / "manifest.json").read_text())
     from pipeline.data.shards import is_heldout
@@ -113,8 +122,11 @@ def test_held_out_prompts_come_from_every_dataset_in_turn(tmp_path) -> None:
     assert [rid.split("-")[0] for rid, _ in got] == names
     assert all(is_heldout(rid, 0.5) and ids for rid, ids in got)
     # more prompts than one round: the next round, same order; a dataset that runs out is skipped
-    more = heldout_prompts({**man, "token_sources": [str(srcs[0]), str(write_tokenized(tmp_path / "one", n=1,
-                                                                                     prefix="tiny"))]}, 5, 1 << 20)
+    more = heldout_prompts(
+        {**man, "token_sources": [str(srcs[0]), str(write_tokenized(tmp_path / "one", n=1, prefix="tiny"))]},
+        5,
+        1 << 20,
+    )
     held = sum(is_heldout(f"code-{i:04d}", 0.5) for i in range(12))
     assert not is_heldout("tiny-0000", 0.5) and held >= 5  # the fixture's facts this check relies on
     assert [rid.split("-")[0] for rid, _ in more] == ["code"] * 5
@@ -124,8 +136,11 @@ def test_held_out_prompts_come_from_every_dataset_in_turn(tmp_path) -> None:
 def test_generate_request_and_accept_length_as_sglang_computes_it() -> None:
     body = generate_request([1, 2, 3], 64)
     assert body == {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 64, "temperature": 0.0}}
-    s = summarize("eagle3", [{"completion_tokens": 64, "spec_verify_ct": 20},
-                             {"completion_tokens": 36, "spec_verify_ct": 20}], 2.0)
+    s = summarize(
+        "eagle3",
+        [{"completion_tokens": 64, "spec_verify_ct": 20}, {"completion_tokens": 36, "spec_verify_ct": 20}],
+        2.0,
+    )
     assert s["accept_len"] == pytest.approx(100 / 40) and s["output_tok_s"] == pytest.approx(50.0)
     assert summarize("plain", [{"completion_tokens": 10}], 1.0)["accept_len"] is None
 
@@ -135,7 +150,7 @@ def _online_plan(tmp_path: Path) -> Path:
     p.write_text(f"""
 [run]
 name = "online"
-dir = "{tmp_path / 'run'}"
+dir = "{tmp_path / "run"}"
 [target]
 model = "{MODEL}"
 [[stage]]
@@ -161,7 +176,9 @@ def test_online_endpoint_comes_from_the_used_serve_stage(tmp_path) -> None:
     ctx = StageContext("bench-eagle3", out, out / "events.jsonl", plan, run_dir=run.root)
     with pytest.raises(ValueError, match="no ready endpoint"):
         endpoint_url(ctx, None)
-    write_json(run.stage("serve-eagle3").out / "endpoint.json", {"state": "ready", "url": "http://10.0.0.7:30000/"})
+    write_json(
+        run.stage("serve-eagle3").out / "endpoint.json", {"state": "ready", "url": "http://10.0.0.7:30000/"}
+    )
     assert endpoint_url(ctx, None) == "http://10.0.0.7:30000"
     assert endpoint_url(ctx, "http://h:1/") == "http://h:1"
 
@@ -175,10 +192,29 @@ def test_online_mode_names_an_unreachable_server(tmp_path_factory, tmp_path) -> 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     plan = write_plan(tmp_path / "plan.toml", bench={"holdout": 0.2, "prompts": 2})
-    p = subprocess.run([sys.executable, "-m", "pipeline.stages.bench", "--plan", str(plan), "--out", str(tmp_path / "b"),
-                        "--mode", "online", "--label", "plain", "--url", f"http://127.0.0.1:{port}",
-                        "--input", str(shared(tmp_path_factory, "train"))],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.stages.bench",
+            "--plan",
+            str(plan),
+            "--out",
+            str(tmp_path / "b"),
+            "--mode",
+            "online",
+            "--label",
+            "plain",
+            "--url",
+            f"http://127.0.0.1:{port}",
+            "--input",
+            str(shared(tmp_path_factory, "train")),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0
     assert f"plain: the server at http://127.0.0.1:{port} did not answer /generate" in p.stderr
     assert any(e.get("level") == "error" for e in events(tmp_path / "b") if e.type == "message")

@@ -64,10 +64,13 @@ after = ["prep.*"]
 """
 
 
-def _extract_setup(tmp_path: Path, extract: str = "", model: str = "x/none",
-                   target: str = "hidden_size = 576") -> tuple[plan_mod.Plan, RunDir, StageSpec]:
+def _extract_setup(
+    tmp_path: Path, extract: str = "", model: str = "x/none", target: str = "hidden_size = 576"
+) -> tuple[plan_mod.Plan, RunDir, StageSpec]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ds = "".join(f'[[datasets]]\nname = "{n}"\nsource = "s"\nkind = "target-native"\nquota = 10\n' for n in "abc")
+    ds = "".join(
+        f'[[datasets]]\nname = "{n}"\nsource = "s"\nkind = "target-native"\nquota = 10\n' for n in "abc"
+    )
     run = make_run(tmp_path, EXTRACT_PLAN.format(model=model, target=target, extract=extract) + ds)
     plan = plan_mod.load(run.plan_path, run_dir=run.root)
     return plan, run, plan.stage("extract")
@@ -76,8 +79,12 @@ def _extract_setup(tmp_path: Path, extract: str = "", model: str = "x/none",
 def _manifests(run: RunDir) -> None:
     write_json(run.stage("prep.a").out / "manifest.json", {"kind": "tokenized", "rows": 9, "tokens": 1200})
     for shard, tok in (("s0", 300), ("s1", 500)):  # per-folder manifests are summed too
-        write_json(run.stage("prep.b").out / shard / "manifest.json", {"kind": "tokenized", "rows": 3, "tokens": tok})
-    write_json(run.stage("prep.c").out / "manifest.json", {"kind": "prompts", "rows": 40})  # nothing to extract
+        write_json(
+            run.stage("prep.b").out / shard / "manifest.json", {"kind": "tokenized", "rows": 3, "tokens": tok}
+        )
+    write_json(
+        run.stage("prep.c").out / "manifest.json", {"kind": "prompts", "rows": 40}
+    )  # nothing to extract
 
 
 def test_extraction_projection_reads_prep_manifests_and_the_plan(tmp_path: Path) -> None:
@@ -133,7 +140,9 @@ def test_a_bad_manifest_is_named_in_the_error(tmp_path: Path) -> None:
 
 
 def test_declared_output_bytes_win_and_written_bytes_are_subtracted(tmp_path: Path) -> None:
-    run = make_run(tmp_path, '[run]\nname="b"\ndir="run"\n[[stage]]\nid="x"\ncommand="true"\noutput_bytes=1000000\n')
+    run = make_run(
+        tmp_path, '[run]\nname="b"\ndir="run"\n[[stage]]\nid="x"\ncommand="true"\noutput_bytes=1000000\n'
+    )
     plan = plan_mod.load(run.plan_path, run_dir=run.root)
     spec = plan.stage("x")
     assert budget.projected_bytes(spec, plan, run).bytes == 1_000_000
@@ -151,7 +160,9 @@ def _free(path: Path) -> int:
 def test_refused_for_disk_budget_then_allowed_with_force(tmp_path: Path) -> None:
     """A real supervisor, the real filesystem: a stage projected to write twice the free space."""
     huge = 2 * _free(tmp_path) + (1 << 40)
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         name = "budget"
         dir = "run"
@@ -163,13 +174,22 @@ def test_refused_for_disk_budget_then_allowed_with_force(tmp_path: Path) -> None
         id = "huge"
         command = "echo wrote > out.txt"
         output_bytes = {huge}
-        """)
+        """,
+    )
     sup = start_supervisor(run)
     try:
-        reason = wait_for(lambda: "disk budget" in stage_state(run, "huge").get("reason", "")
-                          and stage_state(run, "huge")["reason"], 30, "the disk-budget refusal")
+        reason = wait_for(
+            lambda: (
+                "disk budget" in stage_state(run, "huge").get("reason", "")
+                and stage_state(run, "huge")["reason"]
+            ),
+            30,
+            "the disk-budget refusal",
+        )
         assert stage_state(run, "huge")["state"] == "pending"
-        assert "huge needs" in reason and "free minus a 953.7 MiB reserve" in reason and "force huge" in reason
+        assert (
+            "huge needs" in reason and "free minus a 953.7 MiB reserve" in reason and "force huge" in reason
+        )
         wait_for(lambda: stage_state(run, "small").get("state") == "succeeded", 30, "the small stage")
         assert not run.stage("huge").launch.exists()  # never started
         res = ctl(run, "force", "huge")
@@ -185,7 +205,9 @@ def test_refused_for_disk_budget_then_allowed_with_force(tmp_path: Path) -> None
 
 def test_reserve_and_running_stages_count_against_free_space(tmp_path: Path) -> None:
     free = _free(tmp_path)
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         name = "r"
         dir = "run"
@@ -199,7 +221,8 @@ def test_reserve_and_running_stages_count_against_free_space(tmp_path: Path) -> 
         id = "b"
         command = "true"
         output_bytes = {free // 3}
-        """)
+        """,
+    )
     s = Supervisor(run)
     s.refresh()
     # Alone, a third of the free space fits beside a reserve of half of it...
@@ -210,8 +233,11 @@ def test_reserve_and_running_stages_count_against_free_space(tmp_path: Path) -> 
     assert why and "still to be written by running stages" in why
     # A plan reserve that is not a number is a clear refusal, not a supervisor crash.
     (tmp_path / "bad").mkdir()
-    bad = make_run(tmp_path / "bad", '[run]\nname="r"\ndir="run"\n[resources]\ndisk_reserve_gb="lots"\n'
-                   '[[stage]]\nid="a"\ncommand="true"\noutput_bytes=10\n')
+    bad = make_run(
+        tmp_path / "bad",
+        '[run]\nname="r"\ndir="run"\n[resources]\ndisk_reserve_gb="lots"\n'
+        '[[stage]]\nid="a"\ncommand="true"\noutput_bytes=10\n',
+    )
     sb = Supervisor(bad)
     sb.refresh()
     assert "resources.disk_reserve_gb" in budget.disk_budget_check(sb.specs["a"], sb)

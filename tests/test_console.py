@@ -34,7 +34,9 @@ async def until(pilot, pred, timeout: float = 20.0, what: str = "condition") -> 
 @pytest.fixture
 def live_run(tmp_path: Path):  # noqa: ANN201
     (tmp_path / "w.py").write_text(WORKER)
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         name = "live"
         dir = "run"
@@ -42,13 +44,14 @@ def live_run(tmp_path: Path):  # noqa: ANN201
         cpu_slots = 2
         [[stage]]
         id = "work"
-        command = "{sys.executable} {tmp_path / 'w.py'} 600"
+        command = "{sys.executable} {tmp_path / "w.py"} 600"
         kill_grace_s = 2
         [[stage]]
         id = "after-work"
         command = "echo done"
         after = ["work"]
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     yield run
     stop(sup)
@@ -62,8 +65,11 @@ def states(app: AerieApp) -> dict[str, str]:
 async def test_board_shows_states_kill_asks_and_retry_reruns(live_run) -> None:  # noqa: ANN001
     app = AerieApp(LocalTransport(str(live_run.root)), poll_s=0.2)
     async with app.run_test(size=(140, 36)) as pilot:
-        await until(pilot, lambda: states(app).get("work") == "running" and app.model.stages["work"].progress.t,
-                    what="work running with progress")
+        await until(
+            pilot,
+            lambda: states(app).get("work") == "running" and app.model.stages["work"].progress.t,
+            what="work running with progress",
+        )
         board = app.query_one(StageBoard)
         assert board.row_count == 2
         row = board.get_row("work")
@@ -84,8 +90,11 @@ async def test_board_shows_states_kill_asks_and_retry_reruns(live_run) -> None: 
         assert str(board.get_row("work")[1]) == "killed"
 
         await pilot.press("r")
-        await until(pilot, lambda: states(app)["work"] == "running" and app.model.stages["work"].attempt == 2,
-                    what="attempt 2 running")
+        await until(
+            pilot,
+            lambda: states(app)["work"] == "running" and app.model.stages["work"].attempt == 2,
+            what="attempt 2 running",
+        )
         assert str(board.get_row("work")[2]) == "2"
         assert states(app)["after-work"] == "pending"
 
@@ -100,7 +109,9 @@ async def test_pause_key_pauses_and_resumes(live_run) -> None:  # noqa: ANN001
         await pilot.pause(0.8)
         assert app.model.stages["work"].progress.done == done
         await pilot.press("p")
-        await until(pilot, lambda: app.model.stages["work"].progress.done > done, what="progress after resume")
+        await until(
+            pilot, lambda: app.model.stages["work"].progress.done > done, what="progress after resume"
+        )
 
 
 async def test_filter_help_and_quit_message(live_run) -> None:  # noqa: ANN001

@@ -55,10 +55,15 @@ def test_bundled_themes_colour_every_state_and_bad_files_name_the_key() -> None:
         assert all(f"state-{s}" in theme.variables for s in STATES)
     contrast = load_themes()["aerie-contrast"].variables
     assert contrast["state-failed"] != contrast["state-succeeded"] != contrast["state-running"]
-    good = {"theme": {"name": "x", "primary": "#123456"}, "variables": {f"state-{s}": "#ffffff" for s in STATES}}
+    good = {
+        "theme": {"name": "x", "primary": "#123456"},
+        "variables": {f"state-{s}": "#ffffff" for s in STATES},
+    }
     assert parse_theme(good, "x.toml").name == "x"
     bad_var = {**good, "variables": {k: v for k, v in good["variables"].items() if k != "state-paused"}}
-    with pytest.raises(ThemeError, match=r"x.toml: variables.state-paused: every Aerie theme colours every state"):
+    with pytest.raises(
+        ThemeError, match=r"x.toml: variables.state-paused: every Aerie theme colours every state"
+    ):
         parse_theme(bad_var, "x.toml")
     with pytest.raises(ThemeError, match=r"x.toml: theme.primary: 'nope' is not a colour"):
         parse_theme({**good, "theme": {"name": "x", "primary": "nope"}}, "x.toml")
@@ -96,9 +101,13 @@ def test_settings_precedence_and_problems_name_file_and_key() -> None:
     assert resolve(None, {}, "u", plan, "p", known).theme == "aerie-light"
     assert resolve("aerie-dark", user, "u", plan, "p", known).theme == "aerie-dark"
     assert resolve(None, {}, "u", {}, "p", known).theme == "aerie-dark"
-    bad = resolve(None, {"ui": {"theme": "neon"}, "alerts": {"bel": True, "bell": "yes"}}, "cfg.toml", {}, "p", known)
+    bad = resolve(
+        None, {"ui": {"theme": "neon"}, "alerts": {"bel": True, "bell": "yes"}}, "cfg.toml", {}, "p", known
+    )
     assert bad.theme == "aerie-dark" and bad.bell is True
-    assert any(p.startswith("cfg.toml: ui.theme: unknown theme 'neon' (known: aerie-dark") for p in bad.problems)
+    assert any(
+        p.startswith("cfg.toml: ui.theme: unknown theme 'neon' (known: aerie-dark") for p in bad.problems
+    )
     assert "cfg.toml: alerts.bel: unknown key (known: command, bell, notify, timeout_s)" in bad.problems
     assert "cfg.toml: alerts.bell: expected true or false, got 'yes'" in bad.problems
 
@@ -134,8 +143,11 @@ async def attach_once(run_root: Path, seconds: float) -> tuple[AerieApp, list[st
     async with app.run_test(size=(120, 30)) as pilot:
         await until(pilot, lambda: app.model.loaded and app.model.done, what="the run finished")
         await pilot.pause(seconds)
-        await until(pilot, lambda: not any(w.group == "alert-hooks" and w.is_running for w in app.workers),
-                    what="hooks done")
+        await until(
+            pilot,
+            lambda: not any(w.group == "alert-hooks" and w.is_running for w in app.workers),
+            what="hooks done",
+        )
     return app, notes, bells
 
 
@@ -148,7 +160,9 @@ async def test_a_failure_alerts_once_with_bell_and_hook_and_not_again_on_reattac
         assert app.theme == "aerie-light", "the plan's [ui] theme applies"
         assert app.hooks_run == 1 and bells == [1]
         assert any("bad attempt 1 failed: exit 3: about to fail" in n for n in notes), "the alert says why"
-        assert hook_log.read_text().splitlines() == ["failed:bad:1|bad attempt 1 failed: exit 3: about to fail"]
+        assert hook_log.read_text().splitlines() == [
+            "failed:bad:1|bad attempt 1 failed: exit 3: about to fail"
+        ]
         app2, notes2, bells2 = await attach_once(run.root, 1.0)  # re-attach: the same failure is old news
         assert app2.hooks_run == 0 and bells2 == [] and not any("failed" in n for n in notes2)
         assert hook_log.read_text().count("\n") == 1
@@ -160,8 +174,12 @@ async def test_a_failure_alerts_once_with_bell_and_hook_and_not_again_on_reattac
 def disk_model(avail: int, need: int) -> RunModel:
     model = RunModel(LocalTransport("/nonexistent"))
     model.run_name = "r"
-    model.telemetry.feed([f'{{"kind": "disk", "t": 1, "total": {10 << 40}, "used": 1, "avail": {avail}, '
-                          f'"projected_remaining": {need}}}'])
+    model.telemetry.feed(
+        [
+            f'{{"kind": "disk", "t": 1, "total": {10 << 40}, "used": 1, "avail": {avail}, '
+            f'"projected_remaining": {need}}}'
+        ]
+    )
     return model
 
 
@@ -184,7 +202,10 @@ def test_disk_alert_fires_when_the_projection_turns_red_and_rearms_when_it_fits(
 
 
 def test_alert_book_claims_each_event_once_across_consoles(tmp_path: Path) -> None:
-    a, b = AlertBook(tmp_path / "s" / "alerts.json", "h:/run"), AlertBook(tmp_path / "s" / "alerts.json", "h:/run")
+    a, b = (
+        AlertBook(tmp_path / "s" / "alerts.json", "h:/run"),
+        AlertBook(tmp_path / "s" / "alerts.json", "h:/run"),
+    )
     other = AlertBook(tmp_path / "s" / "alerts.json", "h:/other-run")
     assert a.claim(["failed:x:1"]) == (["failed:x:1"], False)
     assert b.claim(["failed:x:1", "failed:x:2"]) == (["failed:x:2"], False)
@@ -229,7 +250,9 @@ def gone(pids: list[int], within_s: float = 10) -> bool:
     return False
 
 
-HANGING_HOOK = "sleep 300 & echo $$ $! > {pidfile}; wait"  # a shell with a child, as curl under sh -c would be
+HANGING_HOOK = (
+    "sleep 300 & echo $$ $! > {pidfile}; wait"  # a shell with a child, as curl under sh -c would be
+)
 
 
 async def test_a_hook_running_when_the_console_closes_is_killed_with_its_children(tmp_path: Path) -> None:
@@ -251,10 +274,12 @@ def test_a_hook_does_not_outlive_a_sigkilled_console(tmp_path: Path) -> None:
     import sys
 
     pidfile = tmp_path / "pids"
-    script = ("import asyncio, sys\n"
-              "from console.alerts import Alert, run_hook\n"
-              "a = Alert('failed:s:1', 'stage-failed', 's failed', 'x', 's', 1)\n"
-              f"asyncio.run(run_hook({HANGING_HOOK.format(pidfile=pidfile)!r}, a, 'local:/run', 600))\n")
+    script = (
+        "import asyncio, sys\n"
+        "from console.alerts import Alert, run_hook\n"
+        "a = Alert('failed:s:1', 'stage-failed', 's failed', 'x', 's', 1)\n"
+        f"asyncio.run(run_hook({HANGING_HOOK.format(pidfile=pidfile)!r}, a, 'local:/run', 600))\n"
+    )
     console = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent)
     try:
         pids = hook_pids(pidfile)
@@ -278,9 +303,14 @@ def stage(sid: str, state: str, done: float, total: float, rate: float | None, r
 
 def test_dataset_rows_sorted_by_state_then_eta() -> None:
     model = RunModel(LocalTransport("/nonexistent"))
-    for st in [stage("prep.a", "succeeded", 100, 100, None), stage("prep.b", "running", 10, 100, 1.0),
-               stage("prep.c", "running", 90, 100, 1.0), stage("prep.d", "failed", 40, 100, None, rejects=9),
-               stage("regen.c", "pending", 0, 50, None), stage("prep.e", "paused", 5, 100, None)]:
+    for st in [
+        stage("prep.a", "succeeded", 100, 100, None),
+        stage("prep.b", "running", 10, 100, 1.0),
+        stage("prep.c", "running", 90, 100, 1.0),
+        stage("prep.d", "failed", 40, 100, None, rejects=9),
+        stage("regen.c", "pending", 0, 50, None),
+        stage("prep.e", "paused", 5, 100, None),
+    ]:
         model.stages[st.id] = st
         model.order.append(st.id)
     model.stages["train"] = StageView(id="train", family="train")
@@ -324,12 +354,19 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
     app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
     async with app.run_test(size=(140, 40)) as pilot:
         await until(pilot, lambda: app.model.loaded, what="loaded")
-        for key, extra in ((None, ()), ("d", (DatasetsScreen,)), ("l", (LogScreen, LogView)), ("m", (MetricsScreen,))):
+        for key, extra in (
+            (None, ()),
+            ("d", (DatasetsScreen,)),
+            ("l", (LogScreen, LogView)),
+            ("m", (MetricsScreen,)),
+        ):
             if key == "l":
                 await pilot.press("down")  # a stage, not the family row
             if key:
                 await pilot.press(key)
-                await until(pilot, lambda extra=extra: isinstance(app.screen, extra[0]), what=f"the {key} screen")
+                await until(
+                    pilot, lambda extra=extra: isinstance(app.screen, extra[0]), what=f"the {key} screen"
+                )
             screen = app.screen
             await pilot.press("question_mark")
             await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
@@ -347,14 +384,17 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
                 for b in src.BINDINGS:
                     for k in b.key.split(","):
                         label = key_label(app, k.strip())
-                        assert label in shown, f"{k!r} ({label}) is not in the help of {type(screen).__name__}"
+                        assert label in shown, (
+                            f"{k!r} ({label}) is not in the help of {type(screen).__name__}"
+                        )
             callbacks = [c.callback for c in app.get_system_commands(screen)]
             for src, target in ((AerieApp, app), *((cls, screen) for cls in extra[:1])):
                 for b in src.BINDINGS:
                     action = b.action.split("(")[0]
                     if action not in NOT_COMMANDS:
-                        assert getattr(target, f"action_{action}") in callbacks, \
+                        assert getattr(target, f"action_{action}") in callbacks, (
                             f"no palette command for {action} on {type(screen).__name__}"
+                        )
             while isinstance(app.screen, (LogScreen, DatasetsScreen, MetricsScreen)):
                 app.screen.dismiss(None)
                 await pilot.pause(0.2)
@@ -374,8 +414,13 @@ async def test_browser_mode_serves_the_console_on_loopback(tmp_path: Path) -> No
     assert cli_main(["serve", str(run.root), "--host", "0.0.0.0"]) == 2  # never on a network interface
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
-    server = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         async with aiohttp.ClientSession() as http:
             deadline = time.monotonic() + 60
@@ -392,7 +437,9 @@ async def test_browser_mode_serves_the_console_on_loopback(tmp_path: Path) -> No
             screen = ""
             async with http.ws_connect(f"http://127.0.0.1:{port}/ws?width=120&height=36") as ws:
                 deadline = time.monotonic() + 90
-                while time.monotonic() < deadline and not ("prep.sharegpt" in screen and "snapshot" in screen):
+                while time.monotonic() < deadline and not (
+                    "prep.sharegpt" in screen and "snapshot" in screen
+                ):
                     try:
                         msg = await ws.receive(timeout=5)
                     except TimeoutError:

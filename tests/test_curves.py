@@ -40,7 +40,9 @@ def test_a_multi_day_series_stays_bounded_and_keeps_its_shape() -> None:
     assert s.last == pytest.approx(10.0 - 9.0 * (n - 1) / n), "the latest value is exact"
     gaps = {round(b - a) for a, b in zip(s.xs[:-1], s.xs[1:-1], strict=False)}
     assert gaps == {s.stride}, "evenly spaced: every point is the mean of `stride` samples"
-    assert s.ys[len(s) // 2] == pytest.approx(10.0 - 9.0 * s.xs[len(s) // 2] / n, rel=1e-3), "the shape is kept"
+    assert s.ys[len(s) // 2] == pytest.approx(10.0 - 9.0 * s.xs[len(s) // 2] / n, rel=1e-3), (
+        "the shape is kept"
+    )
 
 
 def test_a_resumed_training_continues_from_its_checkpoint_step() -> None:
@@ -62,17 +64,29 @@ def test_history_keeps_the_last_attempts_and_model_feeds_it_from_events() -> Non
     for attempt, steps in ((1, range(0, 41, 20)), (2, range(20, 61, 20))):
         model._apply_event(st, make("started", t=100.0 * attempt, attempt=attempt))
         for step in steps:
-            model._apply_event(st, make("metric", t=100.0 * attempt + step, name="loss", value=train_metrics(step)["loss"],
-                                        step=step))
+            model._apply_event(
+                st,
+                make(
+                    "metric",
+                    t=100.0 * attempt + step,
+                    name="loss",
+                    value=train_metrics(step)["loss"],
+                    step=step,
+                ),
+            )
     model._apply_event(st, make("metric", t=300.0, name="tokens_per_s", value=41000.0))
     model._apply_event(st, make("metric", t=330.0, name="tokens_per_s", value=42000.0))
     model._apply_event(st, make("metric", t=331.0, name="accept_len", value=2.9, label="eagle3"))
     assert [a for a, _s in st.history.across_attempts("loss")] == [1, 2]
     assert st.history.get("loss", 1).xs == [0, 20, 40] and st.history.get("loss").xs == [20, 40, 60]
-    assert st.history.get("tokens_per_s").xs == [0.0, 30.0], "no step: seconds since the attempt's first metric"
+    assert st.history.get("tokens_per_s").xs == [0.0, 30.0], (
+        "no step: seconds since the attempt's first metric"
+    )
     assert st.history.uses_steps("loss") and not st.history.uses_steps("tokens_per_s")
     assert st.history.get("accept_len/eagle3").ys == [2.9]
-    assert st.metrics["loss"] == pytest.approx(train_metrics(60)["loss"]), "the latest value still drives the board"
+    assert st.metrics["loss"] == pytest.approx(train_metrics(60)["loss"]), (
+        "the latest value still drives the board"
+    )
 
 
 # ------------------------------------------------------------------------------ layout
@@ -82,18 +96,29 @@ def app_for(root: Path) -> AerieApp:
 
 
 async def select_train(app: AerieApp, pilot) -> None:  # noqa: ANN001
-    await until(pilot, lambda: app.model.loaded and app.model.done and app.model.telemetry.gpus
-                and app.model.telemetry.disk is not None and app.model.telemetry.host is not None,
-                what="the finished run and its telemetry (GPUs, disk, host)")
+    await until(
+        pilot,
+        lambda: (
+            app.model.loaded
+            and app.model.done
+            and app.model.telemetry.gpus
+            and app.model.telemetry.disk is not None
+            and app.model.telemetry.host is not None
+        ),
+        what="the finished run and its telemetry (GPUs, disk, host)",
+    )
     await pilot.press("end", "up")  # train, the stage with curves
     await until(pilot, lambda: app.query_one("#detail").stage_id == "train", what="train selected")
-    await until(pilot, lambda: app.model.stages["train"].log_total >= 16, what="its log tail in the detail pane")
+    await until(
+        pilot, lambda: app.model.stages["train"].log_total >= 16, what="its log tail in the detail pane"
+    )
     await pilot.pause(0.5)
 
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
-async def test_every_size_shows_whole_values_and_a_readable_log(tmp_path: Path, size: tuple[int, int],
-                                                               live_meters: None) -> None:
+async def test_every_size_shows_whole_values_and_a_readable_log(
+    tmp_path: Path, size: tuple[int, int], live_meters: None
+) -> None:
     app = app_for(tmp_path / "r")
     async with app.run_test(size=size) as pilot:
         await select_train(app, pilot)

@@ -18,8 +18,14 @@ from tests.runs import ROOT
 def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "console.cli", "demo", "--headless", "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, env=env, timeout=1500, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "console.cli", "demo", "--headless", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "run succeeded" in out.stdout
     state = json.loads((run_dir / "state.json").read_text())
@@ -40,7 +46,11 @@ def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
     assert bench["accept_len"] >= 1.4, bench["per_prompt"]
     assert len({p["id"].rsplit("-", 1)[0] for p in bench["per_prompt"]}) >= 5  # the mix, not one dataset
     assert f"bench: mean accepted length {bench['accept_len']:.3f}" in out.stdout
-    status = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run_dir), "--json"],
-                            capture_output=True, text=True, env=env)
+    status = subprocess.run(
+        [sys.executable, "-m", "console.cli", "status", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert status.returncode == 0
     assert len(status.stdout.splitlines()) == len(states)

@@ -41,8 +41,11 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("needs root to mount a size-limited tmpfs (mount -t tmpfs -o size=...)")
     disk = tmp_path / "disk"
     disk.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m,mode=0755", "aerie-test-disk", str(disk)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m,mode=0755", "aerie-test-disk", str(disk)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
@@ -58,8 +61,15 @@ def write_rows(path: Path) -> list[str]:
         for i in range(ROWS):
             text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789 ") for _ in range(1200))
             ids.append(f"r{i:05d}")
-            fh.write(json.dumps({"id": ids[-1], "conversations": [{"from": "human", "value": text},
-                                                                  {"from": "gpt", "value": "ok"}]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "id": ids[-1],
+                        "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}],
+                    }
+                )
+                + "\n"
+            )
     return ids
 
 
@@ -79,10 +89,13 @@ def shard_records(out: Path) -> list[dict]:
 
 
 def test_prep_on_a_full_disk_fails_naming_it_keeps_finished_shards_and_completes_after_space_is_freed(
-        tmp_path: Path, small_disk: Path) -> None:
+    tmp_path: Path, small_disk: Path
+) -> None:
     data = tmp_path / "chat.jsonl"
     expected_ids = write_rows(data)
-    run = make_run(small_disk, f"""
+    run = make_run(
+        small_disk,
+        f"""
 [run]
 name = "diskfull"
 dir = "run"
@@ -99,7 +112,8 @@ path = "{data}"
 id = "prep"
 run = "prep"
 for_each = "dataset"
-""")
+""",
+    )
     # Leave ~1.2 MiB: the ~15 shards of ~100 KiB need more than that.
     st = os.statvfs(small_disk)
     ballast = small_disk / "ballast"
@@ -115,7 +129,9 @@ for_each = "dataset"
         assert f"tmpfs at {small_disk}" in ex["detail"], ex
         errors = [json.loads(line) for line in sd.events.read_text().splitlines()]
         nospace = [e for e in errors if e.get("code") == "nospace"]
-        assert nospace and "aerie-test-disk" in nospace[0]["text"], f"the stage did not say which disk filled: {sd.log.read_text()[-3000:]}"
+        assert nospace and "aerie-test-disk" in nospace[0]["text"], (
+            f"the stage did not say which disk filled: {sd.log.read_text()[-3000:]}"
+        )
         # what is recorded as done is intact; nothing else counts
         out = sd.out
         recs = shard_records(out)
@@ -143,7 +159,11 @@ for_each = "dataset"
         kill_run_stages(run)
     man = json.loads((out / "manifest.json").read_text())
     assert man["rows"] == ROWS == sum(s["rows"] for s in man["shards"])
-    ids = [row for s in man["shards"] for row in pq.read_table(out / s["file"], columns=["id"]).column("id").to_pylist()]
+    ids = [
+        row
+        for s in man["shards"]
+        for row in pq.read_table(out / s["file"], columns=["id"]).column("id").to_pylist()
+    ]
     assert len(ids) == len(set(ids)) == ROWS
     assert sorted(ids) == sorted(f"chat-{i}" for i in range(ROWS)) or sorted(ids) == sorted(expected_ids)
     for f, sha in done_before.items():  # resumed: the finished shards were kept, not rewritten
@@ -188,8 +208,12 @@ def test_an_event_line_is_written_whole_or_not_at_all_on_a_full_disk(small_disk:
         json.loads(line)
 
 
-def test_the_supervisor_survives_a_completely_full_disk_and_carries_on_when_space_is_freed(small_disk: Path) -> None:
-    run = make_run(small_disk, """
+def test_the_supervisor_survives_a_completely_full_disk_and_carries_on_when_space_is_freed(
+    small_disk: Path,
+) -> None:
+    run = make_run(
+        small_disk,
+        """
 [run]
 name = "full"
 dir = "run"
@@ -200,7 +224,8 @@ command = "echo a > out.txt"
 id = "b"
 command = "echo b > out.txt"
 after = ["a"]
-""")
+""",
+    )
     ballast = fill(small_disk)
     sup = start_supervisor(run)
     try:
@@ -209,8 +234,11 @@ after = ["a"]
         time.sleep(3)
         assert sup.poll() is None, "the supervisor died of the full disk"
         check_every_json_parses(run.root)
-        assert "cannot write the run directory: no space left on device aerie-test-disk" in \
-            (run.root / "supervisor.log").read_text() or run.supervisor_log.stat().st_size == 0
+        assert (
+            "cannot write the run directory: no space left on device aerie-test-disk"
+            in (run.root / "supervisor.log").read_text()
+            or run.supervisor_log.stat().st_size == 0
+        )
         ballast.unlink()
         assert wait_done(run, 60) == {"a": "succeeded", "b": "succeeded"}
     finally:
@@ -225,8 +253,11 @@ def disk_24m(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("needs root to mount a size-limited tmpfs (mount -t tmpfs -o size=...)")
     disk = tmp_path / "disk24"
     disk.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0755", "aerie-test-disk", str(disk)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m,mode=0755", "aerie-test-disk", str(disk)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
@@ -237,7 +268,8 @@ def disk_24m(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.slow
 def test_extraction_on_a_full_disk_fails_naming_it_and_resumes_after_space_is_freed(
-        tmp_path_factory, tmp_path: Path, disk_24m: Path) -> None:
+    tmp_path_factory, tmp_path: Path, disk_24m: Path
+) -> None:
     from safetensors import safe_open
 
     from pipeline.data.shards import iter_rows
@@ -246,8 +278,9 @@ def test_extraction_on_a_full_disk_fails_naming_it_and_resumes_after_space_is_fr
     from tests.eagle3_fixtures import write_plan as write_eagle_plan
 
     tok = shared(tmp_path_factory, "tok")
-    plan = write_eagle_plan(tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300},
-                            bench={"holdout": 0.2})
+    plan = write_eagle_plan(
+        tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2}
+    )
     out = disk_24m / "ext"
     st = os.statvfs(disk_24m)
     ballast = disk_24m / "ballast"
@@ -255,8 +288,10 @@ def test_extraction_on_a_full_disk_fails_naming_it_and_resumes_after_space_is_fr
     p = run_stage("pipeline.stages.extract", plan, out, [tok], check=False)
     assert p.returncode != 0, "extraction did not run out of space"
     text = [e.get("text") for e in stage_events(out) if e.type == "message" and e.get("code") == "nospace"]
-    assert text and text[0].startswith(f"no space left on device aerie-test-disk (tmpfs at {disk_24m}"), \
-        (text, p.stderr[-2000:])
+    assert text and text[0].startswith(f"no space left on device aerie-test-disk (tmpfs at {disk_24m}"), (
+        text,
+        p.stderr[-2000:],
+    )
     state = json.loads((out / "extract-state.json").read_text())
     done = state["done"]
     assert done, "the disk filled before the first shard"

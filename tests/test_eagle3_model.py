@@ -31,14 +31,25 @@ from pipeline.eagle3.draft_model import (
 
 # The parameters of SGLang's LlamaForCausalLMEagle3 (one midlayer), as its modules name them.
 SGLANG_PARAMS = {
-    "model.embed_tokens.weight", "model.fc.weight", "model.midlayer.self_attn.qkv_proj.weight",
-    "model.midlayer.self_attn.o_proj.weight", "model.midlayer.mlp.gate_up_proj.weight",
-    "model.midlayer.mlp.down_proj.weight", "model.midlayer.input_layernorm.weight",
-    "model.midlayer.hidden_norm.weight", "model.midlayer.post_attention_layernorm.weight",
-    "model.norm.weight", "lm_head.weight",
+    "model.embed_tokens.weight",
+    "model.fc.weight",
+    "model.midlayer.self_attn.qkv_proj.weight",
+    "model.midlayer.self_attn.o_proj.weight",
+    "model.midlayer.mlp.gate_up_proj.weight",
+    "model.midlayer.mlp.down_proj.weight",
+    "model.midlayer.input_layernorm.weight",
+    "model.midlayer.hidden_norm.weight",
+    "model.midlayer.post_attention_layernorm.weight",
+    "model.norm.weight",
+    "lm_head.weight",
 }
-STACKED = [(".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
-           (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")]
+STACKED = [
+    (".qkv_proj", ".q_proj"),
+    (".qkv_proj", ".k_proj"),
+    (".qkv_proj", ".v_proj"),
+    (".gate_up_proj", ".gate_proj"),
+    (".gate_up_proj", ".up_proj"),
+]
 
 
 def sglang_param_for(name: str) -> str | None:
@@ -53,9 +64,19 @@ def sglang_param_for(name: str) -> str | None:
 
 
 def tiny_config(**kw) -> DraftConfig:
-    base = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                vocab_size=64, draft_vocab_size=16, aux_layer_ids=[1, 3, 5], target_hidden_size=32,
-                rope_theta=10000.0, max_position_embeddings=128)
+    base = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        draft_vocab_size=16,
+        aux_layer_ids=[1, 3, 5],
+        target_hidden_size=32,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+    )
     base.update(kw)
     return DraftConfig(**base)
 
@@ -65,7 +86,12 @@ def tiny_draft(seed: int = 0, **kw) -> Eagle3Draft:
     d = Eagle3Draft(tiny_config(**kw))
     for p in d.parameters():
         p.data.normal_(0, 0.2)
-    for n in (d.midlayer.input_layernorm, d.midlayer.hidden_norm, d.midlayer.post_attention_layernorm, d.norm):
+    for n in (
+        d.midlayer.input_layernorm,
+        d.midlayer.hidden_norm,
+        d.midlayer.post_attention_layernorm,
+        d.norm,
+    ):
         n.weight.data.fill_(1.0)
     ids = torch.tensor(sorted(torch.randperm(64)[:16].tolist()))
     t2d = torch.zeros(64, dtype=torch.bool)
@@ -126,7 +152,9 @@ def test_save_load_round_trip_keeps_vocab_and_outputs(tmp_path) -> None:
     e = load_draft(tmp_path, embed=d.embed_tokens.weight.data)
     assert torch.equal(e.d2t, d.d2t) and torch.equal(e.t2d, d.t2d)
     aux, ids = torch.randn(1, 9, 96), torch.randint(0, 64, (1, 9))
-    for a, b in zip(d.ttt(aux, ids, torch.tensor([9]), 3), e.ttt(aux, ids, torch.tensor([9]), 3), strict=True):
+    for a, b in zip(
+        d.ttt(aux, ids, torch.tensor([9]), 3), e.ttt(aux, ids, torch.tensor([9]), 3), strict=True
+    ):
         assert torch.allclose(a, b, atol=1e-6)
     # hot-token map as SGLang computes it
     assert torch.equal(e.draft_to_target(torch.arange(16)), d.d2t + torch.arange(16))
@@ -153,14 +181,23 @@ def test_ttt_step_j_equals_drafting_the_same_chain() -> None:
         ttt = d.ttt(aux, ids, torch.tensor([s]), 3)
         for t in (0, 3, 6):
             cols = torch.arange(t + 1)
-            h, (k0, v0) = d.layer(ids[:, 1:t + 2], d.fc(aux[:, : t + 1]), (cols + 1)[None], cols, None, [], None)
+            h, (k0, v0) = d.layer(
+                ids[:, 1 : t + 2], d.fc(aux[:, : t + 1]), (cols + 1)[None], cols, None, [], None
+            )
             hidden = h[:, -1:]
             assert torch.allclose(d.logits(hidden)[0, 0], ttt[0][0, t], atol=1e-5)
             chain = []
             qcol = torch.tensor([t])
             for j in (1, 2):
-                hidden, kv = d.layer(ids[:, t + 1 + j: t + 2 + j], hidden, torch.tensor([[t + 1 + j]]), qcol,
-                                     (k0, v0), chain, None)
+                hidden, kv = d.layer(
+                    ids[:, t + 1 + j : t + 2 + j],
+                    hidden,
+                    torch.tensor([[t + 1 + j]]),
+                    qcol,
+                    (k0, v0),
+                    chain,
+                    None,
+                )
                 chain.append(kv)
                 assert torch.allclose(d.logits(hidden)[0, 0], ttt[j][0, t], atol=1e-5), (t, j)
 
@@ -186,17 +223,19 @@ def test_chain_attention_sees_exactly_its_column_and_chain() -> None:
     k1, v1 = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     out = chain_attention(q, k0, v0, torch.arange(4), None, [(k1, v1)])
     for t in range(4):
-        keys = torch.cat([k0[:, :, : t + 1], k1[:, :, t:t + 1]], 2)
-        vals = torch.cat([v0[:, :, : t + 1], v1[:, :, t:t + 1]], 2)
-        w = torch.softmax((q[:, :, t:t + 1] @ keys.transpose(-1, -2)) / 8 ** 0.5, -1)
-        assert torch.allclose(out[:, :, t:t + 1], w @ vals, atol=1e-5)
+        keys = torch.cat([k0[:, :, : t + 1], k1[:, :, t : t + 1]], 2)
+        vals = torch.cat([v0[:, :, : t + 1], v1[:, :, t : t + 1]], 2)
+        w = torch.softmax((q[:, :, t : t + 1] @ keys.transpose(-1, -2)) / 8**0.5, -1)
+        assert torch.allclose(out[:, :, t : t + 1], w @ vals, atol=1e-5)
 
 
 def _chain_inputs(seed: int, b: int, nh: int, nkv: int, s: int, d: int, steps: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, nh, s, d, generator=g, dtype=dtype) * 2  # scores of a few units: a peaked softmax
     k0, v0 = (torch.randn(b, nkv, s, d, generator=g, dtype=dtype) for _ in range(2))
-    chain = [tuple(torch.randn(b, nkv, s, d, generator=g, dtype=dtype) for _ in range(2)) for _ in range(steps)]
+    chain = [
+        tuple(torch.randn(b, nkv, s, d, generator=g, dtype=dtype) for _ in range(2)) for _ in range(steps)
+    ]
     return q, k0, v0, chain
 
 

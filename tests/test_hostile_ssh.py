@@ -42,11 +42,15 @@ async def poll_until(model: RunModel, pred, timeout_s: float = 60.0) -> None:  #
 
 async def test_a_remote_run_dir_full_of_shell_syntax_is_used_verbatim(ssh_plan, tmp_path: Path) -> None:
     remote = tmp_path / WEIRD / "run"
-    plan_path = ssh_plan("""
+    plan_path = ssh_plan(
+        """
         [[stage]]
         id = "where"
         command = 'printf "%s" "$AERIE_RUN_DIR" > where.txt; test -f again || { touch again; exit 1; }'
-        """, remote_dir=remote, options='pipeline = "upload"')
+        """,
+        remote_dir=remote,
+        options='pipeline = "upload"',
+    )
     plan = plan_mod.load(plan_path)
     rep = await preflight(plan)
     assert rep.ok, rep.render()
@@ -56,7 +60,9 @@ async def test_a_remote_run_dir_full_of_shell_syntax_is_used_verbatim(ssh_plan, 
         transport = SshTransport(conn, rep.layout, owns_connection=False)
         model = RunModel(transport)
         await poll_until(model, lambda: model.done)
-        assert {s: v.state for s, v in model.stages.items()} == {"where": "failed"}  # attempt 1 fails on purpose
+        assert {s: v.state for s, v in model.stages.items()} == {
+            "where": "failed"
+        }  # attempt 1 fails on purpose
         res = await transport.ctl("retry", "where")  # a control action through the host's shell
         assert res.returncode == 0, res.stderr
         await poll_until(model, lambda: model.stages["where"].attempt == 2 and model.done)

@@ -67,11 +67,20 @@ def test_mla_target_gets_specforges_kimi_draft_layout_with_yarn(kimi_real: Path)
 
 
 def test_the_draft_config_json_carries_yarn_and_the_sglang_capture_ids(tmp_path: Path) -> None:
-    cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-                      head_dim=128, vocab_size=512, draft_vocab_size=64, aux_layer_ids=[1, 3, 4],
-                      target_hidden_size=64, rope_theta=50000.0,
-                      rope_scaling=dict(KIMI_K25_CONFIG["text_config"]["rope_scaling"], rope_type="yarn"),
-                      max_position_embeddings=262144)
+    cfg = DraftConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=512,
+        draft_vocab_size=64,
+        aux_layer_ids=[1, 3, 4],
+        target_hidden_size=64,
+        rope_theta=50000.0,
+        rope_scaling=dict(KIMI_K25_CONFIG["text_config"]["rope_scaling"], rope_type="yarn"),
+        max_position_embeddings=262144,
+    )
     save_draft(Eagle3Draft(cfg), tmp_path)
     conf = json.loads((tmp_path / "config.json").read_text())
     assert conf["rope_theta"] == 50000.0
@@ -97,21 +106,47 @@ def test_draft_yarn_equals_sglangs_own_rotary_embedding(with_mscale: bool) -> No
     def light_init(self, head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype, *a, **k):
         # RotaryEmbedding.__init__ picks a GPU kernel; keep only what builds the cos/sin cache.
         torch.nn.Module.__init__(self)
-        self.head_size, self.rotary_dim, self.max_position_embeddings = head_size, rotary_dim, max_position_embeddings
+        self.head_size, self.rotary_dim, self.max_position_embeddings = (
+            head_size,
+            rotary_dim,
+            max_position_embeddings,
+        )
         self.base, self.is_neox_style, self.dtype = base, is_neox_style, dtype
         self.cos_sin_cache = self._compute_cos_sin_cache()
 
-    sc = {k: v for k, v in KIMI_K25_CONFIG["text_config"]["rope_scaling"].items()
-          if with_mscale or not k.startswith("mscale")}
-    cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-                      head_dim=128, vocab_size=512, draft_vocab_size=64, aux_layer_ids=[1, 3, 4],
-                      target_hidden_size=64, rope_theta=50000.0, rope_scaling=sc, max_position_embeddings=262144)
+    sc = {
+        k: v
+        for k, v in KIMI_K25_CONFIG["text_config"]["rope_scaling"].items()
+        if with_mscale or not k.startswith("mscale")
+    }
+    cfg = DraftConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=512,
+        draft_vocab_size=64,
+        aux_layer_ids=[1, 3, 4],
+        target_hidden_size=64,
+        rope_theta=50000.0,
+        rope_scaling=sc,
+        max_position_embeddings=262144,
+    )
     orig = base_mod.RotaryEmbedding.__init__
     base_mod.RotaryEmbedding.__init__ = light_init
     try:
         extra = {k: v for k, v in sc.items() if k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
-        sgl = yarn_mod.YaRNScalingRotaryEmbedding(128, 128, sc["original_max_position_embeddings"], 50000.0, True,
-                                                  sc["factor"], torch.float32, **extra)
+        sgl = yarn_mod.YaRNScalingRotaryEmbedding(
+            128,
+            128,
+            sc["original_max_position_embeddings"],
+            50000.0,
+            True,
+            sc["factor"],
+            torch.float32,
+            **extra,
+        )
     finally:
         base_mod.RotaryEmbedding.__init__ = orig
     pos = torch.tensor([0, 1, 7, 100, 4095, 4096, 30000, 262143])
@@ -123,12 +158,21 @@ def test_draft_yarn_equals_sglangs_own_rotary_embedding(with_mscale: bool) -> No
 def test_the_final_norm_is_the_text_models_not_the_vision_projectors(kimi_real: Path) -> None:
     # Kimi-K2.5's checkpoint keys (its own layout): the shortest key ending in "norm.weight" is the
     # vision projector's, which is what the old suffix rule picked.
-    keys = ["language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
-            "language_model.lm_head.weight", "mm_projector.pre_norm.weight", "mm_projector.pre_norm.bias",
-            "vision_tower.encoder.final_layernorm.weight", "language_model.model.layers.0.input_layernorm.weight"]
+    keys = [
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+        "mm_projector.pre_norm.weight",
+        "mm_projector.pre_norm.bias",
+        "vision_tower.encoder.final_layernorm.weight",
+        "language_model.model.layers.0.input_layernorm.weight",
+    ]
     roles = tensor_roles(str(kimi_real))  # from the meta-device model's modules, no weights
-    assert roles == {"embed": "model.language_model.embed_tokens.weight",
-                     "norm": "model.language_model.norm.weight", "head": "lm_head.weight"}
+    assert roles == {
+        "embed": "model.language_model.embed_tokens.weight",
+        "norm": "model.language_model.norm.weight",
+        "head": "lm_head.weight",
+    }
     assert checkpoint_key(roles["norm"], keys) == "language_model.model.norm.weight"
     assert checkpoint_key(roles["embed"], keys) == "language_model.model.embed_tokens.weight"
     assert checkpoint_key(roles["head"], keys) == "language_model.lm_head.weight"
@@ -148,7 +192,7 @@ def _plan(tmp: Path, model: Path, extract_extra: str = "") -> Path:
     body = f"""
 [run]
 name = "kimi"
-dir = "{tmp / 'run'}"
+dir = "{tmp / "run"}"
 
 [target]
 model = "{model}"
@@ -225,13 +269,24 @@ def test_every_stage_runs_on_the_kimi_architecture(tmp_path: Path, tiny_kimi: Pa
     from tests.test_eagle3_model import SGLANG_PARAMS, sglang_param_for
 
     plan = _plan(tmp_path, tiny_kimi)
-    plan.write_text(plan.read_text().replace("check_lossless = true", 'check_lossless = true\ndevice = "cpu"'))
+    plan.write_text(
+        plan.read_text().replace("check_lossless = true", 'check_lossless = true\ndevice = "cpu"')
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
-    p = subprocess.run([sys.executable, "-m", "console.cli", "run", str(plan), "--headless"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "console.cli", "run", str(plan), "--headless"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     run = tmp_path / "run"
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:] + "".join(
-        f"\n--- {f}\n" + f.read_text()[-2000:] for f in run.glob("stages/*/stage.log"))
+    assert p.returncode == 0, (
+        p.stdout[-3000:]
+        + p.stderr[-3000:]
+        + "".join(f"\n--- {f}\n" + f.read_text()[-2000:] for f in run.glob("stages/*/stage.log"))
+    )
     out = run / "stages"
     prep_man = json.loads((out / "prep.kimi" / "out" / "manifest.json").read_text())
     assert prep_man["kind"] == "tokenized" and prep_man["rows"] > 0
@@ -241,7 +296,9 @@ def test_every_stage_runs_on_the_kimi_architecture(tmp_path: Path, tiny_kimi: Pa
     draft = out / "train" / "out" / "draft"
     conf = json.loads((draft / "config.json").read_text())
     assert conf["head_dim"] == 128 and conf["num_attention_heads"] == 4 and conf["hidden_size"] == 64
-    assert conf["rope_scaling"]["factor"] == 64.0 and conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert conf["rope_scaling"]["factor"] == 64.0 and conf["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [1, 2, 4]
     from safetensors import safe_open
 
     with safe_open(str(draft / "model.safetensors"), framework="pt") as f:
@@ -249,7 +306,10 @@ def test_every_stage_runs_on_the_kimi_architecture(tmp_path: Path, tiny_kimi: Pa
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
     mapped = {sglang_param_for(n) for n in names} - {None}
     assert mapped <= SGLANG_PARAMS and SGLANG_PARAMS - mapped == {"model.embed_tokens.weight"}
-    assert shapes["fc.weight"] == (64, 3 * 64) and shapes["midlayer.self_attn.q_proj.weight"] == (4 * 128, 2 * 64)
+    assert shapes["fc.weight"] == (64, 3 * 64) and shapes["midlayer.self_attn.q_proj.weight"] == (
+        4 * 128,
+        2 * 64,
+    )
     bench = json.loads((out / "bench" / "out" / "manifest.json").read_text())
     assert bench["lossless_checked"] and bench["lossless_mismatches"] == 0
     assert 1.0 <= bench["accept_len"] <= 3.0
@@ -257,9 +317,22 @@ def test_every_stage_runs_on_the_kimi_architecture(tmp_path: Path, tiny_kimi: Pa
     # The offline bench with the target tensor-parallel over 2 gloo ranks (as the reference plan
     # runs it over 8 GPUs) decodes the same tokens and accepts the same drafts.
     tp_plan = plan.with_name("plan-tp.toml")
-    tp_plan.write_text(plan.read_text().replace("check_lossless = true", 'check_lossless = true\nparallel = "tp"\ntp_size = 2'))
-    argv = [sys.executable, "-m", "pipeline.stages.bench", "--plan", str(tp_plan), "--out", str(tmp_path / "bench-tp"),
-            "--input", str(out / "train" / "out")]
+    tp_plan.write_text(
+        plan.read_text().replace(
+            "check_lossless = true", 'check_lossless = true\nparallel = "tp"\ntp_size = 2'
+        )
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.stages.bench",
+        "--plan",
+        str(tp_plan),
+        "--out",
+        str(tmp_path / "bench-tp"),
+        "--input",
+        str(out / "train" / "out"),
+    ]
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     one = json.loads((out / "bench" / "out" / "results.json").read_text())
@@ -279,7 +352,9 @@ def _extract(plan: Path, out: Path, inputs: list[Path]) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-def test_tensor_parallel_capture_over_two_gloo_ranks_equals_one_process(tmp_path: Path, tiny_kimi: Path) -> None:
+def test_tensor_parallel_capture_over_two_gloo_ranks_equals_one_process(
+    tmp_path: Path, tiny_kimi: Path
+) -> None:
     """Two CPU ranks each holding half of every MLP and of the experts (transformers' tp_plan) store
     what one process stores. Tolerance: both compute in fp32 and differ only in the order the
     all-reduce sums partial products (~1e-6); the store keeps bf16, so a value may land on the
@@ -287,9 +362,23 @@ def test_tensor_parallel_capture_over_two_gloo_ranks_equals_one_process(tmp_path
     values differ by at most 2**-7 of their magnitude). The greedy tokens match exactly."""
     from pipeline.eagle3 import hidden_store as hs
 
-    prep = subprocess.run([sys.executable, "-m", "pipeline.stages.prep", "--plan", str(_plan(tmp_path, tiny_kimi)),
-                           "--dataset", "kimi", "--out", str(tmp_path / "tok")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    prep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.stages.prep",
+            "--plan",
+            str(_plan(tmp_path, tiny_kimi)),
+            "--dataset",
+            "kimi",
+            "--out",
+            str(tmp_path / "tok"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert prep.returncode == 0, prep.stderr[-3000:]
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
@@ -302,7 +391,11 @@ def test_tensor_parallel_capture_over_two_gloo_ranks_equals_one_process(tmp_path
     m2 = json.loads((tmp_path / "ext2" / "manifest.json").read_text())
     assert m2["aux_layer_ids"] == [1, 2, 4] and m2["rows"] == len(hs.HiddenStore(tmp_path / "ext2"))
     ev = [json.loads(line) for line in (tmp_path / "ext2" / "events.jsonl").read_text().splitlines()]
-    started = [e for e in ev if e.get("type") == "message" and "loaded tensor-parallel over 2 ranks" in e.get("text", "")]
+    started = [
+        e
+        for e in ev
+        if e.get("type") == "message" and "loaded tensor-parallel over 2 ranks" in e.get("text", "")
+    ]
     assert len(started) == 1  # rank 0 alone speaks for the stage
 
 
@@ -326,10 +419,19 @@ def hf_cache(tmp_path_factory, tiny_kimi: Path) -> Path:
 
 
 def deep(plan: Path, cache: Path, *extra: str) -> tuple[int, dict]:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}, "HF_HUB_CACHE": str(cache),
-           "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "pipeline.eagle3.chain_check", str(plan), "--json", *extra], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AERIE_")},
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.eagle3.chain_check", str(plan), "--json", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.stdout.strip(), p.stderr[-3000:]
     return p.returncode, json.loads(p.stdout)
 
@@ -340,26 +442,39 @@ def by_name(rep: dict) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_reference_plan_passes_the_deep_check_against_kimi_k25_sizes(hf_cache: Path) -> None:
-    rc, rep = deep(ROOT / "examples" / "kimi-k2.5.toml", hf_cache, "--free-bytes", str(16 * 10**12))  # a 16 TB volume
+    rc, rep = deep(
+        ROOT / "examples" / "kimi-k2.5.toml", hf_cache, "--free-bytes", str(16 * 10**12)
+    )  # a 16 TB volume
     assert rc == 0 and rep["ok"], rep
     checks = by_name(rep)
-    assert "61 layers" in checks["architecture"]["detail"] and "model.language_model.norm.weight" in checks["architecture"]["detail"]
+    assert (
+        "61 layers" in checks["architecture"]["detail"]
+        and "model.language_model.norm.weight" in checks["architecture"]["detail"]
+    )
     assert checks["aux layers"]["detail"].startswith("[1, 29, 57]")
     assert "64 heads x 128" in checks["draft"]["detail"] and "yarn" in checks["draft"]["detail"]
     n = rep["numbers"]
     assert n["bytes_per_token"] == 4 * 7168 * 2 + 9  # ~57 KB/token: 3 aux + final hidden, bf16
     assert n["tp_size"] == 8
     # each H200 holds 1/8 of the INT4 experts + the replicated attention/embeddings, with room to spare
-    assert n["capture_bytes_per_rank"] < 141e9 and n["target_sharded_bytes"] > 7 * n["capture_bytes_per_rank"] / 2
+    assert (
+        n["capture_bytes_per_rank"] < 141e9
+        and n["target_sharded_bytes"] > 7 * n["capture_bytes_per_rank"] / 2
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("edit, key", [
-    (("[extract]\n", "[extract]\naux_layers = [1, 29, 61]\n"), "extract.aux_layers"),
-    (("draft_vocab_size = 32000", "draft_vocab_size = 200000"), "vocab.draft_vocab_size"),
-    (("gpu_memory_gb = 141", "gpu_memory_gb = 40"), "does not fit"),
-])
-def test_deep_check_refuses_a_plan_naming_the_file_and_key(tmp_path: Path, hf_cache: Path, edit: tuple, key: str) -> None:
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (("[extract]\n", "[extract]\naux_layers = [1, 29, 61]\n"), "extract.aux_layers"),
+        (("draft_vocab_size = 32000", "draft_vocab_size = 200000"), "vocab.draft_vocab_size"),
+        (("gpu_memory_gb = 141", "gpu_memory_gb = 40"), "does not fit"),
+    ],
+)
+def test_deep_check_refuses_a_plan_naming_the_file_and_key(
+    tmp_path: Path, hf_cache: Path, edit: tuple, key: str
+) -> None:
     text = (ROOT / "examples" / "kimi-k2.5.toml").read_text()
     assert edit[0] in text
     plan = tmp_path / "bad.toml"
@@ -382,12 +497,23 @@ def test_deep_check_refuses_a_disk_too_small_for_the_hidden_states(hf_cache: Pat
 def test_deep_check_names_an_architecture_it_cannot_capture(tmp_path: Path) -> None:
     model = tmp_path / "enc"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
-                                                   "num_attention_heads": 2, "intermediate_size": 64,
-                                                   "vocab_size": 100}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bert",
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 100,
+            }
+        )
+    )
     plan = tmp_path / "plan.toml"
-    plan.write_text(f'[run]\nname = "x"\ndir = "{tmp_path / "run"}"\n[target]\nmodel = "{model}"\n'
-                    '[[stage]]\nid = "extract"\nrun = "extract"\n')
+    plan.write_text(
+        f'[run]\nname = "x"\ndir = "{tmp_path / "run"}"\n[target]\nmodel = "{model}"\n'
+        '[[stage]]\nid = "extract"\nrun = "extract"\n'
+    )
     rc, rep = deep(plan, tmp_path)
     arch = by_name(rep)["architecture"]
     assert rc == 1 and not arch["ok"] and "'bert'" in arch["detail"] and "get_decoder()" in arch["detail"]
@@ -396,11 +522,27 @@ def test_deep_check_names_an_architecture_it_cannot_capture(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_aerie_plan_check_deep_prints_the_checks(hf_cache: Path) -> None:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}, "HF_HUB_CACHE": str(hf_cache),
-           "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "console.cli", "plan", "check", "--deep",
-                        str(ROOT / "examples" / "kimi-k2.5.toml")], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AERIE_")},
+        "HF_HUB_CACHE": str(hf_cache),
+        "HF_HUB_OFFLINE": "1",
+    }
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "console.cli",
+            "plan",
+            "check",
+            "--deep",
+            str(ROOT / "examples" / "kimi-k2.5.toml"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     # this machine's disk is far from the ~11 TB the reference run needs: the deep check says so
     assert "deep check of" in p.stdout and "architecture" in p.stdout and "gpu memory" in p.stdout
     assert (p.returncode == 0) == ("not ok" not in p.stdout)
@@ -409,6 +551,7 @@ def test_aerie_plan_check_deep_prints_the_checks(hf_cache: Path) -> None:
 def split_layers(model: torch.nn.Module, base: torch.nn.Module, on_gpu: list[int]) -> None:
     """Place the embedding and layers ``on_gpu`` on cuda:0, the rest on the CPU, each layer moving its
     inputs to its own device first — what accelerate's dispatch does over several GPUs."""
+
     def to_own_device(mod, args, kwargs):  # noqa: ANN001, ANN202
         dev = next(mod.parameters()).device
 
@@ -418,6 +561,7 @@ def split_layers(model: torch.nn.Module, base: torch.nn.Module, on_gpu: list[int
             if isinstance(x, tuple | list):
                 return type(x)(mv(y) for y in x)
             return x
+
         return mv(args), {k: mv(v) for k, v in kwargs.items()}
 
     base.embed_tokens.to("cuda:0")
@@ -441,15 +585,19 @@ def test_a_target_split_between_gpu_and_cpu_is_captured_on_one_device(tiny_kimi:
     ids = torch.randint(3, 500, (2, 24))
     a = ref.capture(ids, torch.ones_like(ids))
     b = spread.capture(ids.to(spread.device), torch.ones_like(ids).to(spread.device))
-    assert {t.device.type for t in spread._aux.values()} == {"cuda", "cpu"}  # layers 1, 2 on the GPU, 4 on the CPU
+    assert {t.device.type for t in spread._aux.values()} == {
+        "cuda",
+        "cpu",
+    }  # layers 1, 2 on the GPU, 4 on the CPU
     assert b.aux.device == b.last_hidden.device
     torch.testing.assert_close(b.aux.cpu(), a.aux, rtol=1e-4, atol=1e-4)
     assert torch.equal(spread.argmax(b.last_hidden).cpu(), ref.argmax(a.last_hidden))
 
 
 @pytest.mark.slow
-def test_the_online_tp_reference_plan_fits_each_h200_and_a_bigger_micro_batch_does_not(tmp_path: Path,
-                                                                                       hf_cache: Path) -> None:
+def test_the_online_tp_reference_plan_fits_each_h200_and_a_bigger_micro_batch_does_not(
+    tmp_path: Path, hf_cache: Path
+) -> None:
     rc, rep = deep(ROOT / "examples" / "kimi-k2.5-online.toml", hf_cache, "--free-bytes", str(10**12))
     checks = by_name(rep)
     assert rc == 0 and rep["ok"], rep
@@ -459,7 +607,11 @@ def test_the_online_tp_reference_plan_fits_each_h200_and_a_bigger_micro_batch_do
     assert mem.startswith("online-tp, per rank: target shard") and "(TP 8)" in mem
     assert rep["numbers"]["online_tp_bytes_per_rank"] < 141e9
     big = tmp_path / "big.toml"
-    big.write_text((ROOT / "examples" / "kimi-k2.5-online.toml").read_text().replace("micro_batch = 2", "micro_batch = 16"))
+    big.write_text(
+        (ROOT / "examples" / "kimi-k2.5-online.toml")
+        .read_text()
+        .replace("micro_batch = 2", "micro_batch = 16")
+    )
     rc, rep = deep(big, hf_cache, "--free-bytes", str(10**12))
     mem = by_name(rep)["gpu memory"]
     assert rc == 1 and not mem["ok"] and "does not fit" in mem["detail"] and "micro_batch 16" in mem["detail"]

@@ -75,7 +75,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
         stack.append(v)
         for w in sorted(g.get(v, ())):
             if colour.get(w) == 1:
-                return stack[stack.index(w):] + [w]
+                return stack[stack.index(w) :] + [w]
             if w not in colour and (c := visit(w)):
                 return c
         stack.pop()
@@ -100,15 +100,25 @@ def test_no_import_cycle_in_pipeline_or_console() -> None:
 
 def test_console_imports_only_the_run_model_from_pipeline() -> None:
     g = graph()
-    bad = {f"{m} imports {d}" for m, deps in g.items() if m.startswith("console")
-           for d in deps if d.startswith("pipeline") and d not in CONSOLE_ALLOWED}
+    bad = {
+        f"{m} imports {d}"
+        for m, deps in g.items()
+        if m.startswith("console")
+        for d in deps
+        if d.startswith("pipeline") and d not in CONSOLE_ALLOWED
+    }
     assert not bad, sorted(bad)
 
 
 def test_pipeline_never_imports_the_console() -> None:
     g = graph()
-    bad = {f"{m} imports {d}" for m, deps in g.items() if m.startswith("pipeline")
-           for d in deps if d.startswith("console")}
+    bad = {
+        f"{m} imports {d}"
+        for m, deps in g.items()
+        if m.startswith("pipeline")
+        for d in deps
+        if d.startswith("console")
+    }
     assert not bad, sorted(bad)
 
 
@@ -119,22 +129,35 @@ def stage_of(module: str) -> str | None:
 
 def test_no_stage_imports_another_stage() -> None:
     g = graph()
-    bad = {f"{m} imports {d}" for m, deps in g.items() if (s := stage_of(m))
-           for d in deps if stage_of(d) not in (None, s)}
+    bad = {
+        f"{m} imports {d}"
+        for m, deps in g.items()
+        if (s := stage_of(m))
+        for d in deps
+        if stage_of(d) not in (None, s)
+    }
     assert not bad, sorted(bad)
 
 
 def test_libraries_and_the_run_machinery_never_import_a_stage() -> None:
     g = graph()
-    bad = {f"{m} imports {d}" for m, deps in g.items()
-           if m.split(".")[:2] in (["pipeline", k] for k in ("run", "data", "eagle3", "serving"))
-           for d in deps if d.startswith("pipeline.stages")}
+    bad = {
+        f"{m} imports {d}"
+        for m, deps in g.items()
+        if m.split(".")[:2] in (["pipeline", k] for k in ("run", "data", "eagle3", "serving"))
+        for d in deps
+        if d.startswith("pipeline.stages")
+    }
     assert not bad, sorted(bad)
 
 
 def test_every_pipeline_subpackage_says_what_it_is() -> None:
     # The tree is the design: each sub-package and module opens with a docstring saying its role.
-    missing = [m for m, p in modules().items()
-               if m.startswith("pipeline") and ast.get_docstring(ast.parse(p.read_text())) is None
-               and p.name != "__main__.py"]
+    missing = [
+        m
+        for m, p in modules().items()
+        if m.startswith("pipeline")
+        and ast.get_docstring(ast.parse(p.read_text())) is None
+        and p.name != "__main__.py"
+    ]
     assert not missing, missing

@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def random_log(rng: random.Random) -> bytes:
-    lines = ["".join(rng.choice("ab xAB\t") for _ in range(rng.randint(0, 30))) for _ in range(rng.randint(0, 200))]
+    lines = [
+        "".join(rng.choice("ab xAB\t") for _ in range(rng.randint(0, 30))) for _ in range(rng.randint(0, 200))
+    ]
     return ("\n".join(lines) + rng.choice(["", "\n"])).encode()
 
 
@@ -41,7 +43,9 @@ def complete_lines(data: bytes) -> list[tuple[int, int, bytes]]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_block_counts_and_matches_equal_a_brute_force_reading(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_counts_and_matches_equal_a_brute_force_reading(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(seed)
     for _ in range(40):
         data = random_log(rng)
@@ -49,27 +53,40 @@ def test_block_counts_and_matches_equal_a_brute_force_reading(seed: int, monkeyp
         block = rng.choice([4, 16, 32])
 
         def read(off: int, n: int, data: bytes = data) -> bytes:
-            return data[off:off + n]
+            return data[off : off + n]
 
         counts, off, res = [], 0, {}
         while True:  # in bounded steps, as the console asks
-            res = count_blocks(read, len(data), off, max_bytes=rng.choice([block, 3 * block, 10**6]), block=block)
+            res = count_blocks(
+                read, len(data), off, max_bytes=rng.choice([block, 3 * block, 10**6]), block=block
+            )
             counts += res["counts"]
             off = res["end"]
             if res["tail"] is not None:
                 break
-        assert counts == [data[i * block:(i + 1) * block].count(b"\n") for i in range(len(counts))]
+        assert counts == [data[i * block : (i + 1) * block].count(b"\n") for i in range(len(counts))]
         assert sum(counts) + res["tail"] == data.count(b"\n")
         assert res["ends_nl"] == (not data or data.endswith(b"\n"))
 
         pattern = rng.choice(["a", "ab", "^x", "b$", "a.*b", "A", "x\\s"])
         m = compile_pattern(pattern)
-        ref = [[n, s] for n, s, text in complete_lines(data)
-               if m.rx.search(m.hay(text + (b"\n" if pattern == "x\\s" else b"")))]
+        ref = [
+            [n, s]
+            for n, s, text in complete_lines(data)
+            if m.rx.search(m.hay(text + (b"\n" if pattern == "x\\s" else b"")))
+        ]
         got, pos, ln = [], 0, 0
         while True:
-            r = find_lines(read, len(data), m, pos, None, ln, limit=rng.choice([1, 2, 1000]),
-                           max_bytes=rng.choice([8, 10**6]))
+            r = find_lines(
+                read,
+                len(data),
+                m,
+                pos,
+                None,
+                ln,
+                limit=rng.choice([1, 2, 1000]),
+                max_bytes=rng.choice([8, 10**6]),
+            )
             got += r["hits"]
             pos, ln = r["next"], r["next_line"]
             if r["done"]:
@@ -80,8 +97,17 @@ def test_block_counts_and_matches_equal_a_brute_force_reading(seed: int, monkeyp
             n0, s0, _ = rng.choice(lines)
             got, pos, ln = [], s0, n0
             while True:
-                r = find_lines(read, len(data), m, 0, pos, ln, backward=True, limit=rng.choice([1, 3, 1000]),
-                               max_bytes=rng.choice([8, 10**6]))
+                r = find_lines(
+                    read,
+                    len(data),
+                    m,
+                    0,
+                    pos,
+                    ln,
+                    backward=True,
+                    limit=rng.choice([1, 3, 1000]),
+                    max_bytes=rng.choice([8, 10**6]),
+                )
                 got += r["hits"]
                 pos, ln = r["next"], r["next_line"]
                 if r["done"]:
@@ -91,15 +117,19 @@ def test_block_counts_and_matches_equal_a_brute_force_reading(seed: int, monkeyp
 
 def test_smart_case_bad_regex_and_the_error_pattern() -> None:
     data = b"an Error: x\nno error here\nERROR: y\n"
-    hits = find_lines(lambda o, n: data[o:o + n], len(data), compile_pattern("error"), 0, None, 0)["hits"]
+    hits = find_lines(lambda o, n: data[o : o + n], len(data), compile_pattern("error"), 0, None, 0)["hits"]
     assert [h[0] for h in hits] == [0, 1, 2]  # lower-case pattern: any case
-    hits = find_lines(lambda o, n: data[o:o + n], len(data), compile_pattern("ERROR"), 0, None, 0)["hits"]
+    hits = find_lines(lambda o, n: data[o : o + n], len(data), compile_pattern("ERROR"), 0, None, 0)["hits"]
     assert [h[0] for h in hits] == [2]  # a capital: exact case
     with pytest.raises(ScanError, match=r"bad regex '\(unclosed'"):
         compile_pattern("(unclosed")
-    log = (b"INFO fine\nTraceback (most recent call last):\n  File x\nValueError: boom\nno Error found\n"
-           b"errors=3\nRuntimeError\nerror: bad flag\n")
-    hits = find_lines(lambda o, n: log[o:o + n], len(log), compile_pattern(ERROR_PATTERN), 0, None, 0)["hits"]
+    log = (
+        b"INFO fine\nTraceback (most recent call last):\n  File x\nValueError: boom\nno Error found\n"
+        b"errors=3\nRuntimeError\nerror: bad flag\n"
+    )
+    hits = find_lines(lambda o, n: log[o : o + n], len(log), compile_pattern(ERROR_PATTERN), 0, None, 0)[
+        "hits"
+    ]
     assert [h[0] for h in hits] == [1, 3, 6, 7]
 
 
@@ -131,7 +161,7 @@ def test_index_reads_any_lines_follows_growth_and_restarts_on_truncation(tmp_pat
             for r in rows:
                 ref = lines[r.line]
                 assert r.text == ref if len(ref) <= MAX_LINE_BYTES else r.text.endswith(CUT_MARK)
-            assert data.encode()[await ix.line_start(first):].startswith(lines[first][:50].encode())
+            assert data.encode()[await ix.line_start(first) :].startswith(lines[first][:50].encode())
         with open(path, "a") as fh:
             fh.write("grown 1\ngrown 2\nunfinis")
         assert await ix.update()
@@ -171,7 +201,10 @@ def test_tail_before_indexing_and_filter_as_the_log_grows(tmp_path: Path) -> Non
             await f.update(limit=100)
         assert f.count == 500 and list(f.lines[:3]) == [0, 100, 200]
         rows = await f.read_rows(498, 5)
-        assert [(x.line, x.text) for x in rows] == [(49800, "step 49800 WARN slow"), (49900, "step 49900 WARN slow")]
+        assert [(x.line, x.text) for x in rows] == [
+            (49800, "step 49800 WARN slow"),
+            (49900, "step 49900 WARN slow"),
+        ]
         with open(path, "a") as fh:
             fh.write("step 50000 WARN late\nstep 50001 WARN unfini")
         await ix.update()
@@ -196,22 +229,36 @@ def test_remote_agent_counts_and_searches_on_the_host(tmp_path: Path) -> None:
     (run / "stages" / "s").mkdir(parents=True)
     (run / "plan.toml").write_text("[run]\n")
     log = run / "stages" / "s" / "stage.log"
-    log.write_bytes(b"".join(b"line %d%s\n" % (i, b" ERROR" if i in (7, 70_000) else b"") for i in range(100_000)))
+    log.write_bytes(
+        b"".join(b"line %d%s\n" % (i, b" ERROR" if i in (7, 70_000) else b"") for i in range(100_000))
+    )
     reqs = [
         {"id": 1, "op": "lines", "path": "stages/s/stage.log", "offset": 0},
-        {"id": 2, "op": "find", "path": "stages/s/stage.log", "pattern": "ERROR", "start": 0, "end": None,
-         "line0": 0, "limit": 10},
+        {
+            "id": 2,
+            "op": "find",
+            "path": "stages/s/stage.log",
+            "pattern": "ERROR",
+            "start": 0,
+            "end": None,
+            "line0": 0,
+            "limit": 10,
+        },
         {"id": 3, "op": "find", "path": "stages/s/stage.log", "pattern": "(", "start": 0, "line0": 0},
         {"id": 4, "op": "lines", "path": "../outside", "offset": 0},
     ]
-    p = subprocess.run([sys.executable, "-m", "pipeline.run.remote_agent", str(run)],
-                       input="".join(json.dumps(r) + "\n" for r in reqs).encode(), capture_output=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.run.remote_agent", str(run)],
+        input="".join(json.dumps(r) + "\n" for r in reqs).encode(),
+        capture_output=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     by_id = {a["id"]: a for a in map(json.loads, p.stdout.splitlines())}
     raw = log.read_bytes()
     assert by_id[1]["ok"] and sum(by_id[1]["counts"]) + by_id[1]["tail"] == raw.count(b"\n") == 100_000
     assert by_id[1]["size"] == len(raw) and by_id[1]["ino"] == log.stat().st_ino
     assert [h[0] for h in by_id[2]["hits"]] == [7, 70_000]
-    assert raw[by_id[2]["hits"][1][1]:].startswith(b"line 70000 ERROR")
+    assert raw[by_id[2]["hits"][1][1] :].startswith(b"line 70000 ERROR")
     assert not by_id[3]["ok"] and "bad regex" in by_id[3]["error"]
     assert not by_id[4]["ok"] and "leaves the run directory" in by_id[4]["error"]

@@ -19,10 +19,14 @@ from console.transport import LocalTransport
 from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop
 from tests.test_console import until
 
-LOG = "".join(f"2026-12-02 10:{i // 60 % 60:02d}:{i % 60:02d} INFO step {i} loss={1 + 1 / (i + 1):.4f}\n"
-              for i in range(400))
-LOG += ("2026-12-02 10:06:40 WARNING slow batch\nTraceback (most recent call last):\n"
-        '  File "train.py", line 12, in <module>\nValueError: field \'conversations\' missing\n')
+LOG = "".join(
+    f"2026-12-02 10:{i // 60 % 60:02d}:{i % 60:02d} INFO step {i} loss={1 + 1 / (i + 1):.4f}\n"
+    for i in range(400)
+)
+LOG += (
+    "2026-12-02 10:06:40 WARNING slow batch\nTraceback (most recent call last):\n"
+    "  File \"train.py\", line 12, in <module>\nValueError: field 'conversations' missing\n"
+)
 LOG += "".join(f"after {i} " + ("x" * 150 if i == 3 else "") + "\n" for i in range(20))
 
 
@@ -36,8 +40,11 @@ def log_app(tmp: Path, body: str = LOG, stage: str = "prep.sharegpt") -> tuple[A
 async def open_log(pilot, app: AerieApp, stage: str = "prep.sharegpt") -> LogScreen:  # noqa: ANN001
     await until(pilot, lambda: app.model.loaded, what="the run")
     app.open_log(stage)
-    await until(pilot, lambda: isinstance(app.screen, LogScreen) and app.screen.updates > 0
-                and app.screen.view.window, what="the log screen")
+    await until(
+        pilot,
+        lambda: isinstance(app.screen, LogScreen) and app.screen.updates > 0 and app.screen.view.window,
+        what="the log screen",
+    )
     return app.screen  # type: ignore[return-value]
 
 
@@ -63,7 +70,9 @@ async def test_follow_pauses_on_scroll_up_and_resumes_with_end(tmp_path: Path) -
         assert view.visible_first() == first, "paused: the view stays where the operator is reading"
         assert "+100 new" in str(scr.query_one("#log-status").render())
         await pilot.press("end")
-        await until(pilot, lambda: screen_text(view)[-1].endswith("late 99"), what="follow resumed at the end")
+        await until(
+            pilot, lambda: screen_text(view)[-1].endswith("late 99"), what="follow resumed at the end"
+        )
         assert view.following
         with open(log, "a") as fh:
             fh.write("latest\n")
@@ -97,7 +106,9 @@ async def test_search_filter_first_error_wrap_and_timestamps(tmp_path: Path) -> 
         await until(pilot, lambda: view.found_line == 12, what="the previous match")
 
         await pilot.press("ampersand", *"^after", "enter")
-        await until(pilot, lambda: scr.filter is not None and scr.filter.done and view.total == 20, what="filtered")
+        await until(
+            pilot, lambda: scr.filter is not None and scr.filter.done and view.total == 20, what="filtered"
+        )
         await until(pilot, lambda: "after 0" in " ".join(screen_text(view)), what="only matching lines")
         shown = [t for t in screen_text(view) if t.strip()]
         assert shown and all("after" in t for t in shown)
@@ -109,7 +120,9 @@ async def test_search_filter_first_error_wrap_and_timestamps(tmp_path: Path) -> 
         await pilot.press("g")
         await until(pilot, lambda: "10:00:00" in screen_text(view)[0], what="timestamps shown")
         await pilot.press("t")
-        await until(pilot, lambda: screen_text(view)[0].split()[1:3] == ["INFO", "step"], what="timestamps hidden")
+        await until(
+            pilot, lambda: screen_text(view)[0].split()[1:3] == ["INFO", "step"], what="timestamps hidden"
+        )
         await pilot.press("t")
         await pilot.press("f")
         await until(pilot, lambda: screen_text(view)[-1].endswith("after 19"), what="the end")
@@ -123,9 +136,12 @@ async def test_search_filter_first_error_wrap_and_timestamps(tmp_path: Path) -> 
 
 
 async def test_server_log_key_opens_the_serve_stage_log(tmp_path: Path) -> None:
-    (tmp_path / "srv.py").write_text("import time\nprint('server listening on 127.0.0.1:30000', flush=True)\n"
-                                     "time.sleep(60)\n")
-    run = make_run(tmp_path, f"""
+    (tmp_path / "srv.py").write_text(
+        "import time\nprint('server listening on 127.0.0.1:30000', flush=True)\ntime.sleep(60)\n"
+    )
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         name = "srv"
         dir = "run"
@@ -133,26 +149,33 @@ async def test_server_log_key_opens_the_serve_stage_log(tmp_path: Path) -> None:
         cpu_slots = 2
         [[stage]]
         id = "serve"
-        command = "{sys.executable} {tmp_path / 'srv.py'}"
+        command = "{sys.executable} {tmp_path / "srv.py"}"
         service = true
         kill_grace_s = 1
         [[stage]]
         id = "work"
         command = "sleep 60"
         kill_grace_s = 1
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     try:
         app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
         async with app.run_test(size=(120, 30)) as pilot:
-            await until(pilot, lambda: app.model.stages.get("serve") and app.model.stages["serve"].state == "running",
-                        what="the server running")
+            await until(
+                pilot,
+                lambda: app.model.stages.get("serve") and app.model.stages["serve"].state == "running",
+                what="the server running",
+            )
             await pilot.press("L")
             await until(pilot, lambda: isinstance(app.screen, LogScreen), what="the log screen")
             scr = app.screen
             assert scr.index.path == "stages/serve/stage.log"
-            await until(pilot, lambda: any("server listening" in t for t in screen_text(scr.view)),
-                        what="the server's output")
+            await until(
+                pilot,
+                lambda: any("server listening" in t for t in screen_text(scr.view)),
+                what="the server's output",
+            )
     finally:
         stop(sup)
         kill_run_stages(run)
@@ -177,26 +200,41 @@ async def test_five_million_line_log_opens_at_its_end_and_jumps(tmp_path: Path) 
     n = 5_000_000
     with open(log, "w") as fh:
         for b in range(0, n, 100_000):
-            fh.write("".join(f"2026-12-02 10:00:00 INFO step {i} loss=1.234\n" for i in range(b, b + 100_000)))
+            fh.write(
+                "".join(f"2026-12-02 10:00:00 INFO step {i} loss=1.234\n" for i in range(b, b + 100_000))
+            )
     app = AerieApp(LocalTransport(str(run.root)), poll_s=0.5, alerts=False, user_config={})
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: app.model.loaded, what="the run")
         t0 = time.monotonic()
         app.open_log("prep.sharegpt")
-        await until(pilot, lambda: isinstance(app.screen, LogScreen) and app.screen.updates > 0
-                    and app.screen.view.window and app.screen.index.caught_up, timeout=120,
-                    what="the 5M-line log indexed")
+        await until(
+            pilot,
+            lambda: (
+                isinstance(app.screen, LogScreen)
+                and app.screen.updates > 0
+                and app.screen.view.window
+                and app.screen.index.caught_up
+            ),
+            timeout=120,
+            what="the 5M-line log indexed",
+        )
         scr: LogScreen = app.screen  # type: ignore[assignment]
         view = scr.view
         assert scr.index.lines == n
-        await until(pilot, lambda: screen_text(view)[-1].endswith(f"step {n - 1} loss=1.234"), what="the end shown")
+        await until(
+            pilot, lambda: screen_text(view)[-1].endswith(f"step {n - 1} loss=1.234"), what="the end shown"
+        )
         print(f"5M lines ({log.stat().st_size >> 20} MiB) indexed and shown in {time.monotonic() - t0:.2f}s")
         await pilot.press("home")
         await until(pilot, lambda: screen_text(view)[0].endswith("step 0 loss=1.234"), what="the first line")
         assert screen_text(view)[0].split()[0] == "1"
         await pilot.press("end")
-        await until(pilot, lambda: screen_text(view)[-1].split()[0] == str(n) and view.following,
-                    what="back at the end")
+        await until(
+            pilot,
+            lambda: screen_text(view)[-1].split()[0] == str(n) and view.following,
+            what="back at the end",
+        )
         await pilot.press("slash", *"step 2500000 ", "enter")
         await until(pilot, lambda: view.found_line == 2_500_000, timeout=120, what="a search across the file")
         assert any("step 2500000 " in t for t in screen_text(view))

@@ -20,8 +20,10 @@ from tests.test_ssh import bootstrap
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
-TALKER = ("import time\nfor i in range(200_000):\n    print(f'remote line {i}' + (' ERROR boom' if i == 150_000 else ''))\n"
-          "print('done', flush=True)\ntime.sleep(60)\n")
+TALKER = (
+    "import time\nfor i in range(200_000):\n    print(f'remote line {i}' + (' ERROR boom' if i == 150_000 else ''))\n"
+    "print('done', flush=True)\ntime.sleep(60)\n"
+)
 
 
 async def test_remote_log_indexed_read_and_searched_on_the_host(ssh_plan, fast_conn, tmp_path: Path) -> None:
@@ -36,7 +38,9 @@ async def test_remote_log_indexed_read_and_searched_on_the_host(ssh_plan, fast_c
             await ix.update()
             if ix.caught_up and ix.lines >= 200_003:  # the launcher's two banner lines, the lines, "done"
                 break
-            assert time.monotonic() < deadline, f"remote log never complete: {ix.lines} lines, {ix.size} bytes"
+            assert time.monotonic() < deadline, (
+                f"remote log never complete: {ix.lines} lines, {ix.size} bytes"
+            )
             await asyncio.sleep(0.2)
         rows = await ix.read_lines(ix.lines - 1, 1)
         assert rows[0].text == "done"
@@ -48,8 +52,15 @@ async def test_remote_log_indexed_read_and_searched_on_the_host(ssh_plan, fast_c
             await f.update()
         assert f.count == 1 and f.lines[0] == first + 150_000
         assert (await f.read_rows(0, 1))[0].text == "remote line 150000 ERROR boom"
-        back = await transport.find_lines(ix.path, "remote line 1000$", 0, await ix.line_start(first + 5000),
-                                          first + 5000, backward=True, limit=1)
+        back = await transport.find_lines(
+            ix.path,
+            "remote line 1000$",
+            0,
+            await ix.line_start(first + 5000),
+            first + 5000,
+            backward=True,
+            limit=1,
+        )
         assert back["hits"][0][0] == first + 1000
         assert conn.sessions_in_use == 1, "everything went through the agent's one channel"
         await transport.close()

@@ -94,8 +94,19 @@ async def test_the_panel_scales_from_no_gpus_to_eight_and_back() -> None:
         panel = app.query_one(MetersPanel)
         await pilot.pause()
         assert not app.query(GpuRow)
-        m.feed([json.dumps({"kind": "meta", "t": 1, "interval_s": 2, "host": "cpu-box",
-                            "nvml": {"ok": False, "error": "no NVIDIA driver on this host"}})])
+        m.feed(
+            [
+                json.dumps(
+                    {
+                        "kind": "meta",
+                        "t": 1,
+                        "interval_s": 2,
+                        "host": "cpu-box",
+                        "nvml": {"ok": False, "error": "no NVIDIA driver on this host"},
+                    }
+                )
+            ]
+        )
         panel.sync()
         await pilot.pause()
         note = app.query_one(".gpu-note")
@@ -135,9 +146,24 @@ async def test_narrow_terminals_shrink_the_bars_and_sparkline_not_the_numbers() 
 async def test_the_disk_meter_warns_when_the_projected_output_does_not_fit() -> None:
     m = TelemetryModel()
     tb = 10**12
-    m.feed([json.dumps({"kind": "disk", "t": t, "seq": t, "path": "/runs/kimi", "total": 11 * tb,
-                        "used": 9 * tb + t * 10**9, "avail": 2 * tb - t * 10**9, "reserve": 10**11,
-                        "projected_remaining": 3 * tb}) for t in range(0, 40, 2)])
+    m.feed(
+        [
+            json.dumps(
+                {
+                    "kind": "disk",
+                    "t": t,
+                    "seq": t,
+                    "path": "/runs/kimi",
+                    "total": 11 * tb,
+                    "used": 9 * tb + t * 10**9,
+                    "avail": 2 * tb - t * 10**9,
+                    "reserve": 10**11,
+                    "projected_remaining": 3 * tb,
+                }
+            )
+            for t in range(0, 40, 2)
+        ]
+    )
     app = MetersApp(m)
     async with app.run_test(size=(160, 12)) as pilot:
         await pilot.pause()

@@ -14,7 +14,9 @@ from pipeline.run import plan as plan_mod
 from pipeline.run.runtime import StageContext
 from tests.runs import kill_run_stages, make_run, start_supervisor, stop, wait_done
 
-EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
+EventAccumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator"
+).EventAccumulator
 
 TRAINING = (
     "from pipeline.run.runtime import StageContext\n"
@@ -53,8 +55,13 @@ def test_a_stage_under_the_supervisor_writes_tensorboard_files(tmp_path: Path) -
         stop(sup)
         kill_run_stages(run)
     logdir = run.root / "tensorboard" / "train"
-    assert scalars(logdir, "loss") == [(0, 8.0), (10, round(8 / 11, 6)), (20, round(8 / 21, 6)),
-                                       (30, round(8 / 31, 6)), (40, round(8 / 41, 6))]
+    assert scalars(logdir, "loss") == [
+        (0, 8.0),
+        (10, round(8 / 11, 6)),
+        (20, round(8 / 21, 6)),
+        (30, round(8 / 31, 6)),
+        (40, round(8 / 41, 6)),
+    ]
     assert scalars(logdir, "acc_0")[-1] == (40, 0.4)
     assert scalars(logdir, "tokens_per_s") == [(0, 1500.0), (1, 1700.0)]  # no step: samples counted
     assert scalars(logdir, "accept_len/eagle3") == [(0, 2.5)]
@@ -63,7 +70,9 @@ def test_a_stage_under_the_supervisor_writes_tensorboard_files(tmp_path: Path) -
 def test_a_retry_writes_its_own_tensorboard_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     for attempt, loss in ((1, 3.0), (2, 2.0)):
-        ctx = StageContext("train", tmp_path / "out", tmp_path / "events.jsonl", None, run_dir, attempt=attempt)
+        ctx = StageContext(
+            "train", tmp_path / "out", tmp_path / "events.jsonl", None, run_dir, attempt=attempt
+        )
         ctx.metric("loss", loss, step=100)
         ctx.close()
     assert scalars(run_dir / "tensorboard" / "train", "loss") == [(100, 3.0)]
@@ -72,8 +81,11 @@ def test_a_retry_writes_its_own_tensorboard_run(tmp_path: Path) -> None:
 
 def test_the_wandb_section_is_checked(tmp_path: Path) -> None:
     base = '[run]\nname = "w"\ndir = "run"\n[[stage]]\nid = "a"\ncommand = "true"\n'
-    for body, key in (('[wandb]\nentity = "me"\n', "wandb.project"), ('[wandb]\nproject = "p"\nmode = "cloud"\n', "wandb.mode"),
-                      ('[wandb]\nproject = "p"\nkey = "secret"\n', "wandb.key")):
+    for body, key in (
+        ('[wandb]\nentity = "me"\n', "wandb.project"),
+        ('[wandb]\nproject = "p"\nmode = "cloud"\n', "wandb.mode"),
+        ('[wandb]\nproject = "p"\nkey = "secret"\n', "wandb.key"),
+    ):
         (tmp_path / "p.toml").write_text(base + body)
         with pytest.raises(plan_mod.PlanError, match=key):
             plan_mod.load(tmp_path / "p.toml")
@@ -85,8 +97,10 @@ def test_wandb_offline_files_when_the_plan_asks(tmp_path: Path, monkeypatch: pyt
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     plan = tmp_path / "plan.toml"
-    plan.write_text('[run]\nname = "w"\ndir = "run"\n[wandb]\nproject = "aerie-test"\n'
-                    '[[stage]]\nid = "train"\ncommand = "true"\n')
+    plan.write_text(
+        '[run]\nname = "w"\ndir = "run"\n[wandb]\nproject = "aerie-test"\n'
+        '[[stage]]\nid = "train"\ncommand = "true"\n'
+    )
     ctx = StageContext("train", tmp_path / "out", tmp_path / "events.jsonl", plan, run_dir)
     for step in (1, 2, 3):
         ctx.metric("loss", 1.0 / step, step=step)

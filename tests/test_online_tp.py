@@ -21,8 +21,17 @@ from tests.kimi_fixture import build_tiny_kimi
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
-TRAIN = {"steps": 6, "batch_size": 4, "micro_batch": 2, "ttt_steps": 2, "checkpoint_every": 2, "log_every": 1,
-         "nproc": 2, "lr": 0.002, "keep_checkpoints": 5}
+TRAIN = {
+    "steps": 6,
+    "batch_size": 4,
+    "micro_batch": 2,
+    "ttt_steps": 2,
+    "checkpoint_every": 2,
+    "log_every": 1,
+    "nproc": 2,
+    "lr": 0.002,
+    "keep_checkpoints": 5,
+}
 
 
 def env() -> dict[str, str]:
@@ -33,21 +42,42 @@ def env() -> dict[str, str]:
 
 def write_plan(path: Path, model: Path, online: bool) -> Path:
     train = {**TRAIN, **({"target": "online-tp"} if online else {})}
-    lines = ['[run]', 'name = "otp"', f'dir = "{path.parent / "run"}"', "[target]", f'model = "{model}"',
-             "max_length = 256", "[extract]", 'device = "cpu"', "batch_tokens = 1024", "aux_layers = [1, 2, 4]",
-             "[vocab]", "draft_vocab_size = 128", "[train]"]
+    lines = [
+        "[run]",
+        'name = "otp"',
+        f'dir = "{path.parent / "run"}"',
+        "[target]",
+        f'model = "{model}"',
+        "max_length = 256",
+        "[extract]",
+        'device = "cpu"',
+        "batch_tokens = 1024",
+        "aux_layers = [1, 2, 4]",
+        "[vocab]",
+        "draft_vocab_size = 128",
+        "[train]",
+    ]
     lines += [f"{k} = {json.dumps(v)}" for k, v in train.items()]
     lines += ['device = "cpu"', "[bench]", "holdout = 0.2"]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def stage(module: str, plan: Path, out: Path, inputs: list[Path], env: dict | None = None) -> subprocess.Popen:
+def stage(
+    module: str, plan: Path, out: Path, inputs: list[Path], env: dict | None = None
+) -> subprocess.Popen:
     argv = [sys.executable, "-m", module, "--plan", str(plan), "--out", str(out)]
     for i in inputs:
         argv += ["--input", str(i)]
-    return subprocess.Popen(argv, cwd=ROOT, env=env or globals()["env"](), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env or globals()["env"](),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def run(module: str, plan: Path, out: Path, inputs: list[Path]) -> str:
@@ -64,13 +94,31 @@ def base(tmp_path_factory) -> dict[str, Path]:
     model = build_tiny_kimi(d / "kimi")
     fixture = ROOT / "pipeline" / "data" / "fixtures" / "datasets" / "kimik2-5-2000x.jsonl"
     prep_plan = d / "prep.toml"
-    prep_plan.write_text(f'[run]\nname = "p"\ndir = "{d / "run"}"\n[target]\nmodel = "{model}"\nmax_length = 256\n'
-                         f'[prep]\nshard_rows = 8\nbatch_rows = 8\ncheck_rows = 8\nreject_threshold = 0.5\n'
-                         f'[bench]\nholdout = 0.2\n'
-                         f'[[datasets]]\nname = "kimi"\nsource = "kimik2-5-2000x"\nkind = "target-native"\n'
-                         f'quota = 24\npath = "{fixture}"\n')
-    p = subprocess.run([sys.executable, "-m", "pipeline.stages.prep", "--plan", str(prep_plan), "--dataset", "kimi",
-                        "--out", str(d / "tok")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    prep_plan.write_text(
+        f'[run]\nname = "p"\ndir = "{d / "run"}"\n[target]\nmodel = "{model}"\nmax_length = 256\n'
+        f"[prep]\nshard_rows = 8\nbatch_rows = 8\ncheck_rows = 8\nreject_threshold = 0.5\n"
+        f"[bench]\nholdout = 0.2\n"
+        f'[[datasets]]\nname = "kimi"\nsource = "kimik2-5-2000x"\nkind = "target-native"\n'
+        f'quota = 24\npath = "{fixture}"\n'
+    )
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.stages.prep",
+            "--plan",
+            str(prep_plan),
+            "--dataset",
+            "kimi",
+            "--out",
+            str(d / "tok"),
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     off = write_plan(d / "offline.toml", model, online=False)
     run("pipeline.stages.vocab", off, d / "voc", [d / "tok"])
@@ -95,7 +143,12 @@ def losses(out: Path) -> dict[int, float]:
 def online_ext(base) -> Path:
     """The online-mode extraction: the row list only."""
     d = base["dir"]
-    run("pipeline.stages.extract", write_plan(d / "online.toml", base["model"], online=True), d / "ext-on", [base["tok"]])
+    run(
+        "pipeline.stages.extract",
+        write_plan(d / "online.toml", base["model"], online=True),
+        d / "ext-on",
+        [base["tok"]],
+    )
     return d / "ext-on"
 
 
@@ -159,8 +212,11 @@ def test_a_killed_online_tp_stage_resumes_at_the_right_row(base, online_run: Pat
     time.sleep(2)
     assert not leftovers(out)  # the agent and every rank are gone
     run("pipeline.stages.train", plan, out, [d / "ext-on", base["voc"]])
-    resumed = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
-               if '"resumed_from_checkpoint"' in line]
+    resumed = [
+        json.loads(line)
+        for line in (out / "events.jsonl").read_text().splitlines()
+        if '"resumed_from_checkpoint"' in line
+    ]
     assert resumed and resumed[-1]["step"] >= 2
     log, ref = steps_log(out), steps_log(online_run)
     assert [s["step"] for s in log] == list(range(1, TRAIN["steps"] + 1))
@@ -192,8 +248,11 @@ def leftovers(out: Path) -> list[int]:
 def test_a_rank_that_dies_takes_the_stage_down_by_name(base, online_ext: Path) -> None:
     d = base["dir"]
     plan = write_plan(d / "online.toml", base["model"], online=True)
-    plan.write_text(plan.read_text().replace("steps = 6", "steps = 400").replace("checkpoint_every = 2",
-                                                                                "checkpoint_every = 400"))
+    plan.write_text(
+        plan.read_text()
+        .replace("steps = 6", "steps = 400")
+        .replace("checkpoint_every = 2", "checkpoint_every = 400")
+    )
     out = d / "train-die"
     p = stage("pipeline.stages.train", plan, out, [d / "ext-on", base["voc"]])
     victim = None
@@ -207,8 +266,11 @@ def test_a_rank_that_dies_takes_the_stage_down_by_name(base, online_ext: Path) -
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     continue
-                if b"LOCAL_RANK=1" in environ and b"pipeline.stages.train" in cmd and \
-                        f"--out\0{out}".encode() in cmd:
+                if (
+                    b"LOCAL_RANK=1" in environ
+                    and b"pipeline.stages.train" in cmd
+                    and f"--out\0{out}".encode() in cmd
+                ):
                     victim = int(pid)
         time.sleep(0.2)
     assert victim, "rank 1 never started: " + (p.communicate()[0][-3000:] if p.poll() is not None else "")
@@ -217,7 +279,11 @@ def test_a_rank_that_dies_takes_the_stage_down_by_name(base, online_ext: Path) -
     text, _ = p.communicate(timeout=300)
     took = time.monotonic() - t0
     assert p.returncode != 0 and took < 120, (p.returncode, took)
-    msgs = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if '"rank_failed"' in line]
+    msgs = [
+        json.loads(line)
+        for line in (out / "events.jsonl").read_text().splitlines()
+        if '"rank_failed"' in line
+    ]
     assert msgs and msgs[-1]["level"] == "error"
     assert msgs[-1]["text"].startswith("rank 1 was killed by SIGKILL"), msgs[-1]["text"]
     assert "its last line:" in msgs[-1]["text"]
@@ -230,17 +296,32 @@ def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(base, online_
     others' collectives give up after AERIE_DIST_TIMEOUT_S and the stage fails naming a rank."""
     d = base["dir"]
     plan = write_plan(d / "online.toml", base["model"], online=True)
-    plan.write_text(plan.read_text().replace("steps = 6", "steps = 400").replace("checkpoint_every = 2",
-                                                                                "checkpoint_every = 400"))
+    plan.write_text(
+        plan.read_text()
+        .replace("steps = 6", "steps = 400")
+        .replace("checkpoint_every = 2", "checkpoint_every = 400")
+    )
     out = d / "train-hang"
-    p = stage("pipeline.stages.train", plan, out, [d / "ext-on", base["voc"]], env={**env(), "AERIE_DIST_TIMEOUT_S": "15"})
+    p = stage(
+        "pipeline.stages.train",
+        plan,
+        out,
+        [d / "ext-on", base["voc"]],
+        env={**env(), "AERIE_DIST_TIMEOUT_S": "15"},
+    )
     victim = None
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and victim is None and p.poll() is None:
         ev = out / "events.jsonl"
         if ev.is_file() and '"name":"loss"' in ev.read_text().replace(" ", ""):
-            victim = next((pid for pid in leftovers(out)
-                           if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")), None)
+            victim = next(
+                (
+                    pid
+                    for pid in leftovers(out)
+                    if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                ),
+                None,
+            )
         time.sleep(0.2)
     assert victim, "rank 1 never started: " + (p.communicate()[0][-3000:] if p.poll() is not None else "")
     t0 = time.monotonic()
@@ -251,7 +332,11 @@ def test_a_rank_that_hangs_makes_the_others_fail_after_the_timeout(base, online_
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGKILL)
     assert p.returncode != 0 and time.monotonic() - t0 < 240
-    msgs = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if '"rank_failed"' in line]
+    msgs = [
+        json.loads(line)
+        for line in (out / "events.jsonl").read_text().splitlines()
+        if '"rank_failed"' in line
+    ]
     assert msgs and msgs[-1]["text"].startswith("rank "), text[-3000:]
     time.sleep(2)
     assert not leftovers(out)

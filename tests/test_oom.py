@@ -41,8 +41,11 @@ class MemCgroup:
         name = f"aerie-oom-{uuid.uuid4().hex[:8]}"
         if (CG / "memory" / "cgroup.procs").is_file():  # v1 memory hierarchy
             self.v2, self.path = False, CG / "memory" / name
-        elif "memory" in (CG / "cgroup.controllers").read_text().split() if (CG / "cgroup.controllers").is_file() \
-                else False:
+        elif (
+            "memory" in (CG / "cgroup.controllers").read_text().split()
+            if (CG / "cgroup.controllers").is_file()
+            else False
+        ):
             self.v2, self.path = True, CG / name
         else:
             raise OSError("no memory cgroup controller here")
@@ -51,7 +54,9 @@ class MemCgroup:
 
     def set_limit(self, nbytes: int | None) -> None:
         f = "memory.max" if self.v2 else "memory.limit_in_bytes"
-        (self.path / f).write_text("max" if nbytes is None and self.v2 else str(-1 if nbytes is None else nbytes))
+        (self.path / f).write_text(
+            "max" if nbytes is None and self.v2 else str(-1 if nbytes is None else nbytes)
+        )
 
     def usage(self) -> int:
         return int((self.path / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
@@ -117,23 +122,38 @@ def losses_by_attempt(run, sid: str) -> dict[int, list[int]]:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_a_kernel_oom_kill_is_reported_and_the_retry_resumes_from_the_checkpoint(tmp_path_factory, tmp_path: Path,
-                                                                                  memcg: MemCgroup) -> None:
+def test_a_kernel_oom_kill_is_reported_and_the_retry_resumes_from_the_checkpoint(
+    tmp_path_factory, tmp_path: Path, memcg: MemCgroup
+) -> None:
     ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
     run = make_run(tmp_path, train_plan(ext, voc))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    sup = subprocess.Popen([sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", "0.1"], env=env,
-                           start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           preexec_fn=memcg.join)
+    sup = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", "0.1"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=memcg.join,
+    )
     hog = None
     try:
-        wait_for(lambda: any(e.get("code") == "checkpoint" for e in events(run, "train")), 600, "a checkpoint")
+        wait_for(
+            lambda: any(e.get("code") == "checkpoint" for e in events(run, "train")), 600, "a checkpoint"
+        )
         usage = memcg.usage()
         memcg.set_limit(usage + (48 << 20))
         # The hog grows 8 MiB at a time in the same cgroup; the biggest process there is the training stage.
-        hog = subprocess.Popen([sys.executable, "-c", "import time\nb = []\nfor _ in range(64):\n"
-                                " b.append(bytearray(8 << 20)); time.sleep(0.05)\ntime.sleep(120)"],
-                               preexec_fn=memcg.join, start_new_session=True)
+        hog = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import time\nb = []\nfor _ in range(64):\n"
+                " b.append(bytearray(8 << 20)); time.sleep(0.05)\ntime.sleep(120)",
+            ],
+            preexec_fn=memcg.join,
+            start_new_session=True,
+        )
         sd = run.stage("train")
         wait_for(lambda: (read_json(sd.exit) or {}).get("attempt") == 1, 120, "the OOM kill of attempt 1")
         hog.kill()
@@ -141,7 +161,9 @@ def test_a_kernel_oom_kill_is_reported_and_the_retry_resumes_from_the_checkpoint
         memcg.set_limit(None)  # before the retry's 3 s backoff ends
         first = read_json(sd.exit)
         assert first["signal"] == "SIGKILL" and first["returncode"] == -9, first
-        assert first["detail"].startswith("killed by signal 9 (SIGKILL): out of memory — the kernel's OOM killer")
+        assert first["detail"].startswith(
+            "killed by signal 9 (SIGKILL): out of memory — the kernel's OOM killer"
+        )
         assert f"cgroup {memcg.name}" in first["detail"], first["detail"]
         msgs = [e for e in events(run, "train", "message") if e.get("code") == "signal"]
         assert msgs and "OOM killer" in msgs[0].get("text")
@@ -178,17 +200,22 @@ for i in range(start, 30):
 """
 
 
-def test_a_sigkill_from_outside_is_reported_with_its_likely_cause_and_the_retry_resumes(tmp_path: Path) -> None:
+def test_a_sigkill_from_outside_is_reported_with_its_likely_cause_and_the_retry_resumes(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "counter.py").write_text(COUNTER)
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
 [run]
 name = "kill9"
 dir = "run"
 [[stage]]
 id = "count"
-command = "exec {sys.executable} {tmp_path / 'counter.py'}"
+command = "exec {sys.executable} {tmp_path / "counter.py"}"
 retry = {{ max_attempts = 2, backoff_s = 0.5 }}
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         sd = run.stage("count")
@@ -208,7 +235,9 @@ retry = {{ max_attempts = 2, backoff_s = 0.5 }}
     assert ("no OOM kill was recorded" in detail) == oom_counters
     assert "out of memory" in detail  # the likely cause is named either way
     log = (sd.out / "steps.log").read_text().splitlines()
-    assert log[0] == "attempt 1 from 0" and log[1].startswith("attempt 2 from ") and int(log[1].split()[-1]) >= 5
+    assert (
+        log[0] == "attempt 1 from 0" and log[1].startswith("attempt 2 from ") and int(log[1].split()[-1]) >= 5
+    )
     assert (read_json(sd.out / "ckpt.json") or {}).get("next") == 30
 
 
@@ -220,5 +249,6 @@ def test_describe_names_each_cause() -> None:
     assert "ran on this host" in describe(9, OomReading("/", None, 3), OomReading("/", None, 4), False)
     assert describe(9, a, a, True) == "killed by signal 9 (SIGKILL), sent by Aerie (kill)"
     assert describe(11, a, a, False) == "killed by signal 11 (SIGSEGV)"
-    assert "likely the kernel's OOM killer" in describe(9, OomReading(None, None, None),
-                                                        OomReading(None, None, None), False)
+    assert "likely the kernel's OOM killer" in describe(
+        9, OomReading(None, None, None), OomReading(None, None, None), False
+    )

@@ -42,7 +42,9 @@ def error(tmp_path: Path, stages: str, base: str = BASE) -> str:
 
 
 def test_for_each_expands_per_dataset_with_filter_and_globs(tmp_path: Path) -> None:
-    plan = load(tmp_path, """
+    plan = load(
+        tmp_path,
+        """
 [[stage]]
 id = "prep"
 command = "echo {dataset}"
@@ -58,7 +60,8 @@ id = "extract"
 command = "true"
 after = ["prep.*", "regen.*"]
 gpus = "all"
-""")
+""",
+    )
     ids = [s.id for s in plan.stages]
     assert ids == ["prep.chat", "prep.kimi", "regen.chat", "extract"]
     assert plan.stage("regen.chat").after == ("prep.chat",)
@@ -98,12 +101,17 @@ def test_a_run_dir_frozen_with_module_names_reattaches() -> None:
 
 
 def test_missing_dependency_is_named(tmp_path: Path) -> None:
-    msg = error(tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\n[[stage]]\nid = "b"\ncommand = "true"\nafter = ["prepp"]\n')
+    msg = error(
+        tmp_path,
+        '[[stage]]\nid = "a"\ncommand = "true"\n[[stage]]\nid = "b"\ncommand = "true"\nafter = ["prepp"]\n',
+    )
     assert "stage[1].after" in msg and "'prepp'" in msg
 
 
 def test_cycle_is_reported_with_its_path(tmp_path: Path) -> None:
-    msg = error(tmp_path, """
+    msg = error(
+        tmp_path,
+        """
 [[stage]]
 id = "a"
 command = "true"
@@ -116,17 +124,21 @@ after = ["a"]
 id = "c"
 command = "true"
 after = ["b"]
-""")
+""",
+    )
     assert "dependency cycle: a -> c -> b -> a" in msg
 
 
-@pytest.mark.parametrize(("snippet", "key"), [
-    ('[[stage]]\nid = "a"\ncommand = "true"\ncpu = "two"\n', "stage[0].cpu"),
-    ('[[stage]]\nid = "a"\ncommand = "true"\ngpus = [7]\n', "stage[0].gpus[0]"),
-    ('[[stage]]\nid = "a"\ncommand = "true"\nafterr = ["b"]\n', "stage[0].afterr"),
-    ('[[stage]]\nid = "a"\n', "stage[0]"),
-    ('[[stage]]\nid = "a"\ncommand = "true"\nuses = ["a"]\n', "stage[0].uses"),
-])
+@pytest.mark.parametrize(
+    ("snippet", "key"),
+    [
+        ('[[stage]]\nid = "a"\ncommand = "true"\ncpu = "two"\n', "stage[0].cpu"),
+        ('[[stage]]\nid = "a"\ncommand = "true"\ngpus = [7]\n', "stage[0].gpus[0]"),
+        ('[[stage]]\nid = "a"\ncommand = "true"\nafterr = ["b"]\n', "stage[0].afterr"),
+        ('[[stage]]\nid = "a"\n', "stage[0]"),
+        ('[[stage]]\nid = "a"\ncommand = "true"\nuses = ["a"]\n', "stage[0].uses"),
+    ],
+)
 def test_bad_stage_fields_are_named(tmp_path: Path, snippet: str, key: str) -> None:
     assert f"{key}:" in error(tmp_path, snippet)
 
@@ -146,19 +158,32 @@ def test_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
 
 
 def test_uses_must_name_a_service(tmp_path: Path) -> None:
-    msg = error(tmp_path, '[[stage]]\nid = "srv"\ncommand = "true"\n[[stage]]\nid = "a"\ncommand = "true"\nuses = ["srv"]\n')
+    msg = error(
+        tmp_path,
+        '[[stage]]\nid = "srv"\ncommand = "true"\n[[stage]]\nid = "a"\ncommand = "true"\nuses = ["srv"]\n',
+    )
     assert "stage[1].uses" in msg and "not a service" in msg
 
 
 def test_plan_check_cli(tmp_path: Path) -> None:
-    good = write_plan(tmp_path, BASE + '[[stage]]\nid = "prep"\ncommand = "true"\nfor_each = "dataset"\n', "good.toml")
-    out = subprocess.run([sys.executable, "-m", "console.cli", "plan", "check", str(good)], capture_output=True,
-                         text=True, cwd=ROOT)
+    good = write_plan(
+        tmp_path, BASE + '[[stage]]\nid = "prep"\ncommand = "true"\nfor_each = "dataset"\n', "good.toml"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "console.cli", "plan", "check", str(good)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "prep.chat" in out.stdout and "prep.kimi" in out.stdout and "ok: 2 stages" in out.stdout
     bad = write_plan(tmp_path, BASE + '[[stage]]\nid = "a"\ncommand = "true"\nafter = ["zzz"]\n', "bad.toml")
-    out = subprocess.run([sys.executable, "-m", "console.cli", "plan", "check", str(bad)], capture_output=True,
-                         text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "console.cli", "plan", "check", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
     assert "bad.toml" in out.stderr and "stage[0].after" in out.stderr
 
@@ -179,7 +204,8 @@ def test_reference_plan_settings_pass_each_stages_own_checks() -> None:
     assert len([s for s in plan.stages if s.family == "prep"]) == 10
     assert sum(d.quota for d in plan.datasets) == 100_000
     assert {s.id for s in plan.stages if s.family == "regen"} == {
-        f"regen.{d.name}" for d in plan.datasets if d.kind == "prompt-only"}
+        f"regen.{d.name}" for d in plan.datasets if d.kind == "prompt-only"
+    }
     assert "serve" in plan.stage("extract").after  # the GPUs are free of the server before extraction
     for ds in plan.datasets:
         PrepSettings.from_plan(plan, ds)

@@ -29,30 +29,108 @@ VALID: dict[str, Any] = {
     "resources": {"cpu_slots": 4, "gpus": [0, 1]},
     "target": {"model": "builtin:smollm2-135m-instruct", "max_length": 512},
     "datasets": [
-        {"name": "chat", "source": "ultrachat", "kind": "prompt-only", "quota": 10, "path": "data/chat.jsonl"},
+        {
+            "name": "chat",
+            "source": "ultrachat",
+            "kind": "prompt-only",
+            "quota": 10,
+            "path": "data/chat.jsonl",
+        },
         {"name": "kimi", "source": "kimi", "kind": "target-native", "quota": 5},
     ],
     "prep": {"shard_rows": 8},
     "stage": [
         {"id": "prep", "run": "prep", "for_each": "dataset"},
-        {"id": "regen", "command": "echo {dataset}", "for_each": "dataset", "when": {"kind": "prompt-only"},
-         "after": ["prep.{dataset}"], "env": {"A_B": "1"}, "retry": {"max_attempts": 3, "backoff_s": 1.5}},
+        {
+            "id": "regen",
+            "command": "echo {dataset}",
+            "for_each": "dataset",
+            "when": {"kind": "prompt-only"},
+            "after": ["prep.{dataset}"],
+            "env": {"A_B": "1"},
+            "retry": {"max_attempts": 3, "backoff_s": 1.5},
+        },
         {"id": "serve", "run": "serve", "service": True, "gpus": [0]},
-        {"id": "train", "run": "train", "after": ["prep.*", "regen.*"], "uses": ["serve"], "gpus": "all",
-         "cpu": 2, "output_bytes": 1000, "pause_grace_s": 5, "kill_grace_s": 2.5, "description": "d"},
+        {
+            "id": "train",
+            "run": "train",
+            "after": ["prep.*", "regen.*"],
+            "uses": ["serve"],
+            "gpus": "all",
+            "cpu": 2,
+            "output_bytes": 1000,
+            "pause_grace_s": 5,
+            "kill_grace_s": 2.5,
+            "description": "d",
+        },
     ],
 }
 
 _text = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | st.sampled_from(
-    ["", "../../etc/passwd", "a b", "x;rm -rf /", "$(touch pwned)", "`id`", "'\"", "é✓", "-oProxyCommand=sh",
-     "a\x00b", "a\nb", "prep.*", "prep", "serve", "train", "all", "dataset", "ssh", "local"])
-_scalar = (st.booleans() | st.integers() | st.integers(min_value=-(2**70), max_value=2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | _text)
-_value = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_text, inner, max_size=4),
-                      max_leaves=8)
-_extra_keys = st.sampled_from(["id", "run", "command", "after", "uses", "name", "path", "kind", "quota", "gpus",
-                               "cpu", "retry", "env", "when", "for_each", "service", "bogus", "dir", "host",
-                               "port", "options", "max_attempts", "backoff_s"]) | _text
+    [
+        "",
+        "../../etc/passwd",
+        "a b",
+        "x;rm -rf /",
+        "$(touch pwned)",
+        "`id`",
+        "'\"",
+        "é✓",
+        "-oProxyCommand=sh",
+        "a\x00b",
+        "a\nb",
+        "prep.*",
+        "prep",
+        "serve",
+        "train",
+        "all",
+        "dataset",
+        "ssh",
+        "local",
+    ]
+)
+_scalar = (
+    st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | _text
+)
+_value = st.recursive(
+    _scalar,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_text, inner, max_size=4),
+    max_leaves=8,
+)
+_extra_keys = (
+    st.sampled_from(
+        [
+            "id",
+            "run",
+            "command",
+            "after",
+            "uses",
+            "name",
+            "path",
+            "kind",
+            "quota",
+            "gpus",
+            "cpu",
+            "retry",
+            "env",
+            "when",
+            "for_each",
+            "service",
+            "bogus",
+            "dir",
+            "host",
+            "port",
+            "options",
+            "max_attempts",
+            "backoff_s",
+        ]
+    )
+    | _text
+)
 
 
 def _containers(obj: Any, here: tuple = ()) -> list[tuple]:
@@ -82,8 +160,9 @@ def damaged_plans(draw: st.DrawFn) -> dict[str, Any]:
             if isinstance(stages, list) and stages and all(isinstance(s, dict) for s in stages):
                 ids = [s.get("id") for s in stages if isinstance(s.get("id"), str)] or ["x"]
                 s = draw(st.sampled_from(stages))
-                s["after"] = draw(st.lists(st.sampled_from([*ids, *(i + ".*" for i in ids), "prep.chat"]),
-                                           max_size=3))
+                s["after"] = draw(
+                    st.lists(st.sampled_from([*ids, *(i + ".*" for i in ids), "prep.chat"]), max_size=3)
+                )
             continue
         if isinstance(target, dict):
             if op == "add" or not target:
@@ -140,9 +219,19 @@ def test_any_value_at_the_top_is_a_plan_error_or_a_plan(raw: Any) -> None:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode)
-       | st.sampled_from([b"[run]\ndir = 'r'\n" + b"[" * 5000, b"a = " + b"[" * 5000 + b"]" * 5000,
-                          b"\xff\xfe[run]", b"[run]\nname = 1\n", b"[[stage]]\nid = \"x\"\nrun = \"prep\"\n"]))
+@given(
+    st.binary(max_size=200)
+    | st.text(max_size=200).map(str.encode)
+    | st.sampled_from(
+        [
+            b"[run]\ndir = 'r'\n" + b"[" * 5000,
+            b"a = " + b"[" * 5000 + b"]" * 5000,
+            b"\xff\xfe[run]",
+            b"[run]\nname = 1\n",
+            b'[[stage]]\nid = "x"\nrun = "prep"\n',
+        ]
+    )
+)
 def test_any_file_content_is_a_plan_error_or_a_plan(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "plan.toml"
     path.write_bytes(content)
@@ -154,8 +243,12 @@ def test_any_file_content_is_a_plan_error_or_a_plan(tmp_path: Path, content: byt
 
 
 def test_a_long_dependency_chain_is_ordered_without_recursion() -> None:
-    raw = {"run": {"dir": "r"}, "stage": [{"id": f"s{i}", "command": "true", "after": [f"s{i - 1}"] if i else []}
-                                          for i in range(3000)]}
+    raw = {
+        "run": {"dir": "r"},
+        "stage": [
+            {"id": f"s{i}", "command": "true", "after": [f"s{i - 1}"] if i else []} for i in range(3000)
+        ],
+    }
     plan = plan_mod.from_dict(raw, PLAN_PATH)
     assert plan.order()[-1] == "s2999"
     raw["stage"][0]["after"] = ["s2999"]

@@ -101,21 +101,58 @@ class KillGroup:
 
 
 def plan_text() -> str:
-    sections = {**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": STEPS, "batch_size": BATCH,
-                                             "checkpoint_every": 4}}
-    body = ['[run]', 'name = "powercut"', 'dir = "run"', "[target]", f'model = "{MODEL}"', "max_length = 256",
-            "[prep]", "shard_rows = 6", "batch_rows = 6", "reject_threshold = 0.5"]
+    sections = {
+        **TEST_SECTIONS,
+        "train": {**TEST_SECTIONS["train"], "steps": STEPS, "batch_size": BATCH, "checkpoint_every": 4},
+    }
+    body = [
+        "[run]",
+        'name = "powercut"',
+        'dir = "run"',
+        "[target]",
+        f'model = "{MODEL}"',
+        "max_length = 256",
+        "[prep]",
+        "shard_rows = 6",
+        "batch_rows = 6",
+        "reject_threshold = 0.5",
+    ]
     for name, table in sections.items():
         body.append(f"[{name}]")
         body += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
     for ds in ("kimik2-5-2000x", "deepswe-kimi-k2"):
-        body += ["[[datasets]]", f'name = "{ds}"', f'source = "{ds}"', 'kind = "target-native"', "quota = 24",
-                 f'path = "{FIXTURES / (ds + ".jsonl")}"']
+        body += [
+            "[[datasets]]",
+            f'name = "{ds}"',
+            f'source = "{ds}"',
+            'kind = "target-native"',
+            "quota = 24",
+            f'path = "{FIXTURES / (ds + ".jsonl")}"',
+        ]
     retry = "retry = { max_attempts = 1000, backoff_s = 0 }"
-    body += ["[[stage]]", 'id = "prep"', 'run = "prep"', 'for_each = "dataset"', retry,
-             "[[stage]]", 'id = "extract"', 'run = "extract"', 'after = ["prep.*"]', retry,
-             "[[stage]]", 'id = "vocab"', 'run = "vocab"', 'after = ["prep.*"]', retry,
-             "[[stage]]", 'id = "train"', 'run = "train"', 'after = ["extract", "vocab"]', "cpu = 2", retry]
+    body += [
+        "[[stage]]",
+        'id = "prep"',
+        'run = "prep"',
+        'for_each = "dataset"',
+        retry,
+        "[[stage]]",
+        'id = "extract"',
+        'run = "extract"',
+        'after = ["prep.*"]',
+        retry,
+        "[[stage]]",
+        'id = "vocab"',
+        'run = "vocab"',
+        'after = ["prep.*"]',
+        retry,
+        "[[stage]]",
+        'id = "train"',
+        'run = "train"',
+        'after = ["extract", "vocab"]',
+        "cpu = 2",
+        retry,
+    ]
     return "\n".join(body) + "\n"
 
 
@@ -134,9 +171,14 @@ def check_files_whole(root: Path) -> None:
 
 def start(run: RunDir, kg: KillGroup) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", "0.2"],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=kg.join)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", "0.2"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=kg.join,
+    )
 
 
 def effective_steps(evs: list) -> list[int]:
@@ -194,8 +236,11 @@ def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> N
         # and longer ones (a stage gets somewhere). Then, however fast or slow this machine runs the plan,
         # cuts aimed at training: wait until it runs (and, for the last, until it has written a checkpoint)
         # and cut at a random moment within the next second; bounded at 3x the wanted number.
-        while ((cuts < cuts_wanted or where["train"] < 3 or where["train after a checkpoint"] < 1)
-               and cuts < 3 * cuts_wanted and time.monotonic() < deadline):
+        while (
+            (cuts < cuts_wanted or where["train"] < 3 or where["train after a checkpoint"] < 1)
+            and cuts < 3 * cuts_wanted
+            and time.monotonic() < deadline
+        ):
             if cuts < cuts_wanted:
                 time.sleep(rng.uniform(0.2, 3) if rng.random() < 0.5 else rng.uniform(3, 8))
             else:
@@ -216,14 +261,18 @@ def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> N
             sup = start(run, kg)
         assert cuts >= cuts_wanted, f"the run finished after {cuts} cuts (seed {seed}); wanted {cuts_wanted}"
         assert where["train"] >= 3, f"training was cut only {where['train']} times (seed {seed})"
-        assert where["train after a checkpoint"] >= 1, f"training was never cut after a checkpoint (seed {seed})"
+        assert where["train after a checkpoint"] >= 1, (
+            f"training was never cut after a checkpoint (seed {seed})"
+        )
         final = wait_done(run, 1800)
         assert set(final.values()) == {"succeeded"}, (final, seed)
     finally:
         kg.remove()
     check_files_whole(run.root)
-    print(f"\npower cuts survived: {cuts} (seed {seed}); {killed} processes killed; stages running at the cuts: "
-          f"{dict(where)}")
+    print(
+        f"\npower cuts survived: {cuts} (seed {seed}); {killed} processes killed; stages running at the cuts: "
+        f"{dict(where)}"
+    )
 
     # prep: every recorded shard is intact and the manifest agrees
     prep_outs = []
@@ -249,16 +298,24 @@ def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> N
             off, ids = f.get_tensor("offsets").tolist(), f.get_tensor("input_ids").tolist()
         assert len(off) - 1 == s["rows"], (s, seed)
         stored.update(tuple(ids[a:b]) for a, b in zip(off, off[1:], strict=False))
-    expected = Counter(tuple(r.input_ids.tolist()) for r in iter_rows(prep_outs, man["holdout"], "train", None, 256)
-                       if r.num_tokens >= 2 and r.loss_mask.any())
+    expected = Counter(
+        tuple(r.input_ids.tolist())
+        for r in iter_rows(prep_outs, man["holdout"], "train", None, 256)
+        if r.num_tokens >= 2 and r.loss_mask.any()
+    )
     assert stored == expected and man["rows"] == sum(expected.values()), seed
     # train: every step applied exactly once; count the rows those steps read
     evs = read_all(run.stage("train").events)
     eff = effective_steps(evs)
     assert eff == list(range(1, STEPS + 1)), (eff, seed)
     store = HiddenStore(ext)
-    schedule = BatchSchedule(man["rows"], BATCH, TEST_SECTIONS["train"].get("seed", 0),
-                             [store.length(i) for i in range(len(store))], TrainSettings().length_grouping)
+    schedule = BatchSchedule(
+        man["rows"],
+        BATCH,
+        TEST_SECTIONS["train"].get("seed", 0),
+        [store.length(i) for i in range(len(store))],
+        TrainSettings().length_grouping,
+    )
     rows = Counter(i for step in eff for i in schedule.rows(step))
     clean = Counter(i for step in range(1, STEPS + 1) for i in schedule.rows(step))
     assert rows == clean and sum(rows.values()) == STEPS * BATCH
@@ -266,5 +323,7 @@ def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> N
     resumed = [e.get("step") for e in evs if e.get("code") == "resumed_from_checkpoint"]
     trained = sum(1 for e in evs if e.type == "metric" and e.get("name") == "loss")
     assert resumed, f"no attempt resumed from a checkpoint (seed {seed})"
-    print(f"train: {attempts} attempts, resumed from steps {resumed}, {trained} steps run in all, {STEPS} applied "
-          f"once each; {sum(rows.values())} rows read by the applied steps")
+    print(
+        f"train: {attempts} attempts, resumed from steps {resumed}, {trained} steps run in all, {STEPS} applied "
+        f"once each; {sum(rows.values())} rows read by the applied steps"
+    )

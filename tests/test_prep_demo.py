@@ -23,22 +23,38 @@ def toml_value(v: object) -> str:
 @pytest.mark.slow
 def test_the_demo_preps_all_ten_sources_under_the_supervisor(tmp_path: Path) -> None:
     demo = tomllib.loads(DEMO.read_text())
-    lines = ['[run]', 'name = "demo-prep"', '[executor]', 'kind = "local"', '[resources]',
-             f"cpu_slots = {demo['resources']['cpu_slots']}", "gpus = []", "[target]"]
+    lines = [
+        "[run]",
+        'name = "demo-prep"',
+        "[executor]",
+        'kind = "local"',
+        "[resources]",
+        f"cpu_slots = {demo['resources']['cpu_slots']}",
+        "gpus = []",
+        "[target]",
+    ]
     lines += [f"{k} = {toml_value(v)}" for k, v in demo["target"].items()]
     lines.append("[prep]")
     lines += [f"{k} = {toml_value(v)}" for k, v in demo["prep"].items()]
     for d in demo["datasets"]:
         lines.append("[[datasets]]")
-        lines += [f"{k} = {toml_value(str((DEMO.parent / v).resolve()) if k == 'path' else v)}" for k, v in d.items()]
+        lines += [
+            f"{k} = {toml_value(str((DEMO.parent / v).resolve()) if k == 'path' else v)}"
+            for k, v in d.items()
+        ]
     prep_stage = next(s for s in demo["stage"] if s["id"] == "prep")
     lines.append("[[stage]]")
     lines += [f"{k} = {toml_value(v)}" for k, v in prep_stage.items()]
     plan = tmp_path / "plan.toml"
     plan.write_text("\n".join(lines) + "\n")
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "pipeline.run.supervisor", "--create", str(plan), str(run)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.run.supervisor", "--create", str(plan), str(run)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     state = json.loads((run / "state.json").read_text())
     preps = {s["id"]: s for s in state["stages"] if s["family"] == "prep"}
@@ -54,5 +70,9 @@ def test_the_demo_preps_all_ten_sources_under_the_supervisor(tmp_path: Path) -> 
         evs = [decode(x) for x in (stage / "events.jsonl").read_text().splitlines()]
         last = [e for e in evs if e.type == "progress"][-1]
         assert (last.get("done"), last.get("total"), last.get("unit"), last.get("key")) == (
-            d["quota"], d["quota"], "rows", d["name"])
+            d["quota"],
+            d["quota"],
+            "rows",
+            d["name"],
+        )
         assert "Traceback" not in (stage / "stage.log").read_text()

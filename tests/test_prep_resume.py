@@ -24,12 +24,29 @@ def make_source(path: Path, n: int) -> None:
         for i in range(n):
             k = i - 45 if i % 50 == 7 and i > 45 else i  # an exact repeat of a row about a shard earlier
             msgs = [
-                {"role": "user", "content": f"Fix issue #{k}: the parser drops field {k % 13} when value is {k * 7}."},
-                {"role": "assistant", "content": f"Looking at parser.py for field {k % 13}.",
-                 "tool_calls": [{"id": f"c{k}", "type": "function",
-                                 "function": {"name": "execute_bash", "arguments": json.dumps({"command": f"grep -n f{k} parser.py"})}}]},
+                {
+                    "role": "user",
+                    "content": f"Fix issue #{k}: the parser drops field {k % 13} when value is {k * 7}.",
+                },
+                {
+                    "role": "assistant",
+                    "content": f"Looking at parser.py for field {k % 13}.",
+                    "tool_calls": [
+                        {
+                            "id": f"c{k}",
+                            "type": "function",
+                            "function": {
+                                "name": "execute_bash",
+                                "arguments": json.dumps({"command": f"grep -n f{k} parser.py"}),
+                            },
+                        }
+                    ],
+                },
                 {"role": "tool", "content": f"{k % 97}: def parse_{k}(value):", "tool_call_id": f"c{k}"},
-                {"role": "assistant", "content": f"Fixed: parse_{k} now keeps field {k % 13}. " + "Tests pass. " * (k % 9)},
+                {
+                    "role": "assistant",
+                    "content": f"Fixed: parse_{k} now keeps field {k % 13}. " + "Tests pass. " * (k % 9),
+                },
             ]
             if i % 37 == 20:
                 msgs[1]["role"] = "bot"
@@ -41,7 +58,7 @@ def write_plan(tmp: Path, source: Path, quota: int) -> Path:
     plan.write_text(f"""
 [run]
 name = "resume"
-dir = "{tmp / 'run'}"
+dir = "{tmp / "run"}"
 [target]
 model = "builtin:smollm2-135m-instruct"
 max_length = 256
@@ -75,8 +92,14 @@ def start(plan: Path, out: Path, run: Path | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "pipeline.stages.prep", "--plan", str(plan), "--dataset", "big"]
     if run is None:
         args += ["--out", str(out)]
-    return subprocess.Popen(args, cwd=ROOT, env=env_for(plan, out, run), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env_for(plan, out, run),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(cond, proc: subprocess.Popen, timeout: float = 120.0) -> None:  # noqa: ANN001

@@ -60,9 +60,19 @@ def assistant_texts(ct: ChatTokenizer, conv: list[dict]) -> list[str]:
 @pytest.fixture(scope="module")
 def chat_convs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
     tmp = tmp_path_factory.mktemp("c")
-    convs = fixture_convs("deepswe-kimi-k2", tmp) + fixture_convs("kimik2-5-2000x", tmp) + fixture_convs("ultrachat", tmp)
-    convs.append([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\n  leading space and newlines"},
-                  {"role": "user", "content": "and?"}, {"role": "assistant", "content": "a"}])
+    convs = (
+        fixture_convs("deepswe-kimi-k2", tmp)
+        + fixture_convs("kimik2-5-2000x", tmp)
+        + fixture_convs("ultrachat", tmp)
+    )
+    convs.append(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "\n\n  leading space and newlines"},
+            {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": "a"},
+        ]
+    )
     return convs
 
 
@@ -88,7 +98,9 @@ def test_loss_mask_covers_exactly_the_assistant_turns(ct: ChatTokenizer, hf_tok,
             # a token that straddles the header/content boundary (a leading newline) is counted in
             assert got == want or (got.endswith(want) and got[: -len(want)].isspace()), (got, want)
         # and nothing else: the unmasked tokens hold no assistant text
-        rest = hf_tok.decode([t for t, m in zip(enc.input_ids.tolist(), enc.loss_mask.tolist(), strict=True) if not m])
+        rest = hf_tok.decode(
+            [t for t, m in zip(enc.input_ids.tolist(), enc.loss_mask.tolist(), strict=True) if not m]
+        )
         for want in expected:
             assert want.strip() not in rest
         checked += 1
@@ -96,24 +108,40 @@ def test_loss_mask_covers_exactly_the_assistant_turns(ct: ChatTokenizer, hf_tok,
 
 
 def test_tool_calls_and_reasoning_are_folded_into_the_masked_text(ct: ChatTokenizer, hf_tok) -> None:  # noqa: ANN001
-    conv = [{"role": "user", "content": "list files"},
-            {"role": "assistant", "content": "", "reasoning": "use ls",
-             "tool_calls": [{"name": "bash", "arguments": '{"cmd": "ls"}'}]},
-            {"role": "tool", "content": "a.py", "tool_call_id": "c1"},
-            {"role": "assistant", "content": "There is a.py."}]
+    conv = [
+        {"role": "user", "content": "list files"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "use ls",
+            "tool_calls": [{"name": "bash", "arguments": '{"cmd": "ls"}'}],
+        },
+        {"role": "tool", "content": "a.py", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "There is a.py."},
+    ]
     (enc,) = ct.encode([conv])
     runs = [hf_tok.decode(r) for r in masked_runs(enc.input_ids, enc.loss_mask)]
-    assert runs == ['<think>\nuse ls\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'
-                    + EOT, "There is a.py." + EOT]
+    assert runs == [
+        '<think>\nuse ls\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'
+        + EOT,
+        "There is a.py." + EOT,
+    ]
 
 
 def test_truncation_keeps_the_first_max_length_tokens_of_the_whole_text(hf_tok) -> None:  # noqa: ANN001
     ct64 = ChatTokenizer(hf_tok, 64, tokenizer_id=MODEL)
     code = "\n".join(f"def f{i}(x):\n    return x * {i}  # {'word ' * (i % 7)}" for i in range(400))
-    convs = [[{"role": "user", "content": "write code " * k}, {"role": "assistant", "content": code}] for k in (1, 8, 90)]
-    sparse = ("y" + " " * 40 + "z\n") * 300  # ~7 characters per token: the first cut is too short and is retried
+    convs = [
+        [{"role": "user", "content": "write code " * k}, {"role": "assistant", "content": code}]
+        for k in (1, 8, 90)
+    ]
+    sparse = (
+        "y" + " " * 40 + "z\n"
+    ) * 300  # ~7 characters per token: the first cut is too short and is retried
     convs.append([{"role": "user", "content": "pad"}, {"role": "assistant", "content": sparse}])
-    convs.append([{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}])  # no safe cut
+    convs.append(
+        [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}]
+    )  # no safe cut
     for conv, enc in zip(convs, ct64.encode(convs), strict=True):
         full = hf_tok.apply_chat_template(ct64.template_messages(conv), tokenize=True, return_dict=False)
         assert enc.truncated and enc.num_tokens == 64
@@ -128,8 +156,14 @@ def test_special_tokens_inside_text_are_refused_naming_the_source_field(ct: Chat
     (err,) = ct.encode([conv])
     assert isinstance(err, ConversationError)
     assert err.field == "response" and "<|im_end|>" in err.reason
-    call = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
-             "tool_calls": [{"name": "bash", "arguments": {"cmd": "echo '<|im_start|>'"}}]}]
+    call = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"name": "bash", "arguments": {"cmd": "echo '<|im_start|>'"}}],
+        },
+    ]
     (err,) = ct.encode([call])
     assert isinstance(err, ConversationError) and err.field == "messages[1].tool_calls[0]"
 
@@ -168,11 +202,18 @@ def test_a_template_that_refuses_a_prefix_gives_a_row_error_not_a_crash(hf_tok) 
     strict.chat_template = hf_tok.chat_template.replace(
         "{% for message in messages %}",
         "{% if add_generation_prompt and messages|length > 1 %}{{ raise_exception('no prefixes') }}{% endif %}"
-        "{% for message in messages %}")
+        "{% for message in messages %}",
+    )
     ct = ChatTokenizer(strict, 128, tokenizer_id="strict")
-    convs = [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-              {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]]
+    convs = [
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+        ],
+    ]
     ok, bad = ct.encode(convs)
     assert ok.target_tokens > 0
     assert isinstance(bad, ConversationError) and "chat template failed on a prefix" in bad.reason

@@ -57,23 +57,29 @@ def test_response_log_names_a_corrupt_line(tmp_path):
 # ------------------------------------------------------------------------------ plan / inputs
 def plan_with(tmp_path: Path, regen: str) -> plan_mod.Plan:
     p = tmp_path / "plan.toml"
-    p.write_text(textwrap.dedent("""
+    p.write_text(
+        textwrap.dedent("""
         [run]
         dir = "run"
         [target]
         model = "builtin:smollm2-135m-instruct"
         [regen]
-    """) + textwrap.dedent(regen))
+    """)
+        + textwrap.dedent(regen)
+    )
     return plan_mod.load(p)
 
 
-@pytest.mark.parametrize("body,key,words", [
-    ("concurrency = 0", "regen.concurrency", "must be > 0"),
-    ('temperature = "hot"', "regen.temperature", "expected a number"),
-    ("max_token = 5", "regen.max_token", "unknown key"),
-    ("drop_truncated = 1", "regen.drop_truncated", "expected true or false"),
-    ("max_error_fraction = 2", "regen.max_error_fraction", "between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "body,key,words",
+    [
+        ("concurrency = 0", "regen.concurrency", "must be > 0"),
+        ('temperature = "hot"', "regen.temperature", "expected a number"),
+        ("max_token = 5", "regen.max_token", "unknown key"),
+        ("drop_truncated = 1", "regen.drop_truncated", "expected true or false"),
+        ("max_error_fraction = 2", "regen.max_error_fraction", "between 0 and 1"),
+    ],
+)
 def test_regen_plan_errors_name_the_key(tmp_path, body, key, words):
     with pytest.raises(PlanError) as ei:
         regen_settings(plan_with(tmp_path, body))
@@ -81,7 +87,7 @@ def test_regen_plan_errors_name_the_key(tmp_path, body, key, words):
 
 
 def test_regen_settings_defaults_and_sampling(tmp_path):
-    s = regen_settings(plan_with(tmp_path, 'temperature = 0.2\nmax_tokens = 32\nextra = {top_k = 20}'))
+    s = regen_settings(plan_with(tmp_path, "temperature = 0.2\nmax_tokens = 32\nextra = {top_k = 20}"))
     from pipeline.stages.regen.stage import sampling_body
 
     assert s["concurrency"] == 64
@@ -93,7 +99,11 @@ def test_read_prompts_errors_name_file_row_field(tmp_path):
     with pytest.raises(InputError, match=r"data-00000.parquet: row 2: id: duplicate id 'x'"):
         read_prompts(d)
     st = ShardStore(tmp_path / "q", {"stage": "test"})
-    rec = st.commit(0, prompt_table(["a"], [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]), {})
+    rec = st.commit(
+        0,
+        prompt_table(["a"], [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]),
+        {},
+    )
     st.write_manifest("prompts", [rec])
     with pytest.raises(InputError, match=r"row 0 \(id a\): messages: expected turns ending with a user turn"):
         read_prompts(tmp_path / "q")
@@ -101,9 +111,16 @@ def test_read_prompts_errors_name_file_row_field(tmp_path):
 
 
 def test_parse_reply_keeps_reasoning_finish_reason_and_tokens():
-    body = {"model": "m", "choices": [{"finish_reason": "stop", "message": {
-        "role": "assistant", "content": "4", "reasoning_content": "2+2 is 4"}}],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 3}}
+    body = {
+        "model": "m",
+        "choices": [
+            {
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "4", "reasoning_content": "2+2 is 4"},
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3},
+    }
     rec = parse_reply("r1", [{"role": "user", "content": "2+2?"}], body, "m")
     assert rec["messages"][-1] == {"role": "assistant", "content": "4", "reasoning": "2+2 is 4"}
     assert (rec["finish_reason"], rec["prompt_tokens"], rec["completion_tokens"]) == ("stop", 7, 3)
@@ -129,8 +146,18 @@ class Flaky:
         status = seq[min(n, len(seq) - 1)]
         assert body["model"] == "flaky-model" and body["max_tokens"] == 5
         if status == 200:
-            return web.json_response({"model": "flaky-model", "choices": [{"finish_reason": "stop", "message": {
-                "role": "assistant", "content": f"answer to {text}"}}], "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
+            return web.json_response(
+                {
+                    "model": "flaky-model",
+                    "choices": [
+                        {
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": f"answer to {text}"},
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+                }
+            )
         return web.json_response({"error": "scripted"}, status=status)
 
 
@@ -146,8 +173,14 @@ async def serve_app(flaky: Flaky, port: int = 0) -> tuple[web.AppRunner, int]:
 
 
 def cfg(port: int, **kw) -> ClientConfig:
-    base = {"concurrency": 4, "max_attempts": 3, "backoff_s": 0.01, "backoff_max_s": 0.05,
-            "request_timeout_s": 10, "sampling": {"max_tokens": 5}}
+    base = {
+        "concurrency": 4,
+        "max_attempts": 3,
+        "backoff_s": 0.01,
+        "backoff_max_s": 0.05,
+        "request_timeout_s": 10,
+        "sampling": {"max_tokens": 5},
+    }
     return ClientConfig(url=f"http://127.0.0.1:{port}", **{**base, **kw})
 
 
@@ -156,15 +189,23 @@ async def test_5xx_is_retried_and_4xx_is_not():
     runner, port = await serve_app(flaky)
     got, failed = {}, {}
     try:
-        r = Regenerator(cfg(port), lambda rec: got.__setitem__(rec["id"], rec),
-                        on_failure=lambda rid, why: failed.__setitem__(rid, why))
+        r = Regenerator(
+            cfg(port),
+            lambda rec: got.__setitem__(rec["id"], rec),
+            on_failure=lambda rid, why: failed.__setitem__(rid, why),
+        )
         prompts = [(t, [{"role": "user", "content": t}]) for t in ("q-ok", "q-503", "q-400", "q-dead")]
         stats = await r.run(prompts)
     finally:
         await runner.cleanup()
     assert set(got) == {"q-ok", "q-503"}
     assert got["q-503"]["messages"][-1]["content"] == "answer to q-503"
-    assert flaky.calls == {"q-ok": 1, "q-503": 3, "q-400": 1, "q-dead": 3}  # max_attempts 3, 400 never repeated
+    assert flaky.calls == {
+        "q-ok": 1,
+        "q-503": 3,
+        "q-400": 1,
+        "q-dead": 3,
+    }  # max_attempts 3, 400 never repeated
     assert failed["q-400"].startswith("HTTP 400") and "gave up after 3 attempts: HTTP 500" in failed["q-dead"]
     assert (stats.answered, stats.failed, stats.retries, stats.sent) == (2, 2, 4, 8)
 
@@ -182,8 +223,11 @@ async def test_outage_waits_without_using_attempts_and_reports_it():
     flaky = Flaky({})
     outages: list[tuple[bool, float]] = []
     got: list[str] = []
-    r = Regenerator(cfg(port, max_attempts=1, backoff_max_s=0.1), lambda rec: got.append(rec["id"]),
-                    on_outage=lambda start, detail, dur: outages.append((start, dur)))
+    r = Regenerator(
+        cfg(port, max_attempts=1, backoff_max_s=0.1),
+        lambda rec: got.append(rec["id"]),
+        on_outage=lambda start, detail, dur: outages.append((start, dur)),
+    )
     prompts = [(f"p{i}", [{"role": "user", "content": f"p{i}"}]) for i in range(6)]
     task = asyncio.create_task(r.run(prompts))
     await asyncio.sleep(0.5)  # nothing listens yet: connection refused, over and over
@@ -224,11 +268,18 @@ def test_prompts_that_fill_max_length_are_not_sent(tmp_path):
     assert fit == [short] and too_long[0][0] == "l" and too_long[0][1] >= 64
 
     st = ShardStore(tmp_path / "p", {"stage": "test"})
-    rec = st.commit(0, prompt_table(["a", "b", "c"], [[{"role": "user", "content": t}] for t in
-                                                      ("short question", "word " * 80, "word " * 90)]), {})
+    rec = st.commit(
+        0,
+        prompt_table(
+            ["a", "b", "c"],
+            [[{"role": "user", "content": t}] for t in ("short question", "word " * 80, "word " * 90)],
+        ),
+        {},
+    )
     st.write_manifest("prompts", [rec])
     plan = tmp_path / "plan.toml"
-    plan.write_text(textwrap.dedent("""
+    plan.write_text(
+        textwrap.dedent("""
         [run]
         dir = "run"
         [target]
@@ -241,12 +292,30 @@ def test_prompts_that_fill_max_length_are_not_sent(tmp_path):
         quota = 3
         [regen]
         outage_timeout_s = 5
-    """))
+    """)
+    )
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "pipeline.stages.regen", "--plan", str(plan), "--dataset", "toy",
-                        "--input", str(tmp_path / "p"), "--out", str(out), "--server-url",
-                        f"http://127.0.0.1:{free_port()}"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.stages.regen",
+            "--plan",
+            str(plan),
+            "--dataset",
+            "toy",
+            "--input",
+            str(tmp_path / "p"),
+            "--out",
+            str(out),
+            "--server-url",
+            f"http://127.0.0.1:{free_port()}",
+        ],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     evs = [json.loads(ln) for ln in (out / "events.jsonl").read_text().splitlines()]
     err = [e["text"] for e in evs if e["type"] == "message" and e.get("level") == "error"]
@@ -264,9 +333,15 @@ async def test_pause_holds_new_requests_and_is_acknowledged():
     acks: list[bool] = []
     got: list[str] = []
     try:
-        r = Regenerator(cfg(port, concurrency=2), lambda rec: got.append(rec["id"]),
-                        paused=lambda: state["paused"], on_pause=acks.append)
-        task = asyncio.create_task(r.run([(f"q{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(4)]))
+        r = Regenerator(
+            cfg(port, concurrency=2),
+            lambda rec: got.append(rec["id"]),
+            paused=lambda: state["paused"],
+            on_pause=acks.append,
+        )
+        task = asyncio.create_task(
+            r.run([(f"q{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(4)])
+        )
         await asyncio.sleep(0.8)
         assert acks == [True] and flaky.calls == {} and not got  # paused at a safe point: nothing sent
         state["paused"] = False
@@ -282,7 +357,9 @@ async def test_requests_are_spread_over_every_replica_of_the_server():
     (ra, pa), (rb, pb) = await serve_app(a), await serve_app(b)
     got = {}
     try:
-        r = Regenerator(cfg(pa, more_urls=(f"http://127.0.0.1:{pb}",)), lambda rec: got.__setitem__(rec["id"], rec))
+        r = Regenerator(
+            cfg(pa, more_urls=(f"http://127.0.0.1:{pb}",)), lambda rec: got.__setitem__(rec["id"], rec)
+        )
         await r.run([(f"p{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(10)])
     finally:
         await ra.cleanup()

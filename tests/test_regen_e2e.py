@@ -77,9 +77,23 @@ class Server:
 
     def __init__(self, plan: Path, out: Path) -> None:
         self.out = out
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.stages.serve", "--plan", str(plan), "--out", str(out),
-                                      "--stage", "serve"], env=env(), start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.stages.serve",
+                "--plan",
+                str(plan),
+                "--out",
+                str(out),
+                "--stage",
+                "serve",
+            ],
+            env=env(),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_for(self.ready_or_dead, 180, "the CPU server to be ready")
         assert self.proc.poll() is None, "the serve stage died during startup"
         self.endpoint = json.loads((out / "endpoint.json").read_text())
@@ -132,8 +146,12 @@ class CountingProxy:
         body = await req.read()
         if req.path.endswith("/chat/completions"):
             self.counts[json.loads(body)["messages"][-1]["content"]] += 1
-        async with self._session.request(req.method, self.upstream + req.path_qs, data=body,
-                                         headers={"Content-Type": req.headers.get("Content-Type", "")}) as r:
+        async with self._session.request(
+            req.method,
+            self.upstream + req.path_qs,
+            data=body,
+            headers={"Content-Type": req.headers.get("Content-Type", "")},
+        ) as r:
             return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
 
     def close(self) -> None:
@@ -167,10 +185,29 @@ def run_regen(tmp: Path, url: str, out: Path) -> subprocess.Popen:
     plan = tmp / "plan.toml"
     if not plan.exists():
         write_plan(tmp, PLAN.format(port=0, prompts=tmp / "prompts"))
-    return subprocess.Popen([sys.executable, "-m", "pipeline.stages.regen", "--plan", str(plan), "--dataset", "toy",
-                             "--input", str(tmp / "prompts"), "--out", str(out), "--server-url", url,
-                             "--stage", "regen.toy"], env=env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp / "regen.err", "ab"))  # noqa: SIM115
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.stages.regen",
+            "--plan",
+            str(plan),
+            "--dataset",
+            "toy",
+            "--input",
+            str(tmp / "prompts"),
+            "--out",
+            str(out),
+            "--server-url",
+            url,
+            "--stage",
+            "regen.toy",
+        ],
+        env=env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "regen.err", "ab"),
+    )  # noqa: SIM115
 
 
 def answered(out: Path) -> list[str]:
@@ -186,7 +223,12 @@ def messages(out: Path, code: str) -> list:
 
 def check_tokenized(out: Path, n: int) -> None:
     man = json.loads((out / "manifest.json").read_text())
-    assert man["kind"] == "tokenized" and man["rows"] == n and man["source"] == "local" and man["dataset"] == "toy"
+    assert (
+        man["kind"] == "tokenized"
+        and man["rows"] == n
+        and man["source"] == "local"
+        and man["dataset"] == "toy"
+    )
     assert (man["answers"], man["prompts"], man["rejects"], man["failed"], man["skipped"]) == (n, n, 0, 0, 0)
     assert man["regenerated_by"]["model"].endswith("smollm2-135m-instruct")
     assert man["regenerated_by"]["sampling"] == {"temperature": 0.0, "max_tokens": 8}
@@ -213,7 +255,9 @@ def test_regen_under_the_supervisor_end_to_end(tmp_path):
         st = wait_done(run, timeout=420)
     finally:
         stop(sup)
-    assert st == {"serve": "succeeded", "regen.toy": "succeeded"}, (run.stage("regen.toy").log.read_text()[-3000:])
+    assert st == {"serve": "succeeded", "regen.toy": "succeeded"}, run.stage("regen.toy").log.read_text()[
+        -3000:
+    ]
     serve_events = read_all(run.stage("serve").events)
     assert [e.get("state") for e in serve_events if e.type == "health"] == ["starting", "ready", "stopped"]
     regen_started = next(e.t for e in read_all(run.stage("regen.toy").events) if e.type == "started")
@@ -244,7 +288,9 @@ def test_sigterm_mid_run_then_retry_asks_each_record_once(tmp_path, cpu_server):
     finally:
         proxy.close()
     ids = answered(out)
-    assert sorted(ids) == [f"r{i:03d}" for i in range(n)] and len(ids) == len(set(ids))  # none lost, none twice
+    assert sorted(ids) == [f"r{i:03d}" for i in range(n)] and len(ids) == len(
+        set(ids)
+    )  # none lost, none twice
     assert proxy.counts == {prompt_text(i): 1 for i in range(n)}  # the server saw each prompt exactly once
     start2 = messages(out, "regen-start")[-1].get("text")
     assert f"{len(first)} already answered, {n - len(first)} to ask" in start2
@@ -271,7 +317,9 @@ def test_sigkill_mid_run_repeats_only_unanswered_records(tmp_path, cpu_server):
     twice = {t for t, c in proxy.counts.items() if c > 1}
     answered_texts = {prompt_text(int(r[1:])) for r in at_kill}
     assert not twice & answered_texts  # nothing answered before the kill was asked again
-    assert len(twice) <= 2 and max(proxy.counts.values()) <= 2  # at most the requests in flight (concurrency 2)
+    assert (
+        len(twice) <= 2 and max(proxy.counts.values()) <= 2
+    )  # at most the requests in flight (concurrency 2)
 
 
 def test_server_killed_mid_run_client_retries_and_reports_outage(tmp_path):

@@ -39,14 +39,30 @@ service = true
 """
 
 
-def start_serve(tmp: Path, port: int = 0, startup: float = 120, extra: str = "") -> tuple[subprocess.Popen, Path]:
+def start_serve(
+    tmp: Path, port: int = 0, startup: float = 120, extra: str = ""
+) -> tuple[subprocess.Popen, Path]:
     plan = write_plan(tmp, PLAN.format(port=port, startup=startup, extra=extra))
     out = tmp / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     # Its own session, as the launcher gives it: the supervisor signals that group.
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.stages.serve", "--plan", str(plan), "--out", str(out),
-                             "--stage", "serve"], env=env, start_new_session=True,
-                            stdout=open(tmp / "stage.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.stages.serve",
+            "--plan",
+            str(plan),
+            "--out",
+            str(out),
+            "--stage",
+            "serve",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=open(tmp / "stage.log", "wb"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
     return proc, out
 
 
@@ -78,7 +94,7 @@ def test_port_in_use_is_refused_before_launch(tmp_path):
 
 
 def test_bad_plan_names_the_key(tmp_path):
-    proc, out = start_serve(tmp_path, extra='dtype = 3')
+    proc, out = start_serve(tmp_path, extra="dtype = 3")
     assert proc.wait(timeout=60) == 2
     err = [m.get("text") for m in messages(out) if m.get("level") == "error"]
     assert err and "serve.dtype: expected a string, got 3" in err[0]
@@ -97,9 +113,16 @@ def test_health_tracker_transitions():
 
 def chat(url: str, text: str, max_tokens: int = 8) -> dict:
     models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=30).read())
-    body = json.dumps({"model": models["data"][0]["id"], "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": text}]}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": models["data"][0]["id"],
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": text}],
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     return json.loads(urllib.request.urlopen(req, timeout=120).read())
 
 
@@ -113,8 +136,11 @@ def test_local_server_ready_answers_and_stops_on_group_sigterm(tmp_path):
         assert ep["state"] == "ready" and ep["backend"] == "local" and ep["port"] > 0
         answer = chat(ep["url"], "Say hello.")
         assert answer["choices"][0]["message"]["content"].strip()
-        wait_for(lambda: any(e.get("name") == "requests" and e.get("value") >= 1 for e in evs(out, "metric")), 30,
-                 "the request to be counted from the server's access log")
+        wait_for(
+            lambda: any(e.get("name") == "requests" and e.get("value") >= 1 for e in evs(out, "metric")),
+            30,
+            "the request to be counted from the server's access log",
+        )
         server_pid = ep["pid"]
         assert server_pid in group_members(proc.pid)  # the server lives in the stage's group
         t0 = time.monotonic()

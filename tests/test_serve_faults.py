@@ -82,16 +82,26 @@ def start_serve(tmp: Path, port: int, *extra: str, netns: str | None = None) -> 
     argv = [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port), *extra]
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "serve.err", "wb"),  # noqa: SIM115
-                            start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "serve.err", "wb"),  # noqa: SIM115
+        start_new_session=True,
+    )
 
 
-def ws_open(host: str, port: int, path: str = "/ws?width=100&height=30", cookie: str | None = None) -> socket.socket:
+def ws_open(
+    host: str, port: int, path: str = "/ws?width=100&height=30", cookie: str | None = None
+) -> socket.socket:
     """A raw websocket client: the HTTP upgrade by hand, then the socket is ours to abandon."""
     sock = socket.create_connection((host, port), timeout=10)
-    head = (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
-            + (f"Cookie: {cookie}\r\n" if cookie else "") + "\r\n")
+    head = (
+        f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        + (f"Cookie: {cookie}\r\n" if cookie else "")
+        + "\r\n"
+    )
     sock.sendall(head.encode())
     reply = b""
     while b"\r\n\r\n" not in reply:
@@ -110,15 +120,25 @@ def wait_listening(host: str, port: int, server: subprocess.Popen, netns: str | 
     def up() -> bool:
         assert server.poll() is None, "aerie serve exited early"
         if netns:
-            r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c",
-                                f"import socket; socket.create_connection(({host!r}, {port}), 1).close()"],
-                               capture_output=True)
+            r = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    netns,
+                    sys.executable,
+                    "-c",
+                    f"import socket; socket.create_connection(({host!r}, {port}), 1).close()",
+                ],
+                capture_output=True,
+            )
             return r.returncode == 0
         try:
             socket.create_connection((host, port), 1).close()
             return True
         except OSError:
             return False
+
     wait_for(up, 60, "aerie serve to listen")
 
 
@@ -135,10 +155,16 @@ def reap(server: subprocess.Popen, procs: dict[int, int]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("client_end", "server_sig"), [
-    ("held-open", signal.SIGTERM), ("reset", signal.SIGTERM), ("reset-then-wait", signal.SIGTERM),
-    ("closed", signal.SIGTERM), ("held-open", signal.SIGKILL),
-])
+@pytest.mark.parametrize(
+    ("client_end", "server_sig"),
+    [
+        ("held-open", signal.SIGTERM),
+        ("reset", signal.SIGTERM),
+        ("reset-then-wait", signal.SIGTERM),
+        ("closed", signal.SIGTERM),
+        ("held-open", signal.SIGKILL),
+    ],
+)
 def test_no_console_outlives_aerie_serve(tmp_path: Path, client_end: str, server_sig: signal.Signals) -> None:
     port = free_port()
     server = start_serve(tmp_path, port)
@@ -170,8 +196,10 @@ def test_no_console_outlives_aerie_serve(tmp_path: Path, client_end: str, server
             wait_for(lambda: not still_alive(procs), 15, "every process aerie serve started to end")
         except AssertionError:
             left = still_alive(procs)
-            raise AssertionError(f"left behind after {server_sig.name} to aerie serve ({client_end} client): "
-                                 f"pid -> ppid {left}") from None
+            raise AssertionError(
+                f"left behind after {server_sig.name} to aerie serve ({client_end} client): "
+                f"pid -> ppid {left}"
+            ) from None
         if client_end == "held-open":
             sock.close()
     finally:
@@ -183,14 +211,34 @@ def test_a_non_loopback_bind_is_refused_without_the_explicit_flag(tmp_path: Path
     run = finished_run(tmp_path / "r")
     env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
     for host in ("0.0.0.0", "::", "10.1.2.3"):
-        r = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(run.root), "--host", host],
-                           env=env, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "console.cli", "serve", str(run.root), "--host", host],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2, r.stderr
         assert "not a loopback address" in r.stderr and "--allow-remote" in r.stderr
     # the flag without any way to get a token is refused too (a token is always required off loopback)
-    r = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(run.root), "--host", "0.0.0.0",
-                        "--allow-remote", "--token-file", str(tmp_path / "missing")],
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "console.cli",
+            "serve",
+            str(run.root),
+            "--host",
+            "0.0.0.0",
+            "--allow-remote",
+            "--token-file",
+            str(tmp_path / "missing"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "token" in r.stderr
 
 
@@ -206,9 +254,13 @@ def netns() -> str:
     name = f"aerie-t{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
-                    ["ip", "addr", "add", "10.213.0.1/24", "dev", "v0"], ["ip", "link", "set", "v0", "up"],
-                    ["ip", "link", "set", "v1", "up"]):
+        for cmd in (
+            ["ip", "link", "set", "lo", "up"],
+            ["ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+            ["ip", "addr", "add", "10.213.0.1/24", "dev", "v0"],
+            ["ip", "link", "set", "v0", "up"],
+            ["ip", "link", "set", "v1", "up"],
+        ):
             subprocess.run(["ip", "netns", "exec", name, *cmd], check=True)
         yield name
     finally:
@@ -217,13 +269,19 @@ def netns() -> str:
 
 def _http(netns: str, url: str, cookie: str | None = None) -> tuple[int, str, str]:
     """GET ``url`` from inside the namespace: (status, Set-Cookie, body head)."""
-    code = ("import sys, urllib.request, urllib.error\n"
-            "req = urllib.request.Request(sys.argv[1], headers={'Cookie': sys.argv[2]} if sys.argv[2] else {})\n"
-            "try:\n    r = urllib.request.urlopen(req, timeout=10); st, h, b = r.status, r.headers, r.read()\n"
-            "except urllib.error.HTTPError as e:\n    st, h, b = e.code, e.headers, e.read()\n"
-            "print(st); print(h.get('Set-Cookie') or ''); print(b[:200].decode(errors='replace'))\n")
-    r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code, url, cookie or ""],
-                       capture_output=True, text=True, timeout=30)
+    code = (
+        "import sys, urllib.request, urllib.error\n"
+        "req = urllib.request.Request(sys.argv[1], headers={'Cookie': sys.argv[2]} if sys.argv[2] else {})\n"
+        "try:\n    r = urllib.request.urlopen(req, timeout=10); st, h, b = r.status, r.headers, r.read()\n"
+        "except urllib.error.HTTPError as e:\n    st, h, b = e.code, e.headers, e.read()\n"
+        "print(st); print(h.get('Set-Cookie') or ''); print(b[:200].decode(errors='replace'))\n"
+    )
+    r = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", code, url, cookie or ""],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
     status, set_cookie, body = (r.stdout.split("\n", 2) + ["", ""])[:3]
     return int(status), set_cookie, body
@@ -234,8 +292,9 @@ def test_allow_remote_requires_the_token(tmp_path: Path, netns: str) -> None:
     token_file.write_text("s3cret-token-for-the-test\n")
     token_file.chmod(0o600)
     port = 8123
-    server = start_serve(tmp_path, port, "--host", "10.213.0.1", "--allow-remote", "--token-file", str(token_file),
-                         netns=netns)
+    server = start_serve(
+        tmp_path, port, "--host", "10.213.0.1", "--allow-remote", "--token-file", str(token_file), netns=netns
+    )
     try:
         wait_listening("10.213.0.1", port, server, netns=netns)
         base = f"http://10.213.0.1:{port}"
@@ -246,7 +305,9 @@ def test_allow_remote_requires_the_token(tmp_path: Path, netns: str) -> None:
         status, set_cookie, body = _http(netns, f"{base}/?token=s3cret-token-for-the-test")
         assert status == 200 and "aerie_token=" in set_cookie and "HttpOnly" in set_cookie
         cookie = set_cookie.split(";", 1)[0]
-        assert _http(netns, f"{base}/", cookie=cookie)[0] == 200  # the browser's later requests carry the cookie
+        assert (
+            _http(netns, f"{base}/", cookie=cookie)[0] == 200
+        )  # the browser's later requests carry the cookie
         assert _http(netns, f"{base}/", cookie="aerie_token=nope")[0] == 401
     finally:
         reap(server, {})

@@ -38,16 +38,32 @@ def load(tmp_path: Path, extra: str) -> plan_mod.Plan:
 
 
 def test_plain_argv_from_plan(tmp_path):
-    plan = load(tmp_path, """
+    plan = load(
+        tmp_path,
+        """
         [serve]
         mem_fraction_static = 0.85
         port = 30000
         extra_args = ["--enable-metrics"]
-    """)
+    """,
+    )
     s = settings_from_plan(plan, gpus=plan.stage("serve").gpus)
     assert sglang_argv(s, python="python3") == [
-        "python3", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.5", "--tp", "8",
-        "--host", "127.0.0.1", "--port", "30000", "--mem-fraction-static", "0.85", "--context-length", "8192",
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/Kimi-K2.5",
+        "--tp",
+        "8",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30000",
+        "--mem-fraction-static",
+        "0.85",
+        "--context-length",
+        "8192",
         "--enable-metrics",
     ]
     argv, env = launch(s, "python3")
@@ -56,7 +72,9 @@ def test_plain_argv_from_plan(tmp_path):
 
 
 def test_eagle3_argv_from_plan(tmp_path):
-    plan = load(tmp_path, """
+    plan = load(
+        tmp_path,
+        """
         [serve]
         model = "/models/target"
         tp = 4
@@ -68,21 +86,46 @@ def test_eagle3_argv_from_plan(tmp_path):
         speculative_eagle_topk = 2
         speculative_num_draft_tokens = 8
         port = 30001
-    """)
+    """,
+    )
     s = settings_from_plan(plan, mode="eagle3", gpus=(0, 1, 2, 3))
     assert sglang_argv(s, python="py") == [
-        "py", "-m", "sglang.launch_server", "--model-path", "/models/target", "--tp", "4", "--host", "127.0.0.1",
-        "--port", "30001", "--mem-fraction-static", "0.7", "--context-length", "4096",
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/ckpt/epoch_3_step_9000",
-        "--speculative-num-steps", "5", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8",
+        "py",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/target",
+        "--tp",
+        "4",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30001",
+        "--mem-fraction-static",
+        "0.7",
+        "--context-length",
+        "4096",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        "/ckpt/epoch_3_step_9000",
+        "--speculative-num-steps",
+        "5",
+        "--speculative-eagle-topk",
+        "2",
+        "--speculative-num-draft-tokens",
+        "8",
     ]
 
 
 def test_eagle3_defaults_and_relative_draft_path(tmp_path):
-    plan = load(tmp_path, """
+    plan = load(
+        tmp_path,
+        """
         [deploy]
         draft_model_path = "ckpt/final"
-    """)
+    """,
+    )
     s = settings_from_plan(plan, mode="eagle3")
     argv = sglang_argv(s)
     assert argv[argv.index("--speculative-draft-model-path") + 1] == str(tmp_path / "ckpt" / "final")
@@ -92,16 +135,19 @@ def test_eagle3_defaults_and_relative_draft_path(tmp_path):
     assert argv[argv.index("--tp") + 1] == "1"  # no GPUs given: tp 1
 
 
-@pytest.mark.parametrize("extra,key,words", [
-    ('[serve]\nbackend = "vllm"', "serve.backend", "must be one of sglang, local"),
-    ('[serve]\nport = "30000"', "serve.port", "expected an integer port"),
-    ('[serve]\nport = 70000', "serve.port", "not a TCP port"),
-    ('[serve]\nmem_fraction_static = 1.5', "serve.mem_fraction_static", "between 0 and 1"),
-    ('[serve]\ntp = 16', "serve.tp", "needs 16 GPUs but the stage has 8"),
-    ('[serve]\nextra_args = ["--x", 3]', "serve.extra_args[1]", "expected a string"),
-    ('[serve]\nmem_frac = 0.8', "serve.mem_frac", "unknown key"),
-    ('[serve]\nstartup_timeout_s = 0', "serve.startup_timeout_s", "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "extra,key,words",
+    [
+        ('[serve]\nbackend = "vllm"', "serve.backend", "must be one of sglang, local"),
+        ('[serve]\nport = "30000"', "serve.port", "expected an integer port"),
+        ("[serve]\nport = 70000", "serve.port", "not a TCP port"),
+        ("[serve]\nmem_fraction_static = 1.5", "serve.mem_fraction_static", "between 0 and 1"),
+        ("[serve]\ntp = 16", "serve.tp", "needs 16 GPUs but the stage has 8"),
+        ('[serve]\nextra_args = ["--x", 3]', "serve.extra_args[1]", "expected a string"),
+        ("[serve]\nmem_frac = 0.8", "serve.mem_frac", "unknown key"),
+        ("[serve]\nstartup_timeout_s = 0", "serve.startup_timeout_s", "must be > 0"),
+    ],
+)
 def test_plan_errors_name_file_and_key(tmp_path, extra, key, words):
     plan = load(tmp_path, extra)
     with pytest.raises(PlanError) as ei:
@@ -120,8 +166,10 @@ def _sglang_parser():
     try:
         from sglang.srt.server_args import prepare_server_args
     except ImportError as exc:
-        pytest.skip(f"sglang is not importable here ({exc}); install it for this test with "
-                    "`pip install --no-deps -r .ci/sglang-parser-requirements.txt`")
+        pytest.skip(
+            f"sglang is not importable here ({exc}); install it for this test with "
+            "`pip install --no-deps -r .ci/sglang-parser-requirements.txt`"
+        )
     return prepare_server_args
 
 
@@ -133,7 +181,9 @@ def test_sglang_own_parser_accepts_our_argv(tmp_path):
 
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert f'"sglang=={sglang.__version__}"' in pyproject, "the tested sglang is not the gpu extra's pin"
-    plan = load(tmp_path, """
+    plan = load(
+        tmp_path,
+        """
         [serve]
         mem_fraction_static = 0.85
         served_model_name = "kimi"
@@ -143,7 +193,8 @@ def test_sglang_own_parser_accepts_our_argv(tmp_path):
         speculative_num_steps = 5
         speculative_eagle_topk = 1
         speculative_num_draft_tokens = 6
-    """)
+    """,
+    )
     for mode in ("plain", "eagle3"):
         s = settings_from_plan(plan, mode=mode, gpus=plan.stage("serve").gpus)
         argv = sglang_argv(s)
@@ -155,7 +206,11 @@ def test_sglang_own_parser_accepts_our_argv(tmp_path):
         if mode == "eagle3":
             assert a.speculative_algorithm == "EAGLE3"
             assert a.speculative_draft_model_path == "/ckpt/final"
-            assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (5, 1, 6)
+            assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (
+                5,
+                1,
+                6,
+            )
         else:
             assert a.speculative_algorithm is None
 
@@ -168,16 +223,32 @@ def test_sglang_own_parser_rejects_a_bad_argv():
 
 
 def test_local_backend_runs_transformers_serve_with_the_stage_cpu_slots_as_threads(tmp_path, monkeypatch):
-    plan = load(tmp_path, """
+    plan = load(
+        tmp_path,
+        """
         [serve]
         backend = "local"
         port = 8123
         model = "/models/dense"
-    """)
+    """,
+    )
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     argv, env = launch(settings_from_plan(plan, cpu=2), "py")
-    assert argv == ["py", "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1", "--port", "8123",
-                    "--device", "cpu", "--log-level", "info", "/models/dense"]
+    assert argv == [
+        "py",
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+        "--device",
+        "cpu",
+        "--log-level",
+        "info",
+        "/models/dense",
+    ]
     assert env["OMP_NUM_THREADS"] == "2" and env["HF_HUB_OFFLINE"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # an operator's own setting wins
     assert "OMP_NUM_THREADS" not in launch(settings_from_plan(plan, cpu=2), "py")[1]

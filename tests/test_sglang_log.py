@@ -29,8 +29,13 @@ def test_decode_lines_with_period_and_tp_prefix():
     assert all(r is not None and r.kind == "decode" for r in recs)
     first = recs[0]
     assert first.rank == "TP0" and first.stamp == "2025-02-27 04:46:39"
-    assert first.metrics() == {"running_req": 8.0, "kv_tokens": 62531.0, "token_usage": 0.12,
-                               "gen_throughput": 186.64, "queue_req": 0.0}
+    assert first.metrics() == {
+        "running_req": 8.0,
+        "kv_tokens": 62531.0,
+        "token_usage": 0.12,
+        "gen_throughput": 186.64,
+        "queue_req": 0.0,
+    }
     unprefixed = recs[-1]
     assert unprefixed.rank is None and unprefixed.metrics()["queue_req"] == 12279
 
@@ -109,10 +114,16 @@ def test_unknown_and_hostile_input_never_raises():
         parse_line("".join(s))  # must not raise
 
 
-@pytest.mark.parametrize("raw,key", [
-    ("#running-req", "running_req"), ("gen throughput (token/s)", "gen_throughput"),
-    (" token usage", "token_usage"), ("#new-seq", "new_seq"), ("cache hit rate", "cache_hit_rate"),
-])
+@pytest.mark.parametrize(
+    "raw,key",
+    [
+        ("#running-req", "running_req"),
+        ("gen throughput (token/s)", "gen_throughput"),
+        (" token usage", "token_usage"),
+        ("#new-seq", "new_seq"),
+        ("cache hit rate", "cache_hit_rate"),
+    ],
+)
 def test_normalise_key(raw, key):
     assert normalise_key(raw) == key
 
@@ -122,7 +133,9 @@ def test_server_stats_live_line():
     assert st.line() == "no server statistics yet"
     for ln in lines("eagle3_accept_len.log") + lines("comma_form_with_access.log"):
         st.update(parse_line(ln))
-    st.update(parse_line('INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 503 Service Unavailable'))
+    st.update(
+        parse_line('INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 503 Service Unavailable')
+    )
     st.update(parse_line('INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK'))  # not a generation request
     assert st.gen_throughput == 1635.11 and st.accept_len == 1.80
     assert st.running_req == 31 and st.queue_req == 0 and st.requests == 4 and st.errors == 1

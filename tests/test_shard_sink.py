@@ -34,26 +34,41 @@ def make_batches(seed: int = 0) -> list[list[dict]]:
     for _s in range(3):
         batches = []
         for _b in range(3):
-            lengths = sorted(torch.randint(2, 40, (int(torch.randint(1, 5, (1,), generator=g)),),
-                                           generator=g).tolist(), reverse=True)
+            lengths = sorted(
+                torch.randint(2, 40, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist(),
+                reverse=True,
+            )
             b, s = len(lengths), max(lengths)
-            batches.append({
-                "aux": torch.randn(b, s, A, generator=g), "last_hidden": torch.randn(b, s, H, generator=g),
-                "argmax": torch.randint(0, 50000, (b, s), generator=g), "lengths": lengths,
-                "input_ids": [torch.randint(0, 50000, (n,), generator=g).numpy().astype(np.int32) for n in lengths],
-                "loss_mask": [torch.randint(0, 2, (n,), generator=g).numpy().astype(np.int8) for n in lengths],
-            })
+            batches.append(
+                {
+                    "aux": torch.randn(b, s, A, generator=g),
+                    "last_hidden": torch.randn(b, s, H, generator=g),
+                    "argmax": torch.randint(0, 50000, (b, s), generator=g),
+                    "lengths": lengths,
+                    "input_ids": [
+                        torch.randint(0, 50000, (n,), generator=g).numpy().astype(np.int32) for n in lengths
+                    ],
+                    "loss_mask": [
+                        torch.randint(0, 2, (n,), generator=g).numpy().astype(np.int8) for n in lengths
+                    ],
+                }
+            )
         shards.append(batches)
     return shards
 
 
 def reference_rows(batch: dict) -> list[dict]:
     """The rows as the stage built them before the writer thread: one host copy per row."""
-    return [{"aux": batch["aux"][i, :n].to("cpu", torch.bfloat16),
-             "last_hidden": batch["last_hidden"][i, :n].to("cpu", torch.bfloat16),
-             "target_argmax": batch["argmax"][i, :n].to("cpu", torch.int32),
-             "input_ids": torch.from_numpy(batch["input_ids"][i]), "loss_mask": torch.from_numpy(batch["loss_mask"][i])}
-            for i, n in enumerate(batch["lengths"])]
+    return [
+        {
+            "aux": batch["aux"][i, :n].to("cpu", torch.bfloat16),
+            "last_hidden": batch["last_hidden"][i, :n].to("cpu", torch.bfloat16),
+            "target_argmax": batch["argmax"][i, :n].to("cpu", torch.int32),
+            "input_ids": torch.from_numpy(batch["input_ids"][i]),
+            "loss_mask": torch.from_numpy(batch["loss_mask"][i]),
+        }
+        for i, n in enumerate(batch["lengths"])
+    ]
 
 
 def ids_of(si: int, shard: list[dict]) -> list[str]:
@@ -63,11 +78,14 @@ def ids_of(si: int, shard: list[dict]) -> list[str]:
 def write_reference(out: Path, shards: list[list[dict]]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for si, shard in enumerate(shards):
-        hs.write_shard(out / hs.shard_name(si), [r for b in shard for r in reference_rows(b)], ids_of(si, shard))
+        hs.write_shard(
+            out / hs.shard_name(si), [r for b in shard for r in reference_rows(b)], ids_of(si, shard)
+        )
 
 
-def write_with_sink(out: Path, shards: list[list[dict]], queue_batches: int, io_threads: int = 2,
-                    first: int = 0) -> list[ss.WrittenShard]:
+def write_with_sink(
+    out: Path, shards: list[list[dict]], queue_batches: int, io_threads: int = 2, first: int = 0
+) -> list[ss.WrittenShard]:
     out.mkdir(parents=True, exist_ok=True)
     stager = ss.HostStager("cpu")
     written: list[ss.WrittenShard] = []
@@ -75,8 +93,16 @@ def write_with_sink(out: Path, shards: list[list[dict]], queue_batches: int, io_
         for si, shard in enumerate(shards[first:], start=first):
             sink.begin(si, hs.shard_name(si), ids_of(si, shard), [n for b in shard for n in b["lengths"]])
             for b in shard:
-                sink.put(stager.stage(b["aux"], b["last_hidden"], b["argmax"], b["lengths"],
-                                      np.concatenate(b["input_ids"]), np.concatenate(b["loss_mask"])))
+                sink.put(
+                    stager.stage(
+                        b["aux"],
+                        b["last_hidden"],
+                        b["argmax"],
+                        b["lengths"],
+                        np.concatenate(b["input_ids"]),
+                        np.concatenate(b["loss_mask"]),
+                    )
+                )
                 written += sink.completed()
             sink.end()
         written += sink.close()
@@ -88,18 +114,33 @@ def tensor_digests(path: Path) -> dict:
         out: dict = {"__metadata__": f.metadata()}
         for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
             t = f.get_tensor(k)
-            out[k] = (str(t.dtype), tuple(t.shape), hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest())
+            out[k] = (
+                str(t.dtype),
+                tuple(t.shape),
+                hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest(),
+            )
     return out
 
 
 def write_manifest(out: Path, written: list[ss.WrittenShard]) -> None:
-    (out / "manifest.json").write_text(json.dumps({
-        "kind": hs.KIND, "mode": "offline", "aux_layer_ids": [1, 2, 3],
-        "shards": [{"file": w.name, "rows": w.rows, "tokens": w.tokens, "bytes": w.bytes} for w in written]}))
+    (out / "manifest.json").write_text(
+        json.dumps(
+            {
+                "kind": hs.KIND,
+                "mode": "offline",
+                "aux_layer_ids": [1, 2, 3],
+                "shards": [
+                    {"file": w.name, "rows": w.rows, "tokens": w.tokens, "bytes": w.bytes} for w in written
+                ],
+            }
+        )
+    )
 
 
 @pytest.mark.parametrize("queue_batches", [2, 0], ids=["writer-thread", "synchronous"])
-def test_the_streamed_shards_hold_exactly_what_write_shard_writes(tmp_path: Path, monkeypatch, queue_batches: int) -> None:
+def test_the_streamed_shards_hold_exactly_what_write_shard_writes(
+    tmp_path: Path, monkeypatch, queue_batches: int
+) -> None:
     monkeypatch.setattr(ss, "_IO_CHUNK", 100)  # split even these small tensors over the I/O threads
     shards = make_batches()
     write_reference(tmp_path / "old", shards)
@@ -122,7 +163,9 @@ def test_the_streamed_shards_hold_exactly_what_write_shard_writes(tmp_path: Path
             assert torch.equal(getattr(got, name), ref[name].to(getattr(got, name).dtype)), (i, name)
 
 
-def test_a_shard_that_cannot_be_written_fails_naming_its_file_and_earlier_shards_stay_whole(tmp_path: Path) -> None:
+def test_a_shard_that_cannot_be_written_fails_naming_its_file_and_earlier_shards_stay_whole(
+    tmp_path: Path,
+) -> None:
     shards = make_batches(1)
     write_reference(tmp_path / "old", shards)
     out = tmp_path / "new"
@@ -134,14 +177,18 @@ def test_a_shard_that_cannot_be_written_fails_naming_its_file_and_earlier_shards
     assert not (out / hs.shard_name(1)).exists() and not (out / hs.shard_name(2)).exists()
 
 
-def test_a_full_disk_stays_recognisable_as_one_and_the_failed_shard_leaves_no_file(tmp_path: Path, monkeypatch) -> None:
+def test_a_full_disk_stays_recognisable_as_one_and_the_failed_shard_leaves_no_file(
+    tmp_path: Path, monkeypatch
+) -> None:
     shards = make_batches(2)
     real = os.pwrite
     calls = {"n": 0}
 
     def pwrite(fd: int, data: memoryview, offset: int) -> int:
         calls["n"] += 1
-        if calls["n"] > 25:  # into the second shard (17 writes a shard: header, offsets, 3 batches x 5 tensors)
+        if (
+            calls["n"] > 25
+        ):  # into the second shard (17 writes a shard: header, offsets, 3 batches x 5 tensors)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data, offset)
 
@@ -161,8 +208,16 @@ def test_a_shard_short_of_its_rows_is_never_renamed_into_place(tmp_path: Path) -
     shard = shards[0]
     sink.begin(0, hs.shard_name(0), ids_of(0, shard), [n for b in shard for n in b["lengths"]])
     b = shard[0]
-    sink.put(stager.stage(b["aux"], b["last_hidden"], b["argmax"], b["lengths"],
-                          np.concatenate(b["input_ids"]), np.concatenate(b["loss_mask"])))
+    sink.put(
+        stager.stage(
+            b["aux"],
+            b["last_hidden"],
+            b["argmax"],
+            b["lengths"],
+            np.concatenate(b["input_ids"]),
+            np.concatenate(b["loss_mask"]),
+        )
+    )
     sink.end()
     with pytest.raises(ss.ShardWriteError, match="tokens written of the"):
         sink.close()

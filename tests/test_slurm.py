@@ -53,8 +53,12 @@ time = 10
 
 def jobs_named(prefix: str) -> list[tuple[str, str, str]]:
     """(job id, name, state) of every job this cluster knows whose name starts with ``prefix``."""
-    out = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i|%j|%T"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["squeue", "--noheader", "--states=all", "--format=%i|%j|%T"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows = [tuple(line.split("|")) for line in out.splitlines() if line.strip()]
     return [r for r in rows if r[1].startswith(prefix)]  # type: ignore[misc]
 
@@ -65,7 +69,10 @@ def job_of(run: RunDir, sid: str) -> str:
 
 
 def test_dependent_stages_run_to_success_as_slurm_jobs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "make"
 command = "echo $SLURM_JOB_ID > $AERIE_OUT/job; echo 21 > $AERIE_OUT/n"
@@ -78,7 +85,8 @@ after = ["make"]
 id = "report"
 command = "echo $SLURM_JOB_ID > $AERIE_OUT/job; test $(cat ../../double/out/n) = 42"
 after = ["double"]
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         assert wait_done(run, 120) == {"make": "succeeded", "double": "succeeded", "report": "succeeded"}
@@ -94,32 +102,52 @@ after = ["double"]
         seen.add(rec["job_id"])
     assert len(seen) == 3
     # One squeue call answers for many jobs, and leaves out one Slurm does not know.
-    assert {j: i.state for j, i in slurm.states([*sorted(seen), "999999"]).items()} == dict.fromkeys(seen, "COMPLETED")
+    assert {j: i.state for j, i in slurm.states([*sorted(seen), "999999"]).items()} == dict.fromkeys(
+        seen, "COMPLETED"
+    )
     assert (run.stage("double").out / "n").read_text().strip() == "42"
     # `aerie status --json` names each stage's job.
-    out = subprocess.run([sys.executable, "-m", "console.cli", "status", str(run.root), "--json"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "console.cli", "status", str(run.root), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     jobs = {d["id"]: d.get("job") for d in map(json.loads, out.splitlines())}
-    assert jobs == {sid: read_json(run.stage(sid).slurm_job)["job_id"] for sid in ("make", "double", "report")}
+    assert jobs == {
+        sid: read_json(run.stage(sid).slurm_job)["job_id"] for sid in ("make", "double", "report")
+    }
     # The resources went to Slurm: 2 CPUs for "make".
-    out = subprocess.run(["scontrol", "show", "job", read_json(run.stage("make").slurm_job)["job_id"]],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "job", read_json(run.stage("make").slurm_job)["job_id"]],
+        capture_output=True,
+        text=True,
+    ).stdout
     assert "NumCPUs=2" in out
 
 
-def test_kill_is_scancel_and_spares_a_same_named_process_outside_slurm(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_kill_is_scancel_and_spares_a_same_named_process_outside_slurm(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
     bystander = subprocess.Popen(["sleep", "4321"], start_new_session=True)
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "long"
 command = "sleep 4321"
 kill_grace_s = 5
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         job = job_of(run, "long")
-        wait_for(lambda: slurm.query(job).state == "RUNNING" and read_json(run.stage("long").proc), 60,
-                 "the job running")
+        wait_for(
+            lambda: slurm.query(job).state == "RUNNING" and read_json(run.stage("long").proc),
+            60,
+            "the job running",
+        )
         launcher_pid = read_json(run.stage("long").proc)["pid"]
         r = ctl(run, "kill", "long")
         assert r.returncode == 0 and f"scancel sent to Slurm job {job}" in r.stdout
@@ -133,8 +161,13 @@ kill_grace_s = 5
         bystander.wait()
 
 
-def test_a_supervisor_sigkilled_mid_run_reattaches_without_resubmitting(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+def test_a_supervisor_sigkilled_mid_run_reattaches_without_resubmitting(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "slow"
 command = "sleep 6; echo finished > $AERIE_OUT/done"
@@ -142,7 +175,8 @@ command = "sleep 6; echo finished > $AERIE_OUT/done"
 id = "next"
 command = "true"
 after = ["slow"]
-""")
+""",
+    )
     sup = start_supervisor(run)
     job = job_of(run, "slow")
     wait_for(lambda: slurm.query(job).state == "RUNNING", 60, "the job running")
@@ -158,22 +192,31 @@ after = ["slow"]
 
 
 def test_a_supervisor_killed_between_sbatch_and_the_record_finds_the_job_by_name(
-        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "once"
 command = "echo ran >> $AERIE_OUT/runs"
-""")
+""",
+    )
     sd = run.stage("once")
     # What a supervisor leaves when it dies right after sbatch returned: the "submitting" record, a job.
     name = "aerie-once-1-feedfacecafe"
     write_json(sd.launch, {"attempt": 1, "t": time.time()})
-    write_json(sd.slurm_job, {"attempt": 1, "name": name, "token": "feedfacecafe", "state": "submitting",
-                              "t": time.time()})
+    write_json(
+        sd.slurm_job,
+        {"attempt": 1, "name": name, "token": "feedfacecafe", "state": "submitting", "t": time.time()},
+    )
     script = sd.path / "job-1.sh"
     script.write_text(batch_script(run, "once", 1, sys.executable))
     sd.out.mkdir(parents=True, exist_ok=True)
-    job = slurm.submit(script, name, "aerie:feedfacecafe", sd.log, sd.out, [f"--partition={cluster_mod.PARTITION}"])
+    job = slurm.submit(
+        script, name, "aerie:feedfacecafe", sd.log, sd.out, [f"--partition={cluster_mod.PARTITION}"]
+    )
     sup = start_supervisor(run)
     try:
         assert wait_done(run, 120) == {"once": "succeeded"}
@@ -185,8 +228,13 @@ command = "echo ran >> $AERIE_OUT/runs"
     assert (sd.out / "runs").read_text() == "ran\n"
 
 
-def test_a_job_slurm_rejects_fails_the_stage_with_slurms_message(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD.replace(f'partition = "{cluster_mod.PARTITION}"', 'partition = "nosuch"') + """
+def test_a_job_slurm_rejects_fails_the_stage_with_slurms_message(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    run = make_run(
+        tmp_path,
+        HEAD.replace(f'partition = "{cluster_mod.PARTITION}"', 'partition = "nosuch"')
+        + """
 [[stage]]
 id = "a"
 command = "true"
@@ -194,7 +242,8 @@ command = "true"
 id = "b"
 command = "true"
 after = ["a"]
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         assert wait_done(run, 60) == {"a": "failed", "b": "upstream-failed"}
@@ -206,30 +255,43 @@ after = ["a"]
 
 
 def test_a_job_cancelled_outside_aerie_shows_as_such(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "victim"
 command = "sleep 600"
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         job = job_of(run, "victim")
         wait_for(lambda: read_json(run.stage("victim").proc), 60, "the launcher started")
         subprocess.run(["scancel", job], check=True)
         wait_for(lambda: states(run).get("victim") == "failed", 60, "victim failed")
-        wait_for(lambda: "CANCELLED outside Aerie" in stage_state(run, "victim")["reason"], 30,
-                 "the reason naming the cancel")
+        wait_for(
+            lambda: "CANCELLED outside Aerie" in stage_state(run, "victim")["reason"],
+            30,
+            "the reason naming the cancel",
+        )
     finally:
         stop(sup)
 
 
-def test_pause_without_a_safe_point_suspends_the_job_and_resume_thaws_it(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+def test_pause_without_a_safe_point_suspends_the_job_and_resume_thaws_it(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "busy"
 command = "for i in $(seq 1 8); do sleep 1; done"
 pause_grace_s = 1
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         job = job_of(run, "busy")
@@ -246,17 +308,22 @@ pause_grace_s = 1
 
 
 def test_retry_is_a_new_job_for_the_next_attempt(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "flaky"
 command = "test -e $AERIE_OUT/second || { touch $AERIE_OUT/second; echo 'first try fails' >&2; exit 3; }"
 retry = { max_attempts = 2, backoff_s = 0.5 }
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         assert wait_done(run, 120) == {"flaky": "succeeded"}
     finally:
         stop(sup)
+
     # The stage is done once the launcher recorded its exit; Slurm closes the job a moment later.
     def ended() -> list | None:
         js = jobs_named("aerie-flaky-")
@@ -264,12 +331,19 @@ retry = { max_attempts = 2, backoff_s = 0.5 }
 
     jobs = wait_for(ended, 30, "both jobs ended in Slurm")
     assert len(jobs) == 2
-    assert [j[1].split("-")[2] for j in sorted(jobs, key=lambda j: int(j[0]))] == ["1", "2"]  # attempt 1, then 2
+    assert [j[1].split("-")[2] for j in sorted(jobs, key=lambda j: int(j[0]))] == [
+        "1",
+        "2",
+    ]  # attempt 1, then 2
 
 
 def test_a_service_with_replicas_runs_one_job_per_replica_and_all_are_stopped(
-        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "server"
 command = "hostname > $AERIE_OUT/node; sleep 600"
@@ -278,13 +352,18 @@ replicas = 2
 [[stage]]
 id = "work"
 command = "sleep 4"
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         jobs = [job_of(run, f"server.r{k}") for k in (1, 2)]
         wait_for(lambda: all(slurm.query(j).state == "RUNNING" for j in jobs), 60, "both server jobs running")
         # Once nobody needs them, the supervisor stops every replica (scancel), and they count as done.
-        assert wait_done(run, 120) == {"server.r1": "succeeded", "server.r2": "succeeded", "work": "succeeded"}
+        assert wait_done(run, 120) == {
+            "server.r1": "succeeded",
+            "server.r2": "succeeded",
+            "work": "succeeded",
+        }
     finally:
         stop(sup)
     assert len(set(jobs)) == 2 and all(slurm.query(j).state == "CANCELLED" for j in jobs)
@@ -292,7 +371,10 @@ command = "sleep 4"
 
 def test_a_pause_slurm_cannot_freeze_says_so(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """A job still queued cannot be suspended: the stage gets a clear "cannot freeze" message, and kill still works."""
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "hog"
 command = "sleep 600"
@@ -303,16 +385,31 @@ id = "waiter"
 command = "sleep 600"
 cpu = 4
 pause_grace_s = 1
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
         waiter = job_of(run, "waiter")
-        wait_for(lambda: slurm.query(waiter).state == "PENDING" and "queued" in stage_state(run, "waiter").get("reason", ""),
-                 60, "waiter queued behind hog")
+        wait_for(
+            lambda: (
+                slurm.query(waiter).state == "PENDING"
+                and "queued" in stage_state(run, "waiter").get("reason", "")
+            ),
+            60,
+            "waiter queued behind hog",
+        )
         assert ctl(run, "pause", "waiter").returncode == 0
-        msg = wait_for(lambda: next((e.get("text") for e in events(run, "waiter", "message")
-                                     if e.get("code") == "cannot_freeze"), None), 30, "the cannot-freeze message")
-        assert "cannot freeze this stage: Slurm refused to suspend its job" in msg and "pending" in msg.lower()
+        msg = wait_for(
+            lambda: next(
+                (e.get("text") for e in events(run, "waiter", "message") if e.get("code") == "cannot_freeze"),
+                None,
+            ),
+            30,
+            "the cannot-freeze message",
+        )
+        assert (
+            "cannot freeze this stage: Slurm refused to suspend its job" in msg and "pending" in msg.lower()
+        )
         for sid in ("waiter", "hog"):
             assert ctl(run, "kill", sid).returncode == 0
         assert wait_done(run, 60) == {"hog": "killed", "waiter": "killed"}
@@ -321,22 +418,38 @@ pause_grace_s = 1
 
 
 def test_a_job_preempted_by_slurm_shows_as_such(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "low"
 command = "sleep 600"
 nodes = 2
 cpu = 4
-""")
+""",
+    )
     sup = start_supervisor(run)
     urgent = None
     try:
         job = job_of(run, "low")
         wait_for(lambda: read_json(run.stage("low").proc), 60, "the launcher started")
         # Someone's job in a higher-priority partition needs every CPU: Slurm pre-empts ours.
-        urgent = subprocess.run(["sbatch", "--parsable", f"--partition={cluster_mod.URGENT}", "--nodes=2",
-                                 "--cpus-per-task=4", "--output=/dev/null", "--wrap", "sleep 1"], capture_output=True, text=True,
-                                check=True).stdout.strip()
+        urgent = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"--partition={cluster_mod.URGENT}",
+                "--nodes=2",
+                "--cpus-per-task=4",
+                "--output=/dev/null",
+                "--wrap",
+                "sleep 1",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         wait_for(lambda: states(run).get("low") == "failed", 90, "low failed")
         wait_for(lambda: "PREEMPTED" in stage_state(run, "low").get("reason", ""), 30, "the reason naming it")
         assert slurm.query(job).state == "PREEMPTED"
@@ -346,23 +459,31 @@ cpu = 4
             subprocess.run(["scancel", urgent], capture_output=True)
 
 
-def test_an_sbatch_that_gets_no_answer_is_never_submitted_twice(slurm_cluster: SlurmCluster, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_sbatch_that_gets_no_answer_is_never_submitted_twice(
+    slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """slurmctld frozen while the supervisor submits: sbatch times out, but the request may still be served
     once slurmctld wakes. The stage keeps its 'submitting' record and finds the job by name (or, if Slurm
     never created it, submits once more): exactly one job runs."""
     ctld = next(p for p in slurm_cluster._procs if Path(p.args[0]).name == "slurmctld")
     monkeypatch.setenv("AERIE_SLURM_TIMEOUT_S", "3")
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "frozen"
 command = "echo ran >> $AERIE_OUT/runs"
-""")
+""",
+    )
     ctld.send_signal(signal.SIGSTOP)  # a daemon this test's cluster started, by its pid
     try:
         sup = start_supervisor(run)
-        wait_for(lambda: run.supervisor_log.exists() and "did not answer" in run.supervisor_log.read_text(), 30,
-                 "sbatch timing out")
+        wait_for(
+            lambda: run.supervisor_log.exists() and "did not answer" in run.supervisor_log.read_text(),
+            30,
+            "sbatch timing out",
+        )
         assert (read_json(run.stage("frozen").slurm_job) or {}).get("state") == "submitting"
     finally:
         ctld.send_signal(signal.SIGCONT)

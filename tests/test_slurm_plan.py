@@ -37,7 +37,10 @@ def error(tmp_path: Path, body: str) -> str:
 
 
 def test_stage_resources_map_to_sbatch_options_with_stage_overrides(tmp_path: Path) -> None:
-    plan = load(tmp_path, BASE + """
+    plan = load(
+        tmp_path,
+        BASE
+        + """
 [[stage]]
 id = "train"
 command = "true"
@@ -48,7 +51,8 @@ slurm = { partition = "big", time = 600, extra = ["--exclusive"] }
 [[stage]]
 id = "prep"
 command = "true"
-""")
+""",
+    )
     train, prep = plan.stage("train"), plan.stage("prep")
     assert (train.nodes, len(train.gpus), train.cpu) == (2, 8, 16)
     opts = sbatch_options(plan.section("slurm"), train)
@@ -63,27 +67,46 @@ command = "true"
     assert (again.nodes, again.slurm) == (2, train.slurm)
 
 
-@pytest.mark.parametrize(("body", "key", "words"), [
-    ("[executor]\nkind = \"local\"\n[[stage]]\nid = \"a\"\ncommand = \"true\"\nnodes = 2\n",
-     "stage[0].nodes", "needs executor.kind = \"slurm\""),
-    ("[executor]\nkind = \"local\"\n[slurm]\npartition = \"x\"\n", "slurm", "needs executor.kind"),
-    ("[executor]\nkind = \"slurm\"\n[slurm]\npartiton = \"x\"\n", "slurm.partiton", "unknown key"),
-    ("[executor]\nkind = \"slurm\"\n[slurm]\npartition = \"a b\"\n", "slurm.partition", "not a valid"),
-    ("[executor]\nkind = \"slurm\"\n[slurm]\ntime = \"soon\"\n", "slurm.time", "not a Slurm time limit"),
-    ("[executor]\nkind = \"slurm\"\n[slurm]\nextra = [\"; rm -rf /\"]\n", "slurm.extra[0]", "sbatch long option"),
-    ("[executor]\nkind = \"slurm\"\n[[stage]]\nid = \"a\"\ncommand = \"true\"\nnodes = 0\n",
-     "stage[0].nodes", "out of range"),
-    ("[executor]\nkind = \"slurm\"\n[[stage]]\nid = \"a\"\ncommand = \"true\"\nslurm = { qos = \"-x\" }\n",
-     "stage[0].slurm.qos", "not a valid"),
-    ("[executor]\nkind = \"slurm\"\nhost = \"login1\"\n", "executor.remote_dir", "shared filesystem"),
-])
+@pytest.mark.parametrize(
+    ("body", "key", "words"),
+    [
+        (
+            '[executor]\nkind = "local"\n[[stage]]\nid = "a"\ncommand = "true"\nnodes = 2\n',
+            "stage[0].nodes",
+            'needs executor.kind = "slurm"',
+        ),
+        ('[executor]\nkind = "local"\n[slurm]\npartition = "x"\n', "slurm", "needs executor.kind"),
+        ('[executor]\nkind = "slurm"\n[slurm]\npartiton = "x"\n', "slurm.partiton", "unknown key"),
+        ('[executor]\nkind = "slurm"\n[slurm]\npartition = "a b"\n', "slurm.partition", "not a valid"),
+        ('[executor]\nkind = "slurm"\n[slurm]\ntime = "soon"\n', "slurm.time", "not a Slurm time limit"),
+        (
+            '[executor]\nkind = "slurm"\n[slurm]\nextra = ["; rm -rf /"]\n',
+            "slurm.extra[0]",
+            "sbatch long option",
+        ),
+        (
+            '[executor]\nkind = "slurm"\n[[stage]]\nid = "a"\ncommand = "true"\nnodes = 0\n',
+            "stage[0].nodes",
+            "out of range",
+        ),
+        (
+            '[executor]\nkind = "slurm"\n[[stage]]\nid = "a"\ncommand = "true"\nslurm = { qos = "-x" }\n',
+            "stage[0].slurm.qos",
+            "not a valid",
+        ),
+        ('[executor]\nkind = "slurm"\nhost = "login1"\n', "executor.remote_dir", "shared filesystem"),
+    ],
+)
 def test_mistakes_name_the_file_and_key(tmp_path: Path, body: str, key: str, words: str) -> None:
-    msg = error(tmp_path, "[run]\ndir = \"run\"\n" + body)
+    msg = error(tmp_path, '[run]\ndir = "run"\n' + body)
     assert str(tmp_path / "plan.toml") in msg and f": {key}: " in msg and words in msg
 
 
 def test_a_replicated_service_is_one_stage_per_server_job_and_uses_means_all(tmp_path: Path) -> None:
-    plan = load(tmp_path, BASE + """
+    plan = load(
+        tmp_path,
+        BASE
+        + """
 [[stage]]
 id = "serve"
 run = "serve"
@@ -98,11 +121,12 @@ uses = ["serve"]
 id = "extract"
 command = "true"
 after = ["regen", "serve"]
-""")
+""",
+    )
     assert [s.id for s in plan.stages if s.family == "serve"] == ["serve.r1", "serve.r2", "serve.r3"]
     assert plan.stage("regen").uses == ("serve.r1", "serve.r2", "serve.r3")
     assert plan.stage("extract").after == ("regen", "serve.r1", "serve.r2", "serve.r3")
-    msg = error(tmp_path, BASE + "[[stage]]\nid = \"s\"\ncommand = \"true\"\nreplicas = 2\n")
+    msg = error(tmp_path, BASE + '[[stage]]\nid = "s"\ncommand = "true"\nreplicas = 2\n')
     assert ": stage[0].replicas: " in msg and "needs a service stage" in msg
 
 
@@ -114,8 +138,11 @@ def test_a_server_listening_everywhere_under_slurm_advertises_its_node(tmp_path:
     from pipeline.serving.sglang_args import ServerSettings
     from pipeline.stages.serve.stage import ServeStage
 
-    stage = ServeStage(SimpleNamespace(out=tmp_path), ServerSettings(backend="local", model="m", host="0.0.0.0",
-                                                                     port=31234), 5.0)  # type: ignore[arg-type]
+    stage = ServeStage(
+        SimpleNamespace(out=tmp_path),
+        ServerSettings(backend="local", model="m", host="0.0.0.0", port=31234),
+        5.0,
+    )  # type: ignore[arg-type]
     monkeypatch.delenv("AERIE_EXECUTOR", raising=False)
     assert stage.advertised_url() == "http://0.0.0.0:31234"
     monkeypatch.setenv("AERIE_EXECUTOR", "slurm")

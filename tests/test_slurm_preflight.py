@@ -18,8 +18,13 @@ pytest_plugins = ["conftest_slurm"]
 
 
 def preflight(plan: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console.cli", "preflight", str(plan)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "console.cli", "preflight", str(plan)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def plan_text(partition: str, stage: str) -> str:

@@ -38,22 +38,30 @@ def forgotten_by_slurmctld(job: str) -> bool:
 
 
 def in_sacct(job: str, state: str) -> bool:
-    out = subprocess.run(["sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={job}",
-                          "--format=State"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={job}", "--format=State"],
+        capture_output=True,
+        text=True,
+    ).stdout
     return out.strip().startswith(state)
 
 
 def test_a_supervisor_finds_a_purged_job_by_name_and_its_exit_through_sacct(
-        slurm_accounting_cluster: SlurmCluster, tmp_path: Path) -> None:
+    slurm_accounting_cluster: SlurmCluster, tmp_path: Path
+) -> None:
     assert slurm.accounting()
-    run = make_run(tmp_path, HEAD + """
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "once"
 command = "echo ran >> $AERIE_OUT/runs"
 [[stage]]
 id = "bad"
 command = "exit 3"
-""")
+""",
+    )
     # Both attempts were submitted by a supervisor that died before recording the job ids; both jobs ended
     # and slurmctld forgot them before a new supervisor came.
     jobs = {}
@@ -61,18 +69,24 @@ command = "exit 3"
         sd = run.stage(sid)
         name = f"aerie-{sid}-1-0123456789ab"
         write_json(sd.launch, {"attempt": 1, "t": time.time()})
-        write_json(sd.slurm_job, {"attempt": 1, "name": name, "token": "0123456789ab", "state": "submitting",
-                                  "t": time.time()})
+        write_json(
+            sd.slurm_job,
+            {"attempt": 1, "name": name, "token": "0123456789ab", "state": "submitting", "t": time.time()},
+        )
         script = sd.path / "job-1.sh"
         script.write_text(batch_script(run, sid, 1, sys.executable))
         sd.out.mkdir(parents=True, exist_ok=True)
-        jobs[sid] = slurm.submit(script, name, "aerie:0123456789ab", sd.log, sd.out,
-                                 [f"--partition={cluster_mod.PARTITION}"])
+        jobs[sid] = slurm.submit(
+            script, name, "aerie:0123456789ab", sd.log, sd.out, [f"--partition={cluster_mod.PARTITION}"]
+        )
     sd_bad = run.stage("bad")
     for sid, job in jobs.items():
         wait_for(lambda job=job: forgotten_by_slurmctld(job), 150, f"slurmctld forgetting job {job}")
-        wait_for(lambda job=job, sid=sid: in_sacct(job, "COMPLETED" if sid == "once" else "FAILED"), 60,
-                 f"sacct recording job {job}")
+        wait_for(
+            lambda job=job, sid=sid: in_sacct(job, "COMPLETED" if sid == "once" else "FAILED"),
+            60,
+            f"sacct recording job {job}",
+        )
     # The launcher of "bad" recorded its exit; remove it, as if the node died before the shared filesystem
     # had it: the supervisor then has only Slurm's word for how the job ended.
     sd_bad.exit.unlink()
@@ -87,18 +101,29 @@ command = "exit 3"
     assert (run.stage("once").out / "runs").read_text() == "ran\n"  # submitted once, run once
     info = slurm.query(jobs["bad"])
     assert (info.state, info.exit_code) == ("FAILED", 3)
-    assert "Slurm job" in stage_state(run, "bad")["reason"] and "FAILED (exit 3)" in stage_state(run, "bad")["reason"]
+    assert (
+        "Slurm job" in stage_state(run, "bad")["reason"]
+        and "FAILED (exit 3)" in stage_state(run, "bad")["reason"]
+    )
 
 
-def test_a_job_cancelled_outside_aerie_says_so_from_sacct(slurm_accounting_cluster: SlurmCluster, tmp_path: Path) -> None:
-    run = make_run(tmp_path, HEAD + """
+def test_a_job_cancelled_outside_aerie_says_so_from_sacct(
+    slurm_accounting_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    run = make_run(
+        tmp_path,
+        HEAD
+        + """
 [[stage]]
 id = "victim"
 command = "sleep 600"
-""")
+""",
+    )
     sup = start_supervisor(run)
     try:
-        job = str(wait_for(lambda: (read_json(run.stage("victim").slurm_job) or {}).get("job_id"), 30, "job id"))
+        job = str(
+            wait_for(lambda: (read_json(run.stage("victim").slurm_job) or {}).get("job_id"), 30, "job id")
+        )
         wait_for(lambda: read_json(run.stage("victim").proc), 60, "the launcher started")
         subprocess.run(["scancel", job], check=True)
         wait_for(lambda: states(run).get("victim") == "failed", 60, "victim failed")

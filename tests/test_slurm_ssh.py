@@ -20,7 +20,9 @@ pytest_plugins = ["conftest_slurm"]
 pytestmark = pytest.mark.slow
 
 
-def test_a_slurm_plan_over_ssh_preflights_and_runs_as_jobs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_a_slurm_plan_over_ssh_preflights_and_runs_as_jobs(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
     why = sshd_available()
     if why:
         if os.environ.get("AERIE_REQUIRE_SSHD") == "1":

@@ -37,19 +37,31 @@ pytest_plugins = ["conftest_slurm"]
 pytestmark = pytest.mark.slow
 
 
-def test_two_node_torchrun_training_equals_one_process(slurm_cluster: SlurmCluster, tmp_path_factory, tmp_path) -> None:
+def test_two_node_torchrun_training_equals_one_process(
+    slurm_cluster: SlurmCluster, tmp_path_factory, tmp_path
+) -> None:
     ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
     train = {**TEST_SECTIONS["train"], "steps": 3, "checkpoint_every": 3}
     # One process, no Slurm: the reference.
     one = tmp_path / "one"
-    run_stage("pipeline.stages.train", write_plan(tmp_path / "plan1.toml", **{**TEST_SECTIONS, "train": {**train, "nproc": 1}}),
-              one, [ext, voc])
+    run_stage(
+        "pipeline.stages.train",
+        write_plan(tmp_path / "plan1.toml", **{**TEST_SECTIONS, "train": {**train, "nproc": 1}}),
+        one,
+        [ext, voc],
+    )
     # Two nodes x one rank, as a Slurm job run by the supervisor.
-    sections = {**TEST_SECTIONS, "train": {**train, "nproc": 2}, "executor": {"kind": "slurm"},
-                "slurm": {"partition": cluster_mod.PARTITION, "time": 10}}
+    sections = {
+        **TEST_SECTIONS,
+        "train": {**train, "nproc": 2},
+        "executor": {"kind": "slurm"},
+        "slurm": {"partition": cluster_mod.PARTITION, "time": 10},
+    }
     path = write_plan(tmp_path / "plan2.toml", **sections)
-    path.write_text(path.read_text() + "\n[[stage]]\nid = \"train\"\nrun = \"train\"\nnodes = 2\n"
-                    f"args = {json.dumps(['--input', str(ext), '--input', str(voc)])}\n")
+    path.write_text(
+        path.read_text() + '\n[[stage]]\nid = "train"\nrun = "train"\nnodes = 2\n'
+        f"args = {json.dumps(['--input', str(ext), '--input', str(voc)])}\n"
+    )
     run = create_run(plan_mod.load(path), tmp_path / "run")
     sup = start_supervisor(run)
     try:
@@ -85,18 +97,38 @@ def test_two_node_tensor_parallel_capture_equals_one_process(slurm_cluster: Slur
 
     model = build_tiny_kimi(tmp_path / "kimi")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
-    prep = subprocess.run([sys.executable, "-m", "pipeline.stages.prep", "--plan", str(_plan(tmp_path, model)),
-                           "--dataset", "kimi", "--out", str(tmp_path / "tok")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    prep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.stages.prep",
+            "--plan",
+            str(_plan(tmp_path, model)),
+            "--dataset",
+            "kimi",
+            "--out",
+            str(tmp_path / "tok"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert prep.returncode == 0, prep.stderr[-3000:]
     (tmp_path / "one").mkdir()
     _extract(_plan(tmp_path / "one", model, 'device = "cpu"'), tmp_path / "ext1", [tmp_path / "tok"])
     (tmp_path / "two").mkdir()
     text = _plan(tmp_path / "two", model, 'parallel = "tp"\ntp_size = 2\ndevice = "cpu"').read_text()
-    text = text.replace("[target]", f'[executor]\nkind = "slurm"\n[slurm]\npartition = "{cluster_mod.PARTITION}"\n'
-                                    "time = 15\n\n[target]", 1)
-    text = text[:text.index("[[stage]]")] + (f'[[stage]]\nid = "extract"\nrun = "extract"\nnodes = 2\n'
-                                              f"args = {json.dumps(['--input', str(tmp_path / 'tok')])}\n")
+    text = text.replace(
+        "[target]",
+        f'[executor]\nkind = "slurm"\n[slurm]\npartition = "{cluster_mod.PARTITION}"\ntime = 15\n\n[target]',
+        1,
+    )
+    text = text[: text.index("[[stage]]")] + (
+        f'[[stage]]\nid = "extract"\nrun = "extract"\nnodes = 2\n'
+        f"args = {json.dumps(['--input', str(tmp_path / 'tok')])}\n"
+    )
     path = tmp_path / "two" / "slurm.toml"
     path.write_text(text)
     run = create_run(plan_mod.load(path), tmp_path / "two" / "run")

@@ -13,7 +13,11 @@ from pipeline.run.plan import DATASET_KINDS
 # The deliberately malformed rows of each fixture: row index -> the field the error must name.
 MALFORMED = {
     "swe-agent": {4: "trajectory[2].role", 9: "trajectory", 13: "trajectory[3].text", 22: "<line>"},
-    "deepswe-kimi-k2": {3: "messages[2].tool_calls[0].function.name", 8: "messages[7].role", 24: "messages[1].content"},
+    "deepswe-kimi-k2": {
+        3: "messages[2].tool_calls[0].function.name",
+        8: "messages[7].role",
+        24: "messages[1].content",
+    },
     "opencodeinstruct": {5: "output", 12: "input", 23: "input"},
     "magicoder-evol": {2: "response", 10: "instruction", 19: "response"},
     "magicoder-oss": {6: "solution", 15: "problem", 25: "solution"},
@@ -50,7 +54,10 @@ def test_the_registry_has_the_ten_sources_each_with_a_fixture_and_a_schema_refer
         assert src.schema_ref, src.key
         assert src.quota > 0
     kinds = {s.key: s.kind for s in sources.SOURCES.values()}
-    assert sorted(k for k, v in kinds.items() if v == "target-native") == ["deepswe-kimi-k2", "kimik2-5-2000x"]
+    assert sorted(k for k, v in kinds.items() if v == "target-native") == [
+        "deepswe-kimi-k2",
+        "kimik2-5-2000x",
+    ]
     assert sum(s.quota for s in sources.SOURCES.values()) == 100_000  # the reference mix
 
 
@@ -60,21 +67,34 @@ def test_unknown_source_names_the_known_ones() -> None:
 
 
 @pytest.mark.parametrize("key", sorted(MALFORMED))
-def test_normaliser_accepts_the_good_rows_and_names_the_field_of_each_malformed_one(key: str, tmp_path: Path) -> None:
+def test_normaliser_accepts_the_good_rows_and_names_the_field_of_each_malformed_one(
+    key: str, tmp_path: Path
+) -> None:
     good, bad = read_fixture(key, tmp_path)
     assert {i: e.field for i, e in bad.items()} == MALFORMED[key]
     assert len(good) >= 25
     for conv in good.values():
         assert conv and all(t["role"] in ROLES and isinstance(t["content"], str) for t in conv)
     assert [i for i, c in good.items() if not any(t["role"] == "user" for t in c)] == NO_USER.get(key, [])
-    assert [i for i, c in good.items() if not any(t["role"] == "assistant" for t in c)] == NO_ASSISTANT.get(key, [])
+    assert [i for i, c in good.items() if not any(t["role"] == "assistant" for t in c)] == NO_ASSISTANT.get(
+        key, []
+    )
 
 
 def test_swe_agent_maps_ai_turns_to_assistant_and_keeps_observations_as_user(tmp_path: Path) -> None:
     good, _ = read_fixture("swe-agent", tmp_path)
     conv = good[0]
-    assert [t["role"] for t in conv] == ["system", "user", "assistant", "user", "assistant", "user", "assistant",
-                                         "user", "assistant"]
+    assert [t["role"] for t in conv] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     assert conv[0]["content"].startswith("SETTING: You are an autonomous programmer")
     assert "```\nfind_file" in conv[2]["content"]
     assert "ISSUE:" in conv[1]["content"]
@@ -85,8 +105,13 @@ def test_tool_trajectory_keeps_tool_calls_and_tool_results(tmp_path: Path) -> No
     conv = good[0]
     call = conv[2]["tool_calls"][0]
     assert call["name"] == "execute_bash" and '"command"' in call["arguments"] and call["id"] == "call_0_0"
-    assert conv[3] | {"_src": None} == {"role": "tool", "content": conv[3]["content"], "name": "execute_bash",
-                                        "tool_call_id": "call_0_0", "_src": None}
+    assert conv[3] | {"_src": None} == {
+        "role": "tool",
+        "content": conv[3]["content"],
+        "name": "execute_bash",
+        "tool_call_id": "call_0_0",
+        "_src": None,
+    }
     # an assistant turn that only calls a tool has empty text and is still valid
     assert good[1][4]["content"] == "" and good[1][4]["tool_calls"][0]["name"] == "str_replace_editor"
 
@@ -113,7 +138,9 @@ def test_flat_sources_map_their_columns(tmp_path: Path) -> None:
 def test_plan_options_rename_the_columns() -> None:
     src = sources.get("kimik2-5-2000x")
     row = {"question": "2+2?", "answer": "4", "cot": "add"}
-    conv = sources.normalise(src, row, {"prompt_field": "question", "response_field": "answer", "reasoning_field": "cot"})
+    conv = sources.normalise(
+        src, row, {"prompt_field": "question", "response_field": "answer", "reasoning_field": "cot"}
+    )
     assert (conv[0]["content"], conv[1]["content"], conv[1]["reasoning"]) == ("2+2?", "4", "add")
     with pytest.raises(ConversationError) as err:
         sources.normalise(src, row, {})
@@ -122,17 +149,27 @@ def test_plan_options_rename_the_columns() -> None:
 
 def test_a_broken_jsonl_line_is_one_rejected_row_with_its_line_number(tmp_path: Path) -> None:
     f = tmp_path / "d.jsonl"
-    f.write_text('{"instruction": "a", "response": "b"}\n\n{"instruction": "c", "resp\n{"instruction": "d", "response": "e"}\n')
+    f.write_text(
+        '{"instruction": "a", "response": "b"}\n\n{"instruction": "c", "resp\n{"instruction": "d", "response": "e"}\n'
+    )
     rows = list(sources.open_rows(sources.get("magicoder-evol"), str(f), None, None, {}, tmp_path / "c"))
     assert [(r.index, r.line) for r in rows] == [(0, 1), (1, 3), (2, 4)]
     assert isinstance(rows[1].row, ConversationError) and "not valid JSON" in rows[1].row.reason
     assert rows[2].row == {"instruction": "d", "response": "e"}
-    assert [r.index for r in sources.open_rows(sources.get("magicoder-evol"), str(f), None, None, {}, tmp_path / "c",
-                                               start=2)] == [2]
+    assert [
+        r.index
+        for r in sources.open_rows(
+            sources.get("magicoder-evol"), str(f), None, None, {}, tmp_path / "c", start=2
+        )
+    ] == [2]
 
 
 def test_a_source_without_a_public_hub_id_needs_a_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no public hub id: give the dataset a path"):
         next(sources.open_rows(sources.get("deepswe-kimi-k2"), None, None, None, {}, tmp_path))
     with pytest.raises(FileNotFoundError, match="dataset file not found"):
-        next(sources.open_rows(sources.get("ultrachat"), str(tmp_path / "missing.jsonl"), None, None, {}, tmp_path))
+        next(
+            sources.open_rows(
+                sources.get("ultrachat"), str(tmp_path / "missing.jsonl"), None, None, {}, tmp_path
+            )
+        )

@@ -70,8 +70,8 @@ def test_same_gradients_of_the_decayed_ttt_loss(runs) -> None:
     a = aerie_ttt(aerie, pb, STEPS)
     sf.zero_grad(set_to_none=True)
     aerie.zero_grad(set_to_none=True)
-    sum(DECAY ** j * x for j, x in enumerate(s["losses"])).backward()
-    sum(DECAY ** j * x for j, x in enumerate(a["losses"])).backward()
+    sum(DECAY**j * x for j, x in enumerate(s["losses"])).backward()
+    sum(DECAY**j * x for j, x in enumerate(a["losses"])).backward()
     sf_grads = {k: p.grad for k, p in sf.draft_model.named_parameters() if p.grad is not None}
     ae_grads = {k: p.grad for k, p in aerie.named_parameters() if p.grad is not None}
     assert sf_grads.keys() == ae_grads.keys() and "midlayer.self_attn.q_proj.weight" in ae_grads

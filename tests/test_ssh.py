@@ -34,8 +34,9 @@ async def poll_until(model: RunModel, pred, timeout_s: float = 60.0, every_s: fl
         if pred():
             return
         await asyncio.sleep(every_s)
-    raise AssertionError(f"timed out; model error={model.error!r} stages="
-                         f"{ {s: v.state for s, v in model.stages.items()} }")
+    raise AssertionError(
+        f"timed out; model error={model.error!r} stages={ {s: v.state for s, v in model.stages.items()} }"
+    )
 
 
 async def bootstrap(plan_path: Path, conn: HostConnection) -> SshTransport:
@@ -52,7 +53,8 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
     # The host is an ssh-config alias (as in ~/.ssh/config); the remote run dir does not exist yet,
     # and the host's own pipeline is bypassed so the SFTP upload path is what runs the stages.
     cfg = sshd.ssh_config(tmp_path / "ssh_config", "aerie-box", known_hosts)
-    plan_path = ssh_plan("""
+    plan_path = ssh_plan(
+        """
         [[stage]]
         id = "make"
         command = "echo made-remotely > out.txt"
@@ -61,7 +63,10 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
         id = "use"
         after = ["make"]
         command = "cat ../../make/out/out.txt"
-        """, executor='host = "aerie-box"\n', options=f'ssh_config = "{cfg}", pipeline = "upload"')
+        """,
+        executor='host = "aerie-box"\n',
+        options=f'ssh_config = "{cfg}", pipeline = "upload"',
+    )
     plan = plan_mod.load(plan_path)
     remote = Path(plan.executor.remote_dir)
     assert not remote.parent.exists()
@@ -70,7 +75,11 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
     assert rep.ok, rep.render()
     assert [c.name for c in rep.checks] == ["connection", "python", "run dir", "pipeline", "plan", "disk"]
     assert remote.is_dir() and (remote / "plan.submitted.toml").read_text() == plan_path.read_text()
-    assert rep.layout and rep.layout.pythonpath and rep.layout.pythonpath.startswith(str(remote / ".aerie" / "pkg-"))
+    assert (
+        rep.layout
+        and rep.layout.pythonpath
+        and rep.layout.pythonpath.startswith(str(remote / ".aerie" / "pkg-"))
+    )
     assert (Path(rep.layout.pythonpath) / "pipeline" / "run" / "remote_agent.py").is_file()
     assert "free at" in rep.render()
 
@@ -92,7 +101,9 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
 
     # Another terminal attaches with just ssh://host/path (layout recorded at bootstrap).
     url_target, path = parse_ssh_url(f"ssh://{sshd.user}@127.0.0.1:{sshd.port}{remote}")
-    url_target = SshTarget(**{**url_target.__dict__, "identity": str(sshd.client_key), "known_hosts": str(known_hosts)})
+    url_target = SshTarget(
+        **{**url_target.__dict__, "identity": str(sshd.client_key), "known_hosts": str(known_hosts)}
+    )
     async with HostConnection(url_target) as conn2:
         layout = await load_layout(conn2, path)
         assert layout.root == str(remote)
@@ -104,12 +115,15 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
         await t2.close()
 
 
-async def test_drop_mid_stage_stage_keeps_running_and_every_event_is_seen_once(sshd, ssh_plan, fast_conn, tmp_path):
+async def test_drop_mid_stage_stage_keeps_running_and_every_event_is_seen_once(
+    sshd, ssh_plan, fast_conn, tmp_path
+):
     n = 40
     script = tmp_path / "tick.py"
     script.write_text(
         "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
-        f"for i in range({n}):\n    ctx.message(f'tick {{i}}')\n    time.sleep(0.1)\n")
+        f"for i in range({n}):\n    ctx.message(f'tick {{i}}')\n    time.sleep(0.1)\n"
+    )
     plan_path = ssh_plan(f"""
         [[stage]]
         id = "tick"
@@ -195,11 +209,18 @@ async def test_kill_over_ssh_ends_the_group_and_spares_a_same_named_stranger(ssh
         async with conn:
             transport = await bootstrap(plan_path, conn)
             model = RunModel(transport)
-            await poll_until(model, lambda: "sleepy" in model.stages and model.stages["sleepy"].state == "running"
-                             and model.stages["sleepy"].pgid is not None)
+            await poll_until(
+                model,
+                lambda: (
+                    "sleepy" in model.stages
+                    and model.stages["sleepy"].state == "running"
+                    and model.stages["sleepy"].pgid is not None
+                ),
+            )
             pgid = model.stages["sleepy"].pgid
             await asyncio.get_running_loop().run_in_executor(
-                None, lambda: wait_for(lambda: len(group_members(pgid)) >= 3, 10, "stage group up"))
+                None, lambda: wait_for(lambda: len(group_members(pgid)) >= 3, 10, "stage group up")
+            )
             res = await transport.ctl("kill", "sleepy")
             assert res.returncode == 0, res
             await poll_until(model, lambda: model.stages["sleepy"].state == "killed")
@@ -209,8 +230,10 @@ async def test_kill_over_ssh_ends_the_group_and_spares_a_same_named_stranger(ssh
             # retry goes through the same channel and starts attempt 2
             res = await transport.ctl("retry", "sleepy")
             assert res.returncode == 0, res
-            await poll_until(model, lambda: model.stages["sleepy"].attempt == 2
-                             and model.stages["sleepy"].state == "running")
+            await poll_until(
+                model,
+                lambda: model.stages["sleepy"].attempt == 2 and model.stages["sleepy"].state == "running",
+            )
             assert (await transport.ctl("kill", "sleepy")).returncode == 0
             await poll_until(model, lambda: model.stages["sleepy"].state == "killed")
             refused = await transport.ctl("pause", "sleepy")
@@ -223,8 +246,9 @@ async def test_kill_over_ssh_ends_the_group_and_spares_a_same_named_stranger(ssh
 
 async def test_preflight_refuses_a_missing_python_and_creates_nothing(ssh_plan, tmp_path):
     remote = tmp_path / "remote-x" / "run"
-    plan = plan_mod.load(ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n', remote_dir=remote,
-                                  python="/nonexistent/python3"))
+    plan = plan_mod.load(
+        ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n', remote_dir=remote, python="/nonexistent/python3")
+    )
     rep = await preflight(plan)
     assert not rep.ok
     failed = [c for c in rep.checks if not c.ok]
@@ -258,12 +282,18 @@ async def test_channels_stay_within_the_servers_max_sessions(tmp_path, known_hos
     tight.start()
     try:
         kh = tight.write_known_hosts(tmp_path / "kh_tight")
-        base = SshTarget(host="127.0.0.1", port=tight.port, user=tight.user, identity=str(tight.client_key),
-                         known_hosts=str(kh))
+        base = SshTarget(
+            host="127.0.0.1",
+            port=tight.port,
+            user=tight.user,
+            identity=str(tight.client_key),
+            known_hosts=str(kh),
+        )
         # A client that ignores the server's limit gets channels refused (held longer than it retries)...
         async with HostConnection(SshTarget(**{**base.__dict__, "max_sessions": 10})) as greedy:
-            results = await asyncio.gather(*(greedy.run("sleep 2; echo ok") for _ in range(5)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(greedy.run("sleep 2; echo ok") for _ in range(5)), return_exceptions=True
+            )
             assert any(isinstance(r, SshError) and "MaxSessions" in str(r) for r in results)
         # ...one that keeps within it queues them and every command succeeds.
         async with HostConnection(SshTarget(**{**base.__dict__, "max_sessions": 2})) as polite:
@@ -336,12 +366,20 @@ async def test_preflight_runs_the_deep_chain_check_on_the_host(ssh_plan, tmp_pat
     rep = await preflight(plan_mod.load(ssh_plan(body.replace("VOCAB", "128"))))
     assert rep.ok, rep.render()
     lines = {c.name: c for c in rep.checks}
-    assert "kimi_k25" in lines["chain: architecture"].detail or "deepseek_v3" in lines["chain: architecture"].detail
+    assert (
+        "kimi_k25" in lines["chain: architecture"].detail
+        or "deepseek_v3" in lines["chain: architecture"].detail
+    )
     assert lines["chain: aux layers"].detail.startswith("[1, 2, 4]")
     assert "trained" in lines["chain: chat template"].detail
 
-    rep = await preflight(plan_mod.load(ssh_plan(body.replace("VOCAB", "100000"), name="bad.toml",
-                                                 remote_dir=tmp_path / "remote2" / "run")))
+    rep = await preflight(
+        plan_mod.load(
+            ssh_plan(
+                body.replace("VOCAB", "100000"), name="bad.toml", remote_dir=tmp_path / "remote2" / "run"
+            )
+        )
+    )
     assert not rep.ok
     bad = [c for c in rep.checks if not c.ok]
     assert [c.name for c in bad] == ["chain: draft vocab"] and "vocab.draft_vocab_size" in bad[0].detail

@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def converse(run: Path, *requests: object) -> tuple[list[dict], int]:
     lines = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in requests)
-    p = subprocess.run([sys.executable, "-m", "pipeline.run.remote_agent", str(run)], input=lines.encode(),
-                       capture_output=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.run.remote_agent", str(run)],
+        input=lines.encode(),
+        capture_output=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     return [json.loads(x) for x in p.stdout.splitlines()], p.returncode
 
 
@@ -41,7 +46,11 @@ def test_reads_from_offsets_and_refuses_paths_outside_the_run(tmp_path: Path) ->
     by_id = {a["id"]: a for a in answers}
     assert by_id[1]["ok"] and by_id[1]["protocol"] == 1 and by_id[1]["exists"] is True
     (data, size, ino), (missing, msize, _) = by_id[2]["results"]
-    assert base64.b64decode(data) == ev.read_bytes()[25:] and size == ev.stat().st_size and ino == ev.stat().st_ino
+    assert (
+        base64.b64decode(data) == ev.read_bytes()[25:]
+        and size == ev.stat().st_size
+        and ino == ev.stat().st_ino
+    )
     assert missing == "" and msize == -1
     assert not by_id[3]["ok"] and "leaves the run directory" in by_id[3]["error"]
     assert not by_id[None]["ok"] and "bad request" in by_id[None]["error"]

@@ -54,15 +54,18 @@ def link(tmp_path: Path) -> Iterator[tuple[BadLink, LoopbackSshd]]:
             server.drop()
 
 
-def write_plan(tmp: Path, server: LoopbackSshd, n: int, period_s: float,
-               via: tuple[str, int] | None = None) -> tuple[Path, Path]:
+def write_plan(
+    tmp: Path, server: LoopbackSshd, n: int, period_s: float, via: tuple[str, int] | None = None
+) -> tuple[Path, Path]:
     """The plan; ``via`` = (host, port) of a relay in front of the sshd (its host key is the sshd's)."""
     host, port = via or (server.listen, server.port)
     known = tmp / "known_hosts"
     known.write_text(f"[{host}]:{port} {server.host_pubkey()}\n")
     script = tmp / "tick.py"
-    script.write_text("import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
-                      f"for i in range({n}):\n    ctx.message(f'tick {{i}}')\n    time.sleep({period_s})\n")
+    script.write_text(
+        "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+        f"for i in range({n}):\n    ctx.message(f'tick {{i}}')\n    time.sleep({period_s})\n"
+    )
     remote = tmp / "remote" / "run"
     plan = tmp / "plan.toml"
     plan.write_text(f"""
@@ -127,7 +130,9 @@ async def test_an_impaired_link_keeps_the_console_polling_responsive_and_exact(l
         await impaired_run(server, tmp_path, via, impairment)
 
 
-async def impaired_run(server: LoopbackSshd, tmp_path: Path, via: tuple[str, int] | None, impairment: str) -> None:
+async def impaired_run(
+    server: LoopbackSshd, tmp_path: Path, via: tuple[str, int] | None, impairment: str
+) -> None:
     n = 80
     plan, remote = write_plan(tmp_path, server, n, 0.1, via)
     conn, transport = await bootstrap(plan)
@@ -162,8 +167,10 @@ async def impaired_run(server: LoopbackSshd, tmp_path: Path, via: tuple[str, int
         assert [e.to_json() for e in model.seen] == on_disk
         assert max(gaps) < 0.25, f"the console's event loop stalled {max(gaps):.3f}s"
         lat.sort()
-        print(f"\n{impairment}: {len(lat)} polls, p50 {lat[len(lat) // 2] * 1000:.0f} ms, "
-              f"p99 {lat[int(0.99 * (len(lat) - 1))] * 1000:.0f} ms, max loop gap {max(gaps) * 1000:.0f} ms")
+        print(
+            f"\n{impairment}: {len(lat)} polls, p50 {lat[len(lat) // 2] * 1000:.0f} ms, "
+            f"p99 {lat[int(0.99 * (len(lat) - 1))] * 1000:.0f} ms, max loop gap {max(gaps) * 1000:.0f} ms"
+        )
     finally:
         stop.set()
         await transport.close()
@@ -171,7 +178,9 @@ async def impaired_run(server: LoopbackSshd, tmp_path: Path, via: tuple[str, int
         stop_remote_run(remote)
 
 
-async def test_a_cut_link_is_shown_within_seconds_and_recovered_from_with_nothing_lost(link, tmp_path: Path) -> None:
+async def test_a_cut_link_is_shown_within_seconds_and_recovered_from_with_nothing_lost(
+    link, tmp_path: Path
+) -> None:
     bl, server = link
     cut_s = float(os.environ.get("AERIE_LINK_CUT_S", "60"))
     n = int(cut_s * 10 + 80)  # the stage outlives the cut by ~8 s
@@ -228,8 +237,10 @@ async def test_a_cut_link_is_shown_within_seconds_and_recovered_from_with_nothin
         stop.set()
         await beat
         assert max(gaps) < 0.5, f"the console's event loop stalled {max(gaps):.3f}s"
-        print(f"\nlink cut {cut_s:g} s: outage shown after {shown_at:.1f} s, reconnected {reconnected_at:.1f} s after "
-              f"the link came back; {n} events seen once each; max event-loop gap {max(gaps) * 1000:.0f} ms")
+        print(
+            f"\nlink cut {cut_s:g} s: outage shown after {shown_at:.1f} s, reconnected {reconnected_at:.1f} s after "
+            f"the link came back; {n} events seen once each; max event-loop gap {max(gaps) * 1000:.0f} ms"
+        )
     finally:
         stop.set()
         await transport.close()

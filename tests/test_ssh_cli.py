@@ -35,8 +35,10 @@ def home(sshd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (h / ".ssh").mkdir(parents=True)
     kh = sshd.write_known_hosts(h / ".ssh" / "known_hosts")
     cfg = h / ".ssh" / "config"
-    cfg.write_text(f"Host aerie-box\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
-                   f"  IdentityFile {sshd.client_key}\n  UserKnownHostsFile {kh}\n")
+    cfg.write_text(
+        f"Host aerie-box\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+        f"  IdentityFile {sshd.client_key}\n  UserKnownHostsFile {kh}\n"
+    )
     monkeypatch.setenv("HOME", str(h))
     return h
 
@@ -50,7 +52,8 @@ def alias_plan(home: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[Path,
         plan = tmp_path / "cli.toml"
         plan.write_text(
             f'[run]\nname = "cli"\ndir = "local"\n\n[executor]\nkind = "ssh"\nhost = "aerie-box"\n'
-            f'remote_dir = "{remote}"\npython = "{python}"\n\n[resources]\ncpu_slots = 2\n\n{stages}')
+            f'remote_dir = "{remote}"\npython = "{python}"\n\n[resources]\ncpu_slots = 2\n\n{stages}'
+        )
         return plan, remote
 
     yield write
@@ -59,12 +62,20 @@ def alias_plan(home: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[Path,
 
 def aerie(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "console.cli", *argv], capture_output=True, text=True,
-                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "console.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
-TWO = ('[[stage]]\nid = "make"\ncommand = "echo hello > f; sleep 0.5"\n\n'
-       '[[stage]]\nid = "use"\nafter = ["make"]\ncommand = "cat ../../make/out/f"\n')
+TWO = (
+    '[[stage]]\nid = "make"\ncommand = "echo hello > f; sleep 0.5"\n\n'
+    '[[stage]]\nid = "use"\nafter = ["make"]\ncommand = "cat ../../make/out/f"\n'
+)
 
 
 def test_preflight_run_status_and_attach_from_the_command_line(alias_plan):
@@ -103,8 +114,10 @@ def test_preflight_refusal_exits_2_with_the_failed_check(alias_plan):
 
 async def test_console_header_shows_host_rtt_and_a_drop(alias_plan, tmp_path, sshd):
     script = tmp_path / "slow.py"
-    script.write_text("import time\nfrom pipeline.run.runtime import StageContext\nc = StageContext.from_env()\n"
-                      "for i in range(100):\n    c.progress(i + 1, 100, force=True)\n    time.sleep(0.05)\n")
+    script.write_text(
+        "import time\nfrom pipeline.run.runtime import StageContext\nc = StageContext.from_env()\n"
+        "for i in range(100):\n    c.progress(i + 1, 100, force=True)\n    time.sleep(0.05)\n"
+    )
     plan, _remote = alias_plan(f'[[stage]]\nid = "slow"\ncommand = "{sys.executable} {script}"\n')
     transport = await asyncio.to_thread(start_remote, plan_mod.load(plan))  # preflight, bootstrap, supervisor
     assert not isinstance(transport, int)
@@ -117,7 +130,9 @@ async def test_console_header_shows_host_rtt_and_a_drop(alias_plan, tmp_path, ss
 
     async with app.run_test(size=(140, 30)) as pilot:
         pilot.describe = lambda: f"header={header()!r} error={app.model.error!r}"  # type: ignore[attr-defined]
-        await _until(pilot, lambda: app.model.stages.get("slow") and app.model.stages["slow"].state == "running")
+        await _until(
+            pilot, lambda: app.model.stages.get("slow") and app.model.stages["slow"].state == "running"
+        )
         await _until(pilot, lambda: "rtt" in header())
         assert "aerie-box" in header()
         sshd.drop()

@@ -28,7 +28,7 @@ from tests.runs import (
 )
 
 PY = sys.executable
-WORKER = '''
+WORKER = """
 import sys, time
 from pipeline.run.runtime import StageContext
 ctx = StageContext.from_env()
@@ -37,7 +37,7 @@ for i in range(n):
     ctx.safe_point()
     ctx.progress(i + 1, n, unit="steps", force=True)
     time.sleep(delay)
-'''
+"""
 
 
 @pytest.fixture
@@ -59,7 +59,9 @@ def cleanup() -> list:
 
 def test_dag_runs_failure_propagates_and_retry_completes(tmp_path: Path, cleanup: list) -> None:
     flag = tmp_path / "input-ok"
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         name = "dag"
         dir = "run"
@@ -80,7 +82,8 @@ def test_dag_runs_failure_propagates_and_retry_completes(tmp_path: Path, cleanup
         id = "d"
         command = "echo d"
         after = ["a"]
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     st = wait_done(run)
@@ -101,13 +104,16 @@ def test_dag_runs_failure_propagates_and_retry_completes(tmp_path: Path, cleanup
 
 
 def test_pause_holds_progress_and_resume_continues(tmp_path: Path, worker: str, cleanup: list) -> None:
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         dir = "run"
         [[stage]]
         id = "w"
         command = "{worker} 400 0.02"
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     wait_for(lambda: len(events(run, "w", "progress")) > 5, 30, "progress")
@@ -127,7 +133,9 @@ def test_pause_holds_progress_and_resume_continues(tmp_path: Path, worker: str, 
 
 def test_pause_sigstops_a_stage_that_has_no_safe_points(tmp_path: Path, cleanup: list) -> None:
     counter = tmp_path / "ticks"
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         dir = "run"
         [[stage]]
@@ -135,7 +143,8 @@ def test_pause_sigstops_a_stage_that_has_no_safe_points(tmp_path: Path, cleanup:
         command = "while true; do echo tick >> {counter}; sleep 0.05; done"
         pause_grace_s = 0.5
         kill_grace_s = 2
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     wait_for(lambda: counter.exists() and counter.stat().st_size > 20, 20, "ticks")
@@ -156,9 +165,12 @@ def test_kill_ends_the_group_and_spares_a_look_alike(tmp_path: Path, cleanup: li
     child_pid = tmp_path / "child.pid"
     cmd = f"sleep 300 & echo $! > {child_pid}; wait"
     # A foreign process with exactly the stage's command line, started outside Aerie.
-    foreign = subprocess.Popen(["/bin/sh", "-c", cmd.replace(str(child_pid), str(tmp_path / "foreign.pid"))],
-                               start_new_session=True)
-    run = make_run(tmp_path, f"""
+    foreign = subprocess.Popen(
+        ["/bin/sh", "-c", cmd.replace(str(child_pid), str(tmp_path / "foreign.pid"))], start_new_session=True
+    )
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         dir = "run"
         [[stage]]
@@ -169,7 +181,8 @@ def test_kill_ends_the_group_and_spares_a_look_alike(tmp_path: Path, cleanup: li
         id = "after-long"
         command = "true"
         after = ["long"]
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     try:
@@ -206,20 +219,32 @@ def test_a_recycled_pid_is_never_signalled(tmp_path: Path) -> None:
 
 def test_kill_refuses_when_the_recorded_pid_was_recycled(tmp_path: Path, cleanup: list) -> None:
     stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    run = make_run(tmp_path, """
+    run = make_run(
+        tmp_path,
+        """
         [run]
         dir = "run"
         [[stage]]
         id = "s"
         command = "sleep 300"
-    """)
+    """,
+    )
     try:
         # The stage ran once, its launcher vanished, and the pid now belongs to a stranger.
         sd = run.stage("s")
         real = read_stat(stranger.pid)
         write_json(sd.launch, {"attempt": 1, "t": time.time()})
-        write_json(sd.proc, {"attempt": 1, "pid": stranger.pid, "pgid": stranger.pid,
-                             "start_time": real.start_time - 7, "boot_id": "", "t": time.time()})
+        write_json(
+            sd.proc,
+            {
+                "attempt": 1,
+                "pid": stranger.pid,
+                "pgid": stranger.pid,
+                "start_time": real.start_time - 7,
+                "boot_id": "",
+                "t": time.time(),
+            },
+        )
         sup = start_supervisor(run)
         cleanup.append((run, sup))
         wait_for(lambda: states(run).get("s") == "failed", 10, "the lost stage to be marked failed")
@@ -232,9 +257,13 @@ def test_kill_refuses_when_the_recorded_pid_was_recycled(tmp_path: Path, cleanup
         stranger.wait()
 
 
-def test_supervisor_sigkilled_mid_run_reattaches_without_restarting(tmp_path: Path, worker: str, cleanup: list) -> None:
+def test_supervisor_sigkilled_mid_run_reattaches_without_restarting(
+    tmp_path: Path, worker: str, cleanup: list
+) -> None:
     starts = tmp_path / "starts.log"
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         dir = "run"
         [resources]
@@ -249,17 +278,25 @@ def test_supervisor_sigkilled_mid_run_reattaches_without_restarting(tmp_path: Pa
         id = "three"
         command = "echo three >> {starts}"
         after = ["one", "two"]
-    """)
+    """,
+    )
     sup = start_supervisor(run)
-    wait_for(lambda: all(stage_state(run, s).get("pid") and states(run)[s] == "running" for s in ("one", "two")),
-             20, "both running")
+    wait_for(
+        lambda: all(stage_state(run, s).get("pid") and states(run)[s] == "running" for s in ("one", "two")),
+        20,
+        "both running",
+    )
     pids = {s: stage_state(run, s)["pid"] for s in ("one", "two")}
     os.killpg(sup.pid, signal.SIGKILL)
     sup.wait()
     assert all(pid_alive(p) for p in pids.values()), "stages outlive their supervisor"
     sup2 = start_supervisor(run)
     cleanup.append((run, sup2))
-    wait_for(lambda: (read_json(run.state_path) or {}).get("supervisor", {}).get("pid") == sup2.pid, 10, "new supervisor")
+    wait_for(
+        lambda: (read_json(run.state_path) or {}).get("supervisor", {}).get("pid") == sup2.pid,
+        10,
+        "new supervisor",
+    )
     assert states(run)["one"] in ("running", "succeeded")
     assert wait_done(run) == {"one": "succeeded", "two": "succeeded", "three": "succeeded"}
     assert sorted(starts.read_text().split()) == ["one", "three", "two"], "no stage started twice"
@@ -268,7 +305,9 @@ def test_supervisor_sigkilled_mid_run_reattaches_without_restarting(tmp_path: Pa
 
 def test_automatic_retry_policy(tmp_path: Path, cleanup: list) -> None:
     counter = tmp_path / "count"
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         dir = "run"
         [[stage]]
@@ -278,7 +317,8 @@ def test_automatic_retry_policy(tmp_path: Path, cleanup: list) -> None:
         [[stage]]
         id = "never"
         command = "exit 1"
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     st = wait_done(run)
@@ -290,13 +330,16 @@ def test_automatic_retry_policy(tmp_path: Path, cleanup: list) -> None:
 def test_retry_fresh_clears_only_the_stage_outputs(tmp_path: Path, cleanup: list) -> None:
     keep = tmp_path / "outside.txt"
     keep.write_text("not ours")
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         dir = "run"
         [[stage]]
         id = "s"
         command = "test -f $AERIE_OUT/marker && exit 0; touch $AERIE_OUT/marker; ln -s {keep} $AERIE_OUT/link; exit 1"
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     assert wait_done(run) == {"s": "failed"}
@@ -310,20 +353,25 @@ def test_retry_fresh_clears_only_the_stage_outputs(tmp_path: Path, cleanup: list
 
 
 def test_ctl_errors_have_exit_codes(tmp_path: Path, cleanup: list) -> None:
-    run = make_run(tmp_path, """
+    run = make_run(
+        tmp_path,
+        """
         [run]
         dir = "run"
         [[stage]]
         id = "s"
         command = "true"
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     wait_done(run)
     assert ctl(run, "pause", "nope").returncode == 2
     res = ctl(run, "kill", "s")
     assert res.returncode == 3 and "not running" in res.stderr
-    res = subprocess.run([PY, "-m", "pipeline.run.ctl", str(tmp_path / "missing"), "status"], capture_output=True, text=True)
+    res = subprocess.run(
+        [PY, "-m", "pipeline.run.ctl", str(tmp_path / "missing"), "status"], capture_output=True, text=True
+    )
     assert res.returncode == 2 and "no such run" in res.stderr
 
 
@@ -333,7 +381,9 @@ def test_service_is_stopped_when_its_users_are_done(tmp_path: Path, cleanup: lis
         "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
         "ctx.health('starting')\ntime.sleep(0.3)\nctx.health('ready')\nwhile True:\n    time.sleep(0.1)\n"
     )
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         dir = "run"
         [resources]
@@ -350,7 +400,8 @@ def test_service_is_stopped_when_its_users_are_done(tmp_path: Path, cleanup: lis
         id = "gpu-job"
         command = "echo server is down"
         after = ["server", "client"]
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     cleanup.append((run, sup))
     assert wait_done(run) == {"server": "succeeded", "client": "succeeded", "gpu-job": "succeeded"}

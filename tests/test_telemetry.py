@@ -42,8 +42,13 @@ def _env() -> dict[str, str]:
 
 def test_no_driver_says_so_once_and_reports_real_disk_and_host(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    p = subprocess.run(_agent_cmd(out, "--interval", "0.1", "--samples", "4"), env=_env(), capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        _agent_cmd(out, "--interval", "0.1", "--samples", "4"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     recs = jsonl(out / FILE_NAME)
     meta = recs[0]
@@ -68,10 +73,17 @@ def test_no_driver_says_so_once_and_reports_real_disk_and_host(tmp_path: Path) -
 
 def test_sigterm_ends_the_agent_at_once_and_cleanly(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    p = subprocess.Popen(_agent_cmd(out, "--interval", "3600"), env=_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        _agent_cmd(out, "--interval", "3600"),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: (out / FILE_NAME).exists() and "host" in (out / FILE_NAME).read_text(), 30, "a sample")
+        wait_for(
+            lambda: (out / FILE_NAME).exists() and "host" in (out / FILE_NAME).read_text(), 30, "a sample"
+        )
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=20) == 0  # an hour-long wait did not delay it
     finally:
@@ -83,10 +95,17 @@ def test_sigterm_ends_the_agent_at_once_and_cleanly(tmp_path: Path) -> None:
     assert lines.endswith(b"\n")  # no torn record
 
 
-def _agent(tmp_path: Path, source: object, run: RunDir | None = None, **kw: object) -> tuple[Agent, list[dict]]:
+def _agent(
+    tmp_path: Path, source: object, run: RunDir | None = None, **kw: object
+) -> tuple[Agent, list[dict]]:
     said: list[dict] = []
-    agent = Agent(source, tmp_path / "out", run=run,  # type: ignore[arg-type]
-                  message=lambda text, **k: said.append({"text": text, **k}), **kw)  # type: ignore[arg-type]
+    agent = Agent(
+        source,
+        tmp_path / "out",
+        run=run,  # type: ignore[arg-type]
+        message=lambda text, **k: said.append({"text": text, **k}),
+        **kw,
+    )  # type: ignore[arg-type]
     return agent, said
 
 
@@ -109,17 +128,29 @@ def test_the_file_is_capped_by_rotation_and_each_file_opens_with_meta(tmp_path: 
 def test_gpu_processes_are_mapped_to_their_stage_or_foreign(tmp_path: Path) -> None:
     run = make_run(tmp_path, '[run]\nname="t"\ndir="run"\n[[stage]]\nid="extract"\ncommand="true"\n')
     # The stage's process group: a leader and a grandchild that started its own session.
-    leader = subprocess.Popen([sys.executable, "-c", (
-        "import subprocess, sys, time\n"
-        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
-        "print(c.pid, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import subprocess, sys, time\n"
+                "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+                "print(c.pid, flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         escaped = int(leader.stdout.readline())  # type: ignore[union-attr]
         st = read_stat(leader.pid)
         assert st is not None
-        write_json(run.stage("extract").proc,
-                   {"attempt": 1, **ProcIdentity(leader.pid, st.pgid, st.start_time, "").to_dict(), "t": 0})
+        write_json(
+            run.stage("extract").proc,
+            {"attempt": 1, **ProcIdentity(leader.pid, st.pgid, st.start_time, "").to_dict(), "t": 0},
+        )
         recs = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
         g = next(r for r in recs if r["kind"] == "gpu" and r["procs"])
         g["procs"] = [dict(g["procs"][0], pid=pid) for pid in (leader.pid, escaped, stranger.pid)]
@@ -163,16 +194,26 @@ def test_reading_errors_are_reported_once_and_never_stop_the_agent(tmp_path: Pat
 
 def test_plan_settings_are_validated_with_the_key_named(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
-    path.write_text('[run]\nname="t"\ndir="run"\n[telemetry]\ninterval_s = 0\n[[stage]]\nid="a"\ncommand="true"\n')
-    with pytest.raises(ValueError, match=r"p\.toml: telemetry\.interval_s: expected a positive number, got 0"):
+    path.write_text(
+        '[run]\nname="t"\ndir="run"\n[telemetry]\ninterval_s = 0\n[[stage]]\nid="a"\ncommand="true"\n'
+    )
+    with pytest.raises(
+        ValueError, match=r"p\.toml: telemetry\.interval_s: expected a positive number, got 0"
+    ):
         settings(plan_mod.load(path))
-    path.write_text('[run]\nname="t"\ndir="run"\n[telemetry]\ninterval_s = 5\n[[stage]]\nid="a"\ncommand="true"\n')
+    path.write_text(
+        '[run]\nname="t"\ndir="run"\n[telemetry]\ninterval_s = 5\n[[stage]]\nid="a"\ncommand="true"\n'
+    )
     assert settings(plan_mod.load(path))[0] == 5.0
 
 
 @pytest.mark.slow
-def test_service_under_the_supervisor_reports_projection_and_stops_when_the_run_is_done(tmp_path: Path) -> None:
-    run = make_run(tmp_path, """
+def test_service_under_the_supervisor_reports_projection_and_stops_when_the_run_is_done(
+    tmp_path: Path,
+) -> None:
+    run = make_run(
+        tmp_path,
+        """
         [run]
         name = "t"
         dir = "run"
@@ -191,18 +232,24 @@ def test_service_under_the_supervisor_reports_projection_and_stops_when_the_run_
         command = "true"
         after = ["work"]
         output_bytes = 5000000
-        """)
+        """,
+    )
     sup = start_supervisor(run)
     try:
         path = run.stage("telemetry").out / FILE_NAME
-        wait_for(lambda: path.exists() and '"projected_remaining":5000000' in path.read_text(), 30,
-                 "the projection of the pending stage in a disk record")
+        wait_for(
+            lambda: path.exists() and '"projected_remaining":5000000' in path.read_text(),
+            30,
+            "the projection of the pending stage in a disk record",
+        )
         final = wait_done(run, 60)
         assert final["telemetry"] == "succeeded"
         fin = events(run, "telemetry", "finished")[-1]
         assert fin.get("returncode") == 0  # ended by its SIGTERM, not the SIGKILL after the grace
-        assert not (run.stage("telemetry").kill_marker.exists()
-                    and json.loads(run.stage("telemetry").kill_marker.read_text()).get("sigkill"))
+        assert not (
+            run.stage("telemetry").kill_marker.exists()
+            and json.loads(run.stage("telemetry").kill_marker.read_text()).get("sigkill")
+        )
         disks = [r for r in jsonl(path) if r["kind"] == "disk"]
         assert disks[0]["path"] == str(run.root)
     finally:

@@ -37,7 +37,7 @@ def test_the_h200_recording_parses_into_one_gpu_with_its_owners_over_time() -> N
     (g,) = m.gpu_rows()
     assert g.name == "NVIDIA H200" and g.mem_total == 150754820096
     assert g.owners == ["foreign pid 424"] and g.has_foreign
-    m.feed(ls[first_gpu + 1:])
+    m.feed(ls[first_gpu + 1 :])
     assert m.nvml_ok is True and m.meta["nvml"]["driver"] == "580.159.04"
     (g,) = m.gpu_rows()
     assert g.owners == ["gpuwork"] and not g.has_foreign
@@ -61,9 +61,19 @@ def test_eight_gpus_and_a_host_without_a_driver() -> None:
     m.feed(replicated(8))
     assert [g.index for g in m.gpu_rows()] == list(range(8))
     cpu = TelemetryModel()
-    cpu.feed([json.dumps({"kind": "meta", "t": 1, "interval_s": 2,
-                          "nvml": {"ok": False, "error": "no NVIDIA driver on this host"}}),
-              json.dumps({"kind": "host", "t": 1, "seq": 1, "cpu_pct": 12.5, "ncpu": 2})])
+    cpu.feed(
+        [
+            json.dumps(
+                {
+                    "kind": "meta",
+                    "t": 1,
+                    "interval_s": 2,
+                    "nvml": {"ok": False, "error": "no NVIDIA driver on this host"},
+                }
+            ),
+            json.dumps({"kind": "host", "t": 1, "seq": 1, "cpu_pct": 12.5, "ncpu": 2}),
+        ]
+    )
     assert cpu.gpu_rows() == [] and cpu.nvml_ok is False
     assert cpu.gpu_note == "no GPU readings: no NVIDIA driver on this host"
 
@@ -75,16 +85,31 @@ def test_bad_lines_are_counted_not_fatal() -> None:
 
 
 def _disk(t: float, used: int, avail: int, remaining: int | None = None, reserve: int = 0) -> str:
-    return json.dumps({"kind": "disk", "t": t, "seq": int(t), "path": "/runs/kimi", "total": 11 * 10**12,
-                       "used": used, "avail": avail, "reserve": reserve, "projected_remaining": remaining})
+    return json.dumps(
+        {
+            "kind": "disk",
+            "t": t,
+            "seq": int(t),
+            "path": "/runs/kimi",
+            "total": 11 * 10**12,
+            "used": used,
+            "avail": avail,
+            "reserve": reserve,
+            "projected_remaining": remaining,
+        }
+    )
 
 
 def test_disk_full_in_hours_at_the_current_rate_and_the_fit_warning() -> None:
     m = TelemetryModel(rate_window_s=60)
     tb = 10**12
     rate = 300 * 2**20  # bytes/s
-    m.feed([_disk(t, 5 * tb + int(t * rate), 6 * tb - int(t * rate), remaining=2 * tb, reserve=10**11)
-            for t in range(0, 120, 2)])
+    m.feed(
+        [
+            _disk(t, 5 * tb + int(t * rate), 6 * tb - int(t * rate), remaining=2 * tb, reserve=10**11)
+            for t in range(0, 120, 2)
+        ]
+    )
     d = m.disk
     assert abs(d.rate_bps - rate) < 1
     assert abs(d.full_in_s - d.avail / rate) < 1

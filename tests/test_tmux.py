@@ -26,7 +26,8 @@ from tests.runs import ROOT, kill_run_stages, make_run, start_supervisor, states
 TMUX = shutil.which("tmux")
 pytestmark = pytest.mark.skipif(
     TMUX is None and not os.environ.get("AERIE_REQUIRE_TMUX"),
-    reason="tmux is not installed (Debian: apt-get install tmux); CI sets AERIE_REQUIRE_TMUX=1 so it runs there")
+    reason="tmux is not installed (Debian: apt-get install tmux); CI sets AERIE_REQUIRE_TMUX=1 so it runs there",
+)
 
 WORKER = (
     "import sys, time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
@@ -43,23 +44,35 @@ class Tmux:
         self.tmp = tmp
 
     def __call__(self, *args: str) -> str:
-        p = subprocess.run([TMUX, "-L", self.sock, "-f", "/dev/null", *args], capture_output=True, text=True,
-                           timeout=30)
+        p = subprocess.run(
+            [TMUX, "-L", self.sock, "-f", "/dev/null", *args], capture_output=True, text=True, timeout=30
+        )
         assert p.returncode == 0, f"tmux {' '.join(args)}: {p.stderr}"
         return p.stdout
 
     def start(self, command: list[str], env: dict[str, str], size: tuple[int, int] = (120, 40)) -> None:
         envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         # COLUMNS/LINES may be inherited from the test runner; a stale pair would pin the console to it.
-        self("new-session", "-d", "-s", "aerie", "-x", str(size[0]), "-y", str(size[1]),
-             f"env -u COLUMNS -u LINES {envs} {shlex.join(command)}")
+        self(
+            "new-session",
+            "-d",
+            "-s",
+            "aerie",
+            "-x",
+            str(size[0]),
+            "-y",
+            str(size[1]),
+            f"env -u COLUMNS -u LINES {envs} {shlex.join(command)}",
+        )
         self("set-option", "-g", "remain-on-exit", "on")
 
     def screen(self, history: bool = False) -> str:
         """The visible pane; with ``history`` also what scrolled off its top (text printed after the UI ended)."""
         return self("capture-pane", "-p", "-t", "aerie", *(("-S", "-") if history else ()))
 
-    def wait(self, pred: Callable[[str], object], what: str, timeout: float = 60.0, history: bool = False) -> str:
+    def wait(
+        self, pred: Callable[[str], object], what: str, timeout: float = 60.0, history: bool = False
+    ) -> str:
         deadline = time.monotonic() + timeout
         text = ""
         while time.monotonic() < deadline:
@@ -88,7 +101,9 @@ def state_of(screen: str, stage: str) -> str | None:
 def test_console_in_tmux_pause_resume_log_and_quit(tmp_path: Path, size: tuple[int, int]) -> None:
     cols, rows = size
     (tmp_path / "w.py").write_text(WORKER)
-    run = make_run(tmp_path, f"""
+    run = make_run(
+        tmp_path,
+        f"""
         [run]
         name = "tmux"
         dir = "run"
@@ -96,24 +111,39 @@ def test_console_in_tmux_pause_resume_log_and_quit(tmp_path: Path, size: tuple[i
         cpu_slots = 2
         [[stage]]
         id = "work"
-        command = "{sys.executable} {tmp_path / 'w.py'} 3000"
+        command = "{sys.executable} {tmp_path / "w.py"} 3000"
         kill_grace_s = 2
         [[stage]]
         id = "after-work"
         command = "echo done"
         after = ["work"]
-    """)
+    """,
+    )
     sup = start_supervisor(run)
     tmux = Tmux(tmp_path)
-    env = {"PYTHONPATH": str(ROOT), "AERIE_CONFIG": str(tmp_path / "none.toml"), "AERIE_HOME": str(tmp_path / "home"),
-           "TERM": "tmux-256color", "COLORTERM": "truecolor"}
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "AERIE_CONFIG": str(tmp_path / "none.toml"),
+        "AERIE_HOME": str(tmp_path / "home"),
+        "TERM": "tmux-256color",
+        "COLORTERM": "truecolor",
+    }
     try:
         tmux.start([sys.executable, "-m", "console.cli", "attach", str(run.root), "--poll", "0.3"], env, size)
-        screen = tmux.wait(lambda s: state_of(s, "work") == "running" and "%" in s
-                           and "Pause/resume" in s.rstrip("\n").split("\n")[-1] and len(s.rstrip("\n").split("\n")) == rows,
-                           f"the board at {cols}x{rows} with work running and the footer on the last line")
+        screen = tmux.wait(
+            lambda s: (
+                state_of(s, "work") == "running"
+                and "%" in s
+                and "Pause/resume" in s.rstrip("\n").split("\n")[-1]
+                and len(s.rstrip("\n").split("\n")) == rows
+            ),
+            f"the board at {cols}x{rows} with work running and the footer on the last line",
+        )
         assert max(len(x) for x in screen.split("\n")) <= cols
-        assert tmux("display", "-p", "-t", "aerie", "#{window_width}x#{window_height}").strip() == f"{cols}x{rows}"
+        assert (
+            tmux("display", "-p", "-t", "aerie", "#{window_width}x#{window_height}").strip()
+            == f"{cols}x{rows}"
+        )
         assert state_of(screen, "after-work") == "pending"
         # The detail pane's log, beside the facts, is wide enough to read (it was 15 columns at 120).
         screen = tmux.wait(lambda s: "worker step" in s, "the stage's log tail in the detail pane")
@@ -127,17 +157,23 @@ def test_console_in_tmux_pause_resume_log_and_quit(tmp_path: Path, size: tuple[i
         tmux.wait(lambda s: state_of(s, "work") == "running", "work running again")
 
         tmux.keys("l")
-        screen = tmux.wait(lambda s: "stages/work/stage.log" in s and "FOLLOW" in s and "worker step" in s,
-                           "the log viewer following the stage")
+        screen = tmux.wait(
+            lambda s: "stages/work/stage.log" in s and "FOLLOW" in s and "worker step" in s,
+            "the log viewer following the stage",
+        )
         step = max(int(n) for n in re.findall(r"worker step (\d+)", screen))
-        tmux.wait(lambda s: max(map(int, re.findall(r"worker step (\d+)", s) or [0])) > step, "new lines followed")
+        tmux.wait(
+            lambda s: max(map(int, re.findall(r"worker step (\d+)", s) or [0])) > step, "new lines followed"
+        )
         tmux.keys("Up")
         tmux.wait(lambda s: "paused" in s.splitlines()[-2], "follow paused by scrolling up")
         tmux.keys("Escape")
         tmux.wait(lambda s: state_of(s, "work") == "running", "back on the board")
 
         tmux.keys("q")
-        tmux.wait(lambda s: "Aerie console closed; the run keeps going." in s, "the quit message", history=True)
+        tmux.wait(
+            lambda s: "Aerie console closed; the run keeps going." in s, "the quit message", history=True
+        )
         assert states(run)["work"] == "running", "quitting the console leaves the stage running"
     finally:
         tmux.kill()

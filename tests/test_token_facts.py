@@ -71,7 +71,9 @@ def test_no_template_no_config_and_an_opener_for_eos_is_a_clear_error(gguf_pair)
     tok, _ = gguf_pair
     t = as_517(tok)
     t.chat_template = None
-    facts = token_facts.resolve(t, None)  # without a template there are no known openers: the eos is used, and said so
+    facts = token_facts.resolve(
+        t, None
+    )  # without a template there are no known openers: the eos is used, and said so
     assert "tokenizer eos_token" in facts.sources["end_of_turn"]
     t.eos_token = None
     with pytest.raises(token_facts.TokenFactsError, match="no end-of-turn token"):

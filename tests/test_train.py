@@ -75,8 +75,19 @@ def test_resume_after_a_kill_continues_the_loss_curve_from_the_checkpoint(tmp_pa
     sections = {**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 30, "checkpoint_every": 5}}
     plan = write_plan(tmp_path / "plan.toml", **sections)
     out = tmp_path / "train"
-    argv = [sys.executable, "-m", "pipeline.stages.train", "--plan", str(plan), "--out", str(out),
-            "--input", str(ext), "--input", str(voc)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.stages.train",
+        "--plan",
+        str(plan),
+        "--out",
+        str(out),
+        "--input",
+        str(ext),
+        "--input",
+        str(voc),
+    ]
     p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and p.poll() is None:
@@ -91,7 +102,7 @@ def test_resume_after_a_kill_continues_the_loss_curve_from_the_checkpoint(tmp_pa
     killed_at = max(first_loss)
     assert killed_at < 30
     run_stage("pipeline.stages.train", plan, out, [ext, voc])
-    second = events(out)[len(first):]
+    second = events(out)[len(first) :]
     resumed = [e for e in second if e.get("code") == "resumed_from_checkpoint"]
     assert resumed, "the retry did not resume"
     ckpt = resumed[0].get("step")
@@ -107,8 +118,11 @@ def test_resume_after_a_kill_continues_the_loss_curve_from_the_checkpoint(tmp_pa
 def test_online_training_sees_the_same_targets_as_offline(tmp_path_factory, tmp_path) -> None:
     tok, voc = shared(tmp_path_factory, "tok"), shared(tmp_path_factory, "voc")
     offline = losses(events(shared(tmp_path_factory, "train")))
-    sections = {**TEST_SECTIONS, "extract": {"mode": "online"},
-                "train": {**TEST_SECTIONS["train"], "steps": 1}}
+    sections = {
+        **TEST_SECTIONS,
+        "extract": {"mode": "online"},
+        "train": {**TEST_SECTIONS["train"], "steps": 1},
+    }
     plan = write_plan(tmp_path / "plan.toml", **sections)
     run_stage("pipeline.stages.extract", plan, tmp_path / "ext", [tok])
     run_stage("pipeline.stages.train", plan, tmp_path / "train", [tmp_path / "ext", voc])
@@ -125,8 +139,10 @@ def test_torchrun_two_gloo_processes_equal_one_process(tmp_path_factory, tmp_pat
     ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
     results = {}
     for nproc in (1, 2):
-        sections = {**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 3, "nproc": nproc,
-                                                "checkpoint_every": 3}}
+        sections = {
+            **TEST_SECTIONS,
+            "train": {**TEST_SECTIONS["train"], "steps": 3, "nproc": nproc, "checkpoint_every": 3},
+        }
         plan = write_plan(tmp_path / f"plan{nproc}.toml", **sections)
         out = tmp_path / f"train{nproc}"
         run_stage("pipeline.stages.train", plan, out, [ext, voc])
@@ -144,19 +160,33 @@ def test_a_pause_holds_training_at_a_step_boundary(tmp_path_factory, tmp_path) -
     from pipeline.run.rundir import RunDir, write_json
 
     ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
-    plan = write_plan(tmp_path / "plan.toml", **{**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 6}})
+    plan = write_plan(
+        tmp_path / "plan.toml", **{**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 6}}
+    )
     run = RunDir(tmp_path / "run")
     sd = run.stage("train")
     sd.out.mkdir(parents=True)
     write_json(sd.pause_flag, {"attempt": 1})  # requested before the first step
-    env = {**os.environ, "AERIE_RUN_DIR": str(run.root), "AERIE_STAGE_ID": "train", "AERIE_OUT": str(sd.out),
-           "AERIE_PLAN": str(plan), "AERIE_INPUTS": json.dumps({"extract": str(ext), "vocab": str(voc)})}
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.stages.train"], cwd=ROOT, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "AERIE_RUN_DIR": str(run.root),
+        "AERIE_STAGE_ID": "train",
+        "AERIE_OUT": str(sd.out),
+        "AERIE_PLAN": str(plan),
+        "AERIE_INPUTS": json.dumps({"extract": str(ext), "vocab": str(voc)}),
+    }
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.stages.train"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not any(
-                e.get("code") == "paused" for e in read_all(sd.events) if sd.events.is_file()):
+            e.get("code") == "paused" for e in read_all(sd.events) if sd.events.is_file()
+        ):
             assert p.poll() is None, "training exited instead of pausing"
             time.sleep(0.1)
         time.sleep(2.0)

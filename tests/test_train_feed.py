@@ -32,7 +32,9 @@ def test_length_grouping_sees_every_row_once_per_epoch_and_pads_less() -> None:
     plain = [global_indices(step, 400, 8, 5) for step in range(1, 51)]
     real = sum(lengths)
     # padding: the share of padded tokens that are not real tokens
-    assert (padded(epoch, lengths) - real) / padded(epoch, lengths) < 0.5 * (padded(plain, lengths) - real) / padded(plain, lengths)
+    assert (padded(epoch, lengths) - real) / padded(epoch, lengths) < 0.5 * (
+        padded(plain, lengths) - real
+    ) / padded(plain, lengths)
     assert BatchSchedule(400, 8, 5, lengths, 0).rows(7) == plain[6]
 
 
@@ -113,12 +115,24 @@ def test_a_truncated_shard_is_named_when_training_opens_the_store(tmp_path_facto
 @pytest.mark.slow
 def test_training_measures_acceptance_and_keeps_the_best_checkpoint(tmp_path_factory, tmp_path) -> None:
     ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
-    sections = {**TEST_SECTIONS, "train": {**TEST_SECTIONS["train"], "steps": 24, "checkpoint_every": 6,
-                                            "keep_checkpoints": 10, "eval_spec_steps": 3}}
+    sections = {
+        **TEST_SECTIONS,
+        "train": {
+            **TEST_SECTIONS["train"],
+            "steps": 24,
+            "checkpoint_every": 6,
+            "keep_checkpoints": 10,
+            "eval_spec_steps": 3,
+        },
+    }
     plan = write_plan(tmp_path / "plan.toml", **sections)
     out = tmp_path / "train"
     run_stage("pipeline.stages.train", plan, out, [ext, voc])
-    acc = {e.get("step"): e.get("value") for e in events(out) if e.type == "metric" and e.get("name") == "accept_length"}
+    acc = {
+        e.get("step"): e.get("value")
+        for e in events(out)
+        if e.type == "metric" and e.get("name") == "accept_length"
+    }
     assert sorted(acc) == [6, 12, 18, 24]
     assert all(1.0 <= v <= 4.0 for v in acc.values())
     assert acc[24] > acc[6] or max(acc.values()) > min(acc.values())  # it moves as the draft trains
@@ -139,8 +153,11 @@ def test_training_measures_acceptance_and_keeps_the_best_checkpoint(tmp_path_fac
 @pytest.mark.slow
 def test_without_held_out_rows_training_says_acceptance_is_not_tracked(tmp_path_factory, tmp_path) -> None:
     tok, voc = shared(tmp_path_factory, "tok"), shared(tmp_path_factory, "voc")
-    sections = {**TEST_SECTIONS, "extract": {**TEST_SECTIONS["extract"], "eval_rows": 0},
-                "train": {**TEST_SECTIONS["train"], "steps": 2, "checkpoint_every": 2}}
+    sections = {
+        **TEST_SECTIONS,
+        "extract": {**TEST_SECTIONS["extract"], "eval_rows": 0},
+        "train": {**TEST_SECTIONS["train"], "steps": 2, "checkpoint_every": 2},
+    }
     plan = write_plan(tmp_path / "plan.toml", **sections)
     run_stage("pipeline.stages.extract", plan, tmp_path / "ext", [tok])
     assert not json.loads((tmp_path / "ext" / "manifest.json").read_text())["eval_shards"]

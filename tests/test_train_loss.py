@@ -18,14 +18,19 @@ def batch(seed: int, lengths: list[int], vocab: int = 64, hidden: int = 32) -> B
     n = torch.tensor(lengths)
     real = torch.arange(s)[None, :] < n[:, None]
     mask = real & (torch.rand(b, s, generator=g) < 0.7)  # prompt tokens and padding are not scored
-    return Batch(aux=torch.randn(b, s, 3 * hidden, generator=g), last_hidden=torch.randn(b, s, hidden, generator=g),
-                 target_argmax=torch.randint(0, vocab, (b, s), generator=g), input_ids=torch.randint(0, vocab, (b, s), generator=g),
-                 loss_mask=mask, lengths=n)
+    return Batch(
+        aux=torch.randn(b, s, 3 * hidden, generator=g),
+        last_hidden=torch.randn(b, s, hidden, generator=g),
+        target_argmax=torch.randint(0, vocab, (b, s), generator=g),
+        input_ids=torch.randint(0, vocab, (b, s), generator=g),
+        loss_mask=mask,
+        lengths=n,
+    )
 
 
 def grads_of(draft, losses) -> dict[str, torch.Tensor]:
     draft.zero_grad(set_to_none=True)
-    sum((0.8 ** j) * x for j, x in enumerate(losses)).backward()
+    sum((0.8**j) * x for j, x in enumerate(losses)).backward()
     return {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
 
 
@@ -94,13 +99,17 @@ def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_tokens_time
             kept[vocab, seq, "chunked"] = saved_bytes(ttt_sums, draft, b, head_d, chunk_tokens=16)
     dv = 4096 - 1024
     logits = 2 * 64 * dv * 4  # one step's extra fp32 (tokens × vocab) bytes, 64-token rows
-    assert kept[4096, 64, "plain"] - kept[1024, 64, "plain"] >= 7 * 2 * logits  # log-softmax and targets, 7 steps
+    assert (
+        kept[4096, 64, "plain"] - kept[1024, 64, "plain"] >= 7 * 2 * logits
+    )  # log-softmax and targets, 7 steps
     grown = kept[4096, 64, "chunked"] - kept[1024, 64, "chunked"]
     assert grown <= logits + 7 * hidden * dv * 4, kept  # target logits once + one lm_head gradient per step
+
     # The (tokens × vocab) term: what 64 more tokens per row add at the large vocabulary beyond what they
     # add at the small one. Plain: 7 steps × 2 tensors; chunked: the target's logits only.
     def cross(kind: str) -> int:
         return (kept[4096, 128, kind] - kept[4096, 64, kind]) - (kept[1024, 128, kind] - kept[1024, 64, kind])
+
     assert cross("plain") >= 7 * 2 * logits
     assert cross("chunked") <= logits * 9 / 8, kept
 
@@ -114,7 +123,7 @@ def test_on_a_gpu_the_compiled_soft_label_loss_equals_the_eager_one(monkeypatch:
     g = torch.Generator(device="cuda").manual_seed(0)
     n, hidden, vocab = 3000, 256, 5000
     x0 = torch.randn(n, hidden, device="cuda", generator=g)
-    w0 = torch.randn(vocab, hidden, device="cuda", generator=g) * hidden ** -0.5 * 3
+    w0 = torch.randn(vocab, hidden, device="cuda", generator=g) * hidden**-0.5 * 3
     tl = (torch.randn(2, 2048, vocab, device="cuda", generator=g) * 3).bfloat16()
     rows = torch.randint(0, 2, (n,), device="cuda", generator=g)
     cols = torch.randint(0, 2048, (n,), device="cuda", generator=g)
@@ -138,7 +147,10 @@ def test_on_a_gpu_the_compiled_soft_label_loss_equals_the_eager_one(monkeypatch:
         assert loss == pytest.approx(ref.item(), rel=2e-3)
         assert torch.equal(guess, z16.argmax(-1))
         assert (guess == z.argmax(-1)).float().mean() > 0.95  # bf16 products flip some of 5000-way near-ties
-        for got, want in ((gx, x.grad), (gw, w.grad)):  # bf16 products: about 2^-8 relative, as autocast gives
+        for got, want in (
+            (gx, x.grad),
+            (gw, w.grad),
+        ):  # bf16 products: about 2^-8 relative, as autocast gives
             assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
     assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
     assert torch.equal(compiled[1], eager[1])

@@ -22,10 +22,33 @@ from textual.theme import Theme
 
 DEFAULT_THEME = "aerie-dark"
 # The states every Aerie theme must colour (the board's vocabulary).
-STATES = ("running", "starting", "ready", "pausing", "paused", "succeeded", "failed", "killed",
-          "upstream-failed", "unhealthy", "pending", "skipped")
-COLOR_FIELDS = ("primary", "secondary", "accent", "warning", "error", "success", "foreground", "background",
-                "surface", "panel", "boost")
+STATES = (
+    "running",
+    "starting",
+    "ready",
+    "pausing",
+    "paused",
+    "succeeded",
+    "failed",
+    "killed",
+    "upstream-failed",
+    "unhealthy",
+    "pending",
+    "skipped",
+)
+COLOR_FIELDS = (
+    "primary",
+    "secondary",
+    "accent",
+    "warning",
+    "error",
+    "success",
+    "foreground",
+    "background",
+    "surface",
+    "panel",
+    "boost",
+)
 NUMBER_FIELDS = ("luminosity_spread", "text_alpha")
 
 

@@ -60,20 +60,34 @@ class DatasetsScreen(Screen[None]):
         return style_of(state) if style_of else ""
 
     def _cells(self, r: DatasetRow) -> tuple:
-        done = f"{fmt.count(r.done)} / {fmt.count(r.total)} {r.unit}" if r.total else (fmt.count(r.done) if r.done else "")
+        done = (
+            f"{fmt.count(r.done)} / {fmt.count(r.total)} {r.unit}"
+            if r.total
+            else (fmt.count(r.done) if r.done else "")
+        )
         frac = r.fraction
-        return (r.dataset, r.family, Text(r.state, style=self._style(r.state)), done,
-                f"{fmt.bar(frac, 10)} {frac * 100:3.0f}%" if frac is not None else "",
-                fmt.rate(r.rate, r.unit) if r.rate is not None else "", fmt.duration(r.eta_s) if r.eta_s else "",
-                str(r.rejects) if r.rejects else "", r.note)
+        return (
+            r.dataset,
+            r.family,
+            Text(r.state, style=self._style(r.state)),
+            done,
+            f"{fmt.bar(frac, 10)} {frac * 100:3.0f}%" if frac is not None else "",
+            fmt.rate(r.rate, r.unit) if r.rate is not None else "",
+            fmt.duration(r.eta_s) if r.eta_s else "",
+            str(r.rejects) if r.rejects else "",
+            r.note,
+        )
 
     def sync(self, model: RunModel) -> None:
         rows = dataset_rows(model)
         cells = [self._cells(r) for r in rows]
-        sig = tuple((r.stage, tuple(str(c) for c in cs), str(cs[2].style)) for r, cs in zip(rows, cells, strict=True))
+        sig = tuple(
+            (r.stage, tuple(str(c) for c in cs), str(cs[2].style)) for r, cs in zip(rows, cells, strict=True)
+        )
         n_running = sum(1 for r in rows if r.state == "running")
-        title = Text.assemble(("Datasets", "bold"), f"  {len(rows)} stages · {n_running} running · "
-                              "sorted by state, then ETA")
+        title = Text.assemble(
+            ("Datasets", "bold"), f"  {len(rows)} stages · {n_running} running · sorted by state, then ETA"
+        )
         self.query_one("#ds-title", Static).update(title)
         if sig == self._sig:
             return

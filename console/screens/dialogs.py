@@ -55,15 +55,40 @@ class ConfirmScreen(ModalScreen[bool]):
 
 # Help groups, in the order shown; an action not named here goes under "Views".
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
-    "Navigate": ("cursor", "cursor_to", "scroll_lines", "scroll_cols", "top", "follow", "screen.top",
-                 "screen.follow", "back", "close", "clear_filter", "previous_stage", "next_stage"),
+    "Navigate": (
+        "cursor",
+        "cursor_to",
+        "scroll_lines",
+        "scroll_cols",
+        "top",
+        "follow",
+        "screen.top",
+        "screen.follow",
+        "back",
+        "close",
+        "clear_filter",
+        "previous_stage",
+        "next_stage",
+    ),
     "Find": ("filter", "search", "next", "previous", "first_error"),
     "Control the selected stage": ("pause", "kill", "retry", "retry_fresh", "skip", "force"),
     "Views": (),
 }
-FRAMEWORK_ACTIONS = ("quit", "command_palette")  # Textual's Ctrl+Q (`q` is ours) and its palette row (ours below)
-KEY_WORDS = {"⏎": "Enter", "pgup": "PgUp", "pgdn": "PgDn", "home": "Home", "end": "End", "esc": "Esc", "space": "Space",
-             "enter": "Enter", "tab": "Tab"}
+FRAMEWORK_ACTIONS = (
+    "quit",
+    "command_palette",
+)  # Textual's Ctrl+Q (`q` is ours) and its palette row (ours below)
+KEY_WORDS = {
+    "⏎": "Enter",
+    "pgup": "PgUp",
+    "pgdn": "PgDn",
+    "home": "Home",
+    "end": "End",
+    "esc": "Esc",
+    "space": "Space",
+    "enter": "Enter",
+    "tab": "Tab",
+}
 
 
 def key_label(app: App, key: str) -> str:
@@ -88,7 +113,12 @@ def help_sections(screen: Screen) -> list[tuple[str, list[tuple[str, str]]]]:
     same thing share a row (``↑ / ↓``).
     """
     app = screen.app
-    own = {k.strip(): b for b in getattr(screen, "BINDINGS", []) if isinstance(b, Binding) for k in b.key.split(",")}
+    own = {
+        k.strip(): b
+        for b in getattr(screen, "BINDINGS", [])
+        if isinstance(b, Binding)
+        for k in b.key.split(",")
+    }
     rows: dict[str, tuple[str, list[str]]] = {}
     for key, active in screen.active_bindings.items():
         b = active.binding
@@ -101,8 +131,10 @@ def help_sections(screen: Screen) -> list[tuple[str, list[tuple[str, str]]]]:
         if label not in keys:
             keys.append(label)
     if app.ENABLE_COMMAND_PALETTE:
-        rows.setdefault("command palette: every action, and the themes",
-                        ("Views", [key_label(app, app.COMMAND_PALETTE_BINDING)]))
+        rows.setdefault(
+            "command palette: every action, and the themes",
+            ("Views", [key_label(app, app.COMMAND_PALETTE_BINDING)]),
+        )
     out: dict[str, list[tuple[str, str]]] = {g: [] for g in HELP_GROUPS}
     for what, (group, keys) in rows.items():
         out[group].append((" / ".join(keys), what))
@@ -119,8 +151,9 @@ class HelpScreen(ModalScreen[None]):
                                   border: thick $primary; background: $surface; padding: 1 2; }
     """
 
-    def __init__(self, sections: list[tuple[str, list[tuple[str, str]]]], notes: str = "",
-                 title: str = "Aerie — keys") -> None:
+    def __init__(
+        self, sections: list[tuple[str, list[tuple[str, str]]]], notes: str = "", title: str = "Aerie — keys"
+    ) -> None:
         super().__init__()
         self.sections = sections
         self.notes = notes
@@ -132,7 +165,9 @@ class HelpScreen(ModalScreen[None]):
         for group, rows in self.sections:
             parts.append(Text("\n" + group, style="bold"))
             table = Table(box=None, show_header=False, padding=(0, 1), expand=True)
-            table.add_column(no_wrap=True, width=width + 2, style="bold")  # keys; a long description wraps beside them
+            table.add_column(
+                no_wrap=True, width=width + 2, style="bold"
+            )  # keys; a long description wraps beside them
             table.add_column(ratio=1)
             for k, d in rows:
                 table.add_row(f" {k}", d)

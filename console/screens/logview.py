@@ -44,7 +44,9 @@ class LogScreen(Screen[None]):
     """A full-screen, live view of one run-dir log."""
 
     BINDINGS = [
-        Binding("escape", "back", "Back", tooltip="close the search box, else clear the filter, else go back"),
+        Binding(
+            "escape", "back", "Back", tooltip="close the search box, else clear the filter, else go back"
+        ),
         Binding("q", "close", "Back", show=False, tooltip="back to the board (the stage keeps running)"),
         Binding("f,end", "follow", "Follow", tooltip="follow the end of the log; scrolling up pauses it"),
         Binding("g,home", "top", "Top", tooltip="the first line (pauses follow)"),
@@ -53,8 +55,15 @@ class LogScreen(Screen[None]):
         Binding("slash", "search", "Search", tooltip="search (regex, smart case); Enter jumps to the match"),
         Binding("n", "next", "Next", tooltip="next match below"),
         Binding("N", "previous", "Prev", show=False, tooltip="previous match above"),
-        Binding("ampersand", "filter", "Filter", tooltip="show only the lines matching a regex; empty clears"),
-        Binding("e", "first_error", "First error", tooltip="jump to the first error or traceback; n/N: the next ones"),
+        Binding(
+            "ampersand", "filter", "Filter", tooltip="show only the lines matching a regex; empty clears"
+        ),
+        Binding(
+            "e",
+            "first_error",
+            "First error",
+            tooltip="jump to the first error or traceback; n/N: the next ones",
+        ),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
     ]
     DEFAULT_CSS = """
@@ -198,7 +207,9 @@ class LogScreen(Screen[None]):
             t.append(" · FOLLOW", style="bold")
         else:
             new = view.total - self.seen_total
-            t.append(" · paused" + (f": +{new:,} new (End follows)" if new > 0 else " (End follows)"), style="bold")
+            t.append(
+                " · paused" + (f": +{new:,} new (End follows)" if new > 0 else " (End follows)"), style="bold"
+            )
         if view.wrap:
             t.append(" · wrap")
         if view.hide_timestamps:
@@ -225,8 +236,11 @@ class LogScreen(Screen[None]):
     def _need_index(self) -> bool:
         if self.index.caught_up:
             return True
-        self.notify(f"still indexing the log ({self.index.fraction_indexed:.0%}); try again in a moment",
-                    severity="warning", timeout=3)
+        self.notify(
+            f"still indexing the log ({self.index.fraction_indexed:.0%}); try again in a moment",
+            severity="warning",
+            timeout=3,
+        )
         return False
 
     def action_follow(self) -> None:
@@ -260,12 +274,18 @@ class LogScreen(Screen[None]):
         self.view.focus()
 
     def action_search(self) -> None:
-        self._open_input("search", "search: a regex (smart case) — Enter jumps to the match, then n / N",
-                         self.search_pattern if self.search_pattern not in (None, ERROR_PATTERN) else "")
+        self._open_input(
+            "search",
+            "search: a regex (smart case) — Enter jumps to the match, then n / N",
+            self.search_pattern if self.search_pattern not in (None, ERROR_PATTERN) else "",
+        )
 
     def action_filter(self) -> None:
-        self._open_input("filter", "filter: show only lines matching this regex — empty clears",
-                         self.filter.pattern if self.filter else "")
+        self._open_input(
+            "filter",
+            "filter: show only lines matching this regex — empty clears",
+            self.filter.pattern if self.filter else "",
+        )
 
     @on(Input.Submitted, "#log-input")
     def _submitted(self, event: Input.Submitted) -> None:
@@ -333,9 +353,13 @@ class LogScreen(Screen[None]):
     def action_help(self) -> None:
         from console.screens.dialogs import HelpScreen, help_sections
 
-        self.app.push_screen(HelpScreen(help_sections(self), title="Log viewer — keys",
-                                        notes="The log is read in place: nothing is loaded whole, "
-                                              "however large it is."))
+        self.app.push_screen(
+            HelpScreen(
+                help_sections(self),
+                title="Log viewer — keys",
+                notes="The log is read in place: nothing is loaded whole, however large it is.",
+            )
+        )
 
     # ------------------------------------------------------------------------------ search
     @work(exclusive=True, group="log-find")
@@ -354,7 +378,9 @@ class LogScreen(Screen[None]):
             return
         self.note = ""
         if line is None:
-            what = "no error or traceback in this log" if pattern == ERROR_PATTERN else f"/{pattern}/: no match"
+            what = (
+                "no error or traceback in this log" if pattern == ERROR_PATTERN else f"/{pattern}/: no match"
+            )
             self.notify(what + ("" if from_top else (" above" if backward else " below")), timeout=3)
         else:
             view.set_options(found_line=line)

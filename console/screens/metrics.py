@@ -29,9 +29,21 @@ class MetricsScreen(Screen[None]):
         Binding("escape,m,q", "close", "Back", tooltip="back to the board"),
         Binding("space", "toggle", "Show/hide", show=False, tooltip="show / hide the highlighted metric"),
         Binding("enter", "toggle", "Show/hide", show=False, tooltip="show / hide the highlighted metric"),
-        Binding("a", "attempts", "Attempts", tooltip="compare the highlighted metric across attempts (again: back)"),
-        Binding("left_square_bracket", "previous_stage", "Prev stage", tooltip="previous / next stage with metrics"),
-        Binding("right_square_bracket", "next_stage", "Next stage", tooltip="previous / next stage with metrics"),
+        Binding(
+            "a",
+            "attempts",
+            "Attempts",
+            tooltip="compare the highlighted metric across attempts (again: back)",
+        ),
+        Binding(
+            "left_square_bracket",
+            "previous_stage",
+            "Prev stage",
+            tooltip="previous / next stage with metrics",
+        ),
+        Binding(
+            "right_square_bracket", "next_stage", "Next stage", tooltip="previous / next stage with metrics"
+        ),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
     ]
     DEFAULT_CSS = """
@@ -135,9 +147,15 @@ class MetricsScreen(Screen[None]):
         plot.empty_text = "tick a metric on the left (Space)"
         plot.draw(panels, xlabel, scale, key=(st.id, h.version, tuple(shown)))
         stride = max((s.stride for s in series), default=1)
-        extra = [f"{len(names) - MAX_PANELS} more ticked: showing the first {MAX_PANELS}"] if len(names) > MAX_PANELS else []
+        extra = (
+            [f"{len(names) - MAX_PANELS} more ticked: showing the first {MAX_PANELS}"]
+            if len(names) > MAX_PANELS
+            else []
+        )
         if stride > 1:
-            extra.append(f"each point is the mean of {stride} samples (memory stays bounded; TensorBoard has them all)")
+            extra.append(
+                f"each point is the mean of {stride} samples (memory stays bounded; TensorBoard has them all)"
+            )
         note.update(" · ".join([f"attempt {h.latest()}", *extra]))
 
     def _highlighted(self) -> str | None:

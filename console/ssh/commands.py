@@ -53,7 +53,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if isinstance(plan, int):
         return plan
     if not plan.executor.host:
-        print(f"{plan.path}: executor.kind = {plan.executor.kind!r}: nothing to preflight (runs on this machine)")
+        print(
+            f"{plan.path}: executor.kind = {plan.executor.kind!r}: nothing to preflight (runs on this machine)"
+        )
         return EXIT_OK
     try:
         rc, _layout = asyncio.run(_preflight_and_start(plan, start=False))
@@ -72,8 +74,11 @@ def start_remote(plan: plan_mod.Plan) -> SshTransport | int:
         return EXIT_USAGE
     if rc != EXIT_OK or layout is None:
         return rc or EXIT_USAGE
-    print(f"aerie: run started on {plan.executor.host}:{layout.root}; re-attach from anywhere with "
-          f"`aerie attach {plan.path}`", file=sys.stderr)
+    print(
+        f"aerie: run started on {plan.executor.host}:{layout.root}; re-attach from anywhere with "
+        f"`aerie attach {plan.path}`",
+        file=sys.stderr,
+    )
     return SshTransport(HostConnection(SshTarget.from_executor(plan.executor, plan.path)), layout)
 
 
@@ -96,7 +101,10 @@ def attach_transport(arg: str) -> Transport | int:
                     _err(f"{plan.run_dir}: no such run (start it with `aerie run {arg}`)")
                     return EXIT_USAGE
                 return LocalTransport(str(plan.run_dir))
-            target, remote_dir = SshTarget.from_executor(plan.executor, plan.path), str(plan.executor.remote_dir)
+            target, remote_dir = (
+                SshTarget.from_executor(plan.executor, plan.path),
+                str(plan.executor.remote_dir),
+            )
         layout = asyncio.run(_layout_of(target, remote_dir))
     except SshError as exc:
         _err(str(exc))

@@ -33,8 +33,15 @@ from console.transport import ConnectionStatus
 from pipeline.run.plan import Executor
 
 DEFAULT_MAX_SESSIONS = 10  # OpenSSH's MaxSessions default
-EXECUTOR_OPTIONS = {"known_hosts", "ssh_config", "max_sessions", "keepalive_s", "keepalive_count",
-                    "connect_timeout_s", "pipeline"}  # [executor] options this executor reads
+EXECUTOR_OPTIONS = {
+    "known_hosts",
+    "ssh_config",
+    "max_sessions",
+    "keepalive_s",
+    "keepalive_count",
+    "connect_timeout_s",
+    "pipeline",
+}  # [executor] options this executor reads
 CHANNEL_OPEN_TRIES = 6  # ~0.6 s of retries when the server refuses a channel (see _open_retrying)
 
 
@@ -82,7 +89,9 @@ class SshTarget:
         o = ex.options
         for k in o:
             if k not in EXECUTOR_OPTIONS:
-                raise SshError(f"{file}: executor.options.{k}: unknown key (known: {', '.join(sorted(EXECUTOR_OPTIONS))})")
+                raise SshError(
+                    f"{file}: executor.options.{k}: unknown key (known: {', '.join(sorted(EXECUTOR_OPTIONS))})"
+                )
 
         def path(key: str) -> str | None:
             v = o.get(key)
@@ -97,11 +106,15 @@ class SshTarget:
             return kind(v)
 
         return cls(
-            host=ex.host, user=ex.user, port=ex.port,
+            host=ex.host,
+            user=ex.user,
+            port=ex.port,
             identity=str(Path(ex.identity).expanduser()) if ex.identity else None,
-            known_hosts=path("known_hosts"), ssh_config=path("ssh_config"),
+            known_hosts=path("known_hosts"),
+            ssh_config=path("ssh_config"),
             max_sessions=num("max_sessions", DEFAULT_MAX_SESSIONS, int),
-            keepalive_s=num("keepalive_s", 5.0, float), keepalive_count=num("keepalive_count", 3, int),
+            keepalive_s=num("keepalive_s", 5.0, float),
+            keepalive_count=num("keepalive_count", 3, int),
             connect_timeout_s=num("connect_timeout_s", 15.0, float),
         )
 
@@ -180,8 +193,10 @@ class HostConnection:
         kw: dict[str, Any] = {
             "known_hosts": t.known_hosts if t.known_hosts else (),
             "config": [t.ssh_config] if t.ssh_config else (),
-            "keepalive_interval": t.keepalive_s, "keepalive_count_max": t.keepalive_count,
-            "connect_timeout": t.connect_timeout_s, "login_timeout": t.connect_timeout_s,
+            "keepalive_interval": t.keepalive_s,
+            "keepalive_count_max": t.keepalive_count,
+            "connect_timeout": t.connect_timeout_s,
+            "login_timeout": t.connect_timeout_s,
         }
         if t.user:
             kw["username"] = t.user
@@ -203,7 +218,8 @@ class HostConnection:
             raise HostKeyError(
                 f"{self.target.label}: your ssh config disables host key checking (UserKnownHostsFile none); "
                 "Aerie always checks host keys. Remove that setting for this host or set "
-                "[executor] options.known_hosts to a known_hosts file.")
+                "[executor] options.known_hosts to a known_hosts file."
+            )
         files = [kh] if isinstance(kh, str) else [str(f) for f in kh] if isinstance(kh, list | tuple) else []
         if not files:
             files = [str(Path("~/.ssh/known_hosts").expanduser())]
@@ -213,8 +229,10 @@ class HostConnection:
         files = self._known_hosts_files()
         kw = self._connect_kwargs()
         if self.target.known_hosts and not Path(self.target.known_hosts).is_file():
-            raise HostKeyError(f"{self.target.label}: known_hosts file {self.target.known_hosts} does not exist; "
-                               f"create it by connecting once with: {self.target.ssh_command()}")
+            raise HostKeyError(
+                f"{self.target.label}: known_hosts file {self.target.known_hosts} does not exist; "
+                f"create it by connecting once with: {self.target.ssh_command()}"
+            )
         self._offered = None
         try:
             conn = await asyncssh.connect(self.target.host, client_factory=lambda: _Client(self), **kw)
@@ -222,9 +240,15 @@ class HostConnection:
             raise self._host_key_error(files, str(exc)) from None
         except asyncssh.PermissionDenied:
             who = self.target.user or "the configured user"
-            how = f"identity {self.target.identity}" if self.target.identity else "your ssh agent / default keys"
-            raise AuthError(f"{self.target.label}: permission denied for {who} with {how}; check [executor] user/"
-                            f"identity or your ssh config (try: {self.target.ssh_command()})") from None
+            how = (
+                f"identity {self.target.identity}"
+                if self.target.identity
+                else "your ssh agent / default keys"
+            )
+            raise AuthError(
+                f"{self.target.label}: permission denied for {who} with {how}; check [executor] user/"
+                f"identity or your ssh config (try: {self.target.ssh_command()})"
+            ) from None
         except (TimeoutError, asyncssh.Error, OSError) as exc:
             raise SshError(f"{self.target.label}: cannot connect: {exc or type(exc).__name__}") from None
         self._conn = conn
@@ -243,25 +267,35 @@ class HostConnection:
         trusted: list[asyncssh.SSHKey] = []
         with contextlib.suppress(Exception):
             if existing:
-                trusted = list(asyncssh.match_known_hosts(existing, host, addr, port if port != 22 else None)[0])
+                trusted = list(
+                    asyncssh.match_known_hosts(existing, host, addr, port if port != 22 else None)[0]
+                )
         kh = existing[0] if existing else files[0]
         port_opt = f"-p {port} " if port not in (22, None) else ""
-        accept = (f"accept it with `ssh-keyscan {port_opt}{shlex.quote(host)} >> {shlex.quote(kh)}` "
-                  f"(or connect once with `{self.target.ssh_command()}` and answer yes)")
-        check = ("check it on the host itself (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`, or from the "
-                 "container's console)")
+        accept = (
+            f"accept it with `ssh-keyscan {port_opt}{shlex.quote(host)} >> {shlex.quote(kh)}` "
+            f"(or connect once with `{self.target.ssh_command()}` and answer yes)"
+        )
+        check = (
+            "check it on the host itself (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`, or from the "
+            "container's console)"
+        )
         if trusted:
-            old = ", ".join(sorted({k.get_fingerprint('sha256') for k in trusted}))
+            old = ", ".join(sorted({k.get_fingerprint("sha256") for k in trusted}))
             return HostKeyError(
                 f"{self.target.label}: REFUSED: the host key of {spec} has CHANGED. known_hosts ({kh}) has {old}; "
                 f"the server now offers {alg} {fp}. This is what a man-in-the-middle looks like, or the container was "
                 f"rebuilt with a new key. Before trusting it, {check}. If it matches, remove the old entry with "
                 f"`ssh-keygen -R {shlex.quote(spec)} -f {shlex.quote(kh)}` and then {accept}.",
-                changed=True, fingerprint=fp)
+                changed=True,
+                fingerprint=fp,
+            )
         return HostKeyError(
             f"{self.target.label}: REFUSED: {spec} is not in known_hosts ({', '.join(files)}); the server offers "
             f"{alg} {fp}. Aerie never trusts a host key on first use: {check}, then {accept}.",
-            changed=False, fingerprint=fp)
+            changed=False,
+            fingerprint=fp,
+        )
 
     async def connect(self) -> HostConnection:
         """Connect (once, strictly: errors are raised), then keep the connection up in the background."""
@@ -342,8 +376,10 @@ class HostConnection:
         if self._conn is None or self._conn.is_closed():
             return NotConnected(f"{self.target.label}: connection lost ({exc or type(exc).__name__})")
         if isinstance(exc, asyncssh.ChannelOpenError):
-            return SshError(f"{self.target.label}: the server refused a new channel ({exc.reason}); its MaxSessions "
-                            f"may be below [executor] options.max_sessions = {self.target.max_sessions}")
+            return SshError(
+                f"{self.target.label}: the server refused a new channel ({exc.reason}); its MaxSessions "
+                f"may be below [executor] options.max_sessions = {self.target.max_sessions}"
+            )
         if isinstance(exc, asyncssh.ConnectionLost | asyncssh.DisconnectError | OSError):
             return NotConnected(f"{self.target.label}: connection lost ({exc or type(exc).__name__})")
         return SshError(f"{self.target.label}: {exc}")
@@ -369,9 +405,13 @@ class HostConnection:
         conn = self._require()
         await self._acquire()
         try:
-            r = await self._open_retrying(lambda: conn.run(command, input=input, check=False, timeout=timeout_s))
+            r = await self._open_retrying(
+                lambda: conn.run(command, input=input, check=False, timeout=timeout_s)
+            )
         except asyncssh.TimeoutError:
-            raise SshError(f"{self.target.label}: `{command[:80]}` did not finish within {timeout_s:g}s") from None
+            raise SshError(
+                f"{self.target.label}: `{command[:80]}` did not finish within {timeout_s:g}s"
+            ) from None
         except (asyncssh.Error, OSError) as exc:
             raise self._channel_error(exc) from None
         finally:
@@ -440,10 +480,11 @@ def remote_env_prefix(pythonpath: str | None) -> str:
     """Shell words that put ``pythonpath`` first on the remote ``PYTHONPATH`` (POSIX shells)."""
     if not pythonpath:
         return ""
-    return f"env PYTHONPATH={shlex.quote(pythonpath)}\"${{PYTHONPATH:+:$PYTHONPATH}}\" "
+    return f'env PYTHONPATH={shlex.quote(pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}" '
 
 
 def remote_python(python: str, pythonpath: str | None, *argv: str) -> str:
     """The command line that runs ``python *argv`` on the host with Aerie's ``pipeline`` importable."""
-    return f"cd / && exec {remote_env_prefix(pythonpath)}{shlex.quote(python)} " + " ".join(shlex.quote(a) for a in argv)
-
+    return f"cd / && exec {remote_env_prefix(pythonpath)}{shlex.quote(python)} " + " ".join(
+        shlex.quote(a) for a in argv
+    )

@@ -47,7 +47,7 @@ PIPELINE_MODES = ("auto", "upload", "installed")
 
 # Runs on the host with its own interpreter (any Python 3), reading one JSON argument. Only the
 # standard library, and careful to report rather than crash: an old or broken host is the point.
-PROBE = r'''
+PROBE = r"""
 import hashlib, importlib, json, os, sys
 a = json.loads(sys.argv[1])
 r = {"python": "%d.%d.%d" % tuple(sys.version_info[:3]), "executable": sys.executable,
@@ -90,14 +90,15 @@ if a.get("verify"):
             errs[m] = "%s: %s" % (type(e).__name__, e)
     r["module_errors"] = errs
 print(json.dumps(r))
-'''
+"""
 
 
 EAGLE3_STAGES = ("extract", "train", "bench")
 
 
-async def _chain(rep: PreflightReport, conn: HostConnection, python: str, pythonpath: str | None,
-                 remote_plan: str) -> None:
+async def _chain(
+    rep: PreflightReport, conn: HostConnection, python: str, pythonpath: str | None, remote_plan: str
+) -> None:
     """``python -m pipeline.eagle3.chain_check`` on the host: each of its checks becomes a ``chain:`` line.
 
     A target not yet on the host (a plan whose first stages download it) is a warning, not a refusal.
@@ -107,12 +108,18 @@ async def _chain(rep: PreflightReport, conn: HostConnection, python: str, python
     try:
         doc = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        rep.add("chain", False, f"the deep check did not run on the host (exit {r.returncode}): "
-                                f"{(r.stderr or r.stdout).strip()[-400:]}")
+        rep.add(
+            "chain",
+            False,
+            f"the deep check did not run on the host (exit {r.returncode}): "
+            f"{(r.stderr or r.stdout).strip()[-400:]}",
+        )
         return
     for c in doc.get("checks", []):
         if c["name"] == "target" and not c["ok"]:
-            rep.add("chain", True, c["detail"] + " — the deep check is skipped until it is there", warning=True)
+            rep.add(
+                "chain", True, c["detail"] + " — the deep check is skipped until it is there", warning=True
+            )
             return
         rep.add(f"chain: {c['name']}", bool(c["ok"]), c["detail"], warning=bool(c.get("warning")))
 
@@ -150,7 +157,9 @@ class PreflightReport:
         lines = [head, *(c.line() for c in self.checks)]
         failed = [c.name for c in self.checks if not c.ok]
         if failed:
-            lines.append(f"REFUSED: {len(failed)} check(s) failed ({', '.join(failed)}); nothing was started.")
+            lines.append(
+                f"REFUSED: {len(failed)} check(s) failed ({', '.join(failed)}); nothing was started."
+            )
         else:
             lines.append(f"ready ({self.seconds:.1f}s): the run can start on {self.host}.")
         return "\n".join(lines)
@@ -159,8 +168,11 @@ class PreflightReport:
 def local_package() -> tuple[Path, list[Path], str]:
     """This console's ``pipeline`` package: its directory, its files, and a hash of their content."""
     root = Path(pipeline.__file__).resolve().parent
-    files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                   and p.suffix not in (".pyc", ".pyo"))
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")
+    )
     h = hashlib.sha256()
     for p in files:
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
@@ -171,7 +183,9 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-async def _probe(conn: HostConnection, python: str, pythonpath: str | None, args: dict) -> tuple[dict | None, str]:
+async def _probe(
+    conn: HostConnection, python: str, pythonpath: str | None, args: dict
+) -> tuple[dict | None, str]:
     args = {"min_python": list(MIN_PYTHON), **args}
     cmd = remote_python(python, pythonpath, "-", json.dumps(args))
     r = await conn.run(cmd, input=PROBE, timeout_s=300.0)
@@ -250,7 +264,11 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
     ex = plan.executor
     mode = str(ex.options.get("pipeline", "auto"))
     if mode not in PIPELINE_MODES:
-        rep.add("plan", False, f"{plan.path}: executor.options.pipeline: must be one of {', '.join(PIPELINE_MODES)}")
+        rep.add(
+            "plan",
+            False,
+            f"{plan.path}: executor.options.pipeline: must be one of {', '.join(PIPELINE_MODES)}",
+        )
         return
     # 1. connection
     if not conn.connected:
@@ -260,7 +278,11 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
         except SshError as exc:
             rep.add("connection", False, str(exc))
             return
-        rep.add("connection", True, f"{conn.target.label}, host key verified ({(time.monotonic() - t) * 1000:.0f} ms)")
+        rep.add(
+            "connection",
+            True,
+            f"{conn.target.label}, host key verified ({(time.monotonic() - t) * 1000:.0f} ms)",
+        )
     else:
         rep.add("connection", True, f"{conn.target.label}, host key verified")
     # 2. python (first probe, with the host's own environment)
@@ -268,16 +290,27 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
     if info is None:
         rep.add("python", False, err)
         return
-    if not rep.add("python", bool(info["version_ok"]),
-                   f"{info['executable']} {info['python']}" + ("" if info["version_ok"] else
-                   f": Aerie needs Python {'.'.join(map(str, MIN_PYTHON))}+ on the host (set [executor] python)")):
+    if not rep.add(
+        "python",
+        bool(info["version_ok"]),
+        f"{info['executable']} {info['python']}"
+        + (
+            ""
+            if info["version_ok"]
+            else f": Aerie needs Python {'.'.join(map(str, MIN_PYTHON))}+ on the host (set [executor] python)"
+        ),
+    ):
         return
     python, root = str(info["executable"]), str(info["root"])
     # 3. run dir
     text = plan.path.read_bytes()
     if info.get("plan_sha256") and info["plan_sha256"] != hashlib.sha256(text).hexdigest():
-        rep.add("run dir", False, f"{root} already holds a different plan: attach to it (aerie attach "
-                                  f"ssh://{conn.target.label}{root}) or set a new [executor] remote_dir")
+        rep.add(
+            "run dir",
+            False,
+            f"{root} already holds a different plan: attach to it (aerie attach "
+            f"ssh://{conn.target.label}{root}) or set a new [executor] remote_dir",
+        )
         return
     if not info["writable"]:
         rep.add("run dir", False, f"{info['existing']} is not writable by the ssh user: cannot create {root}")
@@ -288,17 +321,27 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
         except asyncssh.SFTPError as exc:
             rep.add("run dir", False, f"cannot create {root}: {exc.reason}")
             return
-        existed = "exists, holding this plan (re-attaching)" if info.get("plan_sha256") else (
-            "exists" if info["root_exists"] else "created")
+        existed = (
+            "exists, holding this plan (re-attaching)"
+            if info.get("plan_sha256")
+            else ("exists" if info["root_exists"] else "created")
+        )
         rep.add("run dir", True, f"{root} ({existed})")
         # 4. pipeline package
         pythonpath: str | None = None
         native_ok = info.get("protocol") == AGENT_PROTOCOL
         if mode == "installed" or (mode == "auto" and native_ok):
             if not native_ok:
-                why = info.get("pipeline_error") or f"it speaks agent protocol {info.get('protocol')}, not {AGENT_PROTOCOL}"
-                rep.add("pipeline", False, f"the host's pipeline cannot be used ({why}) and options.pipeline = "
-                                           "\"installed\" forbids uploading this console's copy")
+                why = (
+                    info.get("pipeline_error")
+                    or f"it speaks agent protocol {info.get('protocol')}, not {AGENT_PROTOCOL}"
+                )
+                rep.add(
+                    "pipeline",
+                    False,
+                    f"the host's pipeline cannot be used ({why}) and options.pipeline = "
+                    '"installed" forbids uploading this console\'s copy',
+                )
                 return
             rep.add("pipeline", True, f"the host's own, from {info['pipeline_dir']}")
         else:
@@ -307,7 +350,11 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             except (asyncssh.SFTPError, OSError) as exc:
                 rep.add("pipeline", False, f"uploading the pipeline package failed: {exc}")
                 return
-            why = "" if mode == "upload" else f" (the host has none: {info.get('pipeline_error', 'other protocol')})"
+            why = (
+                ""
+                if mode == "upload"
+                else f" (the host has none: {info.get('pipeline_error', 'other protocol')})"
+            )
             rep.add("pipeline", True, what + why)
         # 5. plan: upload, then validate on the host with the host's pipeline
         remote_plan = posixpath.join(root, UPLOADED_PLAN)
@@ -317,21 +364,34 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             rep.add("plan", False, f"uploading the plan to {remote_plan} failed: {exc.reason}")
             return
         modules = sorted({stage_module(s.run) for s in plan.stages if s.run})
-        checked, err = await _probe(conn, python, pythonpath,
-                                    {"root": root, "verify": True, "plan": remote_plan, "modules": modules})
+        checked, err = await _probe(
+            conn, python, pythonpath, {"root": root, "verify": True, "plan": remote_plan, "modules": modules}
+        )
         if checked is None or "pipeline_error" in checked:
-            rep.add("plan", False, err or f"pipeline does not import on the host: {checked['pipeline_error']}")
+            rep.add(
+                "plan", False, err or f"pipeline does not import on the host: {checked['pipeline_error']}"
+            )
             return
         if checked.get("plan_error"):
             rep.add("plan", False, f"the host rejects the plan: {checked['plan_error']}")
             return
         bad = checked.get("module_errors") or {}
         if bad:
-            rep.add("plan", False, "stage modules that do not import on the host: "
-                    + "; ".join(f"{m}: {e}" for m, e in bad.items()) + " (install the `pipeline` extra there)")
+            rep.add(
+                "plan",
+                False,
+                "stage modules that do not import on the host: "
+                + "; ".join(f"{m}: {e}" for m, e in bad.items())
+                + " (install the `pipeline` extra there)",
+            )
             return
-        rep.add("plan", True, f"uploaded to {remote_plan}; valid on the host ({len(plan.stages)} stages"
-                + (f", modules {', '.join(modules)} import" if modules else "") + ")")
+        rep.add(
+            "plan",
+            True,
+            f"uploaded to {remote_plan}; valid on the host ({len(plan.stages)} stages"
+            + (f", modules {', '.join(modules)} import" if modules else "")
+            + ")",
+        )
         # 6. disk
         declared = sum(s.output_bytes for s in plan.stages)
         free = info.get("free_bytes")
@@ -339,9 +399,17 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             rep.add("disk", False, f"cannot read free space at {root}: {info.get('free_error')}")
             return
         if declared and free < declared:
-            rep.add("disk", False, f"{_gib(free)} free at {root}, but the stages declare {_gib(declared)} of outputs")
+            rep.add(
+                "disk",
+                False,
+                f"{_gib(free)} free at {root}, but the stages declare {_gib(declared)} of outputs",
+            )
             return
-        rep.add("disk", True, f"{_gib(free)} free at {root}" + (f" (stages declare {_gib(declared)})" if declared else ""))
+        rep.add(
+            "disk",
+            True,
+            f"{_gib(free)} free at {root}" + (f" (stages declare {_gib(declared)})" if declared else ""),
+        )
         # 7. the EAGLE-3 chain, checked on the host against the host's copy of the target
         if any(st.run in EAGLE3_STAGES for st in plan.stages):
             await _chain(rep, conn, python, pythonpath, remote_plan)
@@ -349,11 +417,20 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
                 return
         # 8. a Slurm plan: the login node's sinfo and a probe job on a compute node (pipeline.run.slurm_preflight)
         if ex.kind == "slurm":
-            r = await conn.run(remote_python(python, pythonpath, "-m", "pipeline.run.slurm_preflight", remote_plan,
-                                             "--run-dir", root), timeout_s=600.0)
-            lines = [x.strip() for x in (r.stdout + r.stderr).splitlines() if x.strip().startswith(("ok", "FAIL"))]
-            detail = "; ".join(x.split(None, 1)[-1] for x in lines if x.startswith("FAIL")) if r.returncode else \
-                f"{len(lines)} checks passed: " + "; ".join(x.split(None, 1)[-1] for x in lines)
+            r = await conn.run(
+                remote_python(
+                    python, pythonpath, "-m", "pipeline.run.slurm_preflight", remote_plan, "--run-dir", root
+                ),
+                timeout_s=600.0,
+            )
+            lines = [
+                x.strip() for x in (r.stdout + r.stderr).splitlines() if x.strip().startswith(("ok", "FAIL"))
+            ]
+            detail = (
+                "; ".join(x.split(None, 1)[-1] for x in lines if x.startswith("FAIL"))
+                if r.returncode
+                else f"{len(lines)} checks passed: " + "; ".join(x.split(None, 1)[-1] for x in lines)
+            )
             if not rep.add("slurm", r.returncode == 0, detail or (r.stderr or r.stdout).strip()[-500:]):
                 return
         layout = RemoteLayout(root=root, python=python, pythonpath=pythonpath, plan=remote_plan)

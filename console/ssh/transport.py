@@ -56,8 +56,12 @@ class RemoteLayout:
     def from_json(cls, raw: bytes | str, where: str) -> RemoteLayout:
         try:
             d = json.loads(raw)
-            return cls(root=str(d["root"]), python=str(d["python"]), pythonpath=d.get("pythonpath"),
-                       plan=str(d.get("plan", "")))
+            return cls(
+                root=str(d["root"]),
+                python=str(d["python"]),
+                pythonpath=d.get("pythonpath"),
+                plan=str(d.get("plan", "")),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise SshError(f"{where}: corrupt layout file: {exc}") from None
 
@@ -129,7 +133,9 @@ class _Agent:
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise NotConnected(f"{self.label}: no answer from the remote agent within {timeout_s:g}s") from None
+            raise NotConnected(
+                f"{self.label}: no answer from the remote agent within {timeout_s:g}s"
+            ) from None
         finally:
             self.pending.pop(rid, None)  # answered, timed out, or the caller was cancelled
 
@@ -184,18 +190,23 @@ class SshTransport:
             # First use (e.g. inside the console's own event loop): connect strictly.
             await self.conn.connect()
             self._ever_connected = True
-        cmd = remote_python(self.layout.python, self.layout.pythonpath, "-m", "pipeline.run.remote_agent",
-                            self.layout.root)
+        cmd = remote_python(
+            self.layout.python, self.layout.pythonpath, "-m", "pipeline.run.remote_agent", self.layout.root
+        )
         proc, release = await self.conn.open_process(cmd)
         agent = _Agent(proc, release, self.conn.target.label)
         try:
             hello = await agent.call("hello", CALL_TIMEOUT_S)
             if hello.get("protocol") != AGENT_PROTOCOL:
-                raise SshError(f"{self.conn.target.label}: the remote pipeline speaks agent protocol "
-                               f"{hello.get('protocol')}, this console {AGENT_PROTOCOL}: run `aerie preflight PLAN` "
-                               "to upload the matching pipeline package")
+                raise SshError(
+                    f"{self.conn.target.label}: the remote pipeline speaks agent protocol "
+                    f"{hello.get('protocol')}, this console {AGENT_PROTOCOL}: run `aerie preflight PLAN` "
+                    "to upload the matching pipeline package"
+                )
             if not hello.get("exists"):
-                raise SshError(f"{self.conn.target.label}: no Aerie run at {self.layout.root} (no plan.toml there)")
+                raise SshError(
+                    f"{self.conn.target.label}: no Aerie run at {self.layout.root} (no plan.toml there)"
+                )
         except BaseException:
             agent.close()
             raise
@@ -220,23 +231,45 @@ class SshTransport:
         rep = await self._call("read", reqs=[[rel, int(off)] for rel, off in reqs], max_bytes=max_bytes)
         return [ReadResult(base64.b64decode(b64), int(size), int(ino)) for b64, size, ino in rep["results"]]
 
-    async def count_lines(self, rel: str, offset: int, max_bytes: int = 128 << 20, block: int = 64 << 10) -> dict[str, Any]:
+    async def count_lines(
+        self, rel: str, offset: int, max_bytes: int = 128 << 20, block: int = 64 << 10
+    ) -> dict[str, Any]:
         """Newline counts per block, computed by the agent on the host (only the counts travel)."""
-        return await self._scan("lines", path=rel, offset=int(offset), max_bytes=int(max_bytes), block=int(block))
+        return await self._scan(
+            "lines", path=rel, offset=int(offset), max_bytes=int(max_bytes), block=int(block)
+        )
 
-    async def find_lines(self, rel: str, pattern: str, start: int, end: int | None, line0: int,
-                         backward: bool = False, limit: int = 1000) -> dict[str, Any]:
+    async def find_lines(
+        self,
+        rel: str,
+        pattern: str,
+        start: int,
+        end: int | None,
+        line0: int,
+        backward: bool = False,
+        limit: int = 1000,
+    ) -> dict[str, Any]:
         """Regex matches by line, searched by the agent on the host (only line numbers/offsets travel)."""
-        return await self._scan("find", path=rel, pattern=pattern, start=int(start), end=end, line0=int(line0),
-                                backward=bool(backward), limit=int(limit))
+        return await self._scan(
+            "find",
+            path=rel,
+            pattern=pattern,
+            start=int(start),
+            end=end,
+            line0=int(line0),
+            backward=bool(backward),
+            limit=int(limit),
+        )
 
     async def _scan(self, op: str, **payload: Any) -> dict[str, Any]:
         try:
             rep = await self._call(op, **payload)
         except SshError as exc:
             if "unknown op" in str(exc):
-                raise SshError(f"{self.conn.target.label}: the remote pipeline predates the log viewer's "
-                               f"'{op}' request: run `aerie preflight PLAN` to upload the current one") from None
+                raise SshError(
+                    f"{self.conn.target.label}: the remote pipeline predates the log viewer's "
+                    f"'{op}' request: run `aerie preflight PLAN` to upload the current one"
+                ) from None
             raise
         rep.pop("id", None)
         rep.pop("ok", None)
@@ -251,8 +284,12 @@ class SshTransport:
         try:
             rep = await agent.call("ctl", 180.0, args=list(args))
         except NotConnected as exc:
-            return CtlResult(EXIT_UNREACHABLE, "", f"error: {exc}; `{what}` may or may not have been applied: "
-                             "the board shows the stage's real state once reconnected")
+            return CtlResult(
+                EXIT_UNREACHABLE,
+                "",
+                f"error: {exc}; `{what}` may or may not have been applied: "
+                "the board shows the stage's real state once reconnected",
+            )
         if not rep.get("ok"):
             return CtlResult(EXIT_UNREACHABLE, "", f"error: remote agent: {rep.get('error')}")
         return CtlResult(int(rep["rc"]), str(rep.get("stdout", "")), str(rep.get("stderr", "")))
@@ -289,8 +326,9 @@ async def load_layout(conn: HostConnection, remote_dir: str) -> RemoteLayout:
             async with sftp.open(sftp_path(f"{remote_dir.rstrip('/')}/{LAYOUT_FILE}"), "rb") as fh:
                 raw = await fh.read()
         except (asyncssh.SFTPNoSuchFile, asyncssh.SFTPNoSuchPath, asyncssh.SFTPFailure):
-            raise SshError(f"{where}: not found — no run bootstrapped by Aerie there "
-                           "(start one with `aerie run PLAN`)") from None
+            raise SshError(
+                f"{where}: not found — no run bootstrapped by Aerie there (start one with `aerie run PLAN`)"
+            ) from None
     return RemoteLayout.from_json(raw, where)
 
 
@@ -301,10 +339,20 @@ async def start_remote_run(conn: HostConnection, layout: RemoteLayout) -> str:
     and the stages it launches keep running when this connection (or the console) goes away.
     Starting an existing run again only re-attaches (one supervisor per run dir, by flock).
     """
-    cmd = remote_python(layout.python, layout.pythonpath, "-m", "pipeline.run.supervisor", "--create", layout.plan,
-                        layout.root, "--detach")
+    cmd = remote_python(
+        layout.python,
+        layout.pythonpath,
+        "-m",
+        "pipeline.run.supervisor",
+        "--create",
+        layout.plan,
+        layout.root,
+        "--detach",
+    )
     r = await conn.run(cmd, timeout_s=60.0)
     if r.returncode != 0:
-        raise SshError(f"{conn.target.label}: starting the supervisor failed (exit {r.returncode}): "
-                       f"{(r.stderr or r.stdout).strip()[-800:]}")
+        raise SshError(
+            f"{conn.target.label}: starting the supervisor failed (exit {r.returncode}): "
+            f"{(r.stderr or r.stdout).strip()[-800:]}"
+        )
     return r.stdout.strip()

@@ -40,8 +40,20 @@ NOTE_MIN = 30
 BAR_WIDE, BAR_NARROW = 12, 6
 GROUP_PREFIX = "group:"
 # A family row shows the state that most needs the operator's eye.
-FAMILY_PRECEDENCE = ("failed", "killed", "unhealthy", "paused", "pausing", "running", "starting", "ready",
-                     "upstream-failed", "pending", "succeeded", "skipped")
+FAMILY_PRECEDENCE = (
+    "failed",
+    "killed",
+    "unhealthy",
+    "paused",
+    "pausing",
+    "running",
+    "starting",
+    "ready",
+    "upstream-failed",
+    "pending",
+    "succeeded",
+    "skipped",
+)
 
 
 class _Bar(str):
@@ -63,9 +75,14 @@ def server_line(st: StageView) -> str | None:
     m = st.metrics
     if not st.service or not any(k in m for k in ("gen_throughput", "running_req", "queue_req")):
         return None
-    stats = ServerStats(gen_throughput=m.get("gen_throughput"), running_req=m.get("running_req"),
-                        queue_req=m.get("queue_req"), token_usage=m.get("token_usage"),
-                        accept_len=m.get("accept_len"), requests=int(m.get("requests", 0)))
+    stats = ServerStats(
+        gen_throughput=m.get("gen_throughput"),
+        running_req=m.get("running_req"),
+        queue_req=m.get("queue_req"),
+        token_usage=m.get("token_usage"),
+        accept_len=m.get("accept_len"),
+        requests=int(m.get("requests", 0)),
+    )
     return stats.line()
 
 
@@ -94,8 +111,12 @@ def note_for(st: StageView) -> str:
 
 def _sig(cells: tuple[Cell, ...]) -> tuple:
     """A hashable signature of a row's content (Rich Text is not hashable)."""
-    return tuple((c.plain, str(c.style), tuple((sp.start, sp.end, str(sp.style)) for sp in c.spans))
-                 if isinstance(c, Text) else c for c in cells)
+    return tuple(
+        (c.plain, str(c.style), tuple((sp.start, sp.end, str(sp.style)) for sp in c.spans))
+        if isinstance(c, Text)
+        else c
+        for c in cells
+    )
 
 
 @dataclass
@@ -196,7 +217,9 @@ class StageBoard(ScrollView, can_focus=True):
         self._content_sig = hash(tuple(tuple(_plain_len(c) for c in r.cells[:-1]) for r in new))
         if structure_changed:
             self.virtual_size = Size(self.size.width, len(new) + 1)
-            self.cursor_row = self._index.get(selected, min(self.cursor_row, max(0, len(new) - 1))) if selected else 0
+            self.cursor_row = (
+                self._index.get(selected, min(self.cursor_row, max(0, len(new) - 1))) if selected else 0
+            )
             if self.selected_key != selected:
                 self.post_message(self.Highlighted(self.selected_key))
         self.refresh()
@@ -205,9 +228,11 @@ class StageBoard(ScrollView, can_focus=True):
         style_of = getattr(self.app, "state_style", None)
         return style_of(state) if style_of else ""
 
-    def _cells(self, key: str, st: StageView | None, members: list[StageView], now: float) -> tuple[Cell, ...]:
+    def _cells(
+        self, key: str, st: StageView | None, members: list[StageView], now: float
+    ) -> tuple[Cell, ...]:
         if st is None:  # a family header
-            fam = key[len(GROUP_PREFIX):]
+            fam = key[len(GROUP_PREFIX) :]
             done = sum(m.progress.done for m in members)
             total = sum(m.progress.total or 0 for m in members)
             counts: dict[str, int] = {}
@@ -220,26 +245,44 @@ class StageBoard(ScrollView, can_focus=True):
                 summary.append(f"{n} {state}", style=self._style(state))
             rate = sum((m.progress.rate() or 0) for m in members if m.state == "running") or None
             unit = next((m.progress.unit for m in members if m.progress.unit), "")
-            eta = max((m.progress.eta_s() or 0 for m in members if m.state == "running"), default=None) or None
+            eta = (
+                max((m.progress.eta_s() or 0 for m in members if m.state == "running"), default=None) or None
+            )
             spans = [(m.started_at, m.started_at + (m.elapsed_s(now) or 0)) for m in members if m.started_at]
             elapsed = max(e for _, e in spans) - min(b for b, _ in spans) if spans else None
             overall = next((s for s in FAMILY_PRECEDENCE if s in counts), "pending")
-            return (Text(f"▾ {fam} ({len(members)})", style="bold"), Text(overall, style=self._style(overall)), "",
-                    fmt.duration(elapsed), _Bar(done / total if total else None),
-                    f"{fmt.count(done)}/{fmt.count(total)}" if total else "",
-                    fmt.rate(rate, unit) if rate else "", fmt.duration(eta) if eta else "", summary)
+            return (
+                Text(f"▾ {fam} ({len(members)})", style="bold"),
+                Text(overall, style=self._style(overall)),
+                "",
+                fmt.duration(elapsed),
+                _Bar(done / total if total else None),
+                f"{fmt.count(done)}/{fmt.count(total)}" if total else "",
+                fmt.rate(rate, unit) if rate else "",
+                fmt.duration(eta) if eta else "",
+                summary,
+            )
         branch = "└" if st.id in self._last_members else "├"
         label = f" {branch} {st.id}" if st.family != st.id else st.id
         state = st.display_state
         frac = st.progress.fraction
-        done = (f"{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)}" if st.progress.total
-                else (fmt.count(st.progress.done) if st.progress.t else ""))
+        done = (
+            f"{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)}"
+            if st.progress.total
+            else (fmt.count(st.progress.done) if st.progress.t else "")
+        )
         running = st.state == "running"
         eta = st.progress.eta_s() if running else None
         return (
-            label, Text(state, style=self._style(state)), str(st.attempt), fmt.duration(st.elapsed_s(now)),
-            _Bar(frac), done, fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
-            fmt.duration(eta) if eta is not None else "", note_for(st),
+            label,
+            Text(state, style=self._style(state)),
+            str(st.attempt),
+            fmt.duration(st.elapsed_s(now)),
+            _Bar(frac),
+            done,
+            fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
+            fmt.duration(eta) if eta is not None else "",
+            note_for(st),
         )
 
     # ------------------------------------------------------------------------------ rendering
@@ -249,8 +292,12 @@ class StageBoard(ScrollView, can_focus=True):
         if self._width_cache[0] == key:
             return self._width_cache[1]
         cols = list(COLUMNS)
-        widest = [max([len(c) for c in cols][i], *(_plain_len(r.cells[i]) for r in self._rows)) + 1
-                  if self._rows else len(cols[i]) + 1 for i in range(len(cols))]
+        widest = [
+            max([len(c) for c in cols][i], *(_plain_len(r.cells[i]) for r in self._rows)) + 1
+            if self._rows
+            else len(cols[i]) + 1
+            for i in range(len(cols))
+        ]
         widest[0] = self._stage_w
         bar_i = cols.index("Progress")
         bar_w = BAR_WIDE
@@ -307,8 +354,10 @@ class StageBoard(ScrollView, can_focus=True):
         return strip
 
     def _strip(self, text: Text, width: int, base: Style) -> Strip:
-        segments = [Segment(s.text, base + s.style if s.style else base, s.control)
-                    for s in text.render(self.app.console)]
+        segments = [
+            Segment(s.text, base + s.style if s.style else base, s.control)
+            for s in text.render(self.app.console)
+        ]
         return Strip(segments).crop_extend(0, width, base)
 
     def watch_scroll_y(self, old: float, new: float) -> None:

@@ -67,8 +67,14 @@ class CurvePlot(PlotextPlot):
         self._key: tuple = ()
         self.empty_text = "no metrics yet"
 
-    def draw(self, panels: list[tuple[str, list[Curve]]], xlabel: str, xscale: float = 1.0,
-             key: tuple = (), compact: bool = False) -> None:
+    def draw(
+        self,
+        panels: list[tuple[str, list[Curve]]],
+        xlabel: str,
+        xscale: float = 1.0,
+        key: tuple = (),
+        compact: bool = False,
+    ) -> None:
         """Draw ``panels`` (title, curves) stacked top to bottom; ``key`` identifies the content."""
         if key and key == self._key:
             return
@@ -86,8 +92,13 @@ class CurvePlot(PlotextPlot):
             fig = p.subplot(i, 1) if len(panels) > 1 else p  # a Plotext figure: each panel its own scale
             for c in curves:
                 xs = [x / xscale for x in c.series.xs]
-                fig.plot(xs, c.series.ys, label=c.label if len(curves) > 1 else None,
-                         yside="right" if c.right else "left", marker="braille")
+                fig.plot(
+                    xs,
+                    c.series.ys,
+                    label=c.label if len(curves) > 1 else None,
+                    yside="right" if c.right else "left",
+                    marker="braille",
+                )
             if title:
                 fig.title(title)
             if not compact and i == len(panels):

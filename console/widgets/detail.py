@@ -87,15 +87,19 @@ class StageDetail(Horizontal):
         if st.pid:
             t.append(f"pid {st.pid} · pgid {st.pgid}")
         if st.started_at:
-            t.append(f" · started {time.strftime('%H:%M:%S', time.localtime(st.started_at))}"
-                     f" · elapsed {fmt.duration(st.elapsed_s())}")
+            t.append(
+                f" · started {time.strftime('%H:%M:%S', time.localtime(st.started_at))}"
+                f" · elapsed {fmt.duration(st.elapsed_s())}"
+            )
         if st.returncode is not None:
             t.append(f" · exit {st.returncode}")
         if st.reason:
             t.append(f"\n{st.reason}", style="italic")
         if st.progress.t:
-            t.append(f"\n{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)} {st.progress.unit}"
-                     f" · {fmt.rate(st.progress.rate(), st.progress.unit)}")
+            t.append(
+                f"\n{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)} {st.progress.unit}"
+                f" · {fmt.rate(st.progress.rate(), st.progress.unit)}"
+            )
         live = server_line(st)
         if live:
             t.append(f"\nserver: {live}")
@@ -114,5 +118,5 @@ class StageDetail(Horizontal):
         log = self.query_one(Log)
         fresh = st.log_total - self._log_count
         if fresh > 0:
-            log.write_lines(list(st.log)[-min(fresh, len(st.log)):])
+            log.write_lines(list(st.log)[-min(fresh, len(st.log)) :])
         self._log_count = st.log_total

@@ -33,7 +33,8 @@ ERROR_RE = re.compile(ERROR_PATTERN)
 WARNING_RE = re.compile(r"\b(?:WARNING|WARN|Warning)\b|\bwarning:")
 # A timestamp at the start of a line: 2026-12-02 14:05:01,123 / [2026-12-02T14:05:01Z] / 14:05:01.5
 TIMESTAMP_RE = re.compile(
-    r"^\[?(?:\d{4}-\d\d-\d\d[T ])?\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?(?:\s+|$)")
+    r"^\[?(?:\d{4}-\d\d-\d\d[T ])?\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?(?:\s+|$)"
+)
 
 
 class LogView(ScrollView, can_focus=True):
@@ -42,15 +43,23 @@ class LogView(ScrollView, can_focus=True):
     BINDINGS = [
         Binding("up", "scroll_lines(-1)", "Up", show=False, tooltip="scroll up a line (pauses follow)"),
         Binding("down", "scroll_lines(1)", "Down", show=False, tooltip="scroll down a line"),
-        Binding("pageup", "scroll_lines(-0.9)", "Page up", show=False, tooltip="scroll up a page (pauses follow)"),
+        Binding(
+            "pageup", "scroll_lines(-0.9)", "Page up", show=False, tooltip="scroll up a page (pauses follow)"
+        ),
         Binding("pagedown,space", "scroll_lines(0.9)", "Page down", show=False, tooltip="scroll down a page"),
         Binding("home", "screen.top", "Top", show=False, tooltip="the first line (pauses follow)"),
         Binding("end", "screen.follow", "Follow", show=False, tooltip="follow the end of the log"),
         Binding("left", "scroll_cols(-8)", "Left", show=False, tooltip="scroll left (without wrap)"),
         Binding("right", "scroll_cols(8)", "Right", show=False, tooltip="scroll right (without wrap)"),
     ]
-    COMPONENT_CLASSES = {"logview--gutter", "logview--error", "logview--warning", "logview--match",
-                         "logview--found", "logview--pending"}
+    COMPONENT_CLASSES = {
+        "logview--gutter",
+        "logview--error",
+        "logview--warning",
+        "logview--match",
+        "logview--found",
+        "logview--pending",
+    }
     DEFAULT_CSS = """
     LogView { height: 1fr; background: $surface; }
     LogView > .logview--gutter { color: $foreground-muted; }
@@ -86,7 +95,9 @@ class LogView(ScrollView, can_focus=True):
         self.line_digits = 1
         self._auto = False
         self._wanted: tuple[int, int] | None = None
-        self._strips: LRUCache[tuple, Strip] = LRUCache(256)  # a few screens: each Strip holds caches the GC scans
+        self._strips: LRUCache[tuple, Strip] = LRUCache(
+            256
+        )  # a few screens: each Strip holds caches the GC scans
         self._layout_key: tuple | None = None
         self._layout: list[tuple[Row | None, Text | None, bool]] = []
 
@@ -119,8 +130,14 @@ class LogView(ScrollView, can_focus=True):
         return self.window[i] if 0 <= i < len(self.window) else None
 
     # ------------------------------------------------------------------------------ options
-    def set_options(self, *, wrap: bool | None = None, hide_timestamps: bool | None = None,
-                    search: re.Pattern[str] | None | bool = False, found_line: int | None | bool = False) -> None:
+    def set_options(
+        self,
+        *,
+        wrap: bool | None = None,
+        hide_timestamps: bool | None = None,
+        search: re.Pattern[str] | None | bool = False,
+        found_line: int | None | bool = False,
+    ) -> None:
         if wrap is not None:
             self.wrap = wrap
         if hide_timestamps is not None:
@@ -246,24 +263,36 @@ class LogView(ScrollView, can_focus=True):
 
     def _gutter(self, row: Row | None, first_piece: bool) -> Segment:
         w = self._gutter_w()
-        label = f"{row.line + 1:>{w - 1}} " if row is not None and row.line is not None and first_piece else " " * w
-        return Segment(label[-w:] if len(label) > w else label, self.get_component_rich_style("logview--gutter"))
+        label = (
+            f"{row.line + 1:>{w - 1}} "
+            if row is not None and row.line is not None and first_piece
+            else " " * w
+        )
+        return Segment(
+            label[-w:] if len(label) > w else label, self.get_component_rich_style("logview--gutter")
+        )
 
     def _base(self, row: Row | None) -> Style:
         if row is not None and row.line is not None and row.line == self.found_line:
             return self.rich_style + self.get_component_rich_style("logview--found", partial=True)
         return self.rich_style
 
-    def _strip(self, row: Row | None, body: Text | None, first_piece: bool, width: int, scroll_x: int) -> Strip:
+    def _strip(
+        self, row: Row | None, body: Text | None, first_piece: bool, width: int, scroll_x: int
+    ) -> Strip:
         base = self._base(row)
         gutter = self._gutter(row, first_piece)
         body_w = max(0, width - gutter.cell_length)
         if body is None:
-            pending = Segment("…" if row is None and first_piece else "",
-                              self.get_component_rich_style("logview--pending"))
+            pending = Segment(
+                "…" if row is None and first_piece else "", self.get_component_rich_style("logview--pending")
+            )
             return Strip([gutter, pending]).crop_extend(0, width, base)
-        segs = [Segment(s.text, base + s.style if s.style else base, s.control)
-                for s in body.render(self.app.console) if s.text != "\n"]
+        segs = [
+            Segment(s.text, base + s.style if s.style else base, s.control)
+            for s in body.render(self.app.console)
+            if s.text != "\n"
+        ]
         line = Strip(segs).crop_extend(scroll_x, scroll_x + body_w, base)
         return Strip([gutter, *line]).crop_extend(0, width, base)
 
@@ -276,9 +305,18 @@ class LogView(ScrollView, can_focus=True):
             return Strip.blank(width, self.rich_style)
         row = self.row(index)
         scroll_x = int(self.scroll_x)
-        key = (index, row.line if row else None, row.text if row else None, width, scroll_x, self.line_digits,
-               self.hide_timestamps, self.search.pattern if self.search else None,
-               row is not None and row.line == self.found_line, self.app.theme)
+        key = (
+            index,
+            row.line if row else None,
+            row.text if row else None,
+            width,
+            scroll_x,
+            self.line_digits,
+            self.hide_timestamps,
+            self.search.pattern if self.search else None,
+            row is not None and row.line == self.found_line,
+            self.app.theme,
+        )
         strip = self._strips.get(key)
         if strip is None:
             strip = self._strip(row, self._body(row) if row else None, True, width, scroll_x)
@@ -286,9 +324,22 @@ class LogView(ScrollView, can_focus=True):
         return strip
 
     def _render_wrapped(self, y: int, width: int) -> Strip:
-        key = (self.visible_first(), int(self.scroll_y), self.following, self.total, self.window_first,
-               id(self.window), len(self.window), width, self.page, self.hide_timestamps,
-               self.search.pattern if self.search else None, self.found_line, self.app.theme, self.line_digits)
+        key = (
+            self.visible_first(),
+            int(self.scroll_y),
+            self.following,
+            self.total,
+            self.window_first,
+            id(self.window),
+            len(self.window),
+            width,
+            self.page,
+            self.hide_timestamps,
+            self.search.pattern if self.search else None,
+            self.found_line,
+            self.app.theme,
+            self.line_digits,
+        )
         if key != self._layout_key:
             self._layout_key = key
             self._layout = self._wrap_layout(width)

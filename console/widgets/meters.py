@@ -57,7 +57,7 @@ def sparkline(values: list[float], width: int, top: float = 100.0) -> str:
 def short_gpu_name(name: str) -> str:
     for prefix in ("NVIDIA ", "Tesla "):
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     return name
 
 
@@ -65,8 +65,17 @@ class MeterLine(Widget):
     """A one-line meter rendered as styled text; the styles are theme-driven component classes."""
 
     COMPONENT_CLASSES: ClassVar[set[str]] = {
-        "meters--label", "meters--bar", "meters--bar-alt", "meters--bar-empty", "meters--muted",
-        "meters--ok", "meters--warning", "meters--error", "meters--owner", "meters--foreign", "meters--spark",
+        "meters--label",
+        "meters--bar",
+        "meters--bar-alt",
+        "meters--bar-empty",
+        "meters--muted",
+        "meters--ok",
+        "meters--warning",
+        "meters--error",
+        "meters--owner",
+        "meters--foreign",
+        "meters--spark",
     }
     DEFAULT_CSS = """
     MeterLine { height: 1; width: 1fr; }
@@ -133,14 +142,23 @@ class GpuRow(MeterLine):
         if not compact:
             t.append("mem ", self.st("muted"))
         self.add_bar(t, g.mem_fraction, "bar-alt", width=bw)
-        used = size(g.mem_used).replace(" GiB", "") if g.mem_total and g.mem_total >= 1 << 30 else size(g.mem_used)
+        used = (
+            size(g.mem_used).replace(" GiB", "")
+            if g.mem_total and g.mem_total >= 1 << 30
+            else size(g.mem_used)
+        )
         t.append(f" {used}/{size(g.mem_total):<10} ")
         hot = g.temp_c is not None and g.temp_c >= HOT_C
-        t.append(f"{g.temp_c:>3.0f}°C " if g.temp_c is not None else "  —°C ", self.st("warning") if hot else "")
+        t.append(
+            f"{g.temp_c:>3.0f}°C " if g.temp_c is not None else "  —°C ", self.st("warning") if hot else ""
+        )
         if g.power_w is not None:
             near_cap = bool(g.power_cap_w) and g.power_w >= 0.97 * float(g.power_cap_w or 0)
             cap = f"/{g.power_cap_w:.0f}" if g.power_cap_w and not compact else ""
-            t.append(f"{g.power_w:>4.0f}{cap} W ".rjust(7 if compact else 11), self.st("warning") if near_cap else "")
+            t.append(
+                f"{g.power_w:>4.0f}{cap} W ".rjust(7 if compact else 11),
+                self.st("warning") if near_cap else "",
+            )
         else:
             t.append("   — W " if compact else "     — W   ")
         t.append(" ")
@@ -169,8 +187,12 @@ class DiskMeter(MeterLine):
         frac = d.used_fraction
         parts, level = d.status_parts()
         narrow = self.size.width < 70
-        self.add_bar(t, frac, "error" if level == "error" else ("warning" if level == "warning" else "bar"),
-                     width=6 if narrow else BAR_W)
+        self.add_bar(
+            t,
+            frac,
+            "error" if level == "error" else ("warning" if level == "warning" else "bar"),
+            width=6 if narrow else BAR_W,
+        )
         t.append(f" {100 * frac:>3.0f}%  " if frac is not None else "   —  ")
         style = self.st(level) if level != "ok" else ""
         self.fit(t, [(("" if i == 0 else " · ") + p, style) for i, p in enumerate(parts)])
@@ -230,11 +252,16 @@ class GpuGrid(MeterLine):
             cell.append(f"GPU{g.index:<2}", self.st("label"))
             self.add_bar(cell, g.util / 100.0 if g.util is not None else None, width=4)
             cell.append(f"{g.util:>4.0f}%" if g.util is not None else "    —")
-            mem = (f" {g.mem_used / (1 << 30):.0f}/{g.mem_total / (1 << 30):.0f}G" if g.mem_used is not None and g.mem_total
-                   else " —")
+            mem = (
+                f" {g.mem_used / (1 << 30):.0f}/{g.mem_total / (1 << 30):.0f}G"
+                if g.mem_used is not None and g.mem_total
+                else " —"
+            )
             cell.append(mem)
             hot = g.temp_c is not None and g.temp_c >= HOT_C
-            cell.append(f" {g.temp_c:.0f}°C" if g.temp_c is not None else "", self.st("warning") if hot else "")
+            cell.append(
+                f" {g.temp_c:.0f}°C" if g.temp_c is not None else "", self.st("warning") if hot else ""
+            )
             if g.has_foreign or g.ecc_uncorrected or g.xid_total:
                 cell.append(" !", self.st("error"))
             cell.pad_right(self.CELL_W - cell.cell_len)

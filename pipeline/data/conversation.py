@@ -53,23 +53,31 @@ def check_conversation(conv: Any, field: str = "messages") -> list[dict[str, Any
             raise ConversationError(f"{key}.role", f"unknown role {role!r} (known: {', '.join(ROLES)})")
         content = turn.get("content")
         if not isinstance(content, str):
-            raise ConversationError(source_field(turn, "content", f"{key}.content"),
-                                    f"expected text, got {type(content).__name__}")
+            raise ConversationError(
+                source_field(turn, "content", f"{key}.content"),
+                f"expected text, got {type(content).__name__}",
+            )
         calls = turn.get("tool_calls")
         if calls is not None:
             if role != "assistant":
-                raise ConversationError(f"{key}.tool_calls", f"only assistant turns carry tool calls, not {role}")
+                raise ConversationError(
+                    f"{key}.tool_calls", f"only assistant turns carry tool calls, not {role}"
+                )
             if not isinstance(calls, list):
                 raise ConversationError(f"{key}.tool_calls", "expected a list")
             for j, call in enumerate(calls):
                 if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
                     raise ConversationError(f"{key}.tool_calls[{j}].name", "a tool call needs a name")
                 if not isinstance(call.get("arguments"), str | dict):
-                    raise ConversationError(f"{key}.tool_calls[{j}].arguments", "expected a JSON string or object")
+                    raise ConversationError(
+                        f"{key}.tool_calls[{j}].arguments", "expected a JSON string or object"
+                    )
         reasoning = turn.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, str):
-            raise ConversationError(source_field(turn, "reasoning", f"{key}.reasoning"),
-                                    f"expected text, got {type(reasoning).__name__}")
+            raise ConversationError(
+                source_field(turn, "reasoning", f"{key}.reasoning"),
+                f"expected text, got {type(reasoning).__name__}",
+            )
         if not content.strip() and not calls:
             raise ConversationError(source_field(turn, "content", f"{key}.content"), "empty text")
     return conv
@@ -90,8 +98,11 @@ def fold_tool_calls(turn: dict[str, Any]) -> str:
         if isinstance(args, str):
             with contextlib.suppress(ValueError):
                 args = json.loads(args)
-        parts.append("<tool_call>\n" + json.dumps({"name": call["name"], "arguments": args}, ensure_ascii=False)
-                     + "\n</tool_call>")
+        parts.append(
+            "<tool_call>\n"
+            + json.dumps({"name": call["name"], "arguments": args}, ensure_ascii=False)
+            + "\n</tool_call>"
+        )
     return "\n".join(parts)
 
 

@@ -118,7 +118,7 @@ def check_available(model: str) -> None:
     """
     if not model.startswith(BUILTIN_PREFIX):
         return  # hub ids and paths are the stages' business (they may only exist on the GPU host)
-    name = model[len(BUILTIN_PREFIX):]
+    name = model[len(BUILTIN_PREFIX) :]
     if name != SMOLLM2:
         raise ModelAssetError(f"unknown built-in model {name!r} (known: {SMOLLM2})")
     if not (cache_dir() / "models" / name / "config.json").is_file():
@@ -128,7 +128,7 @@ def check_available(model: str) -> None:
 def resolve(model: str) -> str:
     """A path or hub id transformers can load: built-in names become the cached folder."""
     if model.startswith(BUILTIN_PREFIX):
-        return str(builtin_model_dir(model[len(BUILTIN_PREFIX):]))
+        return str(builtin_model_dir(model[len(BUILTIN_PREFIX) :]))
     return model
 
 
@@ -162,9 +162,11 @@ def model_class(cfg: Any) -> Any:
         return AutoModelForCausalLM
     if type(cfg) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and getattr(cfg, "text_config", None) is not None:
         return AutoModelForImageTextToText
-    raise ModelAssetError(f"model type {getattr(cfg, 'model_type', type(cfg).__name__)!r}: transformers has no "
-                          "causal-LM class for it, nor an image-text-to-text wrapper with a text model "
-                          "(looked for both); Aerie cannot capture its hidden states")
+    raise ModelAssetError(
+        f"model type {getattr(cfg, 'model_type', type(cfg).__name__)!r}: transformers has no "
+        "causal-LM class for it, nor an image-text-to-text wrapper with a text model "
+        "(looked for both); Aerie cannot capture its hidden states"
+    )
 
 
 def load_model(model: str, dtype: Any = None, **kw: Any):  # noqa: ANN201

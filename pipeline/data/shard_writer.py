@@ -39,10 +39,18 @@ def features(kind: str) -> Any:
     from datasets import Features, List, Value
 
     if kind == "tokenized":
-        return Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
-                         "num_tokens": Value("int32")})
+        return Features(
+            {
+                "id": Value("string"),
+                "input_ids": List(Value("int32")),
+                "loss_mask": List(Value("int8")),
+                "num_tokens": Value("int32"),
+            }
+        )
     if kind == "prompts":
-        return Features({"id": Value("string"), "messages": List({"role": Value("string"), "content": Value("string")})})
+        return Features(
+            {"id": Value("string"), "messages": List({"role": Value("string"), "content": Value("string")})}
+        )
     raise ValueError(f"unknown shard kind {kind!r}")
 
 
@@ -61,12 +69,15 @@ def tokenized_table(ids: Sequence[str], encoded: Sequence[Encoded]) -> Any:
     import pyarrow as pa
 
     schema = features("tokenized").arrow_schema
-    return pa.table({
-        "id": pa.array(list(ids), type=pa.string()),
-        "input_ids": _list_array([e.input_ids for e in encoded], np.int32),
-        "loss_mask": _list_array([e.loss_mask for e in encoded], np.int8),
-        "num_tokens": pa.array([e.num_tokens for e in encoded], type=pa.int32()),
-    }, schema=schema)
+    return pa.table(
+        {
+            "id": pa.array(list(ids), type=pa.string()),
+            "input_ids": _list_array([e.input_ids for e in encoded], np.int32),
+            "loss_mask": _list_array([e.loss_mask for e in encoded], np.int8),
+            "num_tokens": pa.array([e.num_tokens for e in encoded], type=pa.int32()),
+        },
+        schema=schema,
+    )
 
 
 def prompt_table(ids: Sequence[str], prompts: Sequence[list[dict[str, str]]]) -> Any:
@@ -74,8 +85,13 @@ def prompt_table(ids: Sequence[str], prompts: Sequence[list[dict[str, str]]]) ->
     import pyarrow as pa
 
     schema = features("prompts").arrow_schema
-    return pa.table({"id": pa.array(list(ids), type=pa.string()), "messages": pa.array(list(prompts),
-                     type=schema.field("messages").type)}, schema=schema)
+    return pa.table(
+        {
+            "id": pa.array(list(ids), type=pa.string()),
+            "messages": pa.array(list(prompts), type=schema.field("messages").type),
+        },
+        schema=schema,
+    )
 
 
 def sha256_file(path: Path) -> str:
@@ -134,10 +150,15 @@ class ShardStore:
     def _check_fingerprint(self, rec: dict[str, Any], what: str) -> None:
         fp = rec.get("fingerprint")
         if fp != self.fingerprint:
-            diff = sorted(k for k in set(fp or {}) | set(self.fingerprint) if (fp or {}).get(k) != self.fingerprint.get(k))
+            diff = sorted(
+                k
+                for k in set(fp or {}) | set(self.fingerprint)
+                if (fp or {}).get(k) != self.fingerprint.get(k)
+            )
             raise StaleOutputError(
                 f"{what} was made with different settings ({', '.join(diff)} changed); "
-                "retry the stage with --fresh to start over")
+                "retry the stage with --fresh to start over"
+            )
 
     def finished(self) -> list[dict[str, Any]]:
         """Records of the finished shards 0..k-1 whose files are intact; stops at the first gap."""
@@ -159,9 +180,18 @@ class ShardStore:
         """Write shard ``index`` and then its record (with the caller's resume ``state``)."""
         name = self.shard_name(index)
         sha = write_parquet_atomic(table, self.out / name)
-        tokens = int(table.column("num_tokens").to_numpy().sum()) if "num_tokens" in table.column_names else None
-        rec = {"index": index, "file": name, "rows": table.num_rows, "tokens": tokens, "sha256": sha,
-               "fingerprint": self.fingerprint, **state}
+        tokens = (
+            int(table.column("num_tokens").to_numpy().sum()) if "num_tokens" in table.column_names else None
+        )
+        rec = {
+            "index": index,
+            "file": name,
+            "rows": table.num_rows,
+            "tokens": tokens,
+            "sha256": sha,
+            "fingerprint": self.fingerprint,
+            **state,
+        }
         write_json(self.record_path(index), rec)
         return rec
 
@@ -181,10 +211,22 @@ class ShardStore:
         return man
 
     def write_manifest(self, kind: str, records: Iterable[dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        shards = [{"file": r["file"], "rows": r["rows"], "sha256": r["sha256"],
-                   **({"tokens": r["tokens"]} if r.get("tokens") is not None else {})} for r in records]
-        man = {"kind": kind, **fields, "rows": sum(s["rows"] for s in shards), "shards": shards,
-               "fingerprint": self.fingerprint}
+        shards = [
+            {
+                "file": r["file"],
+                "rows": r["rows"],
+                "sha256": r["sha256"],
+                **({"tokens": r["tokens"]} if r.get("tokens") is not None else {}),
+            }
+            for r in records
+        ]
+        man = {
+            "kind": kind,
+            **fields,
+            "rows": sum(s["rows"] for s in shards),
+            "shards": shards,
+            "fingerprint": self.fingerprint,
+        }
         if kind == "tokenized":
             man["tokens"] = sum(s.get("tokens", 0) for s in shards)
         write_json(self.manifest_path, man)

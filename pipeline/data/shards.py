@@ -108,7 +108,9 @@ def manifest_token_total(out_dirs: list[Path]) -> int:
     for d in out_dirs:
         for _, man in find_manifests(d):
             if man.get("kind") == TOKENIZED:
-                total += int(man.get("tokens") or sum(int(s.get("tokens") or 0) for s in man.get("shards", [])))
+                total += int(
+                    man.get("tokens") or sum(int(s.get("tokens") or 0) for s in man.get("shards", []))
+                )
     return total
 
 
@@ -122,7 +124,9 @@ def read_shard(path: Path, vocab_size: int | None = None, max_length: int | None
         raise ShardError(f"{path}: cannot read as Parquet: {exc}") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
-        raise ShardError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(table.column_names)})")
+        raise ShardError(
+            f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(table.column_names)})"
+        )
     ids = table.column("id").to_pylist()
     toks = table.column("input_ids").to_pylist()
     masks = table.column("loss_mask").to_pylist()
@@ -137,7 +141,9 @@ def read_shard(path: Path, vocab_size: int | None = None, max_length: int | None
         if mi.size and (mi.min() < 0 or mi.max() > 1):
             raise ShardError(f"{where}: loss_mask must hold only 0 and 1")
         if ti.size and (ti.min() < 0 or (vocab_size is not None and ti.max() >= vocab_size)):
-            raise ShardError(f"{where}: input_ids out of range 0..{(vocab_size or 0) - 1} (got {ti.min()}..{ti.max()})")
+            raise ShardError(
+                f"{where}: input_ids out of range 0..{(vocab_size or 0) - 1} (got {ti.min()}..{ti.max()})"
+            )
         if max_length is not None:
             ti, mi = ti[:max_length], mi[:max_length]
         yield Row(str(rid), ti.astype(np.int32), mi.astype(np.int8), f"{path.name}:{i}")
@@ -148,8 +154,13 @@ def training_order(rows: list[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (-r.num_tokens, r.id))
 
 
-def iter_rows(out_dirs: list[Path], holdout: float, split: str = "train", vocab_size: int | None = None,
-              max_length: int | None = None) -> Iterator[Row]:
+def iter_rows(
+    out_dirs: list[Path],
+    holdout: float,
+    split: str = "train",
+    vocab_size: int | None = None,
+    max_length: int | None = None,
+) -> Iterator[Row]:
     """Rows of the ``train`` or ``heldout`` split over all tokenized inputs, in a stable order."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")

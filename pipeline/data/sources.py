@@ -73,7 +73,9 @@ def need_list(obj: Row, key: str) -> list[Any]:
     return v
 
 
-def turns(row: Row, field: str, role_key: str, text_key: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+def turns(
+    row: Row, field: str, role_key: str, text_key: str, role_map: dict[str, str]
+) -> list[dict[str, Any]]:
     """``row[field]`` as canonical turns, mapping the source's role names (unknown roles are errors)."""
     out = []
     for i, t in enumerate(need_list(row, field)):
@@ -82,15 +84,30 @@ def turns(row: Row, field: str, role_key: str, text_key: str, role_map: dict[str
             raise ConversationError(where, f"expected a turn object, got {_type_name(t)}")
         raw_role = t.get(role_key)
         if raw_role not in role_map:
-            raise ConversationError(f"{where}.{role_key}", f"unknown role {raw_role!r} (known: {', '.join(role_map)})")
-        out.append({"role": role_map[raw_role], "content": need_text(t, text_key, where),
-                    "_src": {"content": f"{where}.{text_key}"}})
+            raise ConversationError(
+                f"{where}.{role_key}", f"unknown role {raw_role!r} (known: {', '.join(role_map)})"
+            )
+        out.append(
+            {
+                "role": role_map[raw_role],
+                "content": need_text(t, text_key, where),
+                "_src": {"content": f"{where}.{text_key}"},
+            }
+        )
     return out
 
 
 MESSAGE_ROLES = {r: r for r in ("system", "user", "assistant", "tool")}
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                  "bing": "assistant", "bard": "assistant", "assistant": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,10 +131,14 @@ def norm_sharegpt(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]:
 
 def norm_pair(prompt: str, response: str) -> Normaliser:
     """Single-turn instruction/response columns."""
+
     def normalise(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]:
         pf, rf = opts.get("prompt_field", prompt), opts.get("response_field", response)
-        return [{"role": "user", "content": need_text(row, pf), "_src": {"content": pf}},
-                {"role": "assistant", "content": need_text(row, rf), "_src": {"content": rf}}]
+        return [
+            {"role": "user", "content": need_text(row, pf), "_src": {"content": pf}},
+            {"role": "assistant", "content": need_text(row, rf), "_src": {"content": rf}},
+        ]
+
     normalise.__doc__ = f"``{prompt}`` -> user, ``{response}`` -> assistant."
     return normalise
 
@@ -140,7 +161,9 @@ def norm_swe_agent(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]:
         key = "text"
         if role == "system" and not (isinstance(t.get("text"), str) and t["text"].strip()):
             key = "system_prompt"  # some rows keep the prompt only here
-        out.append({"role": roles[role], "content": need_text(t, key, where), "_src": {"content": f"{where}.{key}"}})
+        out.append(
+            {"role": roles[role], "content": need_text(t, key, where), "_src": {"content": f"{where}.{key}"}}
+        )
     return out
 
 
@@ -155,7 +178,9 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
         raise ConversationError(f"{where}.function.name", f"expected a tool name, got {_type_name(name)}")
     args = fn.get("arguments")
     if not isinstance(args, str | dict):
-        raise ConversationError(f"{where}.function.arguments", f"expected a JSON string or object, got {_type_name(args)}")
+        raise ConversationError(
+            f"{where}.function.arguments", f"expected a JSON string or object, got {_type_name(args)}"
+        )
     out = {"name": name, "arguments": args}
     if isinstance(call.get("id"), str) and call["id"]:
         out["id"] = call["id"]
@@ -173,7 +198,9 @@ def norm_tool_trajectory(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]
             raise ConversationError(where, f"expected a turn object, got {_type_name(t)}")
         role = t.get("role")
         if role not in MESSAGE_ROLES:
-            raise ConversationError(f"{where}.role", f"unknown role {role!r} (known: {', '.join(MESSAGE_ROLES)})")
+            raise ConversationError(
+                f"{where}.role", f"unknown role {role!r} (known: {', '.join(MESSAGE_ROLES)})"
+            )
         raw_calls = t.get("tool_calls")
         if raw_calls is not None and not isinstance(raw_calls, list):
             raise ConversationError(f"{where}.tool_calls", f"expected a list, got {_type_name(raw_calls)}")
@@ -186,8 +213,10 @@ def norm_tool_trajectory(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]
                 raise ConversationError(f"{where}.content", f"expected text, got {_type_name(content)}")
         else:
             content = need_text(t, "content", where)
-        src = {"content": f"{where}.content", **{f"tool_calls[{j}]": f"{where}.tool_calls[{j}].function"
-                                                  for j in range(len(calls))}}
+        src = {
+            "content": f"{where}.content",
+            **{f"tool_calls[{j}]": f"{where}.tool_calls[{j}].function" for j in range(len(calls))},
+        }
         turn: dict[str, Any] = {"role": role, "content": content, "_src": src}
         if calls:
             turn["tool_calls"] = calls
@@ -201,9 +230,16 @@ def norm_tool_trajectory(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]
 
 def norm_reasoning_trace(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]:
     """Flat distilled-reasoning columns: ``problem`` -> user, ``thinking`` + ``response`` -> assistant."""
-    pf, rf, tf = opts.get("prompt_field", "problem"), opts.get("response_field", "response"), opts.get(
-        "reasoning_field", "thinking")
-    turn: dict[str, Any] = {"role": "assistant", "content": need_text(row, rf), "_src": {"content": rf, "reasoning": tf}}
+    pf, rf, tf = (
+        opts.get("prompt_field", "problem"),
+        opts.get("response_field", "response"),
+        opts.get("reasoning_field", "thinking"),
+    )
+    turn: dict[str, Any] = {
+        "role": "assistant",
+        "content": need_text(row, rf),
+        "_src": {"content": rf, "reasoning": tf},
+    }
     thinking = row.get(tf)
     if thinking is not None:
         if not isinstance(thinking, str):
@@ -216,36 +252,118 @@ def norm_reasoning_trace(row: Row, opts: dict[str, Any]) -> list[dict[str, Any]]
 # --------------------------------------------------------------------------------------------
 _HF = "https://huggingface.co/datasets/"
 _ALL = [
-    Source("swe-agent", "SWE-agent trajectories (nebius)", "prompt-only", 15_000, "nebius/SWE-agent-trajectories",
-           "trajectory", norm_swe_agent, _HF + "nebius/SWE-agent-trajectories (dataset_info in README.md)",
-           notes="roles system/user/ai; actions are fenced commands in ai text, observations are user turns"),
-    Source("deepswe-kimi-k2", "DeepSWE agent trajectories by Kimi-K2", "target-native", 5_000, None,
-           "messages", norm_tool_trajectory,
-           "not published; OpenAI tool-call trajectory layout as in " + _HF
-           + "nvidia/SWE-Zero-openhands-trajectories and nebius/SWE-rebench-openhands-trajectories",
-           notes="give the plan a path (or options.hub); options.field names the turns column"),
-    Source("opencodeinstruct", "OpenCodeInstruct (NVIDIA)", "prompt-only", 12_000, "nvidia/OpenCodeInstruct",
-           "input", norm_pair("input", "output"), _HF + "nvidia/OpenCodeInstruct (dataset card, fields)"),
-    Source("magicoder-evol", "Magicoder Evol-Instruct 110K", "prompt-only", 8_000,
-           "ise-uiuc/Magicoder-Evol-Instruct-110K", "instruction", norm_pair("instruction", "response"),
-           _HF + "ise-uiuc/Magicoder-Evol-Instruct-110K (dataset viewer)"),
-    Source("magicoder-oss", "Magicoder OSS-Instruct 75K", "prompt-only", 8_000, "ise-uiuc/Magicoder-OSS-Instruct-75K",
-           "problem", norm_pair("problem", "solution"), _HF + "ise-uiuc/Magicoder-OSS-Instruct-75K (dataset viewer)"),
-    Source("mixture-of-thoughts", "Mixture-of-Thoughts (open-r1)", "prompt-only", 15_000, "open-r1/Mixture-of-Thoughts",
-           "messages", norm_messages, _HF + "open-r1/Mixture-of-Thoughts (dataset_info: messages, num_tokens, source)",
-           config="all", notes="configs: all, code, math, science"),
-    Source("openthoughts", "OpenThoughts-114k", "prompt-only", 12_000, "open-thoughts/OpenThoughts-114k",
-           "conversations", norm_sharegpt, _HF + "open-thoughts/OpenThoughts-114k (system, conversations[{from, value}])"),
-    Source("ultrachat", "UltraChat 200k", "prompt-only", 12_000, "HuggingFaceH4/ultrachat_200k", "messages",
-           norm_messages, _HF + "HuggingFaceH4/ultrachat_200k (README: prompt, prompt_id, messages)", split="train_sft"),
-    Source("sharegpt", "ShareGPT Vicuna unfiltered", "prompt-only", 11_000, "Aeala/ShareGPT_Vicuna_unfiltered",
-           "conversations", norm_sharegpt, "https://huggingface.co/datasets/RyokoAI/ShareGPT52K (id, conversations"
-           "[{from: human|gpt, value}]); Aeala's copy is one JSON array", data_files="ShareGPT_V4.3_unfiltered_cleaned_split.json",
-           notes="roles human/gpt, also system/bing/chatgpt/bard; other roles are rejected"),
-    Source("kimik2-5-2000x", "Kimi-K2.5 distilled reasoning (2000x)", "target-native", 2_000, None, "problem",
-           norm_reasoning_trace, _HF + "bmeyer2025/kimi-reasoning-traces (id, source, problem, expected_answer, "
-           "thinking, response, teacher, thinking_tokens); the 2000x set's own columns are not published",
-           notes="options prompt_field / response_field / reasoning_field rename the columns"),
+    Source(
+        "swe-agent",
+        "SWE-agent trajectories (nebius)",
+        "prompt-only",
+        15_000,
+        "nebius/SWE-agent-trajectories",
+        "trajectory",
+        norm_swe_agent,
+        _HF + "nebius/SWE-agent-trajectories (dataset_info in README.md)",
+        notes="roles system/user/ai; actions are fenced commands in ai text, observations are user turns",
+    ),
+    Source(
+        "deepswe-kimi-k2",
+        "DeepSWE agent trajectories by Kimi-K2",
+        "target-native",
+        5_000,
+        None,
+        "messages",
+        norm_tool_trajectory,
+        "not published; OpenAI tool-call trajectory layout as in "
+        + _HF
+        + "nvidia/SWE-Zero-openhands-trajectories and nebius/SWE-rebench-openhands-trajectories",
+        notes="give the plan a path (or options.hub); options.field names the turns column",
+    ),
+    Source(
+        "opencodeinstruct",
+        "OpenCodeInstruct (NVIDIA)",
+        "prompt-only",
+        12_000,
+        "nvidia/OpenCodeInstruct",
+        "input",
+        norm_pair("input", "output"),
+        _HF + "nvidia/OpenCodeInstruct (dataset card, fields)",
+    ),
+    Source(
+        "magicoder-evol",
+        "Magicoder Evol-Instruct 110K",
+        "prompt-only",
+        8_000,
+        "ise-uiuc/Magicoder-Evol-Instruct-110K",
+        "instruction",
+        norm_pair("instruction", "response"),
+        _HF + "ise-uiuc/Magicoder-Evol-Instruct-110K (dataset viewer)",
+    ),
+    Source(
+        "magicoder-oss",
+        "Magicoder OSS-Instruct 75K",
+        "prompt-only",
+        8_000,
+        "ise-uiuc/Magicoder-OSS-Instruct-75K",
+        "problem",
+        norm_pair("problem", "solution"),
+        _HF + "ise-uiuc/Magicoder-OSS-Instruct-75K (dataset viewer)",
+    ),
+    Source(
+        "mixture-of-thoughts",
+        "Mixture-of-Thoughts (open-r1)",
+        "prompt-only",
+        15_000,
+        "open-r1/Mixture-of-Thoughts",
+        "messages",
+        norm_messages,
+        _HF + "open-r1/Mixture-of-Thoughts (dataset_info: messages, num_tokens, source)",
+        config="all",
+        notes="configs: all, code, math, science",
+    ),
+    Source(
+        "openthoughts",
+        "OpenThoughts-114k",
+        "prompt-only",
+        12_000,
+        "open-thoughts/OpenThoughts-114k",
+        "conversations",
+        norm_sharegpt,
+        _HF + "open-thoughts/OpenThoughts-114k (system, conversations[{from, value}])",
+    ),
+    Source(
+        "ultrachat",
+        "UltraChat 200k",
+        "prompt-only",
+        12_000,
+        "HuggingFaceH4/ultrachat_200k",
+        "messages",
+        norm_messages,
+        _HF + "HuggingFaceH4/ultrachat_200k (README: prompt, prompt_id, messages)",
+        split="train_sft",
+    ),
+    Source(
+        "sharegpt",
+        "ShareGPT Vicuna unfiltered",
+        "prompt-only",
+        11_000,
+        "Aeala/ShareGPT_Vicuna_unfiltered",
+        "conversations",
+        norm_sharegpt,
+        "https://huggingface.co/datasets/RyokoAI/ShareGPT52K (id, conversations"
+        "[{from: human|gpt, value}]); Aeala's copy is one JSON array",
+        data_files="ShareGPT_V4.3_unfiltered_cleaned_split.json",
+        notes="roles human/gpt, also system/bing/chatgpt/bard; other roles are rejected",
+    ),
+    Source(
+        "kimik2-5-2000x",
+        "Kimi-K2.5 distilled reasoning (2000x)",
+        "target-native",
+        2_000,
+        None,
+        "problem",
+        norm_reasoning_trace,
+        _HF + "bmeyer2025/kimi-reasoning-traces (id, source, problem, expected_answer, "
+        "thinking, response, teacher, thinking_tokens); the 2000x set's own columns are not published",
+        notes="options prompt_field / response_field / reasoning_field rename the columns",
+    ),
 ]
 SOURCES: dict[str, Source] = {s.key: s for s in _ALL}
 
@@ -273,17 +391,31 @@ class RawRow:
     line: int | None = None  # 1-based line number in a local .jsonl file
 
 
-def describe(src: Source, path: str | None, split: str | None, config: str | None, options: dict[str, Any]) -> dict:
+def describe(
+    src: Source, path: str | None, split: str | None, config: str | None, options: dict[str, Any]
+) -> dict:
     """Where the rows come from, as recorded in manifests and fingerprints."""
     if path:
         return {"path": str(path)}
     hub = options.get("hub", src.hub)
-    return {"hub": hub, "config": config or src.config, "split": split or src.split,
-            "data_files": options.get("data_files", src.data_files), "revision": options.get("revision")}
+    return {
+        "hub": hub,
+        "config": config or src.config,
+        "split": split or src.split,
+        "data_files": options.get("data_files", src.data_files),
+        "revision": options.get("revision"),
+    }
 
 
-def open_rows(src: Source, path: str | None, split: str | None, config: str | None, options: dict[str, Any],
-              cache_dir: Path, start: int = 0) -> Iterator[RawRow]:
+def open_rows(
+    src: Source,
+    path: str | None,
+    split: str | None,
+    config: str | None,
+    options: dict[str, Any],
+    cache_dir: Path,
+    start: int = 0,
+) -> Iterator[RawRow]:
     """Rows of the source from index ``start`` on, read with ``datasets`` (streaming; nothing is downloaded
     up front). ``cache_dir`` receives the ``datasets`` lock/cache files so nothing is written elsewhere."""
     import datasets
@@ -295,8 +427,9 @@ def open_rows(src: Source, path: str | None, split: str | None, config: str | No
             raise FileNotFoundError(f"{p}: dataset file not found")
         suffix = p.suffix.lower()
         if suffix == ".jsonl":
-            ds = datasets.load_dataset("text", data_files=str(p), split="train", streaming=True,
-                                       cache_dir=str(cache_dir))
+            ds = datasets.load_dataset(
+                "text", data_files=str(p), split="train", streaming=True, cache_dir=str(cache_dir)
+            )
             index = 0
             for line_no, rec in enumerate(ds, start=1):
                 text = rec["text"]
@@ -312,12 +445,18 @@ def open_rows(src: Source, path: str | None, split: str | None, config: str | No
             return
         builder = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}.get(suffix)
         if builder is None:
-            raise ValueError(f"{p}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet, .arrow or .csv)")
-        ds = datasets.load_dataset(builder, data_files=str(p), split="train", streaming=True, cache_dir=str(cache_dir))
+            raise ValueError(
+                f"{p}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet, .arrow or .csv)"
+            )
+        ds = datasets.load_dataset(
+            builder, data_files=str(p), split="train", streaming=True, cache_dir=str(cache_dir)
+        )
     else:
         where = describe(src, None, split, config, options)
         if not where["hub"]:
-            raise ValueError(f"source {src.key!r} has no public hub id: give the dataset a path or options.hub")
+            raise ValueError(
+                f"source {src.key!r} has no public hub id: give the dataset a path or options.hub"
+            )
         kw: dict[str, Any] = {"split": where["split"], "streaming": True, "cache_dir": str(cache_dir)}
         if where["data_files"]:
             kw["data_files"] = where["data_files"]

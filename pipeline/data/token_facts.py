@@ -60,8 +60,10 @@ def template_turn_ids(tok: Any) -> tuple[list[int], list[int]]:
     except Exception as exc:  # a template that cannot render a plain two-turn chat is itself a finding
         raise TokenFactsError(f"the chat template cannot render a user/assistant exchange: {exc}") from None
     if MARK not in text:
-        raise TokenFactsError("the chat template drops the assistant's content; cannot tell where a turn ends")
-    after = text[text.index(MARK) + len(MARK):]
+        raise TokenFactsError(
+            "the chat template drops the assistant's content; cannot tell where a turn ends"
+        )
+    after = text[text.index(MARK) + len(MARK) :]
     closing = []
     ids = tok(after, add_special_tokens=False)["input_ids"] if after else []
     special = set(getattr(tok, "all_special_ids", []) or []) | set(_added_special_ids(tok))
@@ -99,8 +101,10 @@ def resolve(tok: Any, generation_config: Any = None) -> TokenFacts:
     if not eot:
         tok_eos = getattr(tok, "eos_token_id", None)
         if tok_eos is None or tok_eos in openers:
-            raise TokenFactsError("no end-of-turn token: the tokenizer has no chat template closing the assistant's "
-                                  "turn, the model no generation config eos_token_id, and no usable eos_token")
+            raise TokenFactsError(
+                "no end-of-turn token: the tokenizer has no chat template closing the assistant's "
+                "turn, the model no generation config eos_token_id, and no usable eos_token"
+            )
         eot = [int(tok_eos)]
         sources["end_of_turn"] = "tokenizer eos_token (no chat template, no generation config)"
     pad = getattr(generation_config, "pad_token_id", None)

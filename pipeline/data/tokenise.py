@@ -45,7 +45,9 @@ from pipeline.run.rundir import read_json
 # A cut is safe after "\n" with non-space on both sides: every pre-tokenizer in use (ByteLevel regex,
 # Metaspace, Split on whitespace) ends a piece there, so the tokens before it cannot change.
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
-_CHARS_PER_TOKEN_GUESS = 4  # most text has 3-4.5; denser text (CJK, digits) costs one retry at twice the length
+_CHARS_PER_TOKEN_GUESS = (
+    4  # most text has 3-4.5; denser text (CJK, digits) costs one retry at twice the length
+)
 _CUT_MARGIN_TOKENS = 16
 
 
@@ -71,8 +73,14 @@ def template_hash(template: str) -> str:
 class ChatTokenizer:
     """Renders canonical conversations with a tokenizer's chat template and tokenises them with a loss mask."""
 
-    def __init__(self, tokenizer: Any, max_length: int, tokenizer_id: str | None = None,
-                 template_kwargs: dict[str, Any] | None = None, method: str = "auto") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_length: int,
+        tokenizer_id: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        method: str = "auto",
+    ) -> None:
         template = getattr(tokenizer, "chat_template", None)
         if not isinstance(template, str) or not template:
             raise ValueError(f"tokenizer {tokenizer_id or tokenizer.name_or_path!r} has no chat template")
@@ -86,14 +94,18 @@ class ChatTokenizer:
         self.template_kwargs = dict(template_kwargs or {})
         self.native_tool_calls = "tool_calls" in template
         self.native_reasoning = "reasoning_content" in template
-        backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        backend = (
+            getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        )
         if method not in ("auto", "offsets", "prefix"):
             raise ValueError(f"method must be auto, offsets or prefix, got {method!r}")
         if method == "offsets" and backend is None:
             raise ValueError("method 'offsets' needs a fast tokenizer")
         self._backend = backend if method in ("auto", "offsets") else None
         self.method = "offsets" if self._backend is not None else "prefix"
-        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        specials = sorted(
+            {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
+        )
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._compiled = self._compile()
 
@@ -104,15 +116,21 @@ class ChatTokenizer:
             from transformers.utils.chat_template_utils import _compile_jinja_template
         except ImportError:
             return None
-        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": "a"}]
+        probe = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ]
         kw = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
         try:
             compiled = _compile_jinja_template(self.template)
             for msgs, gen in ((probe, False), (probe[:2], True)):
-                mine = compiled.render(messages=msgs, tools=None, documents=None, add_generation_prompt=gen, **kw)
-                ref = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
-                                                         **self.template_kwargs)
+                mine = compiled.render(
+                    messages=msgs, tools=None, documents=None, add_generation_prompt=gen, **kw
+                )
+                ref = self.tokenizer.apply_chat_template(
+                    msgs, tokenize=False, add_generation_prompt=gen, **self.template_kwargs
+                )
                 if mine != ref:
                     return None
         except Exception:  # an unusual template: always go through apply_chat_template
@@ -122,11 +140,17 @@ class ChatTokenizer:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The template's text for already-converted template messages (see :meth:`template_messages`)."""
         if self._compiled is not None:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.tokenizer.special_tokens_map, **self.template_kwargs)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **self.template_kwargs)
+            return self._compiled.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.tokenizer.special_tokens_map,
+                **self.template_kwargs,
+            )
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+        )
 
     def template_messages(self, conv: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Canonical turns -> what the chat template expects (native or folded tool calls / reasoning)."""
@@ -137,8 +161,11 @@ class ChatTokenizer:
                 if t.get("tool_calls"):
                     if self.native_tool_calls:
                         m["tool_calls"] = [
-                            {"id": c.get("id") or f"call_{i}", "type": "function",
-                             "function": {"name": c["name"], "arguments": c["arguments"]}}
+                            {
+                                "id": c.get("id") or f"call_{i}",
+                                "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"]},
+                            }
                             for i, c in enumerate(t["tool_calls"])
                         ]
                     else:
@@ -162,13 +189,19 @@ class ChatTokenizer:
             texts = [(key, t.get(key)) for key in ("content", "reasoning")]
             for j, call in enumerate(t.get("tool_calls") or ()):
                 args = call.get("arguments")
-                texts.append((f"tool_calls[{j}]", call["name"] + (args if isinstance(args, str) else json.dumps(args))))
+                texts.append(
+                    (f"tool_calls[{j}]", call["name"] + (args if isinstance(args, str) else json.dumps(args)))
+                )
             for key, text in texts:
                 if isinstance(text, str) and (m := self._specials.search(text)):
-                    raise ConversationError(source_field(t, key, f"{field}[{i}].{key}"),
-                                            f"contains the special token {m.group(0)!r}")
+                    raise ConversationError(
+                        source_field(t, key, f"{field}[{i}].{key}"),
+                        f"contains the special token {m.group(0)!r}",
+                    )
 
-    def _spans(self, msgs: list[dict[str, Any]], rendered: str, limit: int, field: str) -> list[tuple[int, int]]:
+    def _spans(
+        self, msgs: list[dict[str, Any]], rendered: str, limit: int, field: str
+    ) -> list[tuple[int, int]]:
         """Character spans of the assistant turns that start before ``limit``."""
         spans = []
         for i, m in enumerate(msgs):
@@ -176,14 +209,20 @@ class ChatTokenizer:
                 continue
             head = self.render(msgs[:i], add_generation_prompt=True)
             if not rendered.startswith(head):
-                raise ConversationError(f"{field}[{i}]", "the chat template renders this turn's history differently "
-                                        "from the whole conversation; cannot locate the assistant text")
+                raise ConversationError(
+                    f"{field}[{i}]",
+                    "the chat template renders this turn's history differently "
+                    "from the whole conversation; cannot locate the assistant text",
+                )
             if len(head) >= limit:
                 break
             full = self.render(msgs[: i + 1])
             if not rendered.startswith(full):
-                raise ConversationError(f"{field}[{i}]", "the chat template renders this turn differently inside "
-                                        "the whole conversation; cannot locate the assistant text")
+                raise ConversationError(
+                    f"{field}[{i}]",
+                    "the chat template renders this turn differently inside "
+                    "the whole conversation; cannot locate the assistant text",
+                )
             end = len(full.rstrip())
             if end > len(head):
                 spans.append((len(head), end))
@@ -205,7 +244,13 @@ class ChatTokenizer:
                 n = len(e)
                 if n > keep:
                     e.truncate(keep)
-                out.append((n, np.asarray(e.ids, dtype=np.int32), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)))
+                out.append(
+                    (
+                        n,
+                        np.asarray(e.ids, dtype=np.int32),
+                        np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2),
+                    )
+                )
             return out
         res = []
         for t in texts:
@@ -213,7 +258,9 @@ class ChatTokenizer:
             res.append((len(ids), np.asarray(ids[:keep], dtype=np.int32), None))
         return res
 
-    def encode(self, convs: Sequence[Sequence[dict[str, Any]]], field: str = "messages") -> list[Encoded | ConversationError]:
+    def encode(
+        self, convs: Sequence[Sequence[dict[str, Any]]], field: str = "messages"
+    ) -> list[Encoded | ConversationError]:
         """Tokenise conversations (canonical, checked, ending with an assistant turn) with loss masks."""
         out: list[Encoded | ConversationError | None] = [None] * len(convs)
         rendered: dict[int, tuple[list[dict[str, Any]], str]] = {}
@@ -253,18 +300,20 @@ class ChatTokenizer:
                 out[k] = exc
                 continue
             except Exception as exc:  # the template refuses a prefix (e.g. it insists on alternating roles)
-                out[k] = ConversationError(field, f"chat template failed on a prefix: {type(exc).__name__}: {exc}")
+                out[k] = ConversationError(
+                    field, f"chat template failed on a prefix: {type(exc).__name__}: {exc}"
+                )
                 continue
             mask = np.zeros(len(ids), dtype=np.int8)
             if offs is not None:
                 starts, ends = offs[:, 0], offs[:, 1]
                 for a, b in spans:  # overlap rule: tokens ending after a and starting before b
-                    mask[np.searchsorted(ends, a, side="right"): np.searchsorted(starts, b, side="left")] = 1
+                    mask[np.searchsorted(ends, a, side="right") : np.searchsorted(starts, b, side="left")] = 1
             else:
                 for a, b in spans:
                     na = len(self.tokenizer.encode(text[:a], add_special_tokens=False))
                     nb = len(self.tokenizer.encode(text[:b], add_special_tokens=False))
-                    mask[min(na, len(ids)): min(nb, len(ids))] = 1
+                    mask[min(na, len(ids)) : min(nb, len(ids))] = 1
             out[k] = Encoded(ids, mask, truncated)
         return out  # type: ignore[return-value]
 
@@ -287,6 +336,10 @@ def load_hf_tokenizer(model: str) -> Any:
     return model_assets.load_tokenizer(model)
 
 
-def load_chat_tokenizer(model: str, max_length: int, template_kwargs: dict[str, Any] | None = None) -> ChatTokenizer:
+def load_chat_tokenizer(
+    model: str, max_length: int, template_kwargs: dict[str, Any] | None = None
+) -> ChatTokenizer:
     """The plan's target tokenizer (``target.model``, e.g. ``builtin:smollm2-135m-instruct``) as a ChatTokenizer."""
-    return ChatTokenizer(load_hf_tokenizer(model), max_length, tokenizer_id=model, template_kwargs=template_kwargs)
+    return ChatTokenizer(
+        load_hf_tokenizer(model), max_length, tokenizer_id=model, template_kwargs=template_kwargs
+    )

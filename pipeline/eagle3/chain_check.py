@@ -86,19 +86,24 @@ def param_bytes(model: Any, cfg: Any) -> dict[str, int]:
 
     tcfg = getattr(cfg, "text_config", None) or cfg
     plan = dict(getattr(tcfg, "base_model_tp_plan", None) or {})
-    q = (getattr(cfg, "quantization_config", None) or getattr(tcfg, "quantization_config", None) or {})
+    q = getattr(cfg, "quantization_config", None) or getattr(tcfg, "quantization_config", None) or {}
     q = q if isinstance(q, dict) else q.to_dict()
     groups = q.get("config_groups") or {}
     bits = next((g.get("weights", {}).get("num_bits") for g in groups.values() if isinstance(g, dict)), None)
-    group = next((g.get("weights", {}).get("group_size") for g in groups.values() if isinstance(g, dict)), None) or 32
+    group = (
+        next((g.get("weights", {}).get("group_size") for g in groups.values() if isinstance(g, dict)), None)
+        or 32
+    )
     out = {"sharded": 0, "replicated": 0}
     for name, p in model.named_parameters():
         n = p.numel()
         routed = ".mlp.experts." in f".{name}." and "shared_experts" not in name
         b = n * bits // 8 + (n // group) * 2 if bits and routed else n * 2
         tail = name.split("layers.", 1)[-1] if "layers." in name else name
-        sharded = any(fnmatch.fnmatch("layers." + tail, pat) or fnmatch.fnmatch("layers." + tail.rsplit(".", 1)[0], pat)
-                      for pat in plan)
+        sharded = any(
+            fnmatch.fnmatch("layers." + tail, pat) or fnmatch.fnmatch("layers." + tail.rsplit(".", 1)[0], pat)
+            for pat in plan
+        )
         out["sharded" if sharded else "replicated"] += b
     return out
 
@@ -122,8 +127,12 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     model = str(plan.target.get("model") or "")
     folder = local_model_dir(model) if model else None
     if folder is None or not (folder / "config.json").is_file():
-        rep.add("target", False, f"{where}: target.model: {model or '(not set)'}: no config.json in a local folder or "
-                                 "the local Hugging Face cache (download it first: nothing is fetched here)")
+        rep.add(
+            "target",
+            False,
+            f"{where}: target.model: {model or '(not set)'}: no config.json in a local folder or "
+            "the local Hugging Face cache (download it first: nothing is fetched here)",
+        )
         return rep
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -139,34 +148,57 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     tcfg = getattr(cfg, "text_config", None) or cfg
     n_layers, hidden, vocab = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)
     total = sum(p.numel() for p in meta.parameters())
-    rep.add("architecture", True, f"{tcfg.model_type} ({type(meta).__name__}): {n_layers} layers, hidden {hidden}, "
-                                  f"vocab {vocab}, {total / 1e9:.1f}B parameters; final norm {roles['norm']}")
+    rep.add(
+        "architecture",
+        True,
+        f"{tcfg.model_type} ({type(meta).__name__}): {n_layers} layers, hidden {hidden}, "
+        f"vocab {vocab}, {total / 1e9:.1f}B parameters; final norm {roles['norm']}",
+    )
     del base
 
     ext = plan.section("extract")
     try:
-        aux = (normalise_aux_layers(ext["aux_layers"], n_layers, f"{where}: extract.aux_layers")
-               if "aux_layers" in ext else default_aux_layers(n_layers))
+        aux = (
+            normalise_aux_layers(ext["aux_layers"], n_layers, f"{where}: extract.aux_layers")
+            if "aux_layers" in ext
+            else default_aux_layers(n_layers)
+        )
         note = "" if ext.get("aux_layers") in (None, aux) else f" (plan order {ext['aux_layers']} sorted)"
-        rep.add("aux layers", True, f"{aux}{note}; SGLang captures the inputs of layers {[i + 1 for i in aux]}")
+        rep.add(
+            "aux layers", True, f"{aux}{note}; SGLang captures the inputs of layers {[i + 1 for i in aux]}"
+        )
     except DraftModelError as exc:
         rep.add("aux layers", False, str(exc))
         aux = default_aux_layers(n_layers)
 
     dv = plan.section("vocab").get("draft_vocab_size", 32000)
     if not isinstance(dv, int) or isinstance(dv, bool) or not 0 < dv <= vocab:
-        rep.add("draft vocab", False, f"{where}: vocab.draft_vocab_size: {dv!r} must be between 1 and the target's "
-                                      f"vocabulary ({vocab})")
+        rep.add(
+            "draft vocab",
+            False,
+            f"{where}: vocab.draft_vocab_size: {dv!r} must be between 1 and the target's "
+            f"vocabulary ({vocab})",
+        )
         dv = min(32000, vocab)
     else:
         rep.add("draft vocab", True, f"{dv} of the target's {vocab} tokens")
     dcfg = DraftConfig.from_target(tcfg, dv, aux)
     h, nh, hd, inter = dcfg.hidden_size, dcfg.num_attention_heads, dcfg.head_dim, dcfg.intermediate_size
-    draft_params = (3 * h * h + 2 * h * nh * hd * 2 + 2 * h * dcfg.num_key_value_heads * hd + nh * hd * h
-                    + 3 * h * inter + dv * h)
+    draft_params = (
+        3 * h * h
+        + 2 * h * nh * hd * 2
+        + 2 * h * dcfg.num_key_value_heads * hd
+        + nh * hd * h
+        + 3 * h * inter
+        + dv * h
+    )
     rope = (dcfg.rope_scaling or {}).get("rope_type", (dcfg.rope_scaling or {}).get("type", "default"))
-    rep.add("draft", True, f"hidden {h}, {nh} heads x {hd}, {dcfg.num_key_value_heads} KV heads, MLP {inter}, "
-                           f"rope {rope} (theta {dcfg.rope_theta:g}), {draft_params / 1e9:.2f}B trainable parameters")
+    rep.add(
+        "draft",
+        True,
+        f"hidden {h}, {nh} heads x {hd}, {dcfg.num_key_value_heads} KV heads, MLP {inter}, "
+        f"rope {rope} (theta {dcfg.rope_theta:g}), {draft_params / 1e9:.2f}B trainable parameters",
+    )
     rep.numbers["draft_params"] = draft_params
 
     try:
@@ -174,16 +206,27 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
 
         tok = load_hf_tokenizer(str(folder))
         ct = ChatTokenizer(tok, int(plan.target.get("max_length", 2048)), tokenizer_id=model)
-        conv = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
-                {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6."}]
+        conv = [
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3 + 3?"},
+            {"role": "assistant", "content": "6."},
+        ]
         enc = ct.encode([conv])[0]
         if isinstance(enc, Exception):
             raise ValueError(str(enc))
-        rep.add("chat template", bool(enc.target_tokens), f"a two-turn conversation renders to {enc.num_tokens} tokens, "
-                                                          f"{enc.target_tokens} of them trained (assistant)")
+        rep.add(
+            "chat template",
+            bool(enc.target_tokens),
+            f"a two-turn conversation renders to {enc.num_tokens} tokens, "
+            f"{enc.target_tokens} of them trained (assistant)",
+        )
     except Exception as exc:  # noqa: BLE001 - any template/tokenizer failure is this check's finding
-        rep.add("chat template", False, f"{where}: target.model: the tokenizer or its chat template fails: "
-                                        f"{type(exc).__name__}: {exc}")
+        rep.add(
+            "chat template",
+            False,
+            f"{where}: target.model: the tokenizer or its chat template fails: {type(exc).__name__}: {exc}",
+        )
 
     # Disk: offline hidden states for the planned rows, against free space at the run directory.
     from pipeline.run import budget
@@ -205,10 +248,14 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         rep.add("disk", True, "online training: no hidden states are stored (0 B)")
     else:
         fits = need + reserve <= free_bytes
-        rep.add("disk", fits, f"{where}: offline hidden states {budget.human_bytes(need)} ({per_token / 1000:.1f} KB/token x "
-                              f"{tokens:,} tokens, at most {rows:,} rows x {max_len} tokens) + reserve "
-                              f"{budget.human_bytes(reserve)} vs {budget.human_bytes(free_bytes)} free at the run "
-                              "directory" + ("" if fits else "; free space, lower the quotas or go online"))
+        rep.add(
+            "disk",
+            fits,
+            f"{where}: offline hidden states {budget.human_bytes(need)} ({per_token / 1000:.1f} KB/token x "
+            f"{tokens:,} tokens, at most {rows:,} rows x {max_len} tokens) + reserve "
+            f"{budget.human_bytes(reserve)} vs {budget.human_bytes(free_bytes)} free at the run "
+            "directory" + ("" if fits else "; free space, lower the quotas or go online"),
+        )
 
     # GPU memory per rank.
     online_tp = plan.section("train").get("target") == "online-tp"
@@ -224,41 +271,65 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     tr = plan.section("train")
     mb, ttt = int(tr.get("micro_batch", 8)), int(tr.get("ttt_steps", 7))
     seq = int(tr.get("max_length") or max_len)
-    draft_state = draft_params * 16 + vocab * h * 2  # fp32 weights + grads + AdamW m, v; bf16 frozen embedding
-    train_act = mb * seq * (dv * 4 * 3 + ttt * h * 2 * 12)  # fp32 logits of one TTT step alive + per-step activations
+    draft_state = (
+        draft_params * 16 + vocab * h * 2
+    )  # fp32 weights + grads + AdamW m, v; bf16 frozen embedding
+    train_act = (
+        mb * seq * (dv * 4 * 3 + ttt * h * 2 * 12)
+    )  # fp32 logits of one TTT step alive + per-step activations
     training = draft_state + train_act + dv * h * 4
-    rep.numbers.update(capture_bytes_per_rank=capture, training_bytes_per_rank=training, tp_size=tp,
-                       target_sharded_bytes=pb["sharded"], target_replicated_bytes=pb["replicated"])
+    rep.numbers.update(
+        capture_bytes_per_rank=capture,
+        training_bytes_per_rank=training,
+        tp_size=tp,
+        target_sharded_bytes=pb["sharded"],
+        target_replicated_bytes=pb["replicated"],
+    )
     gpu_gb = plan.resources.get("gpu_memory_gb")
     if online_tp:
         # Every rank holds its target shard *and* trains its draft replica at the same time.
         capture += training
         rep.numbers["online_tp_bytes_per_rank"] = capture
-        detail = (f"online-tp, per rank: target shard {budget.human_bytes(pb['sharded'] // tp)} + replicated "
-                  f"{budget.human_bytes(pb['replicated'])} + capture activations {budget.human_bytes(act)} + draft and "
-                  f"AdamW {budget.human_bytes(draft_state)} + training activations {budget.human_bytes(train_act)} "
-                  f"(micro_batch {mb} x {seq} tokens) = {budget.human_bytes(capture)} (TP {tp})")
+        detail = (
+            f"online-tp, per rank: target shard {budget.human_bytes(pb['sharded'] // tp)} + replicated "
+            f"{budget.human_bytes(pb['replicated'])} + capture activations {budget.human_bytes(act)} + draft and "
+            f"AdamW {budget.human_bytes(draft_state)} + training activations {budget.human_bytes(train_act)} "
+            f"(micro_batch {mb} x {seq} tokens) = {budget.human_bytes(capture)} (TP {tp})"
+        )
         training = 0
     else:
-        detail = (f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(pb['sharded'] // tp)} "
-                  f"sharded + {budget.human_bytes(pb['replicated'])} replicated + activations); training "
-                  f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
-                  f"at micro_batch {mb} x {seq} tokens)")
+        detail = (
+            f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(pb['sharded'] // tp)} "
+            f"sharded + {budget.human_bytes(pb['replicated'])} replicated + activations); training "
+            f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
+            f"at micro_batch {mb} x {seq} tokens)"
+        )
     if isinstance(gpu_gb, int | float) and not isinstance(gpu_gb, bool):
         cap = float(gpu_gb) * 1e9
         worst = max(capture, training)
-        rep.add("gpu memory", worst <= cap, detail + f" vs {gpu_gb} GB per GPU (resources.gpu_memory_gb)"
-                + ("" if worst <= cap else f"; {budget.human_bytes(worst)} does not fit"))
+        rep.add(
+            "gpu memory",
+            worst <= cap,
+            detail
+            + f" vs {gpu_gb} GB per GPU (resources.gpu_memory_gb)"
+            + ("" if worst <= cap else f"; {budget.human_bytes(worst)} does not fit"),
+        )
     else:
-        rep.add("gpu memory", True, detail + " (set resources.gpu_memory_gb to have it checked)", warning=True)
+        rep.add(
+            "gpu memory", True, detail + " (set resources.gpu_memory_gb to have it checked)", warning=True
+        )
     return rep
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.eagle3.chain_check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.eagle3.chain_check", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("plan")
     ap.add_argument("--json", action="store_true", help="one JSON object: checks and numbers")
-    ap.add_argument("--free-bytes", type=int, default=None, help="use this free space instead of measuring it")
+    ap.add_argument(
+        "--free-bytes", type=int, default=None, help="use this free space instead of measuring it"
+    )
     args = ap.parse_args(argv)
     try:
         plan = plan_mod.load(args.plan)

@@ -47,7 +47,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
     inputs, i.e. these same outputs.
     """
     if num_layers < 5:
-        raise DraftModelError(f"target has {num_layers} layers; EAGLE-3 needs at least 5 to pick low/mid/high")
+        raise DraftModelError(
+            f"target has {num_layers} layers; EAGLE-3 needs at least 5 to pick low/mid/high"
+        )
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
@@ -61,7 +63,9 @@ def normalise_aux_layers(ids: list[int], num_layers: int, where: str = "extract.
         raise DraftModelError(f"{where}: expected a list of layer ids, got {ids!r}")
     for i in ids:
         if not 0 <= i < num_layers:
-            raise DraftModelError(f"{where}: layer {i} out of range (the target has {num_layers} layers, 0..{num_layers - 1})")
+            raise DraftModelError(
+                f"{where}: layer {i} out of range (the target has {num_layers} layers, 0..{num_layers - 1})"
+            )
     out = sorted(set(ids))
     if len(out) != 3:
         raise DraftModelError(f"{where}: EAGLE-3 fuses 3 distinct layers (low, mid, high), got {ids!r}")
@@ -75,7 +79,9 @@ def sglang_capture_ids(aux_layer_ids: list[int]) -> list[int]:
 
 def is_mla(cfg: Any) -> bool:
     """A DeepSeek-V2/V3-class target (multi-head latent attention: Kimi-K2/K2.5, DeepSeek-V3/R1)."""
-    return getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None
+    return (
+        getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None
+    )
 
 
 def _target_rope(cfg: Any) -> tuple[float, dict[str, Any] | None]:
@@ -127,15 +133,23 @@ class DraftConfig:
             head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
             kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         return cls(
-            hidden_size=int(cfg.hidden_size), intermediate_size=int(cfg.intermediate_size),
-            num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=head_dim, vocab_size=int(cfg.vocab_size), draft_vocab_size=int(draft_vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(cfg.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
             aux_layer_ids=normalise_aux_layers([int(i) for i in aux_layer_ids], int(cfg.num_hidden_layers)),
             target_hidden_size=int(cfg.hidden_size),
-            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
-            hidden_act=str(getattr(cfg, "hidden_act", "silu")), bos_token_id=getattr(cfg, "bos_token_id", None),
-            eos_token_id=getattr(cfg, "eos_token_id", None), pad_token_id=getattr(cfg, "pad_token_id", None),
+            hidden_act=str(getattr(cfg, "hidden_act", "silu")),
+            bos_token_id=getattr(cfg, "bos_token_id", None),
+            eos_token_id=getattr(cfg, "eos_token_id", None),
+            pad_token_id=getattr(cfg, "pad_token_id", None),
         )
 
     def sglang_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -178,27 +192,47 @@ class DraftConfig:
     @classmethod
     def from_sglang_config(cls, d: dict[str, Any], where: str = CONFIG_FILE) -> DraftConfig:
         if ARCHITECTURE not in (d.get("architectures") or []):
-            raise DraftModelError(f"{where}: architectures is {d.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
+            raise DraftModelError(
+                f"{where}: architectures is {d.get('architectures')!r}, expected [{ARCHITECTURE!r}]"
+            )
         if int(d.get("num_hidden_layers", 1)) != 1:
-            raise DraftModelError(f"{where}: num_hidden_layers is {d.get('num_hidden_layers')}; only 1 is supported")
+            raise DraftModelError(
+                f"{where}: num_hidden_layers is {d.get('num_hidden_layers')}; only 1 is supported"
+            )
         try:
             ids = d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         except (KeyError, TypeError):
-            raise DraftModelError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing") from None
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size"):
+            raise DraftModelError(
+                f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing"
+            ) from None
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "vocab_size",
+            "draft_vocab_size",
+        ):
             if not isinstance(d.get(key), int):
                 raise DraftModelError(f"{where}: {key} must be an integer, got {d.get(key)!r}")
         heads = d["num_attention_heads"]
         return cls(
-            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_attention_heads=heads,
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads), vocab_size=d["vocab_size"],
-            draft_vocab_size=d["draft_vocab_size"], aux_layer_ids=[int(i) for i in ids],
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d["draft_vocab_size"],
+            aux_layer_ids=[int(i) for i in ids],
             target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)), rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling"), max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            hidden_act=d.get("hidden_act", "silu"), bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=d.get("rope_scaling"),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            hidden_act=d.get("hidden_act", "silu"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,10 +258,15 @@ class RMSNorm(nn.Module):
 _SINK_DIMS = 8
 
 
-def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols: torch.Tensor,
-                    key_valid: torch.Tensor | None = None,
-                    chain: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                    causal: bool = False) -> torch.Tensor:
+def chain_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    q_cols: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+    chain: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
     """Attention of EAGLE-3 drafting/TTT, computing only the scores it needs.
 
     ``q`` (B, H, Sq, D) are queries for columns ``q_cols`` (Sq,); ``k0``/``v0`` (B, Hkv, Skv, D) the
@@ -267,7 +306,7 @@ def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols:
         if causal:
             return F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
         return F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask)
-    scale = d ** -0.5
+    scale = d**-0.5
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in fp32 at least
     diag = torch.stack([(q * k).sum(-1) for k, _ in chain], dim=-1).to(acc) * scale  # (B, H, Sq, J)
     lse = torch.logsumexp(diag, dim=-1)
@@ -284,7 +323,7 @@ def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols:
     q_aug = torch.cat([q, hi[..., None], lo[..., None], pad_q], dim=-1)
     pad_k = torch.zeros(b, nh, skv, _SINK_DIMS, dtype=k0.dtype, device=q.device)
     sink_k = torch.zeros(b, nh, 1, d + _SINK_DIMS, dtype=k0.dtype, device=q.device)
-    sink_k[..., d:d + 2] = 1
+    sink_k[..., d : d + 2] = 1
     sink_v = torch.zeros(b, nh, 1, d + _SINK_DIMS, dtype=v0.dtype, device=q.device)
     sink_v[..., d] = 1
     keys = torch.cat([sink_k, torch.cat([k0, pad_k], dim=-1)], dim=2)
@@ -297,12 +336,17 @@ def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols:
         sink_ok = torch.ones(*mask.shape[:-1], 1, dtype=torch.bool, device=q.device)
         attn_mask = torch.cat([sink_ok, mask], dim=-1)
     out = F.scaled_dot_product_attention(q_aug, keys, vals, attn_mask=attn_mask, scale=scale)
-    return out[..., :d] + out[..., d:d + 1] * mix
+    return out[..., :d] + out[..., d : d + 1] * mix
 
 
-def chain_attention_reference(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q_cols: torch.Tensor,
-                              key_valid: torch.Tensor | None = None,
-                              chain: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+def chain_attention_reference(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    q_cols: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+    chain: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
     """The same attention written plainly: every key concatenated, one ``(Sq, (1+j)·Skv)`` boolean mask.
 
     What Aerie ran before :func:`chain_attention` learnt the sink form; kept as the reference the
@@ -345,14 +389,19 @@ class DraftAttention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(b, s, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return (apply_rope(q, positions, self.inv_freq, self.rope_scale),
-                apply_rope(k, positions, self.inv_freq, self.rope_scale), v)
+        return (
+            apply_rope(q, positions, self.inv_freq, self.rope_scale),
+            apply_rope(k, positions, self.inv_freq, self.rope_scale),
+            v,
+        )
 
 
 class DraftMLP(nn.Module):
@@ -398,8 +447,10 @@ class Eagle3Draft(nn.Module):
     # -- pieces ------------------------------------------------------------------------------
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise DraftModelError(f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not "
-                                  f"match the draft ({self.cfg.draft_vocab_size} / {self.cfg.vocab_size})")
+            raise DraftModelError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not "
+                f"match the draft ({self.cfg.draft_vocab_size} / {self.cfg.vocab_size})"
+            )
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))
 
@@ -410,10 +461,18 @@ class Eagle3Draft(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
-    def layer(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, q_cols: torch.Tensor,
-              k0v0: tuple[torch.Tensor, torch.Tensor] | None, chain: list[tuple[torch.Tensor, torch.Tensor]],
-              key_valid: torch.Tensor | None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-              causal: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def layer(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        q_cols: torch.Tensor,
+        k0v0: tuple[torch.Tensor, torch.Tensor] | None,
+        chain: list[tuple[torch.Tensor, torch.Tensor]],
+        key_valid: torch.Tensor | None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        causal: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One pass of the decoder layer for the columns ``q_cols``.
 
         ``k0v0=None`` means this *is* a step-0 pass: its keys extend the step-0 keys of the columns
@@ -427,7 +486,9 @@ class Eagle3Draft(nn.Module):
         x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], dim=-1)
         q, k, v = m.self_attn.qkv(x, positions)
         if k0v0 is None:
-            kk, vv = (k, v) if prefix is None else (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
+            kk, vv = (
+                (k, v) if prefix is None else (torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2))
+            )
             attn = chain_attention(q, kk, vv, q_cols, key_valid, causal=causal)
         else:
             attn = chain_attention(q, k0v0[0], k0v0[1], q_cols, key_valid, [*chain, (k, v)], causal=causal)
@@ -437,7 +498,9 @@ class Eagle3Draft(nn.Module):
         h = h + m.mlp(m.post_attention_layernorm(h))
         return h, (k, v)
 
-    def ttt(self, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def ttt(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
         """Training-time test over ``steps``: the draft logits (B, S, Vd) of each step.
 
         Column ``t`` starts from the target feature ``f_t`` and token ``x_{t+1}``; step ``j`` reads
@@ -446,8 +509,9 @@ class Eagle3Draft(nn.Module):
         """
         return [self.logits(h) for h in self.ttt_hidden(aux, input_ids, lengths, steps)]
 
-    def ttt_hidden(self, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
-                   steps: int) -> list[torch.Tensor]:
+    def ttt_hidden(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
         """:meth:`ttt` before the final norm and ``lm_head``: the (B, S, H) hidden of each step.
 
         The training loss applies the head itself, a chunk of tokens at a time, so the
@@ -473,8 +537,14 @@ class Eagle3Draft(nn.Module):
             out.append(hidden)
         return out
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
-                steps: int, logits: bool = True) -> list[torch.Tensor]:
+    def forward(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        steps: int,
+        logits: bool = True,
+    ) -> list[torch.Tensor]:
         """Training forward (what DDP wraps): :meth:`ttt`, or :meth:`ttt_hidden` with ``logits=False``."""
         if logits:
             return self.ttt(aux, input_ids, lengths, steps)
@@ -509,7 +579,9 @@ def save_draft(model: Eagle3Draft, path: Path, dtype: torch.dtype = torch.bfloat
     (path / CONFIG_FILE).write_text(json.dumps(model.cfg.sglang_config(dname), indent=2) + "\n")
 
 
-def load_draft(path: Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+def load_draft(
+    path: Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> Eagle3Draft:
     """Load a saved draft; ``embed`` is the target's embedding matrix (SGLang's ``set_embed``)."""
     from safetensors.torch import load_file
 

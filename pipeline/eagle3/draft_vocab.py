@@ -83,9 +83,14 @@ def save(vm: VocabMap, out_dir: Path, extra: dict | None = None) -> Path:
     save_file(tensors, str(tmp))
     write_atomic(out_dir / VOCAB_FILE, tmp.read_bytes())
     tmp.unlink()
-    manifest = {"kind": MANIFEST_KIND, "file": VOCAB_FILE, "draft_vocab_size": vm.size,
-                "target_vocab_size": int(vm.t2d.numel()),
-                "coverage": vm.coverage() if vm.counts is not None else None, **(extra or {})}
+    manifest = {
+        "kind": MANIFEST_KIND,
+        "file": VOCAB_FILE,
+        "draft_vocab_size": vm.size,
+        "target_vocab_size": int(vm.t2d.numel()),
+        "coverage": vm.coverage() if vm.counts is not None else None,
+        **(extra or {}),
+    }
     write_json(out_dir / "manifest.json", manifest)
     return out_dir / VOCAB_FILE
 

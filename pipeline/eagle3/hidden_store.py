@@ -48,8 +48,10 @@ def storage_mode(plan: Any) -> str:
         raise StoreError(f"{plan.path}: extract.mode is {ex!r} but train.mode is {tr!r}; set one")
     if plan.section("train").get("target") == "online-tp":
         if ex == "offline" or tr == "offline":
-            raise StoreError(f"{plan.path}: train.target = \"online-tp\" captures during training; "
-                             "extract.mode = \"offline\" would store what it never reads: drop it")
+            raise StoreError(
+                f'{plan.path}: train.target = "online-tp" captures during training; '
+                'extract.mode = "offline" would store what it never reads: drop it'
+            )
         return "online"
     return ex or tr or "offline"
 
@@ -104,8 +106,14 @@ class Sample:
     loss_mask: torch.Tensor
 
 
-_NP_DTYPES = {"BF16": ("<i2", torch.bfloat16), "F16": ("<f2", torch.float16), "F32": ("<f4", torch.float32),
-              "I8": ("i1", torch.int8), "I32": ("<i4", torch.int32), "I64": ("<i8", torch.int64)}
+_NP_DTYPES = {
+    "BF16": ("<i2", torch.bfloat16),
+    "F16": ("<f2", torch.float16),
+    "F32": ("<f4", torch.float32),
+    "I8": ("i1", torch.int8),
+    "I32": ("<i4", torch.int32),
+    "I64": ("<i8", torch.int64),
+}
 
 
 class ShardMap:
@@ -136,7 +144,9 @@ class ShardMap:
         for name in TENSORS:
             info = header[name]
             if info["dtype"] not in _NP_DTYPES:
-                raise StoreError(f"{path}: tensor {name} has dtype {info['dtype']}, not one this store writes")
+                raise StoreError(
+                    f"{path}: tensor {name} has dtype {info['dtype']}, not one this store writes"
+                )
             np_dt, t_dt = _NP_DTYPES[info["dtype"]]
             a, b = info["data_offsets"]
             if base + b > size:
@@ -145,7 +155,9 @@ class ShardMap:
             if b == a:
                 self.tensors[name] = torch.empty(shape, dtype=t_dt)
                 continue
-            arr = np.frombuffer(self._map, dtype=np_dt, count=(b - a) // np.dtype(np_dt).itemsize, offset=base + a)
+            arr = np.frombuffer(
+                self._map, dtype=np_dt, count=(b - a) // np.dtype(np_dt).itemsize, offset=base + a
+            )
             self.tensors[name] = torch.from_numpy(arr.reshape(shape)).view(t_dt)
 
 
@@ -158,7 +170,9 @@ class HiddenStore:
         self.dir = Path(out_dir)
         self.manifest = read_manifest(self.dir)
         if self.manifest.get("mode") != "offline":
-            raise StoreError(f"{self.dir / 'manifest.json'}: mode is {self.manifest.get('mode')!r}; no shards stored")
+            raise StoreError(
+                f"{self.dir / 'manifest.json'}: mode is {self.manifest.get('mode')!r}; no shards stored"
+            )
         self.shards: list[ShardMap] = []
         self.index: list[tuple[int, int, int]] = []  # (file, start, end)
         self.ids: list[str] = []
@@ -194,8 +208,12 @@ class HiddenStore:
         return self.shards[fi].tensors[name][a:b]
 
     def __getitem__(self, i: int) -> Sample:
-        return Sample(*(self.view(i, name).clone() for name in ("aux", "last_hidden", "target_argmax",
-                                                                 "input_ids", "loss_mask")))
+        return Sample(
+            *(
+                self.view(i, name).clone()
+                for name in ("aux", "last_hidden", "target_argmax", "input_ids", "loss_mask")
+            )
+        )
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any]:

@@ -25,8 +25,9 @@ def rope_type(cfg: Any) -> str:
     return str(sc.get("rope_type", sc.get("type", "default"))) if sc else "default"
 
 
-def _yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: float, orig_max: int,
-                           truncate: bool) -> tuple[float, float]:
+def _yarn_correction_range(
+    beta_fast: float, beta_slow: float, dim: int, base: float, orig_max: int, truncate: bool
+) -> tuple[float, float]:
     def dim_for(rotations: float) -> float:
         return (dim * math.log(orig_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
@@ -47,16 +48,22 @@ def rope_inv_freq(cfg: Any) -> torch.Tensor:
     sc = cfg.rope_scaling or {}
     rtype = rope_type(cfg)
     if rtype not in SUPPORTED_ROPE:
-        raise RopeError(f"rope_scaling type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+        raise RopeError(
+            f"rope_scaling type {rtype!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})"
+        )
     if rtype == "yarn":
         # YaRNScalingRotaryEmbedding._compute_inv_freq: float32, as SGLang does it.
         factor = float(sc["factor"])
         pos = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
         extra, inter = 1.0 / pos, 1.0 / (factor * pos)
-        low, high = _yarn_correction_range(float(sc.get("beta_fast", 32)), float(sc.get("beta_slow", 1)), dim,
-                                           cfg.rope_theta, int(sc.get("original_max_position_embeddings",
-                                                                      cfg.max_position_embeddings)),
-                                           bool(sc.get("truncate", True)))
+        low, high = _yarn_correction_range(
+            float(sc.get("beta_fast", 32)),
+            float(sc.get("beta_slow", 1)),
+            dim,
+            cfg.rope_theta,
+            int(sc.get("original_max_position_embeddings", cfg.max_position_embeddings)),
+            bool(sc.get("truncate", True)),
+        )
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
@@ -94,7 +101,9 @@ def rope_attention_scale(cfg: Any) -> float:
     return m * float(sc.get("attn_factor", 1.0))
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> torch.Tensor:
     """Rotate ``x`` (B, H, S, D) by ``positions`` (B, S) — the rotate-half (neox) form Llama uses;
     ``scale`` multiplies cos and sin (YaRN's attention scaling)."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(x.device)[None, None, :]

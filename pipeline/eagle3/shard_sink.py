@@ -102,8 +102,15 @@ class HostStager:
             self._free.put(None)  # pinned on first use (CUDA only), at the size the batches need
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one copy stream per source GPU
 
-    def stage(self, aux: torch.Tensor, last_hidden: torch.Tensor, argmax: torch.Tensor, lengths: list[int],
-              input_ids: np.ndarray, loss_mask: np.ndarray) -> HostBatch:
+    def stage(
+        self,
+        aux: torch.Tensor,
+        last_hidden: torch.Tensor,
+        argmax: torch.Tensor,
+        lengths: list[int],
+        input_ids: np.ndarray,
+        loss_mask: np.ndarray,
+    ) -> HostBatch:
         """Rows ``i`` of the padded ``(B, S, ·)`` capture, first ``lengths[i]`` positions each, on the host.
 
         ``input_ids`` / ``loss_mask`` are the rows' own (host) values, already back to back.
@@ -116,17 +123,26 @@ class HostStager:
         if len(ids) != n or len(mask) != n:
             raise ValueError(f"{len(ids)} input ids / {len(mask)} mask values for {n} captured tokens")
         if aux.device.type != "cuda":  # on the CPU: the plain conversions the stage always made
-            return HostBatch(aux.reshape(b * s, -1).index_select(0, idx.to(aux.device)).to("cpu", torch.bfloat16),
-                             last_hidden.reshape(b * s, -1).index_select(0, idx.to(aux.device)).to("cpu", torch.bfloat16),
-                             argmax.reshape(b * s).index_select(0, idx.to(argmax.device)).to("cpu", torch.int32),
-                             ids, mask)
+            return HostBatch(
+                aux.reshape(b * s, -1).index_select(0, idx.to(aux.device)).to("cpu", torch.bfloat16),
+                last_hidden.reshape(b * s, -1).index_select(0, idx.to(aux.device)).to("cpu", torch.bfloat16),
+                argmax.reshape(b * s).index_select(0, idx.to(argmax.device)).to("cpu", torch.int32),
+                ids,
+                mask,
+            )
         dev_idx = idx.to(aux.device, non_blocking=True)
-        packed = (aux.reshape(b * s, -1).index_select(0, dev_idx).to(torch.bfloat16),
-                  last_hidden.reshape(b * s, -1).index_select(0, dev_idx).to(torch.bfloat16),
-                  argmax.reshape(b * s).index_select(0, dev_idx.to(argmax.device)).to(torch.int32))
+        packed = (
+            aux.reshape(b * s, -1).index_select(0, dev_idx).to(torch.bfloat16),
+            last_hidden.reshape(b * s, -1).index_select(0, dev_idx).to(torch.bfloat16),
+            argmax.reshape(b * s).index_select(0, dev_idx.to(argmax.device)).to(torch.int32),
+        )
         slot = self._free.get()
-        if slot is None or slot.capacity < n or slot.aux.shape[1] != packed[0].shape[1] \
-                or slot.last_hidden.shape[1] != packed[1].shape[1]:
+        if (
+            slot is None
+            or slot.capacity < n
+            or slot.aux.shape[1] != packed[0].shape[1]
+            or slot.last_hidden.shape[1] != packed[1].shape[1]
+        ):
             slot = _Slot(max(n, slot.capacity if slot else 0), packed[0].shape[1], packed[1].shape[1])
         host = (slot.aux[:n], slot.last_hidden[:n], slot.target_argmax[:n])
         # The copy runs on a side stream of the GPU holding the capture (with ``device = "auto"`` that is
@@ -145,7 +161,12 @@ class HostStager:
 
 
 # -------------------------------------------------------------------------------------------- layout
-_DTYPES = {torch.int64: ("I64", 8), torch.int32: ("I32", 4), torch.bfloat16: ("BF16", 2), torch.int8: ("I8", 1)}
+_DTYPES = {
+    torch.int64: ("I64", 8),
+    torch.int32: ("I32", 4),
+    torch.bfloat16: ("BF16", 2),
+    torch.int8: ("I8", 1),
+}
 
 
 @dataclass
@@ -164,9 +185,14 @@ class ShardLayout:
     def __post_init__(self) -> None:
         n = self.tokens
         # safetensors' own order: by dtype, widest first, then by name (what save_file writes).
-        specs = [("offsets", torch.int64, [len(self.lengths) + 1]), ("input_ids", torch.int32, [n]),
-                 ("target_argmax", torch.int32, [n]), ("aux", torch.bfloat16, [n, self.aux_width]),
-                 ("last_hidden", torch.bfloat16, [n, self.hidden]), ("loss_mask", torch.int8, [n])]
+        specs = [
+            ("offsets", torch.int64, [len(self.lengths) + 1]),
+            ("input_ids", torch.int32, [n]),
+            ("target_argmax", torch.int32, [n]),
+            ("aux", torch.bfloat16, [n, self.aux_width]),
+            ("last_hidden", torch.bfloat16, [n, self.hidden]),
+            ("loss_mask", torch.int8, [n]),
+        ]
         meta: dict[str, object] = {"__metadata__": {"format": str(FORMAT), "ids": json.dumps(self.ids)}}
         rel, off = {}, 0
         for name, dtype, shape in specs:
@@ -231,18 +257,26 @@ class _OpenShard:
     def write(self, batch: HostBatch) -> None:
         n, lay = batch.tokens, self.layout
         if self.cursor + n > lay.tokens:
-            raise ValueError(f"{self.path}: more tokens than the shard's rows hold ({self.cursor + n} > {lay.tokens})")
+            raise ValueError(
+                f"{self.path}: more tokens than the shard's rows hold ({self.cursor + n} > {lay.tokens})"
+            )
         batch.wait()
-        parts = [(batch.aux, lay.aux_width * 2, "aux"), (batch.last_hidden, lay.hidden * 2, "last_hidden"),
-                 (batch.target_argmax, 4, "target_argmax"), (batch.input_ids, 4, "input_ids"),
-                 (batch.loss_mask, 1, "loss_mask")]
+        parts = [
+            (batch.aux, lay.aux_width * 2, "aux"),
+            (batch.last_hidden, lay.hidden * 2, "last_hidden"),
+            (batch.target_argmax, 4, "target_argmax"),
+            (batch.input_ids, 4, "input_ids"),
+            (batch.loss_mask, 1, "loss_mask"),
+        ]
         jobs = []
         for t, row_bytes, name in parts:
             if t.shape[0] != n or tuple(t.shape[1:]) not in ((), (row_bytes // 2,)):
-                raise ValueError(f"{self.path}: {name} has shape {tuple(t.shape)}, expected ({n}, {row_bytes // 2})")
+                raise ValueError(
+                    f"{self.path}: {name} has shape {tuple(t.shape)}, expected ({n}, {row_bytes // 2})"
+                )
             data, off = _as_bytes(t), lay.start[name] + self.cursor * row_bytes
             for a in range(0, len(data), _IO_CHUNK):
-                jobs.append((data[a:a + _IO_CHUNK], off + a))
+                jobs.append((data[a : a + _IO_CHUNK], off + a))
         if self.pool is not None and len(jobs) > 1:
             for f in [self.pool.submit(_pwrite_all, self.fd, d, o) for d, o in jobs]:
                 f.result()
@@ -253,13 +287,17 @@ class _OpenShard:
 
     def finish(self) -> WrittenShard:
         if self.cursor != self.layout.tokens:
-            raise ValueError(f"{self.path}: {self.cursor} tokens written of the {self.layout.tokens} its rows hold")
+            raise ValueError(
+                f"{self.path}: {self.cursor} tokens written of the {self.layout.tokens} its rows hold"
+            )
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
         os.replace(self.tmp, self.path)
         _fsync_dir(self.path.parent)
-        return WrittenShard(self.index, self.path.name, len(self.layout.lengths), self.layout.tokens, self.layout.size)
+        return WrittenShard(
+            self.index, self.path.name, len(self.layout.lengths), self.layout.tokens, self.layout.size
+        )
 
     def abandon(self) -> None:
         if self.fd >= 0:
@@ -279,7 +317,9 @@ class ShardSink:
     :class:`ShardWriteError`; the shard that failed is removed, earlier shards are untouched.
     """
 
-    def __init__(self, out_dir: Path, aux_width: int, hidden: int, queue_batches: int = 2, io_threads: int = 4) -> None:
+    def __init__(
+        self, out_dir: Path, aux_width: int, hidden: int, queue_batches: int = 2, io_threads: int = 4
+    ) -> None:
         self.dir = Path(out_dir)
         self.aux_width, self.hidden = aux_width, hidden
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="shard-io") if io_threads > 1 else None
@@ -388,11 +428,15 @@ class ShardSink:
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]
-        if self._error is not None or self._aborting:  # after a failure: drain, give buffers back, write nothing
+        if (
+            self._error is not None or self._aborting
+        ):  # after a failure: drain, give buffers back, write nothing
             if kind == "batch":
                 item[1].done()
             return
-        path = self._open.path if self._open is not None else self.dir / str(item[2] if kind == "begin" else "?")
+        path = (
+            self._open.path if self._open is not None else self.dir / str(item[2] if kind == "begin" else "?")
+        )
         try:
             if kind == "begin":
                 _, index, name, ids, lengths = item
@@ -421,7 +465,10 @@ class ShardSink:
                 self._open = None
             code = exc.errno if isinstance(exc, OSError) else None
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            err = ShardWriteError(code, f"writing shard {path}: {reason}") if code is not None else \
-                ShardWriteError(f"writing shard {path}: {reason}")
+            err = (
+                ShardWriteError(code, f"writing shard {path}: {reason}")
+                if code is not None
+                else ShardWriteError(f"writing shard {path}: {reason}")
+            )
             err.__cause__ = exc
             self._error = err

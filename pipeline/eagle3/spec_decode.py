@@ -77,8 +77,9 @@ def greedy_generate(target: Target, prompt: list[int], max_new: int, eos: set[in
 
 
 @torch.no_grad()
-def speculative_generate(target: Target, drafter: Drafter, prompt: list[int], k: int, max_new: int,
-                         eos: set[int]) -> SpecResult:
+def speculative_generate(
+    target: Target, drafter: Drafter, prompt: list[int], k: int, max_new: int, eos: set[int]
+) -> SpecResult:
     dev = target.device
     cache = _new_cache()
     cap = target.capture(torch.tensor([prompt], device=dev), cache=cache)
@@ -125,8 +126,16 @@ class Eagle3Drafter:
         cols = torch.arange(c0, c0 + n, device=self.dev)
         hidden = d.fc(feats.to(self.dev, self.dtype)[None])
         prefix = None if self.k0 is None else (self.k0, self.v0)
-        h, (k, v) = d.layer(torch.tensor([next_tokens], device=self.dev), hidden, (cols + 1)[None], cols,
-                            None, [], None, prefix=prefix)
+        h, (k, v) = d.layer(
+            torch.tensor([next_tokens], device=self.dev),
+            hidden,
+            (cols + 1)[None],
+            cols,
+            None,
+            [],
+            None,
+            prefix=prefix,
+        )
         self.k0 = k if self.k0 is None else torch.cat([self.k0, k], 2)
         self.v0 = v if self.v0 is None else torch.cat([self.v0, v], 2)
         self.last_hidden = h[:, -1:]
@@ -137,7 +146,7 @@ class Eagle3Drafter:
         self.tokens = list(tokens)
         self.k0 = self.v0 = None
         self.ncols = 0
-        self._step0(feats, self.tokens[1: feats.shape[0] + 1])
+        self._step0(feats, self.tokens[1 : feats.shape[0] + 1])
 
     @torch.no_grad()
     def propose(self, k: int) -> list[int]:
@@ -150,8 +159,9 @@ class Eagle3Drafter:
         qcol = torch.tensor([t], device=self.dev)
         for j in range(1, k):
             pos = torch.tensor([[t + 1 + j]], device=self.dev)
-            hidden, kv = d.layer(torch.tensor([[out[-1]]], device=self.dev), hidden, pos, qcol,
-                                 (self.k0, self.v0), chain, None)
+            hidden, kv = d.layer(
+                torch.tensor([[out[-1]]], device=self.dev), hidden, pos, qcol, (self.k0, self.v0), chain, None
+            )
             chain.append(kv)
             out.append(int(d.draft_to_target(d.logits(hidden)[0, -1].argmax())))
         return out

@@ -54,10 +54,16 @@ def text_backbone(model: Any) -> Any:
     """
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(base, "layers", None)
-    if base is None or not isinstance(layers, nn.ModuleList) or not isinstance(getattr(base, "norm", None), nn.Module):
+    if (
+        base is None
+        or not isinstance(layers, nn.ModuleList)
+        or not isinstance(getattr(base, "norm", None), nn.Module)
+    ):
         mtype = getattr(getattr(model, "config", None), "model_type", "?")
-        raise TargetError(f"model type {mtype!r} ({type(model).__name__}): cannot find a decoder-only text model to "
-                          "capture (looked for get_decoder() holding 'layers' and a final 'norm')")
+        raise TargetError(
+            f"model type {mtype!r} ({type(model).__name__}): cannot find a decoder-only text model to "
+            "capture (looked for get_decoder() holding 'layers' and a final 'norm')"
+        )
     return base
 
 
@@ -104,6 +110,7 @@ class Target:
     def _layer_hook(self, i: int):  # noqa: ANN202
         def hook(_mod: Any, _inp: Any, out: Any) -> None:
             self._aux[i] = out[0] if isinstance(out, tuple) else out
+
         return hook
 
     def _norm_hook(self, _mod: Any, _inp: Any, out: Any) -> None:
@@ -120,12 +127,17 @@ class Target:
         return w.full_tensor() if hasattr(w, "full_tensor") else w
 
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: Any = None) -> Capture:
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: Any = None
+    ) -> Capture:
         """Aux and last hidden states; ``cache`` (a ``DynamicCache``) is extended in place when given."""
         self._aux.clear()
         self._last = None
-        kw: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": cache is not None}
+        kw: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "use_cache": cache is not None,
+        }
         if cache is not None:
             kw[self._cache_kw] = cache
         self.base(**kw)
@@ -148,12 +160,17 @@ class Target:
         flat = last_hidden.reshape(-1, last_hidden.shape[-1])
         out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
         for a in range(0, flat.shape[0], chunk):
-            out[a:a + chunk] = self.logits(flat[a:a + chunk]).argmax(-1).to(flat.device)
+            out[a : a + chunk] = self.logits(flat[a : a + chunk]).argmax(-1).to(flat.device)
         return out.view(last_hidden.shape[:-1])
 
 
-def load_target(model_id: str, aux_layer_ids: list[int] | None, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", parallel: str | None = None) -> Target:
+def load_target(
+    model_id: str,
+    aux_layer_ids: list[int] | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    parallel: str | None = None,
+) -> Target:
     """Load the target for inference; ``aux_layer_ids=None`` picks SpecForge's default layers.
 
     ``parallel="tp"`` must run under ``torchrun``: transformers shards the model over the ranks
@@ -163,7 +180,9 @@ def load_target(model_id: str, aux_layer_ids: list[int] | None, dtype: torch.dty
     if parallel == "tp":
         model = model_assets.load_model(model_id, dtype=dtype, tp_plan="auto")
         # With one rank transformers applies no plan and leaves the weights where they were loaded.
-        if str(device) not in ("cpu", "auto") and not any(hasattr(p, "device_mesh") for p in model.parameters()):
+        if str(device) not in ("cpu", "auto") and not any(
+            hasattr(p, "device_mesh") for p in model.parameters()
+        ):
             model.to(device)
     elif str(device) == "auto":  # accelerate places the layers over every visible GPU
         model = model_assets.load_model(model_id, dtype=dtype, device_map="auto")
@@ -217,7 +236,11 @@ def checkpoint_key(name: str, keys: list[str]) -> str | None:
         return name
     tail = name.split(".")[-2:]
     parts = set(name.split("."))
-    cands = [k for k in keys if k.split(".")[-2:] == tail and ".layers." not in f".{k}" and ".blocks." not in f".{k}"]
+    cands = [
+        k
+        for k in keys
+        if k.split(".")[-2:] == tail and ".layers." not in f".{k}" and ".blocks." not in f".{k}"
+    ]
     if not cands:
         return None
     return max(cands, key=lambda k: (len(parts & set(k.split("."))), -len(k)))
@@ -253,5 +276,8 @@ def load_target_tensors(model_id: str) -> dict[str, torch.Tensor]:
         return found
     model = model_assets.load_model(model_id)
     t = Target(model, default_aux_layers(len(text_backbone(model).layers)))
-    return {"embed": t.embed.weight.detach().float(), "head": t.head.weight.detach().float(),
-            "norm": t.base.norm.weight.detach().float()}
+    return {
+        "embed": t.embed.weight.detach().float(),
+        "head": t.head.weight.detach().float(),
+        "norm": t.base.norm.weight.detach().float(),
+    }

@@ -45,6 +45,7 @@ class RunView(Protocol):
     specs: dict[str, StageSpec]
     status: dict[str, Any]  # stage id -> StageStatus (has .state)
 
+
 DEFAULT_RESERVE_GB = 1.0
 GB = 10**9
 
@@ -61,7 +62,12 @@ def human_bytes(n: float) -> str:
 
 def extraction_bytes(tokens: int, layers: int, hidden_size: int, dtype_bytes: int) -> int:
     """Bytes of stored hidden states: one ``hidden_size`` vector per token per captured layer."""
-    for name, v in (("tokens", tokens), ("layers", layers), ("hidden_size", hidden_size), ("dtype_bytes", dtype_bytes)):
+    for name, v in (
+        ("tokens", tokens),
+        ("layers", layers),
+        ("hidden_size", hidden_size),
+        ("dtype_bytes", dtype_bytes),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"extraction_bytes: {name} must be a non-negative integer, got {v!r}")
     return tokens * layers * hidden_size * dtype_bytes
@@ -113,7 +119,7 @@ def _config_hidden_size(model: str) -> int | None:
     if model.startswith("builtin:"):
         from pipeline.data.model_assets import cache_dir
 
-        cfg = cache_dir() / "models" / model[len("builtin:"):] / "config.json"
+        cfg = cache_dir() / "models" / model[len("builtin:") :] / "config.json"
     elif Path(model).expanduser().is_dir():
         cfg = Path(model).expanduser() / "config.json"
     else:
@@ -165,7 +171,11 @@ def emitted_projection(run: RunDir, sid: str, scan_bytes: int = 256 << 10) -> in
             ev = json.loads(line)
         except ValueError:
             continue
-        if ev.get("type") == "metric" and ev.get("name") == "projected_bytes" and isinstance(ev.get("value"), int | float):
+        if (
+            ev.get("type") == "metric"
+            and ev.get("name") == "projected_bytes"
+            and isinstance(ev.get("value"), int | float)
+        ):
             found = int(ev["value"])
     return found
 
@@ -201,7 +211,9 @@ def extraction_projection(spec: StageSpec, plan: Plan, run: RunDir) -> Projectio
     if ext.get("max_tokens"):
         tokens = min(tokens, _positive_int(plan, "extract.max_tokens", ext["max_tokens"]))
     b = extraction_bytes(tokens, layers, hidden, STORED_DTYPE_BYTES) + tokens * EXTRA_BYTES_PER_TOKEN
-    return Projection(b, f"{tokens:,} tokens x {layers} layers x hidden {hidden} x {STORED_DTYPE_BYTES} B (bf16)")
+    return Projection(
+        b, f"{tokens:,} tokens x {layers} layers x hidden {hidden} x {STORED_DTYPE_BYTES} B (bf16)"
+    )
 
 
 def projected_bytes(spec: StageSpec, plan: Plan, run: RunDir) -> Projection | None:
@@ -321,9 +333,11 @@ def _disk_budget(spec: StageSpec, sup: RunView) -> str | None:
     if need <= room:
         return None
     others = f", {human_bytes(committed)} still to be written by running stages" if committed else ""
-    return (f"disk budget: {spec.id} needs {human_bytes(need)} ({proj.how}) but {sup.run.root} has "
-            f"{human_bytes(avail)} free minus a {human_bytes(reserve)} reserve{others}; free space, or "
-            f"override once with `python -m pipeline.run.ctl {sup.run.root} force {spec.id}`")
+    return (
+        f"disk budget: {spec.id} needs {human_bytes(need)} ({proj.how}) but {sup.run.root} has "
+        f"{human_bytes(avail)} free minus a {human_bytes(reserve)} reserve{others}; free space, or "
+        f"override once with `python -m pipeline.run.ctl {sup.run.root} force {spec.id}`"
+    )
 
 
 _probe: GpuProbe | None = None
@@ -352,9 +366,13 @@ def gpu_guard_check(spec: StageSpec, sup: RunView, probe: GpuProbe | None = None
         for p in holders.get(g, []):
             owner = p.get("owner", FOREIGN)
             who = f"foreign pid {p['pid']}" if owner == FOREIGN else f"pid {p['pid']} of stage {owner}"
-            detail = ", ".join(x for x in (p.get("name"), human_bytes(p["mem"]) if p.get("mem") else None) if x)
+            detail = ", ".join(
+                x for x in (p.get("name"), human_bytes(p["mem"]) if p.get("mem") else None) if x
+            )
             taken.append(f"GPU {g} held by {who}" + (f" ({detail})" if detail else ""))
     if not taken:
         return None
-    return ("GPU guard: " + "; ".join(taken) + f" — stop it, or override once with "
-            f"`python -m pipeline.run.ctl {sup.run.root} force {spec.id}`")
+    return (
+        "GPU guard: " + "; ".join(taken) + f" — stop it, or override once with "
+        f"`python -m pipeline.run.ctl {sup.run.root} force {spec.id}`"
+    )

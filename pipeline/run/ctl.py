@@ -35,7 +35,9 @@ def ensure_supervisor(run: RunDir) -> bool:
     return True
 
 
-def request(run: RunDir, action: str, stage: str, timeout_s: float = 15.0, **extra: object) -> tuple[int, str]:
+def request(
+    run: RunDir, action: str, stage: str, timeout_s: float = 15.0, **extra: object
+) -> tuple[int, str]:
     path = run.submit_request(action, stage, **extra)
     ensure_supervisor(run)
     done = run.requests_dir / "done" / path.name
@@ -45,7 +47,10 @@ def request(run: RunDir, action: str, stage: str, timeout_s: float = 15.0, **ext
         if ans is not None:
             return (EXIT_OK if ans.get("ok") else EXIT_REFUSED), str(ans.get("message", ""))
         time.sleep(0.05)
-    return EXIT_TIMEOUT, f"no answer from the supervisor of {run.root} within {timeout_s:g}s (request left queued)"
+    return (
+        EXIT_TIMEOUT,
+        f"no answer from the supervisor of {run.root} within {timeout_s:g}s (request left queued)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.action} needs a stage id", file=sys.stderr)
         return EXIT_USAGE
     if args.stage not in run.stage_ids():
-        print(f"error: {run.root}: unknown stage {args.stage!r} (stages: {', '.join(run.stage_ids())})", file=sys.stderr)
+        print(
+            f"error: {run.root}: unknown stage {args.stage!r} (stages: {', '.join(run.stage_ids())})",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     extra = {"fresh": True} if args.fresh else {}
     code, msg = request(run, args.action, args.stage, timeout_s=args.timeout, **extra)

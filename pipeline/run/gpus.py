@@ -68,7 +68,9 @@ class NvmlSource:
         try:
             nv.nvmlInit()
         except nv.NVMLError_LibraryNotFound:
-            raise GpuUnavailable("no NVIDIA driver on this host (NVML library libnvidia-ml.so.1 not found)") from None
+            raise GpuUnavailable(
+                "no NVIDIA driver on this host (NVML library libnvidia-ml.so.1 not found)"
+            ) from None
         except nv.NVMLError_DriverNotLoaded:
             raise GpuUnavailable("the NVIDIA driver is not loaded on this host") from None
         except nv.NVMLError as exc:
@@ -138,8 +140,10 @@ class NvmlSource:
         nv = self._nv
         seen: dict[int, dict[str, Any]] = {}
         ok = False
-        for kind, fn in (("compute", nv.nvmlDeviceGetComputeRunningProcesses),
-                         ("graphics", nv.nvmlDeviceGetGraphicsRunningProcesses)):
+        for kind, fn in (
+            ("compute", nv.nvmlDeviceGetComputeRunningProcesses),
+            ("graphics", nv.nvmlDeviceGetGraphicsRunningProcesses),
+        ):
             try:
                 plist = fn(h)
             except nv.NVMLError:
@@ -149,7 +153,11 @@ class NvmlSource:
                 mem = p.usedGpuMemory
                 prev = seen.get(p.pid)
                 if prev is None:
-                    seen[p.pid] = {"pid": int(p.pid), "mem": int(mem) if mem is not None else None, "type": kind}
+                    seen[p.pid] = {
+                        "pid": int(p.pid),
+                        "mem": int(mem) if mem is not None else None,
+                        "type": kind,
+                    }
                 elif mem is not None:
                     prev["mem"] = (prev["mem"] or 0) + int(mem)
         return list(seen.values()) if ok else None
@@ -176,10 +184,18 @@ class NvmlSource:
                 "power_cap_w": round(cap / 1000.0, 1) if cap is not None else None,
                 "sm_clock_mhz": self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
                 "pstate": self._try(nv.nvmlDeviceGetPerformanceState, h),
-                "ecc_uncorrected": self._try(nv.nvmlDeviceGetTotalEccErrors, h,
-                                             nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
-                "ecc_corrected": self._try(nv.nvmlDeviceGetTotalEccErrors, h,
-                                           nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC),
+                "ecc_uncorrected": self._try(
+                    nv.nvmlDeviceGetTotalEccErrors,
+                    h,
+                    nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                    nv.NVML_VOLATILE_ECC,
+                ),
+                "ecc_corrected": self._try(
+                    nv.nvmlDeviceGetTotalEccErrors,
+                    h,
+                    nv.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                    nv.NVML_VOLATILE_ECC,
+                ),
                 "xid": xids.get(st["index"], []) if self._xid_supported else None,
                 "procs": self._procs(h),
             }
@@ -199,8 +215,25 @@ class NvmlSource:
 
 
 # ---------------------------------------------------------------------------------- the fake
-GPU_FIELDS = ("index", "name", "uuid", "sm_clock_max_mhz", "util", "mem_util", "mem_used", "mem_total", "temp_c",
-              "power_w", "power_cap_w", "sm_clock_mhz", "pstate", "ecc_uncorrected", "ecc_corrected", "xid", "procs")
+GPU_FIELDS = (
+    "index",
+    "name",
+    "uuid",
+    "sm_clock_max_mhz",
+    "util",
+    "mem_util",
+    "mem_used",
+    "mem_total",
+    "temp_c",
+    "power_w",
+    "power_cap_w",
+    "sm_clock_mhz",
+    "pstate",
+    "ecc_uncorrected",
+    "ecc_corrected",
+    "xid",
+    "procs",
+)
 
 
 class FakeNvmlReplay:

@@ -37,7 +37,16 @@ from pipeline.run.runtime import ENV_ATTEMPT, ENV_INPUTS, ENV_OUT, ENV_PLAN, ENV
 
 def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
     if spec.run:
-        return [python, "-m", stage_module(spec.run), "--plan", str(run.plan_path), "--stage", spec.id, *spec.args]
+        return [
+            python,
+            "-m",
+            stage_module(spec.run),
+            "--plan",
+            str(run.plan_path),
+            "--stage",
+            spec.id,
+            *spec.args,
+        ]
     assert spec.command is not None
     return ["/bin/sh", "-c", spec.command]
 
@@ -48,10 +57,17 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(spec.env)
     env = env_with_pipeline(env)  # built-in stages import `pipeline` from wherever the launcher did
-    env.update({
-        ENV_RUN: str(run.root), ENV_STAGE: spec.id, ENV_ATTEMPT: str(attempt), ENV_OUT: str(sd.out),
-        ENV_INPUTS: json.dumps(inputs), ENV_PLAN: str(run.plan_path), "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            ENV_RUN: str(run.root),
+            ENV_STAGE: spec.id,
+            ENV_ATTEMPT: str(attempt),
+            ENV_OUT: str(sd.out),
+            ENV_INPUTS: json.dumps(inputs),
+            ENV_PLAN: str(run.plan_path),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
@@ -120,12 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     oom_before = oom.reading()  # to tell an OOM kill from any other SIGKILL when the child dies
     try:
         child = subprocess.Popen(
-            argv_child, stdin=subprocess.DEVNULL, env=stage_env(spec, run, attempt), cwd=str(sd.out),
-            preexec_fn=lambda: (signal.signal(signal.SIGTERM, signal.SIG_DFL), signal.signal(signal.SIGINT, signal.SIG_DFL)),
+            argv_child,
+            stdin=subprocess.DEVNULL,
+            env=stage_env(spec, run, attempt),
+            cwd=str(sd.out),
+            preexec_fn=lambda: (
+                signal.signal(signal.SIGTERM, signal.SIG_DFL),
+                signal.signal(signal.SIGINT, signal.SIG_DFL),
+            ),
         )
     except OSError as exc:
         print(f"aerie: cannot start stage: {exc}", flush=True)
-        write_json(sd.exit, {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)})
+        write_json(
+            sd.exit,
+            {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)},
+        )
         events.emit("finished", status="failed", returncode=127, detail=str(exc))
         return 127
     while True:
@@ -145,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         status = "failed"
     why = failure_line(sd.log) if status == "failed" else ""
-    record = {"attempt": attempt, "returncode": rc, "signal": sig_name, "t": time.time(),
-              **({"error": why} if why else {})}
+    record = {
+        "attempt": attempt,
+        "returncode": rc,
+        "signal": sig_name,
+        "t": time.time(),
+        **({"error": why} if why else {}),
+    }
     if rc > 0 and _ran_out_of_space(sd):
         # "exit 1: no space left on device /dev/sdb1 (ext4 at /data, 0 B free of 2.0 TiB)"
         record["detail"] = f"exit {rc}: {nospace.describe(sd.out)}"
@@ -159,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
             events.emit("message", level="error", code="signal", signal=sig, text=record["detail"])
     _write_exit(sd.exit, record)
     with contextlib.suppress(OSError):  # a full disk: the exit record above is what counts
-        events.emit("finished", status=status, returncode=rc, detail=record.get("detail") or sig_name,
-                    **({"error": why} if why else {}))
+        events.emit(
+            "finished",
+            status=status,
+            returncode=rc,
+            detail=record.get("detail") or sig_name,
+            **({"error": why} if why else {}),
+        )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with contextlib.suppress(OSError):
         print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)

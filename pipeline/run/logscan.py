@@ -23,8 +23,10 @@ READ_CHUNK = 4 << 20  # bytes read per step
 COUNT_MAX_BYTES = 128 << 20  # default bytes counted per call
 FIND_MAX_BYTES = 64 << 20  # default bytes searched per call
 # What "jump to first error" looks for: a Python traceback or an error/fatal level word.
-ERROR_PATTERN = (r"Traceback \(most recent call last\)|\b(?:ERROR|FATAL|CRITICAL)\b"
-                 r"|\b\w*(?:Error|Exception)(?::|$)|\berror:")
+ERROR_PATTERN = (
+    r"Traceback \(most recent call last\)|\b(?:ERROR|FATAL|CRITICAL)\b"
+    r"|\b\w*(?:Error|Exception)(?::|$)|\berror:"
+)
 
 Reader = Callable[[int, int], bytes]  # (offset, length) -> bytes
 
@@ -61,8 +63,9 @@ def compile_pattern(pattern: str, ignore_case: bool | None = None) -> Matcher:
         raise ScanError(f"bad regex {pattern!r}: {exc}") from None
 
 
-def count_blocks(read: Reader, size: int, offset: int, max_bytes: int = COUNT_MAX_BYTES,
-                 block: int = BLOCK) -> dict[str, Any]:
+def count_blocks(
+    read: Reader, size: int, offset: int, max_bytes: int = COUNT_MAX_BYTES, block: int = BLOCK
+) -> dict[str, Any]:
     """Newlines per complete block from ``offset`` (a multiple of ``block``).
 
     Returns ``counts`` (one per complete block scanned), ``end`` (where the complete blocks stop:
@@ -94,8 +97,17 @@ def count_blocks(read: Reader, size: int, offset: int, max_bytes: int = COUNT_MA
     return out
 
 
-def find_lines(read: Reader, size: int, m: Matcher, start: int, end: int | None, line0: int,
-               backward: bool = False, limit: int = 1000, max_bytes: int = FIND_MAX_BYTES) -> dict[str, Any]:
+def find_lines(
+    read: Reader,
+    size: int,
+    m: Matcher,
+    start: int,
+    end: int | None,
+    line0: int,
+    backward: bool = False,
+    limit: int = 1000,
+    max_bytes: int = FIND_MAX_BYTES,
+) -> dict[str, Any]:
     """Complete lines matching ``m`` in ``[start, end)``; ``start`` and ``end`` are line starts.
 
     ``line0`` is the number of the line starting at ``start`` (forward) or at ``end`` (backward).
@@ -142,8 +154,9 @@ def find_lines(read: Reader, size: int, m: Matcher, start: int, end: int | None,
     return {"size": size, "hits": hits, "next": pos, "next_line": ln, "done": done}
 
 
-def _find_backward(read: Reader, size: int, m: Matcher, start: int, end: int, line0: int,
-                   limit: int, max_bytes: int) -> dict[str, Any]:
+def _find_backward(
+    read: Reader, size: int, m: Matcher, start: int, end: int, line0: int, limit: int, max_bytes: int
+) -> dict[str, Any]:
     hits: list[list[int]] = []
     pos, ln, scanned = end, line0, 0
     while pos > start and scanned < max_bytes and len(hits) < limit:
@@ -185,8 +198,9 @@ def _file_reader(fd: int) -> Reader:
     return lambda off, n: os.pread(fd, n, off) if n > 0 else b""
 
 
-def count_file(path: str | os.PathLike[str], offset: int, max_bytes: int = COUNT_MAX_BYTES,
-               block: int = BLOCK) -> dict[str, Any]:
+def count_file(
+    path: str | os.PathLike[str], offset: int, max_bytes: int = COUNT_MAX_BYTES, block: int = BLOCK
+) -> dict[str, Any]:
     """:func:`count_blocks` on a file; adds ``ino``. A missing file has ``size`` -1."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -195,8 +209,14 @@ def count_file(path: str | os.PathLike[str], offset: int, max_bytes: int = COUNT
     try:
         st = os.fstat(fd)
         if st.st_size < offset:  # truncated or replaced: the caller starts over
-            return {"size": st.st_size, "ino": st.st_ino, "counts": [], "end": offset, "tail": None,
-                    "ends_nl": True}
+            return {
+                "size": st.st_size,
+                "ino": st.st_ino,
+                "counts": [],
+                "end": offset,
+                "tail": None,
+                "ends_nl": True,
+            }
         out = count_blocks(_file_reader(fd), st.st_size, offset, max_bytes, block)
         out["ino"] = st.st_ino
         return out
@@ -204,9 +224,17 @@ def count_file(path: str | os.PathLike[str], offset: int, max_bytes: int = COUNT
         os.close(fd)
 
 
-def find_file(path: str | os.PathLike[str], pattern: str, start: int, end: int | None, line0: int,
-              backward: bool = False, limit: int = 1000, max_bytes: int = FIND_MAX_BYTES,
-              ignore_case: bool | None = None) -> dict[str, Any]:
+def find_file(
+    path: str | os.PathLike[str],
+    pattern: str,
+    start: int,
+    end: int | None,
+    line0: int,
+    backward: bool = False,
+    limit: int = 1000,
+    max_bytes: int = FIND_MAX_BYTES,
+    ignore_case: bool | None = None,
+) -> dict[str, Any]:
     """:func:`find_lines` on a file; adds ``ino``. A missing file has ``size`` -1 and no hits."""
     matcher = compile_pattern(pattern, ignore_case)
     try:
@@ -223,8 +251,10 @@ def find_file(path: str | os.PathLike[str], pattern: str, start: int, end: int |
 
 
 # ------------------------------------------------------------------------------ why a stage failed
-_EXC_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt)|[A-Z]\w*Error)"
-                       r"(?::.*)?$")
+_EXC_LINE = re.compile(
+    r"^\s*(?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt)|[A-Z]\w*Error)"
+    r"(?::.*)?$"
+)
 _ERROR_WORD = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|^error:", re.IGNORECASE)
 _BANNER = re.compile(r"^===== aerie: ")
 ERROR_TAIL_BYTES = 16 << 10  # how much of a log's end :func:`last_error_line` needs
@@ -241,7 +271,7 @@ def last_error_line(tail: str) -> str:
     lines = [ln.rstrip() for ln in tail.replace("\r", "\n").splitlines()]
     for i in range(len(lines) - 1, -1, -1):
         if _BANNER.match(lines[i]):
-            lines = lines[i + 1:]
+            lines = lines[i + 1 :]
             break
     lines = [ln for ln in lines if ln.strip()]
     if not lines:

@@ -71,16 +71,25 @@ class TensorBoardSink:
 class WandbSink:
     """One W&B run per stage attempt (offline by default: files under ``RUN/wandb``)."""
 
-    def __init__(self, cfg: dict[str, Any], run_dir: Path, run_name: str, stage_id: str, attempt: int) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], run_dir: Path, run_name: str, stage_id: str, attempt: int
+    ) -> None:
         import wandb
 
         self._wandb = wandb
         name = stage_id if attempt <= 1 else f"{stage_id}-attempt-{attempt}"
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=str(cfg["project"]), entity=cfg.get("entity"), group=cfg.get("group", run_name),
-                              name=name, job_type=stage_id.split(".")[0], dir=str(run_dir),
-                              mode=cfg.get("mode", "offline"), reinit="create_new",
-                              config={"stage": stage_id, "attempt": attempt})
+        self.run = wandb.init(
+            project=str(cfg["project"]),
+            entity=cfg.get("entity"),
+            group=cfg.get("group", run_name),
+            name=name,
+            job_type=stage_id.split(".")[0],
+            dir=str(run_dir),
+            mode=cfg.get("mode", "offline"),
+            reinit="create_new",
+            config={"stage": stage_id, "attempt": attempt},
+        )
         self.run.define_metric("*", step_metric="step")
 
     def add(self, tag: str, value: float, step: int, wall_time: float) -> None:
@@ -93,8 +102,15 @@ class WandbSink:
 class MetricSinks:
     """The sinks of one stage attempt, opened on the first metric and closed at exit."""
 
-    def __init__(self, run_dir: Path | None, stage_id: str, attempt: int, say: Say,
-                 wandb_cfg: Callable[[], dict[str, Any] | None] = lambda: None, run_name: str = "") -> None:
+    def __init__(
+        self,
+        run_dir: Path | None,
+        stage_id: str,
+        attempt: int,
+        say: Say,
+        wandb_cfg: Callable[[], dict[str, Any] | None] = lambda: None,
+        run_name: str = "",
+    ) -> None:
         self.run_dir, self.stage_id, self.attempt = run_dir, stage_id, attempt
         self._say = say
         self._wandb_cfg = wandb_cfg
@@ -107,10 +123,15 @@ class MetricSinks:
         if self.run_dir is None:
             return sinks
         try:
-            sinks.append(TensorBoardSink(attempt_dir(self.run_dir / "tensorboard", self.stage_id, self.attempt)))
+            sinks.append(
+                TensorBoardSink(attempt_dir(self.run_dir / "tensorboard", self.stage_id, self.attempt))
+            )
         except ImportError:
-            self._say("tensorboard is not installed: no TensorBoard event files for this stage "
-                      "(pip install tensorboard)", "info")
+            self._say(
+                "tensorboard is not installed: no TensorBoard event files for this stage "
+                "(pip install tensorboard)",
+                "info",
+            )
         except Exception as exc:  # a sink never fails a stage
             self._say(f"TensorBoard files disabled: {exc}", "warning")
         try:
@@ -121,7 +142,9 @@ class MetricSinks:
             try:
                 sinks.append(WandbSink(cfg, self.run_dir, self._run_name, self.stage_id, self.attempt))
             except ImportError:
-                self._say("the plan has [wandb] but wandb is not installed (pip install 'aerie[wandb]')", "warning")
+                self._say(
+                    "the plan has [wandb] but wandb is not installed (pip install 'aerie[wandb]')", "warning"
+                )
             except Exception as exc:
                 self._say(f"W&B disabled: {exc}", "warning")
         atexit.register(self.close)

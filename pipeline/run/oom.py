@@ -62,7 +62,9 @@ def memory_cgroup(pid: int | str = "self") -> tuple[str | None, Path | None]:
         if "memory" in controllers.split(","):
             f = CGROUP_ROOT / "memory" / path.lstrip("/") / "memory.oom_control"
             return path, f if f.is_file() else None
-    for line in lines:  # cgroup v2: "0::/path" (mounted at /sys/fs/cgroup, or /sys/fs/cgroup/unified in hybrid mode)
+    for (
+        line
+    ) in lines:  # cgroup v2: "0::/path" (mounted at /sys/fs/cgroup, or /sys/fs/cgroup/unified in hybrid mode)
         hier, _, path = line.split(":", 2)
         if hier == "0":
             for base in (CGROUP_ROOT, CGROUP_ROOT / "unified"):
@@ -75,8 +77,9 @@ def memory_cgroup(pid: int | str = "self") -> tuple[str | None, Path | None]:
 
 def reading(pid: int | str = "self") -> OomReading:
     path, counter = memory_cgroup(pid)
-    return OomReading(path, _counter(counter, "oom_kill") if counter else None,
-                      _counter(Path("/proc/vmstat"), "oom_kill"))
+    return OomReading(
+        path, _counter(counter, "oom_kill") if counter else None, _counter(Path("/proc/vmstat"), "oom_kill")
+    )
 
 
 def describe(sig: int, before: OomReading | None, after: OomReading | None, sent_by_aerie: bool) -> str:
@@ -91,20 +94,36 @@ def describe(sig: int, before: OomReading | None, after: OomReading | None, sent
     if sig != signal.SIGKILL:
         return head
     if before and after:
-        if (before.cgroup == after.cgroup and before.cgroup_kills is not None and after.cgroup_kills is not None
-                and after.cgroup_kills > before.cgroup_kills):
-            return (f"{head}: out of memory — the kernel's OOM killer, at the memory limit of cgroup "
-                    f"{after.cgroup} (oom_kill {before.cgroup_kills} -> {after.cgroup_kills}); give the stage "
-                    "more memory or smaller batches, then retry")
+        if (
+            before.cgroup == after.cgroup
+            and before.cgroup_kills is not None
+            and after.cgroup_kills is not None
+            and after.cgroup_kills > before.cgroup_kills
+        ):
+            return (
+                f"{head}: out of memory — the kernel's OOM killer, at the memory limit of cgroup "
+                f"{after.cgroup} (oom_kill {before.cgroup_kills} -> {after.cgroup_kills}); give the stage "
+                "more memory or smaller batches, then retry"
+            )
         if before.cgroup != after.cgroup and after.cgroup_kills:
-            return (f"{head}: out of memory — the kernel's OOM killer, at the memory limit of cgroup "
-                    f"{after.cgroup} (oom_kill {after.cgroup_kills}); give the stage more memory or smaller "
-                    "batches, then retry")
-        if before.host_kills is not None and after.host_kills is not None and after.host_kills > before.host_kills:
-            return (f"{head}: out of memory — the kernel's OOM killer ran on this host during the attempt "
-                    f"(oom_kill {before.host_kills} -> {after.host_kills}); free memory or use smaller batches, "
-                    "then retry")
+            return (
+                f"{head}: out of memory — the kernel's OOM killer, at the memory limit of cgroup "
+                f"{after.cgroup} (oom_kill {after.cgroup_kills}); give the stage more memory or smaller "
+                "batches, then retry"
+            )
+        if (
+            before.host_kills is not None
+            and after.host_kills is not None
+            and after.host_kills > before.host_kills
+        ):
+            return (
+                f"{head}: out of memory — the kernel's OOM killer ran on this host during the attempt "
+                f"(oom_kill {before.host_kills} -> {after.host_kills}); free memory or use smaller batches, "
+                "then retry"
+            )
         if after.cgroup_kills is not None or after.host_kills is not None:
-            return (f"{head}, not sent by Aerie and no OOM kill was recorded: something outside Aerie killed it "
-                    "(an operator, a scheduler or container runtime); likely cause otherwise: out of memory")
+            return (
+                f"{head}, not sent by Aerie and no OOM kill was recorded: something outside Aerie killed it "
+                "(an operator, a scheduler or container runtime); likely cause otherwise: out of memory"
+            )
     return f"{head}, not sent by Aerie: likely the kernel's OOM killer (out of memory), or a kill from outside Aerie"

@@ -25,15 +25,47 @@ DATASET_KINDS = ("target-native", "prompt-only")
 EXECUTOR_KINDS = ("local", "ssh", "slurm")
 # Top-level tables besides the core ones hold per-stage-family settings, read by those stages.
 CORE_KEYS = {"run", "executor", "resources", "target", "datasets", "stage"}
-SECTION_KEYS = {"prep", "regen", "serve", "extract", "vocab", "train", "bench", "telemetry", "alerts", "ui", "deploy", "wandb",
-                "slurm"}
+SECTION_KEYS = {
+    "prep",
+    "regen",
+    "serve",
+    "extract",
+    "vocab",
+    "train",
+    "bench",
+    "telemetry",
+    "alerts",
+    "ui",
+    "deploy",
+    "wandb",
+    "slurm",
+}
 WANDB_KEYS = {"project", "entity", "mode", "group"}
 # ``[slurm]`` (and a stage's ``slurm = {...}`` overrides): where and how the Slurm executor submits jobs.
 SLURM_KEYS = {"partition", "account", "qos", "time", "extra"}
 STAGE_KEYS = {
-    "id", "run", "command", "for_each", "when", "args", "after", "uses", "service", "cpu", "gpus",
-    "output_bytes", "retry", "env", "skip", "pause_grace_s", "kill_grace_s", "description", "label",
-    "nodes", "slurm", "replicas",
+    "id",
+    "run",
+    "command",
+    "for_each",
+    "when",
+    "args",
+    "after",
+    "uses",
+    "service",
+    "cpu",
+    "gpus",
+    "output_bytes",
+    "retry",
+    "env",
+    "skip",
+    "pause_grace_s",
+    "kill_grace_s",
+    "description",
+    "label",
+    "nodes",
+    "slurm",
+    "replicas",
 }
 DATASET_KEYS = {"name", "source", "kind", "quota", "path", "split", "config", "options"}
 
@@ -91,28 +123,52 @@ class StageSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "id": self.id, "family": self.family, "run": self.run, "command": self.command,
-            "dataset": self.dataset, "args": list(self.args), "after": list(self.after),
-            "uses": list(self.uses), "service": self.service, "cpu": self.cpu, "gpus": list(self.gpus),
+            "id": self.id,
+            "family": self.family,
+            "run": self.run,
+            "command": self.command,
+            "dataset": self.dataset,
+            "args": list(self.args),
+            "after": list(self.after),
+            "uses": list(self.uses),
+            "service": self.service,
+            "cpu": self.cpu,
+            "gpus": list(self.gpus),
             "output_bytes": self.output_bytes,
             "retry": {"max_attempts": self.retry.max_attempts, "backoff_s": self.retry.backoff_s},
-            "env": dict(self.env), "skip": self.skip, "pause_grace_s": self.pause_grace_s,
-            "kill_grace_s": self.kill_grace_s, "description": self.description,
-            "nodes": self.nodes, "slurm": dict(self.slurm),
+            "env": dict(self.env),
+            "skip": self.skip,
+            "pause_grace_s": self.pause_grace_s,
+            "kill_grace_s": self.kill_grace_s,
+            "description": self.description,
+            "nodes": self.nodes,
+            "slurm": dict(self.slurm),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StageSpec:
         r = d.get("retry") or {}
         return cls(
-            id=d["id"], family=d.get("family", d["id"]), run=_legacy_run(d.get("run")), command=d.get("command"),
-            dataset=d.get("dataset"), args=tuple(d.get("args", ())), after=tuple(d.get("after", ())),
-            uses=tuple(d.get("uses", ())), service=bool(d.get("service")), cpu=int(d.get("cpu", 1)),
-            gpus=tuple(d.get("gpus", ())), output_bytes=int(d.get("output_bytes", 0)),
+            id=d["id"],
+            family=d.get("family", d["id"]),
+            run=_legacy_run(d.get("run")),
+            command=d.get("command"),
+            dataset=d.get("dataset"),
+            args=tuple(d.get("args", ())),
+            after=tuple(d.get("after", ())),
+            uses=tuple(d.get("uses", ())),
+            service=bool(d.get("service")),
+            cpu=int(d.get("cpu", 1)),
+            gpus=tuple(d.get("gpus", ())),
+            output_bytes=int(d.get("output_bytes", 0)),
             retry=RetryPolicy(int(r.get("max_attempts", 1)), float(r.get("backoff_s", 30.0))),
-            env=dict(d.get("env", {})), skip=bool(d.get("skip")),
-            pause_grace_s=float(d.get("pause_grace_s", 10.0)), kill_grace_s=float(d.get("kill_grace_s", 10.0)),
-            description=d.get("description", ""), nodes=int(d.get("nodes", 1)), slurm=dict(d.get("slurm") or {}),
+            env=dict(d.get("env", {})),
+            skip=bool(d.get("skip")),
+            pause_grace_s=float(d.get("pause_grace_s", 10.0)),
+            kill_grace_s=float(d.get("kill_grace_s", 10.0)),
+            description=d.get("description", ""),
+            nodes=int(d.get("nodes", 1)),
+            slurm=dict(d.get("slurm") or {}),
         )
 
 
@@ -190,8 +246,9 @@ _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 _HOST_BAD = set(" \t'\"`$;&|<>(){}\\*?!#")
 
 
-def _text(file: Path, key: str, value: Any, what: str = "a string", multiline: bool = False,
-          empty: bool = True) -> str:
+def _text(
+    file: Path, key: str, value: Any, what: str = "a string", multiline: bool = False, empty: bool = True
+) -> str:
     """A string with no NUL (it cannot reach an argv or a path) and no control characters except,
     where ``multiline``, newline and tab (a shell command may span lines)."""
     _type(file, key, value, str, what)
@@ -206,8 +263,11 @@ def _text(file: Path, key: str, value: Any, what: str = "a string", multiline: b
 
 def _key(prefix: str, k: Any) -> str:
     """How an error names key ``k`` under ``prefix``: as TOML writes it, quoted when it is not a bare key."""
-    name = k if isinstance(k, str) and k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) \
+    name = (
+        k
+        if isinstance(k, str) and k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k)
         else json.dumps(str(k), ensure_ascii=False)
+    )
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -233,8 +293,12 @@ def _name(file: Path, key: str, value: Any, what: str) -> str:
     _type(file, key, value, str, "a string")
     if not value or not set(value) <= _NAME_CHARS or len(value) > 100 or not value[0].isalnum():
         # and it starts with a letter or digit: "-rf" would read as an option wherever it is an argv word
-        raise PlanError(file, key, f"{value!r}: a {what} uses only lowercase letters, digits, '-' and '_', "
-                                   "starts with a letter or digit (at most 100)")
+        raise PlanError(
+            file,
+            key,
+            f"{value!r}: a {what} uses only lowercase letters, digits, '-' and '_', "
+            "starts with a letter or digit (at most 100)",
+        )
     return value
 
 
@@ -311,12 +375,18 @@ def load(path: Path | str, run_dir: Path | str | None = None) -> Plan:
     return from_dict(raw, path, run_dir, base=base)
 
 
-def from_dict(raw: dict[str, Any], path: Path, run_dir: Path | str | None = None, base: Path | None = None) -> Plan:
+def from_dict(
+    raw: dict[str, Any], path: Path, run_dir: Path | str | None = None, base: Path | None = None
+) -> Plan:
     base = base or path.parent.absolute()
     _type(path, "", raw, dict, "a table at the top level")
     for key in raw:
         if key not in CORE_KEYS | SECTION_KEYS:
-            raise PlanError(path, _key("", key), f"unknown top-level key (known: {', '.join(sorted(CORE_KEYS | SECTION_KEYS))})")
+            raise PlanError(
+                path,
+                _key("", key),
+                f"unknown top-level key (known: {', '.join(sorted(CORE_KEYS | SECTION_KEYS))})",
+            )
     run = _type(path, "run", raw.get("run", {}), dict, "a table")
     for k in run:
         if k not in ("name", "dir"):
@@ -351,12 +421,23 @@ def from_dict(raw: dict[str, Any], path: Path, run_dir: Path | str | None = None
         _wandb(path, sections["wandb"])
     if "slurm" in sections:
         if executor.kind != "slurm":
-            raise PlanError(path, "slurm", f"a [slurm] table needs executor.kind = \"slurm\" (it is {executor.kind!r})")
+            raise PlanError(
+                path, "slurm", f'a [slurm] table needs executor.kind = "slurm" (it is {executor.kind!r})'
+            )
         _slurm(path, "slurm", sections["slurm"])
     stages = _stages(path, raw.get("stage", []), datasets, cpu_slots, tuple(gpus), executor.kind)
     plan = Plan(
-        path=path, name=name, run_dir=Path(run_dir), executor=executor, cpu_slots=cpu_slots,
-        gpus=tuple(gpus), target=target, datasets=datasets, stages=stages, sections=sections, raw=raw,
+        path=path,
+        name=name,
+        run_dir=Path(run_dir),
+        executor=executor,
+        cpu_slots=cpu_slots,
+        gpus=tuple(gpus),
+        target=target,
+        datasets=datasets,
+        stages=stages,
+        sections=sections,
+        raw=raw,
         resources=res,
     )
     plan.order()  # raises on cycles
@@ -373,20 +454,29 @@ def _executor(path: Path, ex: Any) -> Executor:
         if k not in known:
             raise PlanError(path, _key("executor", k), f"unknown key (known: {', '.join(sorted(known))})")
     if kind == "ssh" and not ex.get("host"):
-        raise PlanError(path, "executor.host", "an ssh executor needs a host (an alias from ~/.ssh/config works)")
+        raise PlanError(
+            path, "executor.host", "an ssh executor needs a host (an alias from ~/.ssh/config works)"
+        )
     if kind == "ssh" and not ex.get("remote_dir"):
         raise PlanError(path, "executor.remote_dir", "an ssh executor needs the remote run directory")
     if kind == "slurm" and ex.get("host") and not ex.get("remote_dir"):
-        raise PlanError(path, "executor.remote_dir", "a slurm executor reached over ssh (executor.host) needs the "
-                                                     "run directory on the cluster's shared filesystem")
+        raise PlanError(
+            path,
+            "executor.remote_dir",
+            "a slurm executor reached over ssh (executor.host) needs the "
+            "run directory on the cluster's shared filesystem",
+        )
     for k in ("host", "user"):
         # A host or user is one word for ssh: never an option ("-oProxyCommand=...") nor shell text.
         v = ex.get(k)
         if v is not None:
             _text(path, f"executor.{k}", v, empty=False)
             if v.startswith("-") or any(c in _HOST_BAD for c in v):
-                raise PlanError(path, f"executor.{k}", f"{v!r}: not a valid {k} (no spaces, quotes, shell "
-                                                       "characters or leading '-')")
+                raise PlanError(
+                    path,
+                    f"executor.{k}",
+                    f"{v!r}: not a valid {k} (no spaces, quotes, shell characters or leading '-')",
+                )
     port = ex.get("port")
     if port is not None:
         _int(path, "executor.port", port, "an integer", lo=1, hi=65535)
@@ -396,8 +486,14 @@ def _executor(path: Path, ex: Any) -> Executor:
             _text(path, f"executor.{k}", ex[k], "a path", empty=False)
     options = _type(path, "executor.options", ex.get("options", {}), dict, "a table")
     return Executor(
-        kind=kind, host=ex.get("host"), user=ex.get("user"), port=port, identity=ex.get("identity"),
-        remote_dir=ex.get("remote_dir"), python=ex.get("python", "python3"), options=dict(options),
+        kind=kind,
+        host=ex.get("host"),
+        user=ex.get("user"),
+        port=port,
+        identity=ex.get("identity"),
+        remote_dir=ex.get("remote_dir"),
+        python=ex.get("python", "python3"),
+        options=dict(options),
     )
 
 
@@ -418,15 +514,21 @@ def _slurm(path: Path, key: str, table: Any) -> dict[str, Any]:
             if isinstance(v, int) and not isinstance(v, bool):
                 _int(path, f"{key}.time", v, "minutes", lo=1, hi=10**7)
             else:
-                _text(path, f"{key}.time", v, "a Slurm time limit (minutes, or \"D-HH:MM:SS\")", empty=False)
+                _text(path, f"{key}.time", v, 'a Slurm time limit (minutes, or "D-HH:MM:SS")', empty=False)
                 if not set(v) <= _SLURM_TIME_CHARS or not v[0].isdigit():
-                    raise PlanError(path, f"{key}.time", f"{v!r}: not a Slurm time limit (e.g. \"90\", "
-                                                         "\"4:00:00\", \"1-12:00:00\")")
+                    raise PlanError(
+                        path,
+                        f"{key}.time",
+                        f'{v!r}: not a Slurm time limit (e.g. "90", "4:00:00", "1-12:00:00")',
+                    )
         elif k == "extra":
             for i, word in enumerate(_str_list(path, f"{key}.extra", v)):
                 if not word.startswith("--") or len(word) < 3:
-                    raise PlanError(path, f"{key}.extra[{i}]", f"{word!r}: each extra item is one sbatch long "
-                                                               "option, e.g. \"--constraint=h100\"")
+                    raise PlanError(
+                        path,
+                        f"{key}.extra[{i}]",
+                        f'{word!r}: each extra item is one sbatch long option, e.g. "--constraint=h100"',
+                    )
     return dict(table)
 
 
@@ -470,8 +572,14 @@ def _subst(value: str, ds: Dataset | None) -> str:
     return value.replace("{dataset}", ds.name).replace("{kind}", ds.kind).replace("{source}", ds.source)
 
 
-def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpus: tuple[int, ...],
-            executor_kind: str = "local") -> list[StageSpec]:
+def _stages(
+    path: Path,
+    items: Any,
+    datasets: list[Dataset],
+    cpu_slots: int,
+    gpus: tuple[int, ...],
+    executor_kind: str = "local",
+) -> list[StageSpec]:
     slurm = executor_kind == "slurm"
     _type(path, "stage", items, list, "an array of tables ([[stage]])")
     entries: list[tuple[str, dict, Dataset | None]] = []
@@ -491,14 +599,20 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
         families.add(sid)
         run, command = s.get("run"), s.get("command")
         if (run is None) == (command is None):
-            raise PlanError(path, key, "give exactly one of 'run' (a built-in stage: prep, train, ...) or 'command'")
+            raise PlanError(
+                path, key, "give exactly one of 'run' (a built-in stage: prep, train, ...) or 'command'"
+            )
         if run is not None:
             _type(path, f"{key}.run", run, str, "a string")
             if run not in BUILTIN_STAGES:
-                hint = f"; plans name built-in stages by short name: run = {_legacy_run(run)!r}" \
-                    if _legacy_run(run) in BUILTIN_STAGES else ""
-                raise PlanError(path, f"{key}.run",
-                                f"unknown stage {run!r} (known: {', '.join(BUILTIN_STAGES)}){hint}")
+                hint = (
+                    f"; plans name built-in stages by short name: run = {_legacy_run(run)!r}"
+                    if _legacy_run(run) in BUILTIN_STAGES
+                    else ""
+                )
+                raise PlanError(
+                    path, f"{key}.run", f"unknown stage {run!r} (known: {', '.join(BUILTIN_STAGES)}){hint}"
+                )
         else:
             _text(path, f"{key}.command", command, "a shell command", multiline=True, empty=False)
         fe = s.get("for_each")
@@ -518,42 +632,65 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
         if slurm:  # Slurm's nodes hold the CPUs (cpus-per-task), not this host's slots
             _int(path, f"{key}.cpu", cpu, "an integer", lo=0, hi=100_000)
         elif not 0 <= cpu <= cpu_slots:
-            raise PlanError(path, f"{key}.cpu", f"{cpu} slots requested but resources.cpu_slots is {cpu_slots}")
+            raise PlanError(
+                path, f"{key}.cpu", f"{cpu} slots requested but resources.cpu_slots is {cpu_slots}"
+            )
         sg = s.get("gpus", [])
         if sg == "all":
             sg = list(gpus)
         if slurm and isinstance(sg, int) and not isinstance(sg, bool):
             # Under Slurm a stage asks for a number of GPUs per node; Slurm picks which.
             sg = list(range(_int(path, f"{key}.gpus", sg, "a number of GPUs per node", hi=4096)))
-        _type(path, f"{key}.gpus", sg, list, "a list of GPU ids or \"all\"" + (" or a count" if slurm else ""))
+        _type(path, f"{key}.gpus", sg, list, 'a list of GPU ids or "all"' + (" or a count" if slurm else ""))
         for j, g in enumerate(sg):
             _int(path, f"{key}.gpus[{j}]", g, "an integer", lo=-MAX_INT)
             if g not in gpus and not slurm:
                 raise PlanError(path, f"{key}.gpus[{j}]", f"GPU {g} is not in resources.gpus {list(gpus)}")
         nodes = _int(path, f"{key}.nodes", s.get("nodes", 1), "a number of nodes", lo=1, hi=100_000)
         if nodes > 1 and not slurm:
-            raise PlanError(path, f"{key}.nodes", f"nodes = {nodes} needs executor.kind = \"slurm\" "
-                                                  f"(a {executor_kind} executor runs every stage on one host)")
+            raise PlanError(
+                path,
+                f"{key}.nodes",
+                f'nodes = {nodes} needs executor.kind = "slurm" '
+                f"(a {executor_kind} executor runs every stage on one host)",
+            )
         stage_slurm = _slurm(path, f"{key}.slurm", s.get("slurm", {}))
-        replicas = _int(path, f"{key}.replicas", s.get("replicas", 1), "a number of server jobs", lo=1, hi=1000)
+        replicas = _int(
+            path, f"{key}.replicas", s.get("replicas", 1), "a number of server jobs", lo=1, hi=1000
+        )
         if replicas > 1 and not (slurm and s.get("service") is True):
-            raise PlanError(path, f"{key}.replicas", "replicas > 1 needs a service stage (service = true) under "
-                                                     "executor.kind = \"slurm\" (one server job per replica)")
+            raise PlanError(
+                path,
+                f"{key}.replicas",
+                "replicas > 1 needs a service stage (service = true) under "
+                'executor.kind = "slurm" (one server job per replica)',
+            )
         if replicas > 1 and fe:
             raise PlanError(path, f"{key}.replicas", "replicas cannot be combined with for_each")
         if stage_slurm and not slurm:
-            raise PlanError(path, f"{key}.slurm", f"Slurm overrides need executor.kind = \"slurm\" (it is {executor_kind!r})")
-        ob = _int(path, f"{key}.output_bytes", s.get("output_bytes", 0), "an integer number of bytes", hi=1 << 62)
+            raise PlanError(
+                path,
+                f"{key}.slurm",
+                f'Slurm overrides need executor.kind = "slurm" (it is {executor_kind!r})',
+            )
+        ob = _int(
+            path, f"{key}.output_bytes", s.get("output_bytes", 0), "an integer number of bytes", hi=1 << 62
+        )
         retry = _type(path, f"{key}.retry", s.get("retry", {}), dict, "a table")
         for rk in retry:
             if rk not in ("max_attempts", "backoff_s"):
                 raise PlanError(path, _key(f"{key}.retry", rk), "known keys: max_attempts, backoff_s")
-        ma = _int(path, f"{key}.retry.max_attempts", retry.get("max_attempts", 1), "an integer", lo=1, hi=1000)
+        ma = _int(
+            path, f"{key}.retry.max_attempts", retry.get("max_attempts", 1), "an integer", lo=1, hi=1000
+        )
         bo = _num(path, f"{key}.retry.backoff_s", retry.get("backoff_s", 30.0), "a number", hi=7 * 86400)
         env = _type(path, f"{key}.env", s.get("env", {}), dict, "a table of strings")
         for ek, ev in env.items():
-            if not ek or not (ek[0].isascii() and (ek[0].isalpha() or ek[0] == "_")) \
-                    or not all(c.isascii() and (c.isalnum() or c == "_") for c in ek):
+            if (
+                not ek
+                or not (ek[0].isascii() and (ek[0].isalpha() or ek[0] == "_"))
+                or not all(c.isascii() and (c.isalnum() or c == "_") for c in ek)
+            ):
                 raise PlanError(path, f"{key}.env", f"{ek!r} is not an environment variable name")
             _text(path, f"{key}.env.{ek}", ev, multiline=True)
         for gk in ("pause_grace_s", "kill_grace_s"):
@@ -566,24 +703,41 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
             _text(path, f"{key}.description", s["description"], multiline=True)
         if "label" in s:
             _text(path, f"{key}.label", s["label"])
-        targets = [d for d in datasets if all(getattr(d, wk) == wv for wk, wv in when.items())] if fe else [None]
+        targets = (
+            [d for d in datasets if all(getattr(d, wk) == wv for wk, wv in when.items())] if fe else [None]
+        )
         if fe and not datasets:
-            raise PlanError(path, f"{key}.for_each", "for_each = \"dataset\" but the plan has no [[datasets]]")
+            raise PlanError(path, f"{key}.for_each", 'for_each = "dataset" but the plan has no [[datasets]]')
         if replicas > 1:
             # One stage (one Slurm job) per replica: serve.r1 ... serve.rN; `uses = ["serve"]` means them all.
             groups[sid] = [f"{sid}.r{k}" for k in range(1, replicas + 1)]
-        for ds, stage_id in ([(None, r) for r in groups[sid]] if replicas > 1 else
-                             [(ds, f"{sid}.{ds.name}" if ds else sid) for ds in targets]):
+        for ds, stage_id in (
+            [(None, r) for r in groups[sid]]
+            if replicas > 1
+            else [(ds, f"{sid}.{ds.name}" if ds else sid) for ds in targets]
+        ):
             stage_args = [_subst(a, ds) for a in args]
             if run is not None and ds is not None and "--dataset" not in stage_args:
                 stage_args = ["--dataset", ds.name, *stage_args]
             spec = StageSpec(
-                id=stage_id, family=sid, run=run, command=_subst(command, ds) if command else None,
-                dataset=ds.name if ds else None, args=tuple(stage_args), service=bool(s.get("service", False)),
-                cpu=cpu, gpus=tuple(sg), output_bytes=ob, retry=RetryPolicy(ma, float(bo)),
-                env={k: _subst(v, ds) for k, v in env.items()}, skip=bool(s.get("skip", False)),
-                pause_grace_s=float(s.get("pause_grace_s", 10.0)), kill_grace_s=float(s.get("kill_grace_s", 10.0)),
-                description=str(s.get("description", "")), nodes=nodes, slurm=stage_slurm,
+                id=stage_id,
+                family=sid,
+                run=run,
+                command=_subst(command, ds) if command else None,
+                dataset=ds.name if ds else None,
+                args=tuple(stage_args),
+                service=bool(s.get("service", False)),
+                cpu=cpu,
+                gpus=tuple(sg),
+                output_bytes=ob,
+                retry=RetryPolicy(ma, float(bo)),
+                env={k: _subst(v, ds) for k, v in env.items()},
+                skip=bool(s.get("skip", False)),
+                pause_grace_s=float(s.get("pause_grace_s", 10.0)),
+                kill_grace_s=float(s.get("kill_grace_s", 10.0)),
+                description=str(s.get("description", "")),
+                nodes=nodes,
+                slurm=stage_slurm,
             )
             expanded.append(spec)
             entries.append((key, s, ds))
@@ -601,8 +755,14 @@ def _stages(path: Path, items: Any, datasets: list[Dataset], cpu_slots: int, gpu
     return out
 
 
-def _resolve(path: Path, key: str, patterns: list[str], ids: list[str], self_id: str,
-             groups: dict[str, list[str]] | None = None) -> list[str]:
+def _resolve(
+    path: Path,
+    key: str,
+    patterns: list[str],
+    ids: list[str],
+    self_id: str,
+    groups: dict[str, list[str]] | None = None,
+) -> list[str]:
     out: list[str] = []
     groups = groups or {}
     for pat in patterns:
@@ -646,7 +806,7 @@ def topo_order(path: Path, stages: list[StageSpec]) -> list[str]:
                 continue
             st = state.get(dep, 0)
             if st == 1:
-                cycle = path_ids[path_ids.index(dep):] + [dep]
+                cycle = path_ids[path_ids.index(dep) :] + [dep]
                 raise PlanError(path, "stage", "dependency cycle: " + " -> ".join(cycle))
             if st == 0:
                 state[dep] = 1
@@ -657,10 +817,14 @@ def topo_order(path: Path, stages: list[StageSpec]) -> list[str]:
 
 def render_dag(plan: Plan) -> str:
     """A text rendering of the DAG for ``aerie plan check``: families, then each stage's edges."""
-    lines = [f"plan {plan.name}  ({plan.path})", f"  executor: {plan.executor.kind}"
-             + (f" {plan.executor.host}" if plan.executor.host else ""), f"  run dir:  {plan.run_dir}",
-             f"  resources: {plan.cpu_slots} CPU slots, GPUs {list(plan.gpus) or 'none'}",
-             f"  datasets: {len(plan.datasets)} ({sum(d.quota for d in plan.datasets):,} samples)", ""]
+    lines = [
+        f"plan {plan.name}  ({plan.path})",
+        f"  executor: {plan.executor.kind}" + (f" {plan.executor.host}" if plan.executor.host else ""),
+        f"  run dir:  {plan.run_dir}",
+        f"  resources: {plan.cpu_slots} CPU slots, GPUs {list(plan.gpus) or 'none'}",
+        f"  datasets: {len(plan.datasets)} ({sum(d.quota for d in plan.datasets):,} samples)",
+        "",
+    ]
     by_id = {s.id: s for s in plan.stages}
     level: dict[str, int] = {}
     for sid in plan.order():
@@ -680,7 +844,10 @@ def render_dag(plan: Plan) -> str:
         tags.append(f"cpu {first.cpu}")
         if first.nodes > 1:
             tags.append(f"nodes {first.nodes}")
-        lines.append(f"[{level[first.id]}] {fam}  ({what}; {'; '.join(tags)})" + (f"  x{len(specs)}" if len(specs) > 1 else ""))
+        lines.append(
+            f"[{level[first.id]}] {fam}  ({what}; {'; '.join(tags)})"
+            + (f"  x{len(specs)}" if len(specs) > 1 else "")
+        )
         for s in specs:
             deps = ", ".join(_compress(list(s.after))) or "-"
             uses = f"  uses {', '.join(s.uses)}" if s.uses else ""

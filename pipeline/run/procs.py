@@ -145,7 +145,9 @@ def signal_group(ident: ProcIdentity, sig: int) -> bool:
 def env_with_pipeline(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child process, with this ``pipeline`` package first on ``PYTHONPATH``."""
     env = dict(os.environ if base is None else base)
-    pkg_root = str(Path(__file__).resolve().parents[2])  # pipeline/run/procs.py -> the folder holding pipeline/
+    pkg_root = str(
+        Path(__file__).resolve().parents[2]
+    )  # pipeline/run/procs.py -> the folder holding pipeline/
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

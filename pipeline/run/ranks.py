@@ -122,7 +122,14 @@ def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = N
     if nodes > 1:
         cmd = multi_node_command(nodes, nproc, tail, ctx)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *tail]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *tail,
+        ]
         env[HEARTBEAT_ENV] = str(beats)  # the heartbeat folder is on this node only
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     stalled: list[str] = []
@@ -148,7 +155,11 @@ def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = N
         failed = {int(m_rank.group(1)): failed[int(m_rank.group(1))]}
     rc = proc.wait()
     if rc != 0 and ctx is not None:
-        text = stalled[0] + _last_line(log_dir, int(stalled[0].split()[1])) if stalled else _rank_failure(failed, log_dir, rc)
+        text = (
+            stalled[0] + _last_line(log_dir, int(stalled[0].split()[1]))
+            if stalled
+            else _rank_failure(failed, log_dir, rc)
+        )
         ctx.message(text, level="error", code="rank_failed")
     shutil.rmtree(log_dir, ignore_errors=True)
     sys.exit(rc if rc >= 0 else 128 - rc)  # a signal death as the shell reports it
@@ -183,14 +194,34 @@ def multi_node_command(nodes: int, nproc: int, tail: list[str], ctx: Any = None)
     job = os.environ.get("SLURM_JOB_ID", "0")
     port = int(os.environ.get("AERIE_RDZV_PORT") or 20000 + (int(job) if job.isdigit() else 0) % 20000)
     if ctx is not None:
-        ctx.message(f"{nodes} nodes x {nproc // nodes} ranks under torchrun, rendezvous at {addr}:{port} ({first})")
+        ctx.message(
+            f"{nodes} nodes x {nproc // nodes} ranks under torchrun, rendezvous at {addr}:{port} ({first})"
+        )
     cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-    agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={nproc // nodes}",
-             f"--master_addr={addr}", f"--master_port={port}", *tail]
+    agent = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--nproc_per_node={nproc // nodes}",
+        f"--master_addr={addr}",
+        f"--master_port={port}",
+        *tail,
+    ]
     # The node rank differs per node, so a tiny shell puts Slurm's SLURM_NODEID in front of the rest.
-    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            *([f"--cpus-per-task={cpus}"] if cpus else []),
-            "/bin/sh", "-c", 'p=$0 m=$1 r=$2; shift 2; exec "$p" "$m" "$r" --node_rank="$SLURM_NODEID" "$@"', *agent[:3], *agent[3:]]
+    return [
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        *([f"--cpus-per-task={cpus}"] if cpus else []),
+        "/bin/sh",
+        "-c",
+        'p=$0 m=$1 r=$2; shift 2; exec "$p" "$m" "$r" --node_rank="$SLURM_NODEID" "$@"',
+        *agent[:3],
+        *agent[3:],
+    ]
 
 
 HEARTBEAT_ENV = "AERIE_HEARTBEAT_DIR"
@@ -224,8 +255,10 @@ def _watch_heartbeats(proc: Any, beats: Any, nproc: int, stalled: list[str], pol
         ages = {int(f.name.split("-")[1]): _time.time() - f.stat().st_mtime for f in files}
         if min(ages.values()) > limit:
             rank = max(ages, key=lambda r: ages[r])
-            stalled.append(f"rank {rank} stalled: no rank made progress for {min(ages.values()):.0f} s "
-                           f"(AERIE_DIST_TIMEOUT_S = {limit:g}); the ranks were stopped")
+            stalled.append(
+                f"rank {rank} stalled: no rank made progress for {min(ages.values()):.0f} s "
+                f"(AERIE_DIST_TIMEOUT_S = {limit:g}); the ranks were stopped"
+            )
             proc.send_signal(_signal.SIGTERM)
             try:
                 proc.wait(timeout=30)
@@ -242,7 +275,7 @@ def _last_line(log_dir: Any, rank: int) -> str:
 
 
 def _rank_failure(failed: dict[int, str], log_dir: Any, rc: int) -> str:
-    """"rank 1 was killed by signal 9; its last line: ..." from torchrun's summary and the rank logs."""
+    """ "rank 1 was killed by signal 9; its last line: ..." from torchrun's summary and the rank logs."""
     import signal as _signal
 
     if not failed:
@@ -274,7 +307,7 @@ def parallel_settings(plan: Any, section: str) -> tuple[str | None, int]:
     sec = plan.section(section)
     par = sec.get("parallel")
     if par not in (None, "tp"):
-        raise ValueError(f"{plan.path}: {section}.parallel: expected \"tp\" (or leave it out), got {par!r}")
+        raise ValueError(f'{plan.path}: {section}.parallel: expected "tp" (or leave it out), got {par!r}')
     size = sec.get("tp_size", stage_gpus() or 1)
     if par == "tp" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise ValueError(f"{plan.path}: {section}.tp_size: expected a number of ranks >= 1, got {size!r}")

@@ -96,10 +96,21 @@ def run_ctl(root: Path, args: list[str], timeout_s: float = CTL_TIMEOUT_S) -> di
     if not all(isinstance(a, str) for a in args):
         raise AgentError("ctl arguments must be strings")
     try:
-        p = subprocess.run([sys.executable, "-m", "pipeline.run.ctl", str(root), *args], capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, env=env_with_pipeline(), timeout=timeout_s, cwd="/")
+        p = subprocess.run(
+            [sys.executable, "-m", "pipeline.run.ctl", str(root), *args],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            env=env_with_pipeline(),
+            timeout=timeout_s,
+            cwd="/",
+        )
     except subprocess.TimeoutExpired:
-        return {"rc": 4, "stdout": "", "stderr": f"error: pipeline.run.ctl {' '.join(args)} gave no answer in {timeout_s:g}s"}
+        return {
+            "rc": 4,
+            "stdout": "",
+            "stderr": f"error: pipeline.run.ctl {' '.join(args)} gave no answer in {timeout_s:g}s",
+        }
     return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
 
 
@@ -120,9 +131,14 @@ class Agent:
     def answer(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
         if op == "hello":
-            return {"protocol": PROTOCOL, "pid": os.getpid(), "root": str(self.root),
-                    "exists": (self.root / "plan.toml").is_file(), "python": sys.version.split()[0],
-                    "pipeline": str(Path(__file__).resolve().parents[1])}
+            return {
+                "protocol": PROTOCOL,
+                "pid": os.getpid(),
+                "root": str(self.root),
+                "exists": (self.root / "plan.toml").is_file(),
+                "python": sys.version.split()[0],
+                "pipeline": str(Path(__file__).resolve().parents[1]),
+            }
         if op == "ping":
             return {"t": time.time()}
         if op == "read":
@@ -133,14 +149,23 @@ class Agent:
         if op == "ctl":
             return run_ctl(self.root, list(req.get("args") or []), float(req.get("timeout", CTL_TIMEOUT_S)))
         if op == "lines":
-            return logscan.count_file(_safe_path(self.root, req.get("path")), int(req.get("offset", 0)),
-                                      int(req.get("max_bytes", logscan.COUNT_MAX_BYTES)),
-                                      int(req.get("block", logscan.BLOCK)))
+            return logscan.count_file(
+                _safe_path(self.root, req.get("path")),
+                int(req.get("offset", 0)),
+                int(req.get("max_bytes", logscan.COUNT_MAX_BYTES)),
+                int(req.get("block", logscan.BLOCK)),
+            )
         if op == "find":
             end = req.get("end")
-            return logscan.find_file(_safe_path(self.root, req.get("path")), str(req.get("pattern", "")),
-                                     int(req.get("start", 0)), None if end is None else int(end),
-                                     int(req.get("line0", 0)), bool(req.get("backward")), int(req.get("limit", 1000)))
+            return logscan.find_file(
+                _safe_path(self.root, req.get("path")),
+                str(req.get("pattern", "")),
+                int(req.get("start", 0)),
+                None if end is None else int(end),
+                int(req.get("line0", 0)),
+                bool(req.get("backward")),
+                int(req.get("limit", 1000)),
+            )
         raise AgentError(f"unknown op {op!r}")
 
     def handle(self, req: dict[str, Any]) -> None:

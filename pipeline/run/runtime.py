@@ -51,9 +51,17 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 class StageContext:
     """Events, pause handling and paths for one running stage."""
 
-    def __init__(self, stage_id: str, out: Path, events_path: Path, plan_path: Path | None,
-                 run_dir: Path | None = None, attempt: int = 1, inputs: dict[str, Path] | None = None,
-                 echo: bool = False) -> None:
+    def __init__(
+        self,
+        stage_id: str,
+        out: Path,
+        events_path: Path,
+        plan_path: Path | None,
+        run_dir: Path | None = None,
+        attempt: int = 1,
+        inputs: dict[str, Path] | None = None,
+        echo: bool = False,
+    ) -> None:
         self.stage_id = stage_id
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
@@ -64,28 +72,41 @@ class StageContext:
         self.events_path = events_path
         self._writer = EventWriter(events_path)
         self._echo = echo
-        self._pause_flag = (RunDir(run_dir).stage(stage_id).pause_flag if run_dir else None)
+        self._pause_flag = RunDir(run_dir).stage(stage_id).pause_flag if run_dir else None
         self._last_progress = 0.0
         self._plan: plan_mod.Plan | None = None
         # Under torchrun every rank runs the stage; rank 0 alone speaks for it (no duplicate events,
         # one writer of the TensorBoard/W&B files).
         self.quiet = int(os.environ.get("RANK", "0") or 0) != 0
-        self._sinks = MetricSinks(None if self.quiet else run_dir, stage_id, attempt,
-                                  lambda text, level: self.message(text, level=level),
-                                  wandb_cfg=self._wandb_cfg, run_name=run_dir.name if run_dir else "")
+        self._sinks = MetricSinks(
+            None if self.quiet else run_dir,
+            stage_id,
+            attempt,
+            lambda text, level: self.message(text, level=level),
+            wandb_cfg=self._wandb_cfg,
+            run_name=run_dir.name if run_dir else "",
+        )
         _install_nospace_hook(self)
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def from_env(cls, out: Path | None = None, plan_path: Path | None = None, stage_id: str | None = None) -> StageContext:
+    def from_env(
+        cls, out: Path | None = None, plan_path: Path | None = None, stage_id: str | None = None
+    ) -> StageContext:
         run = os.environ.get(ENV_RUN)
         sid = stage_id or os.environ.get(ENV_STAGE) or "standalone"
         if run:
             sd = RunDir(run).stage(sid)
             inputs = {k: Path(v) for k, v in json.loads(os.environ.get(ENV_INPUTS, "{}")).items()}
-            return cls(sid, Path(os.environ.get(ENV_OUT, sd.out)), sd.events,
-                       plan_path or Path(os.environ.get(ENV_PLAN, RunDir(run).plan_path)), Path(run),
-                       int(os.environ.get(ENV_ATTEMPT, "1")), inputs)
+            return cls(
+                sid,
+                Path(os.environ.get(ENV_OUT, sd.out)),
+                sd.events,
+                plan_path or Path(os.environ.get(ENV_PLAN, RunDir(run).plan_path)),
+                Path(run),
+                int(os.environ.get(ENV_ATTEMPT, "1")),
+                inputs,
+            )
         if out is None:
             raise SystemExit("not under the supervisor: pass --out DIR for the stage's outputs")
         return cls(sid, out, out / "events.jsonl", plan_path, echo=True)
@@ -120,8 +141,15 @@ class StageContext:
         if self._echo:
             print(f"[{self.stage_id}] {ev.to_json()}", file=sys.stderr, flush=True)
 
-    def progress(self, done: float, total: float | None = None, unit: str = "items", key: str | None = None,
-                 force: bool = False, **extra: Any) -> None:
+    def progress(
+        self,
+        done: float,
+        total: float | None = None,
+        unit: str = "items",
+        key: str | None = None,
+        force: bool = False,
+        **extra: Any,
+    ) -> None:
         """Report progress; rate-limited to ~4/s unless ``force`` (always force the last one)."""
         now = time.monotonic()
         if not force and now - self._last_progress < 0.25 and (total is None or done < total):
@@ -172,7 +200,9 @@ def _install_nospace_hook(ctx: StageContext) -> None:
     are best effort — the disk is full — and the launcher names the device in ``exit.json`` too."""
     global _NOSPACE_CTX
     first = _NOSPACE_CTX is None
-    _NOSPACE_CTX = ctx  # the latest context speaks (a stage may make more than one): one message, not one each
+    _NOSPACE_CTX = (
+        ctx  # the latest context speaks (a stage may make more than one): one message, not one each
+    )
     if not first:
         return
     previous = sys.excepthook

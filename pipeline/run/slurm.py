@@ -48,8 +48,14 @@ def available() -> str | None:
 
 def _run(argv: list[str], timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
     except FileNotFoundError:
         raise SlurmError(f"{argv[0]}: command not found (is Slurm installed on this host?)") from None
     except subprocess.TimeoutExpired:
@@ -75,12 +81,22 @@ def sbatch_options(section: dict[str, Any], spec: StageSpec) -> list[str]:
 
 def submit(script: Path, name: str, comment: str, log: Path, workdir: Path, options: list[str]) -> str:
     """``sbatch --parsable``: returns the job id, or raises :class:`SlurmError` with Slurm's reason."""
-    argv = ["sbatch", "--parsable", f"--job-name={name}", f"--comment={comment}", f"--output={log}",
-            "--open-mode=append", f"--chdir={workdir}", "--export=ALL", "--kill-on-invalid-dep=yes",
-            # A pre-empted or failed job must not run the same attempt again behind Aerie's back: it ends, and
-            # the stage's retry policy decides.
-            "--no-requeue",
-            *options, str(script)]
+    argv = [
+        "sbatch",
+        "--parsable",
+        f"--job-name={name}",
+        f"--comment={comment}",
+        f"--output={log}",
+        "--open-mode=append",
+        f"--chdir={workdir}",
+        "--export=ALL",
+        "--kill-on-invalid-dep=yes",
+        # A pre-empted or failed job must not run the same attempt again behind Aerie's back: it ends, and
+        # the stage's retry policy decides.
+        "--no-requeue",
+        *options,
+        str(script),
+    ]
     p = _run(argv)
     job = p.stdout.strip().split(";")[0] if p.returncode == 0 else ""
     if not job.isdigit():
@@ -95,8 +111,17 @@ def find_by_name(name: str) -> list[str]:
     if p.returncode == 0:
         ids += [x.strip() for x in p.stdout.split() if x.strip().isdigit()]
     if accounting():
-        p = _run(["sacct", "--noheader", "--parsable2", "--allocations", f"--name={name}", "--format=JobIDRaw",
-                  "--starttime=now-30days"])
+        p = _run(
+            [
+                "sacct",
+                "--noheader",
+                "--parsable2",
+                "--allocations",
+                f"--name={name}",
+                "--format=JobIDRaw",
+                "--starttime=now-30days",
+            ]
+        )
         if p.returncode == 0:
             ids += [x.strip() for x in p.stdout.split() if x.strip().isdigit() and x.strip() not in ids]
     return ids
@@ -167,8 +192,16 @@ def _exit_pair(text: str) -> tuple[int | None, int | None]:
 def query(job_id: str) -> JobInfo:
     """Slurm's view of one job (``sacct`` where there is accounting, else ``scontrol show job``)."""
     if accounting():
-        p = _run(["sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={job_id}",
-                  "--format=JobIDRaw,State,ExitCode,NodeList,Reason"])
+        p = _run(
+            [
+                "sacct",
+                "--noheader",
+                "--parsable2",
+                "--allocations",
+                f"--jobs={job_id}",
+                "--format=JobIDRaw,State,ExitCode,NodeList,Reason",
+            ]
+        )
         rows = [r.split("|") for r in p.stdout.splitlines() if r.startswith(f"{job_id}|")]
         if p.returncode == 0 and rows:
             _id, state, code, nodes, reason = (rows[0] + [""] * 5)[:5]
@@ -186,8 +219,9 @@ def query(job_id: str) -> JobInfo:
 
     rc, sig = _exit_pair(field("ExitCode"))
     nodes = field("NodeList")
-    return JobInfo(job_id, field("JobState") or "UNKNOWN", field("Reason"), rc, sig,
-                   "" if nodes == "(null)" else nodes)
+    return JobInfo(
+        job_id, field("JobState") or "UNKNOWN", field("Reason"), rc, sig, "" if nodes == "(null)" else nodes
+    )
 
 
 def states(job_ids: list[str]) -> dict[str, JobInfo]:

@@ -59,8 +59,14 @@ def batch_script(run: RunDir, sid: str, attempt: int, python: str) -> str:
 class SlurmJobs:
     """Submits, follows and controls the Slurm jobs of one run's stages."""
 
-    def __init__(self, run: RunDir, specs: dict[str, StageSpec], section: dict[str, Any],
-                 log: Callable[[str], None], python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        specs: dict[str, StageSpec],
+        section: dict[str, Any],
+        log: Callable[[str], None],
+        python: str = sys.executable,
+    ) -> None:
         self.run = run
         self.specs = specs
         self.section = section
@@ -111,8 +117,17 @@ class SlurmJobs:
         attempt = rec["attempt"]
         write_json(sd.slurm_job, {**rec, "state": "rejected", "error": why})
         detail = f"Slurm rejected the job: {why}"
-        write_json(sd.exit, {"attempt": attempt, "returncode": None, "signal": None, "t": time.time(),
-                             "detail": detail, "recorded_by": "supervisor"})
+        write_json(
+            sd.exit,
+            {
+                "attempt": attempt,
+                "returncode": None,
+                "signal": None,
+                "t": time.time(),
+                "detail": detail,
+                "recorded_by": "supervisor",
+            },
+        )
         with contextlib.suppress(OSError), open(sd.log, "a") as fh:
             fh.write(f"===== aerie: {sd.id} attempt {attempt}: {detail} =====\n")
         with EventWriter(sd.events) as w:
@@ -136,7 +151,9 @@ class SlurmJobs:
             if now - t > 10 * QUERY_EVERY_S:  # no stage follows it any more
                 del self._asked[j]
                 self._cache.pop(j, None)
-        batch = sorted(j for j in self._asked if j == job or not (j in self._cache and self._cache[j][1].ended))
+        batch = sorted(
+            j for j in self._asked if j == job or not (j in self._cache and self._cache[j][1].ended)
+        )
         try:
             seen = slurm.states(batch)
         except slurm.SlurmError as exc:
@@ -154,8 +171,9 @@ class SlurmJobs:
         hit = self._cache.get(job)
         return hit[1] if hit else None
 
-    def derive(self, st: StageStatus, sd: StageDir, attempt: int, acked: bool,
-               deriver: StateDeriver) -> StageStatus | None:
+    def derive(
+        self, st: StageStatus, sd: StageDir, attempt: int, acked: bool, deriver: StateDeriver
+    ) -> StageStatus | None:
         """The state of a stage whose attempt went to Slurm; None when the attempt was not submitted."""
         rec = self.record(sd, attempt)
         if rec is None:
@@ -182,8 +200,9 @@ class SlurmJobs:
                     return st
             return deriver._finished(st, sd, ex, attempt)
         if job is None:
-            return deriver._finished(st, sd, deriver.record_lost(sd.id, attempt, "no Slurm job id recorded"),
-                                     attempt)
+            return deriver._finished(
+                st, sd, deriver.record_lost(sd.id, attempt, "no Slurm job id recorded"), attempt
+            )
         info = self.info(job)
         if info is None:
             st.state, st.reason = "running", f"Slurm job {job}: Slurm is not answering"
@@ -217,15 +236,21 @@ class SlurmJobs:
             return None
         if ids:
             job = ids[0]
-            write_json(sd.slurm_job, {**rec, "state": "submitted", "job_id": job, "found_by_name": time.time()})
-            self.log(f"{sd.id}: attempt {rec['attempt']}: found Slurm job {job} by its name {rec['name']} "
-                     "(sbatch got no answer, or the supervisor died, before its id was recorded): not submitting again")
+            write_json(
+                sd.slurm_job, {**rec, "state": "submitted", "job_id": job, "found_by_name": time.time()}
+            )
+            self.log(
+                f"{sd.id}: attempt {rec['attempt']}: found Slurm job {job} by its name {rec['name']} "
+                "(sbatch got no answer, or the supervisor died, before its id was recorded): not submitting again"
+            )
             return job
         since = float(rec.get("unanswered_t", rec.get("t", 0)))  # an sbatch that timed out: from then on
         if may_abandon and time.time() - since > SUBMIT_GRACE_S:
             write_json(sd.slurm_job, {**rec, "state": "abandoned", "abandoned_t": time.time()})
-            self.log(f"{sd.id}: attempt {rec['attempt']}: Slurm has no job named {rec['name']}: "
-                     "its submission never reached Slurm; submitting it now")
+            self.log(
+                f"{sd.id}: attempt {rec['attempt']}: Slurm has no job named {rec['name']}: "
+                "its submission never reached Slurm; submitting it now"
+            )
         return None
 
     def _annotate(self, sd: StageDir, ex: dict, job: str) -> dict:
@@ -236,10 +261,18 @@ class SlurmJobs:
             first = self._ended_seen.setdefault(f"exit:{job}", time.monotonic())
             if time.monotonic() - first < EXIT_GRACE_S:
                 return ex
-            info = slurm.JobInfo(job, info.state if info else "UNKNOWN")  # give up waiting: record what we know
+            info = slurm.JobInfo(
+                job, info.state if info else "UNKNOWN"
+            )  # give up waiting: record what we know
         ex = {**ex, "slurm_state": info.state}
-        if info.state in ("CANCELLED", "PREEMPTED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE") \
-                and not sd.record_for(sd.kill_marker, int(ex["attempt"])):
+        if info.state in (
+            "CANCELLED",
+            "PREEMPTED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "DEADLINE",
+        ) and not sd.record_for(sd.kill_marker, int(ex["attempt"])):
             ex["detail"] = info.describe()
             ex.pop("error", None)
         with contextlib.suppress(OSError):
@@ -253,9 +286,15 @@ class SlurmJobs:
             return ex
         # Without the launcher's record the stage never counts as succeeded: a job cancelled while queued
         # ends "0:0" too. A non-zero code from Slurm is kept.
-        ex = {"attempt": attempt, "returncode": info.exit_code or None, "t": time.time(), "recorded_by": "supervisor",
-              "signal": None, "slurm_state": info.state,
-              "detail": info.describe() if not killed else f"Slurm job {info.job_id} cancelled by Aerie"}
+        ex = {
+            "attempt": attempt,
+            "returncode": info.exit_code or None,
+            "t": time.time(),
+            "recorded_by": "supervisor",
+            "signal": None,
+            "slurm_state": info.state,
+            "detail": info.describe() if not killed else f"Slurm job {info.job_id} cancelled by Aerie",
+        }
         if info.state == "COMPLETED" and not info.exit_code:
             ex["detail"] = f"Slurm job {info.job_id} completed but its launcher wrote no exit record"
         write_json(sd.exit, ex)

@@ -31,9 +31,16 @@ from pipeline.run.procs import env_with_pipeline
 
 PROBE_TIMEOUT_S = 300.0
 # What a compute node must import for the built-in stages the plan runs (operator commands need none).
-STAGE_IMPORTS = {"prep": ["datasets"], "regen": ["aiohttp"], "extract": ["torch", "transformers"],
-                 "vocab": ["torch"], "train": ["torch", "transformers"], "bench": ["torch", "transformers"],
-                 "serve": [], "telemetry": []}
+STAGE_IMPORTS = {
+    "prep": ["datasets"],
+    "regen": ["aiohttp"],
+    "extract": ["torch", "transformers"],
+    "vocab": ["torch"],
+    "train": ["torch", "transformers"],
+    "bench": ["torch", "transformers"],
+    "serve": [],
+    "telemetry": [],
+}
 
 PROBE = r"""
 import importlib, json, os, platform, socket, sys
@@ -93,8 +100,12 @@ def gres_gpus(gres: str) -> int:
 
 def partitions() -> dict[str, Partition]:
     """Partitions as ``sinfo`` sees them (one row per partition and node configuration)."""
-    p = subprocess.run(["sinfo", "--noheader", "--format=%P|%a|%D|%c|%G"], capture_output=True, text=True,
-                       timeout=slurm.TIMEOUT_S)
+    p = subprocess.run(
+        ["sinfo", "--noheader", "--format=%P|%a|%D|%c|%G"],
+        capture_output=True,
+        text=True,
+        timeout=slurm.TIMEOUT_S,
+    )
     if p.returncode != 0:
         raise slurm.SlurmError(p.stderr.strip() or f"sinfo exited {p.returncode}")
     out: dict[str, Partition] = {}
@@ -132,25 +143,37 @@ def check_partitions(plan: Plan, report: Report) -> None:
             by_part.setdefault(stage_partition(plan, spec, parts), []).append(spec)
     for name, specs in by_part.items():
         if name is None:
-            report.add(False, f"stages {', '.join(s.id for s in specs)} name no partition and Slurm has no default one")
+            report.add(
+                False,
+                f"stages {', '.join(s.id for s in specs)} name no partition and Slurm has no default one",
+            )
             continue
         part = parts.get(name)
         if part is None:
-            report.add(False, f"partition {name!r} does not exist (sinfo lists {', '.join(parts) or 'none'}); "
-                              f"used by {', '.join(s.id for s in specs)}")
+            report.add(
+                False,
+                f"partition {name!r} does not exist (sinfo lists {', '.join(parts) or 'none'}); "
+                f"used by {', '.join(s.id for s in specs)}",
+            )
             continue
         if not part.up:
             report.add(False, f"partition {name!r} is not up")
         big = max(specs, key=lambda s: s.nodes)
-        report.add(big.nodes <= part.nodes, f"partition {name!r}: {part.nodes} node(s); the largest stage "
-                                             f"({big.id}) needs {big.nodes}")
+        report.add(
+            big.nodes <= part.nodes,
+            f"partition {name!r}: {part.nodes} node(s); the largest stage ({big.id}) needs {big.nodes}",
+        )
         cpu = max(specs, key=lambda s: s.cpu)
-        report.add(cpu.cpu <= part.cpus, f"partition {name!r}: {part.cpus} CPUs per node; {cpu.id} asks "
-                                         f"{cpu.cpu} per node")
+        report.add(
+            cpu.cpu <= part.cpus,
+            f"partition {name!r}: {part.cpus} CPUs per node; {cpu.id} asks {cpu.cpu} per node",
+        )
         gpu = max(specs, key=lambda s: len(s.gpus))
         if gpu.gpus:
-            report.add(len(gpu.gpus) <= part.gpus, f"partition {name!r}: {part.gpus} GPU(s) per node; {gpu.id} "
-                                                   f"asks {len(gpu.gpus)} per node")
+            report.add(
+                len(gpu.gpus) <= part.gpus,
+                f"partition {name!r}: {part.gpus} GPU(s) per node; {gpu.id} asks {len(gpu.gpus)} per node",
+            )
 
 
 def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float) -> None:
@@ -167,17 +190,37 @@ def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float
         return
     mods = sorted({m for s in plan.stages if s.run for m in STAGE_IMPORTS.get(s.run, [])})
     sect = plan.section("slurm")
-    argv = ["srun", "--nodes=1", "--ntasks=1", "--job-name=aerie-preflight", "--time=5",
-            *([f"--partition={sect['partition']}"] if sect.get("partition") else []),
-            *([f"--account={sect['account']}"] if sect.get("account") else []),
-            *([f"--qos={sect['qos']}"] if sect.get("qos") else []),
-            python, "-c", PROBE, str(token), str(reply), ",".join(mods)]
+    argv = [
+        "srun",
+        "--nodes=1",
+        "--ntasks=1",
+        "--job-name=aerie-preflight",
+        "--time=5",
+        *([f"--partition={sect['partition']}"] if sect.get("partition") else []),
+        *([f"--account={sect['account']}"] if sect.get("account") else []),
+        *([f"--qos={sect['qos']}"] if sect.get("qos") else []),
+        python,
+        "-c",
+        PROBE,
+        str(token),
+        str(reply),
+        ",".join(mods),
+    ]
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env_with_pipeline(),
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env_with_pipeline(),
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
-        report.add(False, f"probe job: no compute node ran it within {timeout_s:g}s (queue busy?); "
-                          "the run dir and imports were not checked on a node")
+        report.add(
+            False,
+            f"probe job: no compute node ran it within {timeout_s:g}s (queue busy?); "
+            "the run dir and imports were not checked on a node",
+        )
         return
     except FileNotFoundError:
         report.add(False, "probe job: srun not found")
@@ -188,16 +231,22 @@ def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float
         got = json.loads(reply.read_text())
     except (OSError, ValueError):
         why = (p.stderr or p.stdout).strip().splitlines()
-        report.add(False, f"probe job: no reply in {root} from the compute node "
-                          f"({why[-1] if why else f'srun exited {p.returncode}'}): is the run dir on a shared "
-                          "filesystem the nodes mount at the same path?")
+        report.add(
+            False,
+            f"probe job: no reply in {root} from the compute node "
+            f"({why[-1] if why else f'srun exited {p.returncode}'}): is the run dir on a shared "
+            "filesystem the nodes mount at the same path?",
+        )
         return
     finally:
         reply.unlink(missing_ok=True)
     where = got.get("node") or got.get("host")
-    report.add(got.get("token") == word, f"run directory {root} is shared with compute node {where}"
-               if got.get("token") == word else
-               f"compute node {where} cannot read {token.name} in {root}: {got.get('token_error', 'other content')}")
+    report.add(
+        got.get("token") == word,
+        f"run directory {root} is shared with compute node {where}"
+        if got.get("token") == word
+        else f"compute node {where} cannot read {token.name} in {root}: {got.get('token_error', 'other content')}",
+    )
     report.add(True, f"compute node {where}: Python {got.get('version')} at {got.get('python')}")
     for m, why in (got.get("import_errors") or {}).items():
         report.add(False, f"compute node {where}: import {m} failed: {why}")
@@ -218,7 +267,9 @@ def preflight(plan: Plan, python: str = sys.executable, timeout_s: float = PROBE
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.run.slurm_preflight", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.run.slurm_preflight", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("plan", type=Path)
     ap.add_argument("--run-dir", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=PROBE_TIMEOUT_S, help="how long the probe job may wait")
@@ -229,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if plan.executor.kind != "slurm":
-        print(f"error: {plan.path}: executor.kind is {plan.executor.kind!r}, not \"slurm\"", file=sys.stderr)
+        print(f'error: {plan.path}: executor.kind is {plan.executor.kind!r}, not "slurm"', file=sys.stderr)
         return 2
     report = preflight(plan, timeout_s=args.timeout)
     print(f"preflight {plan.path} (Slurm, run dir {plan.run_dir})\n{report.render()}")

@@ -69,8 +69,9 @@ class EventMemory:
 class StateDeriver:
     """Derives each stage's :class:`StageStatus` from its files; records a launch that was lost."""
 
-    def __init__(self, run: RunDir, specs: dict[str, StageSpec], log: Callable[[str], None],
-                 jobs: Any = None) -> None:
+    def __init__(
+        self, run: RunDir, specs: dict[str, StageSpec], log: Callable[[str], None], jobs: Any = None
+    ) -> None:
         self.run = run
         self.jobs = jobs  # the Slurm executor's SlurmJobs: attempts are Slurm jobs, not local processes
         self.specs = specs
@@ -85,7 +86,12 @@ class StateDeriver:
                 tr.attempt_seen = int(ev.get("attempt", 0))
                 tr.health, tr.progress, tr.paused_ack_t = None, None, 0.0
             elif ev.type == "progress":
-                tr.progress = {"done": ev.get("done"), "total": ev.get("total"), "unit": ev.get("unit"), "t": ev.t}
+                tr.progress = {
+                    "done": ev.get("done"),
+                    "total": ev.get("total"),
+                    "unit": ev.get("unit"),
+                    "t": ev.t,
+                }
             elif ev.type == "health":
                 tr.health = ev.get("state")
             elif ev.type == "message" and ev.get("code") == "paused":
@@ -93,15 +99,26 @@ class StateDeriver:
             elif ev.type == "message" and ev.get("code") == "resumed":
                 tr.paused_ack_t = 0.0
 
-    def derive(self, sid: str, status: dict[str, StageStatus], child: subprocess.Popen | None = None) -> StageStatus:
+    def derive(
+        self, sid: str, status: dict[str, StageStatus], child: subprocess.Popen | None = None
+    ) -> StageStatus:
         """The state of ``sid`` now; ``status`` holds its upstream stages' fresh states."""
         spec = self.specs[sid]
         sd = self.run.stage(sid)
         attempt = sd.attempt()
         self._read_events(sid)
         tr = self.memory[sid]
-        st = StageStatus(id=sid, family=spec.family, dataset=spec.dataset, attempt=attempt, service=spec.service,
-                         gpus=list(spec.gpus), after=list(spec.after), uses=list(spec.uses), run=spec.run)
+        st = StageStatus(
+            id=sid,
+            family=spec.family,
+            dataset=spec.dataset,
+            attempt=attempt,
+            service=spec.service,
+            gpus=list(spec.gpus),
+            after=list(spec.after),
+            uses=list(spec.uses),
+            run=spec.run,
+        )
         current = tr.attempt_seen == attempt
         st.health = tr.health if current else None
         st.progress = tr.progress if current else None
@@ -170,8 +187,14 @@ class StateDeriver:
         if ex:
             return ex
         killed = sd.record_for(sd.kill_marker, attempt)
-        ex = {"attempt": attempt, "returncode": None, "signal": "KILL" if killed else None, "t": time.time(),
-              "detail": why, "recorded_by": "supervisor"}
+        ex = {
+            "attempt": attempt,
+            "returncode": None,
+            "signal": "KILL" if killed else None,
+            "t": time.time(),
+            "detail": why,
+            "recorded_by": "supervisor",
+        }
         write_json(sd.exit, ex)
         with EventWriter(sd.events) as w:
             w.emit("finished", status="killed" if killed else "failed", detail=why)
@@ -191,7 +214,10 @@ class StateDeriver:
                 return st
         waiting = [d for d, ds in deps if not ds or ds.state not in SATISFIED]
         if waiting:
-            st.state, st.reason = "pending", "after " + ", ".join(waiting[:3]) + (" …" if len(waiting) > 3 else "")
+            st.state, st.reason = (
+                "pending",
+                "after " + ", ".join(waiting[:3]) + (" …" if len(waiting) > 3 else ""),
+            )
             return st
         for u in spec.uses:
             us = status.get(u)

@@ -65,15 +65,23 @@ def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
         if not sd.attempt_file.exists():
             write_json(sd.attempt_file, {"attempt": 1, "t": time.time()})
     write_json(run.root / "order.json", plan.order())
-    write_json(run.root / "plan-origin.json", {"base": str(plan.path.parent.absolute()), "path": str(plan.path.absolute())})
+    write_json(
+        run.root / "plan-origin.json",
+        {"base": str(plan.path.parent.absolute()), "path": str(plan.path.absolute())},
+    )
     # The plan goes last: its presence marks a complete run dir.
     write_atomic(run.plan_path, text)
     return run
 
 
 class Supervisor:
-    def __init__(self, run: RunDir, python: str = sys.executable, poll_s: float = 0.5,
-                 admission: list[AdmissionCheck] | None = None) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        python: str = sys.executable,
+        poll_s: float = 0.5,
+        admission: list[AdmissionCheck] | None = None,
+    ) -> None:
         if not run.exists():
             raise SupervisorError(f"{run.root}: not a run directory (no plan.toml / stages/)")
         self.run = run
@@ -86,8 +94,11 @@ class Supervisor:
         self.order = list(self.specs)
         self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
         # [executor] kind = "slurm": every attempt is a Slurm job (see pipeline.run.slurm_jobs).
-        self.jobs = SlurmJobs(run, self.specs, self.plan.section("slurm"), self.log, python) \
-            if self.plan.executor.kind == "slurm" else None
+        self.jobs = (
+            SlurmJobs(run, self.specs, self.plan.section("slurm"), self.log, python)
+            if self.plan.executor.kind == "slurm"
+            else None
+        )
         self.deriver = StateDeriver(run, self.specs, self.log, jobs=self.jobs)
         self.children: dict[str, subprocess.Popen] = {}
         self.status: dict[str, StageStatus] = {}
@@ -156,8 +167,10 @@ class Supervisor:
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to pause")
         write_json(self.sd(sid).pause_flag, {"attempt": st.attempt, "t": time.time()})
         if self.jobs is not None:
-            return (f"{sid}: pause requested (safe point, then scontrol suspend after "
-                    f"{self.specs[sid].pause_grace_s:g}s)")
+            return (
+                f"{sid}: pause requested (safe point, then scontrol suspend after "
+                f"{self.specs[sid].pause_grace_s:g}s)"
+            )
         return f"{sid}: pause requested (safe point, then SIGSTOP after {self.specs[sid].pause_grace_s:g}s)"
 
     def do_resume(self, sid: str) -> str:
@@ -193,12 +206,16 @@ class Supervisor:
         self._signal(sid, signal.SIGTERM)
         self._signal(sid, signal.SIGCONT)  # a stopped group must run to act on SIGTERM
         self.log(f"{sid}: SIGTERM to pgid {st.pgid} ({reason})")
-        return f"{sid}: SIGTERM sent to process group {st.pgid}; SIGKILL after {self.specs[sid].kill_grace_s:g}s"
+        return (
+            f"{sid}: SIGTERM sent to process group {st.pgid}; SIGKILL after {self.specs[sid].kill_grace_s:g}s"
+        )
 
     def do_retry(self, sid: str, fresh: bool = False) -> str:
         st = self.status[sid]
         if st.state not in ("failed", "killed", "upstream-failed", "skipped"):
-            raise SupervisorError(f"{sid} is {st.state}: only failed, killed or skipped stages can be retried")
+            raise SupervisorError(
+                f"{sid} is {st.state}: only failed, killed or skipped stages can be retried"
+            )
         if st.state == "upstream-failed":
             raise SupervisorError(f"{sid} is upstream-failed ({st.reason}): retry the failed upstream stage")
         sd = self.sd(sid)
@@ -240,8 +257,13 @@ class Supervisor:
             try:
                 if sid not in self.specs:
                     raise SupervisorError(f"unknown stage {sid!r}")
-                fn = {"pause": self.do_pause, "resume": self.do_resume, "kill": self.do_kill,
-                      "skip": self.do_skip, "force": self.do_force}.get(action)
+                fn = {
+                    "pause": self.do_pause,
+                    "resume": self.do_resume,
+                    "kill": self.do_kill,
+                    "skip": self.do_skip,
+                    "force": self.do_force,
+                }.get(action)
                 if action == "retry":
                     msg = self.do_retry(sid, fresh=bool(req.get("fresh")))
                 elif fn is not None:
@@ -273,8 +295,11 @@ class Supervisor:
             return f"waiting for CPU slots ({cpu}/{self.plan.cpu_slots} in use)"
         busy = gpus & set(spec.gpus)
         if busy:
-            holders = [s for s, st in self.status.items() if st.state in ("running", "paused")
-                       and set(self.specs[s].gpus) & busy]
+            holders = [
+                s
+                for s, st in self.status.items()
+                if st.state in ("running", "paused") and set(self.specs[s].gpus) & busy
+            ]
             return f"waiting for GPUs {sorted(busy)} (held by {', '.join(holders)})"
         if self.forced(spec.id):
             return None
@@ -296,8 +321,12 @@ class Supervisor:
         try:
             child = subprocess.Popen(
                 [self.python, "-m", "pipeline.run.launcher", str(self.run.root), sid, str(attempt)],
-                stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
-                cwd=str(self.run.root), env=env_with_pipeline(),
+                stdin=subprocess.DEVNULL,
+                stdout=logfh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=str(self.run.root),
+                env=env_with_pipeline(),
             )
         finally:
             logfh.close()
@@ -305,8 +334,12 @@ class Supervisor:
         self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
         if self.forced(sid):
             with EventWriter(sd.events) as w:
-                w.emit("message", level="warning", code="forced",
-                       text="started with --force: admission checks (disk budget, GPU guard) overridden")
+                w.emit(
+                    "message",
+                    level="warning",
+                    code="forced",
+                    text="started with --force: admission checks (disk budget, GPU guard) overridden",
+                )
 
     def schedule(self) -> int:
         now = time.time()
@@ -315,7 +348,9 @@ class Supervisor:
         for sid in self.order:
             st = self.status[sid]
             if st.state == "failed" and st.retry_at is not None and now >= st.retry_at:
-                self.log(f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})")
+                self.log(
+                    f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})"
+                )
                 self.do_retry(sid)
                 self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
                 st = self.status[sid]
@@ -344,16 +379,24 @@ class Supervisor:
                 if now - float(flag.get("t", now)) > spec.pause_grace_s and not flag.get("stopped"):
                     self._signal(sid, signal.SIGSTOP)
                     write_json(sd.pause_flag, {**flag, "stopped": now})
-                    self.log(f"{sid}: no safe point within {spec.pause_grace_s:g}s: SIGSTOP to pgid {st.pgid}")
+                    self.log(
+                        f"{sid}: no safe point within {spec.pause_grace_s:g}s: SIGSTOP to pgid {st.pgid}"
+                    )
             killed = sd.record_for(sd.kill_marker, st.attempt)
-            if (killed and st.state in ("running", "paused") and not killed.get("sigkill")
-                    and now - float(killed["t"]) > spec.kill_grace_s):
-                    if self.jobs is not None:
-                        self.log(f"{sid}: still running after {spec.kill_grace_s:g}s: {self.jobs.kill(sid, hard=True)}")
-                    else:
-                        self._signal(sid, signal.SIGKILL)
-                        self.log(f"{sid}: still alive after {spec.kill_grace_s:g}s: SIGKILL to pgid {st.pgid}")
-                    write_json(sd.kill_marker, {**killed, "sigkill": now})
+            if (
+                killed
+                and st.state in ("running", "paused")
+                and not killed.get("sigkill")
+                and now - float(killed["t"]) > spec.kill_grace_s
+            ):
+                if self.jobs is not None:
+                    self.log(
+                        f"{sid}: still running after {spec.kill_grace_s:g}s: {self.jobs.kill(sid, hard=True)}"
+                    )
+                else:
+                    self._signal(sid, signal.SIGKILL)
+                    self.log(f"{sid}: still alive after {spec.kill_grace_s:g}s: SIGKILL to pgid {st.pgid}")
+                write_json(sd.kill_marker, {**killed, "sigkill": now})
             if spec.service and st.state in ("running", "paused") and not killed and self._service_idle(sid):
                 self.do_kill(sid, reason="stop")
                 self.log(f"{sid}: service no longer needed: stopping it")
@@ -370,15 +413,21 @@ class Supervisor:
         """A Slurm stage that reached no safe point within its grace: ``scontrol suspend``, or say why not."""
         sd, spec = self.sd(sid), self.specs[sid]
         flag = read_json(sd.pause_flag) or {}
-        if now - float(flag.get("t", now)) <= spec.pause_grace_s or flag.get("stopped") or flag.get("cannot_freeze"):
+        if (
+            now - float(flag.get("t", now)) <= spec.pause_grace_s
+            or flag.get("stopped")
+            or flag.get("cannot_freeze")
+        ):
             return
         why = self.jobs.freeze(sid) if self.jobs is not None else "not a Slurm stage"
         if why is None:
             write_json(sd.pause_flag, {**flag, "stopped": now})
             self.log(f"{sid}: no safe point within {spec.pause_grace_s:g}s: scontrol suspend")
             return
-        text = (f"cannot freeze this stage: Slurm refused to suspend its job ({why}); it pauses at its next "
-                "safe point, or kill it")
+        text = (
+            f"cannot freeze this stage: Slurm refused to suspend its job ({why}); it pauses at its next "
+            "safe point, or kill it"
+        )
         write_json(sd.pause_flag, {**flag, "cannot_freeze": text})
         with EventWriter(sd.events) as w:
             w.emit("message", level="warning", code="cannot_freeze", attempt=attempt, text=text)
@@ -397,7 +446,9 @@ class Supervisor:
     # ---------------------------------------------------------------------------------- loop
     def snapshot(self) -> dict[str, Any]:
         return {
-            "run": self.plan.name, "run_dir": str(self.run.root), "executor": self.plan.executor.kind,
+            "run": self.plan.name,
+            "run_dir": str(self.run.root),
+            "executor": self.plan.executor.kind,
             "supervisor": {"pid": os.getpid(), "t": time.time()},
             "stages": [asdict(self.status[s]) for s in self.order],
             "done": self.finished(),
@@ -459,7 +510,9 @@ class Supervisor:
                 if now - self._nospace_logged > 60:
                     self._nospace_logged = now
                     with contextlib.suppress(OSError):
-                        self.log(f"cannot write the run directory: {nospace.describe(self.run.root)}; retrying")
+                        self.log(
+                            f"cannot write the run directory: {nospace.describe(self.run.root)}; retrying"
+                        )
                 time.sleep(self.poll_s)
                 continue
             if exit_when_done and self.finished() and not any(True for _ in self.run.pending_requests()):
@@ -475,9 +528,15 @@ def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
     """Start ``python -m pipeline.run.supervisor RUN`` in its own session; returns its pid."""
     run = RunDir(run_root)
     with open(run.supervisor_log, "ab") as logfh:
-        p = subprocess.Popen([python, "-m", "pipeline.run.supervisor", str(run.root)], stdin=subprocess.DEVNULL,
-                             stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=str(run.root), env=env_with_pipeline())
+        p = subprocess.Popen(
+            [python, "-m", "pipeline.run.supervisor", str(run.root)],
+            stdin=subprocess.DEVNULL,
+            stdout=logfh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=str(run.root),
+            env=env_with_pipeline(),
+        )
     return p.pid
 
 

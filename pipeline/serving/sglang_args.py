@@ -34,9 +34,21 @@ from pipeline.run.plan import Plan, PlanError
 BACKENDS = ("sglang", "local")
 MODES = ("plain", "eagle3")
 SERVE_KEYS = {
-    "backend", "model", "host", "port", "tp", "mem_fraction_static", "context_length", "served_model_name",
-    "startup_timeout_s", "health_interval_s", "health_timeout_s", "unhealthy_after", "stop_timeout_s",
-    "extra_args", "dtype",
+    "backend",
+    "model",
+    "host",
+    "port",
+    "tp",
+    "mem_fraction_static",
+    "context_length",
+    "served_model_name",
+    "startup_timeout_s",
+    "health_interval_s",
+    "health_timeout_s",
+    "unhealthy_after",
+    "stop_timeout_s",
+    "extra_args",
+    "dtype",
 }
 
 
@@ -74,8 +86,15 @@ class ServerSettings:
         return f"http://{self.host}:{self.port}"
 
 
-def _get(plan: Plan, table: str, sec: dict[str, Any], key: str, types: type | tuple[type, ...], what: str,
-         default: Any) -> Any:
+def _get(
+    plan: Plan,
+    table: str,
+    sec: dict[str, Any],
+    key: str,
+    types: type | tuple[type, ...],
+    what: str,
+    default: Any,
+) -> Any:
     if key not in sec:
         return default
     v = sec[key]
@@ -90,8 +109,9 @@ def _positive(plan: Plan, key: str, v: float | int | None, allow_zero: bool = Fa
         raise PlanError(plan.path, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
 
 
-def settings_from_plan(plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = (),
-                       draft: str | None = None, cpu: int = 1) -> ServerSettings:
+def settings_from_plan(
+    plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = (), draft: str | None = None, cpu: int = 1
+) -> ServerSettings:
     """Read ``[serve]`` (and ``[deploy]`` for ``mode="eagle3"``) into :class:`ServerSettings`."""
     if mode not in MODES:
         raise PlanError(plan.path, "serve", f"unknown mode {mode!r} (known: {', '.join(MODES)})")
@@ -111,7 +131,9 @@ def settings_from_plan(plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = 
     tp = _get(plan, "serve", sec, "tp", int, "an integer", max(1, len(gpus)))
     _positive(plan, "serve.tp", tp)
     if gpus and tp > len(gpus):
-        raise PlanError(plan.path, "serve.tp", f"tp {tp} needs {tp} GPUs but the stage has {len(gpus)}: {list(gpus)}")
+        raise PlanError(
+            plan.path, "serve.tp", f"tp {tp} needs {tp} GPUs but the stage has {len(gpus)}: {list(gpus)}"
+        )
     mem = _get(plan, "serve", sec, "mem_fraction_static", (int, float), "a fraction", None)
     if mem is not None and not 0 < mem < 1:
         raise PlanError(plan.path, "serve.mem_fraction_static", f"must be between 0 and 1, got {mem!r}")
@@ -123,9 +145,13 @@ def settings_from_plan(plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = 
             raise PlanError(plan.path, f"serve.extra_args[{i}]", f"expected a string, got {a!r}")
     num = (int, float)
     s = ServerSettings(
-        backend=backend, model=model,
-        host=_get(plan, "serve", sec, "host", str, "a string", "127.0.0.1"), port=port, tp=tp,
-        mem_fraction_static=float(mem) if mem is not None else None, context_length=ctx_len,
+        backend=backend,
+        model=model,
+        host=_get(plan, "serve", sec, "host", str, "a string", "127.0.0.1"),
+        port=port,
+        tp=tp,
+        mem_fraction_static=float(mem) if mem is not None else None,
+        context_length=ctx_len,
         served_model_name=_get(plan, "serve", sec, "served_model_name", str, "a string", None),
         dtype=_get(plan, "serve", sec, "dtype", str, "a string", None),
         startup_timeout_s=float(_get(plan, "serve", sec, "startup_timeout_s", num, "seconds", 1800.0)),
@@ -133,9 +159,17 @@ def settings_from_plan(plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = 
         health_timeout_s=float(_get(plan, "serve", sec, "health_timeout_s", num, "seconds", 5.0)),
         unhealthy_after=_get(plan, "serve", sec, "unhealthy_after", int, "an integer", 3),
         stop_timeout_s=float(_get(plan, "serve", sec, "stop_timeout_s", num, "seconds", 8.0)),
-        extra_args=tuple(extra), gpus=tuple(gpus), cpu_threads=max(1, cpu),
+        extra_args=tuple(extra),
+        gpus=tuple(gpus),
+        cpu_threads=max(1, cpu),
     )
-    for k in ("startup_timeout_s", "health_interval_s", "health_timeout_s", "unhealthy_after", "stop_timeout_s"):
+    for k in (
+        "startup_timeout_s",
+        "health_interval_s",
+        "health_timeout_s",
+        "unhealthy_after",
+        "stop_timeout_s",
+    ):
         _positive(plan, f"serve.{k}", getattr(s, k))
     if mode == "eagle3":
         s = _with_speculative(plan, s, draft)
@@ -150,20 +184,38 @@ def _with_speculative(plan: Plan, s: ServerSettings, draft: str | None) -> Serve
     if not Path(path).expanduser().is_absolute():
         path = str(plan.path.parent.absolute() / path)
     vals = {}
-    for key, default in (("speculative_num_steps", 3), ("speculative_eagle_topk", 1),
-                         ("speculative_num_draft_tokens", 4)):
+    for key, default in (
+        ("speculative_num_steps", 3),
+        ("speculative_eagle_topk", 1),
+        ("speculative_num_draft_tokens", 4),
+    ):
         vals[key] = _get(plan, "deploy", dep, key, int, "an integer", default)
         _positive(plan, f"deploy.{key}", vals[key])
-    spec = Speculative(path, vals["speculative_num_steps"], vals["speculative_eagle_topk"],
-                       vals["speculative_num_draft_tokens"])
+    spec = Speculative(
+        path,
+        vals["speculative_num_steps"],
+        vals["speculative_eagle_topk"],
+        vals["speculative_num_draft_tokens"],
+    )
     port = _get(plan, "deploy", dep, "port", int, "an integer port", s.port)
     return replace(s, speculative=spec, port=port)
 
 
 def sglang_argv(s: ServerSettings, python: str = "python3") -> list[str]:
     """``python -m sglang.launch_server …`` for these settings (``port`` must be concrete)."""
-    argv = [python, "-m", "sglang.launch_server", "--model-path", s.model, "--tp", str(s.tp),
-            "--host", s.host, "--port", str(s.port)]
+    argv = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        s.model,
+        "--tp",
+        str(s.tp),
+        "--host",
+        s.host,
+        "--port",
+        str(s.port),
+    ]
     if s.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", f"{s.mem_fraction_static:g}"]
     if s.context_length is not None:
@@ -174,7 +226,16 @@ def sglang_argv(s: ServerSettings, python: str = "python3") -> list[str]:
         argv += ["--dtype", s.dtype]
     if s.speculative is not None:
         sp = s.speculative
-        argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", sp.draft_model_path,
-                 "--speculative-num-steps", str(sp.num_steps), "--speculative-eagle-topk", str(sp.eagle_topk),
-                 "--speculative-num-draft-tokens", str(sp.num_draft_tokens)]
+        argv += [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            sp.draft_model_path,
+            "--speculative-num-steps",
+            str(sp.num_steps),
+            "--speculative-eagle-topk",
+            str(sp.eagle_topk),
+            "--speculative-num-draft-tokens",
+            str(sp.num_draft_tokens),
+        ]
     return argv + list(s.extra_args)

@@ -57,9 +57,18 @@ METRIC_KEYS: dict[str, str] = {
 }
 # Units shown next to each metric (the console's labels).
 METRIC_UNITS = {
-    "gen_throughput": "tok/s", "input_throughput": "tok/s", "running_req": "req", "queue_req": "req",
-    "token_usage": "fraction", "kv_tokens": "tokens", "accept_len": "tokens", "accept_rate": "fraction",
-    "new_seq": "seq", "new_token": "tokens", "cached_token": "tokens", "cache_hit_rate": "fraction",
+    "gen_throughput": "tok/s",
+    "input_throughput": "tok/s",
+    "running_req": "req",
+    "queue_req": "req",
+    "token_usage": "fraction",
+    "kv_tokens": "tokens",
+    "accept_len": "tokens",
+    "accept_rate": "fraction",
+    "new_seq": "seq",
+    "new_token": "tokens",
+    "cached_token": "tokens",
+    "cache_hit_rate": "fraction",
     "pending_token": "tokens",
 }
 
@@ -141,15 +150,19 @@ def parse_line(line: str | bytes) -> LogRecord | None:
         m = _BATCH.search(line)
         if m:
             stamp, rank = _prefix(line)
-            fields = _fields(line[m.end():])
+            fields = _fields(line[m.end() :])
             if not fields:
                 return None
             return LogRecord(m.group("kind").lower(), fields, rank, stamp)
         a = _ACCESS.search(line)
         if a:
             stamp, rank = _prefix(line)
-            return LogRecord("access", {"method": a.group("method"), "path": a.group("path"),
-                                        "status": int(a.group("status"))}, rank, stamp)
+            return LogRecord(
+                "access",
+                {"method": a.group("method"), "path": a.group("path"), "status": int(a.group("status"))},
+                rank,
+                stamp,
+            )
         for marker in _READY:
             if marker in line:
                 stamp, rank = _prefix(line)
@@ -177,7 +190,9 @@ class ServerStats:
         if rec is None:
             return
         if rec.kind == "access":
-            if "/completions" in str(rec.fields.get("path", "")) or "/generate" in str(rec.fields.get("path", "")):
+            if "/completions" in str(rec.fields.get("path", "")) or "/generate" in str(
+                rec.fields.get("path", "")
+            ):
                 self.requests += 1
                 if int(rec.fields.get("status", 0)) >= 500:
                     self.errors += 1

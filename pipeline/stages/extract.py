@@ -67,8 +67,14 @@ def pick_device(sec: dict[str, Any]) -> tuple[str, torch.dtype]:
     dev = sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = torch.cuda.is_available() if dev == "auto" else torch.device(dev).type == "cuda"
     name = sec.get("dtype") or ("bfloat16" if on_gpu else "float32")
-    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-              "float16": torch.float16, "fp16": torch.float16}
+    dtypes = {
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in dtypes:
         raise ValueError(f"dtype {name!r} not supported (use one of {', '.join(dtypes)})")
     return dev, dtypes[name]
@@ -124,8 +130,11 @@ def eval_split(inputs: list[Path], holdout: float, vocab_size: int, max_length: 
     stage can measure acceptance on rows it never trains on (the bench stage's prompts come from the same split)."""
     if n <= 0 or holdout <= 0:
         return []
-    held = [r for r in iter_rows(inputs, holdout, "heldout", vocab_size, max_length)
-            if r.num_tokens >= 2 and r.loss_mask.any()]
+    held = [
+        r
+        for r in iter_rows(inputs, holdout, "heldout", vocab_size, max_length)
+        if r.num_tokens >= 2 and r.loss_mask.any()
+    ]
     return training_order(held)[:n]
 
 
@@ -156,15 +165,25 @@ def capture_batch(target: Any, batch: list[Row]) -> tuple[Any, torch.Tensor]:
 def stage_batch(stager: HostStager, target: Any, batch: list[Row]) -> HostBatch:
     """Capture one batch and start its rows' copy to the host (asynchronous on CUDA)."""
     cap, am = capture_batch(target, batch)
-    return stager.stage(cap.aux, cap.last_hidden, am, [r.num_tokens for r in batch],
-                        np.concatenate([r.input_ids for r in batch]), np.concatenate([r.loss_mask for r in batch]))
+    return stager.stage(
+        cap.aux,
+        cap.last_hidden,
+        am,
+        [r.num_tokens for r in batch],
+        np.concatenate([r.input_ids for r in batch]),
+        np.concatenate([r.loss_mask for r in batch]),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.extract", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.stages.extract", description=__doc__.splitlines()[0]
+    )
     add_common_args(ap)
-    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
+    ap.add_argument(
+        "--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)"
+    )
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
     dist = Dist()
@@ -193,7 +212,10 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     if not model_id:
         fail(ctx, f"{plan.path}: target.model is not set")
     if not inputs:
-        fail(ctx, "no inputs: extraction needs the out dirs of the prep/regen stages (after = [...] in the plan)")
+        fail(
+            ctx,
+            "no inputs: extraction needs the out dirs of the prep/regen stages (after = [...] in the plan)",
+        )
     tcfg = target_config(model_id)
     num_layers, hidden = int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
     aux = aux_layers_from(sec, num_layers, str(plan.path))
@@ -213,30 +235,52 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
             n += r.num_tokens
         rows = kept
     if not rows:
-        fail(ctx, f"no training rows in the inputs ({', '.join(map(str, inputs))}): every row is held out, empty or "
-                  "has no assistant tokens")
+        fail(
+            ctx,
+            f"no training rows in the inputs ({', '.join(map(str, inputs))}): every row is held out, empty or "
+            "has no assistant tokens",
+        )
     total_tokens = sum(r.num_tokens for r in rows) + sum(r.num_tokens for r in eval_rows)
     per_token = hs.bytes_per_token(hidden, len(aux))
     sources = [str(Path(p).absolute()) for p in inputs]
-    base_manifest = {"kind": hs.KIND, "format": hs.FORMAT, "mode": mode, "target": model_id, "hidden_size": hidden,
-                     "num_layers": num_layers, "aux_layer_ids": aux, "sglang_layers_to_capture": sglang_capture_ids(aux),
-                     "dtype": "bfloat16", "sources": sources,
-                     "holdout": holdout, "max_length": max_length, "rows": len(rows),
-                     "tokens": total_tokens - sum(r.num_tokens for r in eval_rows), "eval_rows": len(eval_rows),
-                     "eval_tokens": sum(r.num_tokens for r in eval_rows)}
+    base_manifest = {
+        "kind": hs.KIND,
+        "format": hs.FORMAT,
+        "mode": mode,
+        "target": model_id,
+        "hidden_size": hidden,
+        "num_layers": num_layers,
+        "aux_layer_ids": aux,
+        "sglang_layers_to_capture": sglang_capture_ids(aux),
+        "dtype": "bfloat16",
+        "sources": sources,
+        "holdout": holdout,
+        "max_length": max_length,
+        "rows": len(rows),
+        "tokens": total_tokens - sum(r.num_tokens for r in eval_rows),
+        "eval_rows": len(eval_rows),
+        "eval_tokens": sum(r.num_tokens for r in eval_rows),
+    }
     writer = dist is None or dist.main  # tensor-parallel: rank 0 alone writes
     if sec.get("aux_layers") is not None and list(sec["aux_layers"]) != aux:
-        ctx.message(f"extract.aux_layers {sec['aux_layers']} used as {aux}: SGLang captures layers in ascending "
-                    "order, each once", level="warning")
+        ctx.message(
+            f"extract.aux_layers {sec['aux_layers']} used as {aux}: SGLang captures layers in ascending "
+            "order, each once",
+            level="warning",
+        )
     if mode == "online":
         if not writer:
             return 0
         ctx.metric("projected_bytes", 0)
-        write_json(ctx.out / "manifest.json", {**base_manifest, "bytes": 0, "shards": [],
-                                               "row_ids": [r.id for r in training_order(rows)]})
+        write_json(
+            ctx.out / "manifest.json",
+            {**base_manifest, "bytes": 0, "shards": [], "row_ids": [r.id for r in training_order(rows)]},
+        )
         ctx.metric("actual_bytes", 0)
-        ctx.message(f"online mode: nothing stored; training runs the target over {total_tokens:,} tokens "
-                    f"(offline would store {total_tokens * per_token / 1e9:.2f} GB)")
+        ctx.message(
+            f"online mode: nothing stored; training runs the target over {total_tokens:,} tokens "
+            f"(offline would store {total_tokens * per_token / 1e9:.2f} GB)"
+        )
         ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
         return 0
 
@@ -247,7 +291,10 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     state_path = ctx.out / STATE_FILE
     state = read_json(state_path) or {}
     if state.get("fingerprint") not in (None, fp):
-        fail(ctx, f"{state_path}: the inputs or settings changed since the partial extraction; retry with --fresh")
+        fail(
+            ctx,
+            f"{state_path}: the inputs or settings changed since the partial extraction; retry with --fresh",
+        )
     done: dict[str, dict] = state.get("done", {})
     # A shard is done only if recorded *and* present (a stray file without a record is redone).
     done = {k: v for k, v in done.items() if (ctx.out / k).is_file()}
@@ -258,10 +305,12 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
         ctx.message(f"already extracted: {len(jobs)} shards, {total_tokens:,} tokens")
         return 0
-    ctx.message(f"extracting {len(rows):,} rows (+ {len(eval_rows)} held out, for acceptance while training) / "
-                f"{total_tokens:,} tokens into {len(jobs)} shards; "
-                f"aux layers {aux}; projected {projected / 1e9:.3f} GB"
-                + (f"; resuming with {len(done)} shards done" if done else ""))
+    ctx.message(
+        f"extracting {len(rows):,} rows (+ {len(eval_rows)} held out, for acceptance while training) / "
+        f"{total_tokens:,} tokens into {len(jobs)} shards; "
+        f"aux layers {aux}; projected {projected / 1e9:.3f} GB"
+        + (f"; resuming with {len(done)} shards done" if done else "")
+    )
     device, dtype = pick_device(sec)
     if dist is not None:
         dev = tp_device(dist, sec.get("device"))
@@ -292,8 +341,13 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     sink = stager = None
     if writer:
         stager = HostStager(target.device, slots=int(sec.get("write_queue", 2)) + 2)
-        sink = ShardSink(ctx.out, len(aux) * hidden, hidden, queue_batches=int(sec.get("write_queue", 2)),
-                         io_threads=int(sec.get("io_threads", 4)))
+        sink = ShardSink(
+            ctx.out,
+            len(aux) * hidden,
+            hidden,
+            queue_batches=int(sec.get("write_queue", 2)),
+            io_threads=int(sec.get("io_threads", 4)),
+        )
     try:
         for si, (name, shard_rows) in enumerate(jobs):
             if name in done:
@@ -332,15 +386,20 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         raise
     if not writer:
         return 0
-    manifest = {**base_manifest, "bytes": actual,
-                "shards": [{"file": name, **done[name]} for name, _ in jobs if not hs.is_eval_shard(name)],
-                "eval_shards": [{"file": name, **done[name]} for name, _ in jobs if hs.is_eval_shard(name)]}
+    manifest = {
+        **base_manifest,
+        "bytes": actual,
+        "shards": [{"file": name, **done[name]} for name, _ in jobs if not hs.is_eval_shard(name)],
+        "eval_shards": [{"file": name, **done[name]} for name, _ in jobs if hs.is_eval_shard(name)],
+    }
     write_json(ctx.out / "manifest.json", manifest)
     elapsed = time.monotonic() - t_start
     if tokens_done > tok_start:
         ctx.metric("tokens_per_s", (tokens_done - tok_start) / max(elapsed, 1e-9), overall=True)
     ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
-    ctx.message(f"extracted {total_tokens:,} tokens: {actual / 1e6:.1f} MB actual vs {projected / 1e6:.1f} MB projected")
+    ctx.message(
+        f"extracted {total_tokens:,} tokens: {actual / 1e6:.1f} MB actual vs {projected / 1e6:.1f} MB projected"
+    )
     return 0
 
 

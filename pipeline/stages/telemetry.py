@@ -98,9 +98,13 @@ class HostReader:
         except OSError:
             load1 = None
         return {
-            "cpu_pct": pct, "ncpu": self.ncpu, "load1": load1,
-            "mem_total": mem.get("MemTotal"), "mem_available": mem.get("MemAvailable"),
-            "swap_total": mem.get("SwapTotal"), "swap_free": mem.get("SwapFree"),
+            "cpu_pct": pct,
+            "ncpu": self.ncpu,
+            "load1": load1,
+            "mem_total": mem.get("MemTotal"),
+            "mem_available": mem.get("MemAvailable"),
+            "swap_total": mem.get("SwapTotal"),
+            "swap_free": mem.get("SwapFree"),
             "agent_cpu_s": round(time.process_time(), 6),
         }
 
@@ -149,10 +153,17 @@ class CappedLog:
 class Agent:
     """Takes samples; knows nothing about the loop or signals (so benchmarks can drive it)."""
 
-    def __init__(self, source: GpuSource, out: Path, run: RunDir | None = None, plan: Plan | None = None,
-                 interval_s: float = DEFAULT_INTERVAL_S, max_bytes: int = int(DEFAULT_MAX_MB * 2**20),
-                 projection_every_s: float = DEFAULT_PROJECTION_EVERY_S,
-                 message: Callable[..., None] | None = None) -> None:
+    def __init__(
+        self,
+        source: GpuSource,
+        out: Path,
+        run: RunDir | None = None,
+        plan: Plan | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        max_bytes: int = int(DEFAULT_MAX_MB * 2**20),
+        projection_every_s: float = DEFAULT_PROJECTION_EVERY_S,
+        message: Callable[..., None] | None = None,
+    ) -> None:
         self.source = source
         self.run = run
         self.plan = plan
@@ -175,17 +186,28 @@ class Agent:
         return bool(self.plan and self.plan.gpus)
 
     def meta(self) -> dict[str, Any]:
-        return {"kind": "meta", "v": SCHEMA_VERSION, "t": round(time.time(), 3), "host": socket.gethostname(),
-                "pid": os.getpid(), "interval_s": self.interval_s, "run_dir": str(self.disk_path),
-                "gpus_expected": self.gpus_expected, "nvml": self.nvml}
+        return {
+            "kind": "meta",
+            "v": SCHEMA_VERSION,
+            "t": round(time.time(), 3),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "interval_s": self.interval_s,
+            "run_dir": str(self.disk_path),
+            "gpus_expected": self.gpus_expected,
+            "nvml": self.nvml,
+        }
 
     def _start_source(self) -> None:
         try:
             info = self.source.open()
             self.nvml = {"ok": True, **info}
             self._gpu_ok = True
-            self.message(f"GPU telemetry from {info.get('source', 'nvml')}: {info.get('count', 0)} GPU(s), "
-                         f"driver {info.get('driver')}", code="gpu-telemetry")
+            self.message(
+                f"GPU telemetry from {info.get('source', 'nvml')}: {info.get('count', 0)} GPU(s), "
+                f"driver {info.get('driver')}",
+                code="gpu-telemetry",
+            )
         except GpuUnavailable as exc:
             self.nvml = {"ok": False, "error": str(exc)}
             level = "warning" if self.gpus_expected else "info"
@@ -246,8 +268,15 @@ class Agent:
                 reserve = budget.reserve_bytes(self.plan)
             except budget.BudgetError:
                 reserve = None
-        return {"path": str(self.disk_path), "total": total, "used": used, "avail": avail, "rate_bps": rate,
-                "reserve": reserve, "projected_remaining": self._projected_remaining(now)}
+        return {
+            "path": str(self.disk_path),
+            "total": total,
+            "used": used,
+            "avail": avail,
+            "rate_bps": rate,
+            "reserve": reserve,
+            "projected_remaining": self._projected_remaining(now),
+        }
 
     def sample(self) -> list[dict[str, Any]]:
         """Take one sample and append it; returns the records written."""
@@ -279,8 +308,11 @@ def settings(plan: Plan | None) -> tuple[float, float, float]:
     """(interval_s, max_mb, projection_every_s) from ``[telemetry]``, validated."""
     sec = plan.section("telemetry") if plan else {}
     out = []
-    for key, default in (("interval_s", DEFAULT_INTERVAL_S), ("max_mb", DEFAULT_MAX_MB),
-                         ("projection_every_s", DEFAULT_PROJECTION_EVERY_S)):
+    for key, default in (
+        ("interval_s", DEFAULT_INTERVAL_S),
+        ("max_mb", DEFAULT_MAX_MB),
+        ("projection_every_s", DEFAULT_PROJECTION_EVERY_S),
+    ):
         v = sec.get(key, default)
         if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
             assert plan is not None
@@ -289,8 +321,10 @@ def settings(plan: Plan | None) -> tuple[float, float, float]:
     unknown = set(sec) - {"interval_s", "max_mb", "projection_every_s"}
     if unknown:
         assert plan is not None
-        raise ValueError(f"{plan.path}: telemetry.{sorted(unknown)[0]}: unknown key "
-                         "(known: interval_s, max_mb, projection_every_s)")
+        raise ValueError(
+            f"{plan.path}: telemetry.{sorted(unknown)[0]}: unknown key "
+            "(known: interval_s, max_mb, projection_every_s)"
+        )
     return out[0], out[1], out[2]
 
 
@@ -323,9 +357,13 @@ def run_loop(agent: Agent, ctx: StageContext | None, samples: int | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.stages.telemetry", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.stages.telemetry", description=__doc__.split("\n")[0]
+    )
     add_common_args(ap)
-    ap.add_argument("--interval", type=float, default=None, help="seconds between samples (overrides the plan)")
+    ap.add_argument(
+        "--interval", type=float, default=None, help="seconds between samples (overrides the plan)"
+    )
     ap.add_argument("--samples", type=int, default=None, help="stop after N samples (default: until SIGTERM)")
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
@@ -339,8 +377,16 @@ def main(argv: list[str] | None = None) -> int:
             fail(ctx, f"--interval must be positive, got {args.interval}", code=2)
         interval = args.interval
     run = RunDir(ctx.run_dir) if ctx.run_dir else None
-    agent = Agent(NvmlSource(), ctx.out, run=run, plan=plan, interval_s=interval,
-                  max_bytes=int(max_mb * 2**20), projection_every_s=proj_every, message=ctx.message)
+    agent = Agent(
+        NvmlSource(),
+        ctx.out,
+        run=run,
+        plan=plan,
+        interval_s=interval,
+        max_bytes=int(max_mb * 2**20),
+        projection_every_s=proj_every,
+        message=ctx.message,
+    )
     try:
         why = run_loop(agent, ctx, samples=args.samples)
     finally:

@@ -24,8 +24,13 @@ from pipeline.run.runtime import StageContext, add_common_args, fail
 DEFAULT_SIZE = 32000
 
 
-def count_tokens(inputs: list[Path], holdout: float, vocab_size: int, max_length: int | None,
-                 ctx: StageContext | None = None) -> tuple[np.ndarray, int]:
+def count_tokens(
+    inputs: list[Path],
+    holdout: float,
+    vocab_size: int,
+    max_length: int | None,
+    ctx: StageContext | None = None,
+) -> tuple[np.ndarray, int]:
     counts = np.zeros(vocab_size, dtype=np.int64)
     rows = 0
     for row in iter_rows(inputs, holdout, "train", vocab_size, max_length):
@@ -41,7 +46,9 @@ def count_tokens(inputs: list[Path], holdout: float, vocab_size: int, max_length
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.vocab", description=__doc__.splitlines()[0])
     add_common_args(ap)
-    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
+    ap.add_argument(
+        "--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)"
+    )
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
     from pipeline.eagle3.target_capture import target_config
@@ -57,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             fail(ctx, f"{plan.path}: vocab.draft_vocab_size: expected a positive integer, got {size!r}")
         if size > vocab_size:
-            ctx.message(f"draft_vocab_size {size} exceeds the target vocabulary; using {vocab_size}", level="warning")
+            ctx.message(
+                f"draft_vocab_size {size} exceeds the target vocabulary; using {vocab_size}", level="warning"
+            )
             size = vocab_size
-        counts, rows = count_tokens(inputs, holdout_fraction(plan), vocab_size, plan.target.get("max_length"), ctx)
+        counts, rows = count_tokens(
+            inputs, holdout_fraction(plan), vocab_size, plan.target.get("max_length"), ctx
+        )
     except (ShardError, draft_vocab.VocabError) as exc:
         fail(ctx, str(exc))
     total = int(counts.sum())
@@ -67,12 +78,22 @@ def main(argv: list[str] | None = None) -> int:
         fail(ctx, f"no assistant tokens in {rows} training rows: cannot build a draft vocabulary")
     vm = draft_vocab.build(counts, size)
     cov = vm.coverage()
-    draft_vocab.save(vm, ctx.out, extra={"rows": rows, "tokens": total, "distinct_tokens": int((counts > 0).sum()),
-                                         "target": plan.target["model"]})
+    draft_vocab.save(
+        vm,
+        ctx.out,
+        extra={
+            "rows": rows,
+            "tokens": total,
+            "distinct_tokens": int((counts > 0).sum()),
+            "target": plan.target["model"],
+        },
+    )
     ctx.progress(rows, rows, unit="rows", force=True)
     ctx.metric("vocab_coverage", cov, draft_vocab_size=size)
-    ctx.message(f"draft vocabulary: {size:,} of {vocab_size:,} ids cover {cov:.2%} of {total:,} assistant tokens "
-                f"({int((counts > 0).sum()):,} distinct)")
+    ctx.message(
+        f"draft vocabulary: {size:,} of {vocab_size:,} ids cover {cov:.2%} of {total:,} assistant tokens "
+        f"({int((counts > 0).sum()):,} distinct)"
+    )
     return 0
 
 

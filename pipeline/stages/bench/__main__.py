@@ -38,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.bench", description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--mode", choices=MODES, default=None, help="default: [bench] mode, else offline")
-    ap.add_argument("--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)")
+    ap.add_argument(
+        "--input", action="append", default=[], help="an upstream out dir (default: the stage's inputs)"
+    )
     ap.add_argument("--label", default=None, help="online: the name of this run (plain, eagle3)")
     ap.add_argument("--baseline", default=None, help="online: an earlier online bench stage to compare with")
-    ap.add_argument("--url", default=None, help="online: the server's base URL (default: the used serve stage's)")
+    ap.add_argument(
+        "--url", default=None, help="online: the server's base URL (default: the used serve stage's)"
+    )
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
     mode = args.mode or ctx.plan.section("bench").get("mode", "offline")

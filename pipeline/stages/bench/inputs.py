@@ -12,8 +12,10 @@ def find_draft(inputs: list[Path]) -> tuple[dict, Path]:
         for mpath, man in find_manifests(d):
             if man.get("kind") == "draft":
                 return man, mpath.parent
-    raise ValueError(f"no trained draft among the inputs ({', '.join(map(str, inputs)) or 'none'}): "
-                     "put the train stage in 'after'")
+    raise ValueError(
+        f"no trained draft among the inputs ({', '.join(map(str, inputs)) or 'none'}): "
+        "put the train stage in 'after'"
+    )
 
 
 def heldout_prompts(man: dict, n: int, vocab_size: int) -> list[tuple[str, list[int]]]:

@@ -21,7 +21,10 @@ def eos_ids(model_id: str, target: Any) -> set[int]:
 
     try:
         facts = turn_tokens(model_id)
-    except (OSError, ValueError):  # a weights-only folder (no tokenizer files): the loaded model's generation config
+    except (
+        OSError,
+        ValueError,
+    ):  # a weights-only folder (no tokenizer files): the loaded model's generation config
         gen = getattr(target.model, "generation_config", None)
         ids = token_facts.id_list(getattr(gen, "eos_token_id", None))
         if not ids:
@@ -45,7 +48,10 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     max_new = int(sec.get("max_new_tokens", 64))
     n_prompts = int(sec.get("prompts", 16))
     if steps < 1 or max_new < 2 or n_prompts < 1:
-        fail(ctx, f"{plan.path}: bench.steps >= 1, bench.max_new_tokens >= 2 and bench.prompts >= 1 are required")
+        fail(
+            ctx,
+            f"{plan.path}: bench.steps >= 1, bench.max_new_tokens >= 2 and bench.prompts >= 1 are required",
+        )
     if dist is not None:
         dev = tp_device(dist, sec.get("device"))
         if dev.type == "cpu":
@@ -62,13 +68,16 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     prompts = heldout_prompts(man, n_prompts, vocab)
     if not prompts:
         fail(ctx, "no held-out prompts: every row was used for training; raise [bench] holdout")
-    draft = load_draft(train_dir / man.get("path", "draft"), embed=target.embed_weight.detach().float(),
-                       dtype=dtype).to(dev)
+    draft = load_draft(
+        train_dir / man.get("path", "draft"), embed=target.embed_weight.detach().float(), dtype=dtype
+    ).to(dev)
     drafter = Eagle3Drafter(draft)
     eos = eos_ids(model_id, target)
     check = bool(sec.get("check_lossless", False))
-    ctx.message(f"speculative decoding of {len(prompts)} held-out prompts, {steps} draft tokens per verify step, "
-                f"up to {max_new} new tokens")
+    ctx.message(
+        f"speculative decoding of {len(prompts)} held-out prompts, {steps} draft tokens per verify step, "
+        f"up to {max_new} new tokens"
+    )
     per_prompt = []
     accepted: list[int] = []
     t0 = time.monotonic()
@@ -83,9 +92,13 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         if check:
             ref = greedy_generate(target, prompt, max_new, eos)
             if ref != res.tokens:
-                where = next(p for p, (a, b) in enumerate(zip([*ref, -1], [*res.tokens, -1], strict=False)) if a != b)
-                text = (f"prompt {rid}: speculative output differs from greedy decoding from token {where} on: "
-                        f"{res.tokens[where:where + 8]} vs {ref[where:where + 8]}")
+                where = next(
+                    p for p, (a, b) in enumerate(zip([*ref, -1], [*res.tokens, -1], strict=False)) if a != b
+                )
+                text = (
+                    f"prompt {rid}: speculative output differs from greedy decoding from token {where} on: "
+                    f"{res.tokens[where : where + 8]} vs {ref[where : where + 8]}"
+                )
                 if dtype == torch.float32:
                     fail(ctx, text + " (a bug: in fp32 they are identical)")
                 # bf16 kernels of different shapes (k+1 tokens vs 1) can flip a near-tie of the argmax
@@ -93,8 +106,16 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
                 ctx.message(text + " (bf16 near-tie)", level="warning")
         accepted.extend(res.accepted)
         gen_tokens += len(res.tokens)
-        per_prompt.append({"id": rid, "prompt_tokens": len(prompt), "new_tokens": len(res.tokens),
-                           "verify_steps": res.steps, "accept_len": res.accept_len, "accepted": res.accepted})
+        per_prompt.append(
+            {
+                "id": rid,
+                "prompt_tokens": len(prompt),
+                "new_tokens": len(res.tokens),
+                "verify_steps": res.steps,
+                "accept_len": res.accept_len,
+                "accepted": res.accepted,
+            }
+        )
         ctx.progress(i + 1, len(prompts), unit="prompts")
     elapsed = time.monotonic() - t0
     if dist is not None and not dist.main:
@@ -104,18 +125,29 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     accept_len = sum(accepted) / len(accepted) + 1
     accept_rate = sum(accepted) / (steps * len(accepted))
     hist = [accepted.count(n) for n in range(steps + 1)]
-    summary = {"kind": "bench", "mode": "offline", "accept_len": accept_len, "accept_rate": accept_rate,
-               "max_accept_len": steps + 1, "steps": steps, "prompts": len(prompts), "verify_steps": len(accepted),
-               "new_tokens": gen_tokens, "accepted_histogram": hist, "elapsed_s": elapsed,
-               "draft": str(train_dir / man.get("path", "draft")), "lossless_checked": check,
-               "lossless_mismatches": mismatches if check else None}
+    summary = {
+        "kind": "bench",
+        "mode": "offline",
+        "accept_len": accept_len,
+        "accept_rate": accept_rate,
+        "max_accept_len": steps + 1,
+        "steps": steps,
+        "prompts": len(prompts),
+        "verify_steps": len(accepted),
+        "new_tokens": gen_tokens,
+        "accepted_histogram": hist,
+        "elapsed_s": elapsed,
+        "draft": str(train_dir / man.get("path", "draft")),
+        "lossless_checked": check,
+        "lossless_mismatches": mismatches if check else None,
+    }
     write_json(ctx.out / "results.json", {**summary, "per_prompt": per_prompt})
     write_json(ctx.out / "manifest.json", summary)
     ctx.metric("accept_rate", accept_rate)
     ctx.metric("verify_steps", len(accepted))
     ctx.metric("accept_len", accept_len, max=steps + 1)
-    ctx.message(f"accept length {accept_len:.2f} of at most {steps + 1} ({accept_rate:.1%} of draft tokens accepted) "
-                f"over {len(accepted)} verify steps; histogram of accepted drafts 0..{steps}: {hist}")
+    ctx.message(
+        f"accept length {accept_len:.2f} of at most {steps + 1} ({accept_rate:.1%} of draft tokens accepted) "
+        f"over {len(accepted)} verify steps; histogram of accepted drafts 0..{steps}: {hist}"
+    )
     return 0
-
-

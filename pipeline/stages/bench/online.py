@@ -39,7 +39,7 @@ def endpoint_url(ctx: StageContext, explicit: str | None) -> str:
         raise ValueError("not under the supervisor: pass --url http://HOST:PORT")
     spec = ctx.plan.stage(ctx.stage_id)
     if not spec.uses:
-        raise ValueError(f"{ctx.plan.path}: stage {ctx.stage_id!r} uses no serve stage (uses = [\"serve-…\"])")
+        raise ValueError(f'{ctx.plan.path}: stage {ctx.stage_id!r} uses no serve stage (uses = ["serve-…"])')
     for sid in spec.uses:
         ep = RunDir(ctx.run_dir).stage(sid).out / "endpoint.json"
         try:
@@ -53,12 +53,16 @@ def endpoint_url(ctx: StageContext, explicit: str | None) -> str:
 
 def generate_request(input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
     """The body of one SGLang ``/generate`` call: token ids in, greedy, a fixed length budget."""
-    return {"input_ids": list(input_ids),
-            "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0}}
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": int(max_new_tokens), "temperature": 0.0},
+    }
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310 - the plan's own server
         return json.loads(r.read())
 
@@ -66,10 +70,17 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any
 def summarize(label: str, metas: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
     completion = sum(int(m.get("completion_tokens", 0)) for m in metas)
     verify = sum(int(m.get("spec_verify_ct", 0) or 0) for m in metas)
-    return {"kind": "bench", "mode": "online", "label": label, "requests": len(metas),
-            "completion_tokens": completion, "elapsed_s": elapsed_s,
-            "output_tok_s": completion / elapsed_s if elapsed_s > 0 else 0.0,
-            "accept_len": (completion / verify) if verify else None, "spec_verify_ct": verify}
+    return {
+        "kind": "bench",
+        "mode": "online",
+        "label": label,
+        "requests": len(metas),
+        "completion_tokens": completion,
+        "elapsed_s": elapsed_s,
+        "output_tok_s": completion / elapsed_s if elapsed_s > 0 else 0.0,
+        "accept_len": (completion / verify) if verify else None,
+        "spec_verify_ct": verify,
+    }
 
 
 def prompts_for(ctx: StageContext, inputs: list[Path], n: int) -> list[list[int]]:
@@ -101,14 +112,25 @@ def baseline_results(ctx: StageContext, inputs: list[Path], stage: str) -> dict[
     raise ValueError(f"baseline {stage!r}: no results.json (is it in 'after' and finished?)")
 
 
-def _drive(ctx: StageContext, url: str, prompts: list[list[int]], max_new: int, conc: int, warm: int,
-           timeout: float, label: str) -> dict[str, Any]:
+def _drive(
+    ctx: StageContext,
+    url: str,
+    prompts: list[list[int]],
+    max_new: int,
+    conc: int,
+    warm: int,
+    timeout: float,
+    label: str,
+) -> dict[str, Any]:
     with ThreadPoolExecutor(max_workers=conc) as pool:
-        list(pool.map(lambda p: post_json(url + "/generate", generate_request(p, 16), timeout), prompts[:warm]))
+        list(
+            pool.map(lambda p: post_json(url + "/generate", generate_request(p, 16), timeout), prompts[:warm])
+        )
         t0 = time.monotonic()
         metas = []
-        for i, out in enumerate(pool.map(lambda p: post_json(url + "/generate", generate_request(p, max_new), timeout),
-                                         prompts)):
+        for i, out in enumerate(
+            pool.map(lambda p: post_json(url + "/generate", generate_request(p, max_new), timeout), prompts)
+        ):
             metas.append(out.get("meta_info", {}) if isinstance(out, dict) else {})
             ctx.progress(i + 1, len(prompts), unit="requests")
         elapsed = time.monotonic() - t0
@@ -127,7 +149,9 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
     max_new = int(sec.get("max_new_tokens", 256))
     conc = int(sec.get("concurrency", 8))
     timeout = float(sec.get("timeout_s", 600))
-    ctx.message(f"{label}: {len(prompts)} prompts against {url}/generate, concurrency {conc}, {max_new} new tokens")
+    ctx.message(
+        f"{label}: {len(prompts)} prompts against {url}/generate, concurrency {conc}, {max_new} new tokens"
+    )
     warm = min(conc, len(prompts))
     try:
         res = _drive(ctx, url, prompts, max_new, conc, warm, timeout, label)
@@ -145,7 +169,9 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
         ctx.metric("accept_len", res["accept_len"], label=label)
     if "speedup" in res:
         ctx.metric("speedup", res["speedup"], label=label)
-    ctx.message(f"{label}: {res['output_tok_s']:.1f} output tok/s"
-                + (f", accept length {res['accept_len']:.2f}" if res["accept_len"] else "")
-                + (f", {res['speedup']:.2f}x over {args.baseline}" if "speedup" in res else ""))
+    ctx.message(
+        f"{label}: {res['output_tok_s']:.1f} output tok/s"
+        + (f", accept length {res['accept_len']:.2f}" if res["accept_len"] else "")
+        + (f", {res['speedup']:.2f}x over {args.baseline}" if "speedup" in res else "")
+    )
     return 0

@@ -29,7 +29,9 @@ def _tokenizer(plan: plan_mod.Plan, settings: PrepSettings):  # noqa: ANN202 - C
 
     model = plan.target.get("model")
     if not model:
-        raise plan_mod.PlanError(plan.path, "target.model", "target-native datasets need the target model's tokenizer")
+        raise plan_mod.PlanError(
+            plan.path, "target.model", "target-native datasets need the target model's tokenizer"
+        )
     return load_chat_tokenizer(model, settings.max_length, settings.template_kwargs)
 
 
@@ -44,7 +46,9 @@ def _check(plan: plan_mod.Plan, names: list[str], n: int) -> int:
             settings = PrepSettings.from_plan(plan, ds)
             if ds.kind == TARGET_NATIVE and tok is None:
                 tok = _tokenizer(plan, settings)
-            rep = check_dataset(ds, tok if ds.kind == TARGET_NATIVE else None, n, Path(cache), settings.batch_rows)
+            rep = check_dataset(
+                ds, tok if ds.kind == TARGET_NATIVE else None, n, Path(cache), settings.batch_rows
+            )
             print(rep.summary())
             for line in rep.lines(limit=len(rep.problems)):
                 print("  " + line)

@@ -30,18 +30,26 @@ class CheckReport:
         return len(self.problems) / self.rows if self.rows else 0.0
 
     def lines(self, limit: int = 20) -> list[str]:
-        out = [f"{self.dataset}: row {p.row}" + (f" (line {p.line})" if p.line else "") + f": {p.field}: {p.reason}"
-               for p in self.problems[:limit]]
+        out = [
+            f"{self.dataset}: row {p.row}"
+            + (f" (line {p.line})" if p.line else "")
+            + f": {p.field}: {p.reason}"
+            for p in self.problems[:limit]
+        ]
         if len(self.problems) > limit:
             out.append(f"{self.dataset}: ... and {len(self.problems) - limit} more")
         return out
 
     def summary(self) -> str:
-        return (f"{self.dataset}: checked {self.rows} rows: {self.rows - len(self.problems)} valid, "
-                f"{len(self.problems)} malformed, {self.duplicates} duplicates, {self.dropped} without target tokens")
+        return (
+            f"{self.dataset}: checked {self.rows} rows: {self.rows - len(self.problems)} valid, "
+            f"{len(self.problems)} malformed, {self.duplicates} duplicates, {self.dropped} without target tokens"
+        )
 
 
-def check_dataset(ds: Dataset, tokenizer: ChatTokenizer | None, n: int, cache_dir: Path, batch_rows: int = 64) -> CheckReport:
+def check_dataset(
+    ds: Dataset, tokenizer: ChatTokenizer | None, n: int, cache_dir: Path, batch_rows: int = 64
+) -> CheckReport:
     """Validate (and for target-native datasets, tokenise) the first ``n`` rows of ``ds``."""
     src = sources.get(ds.source)
     proc = RowProcessor(src, ds.kind, ds.options, tokenizer)

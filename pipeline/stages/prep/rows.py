@@ -40,8 +40,14 @@ class Outcome:
 class RowProcessor:
     """Turns batches of :class:`~pipeline.data.sources.RawRow` into outcomes, remembering what it has seen."""
 
-    def __init__(self, src: sources.Source, kind: str, options: dict[str, Any], tokenizer: ChatTokenizer | None,
-                 seen: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        src: sources.Source,
+        kind: str,
+        options: dict[str, Any],
+        tokenizer: ChatTokenizer | None,
+        seen: set[str] | None = None,
+    ) -> None:
         if kind == TARGET_NATIVE and tokenizer is None:
             raise ValueError("a target-native dataset needs the target tokenizer")
         self.src, self.kind, self.options, self.tokenizer = src, kind, options, tokenizer
@@ -57,7 +63,11 @@ class RowProcessor:
                 if isinstance(raw.row, ConversationError):
                     raise raw.row
                 conv = sources.normalise(self.src, raw.row, self.options)
-                o.item = trim_to_last_assistant(conv, field) if self.kind == TARGET_NATIVE else prompt_of(conv, field)
+                o.item = (
+                    trim_to_last_assistant(conv, field)
+                    if self.kind == TARGET_NATIVE
+                    else prompt_of(conv, field)
+                )
             except ConversationError as exc:
                 o.kind, o.field, o.reason = "reject", exc.field, exc.reason
                 out.append(o)
@@ -77,8 +87,11 @@ class RowProcessor:
                 if isinstance(enc, ConversationError):
                     o.kind, o.field, o.reason, o.item = "reject", enc.field, enc.reason, None
                 elif enc.target_tokens == 0:
-                    o.kind, o.reason, o.item = "dropped", (
-                        f"no assistant tokens within max_length {self.tokenizer.max_length}"), None
+                    o.kind, o.reason, o.item = (
+                        "dropped",
+                        (f"no assistant tokens within max_length {self.tokenizer.max_length}"),
+                        None,
+                    )
                 else:
                     o.encoded, o.item = enc, None  # the conversation is not needed once tokenised
         return out

@@ -63,14 +63,22 @@ def fingerprint(ds: Dataset, settings: PrepSettings, tokenizer: ChatTokenizer | 
     """Everything the shards depend on; outputs made under another fingerprint are never reused."""
     src = sources.get(ds.source)
     fp: dict[str, Any] = {
-        "prep_version": PREP_VERSION, "dataset": ds.name, "source": ds.source, "kind": ds.kind, "quota": ds.quota,
+        "prep_version": PREP_VERSION,
+        "dataset": ds.name,
+        "source": ds.source,
+        "kind": ds.kind,
+        "quota": ds.quota,
         "input": sources.describe(src, ds.path, ds.split, ds.config, ds.options),
         "options": {k: v for k, v in sorted(ds.options.items()) if k != "reject_threshold"},
         "shard_rows": settings.shard_rows,
     }
     if tokenizer is not None:
-        fp.update(tokenizer=tokenizer.tokenizer_id, template_hash=tokenizer.template_hash,
-                  max_length=tokenizer.max_length, template_kwargs=tokenizer.template_kwargs)
+        fp.update(
+            tokenizer=tokenizer.tokenizer_id,
+            template_hash=tokenizer.template_hash,
+            max_length=tokenizer.max_length,
+            template_kwargs=tokenizer.template_kwargs,
+        )
     return fp
 
 
@@ -79,7 +87,9 @@ def _row_id(ds: Dataset, row: int) -> str:
 
 
 class PrepRun:
-    def __init__(self, ctx: StageContext, ds: Dataset, settings: PrepSettings, tokenizer: ChatTokenizer | None) -> None:
+    def __init__(
+        self, ctx: StageContext, ds: Dataset, settings: PrepSettings, tokenizer: ChatTokenizer | None
+    ) -> None:
         self.ctx, self.ds, self.settings, self.tokenizer = ctx, ds, settings, tokenizer
         self.src = sources.get(ds.source)
         self.out_kind = "tokenized" if ds.kind == TARGET_NATIVE else "prompts"
@@ -92,25 +102,43 @@ class PrepRun:
     # -- events -----------------------------------------------------------------------------
     def _progress(self, tally: Tally, force: bool = False) -> None:
         dt = max(time.monotonic() - self.t0, 1e-6)
-        self.ctx.progress(tally.accepted, self.ds.quota, unit="rows", key=self.ds.name, force=force,
-                          rate=round((tally.accepted - self.accepted_at_start) / dt, 2), read=tally.read,
-                          rejects=len(tally.rejects), duplicates=tally.duplicates)
+        self.ctx.progress(
+            tally.accepted,
+            self.ds.quota,
+            unit="rows",
+            key=self.ds.name,
+            force=force,
+            rate=round((tally.accepted - self.accepted_at_start) / dt, 2),
+            read=tally.read,
+            rejects=len(tally.rejects),
+            duplicates=tally.duplicates,
+        )
 
     def _announce(self, outs: list[Outcome]) -> None:
         for o in outs:
             if o.kind == "reject" and self.announced < self.settings.reject_messages:
                 self.announced += 1
                 where = f"row {o.row}" + (f" (line {o.line})" if o.line else "")
-                self.ctx.message(f"{self.ds.name}: {where}: {o.field}: {o.reason} (quarantined to rejects.jsonl)",
-                                 level="warning", code="reject", dataset=self.ds.name, row=o.row, field=o.field)
+                self.ctx.message(
+                    f"{self.ds.name}: {where}: {o.field}: {o.reason} (quarantined to rejects.jsonl)",
+                    level="warning",
+                    code="reject",
+                    dataset=self.ds.name,
+                    row=o.row,
+                    field=o.field,
+                )
 
     def _add(self, tally: Tally, outs: list[Outcome]) -> None:
         tally.add(outs)
         self._announce(outs)
 
     def _metrics(self, tally: Tally) -> None:
-        for name, value in (("rejects", len(tally.rejects)), ("reject_rate", tally.reject_rate),
-                            ("duplicates", tally.duplicates), ("dropped", len(tally.dropped))):
+        for name, value in (
+            ("rejects", len(tally.rejects)),
+            ("reject_rate", tally.reject_rate),
+            ("duplicates", tally.duplicates),
+            ("dropped", len(tally.dropped)),
+        ):
             self.ctx.metric(name, value, step=tally.read, key=self.ds.name)
 
     # -- the run ----------------------------------------------------------------------------
@@ -119,9 +147,12 @@ class PrepRun:
         rep = check_dataset(self.ds, self.tokenizer, n, self.cache_dir, self.settings.batch_rows)
         self.ctx.message(rep.summary(), code="check")
         if rep.problems and rep.reject_rate > self.settings.reject_threshold:
-            fail(self.ctx, f"{self.ds.name}: validation of the first {rep.rows} rows failed: {len(rep.problems)} "
-                 f"malformed ({rep.reject_rate:.0%} > threshold {self.settings.reject_threshold:.0%}); nothing was "
-                 "written.\n" + "\n".join(rep.lines()))
+            fail(
+                self.ctx,
+                f"{self.ds.name}: validation of the first {rep.rows} rows failed: {len(rep.problems)} "
+                f"malformed ({rep.reject_rate:.0%} > threshold {self.settings.reject_threshold:.0%}); nothing was "
+                "written.\n" + "\n".join(rep.lines()),
+            )
 
     def restore(self) -> tuple[list[dict[str, Any]], Tally, set[str], int]:
         records = self.store.finished()
@@ -144,7 +175,8 @@ class PrepRun:
         else:
             table = prompt_table(ids, [o.item for o in acc])
         state = {
-            "source_start": outs[0].row, "source_end": outs[-1].row,
+            "source_start": outs[0].row,
+            "source_end": outs[-1].row,
             "duplicates": sum(o.kind == "duplicate" for o in outs),
             "rejects": [o.reject_record() for o in outs if o.kind == "reject"],
             "dropped": [{"row": o.row, "reason": o.reason} for o in outs if o.kind == "dropped"],
@@ -159,29 +191,42 @@ class PrepRun:
         except StaleOutputError as exc:
             fail(ctx, f"{ds.name}: {exc}")
         if man is not None:
-            ctx.message(f"{ds.name}: already prepared ({man['rows']} rows in {len(man['shards'])} shards); nothing to do",
-                        code="up-to-date")
+            ctx.message(
+                f"{ds.name}: already prepared ({man['rows']} rows in {len(man['shards'])} shards); nothing to do",
+                code="up-to-date",
+            )
             ctx.progress(man["rows"], ds.quota, unit="rows", key=ds.name, force=True, rate=0.0)
             return 0
         self.store.clean_partials()
         if ds.kind != self.src.kind:
-            usual = ("already holds the target's replies" if self.src.kind == TARGET_NATIVE
-                     else "holds another model's replies")
-            ctx.message(f"{ds.name}: source {self.src.key} usually {usual}; the plan makes it {ds.kind}",
-                        level="warning", code="kind")
+            usual = (
+                "already holds the target's replies"
+                if self.src.kind == TARGET_NATIVE
+                else "holds another model's replies"
+            )
+            ctx.message(
+                f"{ds.name}: source {self.src.key} usually {usual}; the plan makes it {ds.kind}",
+                level="warning",
+                code="kind",
+            )
         self.validate_first()
         try:
             records, tally, seen, start = self.restore()
         except StaleOutputError as exc:
             fail(ctx, f"{ds.name}: {exc}")
         if records:
-            ctx.message(f"{ds.name}: resuming after {len(records)} finished shards ({tally.accepted} rows, "
-                        f"source row {start})", code="resume")
+            ctx.message(
+                f"{ds.name}: resuming after {len(records)} finished shards ({tally.accepted} rows, "
+                f"source row {start})",
+                code="resume",
+            )
         self.accepted_at_start = tally.accepted
         self.t0 = time.monotonic()
         self._progress(tally, force=True)
         proc = RowProcessor(self.src, ds.kind, ds.options, self.tokenizer, seen)
-        rows = sources.open_rows(self.src, ds.path, ds.split, ds.config, ds.options, self.cache_dir, start=start)
+        rows = sources.open_rows(
+            self.src, ds.path, ds.split, ds.config, ds.options, self.cache_dir, start=start
+        )
         pending: list[Outcome] = []
         pending_acc = 0
         S = self.settings.shard_rows
@@ -194,10 +239,12 @@ class PrepRun:
             pending.extend(outs)
             pending_acc += sum(o.kind == "accept" for o in outs)
             # cut full shards (and the last one, at the quota) in source order
-            while tally.accepted < ds.quota and (pending_acc >= S or tally.accepted + pending_acc >= ds.quota):
+            while tally.accepted < ds.quota and (
+                pending_acc >= S or tally.accepted + pending_acc >= ds.quota
+            ):
                 take = min(S, ds.quota - tally.accepted)
                 k = _index_of_nth_accept(pending, take)
-                shard, pending = pending[: k + 1], pending[k + 1:]
+                shard, pending = pending[: k + 1], pending[k + 1 :]
                 pending_acc -= take
                 records.append(self.commit(len(records), shard))
                 self._add(tally, shard)
@@ -216,22 +263,39 @@ class PrepRun:
         self._metrics(tally)
         self._progress(tally, force=True)
         if tally.reject_rate > self.settings.reject_threshold:
-            fail(ctx, f"{ds.name}: {len(tally.rejects)} of {tally.read} rows malformed ({tally.reject_rate:.1%}), "
-                 f"above the threshold {self.settings.reject_threshold:.1%}; see {ctx.out / 'rejects.jsonl'}")
+            fail(
+                ctx,
+                f"{ds.name}: {len(tally.rejects)} of {tally.read} rows malformed ({tally.reject_rate:.1%}), "
+                f"above the threshold {self.settings.reject_threshold:.1%}; see {ctx.out / 'rejects.jsonl'}",
+            )
         if tally.accepted < ds.quota:
-            ctx.message(f"{ds.name}: the source ran out after {tally.read} rows: {tally.accepted} of quota {ds.quota}",
-                        level="warning", code="short")
+            ctx.message(
+                f"{ds.name}: the source ran out after {tally.read} rows: {tally.accepted} of quota {ds.quota}",
+                level="warning",
+                code="short",
+            )
         fields: dict[str, Any] = {
-            "dataset": ds.name, "source": ds.source, "quota": ds.quota, "rows_read": tally.read,
-            "rejects": len(tally.rejects), "duplicates": tally.duplicates, "dropped": len(tally.dropped),
+            "dataset": ds.name,
+            "source": ds.source,
+            "quota": ds.quota,
+            "rows_read": tally.read,
+            "rejects": len(tally.rejects),
+            "duplicates": tally.duplicates,
+            "dropped": len(tally.dropped),
         }
         if self.tokenizer is not None:
-            fields.update(tokenizer=self.tokenizer.tokenizer_id, template_hash=self.tokenizer.template_hash,
-                          max_length=self.tokenizer.max_length)
+            fields.update(
+                tokenizer=self.tokenizer.tokenizer_id,
+                template_hash=self.tokenizer.template_hash,
+                max_length=self.tokenizer.max_length,
+            )
         man = self.store.write_manifest(self.out_kind, records, **fields)
         tokens = f", {man['tokens']} tokens" if "tokens" in man else ""
-        ctx.message(f"{ds.name}: {man['rows']} rows{tokens} in {len(records)} shards; {len(tally.rejects)} rejects, "
-                    f"{tally.duplicates} duplicates, {len(tally.dropped)} dropped", code="done")
+        ctx.message(
+            f"{ds.name}: {man['rows']} rows{tokens} in {len(records)} shards; {len(tally.rejects)} rejects, "
+            f"{tally.duplicates} duplicates, {len(tally.dropped)} dropped",
+            code="done",
+        )
         return 0
 
 

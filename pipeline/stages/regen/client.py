@@ -107,8 +107,13 @@ def parse_reply(rid: str, messages: list[dict[str, Any]], body: Any, model: str)
         for c in calls:
             fn = (c or {}).get("function") or {}
             if isinstance(fn.get("name"), str):
-                out_calls.append({"name": fn["name"], "arguments": fn.get("arguments") or "{}",
-                                  **({"id": c["id"]} if isinstance(c.get("id"), str) else {})})
+                out_calls.append(
+                    {
+                        "name": fn["name"],
+                        "arguments": fn.get("arguments") or "{}",
+                        **({"id": c["id"]} if isinstance(c.get("id"), str) else {}),
+                    }
+                )
         if out_calls:
             turn["tool_calls"] = out_calls
     usage = body.get("usage") or {}
@@ -125,11 +130,15 @@ def parse_reply(rid: str, messages: list[dict[str, Any]], body: Any, model: str)
 class Regenerator:
     """One run of requests over a list of prompts (see the module docstring)."""
 
-    def __init__(self, cfg: ClientConfig, sink: Sink,
-                 on_failure: Callable[[str, str], None] | None = None,
-                 on_outage: Callable[[bool, str, float], None] | None = None,
-                 paused: Callable[[], bool] | None = None,
-                 on_pause: Callable[[bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        sink: Sink,
+        on_failure: Callable[[str, str], None] | None = None,
+        on_outage: Callable[[bool, str, float], None] | None = None,
+        paused: Callable[[], bool] | None = None,
+        on_pause: Callable[[bool], None] | None = None,
+    ) -> None:
         if cfg.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.cfg = cfg
@@ -171,9 +180,11 @@ class Regenerator:
             self.stats.outages += 1
             self.on_outage(True, detail, 0.0)
         elif time.monotonic() - self._outage_since > self.cfg.outage_timeout_s:
-            raise OutageError(f"the server at {self.cfg.url} has been unreachable for "
-                              f"{time.monotonic() - self._outage_since:.0f}s (> {self.cfg.outage_timeout_s:g}s): "
-                              f"{self._outage_detail}")
+            raise OutageError(
+                f"the server at {self.cfg.url} has been unreachable for "
+                f"{time.monotonic() - self._outage_since:.0f}s (> {self.cfg.outage_timeout_s:g}s): "
+                f"{self._outage_detail}"
+            )
 
     def _outage_end(self) -> None:
         if self._outage_since is not None:
@@ -213,7 +224,9 @@ class Regenerator:
         while True:
             attempt += 1
             try:
-                async with session.get(self.cfg.url.rstrip("/") + "/v1/models", headers=self._headers) as resp:
+                async with session.get(
+                    self.cfg.url.rstrip("/") + "/v1/models", headers=self._headers
+                ) as resp:
                     if resp.status != 200:
                         raise RetryableError(f"GET /v1/models: HTTP {resp.status}")
                     data = (await resp.json(content_type=None)).get("data") or []
@@ -231,8 +244,10 @@ class Regenerator:
             await asyncio.sleep(self._backoff(attempt))
 
     async def _one(self, session: aiohttp.ClientSession, rid: str, messages: list[dict[str, Any]]) -> None:
-        body = json.dumps({"model": self.model, "messages": messages, **self.cfg.sampling, "stream": False},
-                          ensure_ascii=False).encode()
+        body = json.dumps(
+            {"model": self.model, "messages": messages, **self.cfg.sampling, "stream": False},
+            ensure_ascii=False,
+        ).encode()
         attempt = 0  # attempts that count: not those lost to an outage
         waits = 0
         while True:
@@ -290,20 +305,30 @@ class Regenerator:
                 self.on_pause(False)
             await asyncio.sleep(0.2)
 
-    async def run(self, prompts: Sequence[Prompt],
-                  tick: Callable[[ClientStats], Awaitable[None] | None] | None = None,
-                  tick_s: float = 1.0) -> ClientStats:
+    async def run(
+        self,
+        prompts: Sequence[Prompt],
+        tick: Callable[[ClientStats], Awaitable[None] | None] | None = None,
+        tick_s: float = 1.0,
+    ) -> ClientStats:
         """Send every prompt; returns the stats. Raises :class:`OutageError` on a long outage."""
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
-        conn = aiohttp.TCPConnector(limit=self.cfg.concurrency, limit_per_host=self.cfg.concurrency,
-                                    force_close=False, enable_cleanup_closed=True)
-        async with aiohttp.ClientSession(timeout=timeout, connector=conn, trust_env=False,
-                                         auto_decompress=False) as session:
+        conn = aiohttp.TCPConnector(
+            limit=self.cfg.concurrency,
+            limit_per_host=self.cfg.concurrency,
+            force_close=False,
+            enable_cleanup_closed=True,
+        )
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=conn, trust_env=False, auto_decompress=False
+        ) as session:
             if self.model is None:
                 self.model = await self.discover_model(session)
             it = iter(prompts)
-            workers = [asyncio.create_task(self._worker(session, it))
-                       for _ in range(min(self.cfg.concurrency, max(1, len(prompts))))]
+            workers = [
+                asyncio.create_task(self._worker(session, it))
+                for _ in range(min(self.cfg.concurrency, max(1, len(prompts))))
+            ]
             side = [asyncio.create_task(self._pause_watch())]
             if tick is not None:
                 side.append(asyncio.create_task(self._ticker(tick, tick_s)))

@@ -35,24 +35,53 @@ from pipeline.stages.regen.client import ClientConfig, ClientStats, OutageError,
 from pipeline.stages.regen.store import ResponseLog
 
 DEFAULTS: dict[str, Any] = {
-    "concurrency": 64, "temperature": 0.7, "max_tokens": 4096, "request_timeout_s": 600.0, "max_attempts": 5,
-    "backoff_s": 1.0, "backoff_max_s": 30.0, "outage_timeout_s": 900.0, "max_error_fraction": 0.05,
-    "drop_truncated": False, "shard_rows": 5000, "max_skipped_fraction": 0.5,
+    "concurrency": 64,
+    "temperature": 0.7,
+    "max_tokens": 4096,
+    "request_timeout_s": 600.0,
+    "max_attempts": 5,
+    "backoff_s": 1.0,
+    "backoff_max_s": 30.0,
+    "outage_timeout_s": 900.0,
+    "max_error_fraction": 0.05,
+    "drop_truncated": False,
+    "shard_rows": 5000,
+    "max_skipped_fraction": 0.5,
 }
 NUM = (int, float)
 TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "concurrency": ((int,), "an integer"), "temperature": (NUM, "a number"), "top_p": (NUM, "a number"),
-    "top_k": ((int,), "an integer"), "max_tokens": ((int,), "an integer"), "seed": ((int,), "an integer"),
-    "stop": ((list, str), "a string or a list of strings"), "extra": ((dict,), "a table of request-body keys"),
-    "request_timeout_s": (NUM, "seconds"), "max_attempts": ((int,), "an integer"), "backoff_s": (NUM, "seconds"),
-    "backoff_max_s": (NUM, "seconds"), "outage_timeout_s": (NUM, "seconds"), "max_records": ((int,), "an integer"),
-    "max_error_fraction": (NUM, "a fraction"), "max_skipped_fraction": (NUM, "a fraction"), "drop_truncated": ((bool,), "true or false"),
-    "shard_rows": ((int,), "an integer"), "server_url": ((str,), "a URL"), "model": ((str,), "a model id"),
+    "concurrency": ((int,), "an integer"),
+    "temperature": (NUM, "a number"),
+    "top_p": (NUM, "a number"),
+    "top_k": ((int,), "an integer"),
+    "max_tokens": ((int,), "an integer"),
+    "seed": ((int,), "an integer"),
+    "stop": ((list, str), "a string or a list of strings"),
+    "extra": ((dict,), "a table of request-body keys"),
+    "request_timeout_s": (NUM, "seconds"),
+    "max_attempts": ((int,), "an integer"),
+    "backoff_s": (NUM, "seconds"),
+    "backoff_max_s": (NUM, "seconds"),
+    "outage_timeout_s": (NUM, "seconds"),
+    "max_records": ((int,), "an integer"),
+    "max_error_fraction": (NUM, "a fraction"),
+    "max_skipped_fraction": (NUM, "a fraction"),
+    "drop_truncated": ((bool,), "true or false"),
+    "shard_rows": ((int,), "an integer"),
+    "server_url": ((str,), "a URL"),
+    "model": ((str,), "a model id"),
     "api_key_env": ((str,), "an environment variable name"),
 }
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
-POSITIVE = ("concurrency", "max_tokens", "request_timeout_s", "max_attempts", "outage_timeout_s", "max_records",
-            "shard_rows")
+POSITIVE = (
+    "concurrency",
+    "max_tokens",
+    "request_timeout_s",
+    "max_attempts",
+    "outage_timeout_s",
+    "max_records",
+    "shard_rows",
+)
 
 
 class InputError(ValueError):
@@ -95,8 +124,10 @@ def find_prompt_dir(inputs: dict[str, Path]) -> Path:
             continue
     if not found:
         deps = ", ".join(f"{k} ({v})" for k, v in inputs.items()) or "none"
-        raise InputError(f"no upstream output with a manifest.json of kind 'prompts' (inputs: {deps}); "
-                         "regen runs after the prep stage of a prompt-only dataset")
+        raise InputError(
+            f"no upstream output with a manifest.json of kind 'prompts' (inputs: {deps}); "
+            "regen runs after the prep stage of a prompt-only dataset"
+        )
     if len(found) > 1:
         raise InputError(f"several prompt inputs: {', '.join(map(str, found))}; give one with --input")
     return found[0]
@@ -117,8 +148,9 @@ def read_prompts(d: Path, limit: int | None = None) -> list[tuple[str, list[dict
             table = pq.read_table(path, columns=["id", "messages"])
         except (OSError, KeyError) as exc:
             raise InputError(f"{path}: cannot read prompt shard: {exc}") from None
-        for row, (rid, msgs) in enumerate(zip(table.column("id").to_pylist(), table.column("messages").to_pylist(),
-                                              strict=True)):
+        for row, (rid, msgs) in enumerate(
+            zip(table.column("id").to_pylist(), table.column("messages").to_pylist(), strict=True)
+        ):
             where = f"{path.name}: row {row}"
             if not isinstance(rid, str) or not rid:
                 raise InputError(f"{where}: id: expected a non-empty string, got {rid!r}")
@@ -155,8 +187,10 @@ def server_urls(ctx: StageContext, plan: Plan, s: dict[str, Any], override: str 
     port = serve.get("port", 30000)
     if port:
         return [f"http://{serve.get('host', '127.0.0.1')}:{port}"]
-    raise InputError("no server address: the service's endpoint.json is missing and [serve] port is 0; "
-                     "pass --server-url or set [regen] server_url")
+    raise InputError(
+        "no server address: the service's endpoint.json is missing and [serve] port is 0; "
+        "pass --server-url or set [regen] server_url"
+    )
 
 
 # ------------------------------------------------------------------------------ generation
@@ -177,11 +211,16 @@ class Reporter:
 
     def on_outage(self, start: bool, detail: str, dur: float) -> None:
         if start:
-            self.ctx.message(f"server unreachable ({detail}): waiting and retrying; no record is lost",
-                             level="warning", code="server-outage")
+            self.ctx.message(
+                f"server unreachable ({detail}): waiting and retrying; no record is lost",
+                level="warning",
+                code="server-outage",
+            )
             self.ctx.metric("server_outage", 1)
         else:
-            self.ctx.message(f"server reachable again after {dur:.1f}s outage", code="server-recovered", outage_s=dur)
+            self.ctx.message(
+                f"server reachable again after {dur:.1f}s outage", code="server-recovered", outage_s=dur
+            )
             self.ctx.metric("server_outage", 0, outage_s=dur)
 
     def on_pause(self, paused: bool) -> None:
@@ -196,21 +235,41 @@ class Reporter:
         dt = max(now - t0, 1e-6)
         self._last = (now, st.answered, st.completion_tokens)
         done = self.already + st.answered + st.failed
-        self.ctx.progress(done, self.total, unit="records", force=True, answered=self.already + st.answered,
-                          failed=st.failed)
+        self.ctx.progress(
+            done,
+            self.total,
+            unit="records",
+            force=True,
+            answered=self.already + st.answered,
+            failed=st.failed,
+        )
         self.ctx.metric("requests_per_s", round((st.answered - a0) / dt, 3))
         self.ctx.metric("gen_tokens_per_s", round((st.completion_tokens - c0) / dt, 3))
         self.ctx.metric("in_flight", st.in_flight, retries=st.retries)
 
 
-def generate(ctx: StageContext, cfg: ClientConfig, prompts: list[tuple[str, list[dict[str, Any]]]],
-             log: ResponseLog, tick_s: float = 2.0) -> tuple[ClientStats, Reporter, bool]:
+def generate(
+    ctx: StageContext,
+    cfg: ClientConfig,
+    prompts: list[tuple[str, list[dict[str, Any]]]],
+    log: ResponseLog,
+    tick_s: float = 2.0,
+) -> tuple[ClientStats, Reporter, bool]:
     todo = [p for p in prompts if p[0] not in log]
     rep = Reporter(ctx, len(prompts), len(prompts) - len(todo))
-    ctx.message(f"{len(prompts)} prompts, {rep.already} already answered, {len(todo)} to ask {cfg.url} "
-                f"(concurrency {cfg.concurrency}, max_tokens {cfg.sampling.get('max_tokens')})", code="regen-start")
-    regen = Regenerator(cfg, log.append, on_failure=rep.on_failure, on_outage=rep.on_outage,
-                        paused=ctx.pause_requested, on_pause=rep.on_pause)
+    ctx.message(
+        f"{len(prompts)} prompts, {rep.already} already answered, {len(todo)} to ask {cfg.url} "
+        f"(concurrency {cfg.concurrency}, max_tokens {cfg.sampling.get('max_tokens')})",
+        code="regen-start",
+    )
+    regen = Regenerator(
+        cfg,
+        log.append,
+        on_failure=rep.on_failure,
+        on_outage=rep.on_outage,
+        paused=ctx.pause_requested,
+        on_pause=rep.on_pause,
+    )
 
     async def go() -> ClientStats:
         loop = asyncio.get_running_loop()
@@ -227,12 +286,20 @@ def generate(ctx: StageContext, cfg: ClientConfig, prompts: list[tuple[str, list
     finally:
         log.sync()
     if regen.abandoned:
-        ctx.message(f"{regen.abandoned} request(s) still in flight after the {cfg.drain_timeout_s:g}s drain time "
-                    "were cancelled: a retry asks for them again (raise the stage's kill_grace_s to drain longer)",
-                    level="warning", code="abandoned")
+        ctx.message(
+            f"{regen.abandoned} request(s) still in flight after the {cfg.drain_timeout_s:g}s drain time "
+            "were cancelled: a retry asks for them again (raise the stage's kill_grace_s to drain longer)",
+            level="warning",
+            code="abandoned",
+        )
     if regen.model:
-        ctx.message(f"model {regen.model}: {stats.answered} answered, {stats.failed} failed, {stats.retries} retries, "
-                    f"{stats.sent} requests sent", code="regen-summary", sent=stats.sent, retries=stats.retries)
+        ctx.message(
+            f"model {regen.model}: {stats.answered} answered, {stats.failed} failed, {stats.retries} retries, "
+            f"{stats.sent} requests sent",
+            code="regen-summary",
+            sent=stats.sent,
+            retries=stats.retries,
+        )
     return stats, rep, regen.stopping
 
 
@@ -245,10 +312,14 @@ def file_sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def split_by_length(ct: Any, prompts: list[tuple[str, list[dict[str, Any]]]]) -> tuple[list, list[tuple[str, int]]]:
+def split_by_length(
+    ct: Any, prompts: list[tuple[str, list[dict[str, Any]]]]
+) -> tuple[list, list[tuple[str, int]]]:
     """``(prompts that leave room for an answer, [(id, prompt tokens)] of those that fill max_length)``."""
     texts = [ct.render(ct.template_messages(m), add_generation_prompt=True) for _, m in prompts]
-    lengths = [len(ids) for ids in ct.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    lengths = (
+        [len(ids) for ids in ct.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    )
     fit, too_long = [], []
     for p, n in zip(prompts, lengths, strict=True):
         if n < ct.max_length:
@@ -258,17 +329,31 @@ def split_by_length(ct: Any, prompts: list[tuple[str, list[dict[str, Any]]]]) ->
     return fit, too_long
 
 
-def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str], log: ResponseLog,
-                     s: dict[str, Any], skipped: list[dict[str, Any]] | None = None,
-                     info: dict[str, Any] | None = None) -> dict[str, Any]:
+def tokenise_answers(
+    ctx: StageContext,
+    ct: Any,
+    dataset: str,
+    order: list[str],
+    log: ResponseLog,
+    s: dict[str, Any],
+    skipped: list[dict[str, Any]] | None = None,
+    info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Prompt + answer -> tokenized shards (docs/data-formats.md, "Regeneration outputs")."""
     from pipeline.data import conversation as conv
     from pipeline.data import shard_writer as sw
 
     max_length = ct.max_length
-    fingerprint = {"stage": "regen", "dataset": dataset, "tokenizer": ct.tokenizer_id, "template_hash": ct.template_hash,
-                   "max_length": max_length, "drop_truncated": bool(s["drop_truncated"]),
-                   "responses_sha256": file_sha(log.path), "shard_rows": int(s["shard_rows"])}
+    fingerprint = {
+        "stage": "regen",
+        "dataset": dataset,
+        "tokenizer": ct.tokenizer_id,
+        "template_hash": ct.template_hash,
+        "max_length": max_length,
+        "drop_truncated": bool(s["drop_truncated"]),
+        "responses_sha256": file_sha(log.path),
+        "shard_rows": int(s["shard_rows"]),
+    }
     store = sw.ShardStore(ctx.out, fingerprint)
     store.clean_partials()
     try:
@@ -281,8 +366,11 @@ def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str],
     try:
         finished = store.finished()
     except sw.StaleOutputError:  # shards made from other answers or settings: start the shards over
-        for p in [*ctx.out.glob(f"{sw.SHARD_PREFIX}*.parquet"), *store.progress_dir.glob("*.json"),
-                  store.manifest_path]:
+        for p in [
+            *ctx.out.glob(f"{sw.SHARD_PREFIX}*.parquet"),
+            *store.progress_dir.glob("*.json"),
+            store.manifest_path,
+        ]:
             p.unlink(missing_ok=True)
         finished = []
     recs = log.records()
@@ -293,7 +381,7 @@ def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str],
     pos = sum(int(r.get("rows_in", 0)) for r in finished)
     while pos < len(rows):
         ctx.safe_point()
-        chunk = rows[pos: pos + per]
+        chunk = rows[pos : pos + per]
         ids, convs, rejects, dropped = [], [], [], 0
         for rid in chunk:
             rec = recs[rid]
@@ -315,20 +403,37 @@ def tokenise_answers(ctx: StageContext, ct: Any, dataset: str, order: list[str],
             else:
                 ok_ids.append(rid)
                 ok_enc.append(e)
-        shards.append(store.commit(len(shards), sw.tokenized_table(ok_ids, ok_enc),
-                                   {"rows_in": len(chunk), "rejects": rejects, "dropped": dropped}))
+        shards.append(
+            store.commit(
+                len(shards),
+                sw.tokenized_table(ok_ids, ok_enc),
+                {"rows_in": len(chunk), "rejects": rejects, "dropped": dropped},
+            )
+        )
         pos += len(chunk)
         ctx.progress(pos, len(rows), unit="rows", key="tokenise", force=True)
     all_rejects = list(skipped or []) + [r for sh in shards for r in sh.get("rejects", [])]
     sw.write_rejects(ctx.out / "rejects.jsonl", all_rejects)
     man = store.write_manifest(
-        "tokenized", shards, dataset=dataset, tokenizer=ct.tokenizer_id, template_hash=ct.template_hash,
-        max_length=max_length, answers=len(rows), rejects=len(all_rejects) - len(skipped or []),
-        skipped=len(skipped or []), dropped=sum(int(sh.get("dropped", 0)) for sh in shards),
-        truncated_answers=truncated, **(info or {}))
-    ctx.message(f"tokenized {man['rows']} rows ({man['tokens']:,} tokens) into {len(shards)} shard(s); "
-                f"{man['rejects']} rejected, {man['skipped']} prompts not sent, {man['dropped']} dropped, "
-                f"{truncated} answers cut at max_tokens", code="tokenized")
+        "tokenized",
+        shards,
+        dataset=dataset,
+        tokenizer=ct.tokenizer_id,
+        template_hash=ct.template_hash,
+        max_length=max_length,
+        answers=len(rows),
+        rejects=len(all_rejects) - len(skipped or []),
+        skipped=len(skipped or []),
+        dropped=sum(int(sh.get("dropped", 0)) for sh in shards),
+        truncated_answers=truncated,
+        **(info or {}),
+    )
+    ctx.message(
+        f"tokenized {man['rows']} rows ({man['tokens']:,} tokens) into {len(shards)} shard(s); "
+        f"{man['rejects']} rejected, {man['skipped']} prompts not sent, {man['dropped']} dropped, "
+        f"{truncated} answers cut at max_tokens",
+        code="tokenized",
+    )
     return man
 
 
@@ -338,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(ap)
     ap.add_argument("--dataset", required=True, help="dataset name (the plan's [[datasets]] entry)")
     ap.add_argument("--input", type=Path, default=None, help="prompts output dir (default: the prep input)")
-    ap.add_argument("--server-url", default=None, help="http://host:port of the server (default: the service's)")
+    ap.add_argument(
+        "--server-url", default=None, help="http://host:port of the server (default: the service's)"
+    )
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
     try:
@@ -359,23 +466,44 @@ def main(argv: list[str] | None = None) -> int:
     ct = load_chat_tokenizer(plan.target.get("model"), max_length)
     read = len(prompts)
     prompts, too_long = split_by_length(ct, prompts)
-    skipped = [{"id": rid, "field": "messages", "reason": f"the prompt alone is {n} tokens, >= target.max_length "
-                f"{max_length}: no room for an answer (not sent)"} for rid, n in too_long]
+    skipped = [
+        {
+            "id": rid,
+            "field": "messages",
+            "reason": f"the prompt alone is {n} tokens, >= target.max_length "
+            f"{max_length}: no room for an answer (not sent)",
+        }
+        for rid, n in too_long
+    ]
     if too_long:
         lens = sorted(n for _, n in too_long)
-        text = (f"{len(too_long)} of {read} prompts are {lens[0]}-{lens[-1]} tokens, not shorter than target.max_length "
-                f"{max_length}: not sent (they would train on no answer token)")
+        text = (
+            f"{len(too_long)} of {read} prompts are {lens[0]}-{lens[-1]} tokens, not shorter than target.max_length "
+            f"{max_length}: not sent (they would train on no answer token)"
+        )
         if len(too_long) > s["max_skipped_fraction"] * read:
-            fail(ctx, text + f"; that is more than regen.max_skipped_fraction {s['max_skipped_fraction']:g}: "
-                 "raise [target] max_length, or drop this dataset", 2)
+            fail(
+                ctx,
+                text + f"; that is more than regen.max_skipped_fraction {s['max_skipped_fraction']:g}: "
+                "raise [target] max_length, or drop this dataset",
+                2,
+            )
         ctx.message(text, level="warning", code="prompts-too-long", skipped=len(too_long))
     api_key = os.environ.get(s["api_key_env"]) if s.get("api_key_env") else None
     if len(urls) > 1:
         ctx.message(f"spreading requests over {len(urls)} servers: {', '.join(urls)}")
     cfg = ClientConfig(
-        url=url, more_urls=tuple(urls[1:]), model=s.get("model"), concurrency=int(s["concurrency"]), request_timeout_s=float(s["request_timeout_s"]),
-        max_attempts=int(s["max_attempts"]), backoff_s=float(s["backoff_s"]), backoff_max_s=float(s["backoff_max_s"]),
-        outage_timeout_s=float(s["outage_timeout_s"]), sampling=sampling_body(s), api_key=api_key,
+        url=url,
+        more_urls=tuple(urls[1:]),
+        model=s.get("model"),
+        concurrency=int(s["concurrency"]),
+        request_timeout_s=float(s["request_timeout_s"]),
+        max_attempts=int(s["max_attempts"]),
+        backoff_s=float(s["backoff_s"]),
+        backoff_max_s=float(s["backoff_max_s"]),
+        outage_timeout_s=float(s["outage_timeout_s"]),
+        sampling=sampling_body(s),
+        api_key=api_key,
         drain_timeout_s=max(1.0, _kill_grace(plan, ctx.stage_id) - 2.0),
     )
     try:
@@ -383,18 +511,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         fail(ctx, str(exc), 2)
     if log.repaired_bytes:
-        ctx.message(f"responses.jsonl: cut a torn last line ({log.repaired_bytes} bytes) left by a kill",
-                    level="warning")
+        ctx.message(
+            f"responses.jsonl: cut a torn last line ({log.repaired_bytes} bytes) left by a kill",
+            level="warning",
+        )
     try:
         stats, rep, stopped = generate(ctx, cfg, prompts, log)
     except OutageError as exc:
         log.close()
         fail(ctx, str(exc), 1)
     log.close()
-    write_atomic(ctx.out / "errors.jsonl", "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in rep.failures))
+    write_atomic(
+        ctx.out / "errors.jsonl", "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in rep.failures)
+    )
     if stopped:
-        ctx.message(f"stopped by a signal with {len(log)} of {len(prompts)} answered; a retry asks only for the rest",
-                    level="warning", code="stopped")
+        ctx.message(
+            f"stopped by a signal with {len(log)} of {len(prompts)} answered; a retry asks only for the rest",
+            level="warning",
+            code="stopped",
+        )
         ctx.close()
         return 128 + signal.SIGTERM
     failed = len(rep.failures)
@@ -402,12 +537,20 @@ def main(argv: list[str] | None = None) -> int:
     if answered + failed != len(prompts):
         fail(ctx, f"bookkeeping: {answered} answered + {failed} failed != {len(prompts)} prompts", 1)
     if failed and failed > s["max_error_fraction"] * len(prompts):
-        fail(ctx, f"{failed} of {len(prompts)} records failed (> max_error_fraction {s['max_error_fraction']:g}); "
-                  "see errors.jsonl; a retry asks only for the unanswered ones", 1)
+        fail(
+            ctx,
+            f"{failed} of {len(prompts)} records failed (> max_error_fraction {s['max_error_fraction']:g}); "
+            "see errors.jsonl; a retry asks only for the unanswered ones",
+            1,
+        )
     try:
         ds = plan.dataset(args.dataset)
-        info = {"source": ds.source, "prompts": read, "failed": failed,
-                "regenerated_by": {"model": model_id(log), "url": url, "sampling": cfg.sampling}}
+        info = {
+            "source": ds.source,
+            "prompts": read,
+            "failed": failed,
+            "regenerated_by": {"model": model_id(log), "url": url, "sampling": cfg.sampling},
+        }
         tokenise_answers(ctx, ct, args.dataset, [rid for rid, _ in prompts], log, s, skipped, info)
     except (ValueError, OSError) as exc:
         fail(ctx, f"tokenising the answers failed: {exc}", 1)

@@ -20,8 +20,20 @@ from pipeline.serving.sglang_args import ServerSettings, sglang_argv
 def local_argv(s: ServerSettings, python: str) -> list[str]:
     from pipeline.data.model_assets import resolve
 
-    argv = [python, "-m", "transformers.cli.transformers", "serve", "--host", s.host, "--port", str(s.port),
-            "--device", "cuda" if s.gpus else "cpu", "--log-level", "info"]
+    argv = [
+        python,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        "--host",
+        s.host,
+        "--port",
+        str(s.port),
+        "--device",
+        "cuda" if s.gpus else "cpu",
+        "--log-level",
+        "info",
+    ]
     if s.dtype:
         argv += ["--dtype", s.dtype]
     return [*argv, *s.extra_args, resolve(s.model)]

@@ -70,8 +70,9 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def gpu_problem(gpus: tuple[int, ...], run_root: Path | None, stage_id: str,
-                probe: Any = None) -> tuple[str | None, str | None]:
+def gpu_problem(
+    gpus: tuple[int, ...], run_root: Path | None, stage_id: str, probe: Any = None
+) -> tuple[str | None, str | None]:
     """``(problem, note)``: a refusal naming the GPU, pid and owner of each process on ``gpus`` that
     is not this stage's; or a note when GPUs cannot be read on this host. ``probe``: a
     :class:`pipeline.run.gpus.GpuProbe` (default: real NVML)."""

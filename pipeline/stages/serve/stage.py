@@ -74,8 +74,12 @@ class LogFollower(threading.Thread):
         for raw in iter(self.stream.readline, b""):
             text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             rec = parse_line(text)
-            if rec is not None and rec.kind == "access" and rec.fields.get("path") == "/health" \
-                    and rec.fields.get("status") == 200:
+            if (
+                rec is not None
+                and rec.kind == "access"
+                and rec.fields.get("path") == "/health"
+                and rec.fields.get("status") == 200
+            ):
                 continue  # our own health probes: one line every few seconds would bury the server's lines
             with contextlib.suppress(OSError, ValueError):
                 out.write(raw)
@@ -137,12 +141,22 @@ class ServeStage:
         return self.s.url
 
     def write_endpoint(self, state: str) -> None:
-        write_json(self.endpoint, {
-            "url": self.advertised_url(), "host": self.s.host, "port": self.s.port, "backend": self.s.backend,
-            "model": self.s.model, "served_model_name": self.s.served_model_name, "state": state,
-            "pid": self.child.pid if self.child else None, "attempt": self.ctx.attempt, "t": time.time(),
-            "speculative": self.s.speculative is not None,
-        })
+        write_json(
+            self.endpoint,
+            {
+                "url": self.advertised_url(),
+                "host": self.s.host,
+                "port": self.s.port,
+                "backend": self.s.backend,
+                "model": self.s.model,
+                "served_model_name": self.s.served_model_name,
+                "state": state,
+                "pid": self.child.pid if self.child else None,
+                "attempt": self.ctx.attempt,
+                "t": time.time(),
+                "speculative": self.s.speculative is not None,
+            },
+        )
 
     # -- phases -------------------------------------------------------------------------------
     def preflight(self) -> None:
@@ -153,7 +167,9 @@ class ServeStage:
             self.ctx.message(f"picked free port {self.s.port} on {self.s.host}")
         problem = preflight.port_problem(self.s.host, self.s.port)
         if problem:
-            self.unhealthy_fail(f"{problem}: stop that server or set [serve] port to another port (0 = any free)", 3)
+            self.unhealthy_fail(
+                f"{problem}: stop that server or set [serve] port to another port (0 = any free)", 3
+            )
         problem, note = preflight.gpu_problem(self.s.gpus, self.ctx.run_dir, self.ctx.stage_id)
         if note:
             self.ctx.message(note, level="warning", code="gpu-guard-skipped")
@@ -162,16 +178,27 @@ class ServeStage:
                 self.ctx.message(f"GPU guard overridden (--force): {problem}", level="warning", code="forced")
             else:
                 where = self.ctx.run_dir or "RUN"
-                self.unhealthy_fail(f"GPU guard: {problem} — stop it, or override once with "
-                                    f"`python -m pipeline.run.ctl {where} force {self.ctx.stage_id}`", 3)
+                self.unhealthy_fail(
+                    f"GPU guard: {problem} — stop it, or override once with "
+                    f"`python -m pipeline.run.ctl {where} force {self.ctx.stage_id}`",
+                    3,
+                )
 
     def launch(self) -> None:
         argv, extra_env = backends.launch(self.s, sys.executable)
         env = {**os.environ, **extra_env}
-        self.ctx.message("launching " + self.s.backend + " server: $ " + " ".join(argv), code="launch", argv=argv)
+        self.ctx.message(
+            "launching " + self.s.backend + " server: $ " + " ".join(argv), code="launch", argv=argv
+        )
         try:
-            self.child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.ctx.out))
+            self.child = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(self.ctx.out),
+            )
         except OSError as exc:
             self.unhealthy_fail(f"cannot start the server ({argv[0]}): {exc}", 127)
         assert self.child.stdout is not None
@@ -189,11 +216,20 @@ class ServeStage:
         while not self.stop.is_set():
             rc = self.child.poll()
             if rc is not None:
-                last = next((ln for ln in reversed(self.follower.tail) if ln.strip()), "") if self.follower else ""
+                last = (
+                    next((ln for ln in reversed(self.follower.tail) if ln.strip()), "")
+                    if self.follower
+                    else ""
+                )
                 phase = "after it was ready" if tracker.ever_ready else "during startup"
                 self.ctx.health("unhealthy", detail=f"server exited with code {rc}")
-                self.ctx.message(f"the server exited with code {rc} {phase}" + (f": {last[:300]}" if last else "")
-                                 + " (full output in the stage log)", level="error", code="server-exited")
+                self.ctx.message(
+                    f"the server exited with code {rc} {phase}"
+                    + (f": {last[:300]}" if last else "")
+                    + " (full output in the stage log)",
+                    level="error",
+                    code="server-exited",
+                )
                 self.write_endpoint("exited")
                 return 1
             ok, detail = probe(self.s.host, self.s.port, self.s.health_timeout_s)
@@ -207,21 +243,32 @@ class ServeStage:
                 self.ctx.message(f"server ready at {self.s.url} after {elapsed:.0f}s", code="ready")
             elif change == "unhealthy":
                 if tracker.startup_expired:
-                    self.ctx.health("unhealthy", detail=f"no healthy answer within {self.s.startup_timeout_s:g}s")
-                    self.ctx.message(f"the server did not become healthy within {self.s.startup_timeout_s:g}s "
-                                     f"(last probe: {last_detail}); stopping it", level="error", code="startup-timeout")
+                    self.ctx.health(
+                        "unhealthy", detail=f"no healthy answer within {self.s.startup_timeout_s:g}s"
+                    )
+                    self.ctx.message(
+                        f"the server did not become healthy within {self.s.startup_timeout_s:g}s "
+                        f"(last probe: {last_detail}); stopping it",
+                        level="error",
+                        code="startup-timeout",
+                    )
                     self.write_endpoint("unhealthy")
                     return 1
                 self.ctx.health("unhealthy", detail=last_detail[:300])
-                self.ctx.message(f"health check failed {tracker.failures} times in a row: {last_detail}",
-                                 level="warning", code="unhealthy")
+                self.ctx.message(
+                    f"health check failed {tracker.failures} times in a row: {last_detail}",
+                    level="warning",
+                    code="unhealthy",
+                )
                 self.write_endpoint("unhealthy")
             with self.follower.lock:
                 reqs, errs = self.stats.requests, self.stats.errors
             if reqs != last_requests:
                 last_requests = reqs
                 self.ctx.metric("requests", reqs, errors_5xx=errs)
-            self.stop.wait(self.s.health_interval_s if tracker.ever_ready else min(1.0, self.s.health_interval_s))
+            self.stop.wait(
+                self.s.health_interval_s if tracker.ever_ready else min(1.0, self.s.health_interval_s)
+            )
         return 0
 
     def shutdown(self) -> None:
@@ -275,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.serve", description=__doc__.split("\n")[0])
     add_common_args(ap)
     ap.add_argument("--mode", choices=MODES, default="plain", help="eagle3: serve with the [deploy] draft")
-    ap.add_argument("--draft", default=None, help="EAGLE-3 draft checkpoint (overrides [deploy] draft_model_path)")
+    ap.add_argument(
+        "--draft", default=None, help="EAGLE-3 draft checkpoint (overrides [deploy] draft_model_path)"
+    )
     ap.add_argument("--dataset", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
@@ -304,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         stage.shutdown()
     if stage.stop.is_set() and rc == 0:
         reason = stage.stop_reason()
-        ctx.message(f"server stopped ({'no longer needed' if reason == 'stop' else reason or 'signal'})",
-                    code="stopped")
+        ctx.message(
+            f"server stopped ({'no longer needed' if reason == 'stop' else reason or 'signal'})",
+            code="stopped",
+        )
         ctx.close()
         return 0 if reason in (None, "stop") else 128 + (stage.stop_signal or signal.SIGTERM)
     ctx.close()

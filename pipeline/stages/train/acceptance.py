@@ -35,8 +35,16 @@ def accept_sums(draft: Eagle3Draft, b: Batch, spec_steps: int, autocast: bool) -
     return float(accepted[start].sum()), int(start.sum())
 
 
-def simulated_accept_length(draft: Eagle3Draft, data: Any, rows: list[int], device: torch.device, dtype: torch.dtype,
-                            spec_steps: int, micro_batch: int, autocast: bool) -> float:
+def simulated_accept_length(
+    draft: Eagle3Draft,
+    data: Any,
+    rows: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    spec_steps: int,
+    micro_batch: int,
+    autocast: bool,
+) -> float:
     """Mean simulated accept length of ``draft`` over ``rows`` of ``data`` (``batches.OfflineData``/``OnlineData``)."""
     was_training = draft.training
     draft.eval()
@@ -44,7 +52,9 @@ def simulated_accept_length(draft: Eagle3Draft, data: Any, rows: list[int], devi
     try:
         order = sorted(rows, key=lambda i: (-data.length(i), i))
         for a in range(0, len(order), micro_batch):
-            s, n = accept_sums(draft, data.batch(order[a:a + micro_batch], device, dtype), spec_steps, autocast)
+            s, n = accept_sums(
+                draft, data.batch(order[a : a + micro_batch], device, dtype), spec_steps, autocast
+            )
             total, count = total + s, count + n
     finally:
         draft.train(was_training)

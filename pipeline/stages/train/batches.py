@@ -62,8 +62,14 @@ class OfflineData:
             for k, i in enumerate(idx):
                 buf[k, : lengths[k]].copy_(self.store.view(i, name))
             out[name] = buf
-        return Batch(out["aux"], out["last_hidden"], out["target_argmax"], out["input_ids"], out["loss_mask"],
-                     torch.tensor(lengths))
+        return Batch(
+            out["aux"],
+            out["last_hidden"],
+            out["target_argmax"],
+            out["input_ids"],
+            out["loss_mask"],
+            torch.tensor(lengths),
+        )
 
     def batch(self, idx: list[int], device: torch.device, dtype: torch.dtype) -> Batch:
         return to_device(self.host_batch(idx, pin=device.type == "cuda"), device, dtype)
@@ -72,10 +78,14 @@ class OfflineData:
 def to_device(b: Batch, device: torch.device, dtype: torch.dtype) -> Batch:
     """The batch on ``device`` (features in ``dtype``); non-blocking from pinned host memory."""
     nb = b.aux.is_pinned()
-    return Batch(b.aux.to(device, dtype, non_blocking=nb), b.last_hidden.to(device, dtype, non_blocking=nb),
-                 b.target_argmax.to(device, torch.long, non_blocking=nb),
-                 b.input_ids.to(device, torch.long, non_blocking=nb),
-                 b.loss_mask.to(device, torch.bool, non_blocking=nb), b.lengths.to(device, non_blocking=nb))
+    return Batch(
+        b.aux.to(device, dtype, non_blocking=nb),
+        b.last_hidden.to(device, dtype, non_blocking=nb),
+        b.target_argmax.to(device, torch.long, non_blocking=nb),
+        b.input_ids.to(device, torch.long, non_blocking=nb),
+        b.loss_mask.to(device, torch.bool, non_blocking=nb),
+        b.lengths.to(device, non_blocking=nb),
+    )
 
 
 class OnlineData:

@@ -34,14 +34,25 @@ def checkpoints(out: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(out: Path, step: int, draft: Eagle3Draft, opt: torch.optim.Optimizer, settings: TrainSettings,
-                    extra: dict[str, Any]) -> Path:
+def save_checkpoint(
+    out: Path,
+    step: int,
+    draft: Eagle3Draft,
+    opt: torch.optim.Optimizer,
+    settings: TrainSettings,
+    extra: dict[str, Any],
+) -> Path:
     final = out / CKPT_DIR / f"step_{step:08d}"
     tmp = out / CKPT_DIR / f".step_{step:08d}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     save_draft(draft, tmp)
-    state = {"step": step, "model": {k: v.detach().cpu() for k, v in draft.trainable_state().items()},
-             "optimizer": opt.state_dict(), "settings": asdict(settings), **extra}
+    state = {
+        "step": step,
+        "model": {k: v.detach().cpu() for k, v in draft.trainable_state().items()},
+        "optimizer": opt.state_dict(),
+        "settings": asdict(settings),
+        **extra,
+    }
     torch.save(state, tmp / STATE_FILE)
     if final.exists():
         shutil.rmtree(final)

@@ -30,17 +30,28 @@ _DONE = object()
 class Feeder:
     """Iterates ``(step, [device batches])`` for ``steps``; ``chunks(step)`` names each batch's rows."""
 
-    def __init__(self, data: Any, steps: Iterable[int], chunks: Callable[[int], list[list[int]]],
-                 device: torch.device, dtype: torch.dtype, depth: int = 2) -> None:
+    def __init__(
+        self,
+        data: Any,
+        steps: Iterable[int],
+        chunks: Callable[[int], list[list[int]]],
+        device: torch.device,
+        dtype: torch.dtype,
+        depth: int = 2,
+    ) -> None:
         self.data, self.chunks, self.device, self.dtype = data, chunks, device, dtype
         self.cuda = device.type == "cuda"
-        if self.cuda and device.index is None:  # "cuda" means the caller's current GPU; the thread must name it
+        if (
+            self.cuda and device.index is None
+        ):  # "cuda" means the caller's current GPU; the thread must name it
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(list(steps),), name="aerie-train-feeder", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, args=(list(steps),), name="aerie-train-feeder", daemon=True
+        )
         self.thread.start()
 
     def _put(self, item: Any) -> bool:
@@ -99,8 +110,9 @@ class Feeder:
 class Inline:
     """The same interface, assembling each step's batches when asked (online data: the target runs here)."""
 
-    def __init__(self, data: Any, chunks: Callable[[int], list[list[int]]], device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, data: Any, chunks: Callable[[int], list[list[int]]], device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.data, self.chunks, self.device, self.dtype = data, chunks, device, dtype
 
     def next(self, step: int) -> list[Batch]:

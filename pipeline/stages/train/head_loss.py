@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
-RowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                  tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+RowsFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 
 
-def soft_ce_rows(z: torch.Tensor, table: torch.Tensor, idx: torch.Tensor,
-                 w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def soft_ce_rows(
+    z: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For rows of draft logits ``z``, their target logits ``table[idx]`` (same vocabulary; gathered here,
     so that compiled, the gather is part of the fused kernels) and row weights ``w``:
     (Σ w·CE(softmax target, z) in fp32, its gradient w.r.t. ``z`` in ``z``'s dtype, argmax of ``z``)."""
@@ -67,9 +69,19 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor, w: torch.Tensor, chunk: int, work: torch.dtype, rows_fn: RowsFn,
-                grads: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        target_logits: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        w: torch.Tensor,
+        chunk: int,
+        work: torch.dtype,
+        rows_fn: RowsFn,
+        grads: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # needs_input_grad stays True under no_grad; ``grads`` is the caller's grad mode
         need_x, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
@@ -104,9 +116,16 @@ class _LinearSoftCE(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None, None
 
 
-def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor,
-                   cols: torch.Tensor, w: torch.Tensor, chunk_tokens: int,
-                   work: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_soft_ce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target_logits: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    w: torch.Tensor,
+    chunk_tokens: int,
+    work: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ over the ``n`` rows of ``x`` of ``w``·CE, the draft ids of ``argmax x Wᵀ``).
 
     ``x``: (n, hidden), the normed draft hidden states; ``weight``: the ``lm_head`` (draft vocab ×
@@ -125,7 +144,9 @@ def linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.T
         except torch.cuda.OutOfMemoryError:
             raise  # the stage's OOM handling must see it; eager would not fit either
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop training; it costs speed
-            warnings.warn(f"compiled soft-label loss failed ({type(exc).__name__}: {exc}); running it eagerly",
-                          stacklevel=2)
+            warnings.warn(
+                f"compiled soft-label loss failed ({type(exc).__name__}: {exc}); running it eagerly",
+                stacklevel=2,
+            )
             _compiled = soft_ce_rows
     return _LinearSoftCE.apply(x, weight, target_logits, rows, cols, w, chunk, work, soft_ce_rows, grads)

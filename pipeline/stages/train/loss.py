@@ -27,12 +27,22 @@ DEFAULT_CHUNK_TOKENS = 4096
 
 
 def counts_of(batches: list[Batch], steps: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([sum(int(b.step_mask(j).sum()) for b in batches) for j in range(steps)],
-                        dtype=torch.float64, device=device)
+    return torch.tensor(
+        [sum(int(b.step_mask(j).sum()) for b in batches) for j in range(steps)],
+        dtype=torch.float64,
+        device=device,
+    )
 
 
-def ttt_sums(model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.Tensor, steps: int,
-             autocast: bool, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[list[torch.Tensor], torch.Tensor]:
+def ttt_sums(
+    model: Any,
+    draft: Eagle3Draft,
+    b: Batch,
+    head_d: torch.Tensor,
+    steps: int,
+    autocast: bool,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per TTT step: the summed soft-label CE (with grad) and the number of correct greedy tokens.
 
     ``model`` is the draft or its DDP wrapper; ``head_d`` the target's ``lm_head`` rows of the draft
@@ -54,7 +64,9 @@ def ttt_sums(model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.Tensor, ste
         weight = draft.t2d[am].to(torch.float32)  # a target token outside the draft vocab teaches nothing
         with torch.autocast(b.aux.device.type, dtype=torch.bfloat16, enabled=autocast):
             x = draft.norm(hj[rows, cols])
-        loss, guess = linear_soft_ce(x, draft.lm_head.weight, target_logits, rows, tcols, weight, chunk_tokens, work)
+        loss, guess = linear_soft_ce(
+            x, draft.lm_head.weight, target_logits, rows, tcols, weight, chunk_tokens, work
+        )
         correct[j] += (draft.draft_to_target(guess) == am).sum()
         losses.append(loss)
     return losses, correct
@@ -68,8 +80,9 @@ def target_logits_of(last_hidden: torch.Tensor, head_d: torch.Tensor, autocast: 
     return last_hidden.float() @ head_d.float().T
 
 
-def ttt_sums_unchunked(model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.Tensor, steps: int,
-                       autocast: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+def ttt_sums_unchunked(
+    model: Any, draft: Eagle3Draft, b: Batch, head_d: torch.Tensor, steps: int, autocast: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`ttt_sums` as first written: every step's full (B, S, Vd) logits kept for backward."""
     with torch.no_grad():
         tgt = target_logits_of(b.last_hidden, head_d, False).log_softmax(-1)  # target over the draft vocab

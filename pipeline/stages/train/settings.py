@@ -32,9 +32,13 @@ class TrainSettings:
     target: str = ""  # "online-tp": every rank holds a tensor-parallel shard of the target and captures
     length_grouping: int = 16  # sort rows by length within windows of this many batches (0: plain shuffle)
     prefetch: int = 2  # GPU, offline data: steps assembled ahead on a feeder thread (0: on the step's thread)
-    eval_every: int = 0  # simulated acceptance on held-out rows every N steps (0: at every checkpoint; -1: never)
+    eval_every: int = (
+        0  # simulated acceptance on held-out rows every N steps (0: at every checkpoint; -1: never)
+    )
     eval_rows: int = 64  # held-out rows it reads (the first N of the extraction's eval split)
-    eval_spec_steps: int = 0  # draft steps per verification it simulates (--speculative-num-steps); 0: min(3, ttt_steps)
+    eval_spec_steps: int = (
+        0  # draft steps per verification it simulates (--speculative-num-steps); 0: min(3, ttt_steps)
+    )
     loss_chunk_tokens: int = 4096  # tokens per soft-label loss chunk (0: every step's full logits at once)
 
     @classmethod
@@ -53,23 +57,37 @@ class TrainSettings:
                 raise ValueError(f"{where}: train.{k}: expected {want.__name__}, got {v!r}")
             vals[k] = v
         s = cls(**vals)
-        for k in ("steps", "batch_size", "micro_batch", "ttt_steps", "checkpoint_every", "log_every", "nproc"):
+        for k in (
+            "steps",
+            "batch_size",
+            "micro_batch",
+            "ttt_steps",
+            "checkpoint_every",
+            "log_every",
+            "nproc",
+        ):
             if getattr(s, k) < 1:
                 raise ValueError(f"{where}: train.{k}: must be at least 1")
         if s.loss_chunk_tokens < 0:
             raise ValueError(f"{where}: train.loss_chunk_tokens: must be 0 (no chunking) or more")
         if s.batch_size % s.nproc:
-            raise ValueError(f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})")
+            raise ValueError(
+                f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})"
+            )
         for k in ("length_grouping", "prefetch", "eval_rows", "eval_spec_steps"):
             if getattr(s, k) < 0:
                 raise ValueError(f"{where}: train.{k}: must be 0 or more")
         if s.eval_every < -1:
-            raise ValueError(f"{where}: train.eval_every: -1 (never), 0 (at every checkpoint) or a number of steps")
+            raise ValueError(
+                f"{where}: train.eval_every: -1 (never), 0 (at every checkpoint) or a number of steps"
+            )
         if s.eval_spec_steps > s.ttt_steps:
-            raise ValueError(f"{where}: train.eval_spec_steps ({s.eval_spec_steps}) cannot exceed train.ttt_steps "
-                             f"({s.ttt_steps}): the draft is only trained that deep")
+            raise ValueError(
+                f"{where}: train.eval_spec_steps ({s.eval_spec_steps}) cannot exceed train.ttt_steps "
+                f"({s.ttt_steps}): the draft is only trained that deep"
+            )
         if s.target not in ("", "online-tp"):
-            raise ValueError(f"{where}: train.target: \"online-tp\" (or leave it out), got {s.target!r}")
+            raise ValueError(f'{where}: train.target: "online-tp" (or leave it out), got {s.target!r}')
         if s.init_lm_head not in ("target", "random"):
             raise ValueError(f"{where}: train.init_lm_head: 'target' or 'random', got {s.init_lm_head!r}")
         return s
@@ -105,8 +123,7 @@ def global_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     epoch, b = divmod(step - 1, per_epoch)
     g = torch.Generator().manual_seed(seed * 100003 + epoch)
     perm = torch.randperm(n, generator=g)
-    return perm[b * batch_size:(b + 1) * batch_size].tolist()
-
+    return perm[b * batch_size : (b + 1) * batch_size].tolist()
 
 
 class BatchSchedule:
@@ -118,7 +135,9 @@ class BatchSchedule:
     epoch in a random order of batches. ``window`` = 0 is the plain shuffle of :func:`global_indices`.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, lengths: list[int] | None = None, window: int = 0) -> None:
+    def __init__(
+        self, n: int, batch_size: int, seed: int, lengths: list[int] | None = None, window: int = 0
+    ) -> None:
         if window and (lengths is None or len(lengths) != n):
             raise ValueError("length grouping needs every row's length")
         self.n, self.batch_size, self.seed, self.lengths, self.window = n, batch_size, seed, lengths, window
@@ -140,7 +159,9 @@ class BatchSchedule:
         span = self.window * self.batch_size
         batches: list[list[int]] = []
         for a in range(0, len(perm), span):
-            win = sorted(perm[a:a + span], key=lambda i: self.lengths[i])  # stable: ties keep the random order
-            batches += [win[k:k + self.batch_size] for k in range(0, len(win), self.batch_size)]
+            win = sorted(
+                perm[a : a + span], key=lambda i: self.lengths[i]
+            )  # stable: ties keep the random order
+            batches += [win[k : k + self.batch_size] for k in range(0, len(win), self.batch_size)]
         order = torch.randperm(len(batches), generator=g).tolist()
         return [batches[k] for k in order]

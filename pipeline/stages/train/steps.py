@@ -23,7 +23,7 @@ from pipeline.stages.train.settings import BatchSchedule, TrainSettings, lr_at
 def rank_chunks(all_idx: list[int], rank: int, world: int, length: Any, micro_batch: int) -> list[list[int]]:
     """Rank ``rank``'s slice of a step's global batch, longest first, in micro-batches."""
     idx = sorted(all_idx[rank::world], key=lambda i: (-length(i), i))
-    return [idx[a:a + micro_batch] for a in range(0, len(idx), micro_batch)]
+    return [idx[a : a + micro_batch] for a in range(0, len(idx), micro_batch)]
 
 
 @dataclass
@@ -87,9 +87,10 @@ class Steps:
             sync = bi == len(batches) - 1 or dist.world == 1
             ctxm = self.model.no_sync() if (dist.world > 1 and not sync) else _null()
             with ctxm:
-                losses, corr = ttt_sums(self.model, self.draft, b, self.head_d, s.ttt_steps, self.autocast,
-                                        s.loss_chunk_tokens)
-                total = sum((s.loss_decay ** j) * losses[j] / denom[j] for j in range(s.ttt_steps))
+                losses, corr = ttt_sums(
+                    self.model, self.draft, b, self.head_d, s.ttt_steps, self.autocast, s.loss_chunk_tokens
+                )
+                total = sum((s.loss_decay**j) * losses[j] / denom[j] for j in range(s.ttt_steps))
                 (total * dist.world).backward()
             loss_sums += torch.stack([x.detach().double() for x in losses])
             correct += corr
@@ -97,11 +98,22 @@ class Steps:
         self.opt.step()
         if self.steps_log is not None:
             self.steps_log.record(step, [self.data.row_id(i) for i in all_idx])
-        stats = dist.sum(torch.cat([loss_sums, correct, torch.tensor([float(sum(int(b.lengths.sum()) for b in batches))],
-                                                                      dtype=torch.float64, device=device)]))
+        stats = dist.sum(
+            torch.cat(
+                [
+                    loss_sums,
+                    correct,
+                    torch.tensor(
+                        [float(sum(int(b.lengths.sum()) for b in batches))],
+                        dtype=torch.float64,
+                        device=device,
+                    ),
+                ]
+            )
+        )
         dt = time.monotonic() - t0
         k = s.ttt_steps
-        step_loss = sum((s.loss_decay ** j) * float(stats[j] / denom[j]) for j in range(k))
+        step_loss = sum((s.loss_decay**j) * float(stats[j] / denom[j]) for j in range(k))
         if ctx and (step % s.log_every == 0 or step == s.steps or step == self.first):
             ctx.metric("loss", step_loss, step=step)
             for j in range(k):
@@ -125,8 +137,16 @@ class Steps:
         """Simulated accept length on the held-out rows (every rank computes it: online-TP captures together);
         rank 0 keeps the best draft. Only at a checkpointed step can it become the best: a resume never keeps a
         draft from steps it has lost."""
-        acc = simulated_accept_length(self.draft, self.eval_data, self.eval_rows, self.device, self.dtype,
-                                      self.s.spec_steps, self.s.micro_batch, self.autocast)
+        acc = simulated_accept_length(
+            self.draft,
+            self.eval_data,
+            self.eval_rows,
+            self.device,
+            self.dtype,
+            self.s.spec_steps,
+            self.s.micro_batch,
+            self.autocast,
+        )
         if self.ctx:
             self.ctx.metric("accept_length", acc, step=step)
         if saved and (self.best is None or acc > self.best["accept_length"]):
@@ -134,8 +154,12 @@ class Steps:
             if self.dist.main:
                 save_best(self.out, self.draft, self.best)
                 if self.ctx:
-                    self.ctx.message(f"best draft so far: step {step}, simulated accept length {acc:.3f} "
-                                     f"(steps = {self.s.spec_steps})", code="best_draft", step=step)
+                    self.ctx.message(
+                        f"best draft so far: step {step}, simulated accept length {acc:.3f} "
+                        f"(steps = {self.s.spec_steps})",
+                        code="best_draft",
+                        step=step,
+                    )
         self.dist.barrier()
 
 
