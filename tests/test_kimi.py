@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -461,6 +462,32 @@ def test_reference_plan_passes_the_deep_check_against_kimi_k25_sizes(hf_cache: P
         n["capture_bytes_per_rank"] < 141e9
         and n["target_sharded_bytes"] > 7 * n["capture_bytes_per_rank"] / 2
     )
+
+
+def test_the_deep_check_says_when_transformers_is_a_release_it_was_not_tested_with(
+    tmp_path: Path, tiny_kimi: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5.25 shards DeepSeek-V3 differently from 5.24 (routed experts under an EP plan): the
+    memory lines must not look as certain on a release nobody ran them on."""
+    from pipeline import tested_versions
+    from pipeline.eagle3 import chain_check
+    from pipeline.run import plan as plan_mod
+
+    plan = plan_mod.load(_plan(tmp_path, tiny_kimi))
+    assert tested_versions.untested({"torch": "2.13.0+cpu", "transformers": "5.24.0"}) == []
+    assert tested_versions.untested({"torch": "2.11.0+cu130", "transformers": "5.17.0"}) == []
+    for versions, warned in (
+        ({"transformers": "5.25.0", "torch": "2.13.0+cpu"}, True),
+        ({"transformers": "5.24.0", "torch": "2.13.0+cpu"}, False),
+    ):
+        monkeypatch.setattr(tested_versions, "installed", versions.get)
+        line = by_name(asdict(chain_check.check(plan, free_bytes=10**13)))["versions"]
+        assert line["ok"] and line["warning"] == warned, line
+        if warned:
+            assert "transformers 5.25.0 is not a release Aerie was tested with" in line["detail"]
+            assert "5.24 (the CPU lock)" in line["detail"] and "TP plan" in line["detail"]
+        else:
+            assert line["detail"] == "torch 2.13.0+cpu, transformers 5.24.0 (tested)"
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import tested_versions
 from pipeline.run import plan as plan_mod
 
 GiB = 1024**3
@@ -284,6 +285,18 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         tp_size=tp,
         target_sharded_bytes=pb["sharded"],
         target_replicated_bytes=pb["replicated"],
+    )
+    # The per-rank split above is read from the installed transformers' TP plan; a release Aerie was not
+    # tested with may shard differently (5.25 moved DeepSeek-V3's routed experts to an EP plan): say so.
+    notes = tested_versions.untested()
+    rep.add(
+        "versions",
+        True,
+        "; ".join(notes) + "; the per-rank memory below follows this release's TP plan, checked only on the "
+        "tested releases (docs/testing.md, Versions)"
+        if notes
+        else ", ".join(f"{p} {tested_versions.installed(p)}" for p in tested_versions.TESTED) + " (tested)",
+        warning=bool(notes),
     )
     gpu_gb = plan.resources.get("gpu_memory_gb")
     if online_tp:

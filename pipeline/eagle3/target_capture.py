@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline import tested_versions
 from pipeline.data import model_assets
 from pipeline.eagle3.draft_model import default_aux_layers, normalise_aux_layers
 
@@ -178,6 +179,12 @@ def load_target(
     CPU, with gloo); ``device`` is the rank's device.
     """
     if parallel == "tp":
+        for (
+            note
+        ) in tested_versions.untested():  # the stage log says so: the shards may differ from the deep check's
+            print(
+                f"aerie: warning: {note}; tensor-parallel sharding follows this release's TP plan", flush=True
+            )
         model = model_assets.load_model(model_id, dtype=dtype, tp_plan="auto")
         # With one rank transformers applies no plan and leaves the weights where they were loaded.
         if str(device) not in ("cpu", "auto") and not any(
