@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.kimi_fixture import build_tiny_kimi
+from tests.tolerance import assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -181,12 +182,15 @@ def test_online_tp_training_equals_offline_extraction_then_training(base, online
     assert a.keys() == b.keys()
     for k in a:
         if a[k].is_floating_point():
+            # Offline features went through bf16 storage (2**-9 relative each) and six AdamW steps carry that
+            # into every weight: 1 % of each value, plus 1 % of the tensor's largest value as the floor for
+            # weights near zero (Adam's normalised step moves a weight by ~lr whatever its size).
             scale = float(b[k].abs().max()) or 1.0
-            assert float((a[k] - b[k]).abs().max()) <= 0.01 * scale, k
+            assert_close(a[k], b[k], rel=0.01, floor=0.01 * scale, what=k)
     lo, lf = losses(online_run), losses(d / "train-off")
     assert sorted(lo) == list(range(1, 7))
     for step in lo:
-        assert lo[step] == pytest.approx(lf[step], rel=0.01)
+        assert lo[step] == pytest.approx(lf[step], rel=0.01, abs=1e-3)  # losses of a few nats; floor near 0
     events = (online_run / "events.jsonl").read_text()
     assert "online, target tensor-parallel over the ranks" in events
 
@@ -228,7 +232,10 @@ def test_a_killed_online_tp_stage_resumes_at_the_right_row(base, online_run: Pat
     a, b = final_state(out), final_state(online_run)
     for k in a:
         if a[k].is_floating_point():
-            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+            # Same world size, rows and checkpointed state: the two can differ only by the order gloo's
+            # all-reduce adds the ranks' gradients in (~1e-7 relative after a few steps); the 1e-6 floor is
+            # for weights near zero, far below one AdamW step (~lr = 1e-3).
+            assert_close(a[k], b[k], rel=1e-5, floor=1e-6, what=k)
 
 
 def leftovers(out: Path) -> list[int]:

@@ -23,6 +23,7 @@ from bench.specforge_peer import (
     specforge_ttt,
     tiny_config,
 )
+from tests.tolerance import assert_close
 
 WHY = specforge_available()
 if WHY and os.environ.get("AERIE_REQUIRE_SPECFORGE") == "1":
@@ -52,7 +53,10 @@ def test_same_logits_at_every_ttt_step(runs) -> None:
             cols = n - 1 - j  # columns whose step-j input token exists
             sf_l, ae_l = s["logits"][j][row, :cols], a["logits"][j][row, :cols]
             assert sf_l.abs().max() > 1.0  # not a vacuous comparison of zeros
-            assert torch.allclose(sf_l, ae_l, rtol=1e-4, atol=2e-5), (j, row, (sf_l - ae_l).abs().max())
+            # Same fp32 weights and inputs, different kernels (SpecForge's attention vs Aerie's): order
+            # noise of sums over ~hidden terms compounded over j TTT steps; logits of size ~1-10, so 1e-4
+            # relative, and 2e-5 absolute for logits near zero.
+            assert_close(sf_l, ae_l, rel=1e-4, floor=2e-5, what=f"step {j} row {row}")
 
 
 def test_same_loss_and_accuracy_at_every_ttt_step(runs) -> None:
@@ -76,4 +80,6 @@ def test_same_gradients_of_the_decayed_ttt_loss(runs) -> None:
     ae_grads = {k: p.grad for k, p in aerie.named_parameters() if p.grad is not None}
     assert sf_grads.keys() == ae_grads.keys() and "midlayer.self_attn.q_proj.weight" in ae_grads
     for k, g in ae_grads.items():
-        assert torch.allclose(sf_grads[k], g, rtol=1e-3, atol=1e-5 * float(g.abs().max())), k
+        # Gradients sum over every scored token and TTT step: wider order noise (1e-3 relative), and a floor of
+        # 1e-5 of the tensor's largest gradient for entries that nearly cancel.
+        assert_close(sf_grads[k], g, rel=1e-3, floor=1e-5 * float(g.abs().max()), what=k)

@@ -111,7 +111,8 @@ def test_resume_after_a_kill_continues_the_loss_curve_from_the_checkpoint(tmp_pa
     assert min(second_loss) == ckpt + 1  # not step 1
     assert max(second_loss) == 30
     for step in range(ckpt + 1, killed_at + 1):  # the steps both attempts ran agree exactly
-        assert second_loss[step] == pytest.approx(first_loss[step], rel=1e-5), step
+        # one process, same checkpoint and rows: fp32 order noise only (a floor for a loss near 0)
+        assert second_loss[step] == pytest.approx(first_loss[step], rel=1e-5, abs=1e-6), step
 
 
 @pytest.mark.slow
@@ -129,7 +130,7 @@ def test_online_training_sees_the_same_targets_as_offline(tmp_path_factory, tmp_
     online = losses(events(tmp_path / "train"))
     assert list(online) == [1]
     # same init, same batch; offline features went through bf16 storage
-    assert online[1] == pytest.approx(offline[1], rel=0.03)
+    assert online[1] == pytest.approx(offline[1], rel=0.03, abs=1e-3)
     assert json.loads((tmp_path / "train" / "manifest.json").read_text())["mode"] == "online"
 
 

@@ -10,6 +10,7 @@ from pipeline.eagle3.draft_model import Eagle3Draft
 from pipeline.stages.train.batches import Batch
 from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked
 from tests.test_eagle3_model import tiny_config, tiny_draft
+from tests.tolerance import assert_close
 
 
 def batch(seed: int, lengths: list[int], vocab: int = 64, hidden: int = 32) -> Batch:
@@ -48,7 +49,9 @@ def test_chunked_loss_accuracy_and_gradients_equal_the_unchunked(chunk: int) -> 
         assert a.item() == pytest.approx(r.item(), rel=1e-5, abs=1e-6)
     assert ref_grads.keys() == grads.keys() and "lm_head.weight" in grads and "fc.weight" in grads
     for k in ref_grads:
-        assert torch.allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6), k
+        # The same fp32 products summed in chunks of another size: order noise; the 1e-6 floor is for the
+        # gradients near zero (a wrong chunk boundary moves a gradient by its own size).
+        assert_close(grads[k], ref_grads[k], rel=1e-4, floor=1e-6, what=k)
 
 
 def test_a_micro_batch_with_nothing_to_score_still_gives_every_parameter_a_gradient() -> None:
@@ -144,7 +147,9 @@ def test_on_a_gpu_the_compiled_soft_label_loss_equals_the_eager_one(monkeypatch:
     ref.backward()
     z16 = (x0.bfloat16() @ w0.bfloat16().T).float()  # the products the loss takes its greedy ids from
     for loss, guess, gx, gw in (eager, compiled):
-        assert loss == pytest.approx(ref.item(), rel=2e-3)
+        assert loss == pytest.approx(
+            ref.item(), rel=2e-3, abs=1e-3
+        )  # bf16 products; a floor for a loss near 0
         assert torch.equal(guess, z16.argmax(-1))
         assert (guess == z.argmax(-1)).float().mean() > 0.95  # bf16 products flip some of 5000-way near-ties
         for got, want in (
@@ -152,5 +157,7 @@ def test_on_a_gpu_the_compiled_soft_label_loss_equals_the_eager_one(monkeypatch:
             (gw, w.grad),
         ):  # bf16 products: about 2^-8 relative, as autocast gives
             assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
-    assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
+    assert compiled[0] == pytest.approx(
+        eager[0], rel=1e-4, abs=1e-5
+    )  # the same bf16 products, fused in another order
     assert torch.equal(compiled[1], eager[1])
