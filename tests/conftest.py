@@ -46,6 +46,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _schedule(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items:
         import torch
@@ -60,6 +61,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    """Order and group the tests for pytest-xdist (the same on every worker, as xdist requires).
+
+    The longest tests go first, so no worker is left running a long one alone at the end: the demo, then
+    every test marked slow, then the rest, each group in collection order. The tests that share the session's
+    private Slurm cluster run on one worker (``--dist loadgroup``), so one cluster serves them all.
+    """
+
+    def rank(item: pytest.Item) -> int:
+        if item.nodeid.startswith("tests/test_demo.py"):
+            return 0
+        return 1 if "slow" in item.keywords else 2
+
+    items.sort(key=rank)  # stable: collection order within each rank
+    for item in items:
+        if {"slurm_cluster", "slurm_accounting_cluster"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def _skip_reason(longrepr: object) -> str:

@@ -141,7 +141,7 @@ def metrics(out: Path, name: str) -> list:
 
 # ------------------------------------------------------------------------------ shared stage outputs
 # Tests in several modules need the same real extraction / vocab / training; they are built once per
-# pytest session under its base temp dir (a lock keeps two builders from racing).
+# pytest run, in a folder all its workers share (a lock keeps two builders from racing).
 TEST_SECTIONS = {
     "extract": {"shard_tokens": 900, "batch_tokens": 600},
     "vocab": {"draft_vocab_size": 512},
@@ -158,11 +158,20 @@ TEST_SECTIONS = {
 }
 
 
+def session_dir(tmp_path_factory) -> Path:
+    """A folder every process of this pytest run shares: the base temp dir, or with pytest-xdist the folder
+    above the workers' own (``popen-gw0``, ``popen-gw1``…), so what one worker built the others reuse."""
+    import os
+
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def shared(tmp_path_factory, what: str) -> Path:
     """The shared out dir of ``what``: ``tok``, ``plan`` (a file), ``ext``, ``voc`` or ``train``."""
     import fcntl
 
-    base = tmp_path_factory.getbasetemp() / "eagle3-shared"
+    base = session_dir(tmp_path_factory) / "eagle3-shared"
     base.mkdir(parents=True, exist_ok=True)
     with open(base / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
