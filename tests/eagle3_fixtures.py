@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_llama import SHAPE as TINY_SHAPE
+from tests.tiny_llama import tiny_llama
 from tests.tolerance import BF16_STEP, assert_close, reduction_floor
 
-MODEL = "builtin:smollm2-135m-instruct"
+MODEL = "builtin:smollm2-135m-instruct"  # the real model: tests of quality, the tokenizer
+HIDDEN = TINY_SHAPE["hidden_size"]  # the hidden size of tiny_llama(), the target of the mechanics tests
 ROOT = Path(__file__).resolve().parent.parent
 
 FRUITS = ["apples", "pears", "plums", "cherries", "lemons", "grapes", "mangoes", "peaches"]
@@ -96,15 +99,17 @@ def write_tokenized(out: Path, n: int = 24, rows_per_shard: int = 12, prefix: st
     return out
 
 
-def write_plan(path: Path, **sections: dict) -> Path:
-    """A plan with no stages, the demo target and the given ``[section]`` tables."""
+def write_plan(path: Path, model: str | None = None, **sections: dict) -> Path:
+    """A plan with no stages, the given ``[section]`` tables and ``model`` as its target: by default the tiny
+    random-weight Llama (``tests/tiny_llama.py``), since what these plans test is mechanics, not quality."""
+    model = model or tiny_llama()
     lines = [
         "[run]",
         'name = "t"',
         f'dir = "{path.parent / "run"}"',
         "",
         "[target]",
-        f'model = "{MODEL}"',
+        f'model = "{model}"',
         "max_length = 256",
         "",
     ]
@@ -151,7 +156,7 @@ TEST_SECTIONS = {
         "micro_batch": 2,
         "ttt_steps": 3,
         "checkpoint_every": 12,
-        "lr": 0.002,
+        "lr": 0.005,
         "log_every": 1,
     },
     "bench": {"holdout": 0.2, "prompts": 2, "max_new_tokens": 20, "steps": 3},

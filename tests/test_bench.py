@@ -19,6 +19,7 @@ from tests.eagle3_fixtures import (
     metrics,
     run_stage,
     shared,
+    tiny_llama,
     write_plan,
     write_tokenized,
 )
@@ -28,7 +29,7 @@ from tests.eagle3_fixtures import (
 def target():
     from pipeline.eagle3.target_capture import load_target
 
-    return load_target(MODEL, [1, 14, 26])
+    return load_target(tiny_llama(), [1, 14, 26])  # the mechanics target the shared draft was trained on
 
 
 @pytest.fixture(scope="module")

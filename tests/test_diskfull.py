@@ -284,7 +284,8 @@ def test_extraction_on_a_full_disk_fails_naming_it_and_resumes_after_space_is_fr
     out = disk_24m / "ext"
     st = os.statvfs(disk_24m)
     ballast = disk_24m / "ballast"
-    ballast.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (4 << 20)))  # leave 4 MiB: ~3 shards of ~1.2 MB
+    # Leave room for ~3 of the ~10 shards (250 tokens of the tiny target: ~0.2 MB each), so the disk fills mid-way.
+    ballast.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (640 << 10)))
     p = run_stage("pipeline.stages.extract", plan, out, [tok], check=False)
     assert p.returncode != 0, "extraction did not run out of space"
     text = [e.get("text") for e in stage_events(out) if e.type == "message" and e.get("code") == "nospace"]

@@ -18,7 +18,17 @@ import torch
 from pipeline.data.shards import Row, is_heldout, iter_rows
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.stages.extract import length_batches, plan_shards
-from tests.eagle3_fixtures import MODEL, ROOT, events, metrics, run_stage, shared, write_plan, write_tokenized
+from tests.eagle3_fixtures import (
+    HIDDEN,
+    ROOT,
+    events,
+    metrics,
+    run_stage,
+    shared,
+    tiny_llama,
+    write_plan,
+    write_tokenized,
+)
 
 
 def _row(i: int, n: int) -> Row:
@@ -44,7 +54,7 @@ def test_extraction_captures_the_aux_layers_and_targets(tmp_path_factory) -> Non
     tok = shared(tmp_path_factory, "tok")
     man = json.loads((out / "manifest.json").read_text())
     assert man["kind"] == "hidden_states" and man["mode"] == "offline"
-    assert man["aux_layer_ids"] == [1, 14, 26] and man["hidden_size"] == 576
+    assert man["aux_layer_ids"] == [1, 14, 26] and man["hidden_size"] == HIDDEN
     train_rows = {r.id: r for r in iter_rows([tok], 0.2, "train")}
     assert man["rows"] == len(train_rows) and man["tokens"] == sum(r.num_tokens for r in train_rows.values())
 
@@ -58,13 +68,13 @@ def test_extraction_captures_the_aux_layers_and_targets(tmp_path_factory) -> Non
     assert sorted(stored_ids) == sorted(train_rows)  # every training row once, no held-out row
     assert not any(is_heldout(i, 0.2) for i in stored_ids)
 
-    model = load_model(MODEL).eval()
+    model = load_model(tiny_llama()).eval()
     for i in (0, len(store) - 1):
         s = store[i]
         row = train_rows[stored_ids[i]]
         n = row.num_tokens
-        assert s.aux.shape == (n, 3 * 576) and s.aux.dtype == torch.bfloat16
-        assert s.last_hidden.shape == (n, 576) and s.target_argmax.shape == (n,)
+        assert s.aux.shape == (n, 3 * HIDDEN) and s.aux.dtype == torch.bfloat16
+        assert s.last_hidden.shape == (n, HIDDEN) and s.target_argmax.shape == (n,)
         assert np.array_equal(s.input_ids.numpy(), row.input_ids) and np.array_equal(
             s.loss_mask.numpy(), row.loss_mask
         )
@@ -72,7 +82,7 @@ def test_extraction_captures_the_aux_layers_and_targets(tmp_path_factory) -> Non
             o = model(torch.from_numpy(row.input_ids.astype("int64"))[None], output_hidden_states=True)
         for k, layer in enumerate((1, 14, 26)):  # hidden_states[l + 1] is the output of layer l
             ref = o.hidden_states[layer + 1][0]
-            got = s.aux[:, k * 576 : (k + 1) * 576].float()
+            got = s.aux[:, k * HIDDEN : (k + 1) * HIDDEN].float()
             assert (got - ref).norm() / ref.norm() < 1e-2, layer
         assert (s.last_hidden.float() - o.hidden_states[-1][0]).norm() / o.hidden_states[-1][0].norm() < 1e-2
         agree = (s.target_argmax.long() == o.logits[0].argmax(-1)).float().mean()
@@ -87,7 +97,7 @@ def test_extraction_reports_projected_and_actual_bytes(tmp_path_factory) -> None
     act = metrics(out, "actual_bytes")
     # the held-out rows training measures acceptance on are stored too, and counted in the budget
     assert man["eval_rows"] > 0 and man["eval_shards"]
-    assert proj[0].get("value") == (man["tokens"] + man["eval_tokens"]) * hs.bytes_per_token(576, 3)
+    assert proj[0].get("value") == (man["tokens"] + man["eval_tokens"]) * hs.bytes_per_token(HIDDEN, 3)
     assert (
         act[-1].get("value")
         == man["bytes"]
@@ -196,7 +206,7 @@ def test_the_stored_shards_are_what_the_synchronous_write_path_stored_from_the_s
     out, tok = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "tok")
     man = json.loads((out / "manifest.json").read_text())
     train_rows = {r.id: r for r in iter_rows([tok], 0.2, "train")}
-    target = load_target(MODEL, man["aux_layer_ids"])
+    target = load_target(tiny_llama(), man["aux_layer_ids"])
     for s in man["shards"]:
         with safe_open(str(out / s["file"]), framework="pt") as f:
             ids = json.loads(f.metadata()["ids"])

@@ -28,7 +28,7 @@ import pytest
 
 from pipeline.run.procs import group_members
 from pipeline.run.rundir import read_json
-from tests.eagle3_fixtures import MODEL, TEST_SECTIONS, shared
+from tests.eagle3_fixtures import TEST_SECTIONS, shared, tiny_llama
 from tests.runs import ROOT, events, kill_run_stages, make_run, start_supervisor, stop, wait_done, wait_for
 
 CG = Path("/sys/fs/cgroup")
@@ -98,7 +98,7 @@ def train_plan(ext: Path, voc: Path) -> str:
 name = "oom"
 dir = "run"
 [target]
-model = "{MODEL}"
+model = "{tiny_llama()}"
 max_length = 256
 [train]
 {lines}

@@ -43,7 +43,7 @@ from pipeline.eagle3.hidden_store import HiddenStore
 from pipeline.run.events import read_all
 from pipeline.run.rundir import RunDir
 from pipeline.stages.train.settings import BatchSchedule, TrainSettings
-from tests.eagle3_fixtures import MODEL, TEST_SECTIONS
+from tests.eagle3_fixtures import TEST_SECTIONS, tiny_llama
 from tests.runs import ROOT, make_run, states, wait_done, wait_for
 
 CG = Path("/sys/fs/cgroup")
@@ -110,7 +110,7 @@ def plan_text() -> str:
         'name = "powercut"',
         'dir = "run"',
         "[target]",
-        f'model = "{MODEL}"',
+        f'model = "{tiny_llama()}"',
         "max_length = 256",
         "[prep]",
         "shard_rows = 6",
