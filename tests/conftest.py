@@ -63,6 +63,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two workers per core, 2 to 8. Most tests wait on processes, sockets and daemons, not
+    the CPU, so one worker per core leaves the cores idle; more than 8 only adds start-up cost."""
+    return max(2, min(8, 2 * (os.cpu_count() or 1)))
+
+
 def _schedule(items: list[pytest.Item]) -> None:
     """Order and group the tests for pytest-xdist (the same on every worker, as xdist requires).
 

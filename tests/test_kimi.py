@@ -29,6 +29,7 @@ from pipeline.eagle3.rope import rope_attention_scale, rope_inv_freq
 from pipeline.eagle3.target_capture import checkpoint_key, target_config, tensor_roles
 from tests.eagle3_fixtures import assert_stores_match
 from tests.kimi_fixture import KIMI_K25_CONFIG, build_tiny_kimi, write_config
+from tests.tolerance import SEED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +42,7 @@ def kimi_real(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_kimi(tmp_path_factory) -> Path:
-    return build_tiny_kimi(tmp_path_factory.mktemp("kimi-tiny"))
+    return build_tiny_kimi(tmp_path_factory.mktemp("kimi-tiny"), seed=SEED)
 
 
 # ------------------------------------------------------------------------------ shapes (real sizes)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.kimi_fixture import build_tiny_kimi
-from tests.tolerance import assert_close
+from tests.tolerance import SEED, assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def run(module: str, plan: Path, out: Path, inputs: list[Path]) -> str:
 def base(tmp_path_factory) -> dict[str, Path]:
     """The tiny Kimi model, its prepped rows and the draft vocabulary, shared by the tests here."""
     d = tmp_path_factory.mktemp("online-tp")
-    model = build_tiny_kimi(d / "kimi")
+    model = build_tiny_kimi(d / "kimi", seed=SEED)
     fixture = ROOT / "pipeline" / "data" / "fixtures" / "datasets" / "kimik2-5-2000x.jsonl"
     prep_plan = d / "prep.toml"
     prep_plan.write_text(

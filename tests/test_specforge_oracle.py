@@ -23,7 +23,7 @@ from bench.specforge_peer import (
     specforge_ttt,
     tiny_config,
 )
-from tests.tolerance import assert_close
+from tests.tolerance import SEED, assert_close
 
 WHY = specforge_available()
 if WHY and os.environ.get("AERIE_REQUIRE_SPECFORGE") == "1":
@@ -37,8 +37,8 @@ LENGTHS = [40, 29, 17]  # padded rows: SpecForge masks padding keys, Aerie's cau
 @pytest.fixture(scope="module")
 def runs():
     cfg = tiny_config(draft_vocab=24, vocab=48)  # half the vocab in the draft: greedy hits are common
-    aerie, sf = build_pair(cfg, seed=3, ttt=STEPS)
-    pb = make_batch(aerie, len(LENGTHS), max(LENGTHS), seed=4, lengths=LENGTHS)
+    aerie, sf = build_pair(cfg, seed=3 + SEED, ttt=STEPS)
+    pb = make_batch(aerie, len(LENGTHS), max(LENGTHS), seed=4 + SEED, lengths=LENGTHS)
     with specforge_runs_here(torch.device("cpu")):
         s = specforge_ttt(sf, pb)
     a = aerie_ttt(aerie, pb, STEPS)

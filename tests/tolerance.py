@@ -10,7 +10,13 @@ produced them, scaled by the magnitudes involved; each call says why next to it.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Added to the seeds of the comparison tests (weights and data), so they can be run again on other numbers:
+# AERIE_TEST_SEED=3 OMP_NUM_THREADS=1 python -m pytest ... (docs/testing.md, "Tolerances").
+SEED = int(os.environ.get("AERIE_TEST_SEED", "0"))
 
 FP32_EPS = 2.0**-23  # one fp32 unit in the last place, relative
 BF16_STEP = 2.0**-7  # adjacent bf16 numbers differ by at most this fraction of their magnitude
