@@ -173,3 +173,15 @@ def test_a_source_without_a_public_hub_id_needs_a_path(tmp_path: Path) -> None:
                 sources.get("ultrachat"), str(tmp_path / "missing.jsonl"), None, None, {}, tmp_path
             )
         )
+
+
+def test_a_dataset_under_a_long_non_ascii_path_is_read_and_its_cache_stays_there(tmp_path: Path) -> None:
+    """``datasets`` names its lock files after the whole cache path, cut to 255 characters, not bytes: a run
+    directory such as ``…/é☃…/run/stages/prep.x/out`` gave "File name too long" on every read."""
+    deep = tmp_path / ("é☃" * 40) / "run" / "stages" / "prep.chat" / "out"
+    deep.mkdir(parents=True)
+    f = deep / "d.jsonl"
+    f.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "c", "response": "d"}\n')
+    rows = list(sources.open_rows(sources.get("magicoder-evol"), str(f), None, None, {}, deep / ".hf-cache"))
+    assert [r.row["instruction"] for r in rows] == ["a", "c"]
+    assert list((deep / ".hf-cache").iterdir()), "datasets' lock/cache files belong in the stage's own cache dir"

@@ -16,6 +16,7 @@ raises :class:`~pipeline.data.conversation.ConversationError` naming the source 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -418,6 +419,38 @@ def open_rows(
 ) -> Iterator[RawRow]:
     """Rows of the source from index ``start`` on, read with ``datasets`` (streaming; nothing is downloaded
     up front). ``cache_dir`` receives the ``datasets`` lock/cache files so nothing is written elsewhere."""
+    fd = None
+    try:
+        fd, cache = _short_cache_path(cache_dir)
+        yield from _open_rows(src, path, split, config, options, cache, start)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _short_cache_path(cache_dir: Path) -> tuple[int | None, str]:
+    """A short ASCII name for ``cache_dir``: ``/proc/self/fd/N`` on an open descriptor of it, where Linux has one.
+
+    ``datasets`` names its lock files after the whole cache path and shortens that name to 255 *characters*,
+    so a run directory whose path holds non-ASCII characters (``é``, ``☃``) gives a name of more than 255
+    *bytes* and every read fails with ``File name too long``. Through the descriptor the files still land in
+    ``cache_dir``, inside the run directory."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if not os.path.isdir("/proc/self/fd"):
+        return None, str(cache_dir)
+    fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY)
+    return fd, f"/proc/self/fd/{fd}"
+
+
+def _open_rows(
+    src: Source,
+    path: str | None,
+    split: str | None,
+    config: str | None,
+    options: dict[str, Any],
+    cache_dir: str,
+    start: int,
+) -> Iterator[RawRow]:
     import datasets
 
     datasets.disable_progress_bars()
@@ -428,7 +461,7 @@ def open_rows(
         suffix = p.suffix.lower()
         if suffix == ".jsonl":
             ds = datasets.load_dataset(
-                "text", data_files=str(p), split="train", streaming=True, cache_dir=str(cache_dir)
+                "text", data_files=str(p), split="train", streaming=True, cache_dir=cache_dir
             )
             index = 0
             for line_no, rec in enumerate(ds, start=1):
@@ -449,7 +482,7 @@ def open_rows(
                 f"{p}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet, .arrow or .csv)"
             )
         ds = datasets.load_dataset(
-            builder, data_files=str(p), split="train", streaming=True, cache_dir=str(cache_dir)
+            builder, data_files=str(p), split="train", streaming=True, cache_dir=cache_dir
         )
     else:
         where = describe(src, None, split, config, options)
@@ -457,7 +490,7 @@ def open_rows(
             raise ValueError(
                 f"source {src.key!r} has no public hub id: give the dataset a path or options.hub"
             )
-        kw: dict[str, Any] = {"split": where["split"], "streaming": True, "cache_dir": str(cache_dir)}
+        kw: dict[str, Any] = {"split": where["split"], "streaming": True, "cache_dir": cache_dir}
         if where["data_files"]:
             kw["data_files"] = where["data_files"]
         if where["revision"]:
