@@ -63,6 +63,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# Under pytest-xdist every worker (and all it starts) runs this much nicer than normal, and the demo, the
+# suite's longest test and the one CPU-bound for its whole length, gets normal priority back where the OS
+# allows it (root: CI): it then takes the cores while it needs them, and the tests that mostly wait fill the
+# gaps, instead of everything slowing down together. Nothing a test asserts depends on it.
+WORKER_NICE = 5
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.nice(WORKER_NICE)
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: two workers per core, 2 to 8. Most tests wait on processes, sockets and daemons, not
     the CPU, so one worker per core leaves the cores idle; more than 8 only adds start-up cost."""

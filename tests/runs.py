@@ -22,6 +22,13 @@ from pipeline.run.supervisor import create_run
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def at_normal_priority() -> None:
+    """``preexec_fn`` for the demo: undo the niceness a pytest-xdist worker runs at (tests/conftest.py), where
+    the OS lets this user raise priority (root); elsewhere the demo simply shares the CPU like the rest."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
 def write_plan(tmp: Path, body: str, name: str = "plan.toml") -> Path:
     path = tmp / name
     path.write_text(textwrap.dedent(body))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import ROOT
+from tests.runs import ROOT, at_normal_priority
 
 
 @pytest.mark.slow
@@ -25,6 +25,7 @@ def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
         env=env,
         timeout=1500,
         cwd=tmp_path,
+        preexec_fn=at_normal_priority,  # the suite's long pole: first call on the cores (tests/conftest.py)
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "run succeeded" in out.stdout
