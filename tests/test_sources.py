@@ -184,4 +184,6 @@ def test_a_dataset_under_a_long_non_ascii_path_is_read_and_its_cache_stays_there
     f.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "c", "response": "d"}\n')
     rows = list(sources.open_rows(sources.get("magicoder-evol"), str(f), None, None, {}, deep / ".hf-cache"))
     assert [r.row["instruction"] for r in rows] == ["a", "c"]
-    assert list((deep / ".hf-cache").iterdir()), "datasets' lock/cache files belong in the stage's own cache dir"
+    assert list((deep / ".hf-cache").iterdir()), (
+        "datasets' lock/cache files belong in the stage's own cache dir"
+    )
