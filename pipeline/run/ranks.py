@@ -68,11 +68,17 @@ class Dist:
 
             dist.barrier()
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Leave the process group. ``finished``: every rank got to the end, so wait for the others first
+        (a rank that tears gloo down while a peer still talks to it can abort at exit with "terminate called
+        without an active exception", failing a stage whose work is done). After an error no barrier: a dead
+        peer would hold it until the timeout."""
         if self.world > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if finished:
+                    dist.barrier()
                 dist.destroy_process_group()
 
 

@@ -187,9 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
     dist = Dist()
+    finished = False
     try:
         tp = tensor_parallel_rank(ctx, "extract", "pipeline.stages.extract", argv)
-        return run(ctx, collect_inputs(args, ctx), dist if tp else None)
+        rc = run(ctx, collect_inputs(args, ctx), dist if tp else None)
+        finished = rc == 0
+        return rc
     except ShardWriteError as exc:
         if nospace.is_nospace(exc):
             raise  # the stage's full-disk hook names the device (and the message names the shard)
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ShardError, hs.StoreError, ValueError) as exc:
         fail(ctx, str(exc))
     finally:
-        dist.close()
+        dist.close(finished)
     return 1
 
 
