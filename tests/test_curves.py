@@ -159,6 +159,25 @@ async def test_every_size_shows_whole_values_and_a_readable_log(
         assert "⢕⢕" not in text and "acc_0 = 0.724" in text
 
 
+async def test_a_short_terminal_made_narrower_still_shows_every_gpu(
+    tmp_path: Path, live_meters: None
+) -> None:
+    """A short terminal packs the GPUs into cells, as many per line as fit; narrowing it (a tmux split) needs
+    more lines — the grid must grow with it, not keep the line count of the old width and hide the last GPUs
+    until the next telemetry sample (a finished run has none)."""
+    app = app_for(tmp_path / "r")
+    async with app.run_test(size=(160, 30)) as pilot:
+        await select_train(app, pilot)
+        wide = "\n".join(svg_rows(app.export_screenshot()))
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause(0.5)
+        narrow = svg_rows(app.export_screenshot())
+    assert all(f"GPU{g}" in wide for g in range(8))
+    gpu_lines = [r for r in narrow if "GPU" in r and "/140G" in r]
+    assert len(gpu_lines) == 3, "3 cells of 30 columns per line at 100 columns: 8 GPUs need 3 lines"
+    assert all(any(f"GPU{g} " in r for r in gpu_lines) for g in range(8)), narrow
+
+
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_layout_snapshot(snap_compare, size: tuple[int, int], live_meters: None) -> None:  # noqa: ANN001
     app = app_for(Path(f"/tmp/aerie-layout-{size[0]}x{size[1]}"))

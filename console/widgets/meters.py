@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from rich.style import Style
 from rich.text import Text
@@ -27,6 +27,9 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from console.telemetry_model import GpuView, TelemetryModel, duration, size
+
+if TYPE_CHECKING:
+    from textual.geometry import Size as Cells
 
 SPARK = "▁▂▃▄▅▆▇█"
 BAR_W = 10
@@ -233,6 +236,9 @@ class GpuGrid(MeterLine):
     A cell reads ``GPU3 ███▌  97% 98/140G 62°C``: util bar and percentage, memory used/total, temperature.
     """
 
+    DEFAULT_CSS = """
+    GpuGrid { height: auto; }
+    """
     CELL_W = 30
 
     def cells_per_line(self) -> int:
@@ -241,6 +247,11 @@ class GpuGrid(MeterLine):
     def lines_for(self, width: int) -> int:
         n = len(self.model.gpus)
         return max(1, -(-n // max(1, width // self.CELL_W)))
+
+    def get_content_height(self, container: Cells, viewport: Cells, width: int) -> int:
+        """As many lines as the cells need at the width the layout gives (not a width read earlier: a
+        height set from a stale width hid the last GPUs until the next sample)."""
+        return self.lines_for(width)
 
     def render(self) -> Text:
         t = Text(no_wrap=True, overflow="crop")
@@ -293,8 +304,7 @@ class GpuPanel(Vertical):
         grid = self.query_one(GpuGrid)
         grid.display = self.compact and bool(self.model.gpus)
         if grid.display:
-            grid.styles.height = grid.lines_for(self.size.width or self.app.size.width)
-            grid.refresh()
+            grid.refresh(layout=True)  # the GPU count may have changed: so may the lines it needs
         rows = {r.index: r for r in self.query(GpuRow)}
         wanted = [] if self.compact else sorted(self.model.gpus)
         for idx, row in rows.items():
