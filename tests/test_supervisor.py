@@ -453,3 +453,65 @@ def test_resources_limit_concurrency(tmp_path: Path, cleanup: list) -> None:
     g1 = events(run, "g1", "started")[0].t, events(run, "g1", "finished")[0].t
     g2 = events(run, "g2", "started")[0].t, events(run, "g2", "finished")[0].t
     assert g1[1] <= g2[0] or g2[1] <= g1[0], "two stages never hold the same GPU"
+
+
+def test_a_cpu_stage_computes_on_the_slots_it_holds(
+    tmp_path: Path, cleanup: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's default is a thread per core: three CPU stages side by side on a 2-slot host would run six
+    spinning threads on two cores. Each stage gets ``OMP_NUM_THREADS`` = its CPU slots; a GPU stage keeps
+    torch's default, and what the operator set (the plan's ``env`` or the environment) wins."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    show = "echo threads=${OMP_NUM_THREADS:-unset}"
+    body = f"""
+        [run]
+        dir = "run"
+        [resources]
+        cpu_slots = 4
+        gpus = [0]
+        [[stage]]
+        id = "one"
+        command = "{show}"
+        [[stage]]
+        id = "three"
+        command = "{show}"
+        cpu = 3
+        [[stage]]
+        id = "gpu"
+        command = "{show}"
+        gpus = [0]
+        [[stage]]
+        id = "waits"
+        command = "{show}"
+        cpu = 0
+        [[stage]]
+        id = "operator"
+        command = "{show}"
+        cpu = 2
+        env = {{OMP_NUM_THREADS = "7"}}
+    """
+    run = make_run(tmp_path, body)
+    sup = start_supervisor(run)
+    cleanup.append((run, sup))
+    assert set(wait_done(run).values()) == {"succeeded"}
+    said = {
+        sid: next(line for line in run.stage(sid).log.read_text().splitlines() if line.startswith("threads="))
+        for sid in ("one", "three", "gpu", "waits", "operator")
+    }
+    assert said == {
+        "one": "threads=1",
+        "three": "threads=3",
+        "gpu": "threads=unset",
+        "waits": "threads=unset",
+        "operator": "threads=7",
+    }
+
+
+def test_the_ranks_of_a_cpu_stage_share_its_slots() -> None:
+    from pipeline.run.ranks import rank_threads
+
+    ours = {"OMP_NUM_THREADS": "4", "AERIE_CPU_THREADS": "4"}
+    assert rank_threads(ours, 2) == {"OMP_NUM_THREADS": "2"}, "4 slots over 2 torchrun ranks: 2 threads each"
+    assert rank_threads(ours, 8) == {"OMP_NUM_THREADS": "1"}, "never fewer than one"
+    assert rank_threads({"OMP_NUM_THREADS": "6", "AERIE_CPU_THREADS": "4"}, 2) == {}, "the operator's 6 stays"
+    assert rank_threads({}, 2) == {}, "nothing chosen by Aerie (a GPU stage, Slurm): torchrun's own default"

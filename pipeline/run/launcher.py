@@ -32,7 +32,15 @@ from pipeline.run.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.plan import StageSpec, stage_module
 from pipeline.run.procs import ProcIdentity, env_with_pipeline
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_json
-from pipeline.run.runtime import ENV_ATTEMPT, ENV_INPUTS, ENV_OUT, ENV_PLAN, ENV_RUN, ENV_STAGE
+from pipeline.run.runtime import (
+    ENV_ATTEMPT,
+    ENV_INPUTS,
+    ENV_OUT,
+    ENV_PLAN,
+    ENV_RUN,
+    ENV_STAGE,
+    ENV_THREADS,
+)
 
 
 def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
@@ -51,10 +59,20 @@ def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
     return ["/bin/sh", "-c", spec.command]
 
 
+def under_slurm() -> bool:
+    return os.environ.get("AERIE_EXECUTOR") == "slurm"
+
+
 def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
     sd = run.stage(spec.id)
     inputs = {dep: str(run.stage(dep).out) for dep in spec.after}
     env = dict(os.environ)
+    if spec.cpu > 0 and not spec.gpus and "OMP_NUM_THREADS" not in env and not under_slurm():
+        # A CPU stage computes on the slots it holds, not on every core: torch's default (one thread per
+        # core) beside other stages oversubscribes the cores, and OpenMP threads then spin waiting for
+        # each other (measured: docs/performance.md, "CPU threads of a stage"). Under Slurm the job's
+        # cgroup already holds it to its cpus-per-task, which torch's default follows.
+        env["OMP_NUM_THREADS"] = env[ENV_THREADS] = str(spec.cpu)
     env.update(spec.env)
     env = env_with_pipeline(env)  # built-in stages import `pipeline` from wherever the launcher did
     env.update(

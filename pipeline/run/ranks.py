@@ -16,6 +16,8 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+from pipeline.run.runtime import ENV_THREADS
+
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -103,6 +105,15 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
+def rank_threads(env: dict[str, str], nproc: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of ``nproc`` ranks on one node: the stage's CPU slots shared out, when the
+    launcher chose the threads from them; what the operator set is left alone (``{}``)."""
+    slots = env.get(ENV_THREADS)
+    if not slots or env.get("OMP_NUM_THREADS") != slots:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, int(slots) // max(1, nproc)))}
+
+
 def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = None) -> None:
     """Run ``python -m module argv`` on ``nproc`` ranks under ``torchrun`` and exit with its status.
 
@@ -137,6 +148,7 @@ def reexec_under_torchrun(nproc: int, module: str, argv: list[str], ctx: Any = N
             *tail,
         ]
         env[HEARTBEAT_ENV] = str(beats)  # the heartbeat folder is on this node only
+        env.update(rank_threads(env, nproc))
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     stalled: list[str] = []
     if nodes == 1:

@@ -39,6 +39,7 @@ ENV_ATTEMPT = "AERIE_ATTEMPT"
 ENV_OUT = "AERIE_OUT"
 ENV_INPUTS = "AERIE_INPUTS"
 ENV_PLAN = "AERIE_PLAN"
+ENV_THREADS = "AERIE_CPU_THREADS"  # set when Aerie chose OMP_NUM_THREADS from the stage's CPU slots
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
