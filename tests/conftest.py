@@ -73,6 +73,11 @@ WORKER_NICE = 5
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.nice(WORKER_NICE)
+        # One compute thread per process: four workers each running torch with a thread per core would put
+        # eight OpenMP threads on two cores, spinning at every barrier for a descheduled sibling (measured
+        # in docs/testing.md: a sixth less CPU for the same tests). The demo test gives its run the default
+        # back, so it runs as the README's command does. `.ci/repeat-comparisons` covers 1 and 2 threads.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -86,7 +91,8 @@ def _schedule(items: list[pytest.Item]) -> None:
 
     The longest tests go first, so no worker is left running a long one alone at the end: the demo, then
     every test marked slow, then the rest, each group in collection order. The tests that share the session's
-    private Slurm cluster run on one worker (``--dist loadgroup``), so one cluster serves them all.
+    private Slurm cluster run on one worker (``--dist loadgroup``), so one cluster serves them all; so do the
+    tests of one file that share a fixture built once for the file.
     """
 
     def rank(item: pytest.Item) -> int:
@@ -98,6 +104,23 @@ def _schedule(items: list[pytest.Item]) -> None:
     for item in items:
         if {"slurm_cluster", "slurm_accounting_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a module- or session-scoped fixture of its own file (a model loaded, a server
+    started, a stage run once for the file's tests). Such tests run on one worker: spread over four, each
+    worker would build the fixture again (the GGUF conversion, the CPU server, the online-TP base)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    module = item.nodeid.split("::")[0]
+    for defs in info.name2fixturedefs.values():
+        for fixturedef in defs:
+            if fixturedef.scope in ("module", "session") and fixturedef.baseid == module:
+                return True
+    return False
 
 
 def _skip_reason(longrepr: object) -> str:

@@ -18,6 +18,7 @@ from tests.runs import ROOT, at_normal_priority
 def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("OMP_NUM_THREADS", None)  # the suite's one thread per worker: the demo runs as a user runs it
     out = subprocess.run(
         [sys.executable, "-m", "console.cli", "demo", "--headless", "--run-dir", str(run_dir)],
         capture_output=True,
