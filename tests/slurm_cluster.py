@@ -216,13 +216,16 @@ class SlurmCluster:
         """A private MariaDB (its own datadir, socket and port) and slurmdbd on it, then the cluster registered."""
         r = self.root / "db"
         sock = r / "mariadb.sock"
-        r.mkdir(parents=True, exist_ok=True)
+        # Its own temp dir: the bootstrap's temporary tables in the shared /tmp, beside a loaded suite's
+        # other tests, once vanished under it ("Could not remove temporary table … Unknown table").
+        (r / "tmp").mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [
                 _bin("mariadb-install-db"),
                 "--no-defaults",
                 "--user=root",
                 f"--datadir={r / 'data'}",
+                f"--tmpdir={r / 'tmp'}",
                 "--auth-root-authentication-method=socket",
                 "--skip-test-db",
             ],
@@ -236,6 +239,7 @@ class SlurmCluster:
                 "--no-defaults",
                 "--user=root",
                 f"--datadir={r / 'data'}",
+                f"--tmpdir={r / 'tmp'}",
                 f"--socket={sock}",
                 f"--port={self.db_port}",
                 "--bind-address=127.0.0.1",
