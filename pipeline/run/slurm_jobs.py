@@ -25,15 +25,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.run import slurm
 from pipeline.run.events import EventWriter
 from pipeline.run.plan import StageSpec
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
-
-if TYPE_CHECKING:
-    from pipeline.run.stage_state import StageStatus, StateDeriver
+from pipeline.run.stage_status import StageStatus, finish, record_lost
 
 SUBMIT_GRACE_S = 30.0  # a job name Slurm does not know this long after "submitting" was never submitted
 EXIT_GRACE_S = 10.0  # an ended job's launcher may still be writing exit.json over the shared filesystem
@@ -57,7 +55,12 @@ def batch_script(run: RunDir, sid: str, attempt: int, python: str) -> str:
 
 
 class SlurmJobs:
-    """Submits, follows and controls the Slurm jobs of one run's stages."""
+    """Submits, follows and controls the Slurm jobs of one run's stages (the :class:`~pipeline.run.executor.
+    Executor` of ``[executor] kind = "slurm"``)."""
+
+    kind = "slurm"
+    uses_local_slots = False  # Slurm schedules CPUs and GPUs on its nodes
+    freeze_how = "scontrol suspend"
 
     def __init__(
         self,
@@ -171,9 +174,7 @@ class SlurmJobs:
         hit = self._cache.get(job)
         return hit[1] if hit else None
 
-    def derive(
-        self, st: StageStatus, sd: StageDir, attempt: int, acked: bool, deriver: StateDeriver
-    ) -> StageStatus | None:
+    def derive(self, st: StageStatus, sd: StageDir, attempt: int, acked: bool) -> StageStatus | None:
         """The state of a stage whose attempt went to Slurm; None when the attempt was not submitted."""
         rec = self.record(sd, attempt)
         if rec is None:
@@ -198,11 +199,10 @@ class SlurmJobs:
                 if "slurm_state" not in ex:  # the job is still ending: wait for Slurm's verdict
                     st.state, st.reason = "running", f"Slurm job {job} ending"
                     return st
-            return deriver._finished(st, sd, ex, attempt)
+            return finish(st, sd, ex, attempt, self.specs[sd.id])
         if job is None:
-            return deriver._finished(
-                st, sd, deriver.record_lost(sd.id, attempt, "no Slurm job id recorded"), attempt
-            )
+            ex = record_lost(sd, attempt, "no Slurm job id recorded", self.log)
+            return finish(st, sd, ex, attempt, self.specs[sd.id])
         info = self.info(job)
         if info is None:
             st.state, st.reason = "running", f"Slurm job {job}: Slurm is not answering"
@@ -224,7 +224,7 @@ class SlurmJobs:
             st.state, st.reason = "running", f"Slurm job {job} {info.state.lower()}: collecting its exit"
             return st
         ex = self._record_ended(sd, attempt, info)
-        return deriver._finished(st, sd, ex, attempt)
+        return finish(st, sd, ex, attempt, self.specs[sd.id])
 
     def _find_lost_submission(self, sd: StageDir, rec: dict, may_abandon: bool = True) -> str | None:
         """A 'submitting' record without an id (the supervisor died around sbatch, or sbatch got no answer in
@@ -306,7 +306,7 @@ class SlurmJobs:
         return ex
 
     # ------------------------------------------------------------------------------- control
-    def kill(self, sid: str, hard: bool = False) -> str:
+    def _cancel(self, sid: str, hard: bool = False) -> str:
         job = self.job_id(sid)
         if job is None:
             return f"{sid}: no Slurm job id recorded yet; it is cancelled once found"
@@ -318,6 +318,23 @@ class SlurmJobs:
         self._cache.pop(job, None)
         return f"{sid}: scancel{' --signal=KILL' if hard else ''} sent to Slurm job {job}"
 
+    def _mark_cancelled(self, sid: str) -> None:
+        sd = self.run.stage(sid)
+        write_json(sd.kill_marker, {**(read_json(sd.kill_marker) or {}), "scancel": time.time()})
+
+    def terminate(self, sid: str, frozen: bool, reason: str) -> str:
+        """``scancel`` (Slurm's SIGTERM to every process of the job); a suspended job acts on it once resumed."""
+        if frozen:
+            self.thaw(sid, frozen)
+        msg = self._cancel(sid)
+        if self.job_id(sid):
+            self._mark_cancelled(sid)
+        self.log(f"{msg} ({reason})")
+        return f"{msg}; scancel --signal=KILL after {self.specs[sid].kill_grace_s:g}s"
+
+    def kill(self, sid: str) -> str:
+        return self._cancel(sid, hard=True)
+
     def freeze(self, sid: str) -> str | None:
         """``scontrol suspend``; None when done, else why Slurm would not."""
         job = self.job_id(sid)
@@ -326,19 +343,26 @@ class SlurmJobs:
         try:
             slurm.suspend(job)
         except slurm.SlurmError as exc:
-            return str(exc)
+            return f"Slurm refused to suspend its job ({exc})"
         self._cache.pop(job, None)
         return None
 
-    def thaw(self, sid: str) -> None:
+    def thaw(self, sid: str, frozen: bool) -> None:
+        """``scontrol resume`` of a job :meth:`freeze` suspended (one that was not needs nothing)."""
         job = self.job_id(sid)
-        if job is None:
+        if job is None or not frozen:
             return
         try:
             slurm.resume(job)
         except slurm.SlurmError as exc:
             self.log(f"{sid}: scontrol resume {job}: {exc}")
         self._cache.pop(job, None)
+
+    def poll(self) -> None:
+        """Re-send a kill asked while the job id was still being found, once it is."""
+        for sid in self.pending_kills():
+            self.log(self._cancel(sid))
+            self._mark_cancelled(sid)
 
     def pending_kills(self) -> list[str]:
         """Stages whose kill was asked before their job id was known (re-sent once it is)."""

@@ -11,48 +11,17 @@ skipped. Services (``service = true``) are running until stopped; they report ``
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pipeline.run.events import EventTail, EventWriter
+from pipeline.run.events import EventTail
 from pipeline.run.plan import StageSpec
-from pipeline.run.procs import ProcIdentity
-from pipeline.run.rundir import RunDir, StageDir, write_json
+from pipeline.run.rundir import RunDir
+from pipeline.run.stage_status import BROKEN, SATISFIED, TERMINAL, StageStatus
 
-TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
-SATISFIED = ("succeeded", "skipped")
-BROKEN = ("failed", "killed", "upstream-failed")
-LAUNCH_TIMEOUT_S = 30.0
-
-
-@dataclass
-class StageStatus:
-    """The derived state of one stage, as written to ``state.json``."""
-
-    id: str
-    family: str
-    dataset: str | None
-    state: str = "pending"
-    attempt: int = 1
-    pid: int | None = None
-    pgid: int | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    returncode: int | None = None
-    reason: str = ""  # why it failed / why it waits
-    health: str | None = None
-    progress: dict[str, Any] | None = None
-    pausing: bool = False
-    retry_at: float | None = None
-    service: bool = False
-    gpus: list[int] = field(default_factory=list)
-    after: list[str] = field(default_factory=list)
-    uses: list[str] = field(default_factory=list)
-    run: str | None = None  # the built-in module, None for an operator command
-    job: str | None = None  # the Slurm executor: the attempt's Slurm job id
+if TYPE_CHECKING:
+    from pipeline.run.executor import Executor
 
 
 @dataclass
@@ -67,13 +36,16 @@ class EventMemory:
 
 
 class StateDeriver:
-    """Derives each stage's :class:`StageStatus` from its files; records a launch that was lost."""
+    """Derives each stage's :class:`StageStatus` from its files: its events here, the attempt's own state
+    from the executor, and from the plan why a stage that has not started waits."""
 
     def __init__(
-        self, run: RunDir, specs: dict[str, StageSpec], log: Callable[[str], None], jobs: Any = None
+        self, run: RunDir, specs: dict[str, StageSpec], log: Callable[[str], None], executor: Executor
     ) -> None:
         self.run = run
-        self.jobs = jobs  # the Slurm executor's SlurmJobs: attempts are Slurm jobs, not local processes
+        self.executor = (
+            executor  # what an attempt that was started is doing: its process group, its Slurm job
+        )
         self.specs = specs
         self.log = log
         self.memory = {sid: EventMemory(EventTail(run.stage(sid).events)) for sid in specs}
@@ -99,9 +71,7 @@ class StateDeriver:
             elif ev.type == "message" and ev.get("code") == "resumed":
                 tr.paused_ack_t = 0.0
 
-    def derive(
-        self, sid: str, status: dict[str, StageStatus], child: subprocess.Popen | None = None
-    ) -> StageStatus:
+    def derive(self, sid: str, status: dict[str, StageStatus]) -> StageStatus:
         """The state of ``sid`` now; ``status`` holds its upstream stages' fresh states."""
         spec = self.specs[sid]
         sd = self.run.stage(sid)
@@ -122,84 +92,14 @@ class StateDeriver:
         current = tr.attempt_seen == attempt
         st.health = tr.health if current else None
         st.progress = tr.progress if current else None
-        proc = sd.record_for(sd.proc, attempt)
-        launch = sd.record_for(sd.launch, attempt)
-        if self.jobs is not None:
-            # Under Slurm the launcher's pid is on a node we may not see: the job's state says it all.
-            done = self.jobs.derive(st, sd, attempt, current and tr.paused_ack_t > 0, self)
-            if done is not None:
-                return done
-            proc = launch = None
-        if proc:
-            ident = ProcIdentity.from_dict(proc)
-            st.pid, st.pgid, st.started_at = ident.pid, ident.pgid, proc.get("t")
-            alive = ident.is_alive()
-            ex = sd.record_for(sd.exit, attempt)
-            if alive and ex is None:
-                pause = sd.pause_flag.exists()
-                acked = current and tr.paused_ack_t > 0
-                st.state = "paused" if pause and (acked or ident.is_stopped()) else "running"
-                st.pausing = pause and st.state == "running"
-                return st
-            if ex is None:
-                ex = self.record_lost(sid, attempt, "the stage's launcher died without recording an exit")
-            return self._finished(st, sd, ex, attempt)
-        if launch:
-            ex = sd.record_for(sd.exit, attempt)
-            if ex:
-                return self._finished(st, sd, ex, attempt)
-            child = child
-            age = time.time() - float(launch.get("t", 0))
-            if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
-                ex = self.record_lost(sid, attempt, "the launcher never reported its pid")
-                return self._finished(st, sd, ex, attempt)
-            st.state, st.reason = "running", "starting"
-            return st
+        done = self.executor.derive(st, sd, attempt, acked=current and tr.paused_ack_t > 0)
+        if done is not None:
+            return done
         # Not started in this attempt.
         if spec.skip or sd.record_for(sd.path / "skip.json", attempt):
             st.state = "skipped"
             return st
         return self._waiting(st, spec, status)
-
-    def _finished(self, st: StageStatus, sd: StageDir, ex: dict, attempt: int) -> StageStatus:
-        st.finished_at = ex.get("t")
-        st.returncode = ex.get("returncode")
-        killed = sd.record_for(sd.kill_marker, attempt)
-        if st.returncode == 0 or (killed and killed.get("reason") == "stop"):
-            st.state = "succeeded"
-        elif killed:
-            st.state, st.reason = "killed", killed.get("reason", "operator")
-        else:
-            st.state = "failed"
-            st.reason = ex.get("detail") or (f"exit {st.returncode}" if st.returncode is not None else "lost")
-            if ex.get("error"):
-                st.reason += f": {ex['error']}"  # the log line that says why
-            spec = self.specs[st.id]
-            if attempt < spec.retry.max_attempts:
-                st.retry_at = float(ex.get("t", time.time())) + spec.retry.backoff_s * (2 ** (attempt - 1))
-        st.pausing = False
-        return st
-
-    def record_lost(self, sid: str, attempt: int, why: str) -> dict:
-        sd = self.run.stage(sid)
-        # Re-read: the launcher may have written it between our checks.
-        ex = sd.record_for(sd.exit, attempt)
-        if ex:
-            return ex
-        killed = sd.record_for(sd.kill_marker, attempt)
-        ex = {
-            "attempt": attempt,
-            "returncode": None,
-            "signal": "KILL" if killed else None,
-            "t": time.time(),
-            "detail": why,
-            "recorded_by": "supervisor",
-        }
-        write_json(sd.exit, ex)
-        with EventWriter(sd.events) as w:
-            w.emit("finished", status="killed" if killed else "failed", detail=why)
-        self.log(f"{sid}: attempt {attempt}: {why}")
-        return ex
 
     def _waiting(self, st: StageStatus, spec: StageSpec, status: dict[str, StageStatus]) -> StageStatus:
         deps = [(d, status.get(d)) for d in spec.after]

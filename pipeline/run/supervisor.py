@@ -33,11 +33,12 @@ from typing import Any
 from pipeline.run import nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter
+from pipeline.run.executor import Executor, make_executor
 from pipeline.run.plan import Plan, StageSpec
-from pipeline.run.procs import ProcIdentity, StrangerError, env_with_pipeline, signal_group
+from pipeline.run.procs import ProcIdentity, env_with_pipeline
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
-from pipeline.run.slurm_jobs import SlurmJobs
-from pipeline.run.stage_state import TERMINAL, StageStatus, StateDeriver
+from pipeline.run.stage_state import StateDeriver
+from pipeline.run.stage_status import TERMINAL, StageStatus
 
 AdmissionCheck = Callable[[StageSpec, "Supervisor"], "str | None"]
 
@@ -93,14 +94,9 @@ class Supervisor:
             self.specs[sid] = StageSpec.from_dict(read_json(run.stage(sid).spec))
         self.order = list(self.specs)
         self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
-        # [executor] kind = "slurm": every attempt is a Slurm job (see pipeline.run.slurm_jobs).
-        self.jobs = (
-            SlurmJobs(run, self.specs, self.plan.section("slurm"), self.log, python)
-            if self.plan.executor.kind == "slurm"
-            else None
-        )
-        self.deriver = StateDeriver(run, self.specs, self.log, jobs=self.jobs)
-        self.children: dict[str, subprocess.Popen] = {}
+        # Where attempts run: local process groups, or Slurm jobs (pipeline.run.executor).
+        self.executor: Executor = make_executor(self.plan, run, self.specs, self.log, python)
+        self.deriver = StateDeriver(run, self.specs, self.log, self.executor)
         self.status: dict[str, StageStatus] = {}
         self.admission: list[AdmissionCheck] = list(admission or [])
         self._last_written: str = ""
@@ -143,35 +139,18 @@ class Supervisor:
     def refresh(self) -> None:
         # Plan order is dependency-consistent, so each stage sees its deps' fresh state.
         for sid in self.order:
-            self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
+            self.status[sid] = self.deriver.derive(sid, self.status)
 
     # ------------------------------------------------------------------------------- actions
-    def identity(self, sid: str) -> ProcIdentity | None:
-        sd = self.sd(sid)
-        proc = sd.record_for(sd.proc, sd.attempt())
-        return ProcIdentity.from_dict(proc) if proc else None
-
-    def _signal(self, sid: str, sig: int) -> bool:
-        ident = self.identity(sid)
-        if ident is None:
-            return False
-        try:
-            return signal_group(ident, sig)
-        except StrangerError as exc:
-            self.log(f"{sid}: {exc}")
-            return False
-
     def do_pause(self, sid: str) -> str:
         st = self.status[sid]
         if st.state != "running":
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to pause")
         write_json(self.sd(sid).pause_flag, {"attempt": st.attempt, "t": time.time()})
-        if self.jobs is not None:
-            return (
-                f"{sid}: pause requested (safe point, then scontrol suspend after "
-                f"{self.specs[sid].pause_grace_s:g}s)"
-            )
-        return f"{sid}: pause requested (safe point, then SIGSTOP after {self.specs[sid].pause_grace_s:g}s)"
+        return (
+            f"{sid}: pause requested (safe point, then {self.executor.freeze_how} after "
+            f"{self.specs[sid].pause_grace_s:g}s)"
+        )
 
     def do_resume(self, sid: str) -> str:
         sd = self.sd(sid)
@@ -180,11 +159,7 @@ class Supervisor:
             raise SupervisorError(f"{sid} is {st.state}, not paused")
         flag = read_json(sd.pause_flag) or {}
         sd.pause_flag.unlink(missing_ok=True)
-        if self.jobs is not None:
-            if flag.get("stopped"):
-                self.jobs.thaw(sid)
-            return f"{sid}: resumed"
-        self._signal(sid, signal.SIGCONT)
+        self.executor.thaw(sid, frozen=bool(flag.get("stopped")))
         return f"{sid}: resumed"
 
     def do_kill(self, sid: str, reason: str = "operator") -> str:
@@ -195,20 +170,7 @@ class Supervisor:
         write_json(sd.kill_marker, {"attempt": st.attempt, "t": time.time(), "reason": reason})
         flag = read_json(sd.pause_flag) or {}
         sd.pause_flag.unlink(missing_ok=True)
-        if self.jobs is not None:
-            if flag.get("stopped"):
-                self.jobs.thaw(sid)  # a suspended job acts on its cancel once resumed
-            msg = self.jobs.kill(sid)
-            if self.jobs.job_id(sid):
-                write_json(sd.kill_marker, {**(read_json(sd.kill_marker) or {}), "scancel": time.time()})
-            self.log(f"{msg} ({reason})")
-            return f"{msg}; scancel --signal=KILL after {self.specs[sid].kill_grace_s:g}s"
-        self._signal(sid, signal.SIGTERM)
-        self._signal(sid, signal.SIGCONT)  # a stopped group must run to act on SIGTERM
-        self.log(f"{sid}: SIGTERM to pgid {st.pgid} ({reason})")
-        return (
-            f"{sid}: SIGTERM sent to process group {st.pgid}; SIGKILL after {self.specs[sid].kill_grace_s:g}s"
-        )
+        return self.executor.terminate(sid, frozen=bool(flag.get("stopped")), reason=reason)
 
     def do_retry(self, sid: str, fresh: bool = False) -> str:
         st = self.status[sid]
@@ -270,7 +232,7 @@ class Supervisor:
                     msg = fn(sid)
                 else:
                     raise SupervisorError(f"unknown action {action!r}")
-                self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
+                self.status[sid] = self.deriver.derive(sid, self.status)
             except SupervisorError as exc:
                 ok, msg = False, str(exc)
             self.log(f"request {action} {sid}: {'ok' if ok else 'refused'}: {msg}")
@@ -281,6 +243,8 @@ class Supervisor:
     # ---------------------------------------------------------------------------- scheduling
     def _held(self) -> tuple[int, set[int]]:
         cpu, gpus = 0, set()
+        if not self.executor.uses_local_slots:  # e.g. Slurm schedules CPUs and GPUs on its nodes
+            return cpu, gpus
         for sid, st in self.status.items():
             if st.state in ("running", "paused"):
                 cpu += self.specs[sid].cpu
@@ -289,9 +253,7 @@ class Supervisor:
 
     def why_not_admitted(self, spec: StageSpec) -> str | None:
         cpu, gpus = self._held()
-        if self.jobs is not None:
-            cpu, gpus = 0, set()  # Slurm schedules CPUs and GPUs on its nodes
-        if cpu + spec.cpu > self.plan.cpu_slots and self.jobs is None:
+        if self.executor.uses_local_slots and cpu + spec.cpu > self.plan.cpu_slots:
             return f"waiting for CPU slots ({cpu}/{self.plan.cpu_slots} in use)"
         busy = gpus & set(spec.gpus)
         if busy:
@@ -314,24 +276,7 @@ class Supervisor:
         attempt = sd.attempt()
         sd.pause_flag.unlink(missing_ok=True)
         write_json(sd.launch, {"attempt": attempt, "t": time.time(), "supervisor": os.getpid()})
-        if self.jobs is not None:
-            self.jobs.launch(sid, attempt)
-            return
-        logfh = open(sd.log, "ab")  # noqa: SIM115
-        try:
-            child = subprocess.Popen(
-                [self.python, "-m", "pipeline.run.launcher", str(self.run.root), sid, str(attempt)],
-                stdin=subprocess.DEVNULL,
-                stdout=logfh,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=str(self.run.root),
-                env=env_with_pipeline(),
-            )
-        finally:
-            logfh.close()
-        self.children[sid] = child
-        self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
+        self.executor.launch(sid, attempt)
         if self.forced(sid):
             with EventWriter(sd.events) as w:
                 w.emit(
@@ -352,7 +297,7 @@ class Supervisor:
                     f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})"
                 )
                 self.do_retry(sid)
-                self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
+                self.status[sid] = self.deriver.derive(sid, self.status)
                 st = self.status[sid]
             if st.state != "ready":
                 continue
@@ -363,7 +308,7 @@ class Supervisor:
                 continue
             self.launch(sid)
             launched += 1
-            self.status[sid] = self.deriver.derive(sid, self.status, self.children.get(sid))
+            self.status[sid] = self.deriver.derive(sid, self.status)
         return launched
 
     def enforce(self) -> None:
@@ -372,16 +317,8 @@ class Supervisor:
         for sid, st in self.status.items():
             sd = self.sd(sid)
             spec = self.specs[sid]
-            if st.pausing and self.jobs is not None:
-                self._freeze_job(sid, st.attempt, now)
-            elif st.pausing:
-                flag = read_json(sd.pause_flag) or {}
-                if now - float(flag.get("t", now)) > spec.pause_grace_s and not flag.get("stopped"):
-                    self._signal(sid, signal.SIGSTOP)
-                    write_json(sd.pause_flag, {**flag, "stopped": now})
-                    self.log(
-                        f"{sid}: no safe point within {spec.pause_grace_s:g}s: SIGSTOP to pgid {st.pgid}"
-                    )
+            if st.pausing:
+                self._freeze(sid, st.attempt, now)
             killed = sd.record_for(sd.kill_marker, st.attempt)
             if (
                 killed
@@ -389,28 +326,16 @@ class Supervisor:
                 and not killed.get("sigkill")
                 and now - float(killed["t"]) > spec.kill_grace_s
             ):
-                if self.jobs is not None:
-                    self.log(
-                        f"{sid}: still running after {spec.kill_grace_s:g}s: {self.jobs.kill(sid, hard=True)}"
-                    )
-                else:
-                    self._signal(sid, signal.SIGKILL)
-                    self.log(f"{sid}: still alive after {spec.kill_grace_s:g}s: SIGKILL to pgid {st.pgid}")
+                self.log(f"{sid}: still running after {spec.kill_grace_s:g}s: {self.executor.kill(sid)}")
                 write_json(sd.kill_marker, {**killed, "sigkill": now})
             if spec.service and st.state in ("running", "paused") and not killed and self._service_idle(sid):
                 self.do_kill(sid, reason="stop")
                 self.log(f"{sid}: service no longer needed: stopping it")
-        for sid, child in list(self.children.items()):
-            if child.poll() is not None:
-                del self.children[sid]
-        if self.jobs is not None:
-            for sid in self.jobs.pending_kills():  # a kill asked while the job id was still being found
-                sd = self.sd(sid)
-                self.log(self.jobs.kill(sid))
-                write_json(sd.kill_marker, {**(read_json(sd.kill_marker) or {}), "scancel": now})
+        self.executor.poll()
 
-    def _freeze_job(self, sid: str, attempt: int, now: float) -> None:
-        """A Slurm stage that reached no safe point within its grace: ``scontrol suspend``, or say why not."""
+    def _freeze(self, sid: str, attempt: int, now: float) -> None:
+        """A stage that reached no safe point within its grace: freeze it where it is (SIGSTOP to its group,
+        ``scontrol suspend`` of its job), or say why that cannot be done."""
         sd, spec = self.sd(sid), self.specs[sid]
         flag = read_json(sd.pause_flag) or {}
         if (
@@ -419,15 +344,12 @@ class Supervisor:
             or flag.get("cannot_freeze")
         ):
             return
-        why = self.jobs.freeze(sid) if self.jobs is not None else "not a Slurm stage"
+        why = self.executor.freeze(sid)
         if why is None:
             write_json(sd.pause_flag, {**flag, "stopped": now})
-            self.log(f"{sid}: no safe point within {spec.pause_grace_s:g}s: scontrol suspend")
+            self.log(f"{sid}: no safe point within {spec.pause_grace_s:g}s: {self.executor.freeze_how}")
             return
-        text = (
-            f"cannot freeze this stage: Slurm refused to suspend its job ({why}); it pauses at its next "
-            "safe point, or kill it"
-        )
+        text = f"cannot freeze this stage: {why}; it pauses at its next safe point, or kill it"
         write_json(sd.pause_flag, {**flag, "cannot_freeze": text})
         with EventWriter(sd.events) as w:
             w.emit("message", level="warning", code="cannot_freeze", attempt=attempt, text=text)
@@ -570,7 +492,7 @@ def check_model(plan: plan_mod.Plan) -> None:
     model = plan.target.get("model")
     if not isinstance(model, str) or not model.startswith("builtin:"):
         return
-    from pipeline.data.model_assets import ModelAssetError, check_available
+    from pipeline.run.builtin_models import ModelAssetError, check_available
 
     try:
         check_available(model)

@@ -1,0 +1,90 @@
+"""A stage's status row (what ``state.json`` says of it) and how an ended attempt reads.
+
+Shared by the state deriver (:mod:`pipeline.run.stage_state`) and the executors
+(:mod:`pipeline.run.local_exec`, :mod:`pipeline.run.slurm_jobs`), which say when an attempt has ended;
+what an exit record means — succeeded, killed, failed and when to retry — is decided here, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.run.events import EventWriter
+from pipeline.run.plan import StageSpec
+from pipeline.run.rundir import StageDir, write_json
+
+TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
+SATISFIED = ("succeeded", "skipped")
+BROKEN = ("failed", "killed", "upstream-failed")
+
+
+@dataclass
+class StageStatus:
+    """The derived state of one stage, as written to ``state.json``."""
+
+    id: str
+    family: str
+    dataset: str | None
+    state: str = "pending"
+    attempt: int = 1
+    pid: int | None = None
+    pgid: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    returncode: int | None = None
+    reason: str = ""  # why it failed / why it waits
+    health: str | None = None
+    progress: dict[str, Any] | None = None
+    pausing: bool = False
+    retry_at: float | None = None
+    service: bool = False
+    gpus: list[int] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)
+    uses: list[str] = field(default_factory=list)
+    run: str | None = None  # the built-in module, None for an operator command
+    job: str | None = None  # the Slurm executor: the attempt's Slurm job id
+
+
+def finish(st: StageStatus, sd: StageDir, ex: dict, attempt: int, spec: StageSpec) -> StageStatus:
+    """``st`` for an attempt whose exit record is ``ex``: succeeded, killed or failed (and when to retry)."""
+    st.finished_at = ex.get("t")
+    st.returncode = ex.get("returncode")
+    killed = sd.record_for(sd.kill_marker, attempt)
+    if st.returncode == 0 or (killed and killed.get("reason") == "stop"):
+        st.state = "succeeded"
+    elif killed:
+        st.state, st.reason = "killed", killed.get("reason", "operator")
+    else:
+        st.state = "failed"
+        st.reason = ex.get("detail") or (f"exit {st.returncode}" if st.returncode is not None else "lost")
+        if ex.get("error"):
+            st.reason += f": {ex['error']}"  # the log line that says why
+        if attempt < spec.retry.max_attempts:
+            st.retry_at = float(ex.get("t", time.time())) + spec.retry.backoff_s * (2 ** (attempt - 1))
+    st.pausing = False
+    return st
+
+
+def record_lost(sd: StageDir, attempt: int, why: str, log: Callable[[str], None]) -> dict:
+    """Write the exit record of an attempt that ended without one (its launcher died, its job vanished)."""
+    # Re-read: the launcher may have written it between our checks.
+    ex = sd.record_for(sd.exit, attempt)
+    if ex:
+        return ex
+    killed = sd.record_for(sd.kill_marker, attempt)
+    ex = {
+        "attempt": attempt,
+        "returncode": None,
+        "signal": "KILL" if killed else None,
+        "t": time.time(),
+        "detail": why,
+        "recorded_by": "supervisor",
+    }
+    write_json(sd.exit, ex)
+    with EventWriter(sd.events) as w:
+        w.emit("finished", status="killed" if killed else "failed", detail=why)
+    log(f"{sd.id}: attempt {attempt}: {why}")
+    return ex
