@@ -1,5 +1,6 @@
-"""The architecture, checked: no import cycles, the console's view of ``pipeline`` is the run model only,
-stages never import each other, and the container side never imports the console."""
+"""The architecture, checked: no import cycles (of modules or of packages), the layers of ``pipeline``
+in their order, the console's view of ``pipeline`` is the run model only, stages never import each other,
+and the container side never imports the console."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # What the console may import from pipeline/: the run model's data modules (plan, events, run dir, the
-# log index) and the SGLang log parser for the board's server line; ``pipeline`` itself only to find
+# log index, the preflight check report) and the SGLang log parser for the board's server line; ``pipeline`` itself only to find
 # the package to upload to a host.
 CONSOLE_ALLOWED = {
     "pipeline",
@@ -17,6 +18,7 @@ CONSOLE_ALLOWED = {
     "pipeline.run.events",
     "pipeline.run.rundir",
     "pipeline.run.logscan",
+    "pipeline.run.checks",  # the SSH preflight's report is the one every preflight prints
     "pipeline.serving.sglang_log",
 }
 
@@ -120,6 +122,73 @@ def test_pipeline_never_imports_the_console() -> None:
         if d.startswith("console")
     }
     assert not bad, sorted(bad)
+
+
+# The layers of pipeline/, bottom first (docs/design.md, "The tree"): a module may import its own layer and
+# the layers below, never one above. run/ is what every run needs whatever it runs; data/ and serving/ are
+# libraries on it (side by side: neither imports the other); eagle3/ builds on data/; stages/ are the
+# programs that use them all.
+LAYERS: dict[str, int] = {
+    "pipeline": 0,  # the package itself (its __init__)
+    "pipeline.tested_versions": 0,
+    "pipeline.run": 0,
+    "pipeline.data": 1,
+    "pipeline.serving": 1,
+    "pipeline.eagle3": 2,
+    "pipeline.stages": 3,
+}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "console":
+        return "console"
+    return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
+
+
+def test_every_pipeline_package_has_a_layer() -> None:
+    unplaced = {layer_of(m) for m in modules() if m.startswith("pipeline")} - set(LAYERS) - {"pipeline.plans"}
+    assert not unplaced, f"add {sorted(unplaced)} to LAYERS (and to docs/design.md's tree)"
+
+
+def layer_violations(g: dict[str, set[str]]) -> set[str]:
+    bad = set()
+    for m, deps in g.items():
+        if not m.startswith("pipeline"):
+            continue
+        for d in deps:
+            a, b = layer_of(m), layer_of(d)
+            if a == b or not d.startswith("pipeline"):
+                continue
+            if LAYERS.get(b, 99) >= LAYERS.get(a, 99):
+                bad.add(f"{m} ({a}) imports {d} ({b})")
+    return bad
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    assert layer_violations({"pipeline.run.budget": {"pipeline.data.model_assets"}}) == {
+        "pipeline.run.budget (pipeline.run) imports pipeline.data.model_assets (pipeline.data)"
+    }
+    assert layer_violations({"pipeline.data.x": {"pipeline.serving.y"}}), (
+        "side by side: neither imports the other"
+    )
+    assert not layer_violations({"pipeline.eagle3.x": {"pipeline.data.y", "pipeline.run.z"}})
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    bad = layer_violations(graph())
+    assert not bad, sorted(bad)
+
+
+def test_no_import_cycle_between_packages() -> None:
+    g = graph()
+    packages: dict[str, set[str]] = {}
+    for m, deps in g.items():
+        packages.setdefault(layer_of(m), set()).update(
+            layer_of(d) for d in deps if layer_of(d) != layer_of(m)
+        )
+    cycle = find_cycle(packages)
+    assert cycle is None, "package cycle: " + " -> ".join(cycle or [])
 
 
 def stage_of(module: str) -> str | None:

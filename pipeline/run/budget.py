@@ -117,7 +117,7 @@ def _config_hidden_size(model: str) -> int | None:
     """``hidden_size`` from the target's config.json, without loading the model (or transformers)."""
     cfg: Path | None = None
     if model.startswith("builtin:"):
-        from pipeline.data.model_assets import cache_dir
+        from pipeline.run.builtin_models import cache_dir
 
         cfg = cache_dir() / "models" / model[len("builtin:") :] / "config.json"
     elif Path(model).expanduser().is_dir():
