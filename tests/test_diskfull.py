@@ -28,7 +28,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.shard_writer import sha256_file
+from pipeline.run.files import sha256_file
 from pipeline.run.rundir import read_json
 from tests.runs import ctl, kill_run_stages, make_run, start_supervisor, states, stop, wait_done, wait_for
 

@@ -38,9 +38,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.data.shard_writer import sha256_file
 from pipeline.eagle3.hidden_store import HiddenStore
 from pipeline.run.events import read_all
+from pipeline.run.files import sha256_file
 from pipeline.run.rundir import RunDir
 from pipeline.stages.train.settings import BatchSchedule, TrainSettings
 from tests.eagle3_fixtures import TEST_SECTIONS, tiny_llama

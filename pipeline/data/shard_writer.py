@@ -14,9 +14,7 @@ Shards (:class:`ShardStore`)
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.tokenise import Encoded
+from pipeline.run.files import publish, sha256_file
 from pipeline.run.rundir import read_json, write_atomic, write_json
 
 FORMAT_VERSION = 1
@@ -94,14 +93,6 @@ def prompt_table(ids: Sequence[str], prompts: Sequence[list[dict[str, str]]]) ->
     )
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_parquet_atomic(table: Any, path: Path) -> str:
     """Write ``table`` to ``path`` atomically; returns the file's sha256. Deterministic for equal tables."""
     import pyarrow.parquet as pq
@@ -110,9 +101,7 @@ def write_parquet_atomic(table: Any, path: Path) -> str:
     tmp = path.with_name(f".{path.name}.partial")
     try:
         pq.write_table(table, tmp, compression="zstd", row_group_size=4096)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

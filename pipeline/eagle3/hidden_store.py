@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pipeline.run.files import publish
+
 KIND = "hidden_states"
 MODES = ("offline", "online")
 FORMAT = 1
@@ -91,9 +93,7 @@ def write_shard(path: Path, rows: list[dict[str, torch.Tensor]], ids: list[str])
     }
     tmp = path.with_name(path.name + ".partial")
     save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "format": str(FORMAT)})
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    publish(tmp, path)
     return path.stat().st_size
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from pipeline.eagle3.hidden_store import FORMAT
+from pipeline.run.files import fsync_dir
 
 PARTIAL = ".partial"
 _IO_CHUNK = 32 << 20  # a pwrite larger than this is split over the I/O threads
@@ -223,14 +224,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[k:], offset + k
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class WrittenShard:
     """A shard that is whole on disk (renamed, synced)."""
@@ -294,7 +287,7 @@ class _OpenShard:
         os.close(self.fd)
         self.fd = -1
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return WrittenShard(
             self.index, self.path.name, len(self.layout.lengths), self.layout.tokens, self.layout.size
         )

@@ -23,7 +23,8 @@ The run directory on the executing host is the single source of truth. Layout::
         job-<N>.sh              Slurm executor: the batch script of attempt N
         out/                    the stage's outputs (``--fresh`` clears this, nothing else)
 
-Every JSON state file is written atomically (temp file in the same directory, fsync, rename).
+Every JSON state file is written atomically (temp file in the same directory, fsync, rename), by
+:mod:`pipeline.run.files`; ``write_atomic``, ``write_json`` and ``read_json`` are imported from here too.
 """
 
 from __future__ import annotations
@@ -31,52 +32,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.run.files import read_json, write_atomic, write_json
+
+__all__ = ["RunDir", "RunDirError", "StageDir", "read_json", "write_atomic", "write_json"]
+
 STAGE_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` so readers see the old or the new file, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-
-
-def write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
-
-
-def read_json(path: Path, default: Any = None) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return default
-    except ValueError as exc:
-        raise ValueError(f"{path}: corrupt state file: {exc}") from None
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
 
 
 class RunDirError(RuntimeError):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.run.files import sha256_file
 from pipeline.run.plan import Plan, PlanError
 from pipeline.run.rundir import RunDir, read_json, write_atomic
 from pipeline.run.runtime import StageContext, add_common_args, fail
@@ -304,14 +304,6 @@ def generate(
 
 
 # ------------------------------------------------------------------------------- tokenising
-def file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def split_by_length(
     ct: Any, prompts: list[tuple[str, list[dict[str, Any]]]]
 ) -> tuple[list, list[tuple[str, int]]]:
@@ -351,7 +343,7 @@ def tokenise_answers(
         "template_hash": ct.template_hash,
         "max_length": max_length,
         "drop_truncated": bool(s["drop_truncated"]),
-        "responses_sha256": file_sha(log.path),
+        "responses_sha256": sha256_file(log.path),
         "shard_rows": int(s["shard_rows"]),
     }
     store = sw.ShardStore(ctx.out, fingerprint)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pipeline.eagle3.draft_model import Eagle3Draft, save_draft
+from pipeline.run.files import swap_dir, write_atomic
 from pipeline.stages.train.settings import TrainSettings
 
 CKPT_DIR = "checkpoints"
@@ -54,9 +55,7 @@ def save_checkpoint(
         **extra,
     }
     torch.save(state, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    swap_dir(tmp, final)
     for _, old in checkpoints(out)[: -settings.keep_checkpoints]:
         if old.resolve().is_relative_to(out.resolve()):
             shutil.rmtree(old)
@@ -82,9 +81,7 @@ class StepLog:
                         kept.append(line)
                 except (ValueError, KeyError):
                     break  # a torn last line from a kill
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text("".join(x + "\n" for x in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(x + "\n" for x in kept))
 
     def record(self, step: int, rows: list[str]) -> None:
         import json
@@ -101,12 +98,7 @@ def save_best(out: Path, draft: Eagle3Draft, best: dict[str, Any]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     save_draft(draft, tmp)
     (tmp / "best.json").write_text(json.dumps(best) + "\n")
-    old = out / (BEST_DIR + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_dir(tmp, final)
 
 
 def read_best(out: Path) -> dict[str, Any] | None:

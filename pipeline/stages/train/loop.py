@@ -16,6 +16,7 @@ from pipeline.data.shards import find_manifests
 from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft, save_draft
+from pipeline.run.files import swap_dir
 from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
 from pipeline.run.rundir import write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
@@ -313,9 +314,7 @@ def train(
             (tmp / "best.json").unlink(missing_ok=True)
         else:
             save_draft(draft, tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        swap_dir(tmp, final)
         write_json(
             out / "manifest.json",
             {

@@ -1,0 +1,94 @@
+"""Writing files that survive a kill or a power cut: atomic writes, JSON state, directory swaps, fsync, hashes.
+
+The one place these are done (standard library only), for the run machinery and every stage:
+
+* :func:`write_atomic` / :func:`write_json` — a temp file in the same directory, fsync, rename: a reader
+  sees the old file or the new one, never a torn one;
+* :func:`publish` — the same last step for a file a library wrote (Parquet, safetensors): fsync it,
+  rename it to its name, optionally fsync the directory so the rename itself is durable;
+* :func:`swap_dir` — a finished directory (a checkpoint, the best draft) replaces the old one;
+* :func:`sha256_file` — a file's sha256, read in 1 MiB blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the directory entries of ``path`` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, path: Path, sync_dir: bool = False) -> None:
+    """Give the finished file ``tmp`` its name ``path``: fsync its data, then rename (atomic on one
+    filesystem); with ``sync_dir`` the directory too, so the new name survives a power cut."""
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    if sync_dir:
+        fsync_dir(Path(path).parent)
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` so readers see the old or the new file, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(raw)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: Path, default: Any = None) -> Any:
+    """The JSON in ``path``; ``default`` when there is no such file; a corrupt file is an error naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return default
+    except ValueError as exc:
+        raise ValueError(f"{path}: corrupt state file: {exc}") from None
+
+
+def swap_dir(tmp: Path, final: Path) -> None:
+    """Replace the directory ``final`` with the finished ``tmp``. The old one is first renamed aside
+    (``final.old``), so at every moment ``final`` is whole: the old, the new, or — only between the two
+    renames — absent with the old one intact beside it; it is removed once the new one is in place."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
