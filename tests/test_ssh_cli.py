@@ -106,7 +106,7 @@ def test_preflight_refusal_exits_2_with_the_failed_check(alias_plan):
     plan, remote = alias_plan('[[stage]]\nid = "a"\ncommand = "true"\n', python="/no/such/python3")
     p = aerie("preflight", str(plan))
     assert p.returncode == 2
-    assert "✗ python" in p.stderr and "REFUSED" in p.stderr
+    assert "FAIL python" in p.stderr and "REFUSED" in p.stderr
     p = aerie("run", str(plan), "--headless")
     assert p.returncode == 2 and "REFUSED" in p.stderr
     assert not remote.exists()

@@ -31,7 +31,7 @@ import json
 import posixpath
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncssh
@@ -39,6 +39,7 @@ import asyncssh
 import pipeline
 from console.ssh.connection import HostConnection, SshError, SshTarget, remote_python
 from console.ssh.transport import AGENT_PROTOCOL, LAYOUT_FILE, RemoteLayout
+from pipeline.run.checks import CheckReport
 from pipeline.run.plan import Plan, stage_module
 
 UPLOADED_PLAN = "plan.submitted.toml"
@@ -125,40 +126,23 @@ async def _chain(
 
 
 @dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    warning: bool = False
+class PreflightReport(CheckReport):
+    """The SSH preflight's report: the checks (:class:`pipeline.run.checks.CheckReport`), the host's layout
+    once known, and how long the checks took."""
 
-    def line(self) -> str:
-        mark = "✗" if not self.ok else "!" if self.warning else "✓"
-        return f"  {mark} {self.name:<10} {self.detail}"
-
-
-@dataclass
-class PreflightReport:
-    host: str
-    remote_dir: str
-    checks: list[Check] = field(default_factory=list)
+    host: str = ""
+    remote_dir: str = ""
     layout: RemoteLayout | None = None
     seconds: float = 0.0
 
-    @property
-    def ok(self) -> bool:
-        return bool(self.checks) and all(c.ok for c in self.checks)
-
-    def add(self, name: str, ok: bool, detail: str, warning: bool = False) -> bool:
-        self.checks.append(Check(name, ok, detail, warning))
-        return ok
+    def __post_init__(self) -> None:
+        self.title = self.title or f"preflight {self.host}:{self.remote_dir}"
 
     def render(self) -> str:
-        head = f"preflight {self.host}:{self.remote_dir}"
-        lines = [head, *(c.line() for c in self.checks)]
-        failed = [c.name for c in self.checks if not c.ok]
-        if failed:
+        lines = self.lines()
+        if self.failed:
             lines.append(
-                f"REFUSED: {len(failed)} check(s) failed ({', '.join(failed)}); nothing was started."
+                f"REFUSED: {len(self.failed)} check(s) failed ({', '.join(self.failed)}); nothing was started."
             )
         else:
             lines.append(f"ready ({self.seconds:.1f}s): the run can start on {self.host}.")

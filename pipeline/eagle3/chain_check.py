@@ -16,45 +16,30 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline import tested_versions
 from pipeline.run import plan as plan_mod
+from pipeline.run.checks import CheckReport
 
 GiB = 1024**3
 
 
 @dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    warning: bool = False
+class Report(CheckReport):
+    """The deep check's report: the checks, and the numbers they were computed from (``--json``)."""
 
-
-@dataclass
-class Report:
-    plan: str
-    checks: list[Check] = field(default_factory=list)
     numbers: dict[str, Any] = field(default_factory=dict)
 
-    def add(self, name: str, ok: bool, detail: str, warning: bool = False) -> bool:
-        self.checks.append(Check(name, ok, detail, warning))
-        return ok
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+    @classmethod
+    def of(cls, plan: str) -> Report:
+        return cls(title=f"deep check of {plan}:")
 
     def render(self) -> str:
-        lines = [f"deep check of {self.plan}:"]
-        for c in self.checks:
-            mark = "ok  " if c.ok and not c.warning else ("warn" if c.ok else "FAIL")
-            lines.append(f"  {mark} {c.name:<14} {c.detail}")
-        lines.append("ok: the chain can run" if self.ok else "not ok: fix the FAIL lines above")
-        return "\n".join(lines)
+        tail = "ok: the chain can run" if self.ok else "not ok: fix the FAIL lines above"
+        return "\n".join([*self.lines(), tail])
 
 
 def local_model_dir(model: str) -> Path | None:
@@ -123,7 +108,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     )
     from pipeline.eagle3.target_capture import TargetError, tensor_roles, text_backbone
 
-    rep = Report(str(plan.path))
+    rep = Report.of(str(plan.path))
     where = str(plan.path)
     model = str(plan.target.get("model") or "")
     folder = local_model_dir(model) if model else None
@@ -351,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rep = check(plan, args.free_bytes)
     if args.json:
-        print(json.dumps({"ok": rep.ok, "checks": [asdict(c) for c in rep.checks], "numbers": rep.numbers}))
+        print(json.dumps({**rep.to_dict(), "numbers": rep.numbers}))
     else:
         print(rep.render())
     return 0 if rep.ok else 1

@@ -21,11 +21,12 @@ import re
 import secrets
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.run import plan as plan_mod
 from pipeline.run import slurm
+from pipeline.run.checks import CheckReport
 from pipeline.run.plan import Plan, StageSpec
 from pipeline.run.procs import env_with_pipeline
 
@@ -61,21 +62,6 @@ with open(reply, "w") as fh:
     json.dump(out, fh)
 print(json.dumps(out))
 """
-
-
-@dataclass
-class Report:
-    lines: list[tuple[bool, str]] = field(default_factory=list)
-
-    def add(self, ok: bool, text: str) -> None:
-        self.lines.append((ok, text))
-
-    @property
-    def ok(self) -> bool:
-        return all(ok for ok, _ in self.lines)
-
-    def render(self) -> str:
-        return "\n".join(f"  {'ok  ' if ok else 'FAIL'}  {text}" for ok, text in self.lines)
 
 
 @dataclass
@@ -130,13 +116,13 @@ def stage_partition(plan: Plan, spec: StageSpec, parts: dict[str, Partition]) ->
     return str(name)
 
 
-def check_partitions(plan: Plan, report: Report) -> None:
+def check_partitions(plan: Plan, report: CheckReport) -> None:
     try:
         parts = partitions()
     except slurm.SlurmError as exc:
-        report.add(False, f"sinfo: {exc}")
+        report.add("", False, f"sinfo: {exc}")
         return
-    report.add(True, f"sinfo answers: partitions {', '.join(parts) or '(none)'}")
+    report.add("", True, f"sinfo answers: partitions {', '.join(parts) or '(none)'}")
     by_part: dict[str | None, list[StageSpec]] = {}
     for spec in plan.stages:
         if not spec.skip:
@@ -144,6 +130,7 @@ def check_partitions(plan: Plan, report: Report) -> None:
     for name, specs in by_part.items():
         if name is None:
             report.add(
+                "",
                 False,
                 f"stages {', '.join(s.id for s in specs)} name no partition and Slurm has no default one",
             )
@@ -151,32 +138,36 @@ def check_partitions(plan: Plan, report: Report) -> None:
         part = parts.get(name)
         if part is None:
             report.add(
+                "",
                 False,
                 f"partition {name!r} does not exist (sinfo lists {', '.join(parts) or 'none'}); "
                 f"used by {', '.join(s.id for s in specs)}",
             )
             continue
         if not part.up:
-            report.add(False, f"partition {name!r} is not up")
+            report.add("", False, f"partition {name!r} is not up")
         big = max(specs, key=lambda s: s.nodes)
         report.add(
+            "",
             big.nodes <= part.nodes,
             f"partition {name!r}: {part.nodes} node(s); the largest stage ({big.id}) needs {big.nodes}",
         )
         cpu = max(specs, key=lambda s: s.cpu)
         report.add(
+            "",
             cpu.cpu <= part.cpus,
             f"partition {name!r}: {part.cpus} CPUs per node; {cpu.id} asks {cpu.cpu} per node",
         )
         gpu = max(specs, key=lambda s: len(s.gpus))
         if gpu.gpus:
             report.add(
+                "",
                 len(gpu.gpus) <= part.gpus,
                 f"partition {name!r}: {part.gpus} GPU(s) per node; {gpu.id} asks {len(gpu.gpus)} per node",
             )
 
 
-def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float) -> None:
+def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: float) -> None:
     """A tiny job: the shared run dir both ways, and the stages' Python and imports on a compute node."""
     root = plan.run_dir
     try:
@@ -186,7 +177,7 @@ def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float
         word = secrets.token_hex(8)
         token.write_text(word)
     except OSError as exc:
-        report.add(False, f"run directory {root}: cannot write it here: {exc}")
+        report.add("", False, f"run directory {root}: cannot write it here: {exc}")
         return
     mods = sorted({m for s in plan.stages if s.run for m in STAGE_IMPORTS.get(s.run, [])})
     sect = plan.section("slurm")
@@ -217,13 +208,14 @@ def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float
         )
     except subprocess.TimeoutExpired:
         report.add(
+            "",
             False,
             f"probe job: no compute node ran it within {timeout_s:g}s (queue busy?); "
             "the run dir and imports were not checked on a node",
         )
         return
     except FileNotFoundError:
-        report.add(False, "probe job: srun not found")
+        report.add("", False, "probe job: srun not found")
         return
     finally:
         token.unlink(missing_ok=True)
@@ -232,6 +224,7 @@ def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float
     except (OSError, ValueError):
         why = (p.stderr or p.stdout).strip().splitlines()
         report.add(
+            "",
             False,
             f"probe job: no reply in {root} from the compute node "
             f"({why[-1] if why else f'srun exited {p.returncode}'}): is the run dir on a shared "
@@ -242,24 +235,25 @@ def check_compute_node(plan: Plan, report: Report, python: str, timeout_s: float
         reply.unlink(missing_ok=True)
     where = got.get("node") or got.get("host")
     report.add(
+        "",
         got.get("token") == word,
         f"run directory {root} is shared with compute node {where}"
         if got.get("token") == word
         else f"compute node {where} cannot read {token.name} in {root}: {got.get('token_error', 'other content')}",
     )
-    report.add(True, f"compute node {where}: Python {got.get('version')} at {got.get('python')}")
+    report.add("", True, f"compute node {where}: Python {got.get('version')} at {got.get('python')}")
     for m, why in (got.get("import_errors") or {}).items():
-        report.add(False, f"compute node {where}: import {m} failed: {why}")
+        report.add("", False, f"compute node {where}: import {m} failed: {why}")
     ok = [f"{m} {v}" for m, v in (got.get("imports") or {}).items() if m != "pipeline.run.launcher"]
     if "pipeline.run.launcher" in (got.get("imports") or {}):
-        report.add(True, f"compute node {where}: pipeline imports" + (f"; {', '.join(ok)}" if ok else ""))
+        report.add("", True, f"compute node {where}: pipeline imports" + (f"; {', '.join(ok)}" if ok else ""))
 
 
-def preflight(plan: Plan, python: str = sys.executable, timeout_s: float = PROBE_TIMEOUT_S) -> Report:
-    report = Report()
+def preflight(plan: Plan, python: str = sys.executable, timeout_s: float = PROBE_TIMEOUT_S) -> CheckReport:
+    report = CheckReport(f"preflight {plan.path} (Slurm, run dir {plan.run_dir})")
     missing = slurm.available()
     if missing:
-        report.add(False, missing)
+        report.add("", False, missing)
         return report
     check_partitions(plan, report)
     check_compute_node(plan, report, python, timeout_s)
@@ -283,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f'error: {plan.path}: executor.kind is {plan.executor.kind!r}, not "slurm"', file=sys.stderr)
         return 2
     report = preflight(plan, timeout_s=args.timeout)
-    print(f"preflight {plan.path} (Slurm, run dir {plan.run_dir})\n{report.render()}")
+    print("\n".join(report.lines()))
     print("ready: the run can start" if report.ok else "not ready: fix the FAIL lines above")
     return 0 if report.ok else 2
 
