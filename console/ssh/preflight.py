@@ -352,9 +352,8 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             conn, python, pythonpath, {"root": root, "verify": True, "plan": remote_plan, "modules": modules}
         )
         if checked is None or "pipeline_error" in checked:
-            rep.add(
-                "plan", False, err or f"pipeline does not import on the host: {checked['pipeline_error']}"
-            )
+            why = f"pipeline does not import on the host: {checked['pipeline_error']}" if checked else ""
+            rep.add("plan", False, err or why or "the host's Python gave no answer")
             return
         if checked.get("plan_error"):
             rep.add("plan", False, f"the host rejects the plan: {checked['plan_error']}")
