@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import time
 import tomllib
@@ -585,7 +586,11 @@ class AerieApp(App[int]):
             ]
         if isinstance(screen, MetricsScreen):
             cmds += [
-                ("Metrics: show/hide metric", "tick or untick the highlighted metric", screen.action_toggle),
+                (
+                    "Metrics: show/hide metric",
+                    "tick or untick the highlighted metric",
+                    screen.action_toggle_metric,
+                ),
                 (
                     "Metrics: compare attempts",
                     "the highlighted metric, a curve per attempt",
@@ -620,7 +625,11 @@ class AerieApp(App[int]):
         ]
         for name in self.themes:
             cmds.append(
-                (f"Theme: {name}", f"switch to the {name} theme", lambda n=name: self.action_set_theme(n))
+                (
+                    f"Theme: {name}",
+                    f"switch to the {name} theme",
+                    functools.partial(self.action_set_theme, name),
+                )
             )
         for title, help_text, cb in cmds:
             yield SystemCommand(title, help_text, cb)

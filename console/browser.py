@@ -44,7 +44,7 @@ def check_loopback(host: str) -> str:
         infos = socket.getaddrinfo(host, None)
     except socket.gaierror as exc:
         raise ServeError(f"--host {host}: cannot resolve it: {exc}") from None
-    addrs = {info[4][0] for info in infos}
+    addrs = {str(info[4][0]) for info in infos}
     if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
         raise ServeError(
             f"--host {host}: not a loopback address ({', '.join(sorted(addrs))}). The console can kill "
@@ -195,13 +195,17 @@ def make_server(
             width = _to_int(request.query.get("width", "80"), 80)
             height = _to_int(request.query.get("height", "24"), 24)
             app_service: AppService | None = None
+
+            async def close() -> None:  # textual-serve awaits None; aiohttp's close says whether it closed
+                await websocket.close()
+
             try:
                 await websocket.prepare(request)
                 app_service = _AppService(
                     self.command,
                     write_bytes=websocket.send_bytes,
                     write_str=websocket.send_str,
-                    close=websocket.close,
+                    close=close,
                     download_manager=self.download_manager,
                     debug=self.debug,
                 )

@@ -96,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-def _start(plan_path: Path, run_dir: Path | None) -> Path | int:
+def _start(plan_path: Path, run_dir: Path | None) -> Path | Transport | int:
     try:
         plan = plan_mod.load(plan_path, run_dir=run_dir)
     except plan_mod.PlanError as exc:

@@ -66,7 +66,7 @@ class GpuView:
     @property
     def owners(self) -> list[str]:
         """Who holds this GPU: stage ids, then ``foreign pid N`` entries; empty when idle."""
-        stages = sorted({p.get("owner") for p in self.procs if p.get("owner") not in (None, "foreign")})
+        stages = sorted({str(p.get("owner")) for p in self.procs if p.get("owner") not in (None, "foreign")})
         foreign = [f"foreign pid {p.get('pid')}" for p in self.procs if p.get("owner") in (None, "foreign")]
         return [str(s) for s in stages] + foreign
 

@@ -68,8 +68,12 @@ class CtlResult:
 
 
 class Transport(Protocol):
-    status: ConnectionStatus
     run_root: str
+
+    @property
+    def status(self) -> ConnectionStatus:
+        """The link's state (a local run directory is always connected)."""
+        ...
 
     async def read_many(self, reqs: list[tuple[str, int]], max_bytes: int = 1 << 20) -> list[ReadResult]:
         """For each (run-relative path, offset): the bytes appended since ``offset``."""

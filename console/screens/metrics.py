@@ -27,8 +27,12 @@ MAX_PANELS = 4
 class MetricsScreen(Screen[None]):
     BINDINGS = [
         Binding("escape,m,q", "close", "Back", tooltip="back to the board"),
-        Binding("space", "toggle", "Show/hide", show=False, tooltip="show / hide the highlighted metric"),
-        Binding("enter", "toggle", "Show/hide", show=False, tooltip="show / hide the highlighted metric"),
+        Binding(
+            "space", "toggle_metric", "Show/hide", show=False, tooltip="show / hide the highlighted metric"
+        ),
+        Binding(
+            "enter", "toggle_metric", "Show/hide", show=False, tooltip="show / hide the highlighted metric"
+        ),
         Binding(
             "a",
             "attempts",
@@ -173,7 +177,7 @@ class MetricsScreen(Screen[None]):
         if self.compare:
             self._draw()
 
-    def action_toggle(self) -> None:
+    def action_toggle_metric(self) -> None:
         lst = self.query_one(SelectionList)
         if lst.highlighted is not None:
             lst.toggle(lst.get_option_at_index(lst.highlighted).value)

@@ -266,7 +266,7 @@ class StageBoard(ScrollView, can_focus=True):
         label = f" {branch} {st.id}" if st.family != st.id else st.id
         state = st.display_state
         frac = st.progress.fraction
-        done = (
+        done_text = (
             f"{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)}"
             if st.progress.total
             else (fmt.count(st.progress.done) if st.progress.t else "")
@@ -279,7 +279,7 @@ class StageBoard(ScrollView, can_focus=True):
             str(st.attempt),
             fmt.duration(st.elapsed_s(now)),
             _Bar(frac),
-            done,
+            done_text,
             fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
             fmt.duration(eta) if eta is not None else "",
             note_for(st),

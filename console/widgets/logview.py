@@ -145,7 +145,7 @@ class LogView(ScrollView, can_focus=True):
         if search is not False:
             self.search = search  # type: ignore[assignment]
         if found_line is not False:
-            self.found_line = found_line  # type: ignore[assignment]
+            self.found_line = found_line
         self._strips.clear()
         self._set_virtual()
         self.refresh()

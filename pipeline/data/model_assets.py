@@ -102,7 +102,7 @@ def resolve(model: str) -> str:
     return model
 
 
-def load_tokenizer(model: str, **kw: Any):  # noqa: ANN201 - transformers type
+def load_tokenizer(model: str, **kw: Any) -> Any:  # a transformers tokenizer (imported lazily)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve(model), **kw)
@@ -139,7 +139,7 @@ def model_class(cfg: Any) -> Any:
     )
 
 
-def load_model(model: str, dtype: Any = None, **kw: Any):  # noqa: ANN201
+def load_model(model: str, dtype: Any = None, **kw: Any) -> Any:  # a transformers model (imported lazily)
     """Load the target with its LM head: ``kw`` goes to ``from_pretrained`` (``device_map``, ``tp_plan``)."""
     import torch
 

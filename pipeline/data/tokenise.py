@@ -239,7 +239,7 @@ class ChatTokenizer:
         """(token count, ids, offsets) per text, ids/offsets cut to max_length + margin before leaving Rust."""
         keep = self.max_length + _CUT_MARGIN_TOKENS
         if self._backend is not None:
-            out = []
+            out: list[tuple[int, np.ndarray, np.ndarray | None]] = []
             for e in self._backend.encode_batch(texts, add_special_tokens=False):
                 n = len(e)
                 if n > keep:
@@ -252,7 +252,7 @@ class ChatTokenizer:
                     )
                 )
             return out
-        res = []
+        res: list[tuple[int, np.ndarray, np.ndarray | None]] = []
         for t in texts:
             ids = self.tokenizer.encode(t, add_special_tokens=False)
             res.append((len(ids), np.asarray(ids[:keep], dtype=np.int32), None))

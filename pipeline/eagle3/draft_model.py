@@ -333,6 +333,7 @@ def chain_attention(
 
         attn_mask: Any = causal_lower_right(sq, skv + 1)  # query t: the sink and step-0 columns 0..t
     else:
+        assert mask is not None  # built above whenever the attention is not causal
         sink_ok = torch.ones(*mask.shape[:-1], 1, dtype=torch.bool, device=q.device)
         attn_mask = torch.cat([sink_ok, mask], dim=-1)
     out = F.scaled_dot_product_attention(q_aug, keys, vals, attn_mask=attn_mask, scale=scale)

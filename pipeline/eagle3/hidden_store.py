@@ -155,6 +155,7 @@ class ShardMap:
             if b == a:
                 self.tensors[name] = torch.empty(shape, dtype=t_dt)
                 continue
+            assert self._map is not None  # a file of size 0 has no tensors to read
             arr = np.frombuffer(
                 self._map, dtype=np_dt, count=(b - a) // np.dtype(np_dt).itemsize, offset=base + a
             )

@@ -215,7 +215,7 @@ class ShardLayout:
 def _as_bytes(t: torch.Tensor | np.ndarray) -> memoryview:
     if isinstance(t, torch.Tensor):
         t = t.contiguous().view(torch.uint8).numpy()
-    return memoryview(np.ascontiguousarray(t)).cast("B")
+    return memoryview(np.ascontiguousarray(t)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -16,7 +16,7 @@ exactly ``k + 1``; used to prove the measurement).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -54,7 +54,7 @@ class SpecResult:
         return sum(self.accepted) / (self.k * len(self.accepted)) if self.accepted else 0.0
 
 
-def _new_cache():  # noqa: ANN202
+def _new_cache() -> Any:  # a transformers DynamicCache (imported lazily)
     from transformers import DynamicCache
 
     return DynamicCache()
@@ -118,6 +118,9 @@ class Eagle3Drafter:
         self.draft = draft.eval()
         self.dev = next(draft.parameters()).device
         self.dtype = next(draft.parameters()).dtype
+        self.k0: torch.Tensor | None = None  # step-0 keys and values of every column so far
+        self.v0: torch.Tensor | None = None
+        self.ncols = 0
 
     def _step0(self, feats: torch.Tensor, next_tokens: list[int]) -> None:
         """Append step-0 columns: column ``c`` pairs feature ``f_c`` with token ``x_{c+1}``."""

@@ -18,6 +18,7 @@ runs the same batch; every rank sees the same captured tensors).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ class Target:
         """Where inputs go: the embedding's device (the first GPU when layers are spread)."""
         return self.embed.weight.device
 
-    def _layer_hook(self, i: int):  # noqa: ANN202
+    def _layer_hook(self, i: int) -> Callable[..., None]:
         def hook(_mod: Any, _inp: Any, out: Any) -> None:
             self._aux[i] = out[0] if isinstance(out, tuple) else out
 

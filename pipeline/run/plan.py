@@ -279,7 +279,7 @@ def _int(file: Path, key: str, value: Any, what: str, lo: int = 0, hi: int = MAX
 
 
 def _num(file: Path, key: str, value: Any, what: str, lo: float = 0.0, hi: float = 1e9) -> float:
-    _type(file, key, value, int | float, what)
+    _type(file, key, value, (int, float), what)
     if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
         raise PlanError(file, key, f"{value} is out of range ({lo:g}..{hi:g})")
     if not lo <= float(value) <= hi:  # also refuses nan and inf

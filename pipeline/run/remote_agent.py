@@ -52,7 +52,7 @@ class AgentError(ValueError):
     """A request the agent refuses (bad path, unknown op)."""
 
 
-def _safe_path(root: Path, rel: str) -> Path:
+def _safe_path(root: Path, rel: object) -> Path:
     """``root/rel``, refusing absolute paths and anything that leaves the run directory, also through a
     symlink (``stages/a/stage.log -> /etc/shadow``, or a symlinked directory on the way)."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\x00" in rel:

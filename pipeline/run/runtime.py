@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pipeline.run import nospace
 from pipeline.run import plan as plan_mod
@@ -225,7 +225,7 @@ def _install_nospace_hook(ctx: StageContext) -> None:
 _NOSPACE_CTX: StageContext | None = None
 
 
-def fail(ctx: StageContext | None, text: str, code: int = 1) -> None:
+def fail(ctx: StageContext | None, text: str, code: int = 1) -> NoReturn:
     """Stop the stage with a clear error (an ``error`` message event, then exit ``code``)."""
     if ctx is not None:
         ctx.message(text, level="error")

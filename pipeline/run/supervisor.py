@@ -242,7 +242,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------------------- scheduling
     def _held(self) -> tuple[int, set[int]]:
-        cpu, gpus = 0, set()
+        cpu, gpus = 0, set[int]()
         if not self.executor.uses_local_slots:  # e.g. Slurm schedules CPUs and GPUs on its nodes
             return cpu, gpus
         for sid, st in self.status.items():

@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from pipeline.data import sources
 from pipeline.run import plan as plan_mod
@@ -22,7 +23,7 @@ from pipeline.stages.prep.rows import TARGET_NATIVE
 from pipeline.stages.prep.settings import PrepSettings
 
 
-def _tokenizer(plan: plan_mod.Plan, settings: PrepSettings):  # noqa: ANN202 - ChatTokenizer, imported lazily
+def _tokenizer(plan: plan_mod.Plan, settings: PrepSettings) -> Any:  # a ChatTokenizer, imported lazily
     # The fast tokenizer's thread pool is sized when it is first imported: keep it to the cpu slots we hold.
     os.environ.setdefault("RAYON_NUM_THREADS", str(settings.tokenizer_threads))
     from pipeline.data.tokenise import load_chat_tokenizer

@@ -171,7 +171,9 @@ class PrepRun:
         acc = [o for o in outs if o.kind == "accept"]
         ids = [_row_id(self.ds, o.row) for o in acc]
         if self.out_kind == "tokenized":
-            table = tokenized_table(ids, [o.encoded for o in acc])
+            encoded = [o.encoded for o in acc if o.encoded is not None]
+            assert len(encoded) == len(acc), "an accepted row of a target-native dataset is always tokenized"
+            table = tokenized_table(ids, encoded)
         else:
             table = prompt_table(ids, [o.item for o in acc])
         state = {

@@ -98,7 +98,7 @@ def regen_settings(plan: Plan) -> dict[str, Any]:
         types, what = TYPES[k]
         if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
             raise PlanError(plan.path, f"regen.{k}", f"expected {what}, got {v!r}")
-        if k in POSITIVE and v <= 0:
+        if k in POSITIVE and isinstance(v, int | float) and v <= 0:
             raise PlanError(plan.path, f"regen.{k}", f"must be > 0, got {v!r}")
         out[k] = v
     for k in ("max_error_fraction", "max_skipped_fraction"):
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.data.tokenise import load_chat_tokenizer
 
     max_length = int(plan.target.get("max_length", 2048))
-    ct = load_chat_tokenizer(plan.target.get("model"), max_length)
+    ct = load_chat_tokenizer(str(plan.target.get("model")), max_length)
     read = len(prompts)
     prompts, too_long = split_by_length(ct, prompts)
     skipped = [

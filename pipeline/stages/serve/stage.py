@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO, NoReturn
 
 from pipeline.run.plan import PlanError
 from pipeline.run.procs import ProcIdentity, read_stat
@@ -61,7 +62,7 @@ def descendants(root: int) -> list[ProcIdentity]:
 class LogFollower(threading.Thread):
     """Copies the server's output to the stage log line by line and turns lines into metrics."""
 
-    def __init__(self, stream, ctx: StageContext, stats: ServerStats) -> None:  # noqa: ANN001
+    def __init__(self, stream: IO[bytes], ctx: StageContext, stats: ServerStats) -> None:
         super().__init__(daemon=True, name="server-log")
         self.stream, self.ctx, self.stats = stream, ctx, stats
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -121,7 +122,7 @@ class ServeStage:
         signal.signal(signal.SIGINT, self._on_signal)
 
     # -- helpers ------------------------------------------------------------------------------
-    def unhealthy_fail(self, text: str, code: int = 1) -> None:
+    def unhealthy_fail(self, text: str, code: int = 1) -> NoReturn:
         self.ctx.health("unhealthy", detail=text[:300])
         fail(self.ctx, text, code)
 
@@ -191,7 +192,7 @@ class ServeStage:
             "launching " + self.s.backend + " server: $ " + " ".join(argv), code="launch", argv=argv
         )
         try:
-            self.child = subprocess.Popen(
+            child = self.child = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -201,14 +202,14 @@ class ServeStage:
             )
         except OSError as exc:
             self.unhealthy_fail(f"cannot start the server ({argv[0]}): {exc}", 127)
-        assert self.child.stdout is not None
-        self.follower = LogFollower(self.child.stdout, self.ctx, self.stats)
+        assert child.stdout is not None
+        self.follower = LogFollower(child.stdout, self.ctx, self.stats)
         self.follower.start()
         self.write_endpoint("starting")
 
     def watch(self) -> int:
         """Poll health until stopped (0) or the server dies / never becomes ready (1)."""
-        assert self.child is not None
+        assert self.child is not None and self.follower is not None
         tracker = HealthTracker(self.s.startup_timeout_s, self.s.unhealthy_after)
         t0 = time.monotonic()
         last_requests = -1
@@ -286,8 +287,8 @@ class ServeStage:
             except subprocess.TimeoutExpired:
                 self.ctx.message(f"the server ignored SIGTERM for {budget:g}s: SIGKILL", level="warning")
         # Whatever of the server's family is left (or ignored SIGTERM) gets SIGKILL, by recorded identity.
-        family = {p.pid: p for p in family + descendants(os.getpid())}
-        for ident in family.values():
+        everyone = {p.pid: p for p in family + descendants(os.getpid())}
+        for ident in everyone.values():
             st = read_stat(ident.pid)
             if st is not None and st.start_time == ident.start_time and st.state not in ("Z", "X"):
                 with contextlib.suppress(ProcessLookupError):

@@ -154,14 +154,13 @@ class BatchSchedule:
 
     def _batches(self, epoch: int) -> list[list[int]]:
         assert self.lengths is not None
+        lengths = self.lengths
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
         perm = torch.randperm(self.n, generator=g).tolist()[: (self.n // self.batch_size) * self.batch_size]
         span = self.window * self.batch_size
         batches: list[list[int]] = []
         for a in range(0, len(perm), span):
-            win = sorted(
-                perm[a : a + span], key=lambda i: self.lengths[i]
-            )  # stable: ties keep the random order
+            win = sorted(perm[a : a + span], key=lambda i: lengths[i])  # stable: ties keep the random order
             batches += [win[k : k + self.batch_size] for k in range(0, len(win), self.batch_size)]
         order = torch.randperm(len(batches), generator=g).tolist()
         return [batches[k] for k in order]
