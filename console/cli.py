@@ -9,7 +9,7 @@
     aerie serve RUN [--port 8000]           the console in a web browser, on 127.0.0.1 (textual-serve)
     aerie status RUN [--json]               one line (or JSON object) per stage
     aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
-    aerie plan check PLAN                   validate a plan and print its DAG
+    aerie plan check PLAN                   validate a plan and print its DAG (--show-defaults: every setting)
 
 Exit codes: 0 ok (headless: every stage succeeded); 1 the run finished with stages not succeeded;
 2 usage error, bad plan, unknown run or stage; 3 the action was refused (e.g. pausing a stage
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from console.transport import LocalTransport, Transport, start_local_run
 from pipeline.run import plan as plan_mod
+from pipeline.run.plan_sections import render_settings
 from pipeline.run.rundir import RunDir, read_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
@@ -265,6 +266,9 @@ def cmd_plan_check(args: argparse.Namespace) -> int:
         err(str(exc))
         return EXIT_USAGE
     print(plan_mod.render_dag(plan))
+    if args.show_defaults:
+        print("\nsettings (the plan's values, then every default it left out):\n")
+        print(render_settings(plan.settings, plan.raw))
     print(f"\nok: {len(plan.stages)} stages")
     if not args.deep:
         return EXIT_OK
@@ -367,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also check the EAGLE-3 chain against the target's config and tokenizer (no weights loaded): "
         "architecture, aux layers, draft config, draft vocab, chat template, disk, GPU memory per rank",
+    )
+    pc.add_argument(
+        "--show-defaults",
+        action="store_true",
+        help="also print every settings section as resolved: the plan's values and the defaults it left out",
     )
     pc.set_defaults(fn=cmd_plan_check)
     return ap

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pipeline.run.plan_sections import AlertsSection, UiSection
 from themes import DEFAULT_THEME
 
-UI_KEYS = ("theme",)
-ALERT_KEYS = ("command", "bell", "notify", "timeout_s")
+# The keys and defaults are the plan's (pipeline/run/plan_sections.py); the user's config uses the same tables.
+UI_KEYS = tuple(f.name for f in fields(UiSection))
+ALERT_KEYS = tuple(f.name for f in fields(AlertsSection))
 
 
 def user_config_path() -> Path:
@@ -48,10 +50,10 @@ def state_dir() -> Path:
 class Settings:
     theme: str = DEFAULT_THEME
     theme_from: str = "default"
-    bell: bool = True
-    notify: bool = True
+    bell: bool = AlertsSection.bell
+    notify: bool = AlertsSection.notify
     hooks: list[str] = field(default_factory=list)
-    hook_timeout_s: float = 30.0
+    hook_timeout_s: float = AlertsSection.timeout_s
     problems: list[str] = field(default_factory=list)
 
 

@@ -231,16 +231,16 @@ def test_reserve_and_running_stages_count_against_free_space(tmp_path: Path) -> 
     s.status["b"] = replace(s.status["b"], state="running")
     why = budget.disk_budget_check(s.specs["a"], s)
     assert why and "still to be written by running stages" in why
-    # A plan reserve that is not a number is a clear refusal, not a supervisor crash.
+    # A plan reserve that is not a number is a clear refusal when the plan loads, not a supervisor crash.
     (tmp_path / "bad").mkdir()
-    bad = make_run(
-        tmp_path / "bad",
-        '[run]\nname="r"\ndir="run"\n[resources]\ndisk_reserve_gb="lots"\n'
-        '[[stage]]\nid="a"\ncommand="true"\noutput_bytes=10\n',
-    )
-    sb = Supervisor(bad)
-    sb.refresh()
-    assert "resources.disk_reserve_gb" in budget.disk_budget_check(sb.specs["a"], sb)
+    with pytest.raises(
+        plan_mod.PlanError, match=r"plan\.toml: resources\.disk_reserve_gb: expected a number"
+    ):
+        make_run(
+            tmp_path / "bad",
+            '[run]\nname="r"\ndir="run"\n[resources]\ndisk_reserve_gb="lots"\n'
+            '[[stage]]\nid="a"\ncommand="true"\noutput_bytes=10\n',
+        )
 
 
 # -------------------------------------------------------------------------------- GPU guard

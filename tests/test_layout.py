@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_ALLOWED = {
     "pipeline",
     "pipeline.run.plan",
+    "pipeline.run.plan_sections",  # the plan's typed settings (aerie plan check --show-defaults)
+    "pipeline.run.schema",  # PlanError's home
     "pipeline.run.events",
     "pipeline.run.rundir",
     "pipeline.run.logscan",

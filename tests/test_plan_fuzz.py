@@ -11,7 +11,10 @@ the plan and whose ``key`` names where the problem is.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.run import plan as plan_mod
+from pipeline.run.plan_sections import SECTIONS, render_settings
 
 PLAN_PATH = Path("/nonexistent/fuzz/plan.toml")  # from_dict never reads it; errors must still name it
 
@@ -38,7 +42,19 @@ VALID: dict[str, Any] = {
         },
         {"name": "kimi", "source": "kimi", "kind": "target-native", "quota": 5},
     ],
-    "prep": {"shard_rows": 8},
+    # Every settings section, each with a key or two, so the damage reaches them all.
+    "prep": {"shard_rows": 8, "reject_threshold": 0.1, "template_kwargs": {"thinking": True}},
+    "regen": {"concurrency": 4, "stop": ["</s>"], "top_p": 0.9},
+    "serve": {"backend": "local", "port": 0, "extra_args": ["--x"]},
+    "deploy": {"draft_model_path": "ckpt", "speculative_num_steps": 3},
+    "extract": {"mode": "offline", "aux_layers": [1, 2, 3], "batch_tokens": 512},
+    "vocab": {"draft_vocab_size": 100},
+    "train": {"steps": 4, "lr": 1e-3, "nproc": 2, "batch_size": 4},
+    "bench": {"holdout": 0.2, "prompts": 2},
+    "telemetry": {"interval_s": 2},
+    "alerts": {"command": "true", "bell": False},
+    "ui": {"theme": "aerie-dark"},
+    "wandb": {"project": "p", "mode": "offline"},
     "stage": [
         {"id": "prep", "run": "prep", "for_each": "dataset"},
         {
@@ -127,6 +143,12 @@ _extra_keys = (
             "options",
             "max_attempts",
             "backoff_s",
+            "steps",
+            "mode",
+            "aux_layers",
+            "holdout",
+            "project",
+            "interval_s",
         ]
     )
     | _text
@@ -193,12 +215,33 @@ def _check(raw: Any) -> None:
         assert str(exc).startswith(f"{PLAN_PATH}: ")
         assert exc.key or not isinstance(raw, dict), f"no key named in {exc}"
         return
-    # Accepted: then it is a usable plan.
+    # Accepted: then it is a usable plan, and every setting has its declared type.
     plan.order()
     plan_mod.render_dag(plan)
+    render_settings(plan.settings, plan.raw)
+    for name, cls in SECTIONS.items():
+        section = getattr(plan.settings, name)
+        for f in dataclasses.fields(section) if section is not None else ():
+            v = getattr(section, f.name)
+            assert v is None or _has_type(v, typing.get_type_hints(cls)[f.name]), (name, f.name, v)
+            assert not isinstance(v, float) or math.isfinite(v), (name, f.name, v)
     for s in plan.stages:
         assert plan_mod.StageSpec.from_dict(s.to_dict()) == s
         assert all(math.isfinite(x) for x in (s.retry.backoff_s, s.pause_grace_s, s.kill_grace_s))
+
+
+def _has_type(v: Any, tp: Any) -> bool:
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]
+    for a in args:
+        origin = typing.get_origin(a) or a
+        if origin is float and isinstance(v, float):
+            return True
+        if origin is int and isinstance(v, int) and not isinstance(v, bool):
+            return True
+        if origin in (str, bool, dict, tuple, list) and isinstance(v, origin):
+            return True
+    return False
 
 
 def test_the_valid_plan_is_valid() -> None:

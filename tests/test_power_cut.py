@@ -41,8 +41,9 @@ import pytest
 from pipeline.eagle3.hidden_store import HiddenStore
 from pipeline.run.events import read_all
 from pipeline.run.files import sha256_file
+from pipeline.run.plan_sections import TrainSection
 from pipeline.run.rundir import RunDir
-from pipeline.stages.train.settings import BatchSchedule, TrainSettings
+from pipeline.stages.train.settings import BatchSchedule
 from tests.eagle3_fixtures import TEST_SECTIONS, tiny_llama
 from tests.runs import ROOT, make_run, states, wait_done, wait_for
 
@@ -314,7 +315,7 @@ def test_a_small_plan_survives_power_cuts_at_random_moments(tmp_path: Path) -> N
         BATCH,
         TEST_SECTIONS["train"].get("seed", 0),
         [store.length(i) for i in range(len(store))],
-        TrainSettings().length_grouping,
+        TrainSection().length_grouping,
     )
     rows = Counter(i for step in eff for i in schedule.rows(step))
     clean = Counter(i for step in range(1, STEPS + 1) for i in schedule.rows(step))

@@ -88,10 +88,8 @@ def test_regen_plan_errors_name_the_key(tmp_path, body, key, words):
 
 def test_regen_settings_defaults_and_sampling(tmp_path):
     s = regen_settings(plan_with(tmp_path, "temperature = 0.2\nmax_tokens = 32\nextra = {top_k = 20}"))
-    from pipeline.stages.regen.stage import sampling_body
-
-    assert s["concurrency"] == 64
-    assert sampling_body(s) == {"temperature": 0.2, "max_tokens": 32, "top_k": 20}
+    assert s.concurrency == 64
+    assert s.sampling_body() == {"temperature": 0.2, "max_tokens": 32, "top_k": 20}
 
 
 def test_read_prompts_errors_name_file_row_field(tmp_path):

@@ -97,7 +97,7 @@ def test_bad_plan_names_the_key(tmp_path):
     proc, out = start_serve(tmp_path, extra="dtype = 3")
     assert proc.wait(timeout=60) == 2
     err = [m.get("text") for m in messages(out) if m.get("level") == "error"]
-    assert err and "serve.dtype: expected a string, got 3" in err[0]
+    assert err and "serve.dtype: expected a string, got int 3" in err[0]
 
 
 def test_health_tracker_transitions():

@@ -55,11 +55,11 @@ command = "true"
     )
     train, prep = plan.stage("train"), plan.stage("prep")
     assert (train.nodes, len(train.gpus), train.cpu) == (2, 8, 16)
-    opts = sbatch_options(plan.section("slurm"), train)
+    opts = sbatch_options(plan.settings.slurm, train)
     assert "--nodes=2" in opts and "--cpus-per-task=16" in opts and "--gpus-per-node=8" in opts
     assert "--partition=big" in opts and "--account=team" in opts and "--time=600" in opts
     assert opts[-2:] == ["--constraint=h100", "--exclusive"]
-    opts = sbatch_options(plan.section("slurm"), prep)
+    opts = sbatch_options(plan.settings.slurm, prep)
     assert "--partition=gpu" in opts and "--time=4:00:00" in opts and "--nodes=1" in opts
     assert not any(o.startswith("--gpus-per-node") for o in opts)
     # The spec a run dir freezes keeps both.
@@ -157,9 +157,9 @@ def test_the_example_slurm_plan_is_valid_and_spreads_capture_and_training_over_t
     plan = plan_mod.load(ROOT / "examples" / "kimi-k2.5-slurm.toml")
     assert plan.executor.kind == "slurm" and plan.executor.host
     assert (plan.stage("extract").nodes, plan.stage("train").nodes) == (2, 2)
-    assert plan.section("train")["nproc"] == 16 and plan.section("extract")["tp_size"] == 16
+    assert plan.settings.train.nproc == 16 and plan.settings.extract.tp_size == 16
     assert plan.stage("regen.ultrachat").uses == ("serve.r1", "serve.r2")
-    opts = sbatch_options(plan.section("slurm"), plan.stage("train"))
+    opts = sbatch_options(plan.settings.slurm, plan.stage("train"))
     assert {"--nodes=2", "--gpus-per-node=8", "--time=4-00:00:00", "--exclusive"} <= set(opts)
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipeline.eagle3.draft_model import load_draft
-from pipeline.stages.train.settings import TrainSettings, global_indices, lr_at
+from pipeline.run.plan_sections import TrainSection
+from pipeline.stages.train.settings import global_indices, lr_at
 from tests.eagle3_fixtures import (
     HIDDEN,
     ROOT,
@@ -30,7 +31,7 @@ from tests.eagle3_fixtures import (
 
 
 def test_schedule_and_data_order_are_functions_of_the_step() -> None:
-    s = TrainSettings(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    s = TrainSection(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(5, s) == pytest.approx(5e-4) and lr_at(10, s) == pytest.approx(1e-3)
     assert lr_at(100, s) == pytest.approx(1e-4)
     a = [global_indices(st, 10, 4, 0) for st in (1, 2, 3, 4)]
@@ -41,14 +42,14 @@ def test_schedule_and_data_order_are_functions_of_the_step() -> None:
 
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="train.batch_size"):
-        TrainSettings.from_section({"batch_size": 3, "nproc": 2}, "p.toml")
+        TrainSection.parse({"batch_size": 3, "nproc": 2}, "p.toml")
     with pytest.raises(ValueError, match="train.stepz: unknown key"):
-        TrainSettings.from_section({"stepz": 3}, "p.toml")
-    with pytest.raises(ValueError, match="train.lr: expected float"):
-        TrainSettings.from_section({"lr": "fast"}, "p.toml")
+        TrainSection.parse({"stepz": 3}, "p.toml")
+    with pytest.raises(ValueError, match="train.lr: expected a number"):
+        TrainSection.parse({"lr": "fast"}, "p.toml")
     with pytest.raises(ValueError, match="train.loss_chunk_tokens: must be 0"):
-        TrainSettings.from_section({"loss_chunk_tokens": -1}, "p.toml")
-    assert TrainSettings.from_section({"loss_chunk_tokens": 0}, "p.toml").loss_chunk_tokens == 0
+        TrainSection.parse({"loss_chunk_tokens": -1}, "p.toml")
+    assert TrainSection.parse({"loss_chunk_tokens": 0}, "p.toml").loss_chunk_tokens == 0
 
 
 @pytest.mark.slow

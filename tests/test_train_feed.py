@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from pipeline.eagle3 import hidden_store as hs
+from pipeline.run.plan_sections import TrainSection
 from pipeline.stages.train.batches import OfflineData
 from pipeline.stages.train.feeder import Feeder
-from pipeline.stages.train.settings import BatchSchedule, TrainSettings, global_indices
+from pipeline.stages.train.settings import BatchSchedule, global_indices
 from tests.eagle3_fixtures import TEST_SECTIONS, events, run_stage, shared, write_plan
 
 
@@ -40,14 +41,14 @@ def test_length_grouping_sees_every_row_once_per_epoch_and_pads_less() -> None:
 
 def test_length_grouping_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="train.length_grouping: must be 0 or more"):
-        TrainSettings.from_section({"length_grouping": -1}, "plan.toml")
-    with pytest.raises(ValueError, match=r"train.eval_spec_steps \(5\) cannot exceed train.ttt_steps \(3\)"):
-        TrainSettings.from_section({"eval_spec_steps": 5, "ttt_steps": 3}, "plan.toml")
-    assert TrainSettings.from_section({"checkpoint_every": 40}, "p").eval_interval == 40
-    assert TrainSettings.from_section({"eval_every": -1}, "p").eval_interval == 0
+        TrainSection.parse({"length_grouping": -1}, "plan.toml")
+    with pytest.raises(ValueError, match=r"train.eval_spec_steps: 5 cannot exceed train.ttt_steps \(3\)"):
+        TrainSection.parse({"eval_spec_steps": 5, "ttt_steps": 3}, "plan.toml")
+    assert TrainSection.parse({"checkpoint_every": 40}, "p").eval_interval == 40
+    assert TrainSection.parse({"eval_every": -1}, "p").eval_interval == 0
     # unset, it follows a shallow TTT instead of refusing a plan that never asked for it
-    assert TrainSettings.from_section({"ttt_steps": 2}, "p").spec_steps == 2
-    assert TrainSettings.from_section({}, "p").spec_steps == 3
+    assert TrainSection.parse({"ttt_steps": 2}, "p").spec_steps == 2
+    assert TrainSection.parse({}, "p").spec_steps == 3
 
 
 @pytest.mark.slow

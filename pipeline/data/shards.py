@@ -23,7 +23,6 @@ import numpy as np
 
 TOKENIZED = "tokenized"
 REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask")
-DEFAULT_HOLDOUT = 0.05
 
 
 class ShardError(ValueError):
@@ -55,10 +54,8 @@ class ShardRef:
 
 
 def holdout_fraction(plan: Any) -> float:
-    v = plan.section("bench").get("holdout", DEFAULT_HOLDOUT)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
-        raise ShardError(f"{plan.path}: bench.holdout: expected a share in [0, 1), got {v!r}")
-    return float(v)
+    """``[bench] holdout``: the share of every dataset's rows kept out of training."""
+    return float(plan.settings.bench.holdout)
 
 
 def is_heldout(row_id: str, fraction: float) -> bool:

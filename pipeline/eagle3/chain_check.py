@@ -110,7 +110,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
 
     rep = Report.of(str(plan.path))
     where = str(plan.path)
-    model = str(plan.target.get("model") or "")
+    model = str(plan.target.model or "")
     folder = local_model_dir(model) if model else None
     if folder is None or not (folder / "config.json").is_file():
         rep.add(
@@ -142,14 +142,18 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     )
     del base
 
-    ext = plan.section("extract")
+    ext = plan.settings.extract
     try:
         aux = (
-            normalise_aux_layers(ext["aux_layers"], n_layers, f"{where}: extract.aux_layers")
-            if "aux_layers" in ext
+            normalise_aux_layers(list(ext.aux_layers), n_layers, f"{where}: extract.aux_layers")
+            if ext.aux_layers is not None
             else default_aux_layers(n_layers)
         )
-        note = "" if ext.get("aux_layers") in (None, aux) else f" (plan order {ext['aux_layers']} sorted)"
+        note = (
+            ""
+            if ext.aux_layers is None or list(ext.aux_layers) == aux
+            else f" (plan order {list(ext.aux_layers)} sorted)"
+        )
         rep.add(
             "aux layers", True, f"{aux}{note}; SGLang captures the inputs of layers {[i + 1 for i in aux]}"
         )
@@ -157,15 +161,15 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         rep.add("aux layers", False, str(exc))
         aux = default_aux_layers(n_layers)
 
-    dv = plan.section("vocab").get("draft_vocab_size", 32000)
-    if not isinstance(dv, int) or isinstance(dv, bool) or not 0 < dv <= vocab:
+    dv = plan.settings.vocab.draft_vocab_size
+    if dv > vocab:
         rep.add(
             "draft vocab",
             False,
             f"{where}: vocab.draft_vocab_size: {dv!r} must be between 1 and the target's "
             f"vocabulary ({vocab})",
         )
-        dv = min(32000, vocab)
+        dv = vocab
     else:
         rep.add("draft vocab", True, f"{dv} of the target's {vocab} tokens")
     dcfg = DraftConfig.from_target(tcfg, dv, aux)
@@ -191,7 +195,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
 
         tok = load_hf_tokenizer(str(folder))
-        ct = ChatTokenizer(tok, int(plan.target.get("max_length", 2048)), tokenizer_id=model)
+        ct = ChatTokenizer(tok, plan.target.row_length, tokenizer_id=model)
         conv = [
             {"role": "user", "content": "What is 2 + 2?"},
             {"role": "assistant", "content": "4."},
@@ -218,10 +222,10 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     from pipeline.run import budget
 
     per_token = hs.bytes_per_token(hidden, len(aux))
-    max_len = int(ext.get("max_length", plan.target.get("max_length", 2048)))
+    max_len = ext.max_length or plan.target.row_length
     rows = sum(int(d.quota or 0) for d in plan.datasets)
-    tokens = int(ext.get("max_tokens") or rows * max_len)
-    mode = budget.storage_mode(plan)
+    tokens = ext.max_tokens or rows * max_len
+    mode = plan.settings.storage_mode
     need = 0 if mode == "online" else tokens * per_token
     rep.numbers.update(bytes_per_token=per_token, tokens=tokens, hidden_state_bytes=need)
     if free_bytes is None:
@@ -244,19 +248,17 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         )
 
     # GPU memory per rank.
-    online_tp = plan.section("train").get("target") == "online-tp"
-    if online_tp:
-        tp = int(plan.section("train").get("nproc") or len(plan.gpus) or 1)
-    else:
-        tp = int(ext.get("tp_size") or len(plan.gpus) or 1) if ext.get("parallel") == "tp" else 1
+    tr = plan.settings.train
+    online_tp = tr.online_tp
+    # Ranks holding a shard of the target: training's under online-tp, else the extraction's.
+    tp = tr.nproc if online_tp else (ext.tp_size or len(plan.gpus) or 1) if ext.parallel == "tp" else 1
     pb = param_bytes(meta, cfg)
     capture = pb["replicated"] + pb["sharded"] // tp
-    batch_tokens = int(ext.get("batch_tokens", 8192))
+    batch_tokens = ext.batch_tokens
     act = batch_tokens * hidden * 2 * 8  # a few live (tokens x hidden) bf16 buffers per layer step
     capture += act + batch_tokens * len(aux) * hidden * 2
-    tr = plan.section("train")
-    mb, ttt = int(tr.get("micro_batch", 8)), int(tr.get("ttt_steps", 7))
-    seq = int(tr.get("max_length") or max_len)
+    mb, ttt = tr.micro_batch, tr.ttt_steps
+    seq = tr.max_length or max_len
     draft_state = (
         draft_params * 16 + vocab * h * 2
     )  # fp32 weights + grads + AdamW m, v; bf16 frozen embedding
@@ -283,7 +285,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         else ", ".join(f"{p} {tested_versions.installed(p)}" for p in tested_versions.TESTED) + " (tested)",
         warning=bool(notes),
     )
-    gpu_gb = plan.resources.get("gpu_memory_gb")
+    gpu_gb = plan.resources.gpu_memory_gb
     if online_tp:
         # Every rank holds its target shard *and* trains its draft replica at the same time.
         capture += training

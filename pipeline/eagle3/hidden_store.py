@@ -36,28 +36,6 @@ class StoreError(ValueError):
     pass
 
 
-def storage_mode(plan: Any) -> str:
-    """``[extract] mode`` (``offline`` stores hidden states, ``online`` stores nothing).
-
-    ``[train] mode`` is accepted as the same switch; the two must agree when both are set.
-    """
-    ex = plan.section("extract").get("mode")
-    tr = plan.section("train").get("mode")
-    for key, v in (("extract.mode", ex), ("train.mode", tr)):
-        if v is not None and v not in MODES:
-            raise StoreError(f"{plan.path}: {key}: expected one of {', '.join(MODES)}, got {v!r}")
-    if ex is not None and tr is not None and ex != tr:
-        raise StoreError(f"{plan.path}: extract.mode is {ex!r} but train.mode is {tr!r}; set one")
-    if plan.section("train").get("target") == "online-tp":
-        if ex == "offline" or tr == "offline":
-            raise StoreError(
-                f'{plan.path}: train.target = "online-tp" captures during training; '
-                'extract.mode = "offline" would store what it never reads: drop it'
-            )
-        return "online"
-    return ex or tr or "offline"
-
-
 def bytes_per_token(hidden_size: int, n_aux: int = 3, dtype_bytes: int = 2) -> int:
     """Stored bytes per token: aux + final hidden in ``dtype``, plus ids, mask and argmax (9 B)."""
     return (n_aux + 1) * hidden_size * dtype_bytes + 4 + 1 + 4

@@ -46,7 +46,6 @@ class RunView(Protocol):
     status: dict[str, Any]  # stage id -> StageStatus (has .state)
 
 
-DEFAULT_RESERVE_GB = 1.0
 GB = 10**9
 
 
@@ -140,22 +139,6 @@ def _config_hidden_size(model: str) -> int | None:
     return int(hs) if isinstance(hs, int) else None
 
 
-def _positive_int(plan: Plan, key: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BudgetError(f"{plan.path}: {key}: expected a positive integer, got {value!r}")
-    return value
-
-
-def storage_mode(plan: Plan) -> str:
-    """``offline`` (hidden states stored) or ``online`` (nothing stored): ``[extract]``/``[train] mode``."""
-    mode = plan.section("extract").get("mode") or plan.section("train").get("mode") or "offline"
-    if mode not in ("offline", "online"):
-        raise BudgetError(f"{plan.path}: extract.mode: expected offline or online, got {mode!r}")
-    if plan.section("train").get("target") == "online-tp":
-        return "online"  # the target runs tensor-parallel inside training: nothing is stored
-    return str(mode)
-
-
 def emitted_projection(run: RunDir, sid: str, scan_bytes: int = 256 << 10) -> int | None:
     """The ``projected_bytes`` metric a running extraction emitted (early in its events), if any."""
     try:
@@ -182,20 +165,17 @@ def emitted_projection(run: RunDir, sid: str, scan_bytes: int = 256 << 10) -> in
 
 def extraction_projection(spec: StageSpec, plan: Plan, run: RunDir) -> Projection | None:
     """The projected bytes of an extraction stage; ``None`` while it cannot be computed yet."""
-    if storage_mode(plan) == "online":
+    if plan.settings.storage_mode == "online":
         return Projection(0, "online extraction stores nothing")
     emitted = emitted_projection(run, spec.id)
     if emitted is not None:
         return Projection(emitted, "projected_bytes reported by the stage")
-    ext = plan.section("extract")
-    aux_v = ext.get("aux_layers", [0, 0, 0])
-    if not isinstance(aux_v, list) or not aux_v:
-        raise BudgetError(f"{plan.path}: extract.aux_layers: expected a list of layer ids, got {aux_v!r}")
-    layers = len(aux_v) + 1  # + the final hidden state
-    if "hidden_size" in plan.target:
-        hidden = _positive_int(plan, "target.hidden_size", plan.target["hidden_size"])
+    ext = plan.settings.extract
+    layers = ext.aux_layer_count + 1  # + the final hidden state
+    if plan.target.hidden_size is not None:
+        hidden = plan.target.hidden_size
     else:
-        h = _config_hidden_size(str(plan.target.get("model", "")))
+        h = _config_hidden_size(str(plan.target.model or ""))
         if h is None:
             return None
         hidden = h
@@ -206,10 +186,10 @@ def extraction_projection(spec: StageSpec, plan: Plan, run: RunDir) -> Projectio
             tokens, rows, found = tokens + got[0], rows + got[1], True
     if not found:
         return None
-    if ext.get("max_rows") and rows:
-        tokens = min(tokens, tokens * _positive_int(plan, "extract.max_rows", ext["max_rows"]) // rows)
-    if ext.get("max_tokens"):
-        tokens = min(tokens, _positive_int(plan, "extract.max_tokens", ext["max_tokens"]))
+    if ext.max_rows and rows:
+        tokens = min(tokens, tokens * ext.max_rows // rows)
+    if ext.max_tokens:
+        tokens = min(tokens, ext.max_tokens)
     b = extraction_bytes(tokens, layers, hidden, STORED_DTYPE_BYTES) + tokens * EXTRA_BYTES_PER_TOKEN
     return Projection(
         b, f"{tokens:,} tokens x {layers} layers x hidden {hidden} x {STORED_DTYPE_BYTES} B (bf16)"
@@ -256,10 +236,7 @@ def disk_free(path: Path) -> tuple[int, int, int]:
 
 
 def reserve_bytes(plan: Plan) -> int:
-    v = plan.resources.get("disk_reserve_gb", DEFAULT_RESERVE_GB)
-    if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-        raise BudgetError(f"{plan.path}: resources.disk_reserve_gb: expected a number of GB >= 0, got {v!r}")
-    return int(v * GB)
+    return int(plan.resources.disk_reserve_gb * GB)
 
 
 class _Cache:

@@ -67,7 +67,7 @@ def make_executor(
     if plan.executor.kind == "slurm":
         from pipeline.run.slurm_jobs import SlurmJobs
 
-        return SlurmJobs(run, specs, plan.section("slurm"), log, python)
+        return SlurmJobs(run, specs, plan.settings.slurm, log, python)
     from pipeline.run.local_exec import LocalProcesses
 
     return LocalProcesses(run, specs, log, python)

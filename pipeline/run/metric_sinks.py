@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from pipeline.run.plan_sections import WandbSection
+
 FLUSH_S = 10
 Say = Callable[[str, str], None]  # (text, level)
 
@@ -71,22 +73,20 @@ class TensorBoardSink:
 class WandbSink:
     """One W&B run per stage attempt (offline by default: files under ``RUN/wandb``)."""
 
-    def __init__(
-        self, cfg: dict[str, Any], run_dir: Path, run_name: str, stage_id: str, attempt: int
-    ) -> None:
+    def __init__(self, cfg: WandbSection, run_dir: Path, run_name: str, stage_id: str, attempt: int) -> None:
         import wandb
 
         self._wandb = wandb
         name = stage_id if attempt <= 1 else f"{stage_id}-attempt-{attempt}"
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=str(cfg["project"]),
-            entity=cfg.get("entity"),
-            group=cfg.get("group", run_name),
+            project=str(cfg.project),
+            entity=cfg.entity,
+            group=cfg.group or run_name,
             name=name,
             job_type=stage_id.split(".")[0],
             dir=str(run_dir),
-            mode=cfg.get("mode", "offline"),
+            mode="online" if cfg.mode == "online" else "offline",
             reinit="create_new",
             config={"stage": stage_id, "attempt": attempt},
         )
@@ -108,7 +108,7 @@ class MetricSinks:
         stage_id: str,
         attempt: int,
         say: Say,
-        wandb_cfg: Callable[[], dict[str, Any] | None] = lambda: None,
+        wandb_cfg: Callable[[], WandbSection | None] = lambda: None,
         run_name: str = "",
     ) -> None:
         self.run_dir, self.stage_id, self.attempt = run_dir, stage_id, attempt

@@ -21,28 +21,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.run.plan_sections import SECTIONS, PlanSettings, ResourcesSection, SlurmSection, TargetSection
+from pipeline.run.schema import MAX_INT, PlanError, check_bool, check_int, check_num, check_text, check_type
+from pipeline.run.schema import key_name as _key
+from pipeline.run.schema import str_list as _str_list
+
 DATASET_KINDS = ("target-native", "prompt-only")
 EXECUTOR_KINDS = ("local", "ssh", "slurm")
-# Top-level tables besides the core ones hold per-stage-family settings, read by those stages.
-CORE_KEYS = {"run", "executor", "resources", "target", "datasets", "stage"}
-SECTION_KEYS = {
-    "prep",
-    "regen",
-    "serve",
-    "extract",
-    "vocab",
-    "train",
-    "bench",
-    "telemetry",
-    "alerts",
-    "ui",
-    "deploy",
-    "wandb",
-    "slurm",
-}
-WANDB_KEYS = {"project", "entity", "mode", "group"}
-# ``[slurm]`` (and a stage's ``slurm = {...}`` overrides): where and how the Slurm executor submits jobs.
-SLURM_KEYS = {"partition", "account", "qos", "time", "extra"}
+CORE_KEYS = {"run", "executor", "datasets", "stage"}
+# Every other top-level table is a typed settings section (pipeline/run/plan_sections.py).
+SECTION_KEYS = set(SECTIONS)
 STAGE_KEYS = {
     "id",
     "run",
@@ -68,14 +56,6 @@ STAGE_KEYS = {
     "replicas",
 }
 DATASET_KEYS = {"name", "source", "kind", "quota", "path", "split", "config", "options"}
-
-
-class PlanError(ValueError):
-    """A plan problem, always naming the file and the key."""
-
-    def __init__(self, file: Path | str, key: str, message: str) -> None:
-        self.file, self.key = str(file), key
-        super().__init__(f"{file}: {key}: {message}" if key else f"{file}: {message}")
 
 
 @dataclass(frozen=True)
@@ -192,12 +172,18 @@ class Plan:
     executor: Executor
     cpu_slots: int
     gpus: tuple[int, ...]
-    target: dict[str, Any]
     datasets: list[Dataset]
     stages: list[StageSpec]
-    sections: dict[str, dict[str, Any]]
+    settings: PlanSettings
     raw: dict[str, Any]
-    resources: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def target(self) -> TargetSection:
+        return self.settings.target
+
+    @property
+    def resources(self) -> ResourcesSection:
+        return self.settings.resources
 
     def stage(self, stage_id: str) -> StageSpec:
         for s in self.stages:
@@ -211,9 +197,6 @@ class Plan:
                 return d
         raise PlanError(self.path, "datasets", f"no dataset named {name!r}")
 
-    def section(self, name: str) -> dict[str, Any]:
-        return dict(self.sections.get(name, {}))
-
     def order(self) -> list[str]:
         return topo_order(self.path, self.stages)
 
@@ -222,69 +205,9 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------
-def _type(file: Path, key: str, value: Any, types: type | tuple[type, ...], what: str) -> Any:
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise PlanError(file, key, f"expected {what}, got {value!r}")
-    if not isinstance(value, types):
-        raise PlanError(file, key, f"expected {what}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _str_list(file: Path, key: str, value: Any) -> list[str]:
-    if isinstance(value, str):
-        value = [value]
-    _type(file, key, value, list, "a list of strings")
-    for i, v in enumerate(value):
-        _text(file, f"{key}[{i}]", v)
-    return list(value)
-
-
-# Anything outside these bounds is a typo (or a fuzzer), and would overflow a float or a C long downstream.
-MAX_INT = 2**53
-_CONTROL = {chr(c) for c in range(32)} | {"\x7f"}
+_type, _text, _int, _num, _bool = check_type, check_text, check_int, check_num, check_bool
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 _HOST_BAD = set(" \t'\"`$;&|<>(){}\\*?!#")
-
-
-def _text(
-    file: Path, key: str, value: Any, what: str = "a string", multiline: bool = False, empty: bool = True
-) -> str:
-    """A string with no NUL (it cannot reach an argv or a path) and no control characters except,
-    where ``multiline``, newline and tab (a shell command may span lines)."""
-    _type(file, key, value, str, what)
-    bad = _CONTROL - ({"\n", "\t", "\r"} if multiline else set())
-    hit = next((c for c in value if c in bad), None)
-    if hit is not None:
-        raise PlanError(file, key, f"contains the control character {hit!r}; not allowed here")
-    if not empty and not value.strip():
-        raise PlanError(file, key, f"expected {what}, got an empty string")
-    return value
-
-
-def _key(prefix: str, k: Any) -> str:
-    """How an error names key ``k`` under ``prefix``: as TOML writes it, quoted when it is not a bare key."""
-    name = (
-        k
-        if isinstance(k, str) and k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k)
-        else json.dumps(str(k), ensure_ascii=False)
-    )
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _int(file: Path, key: str, value: Any, what: str, lo: int = 0, hi: int = MAX_INT) -> int:
-    _type(file, key, value, int, what)
-    if not lo <= value <= hi:
-        raise PlanError(file, key, f"{value} is out of range ({lo}..{hi})")
-    return value
-
-
-def _num(file: Path, key: str, value: Any, what: str, lo: float = 0.0, hi: float = 1e9) -> float:
-    _type(file, key, value, (int, float), what)
-    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
-        raise PlanError(file, key, f"{value} is out of range ({lo:g}..{hi:g})")
-    if not lo <= float(value) <= hi:  # also refuses nan and inf
-        raise PlanError(file, key, f"{value!r} is out of range ({lo:g}..{hi:g})")
-    return float(value)
 
 
 def _name(file: Path, key: str, value: Any, what: str) -> str:
@@ -299,12 +222,6 @@ def _name(file: Path, key: str, value: Any, what: str) -> str:
             f"{value!r}: a {what} uses only lowercase letters, digits, '-' and '_', "
             "starts with a letter or digit (at most 100)",
         )
-    return value
-
-
-def _bool(file: Path, key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise PlanError(file, key, f"expected true or false, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -335,20 +252,6 @@ def stage_module(name: str) -> str:
         return BUILTIN_STAGES[name]
     except KeyError:
         raise KeyError(f"unknown stage {name!r} (known: {', '.join(BUILTIN_STAGES)})") from None
-
-
-def _wandb(path: Path, w: dict[str, Any]) -> None:
-    """``[wandb]``: metrics also go to Weights & Biases (see ``pipeline.run.metric_sinks``)."""
-    for key in w:
-        if key not in WANDB_KEYS:
-            raise PlanError(path, f"wandb.{key}", f"unknown key (known: {', '.join(sorted(WANDB_KEYS))})")
-    if "project" not in w:
-        raise PlanError(path, "wandb.project", "required: the W&B project the stages log to")
-    for key in WANDB_KEYS:
-        if key in w:
-            _type(path, f"wandb.{key}", w[key], str, "a string")
-    if w.get("mode", "offline") not in ("online", "offline"):
-        raise PlanError(path, "wandb.mode", f"expected online or offline, got {w['mode']!r}")
 
 
 def load(path: Path | str, run_dir: Path | str | None = None) -> Plan:
@@ -399,32 +302,13 @@ def from_dict(
             run_dir = base / run_dir
     executor = _executor(path, raw.get("executor", {}))
 
-    res = _type(path, "resources", raw.get("resources", {}), dict, "a table")
-    cpu_slots = _int(path, "resources.cpu_slots", res.get("cpu_slots", 4), "an integer", lo=1, hi=100_000)
-    gpus = res.get("gpus", [])
-    _type(path, "resources.gpus", gpus, list, "a list of GPU ids")
-    for i, g in enumerate(gpus):
-        _int(path, f"resources.gpus[{i}]", g, "an integer GPU id", hi=4096)
-
-    target = _type(path, "target", raw.get("target", {}), dict, "a table")
-    if "model" in target:
-        _text(path, "target.model", target["model"])
-    if "max_length" in target:
-        _int(path, "target.max_length", target["max_length"], "an integer", lo=1, hi=1 << 24)
-
+    settings = PlanSettings.parse(raw, path)
+    if "slurm" in raw and executor.kind != "slurm":
+        raise PlanError(
+            path, "slurm", f'a [slurm] table needs executor.kind = "slurm" (it is {executor.kind!r})'
+        )
+    cpu_slots, gpus = settings.resources.cpu_slots, list(settings.resources.gpus)
     datasets = _datasets(path, raw.get("datasets", []), base)
-    sections = {}
-    for key in SECTION_KEYS:
-        if key in raw:
-            sections[key] = _type(path, key, raw[key], dict, "a table")
-    if "wandb" in sections:
-        _wandb(path, sections["wandb"])
-    if "slurm" in sections:
-        if executor.kind != "slurm":
-            raise PlanError(
-                path, "slurm", f'a [slurm] table needs executor.kind = "slurm" (it is {executor.kind!r})'
-            )
-        _slurm(path, "slurm", sections["slurm"])
     stages = _stages(path, raw.get("stage", []), datasets, cpu_slots, tuple(gpus), executor.kind)
     plan = Plan(
         path=path,
@@ -433,12 +317,10 @@ def from_dict(
         executor=executor,
         cpu_slots=cpu_slots,
         gpus=tuple(gpus),
-        target=target,
         datasets=datasets,
         stages=stages,
-        sections=sections,
+        settings=settings,
         raw=raw,
-        resources=res,
     )
     plan.order()  # raises on cycles
     return plan
@@ -497,38 +379,9 @@ def _executor(path: Path, ex: Any) -> Executor:
     )
 
 
-_SLURM_TIME_CHARS = set("0123456789-:")
-
-
 def _slurm(path: Path, key: str, table: Any) -> dict[str, Any]:
-    """``[slurm]`` or a stage's ``slurm = {...}``: each value becomes one ``sbatch`` argv word, never shell text."""
-    _type(path, key, table, dict, "a table")
-    for k, v in table.items():
-        if k not in SLURM_KEYS:
-            raise PlanError(path, _key(key, k), f"unknown key (known: {', '.join(sorted(SLURM_KEYS))})")
-        if k in ("partition", "account", "qos"):
-            _text(path, f"{key}.{k}", v, empty=False)
-            if v.startswith("-") or any(c.isspace() or c in _HOST_BAD for c in v):
-                raise PlanError(path, f"{key}.{k}", f"{v!r}: not a valid Slurm {k} name")
-        elif k == "time":
-            if isinstance(v, int) and not isinstance(v, bool):
-                _int(path, f"{key}.time", v, "minutes", lo=1, hi=10**7)
-            else:
-                _text(path, f"{key}.time", v, 'a Slurm time limit (minutes, or "D-HH:MM:SS")', empty=False)
-                if not set(v) <= _SLURM_TIME_CHARS or not v[0].isdigit():
-                    raise PlanError(
-                        path,
-                        f"{key}.time",
-                        f'{v!r}: not a Slurm time limit (e.g. "90", "4:00:00", "1-12:00:00")',
-                    )
-        elif k == "extra":
-            for i, word in enumerate(_str_list(path, f"{key}.extra", v)):
-                if not word.startswith("--") or len(word) < 3:
-                    raise PlanError(
-                        path,
-                        f"{key}.extra[{i}]",
-                        f'{word!r}: each extra item is one sbatch long option, e.g. "--constraint=h100"',
-                    )
+    """A stage's ``slurm = {...}``: checked as ``[slurm]`` is; only the keys it sets are kept (they override)."""
+    SlurmSection.parse(table, path, key)
     return dict(table)
 
 

@@ -322,14 +322,10 @@ def parallel_settings(plan: Any, section: str) -> tuple[str | None, int]:
 
     ``parallel = "tp"`` runs ``tp_size`` ranks (default: the stage's GPUs, else 1).
     """
-    sec = plan.section(section)
-    par = sec.get("parallel")
-    if par not in (None, "tp"):
-        raise ValueError(f'{plan.path}: {section}.parallel: expected "tp" (or leave it out), got {par!r}')
-    size = sec.get("tp_size", stage_gpus() or 1)
-    if par == "tp" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise ValueError(f"{plan.path}: {section}.tp_size: expected a number of ranks >= 1, got {size!r}")
-    return par, int(size) if par == "tp" else 1
+    sec = getattr(plan.settings, section)
+    par: str | None = sec.parallel
+    size: int = sec.tp_size or stage_gpus() or 1
+    return par, size if par == "tp" else 1
 
 
 def tensor_parallel_rank(ctx: Any, section: str, module: str, argv: list[str]) -> bool:

@@ -31,6 +31,7 @@ from pipeline.run import nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter, make
 from pipeline.run.metric_sinks import MetricSinks
+from pipeline.run.plan_sections import WandbSection
 from pipeline.run.rundir import RunDir
 
 ENV_RUN = "AERIE_RUN_DIR"
@@ -124,12 +125,12 @@ class StageContext:
             self._plan = plan_mod.load(self.plan_path, run_dir=self.run_dir)
         return self._plan
 
-    def _wandb_cfg(self) -> dict[str, Any] | None:
+    def _wandb_cfg(self) -> WandbSection | None:
         """The plan's ``[wandb]`` section, if there is a plan and it has one."""
         if self.plan_path is None:
             return None
         try:
-            return self.plan.sections.get("wandb")
+            return self.plan.settings.wandb
         except plan_mod.PlanError:
             return None
 

@@ -21,9 +21,9 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipeline.run.plan import StageSpec
+from pipeline.run.plan_sections import SlurmSection
 
 TIMEOUT_S = float(os.environ.get("AERIE_SLURM_TIMEOUT_S", "30"))  # how long a Slurm command may take
 # Slurm job states (``squeue``/``sacct`` long names): waiting for nodes, holding them, and done.
@@ -67,16 +67,16 @@ def _why(p: subprocess.CompletedProcess[str]) -> str:
     return "; ".join(lines[-3:]) or f"exit status {p.returncode}"
 
 
-def sbatch_options(section: dict[str, Any], spec: StageSpec) -> list[str]:
+def sbatch_options(section: SlurmSection, spec: StageSpec) -> list[str]:
     """The ``sbatch`` options for ``spec``: its resources, then ``[slurm]`` with the stage's overrides."""
-    cfg = {**section, **spec.slurm}
+    cfg = {**section.given(), **spec.slurm}
     opts = [f"--nodes={spec.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={max(1, spec.cpu)}"]
     if spec.gpus:
         opts.append(f"--gpus-per-node={len(spec.gpus)}")
     for key in ("partition", "account", "qos", "time"):
         if cfg.get(key) is not None:
             opts.append(f"--{key}={cfg[key]}")
-    return opts + [str(x) for x in section.get("extra", [])] + [str(x) for x in spec.slurm.get("extra", [])]
+    return opts + [str(x) for x in section.extra] + [str(x) for x in spec.slurm.get("extra", [])]
 
 
 def submit(script: Path, name: str, comment: str, log: Path, workdir: Path, options: list[str]) -> str:

@@ -25,11 +25,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pipeline.run import slurm
 from pipeline.run.events import EventWriter
 from pipeline.run.plan import StageSpec
+from pipeline.run.plan_sections import SlurmSection
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
 from pipeline.run.stage_status import StageStatus, finish, record_lost
 
@@ -66,7 +66,7 @@ class SlurmJobs:
         self,
         run: RunDir,
         specs: dict[str, StageSpec],
-        section: dict[str, Any],
+        section: SlurmSection,
         log: Callable[[str], None],
         python: str = sys.executable,
     ) -> None:

@@ -110,7 +110,7 @@ def partitions() -> dict[str, Partition]:
 
 
 def stage_partition(plan: Plan, spec: StageSpec, parts: dict[str, Partition]) -> str | None:
-    name = spec.slurm.get("partition", plan.section("slurm").get("partition"))
+    name = spec.slurm.get("partition", plan.settings.slurm.partition)
     if name is None:
         return next((p.name for p in parts.values() if p.default), None)
     return str(name)
@@ -180,7 +180,7 @@ def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: 
         report.add("", False, f"run directory {root}: cannot write it here: {exc}")
         return
     mods = sorted({m for s in plan.stages if s.run for m in STAGE_IMPORTS.get(s.run, [])})
-    sect = plan.section("slurm")
+    sect = plan.settings.slurm.given()
     argv = [
         "srun",
         "--nodes=1",

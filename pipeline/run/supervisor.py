@@ -489,7 +489,7 @@ class ModelMissing(RuntimeError):
 
 def check_model(plan: plan_mod.Plan) -> None:
     """Before any stage starts: a built-in target model (the demo's) must be installed here."""
-    model = plan.target.get("model")
+    model = plan.target.model
     if not isinstance(model, str) or not model.startswith("builtin:"):
         return
     from pipeline.run.builtin_models import ModelAssetError, check_available

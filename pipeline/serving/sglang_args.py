@@ -27,55 +27,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from pipeline.run.plan import Plan, PlanError
+from pipeline.run.plan_sections import DeploySection, ServeSection
 
-BACKENDS = ("sglang", "local")
 MODES = ("plain", "eagle3")
-SERVE_KEYS = {
-    "backend",
-    "model",
-    "host",
-    "port",
-    "tp",
-    "mem_fraction_static",
-    "context_length",
-    "served_model_name",
-    "startup_timeout_s",
-    "health_interval_s",
-    "health_timeout_s",
-    "unhealthy_after",
-    "stop_timeout_s",
-    "extra_args",
-    "dtype",
-}
 
 
 @dataclass(frozen=True)
 class Speculative:
     draft_model_path: str
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int = 4
+    num_steps: int = DeploySection.speculative_num_steps
+    eagle_topk: int = DeploySection.speculative_eagle_topk
+    num_draft_tokens: int = DeploySection.speculative_num_draft_tokens
 
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """A server as one stage launches it: ``[serve]`` resolved for the stage's GPUs (defaults: ServeSection)."""
+
     backend: str
     model: str
-    host: str = "127.0.0.1"
-    port: int = 30000
+    host: str = ServeSection.host
+    port: int = ServeSection.port
     tp: int = 1
     mem_fraction_static: float | None = None
     context_length: int | None = None
     served_model_name: str | None = None
     dtype: str | None = None
-    startup_timeout_s: float = 1800.0
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 5.0
-    unhealthy_after: int = 3  # consecutive failed probes after ready
-    stop_timeout_s: float = 8.0  # SIGTERM -> wait -> SIGKILL for the server child
+    startup_timeout_s: float = ServeSection.startup_timeout_s
+    health_interval_s: float = ServeSection.health_interval_s
+    health_timeout_s: float = ServeSection.health_timeout_s
+    unhealthy_after: int = ServeSection.unhealthy_after  # consecutive failed probes after ready
+    stop_timeout_s: float = ServeSection.stop_timeout_s  # SIGTERM -> wait -> SIGKILL for the server child
     extra_args: tuple[str, ...] = ()
     speculative: Speculative | None = None
     gpus: tuple[int, ...] = ()
@@ -86,119 +70,57 @@ class ServerSettings:
         return f"http://{self.host}:{self.port}"
 
 
-def _get(
-    plan: Plan,
-    table: str,
-    sec: dict[str, Any],
-    key: str,
-    types: type | tuple[type, ...],
-    what: str,
-    default: Any,
-) -> Any:
-    if key not in sec:
-        return default
-    v = sec[key]
-    tt = types if isinstance(types, tuple) else (types,)
-    if (isinstance(v, bool) and bool not in tt) or not isinstance(v, tt):
-        raise PlanError(plan.path, f"{table}.{key}", f"expected {what}, got {v!r}")
-    return v
-
-
-def _positive(plan: Plan, key: str, v: float | int | None, allow_zero: bool = False) -> None:
-    if v is not None and (v < 0 or (v == 0 and not allow_zero)):
-        raise PlanError(plan.path, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
-
-
 def settings_from_plan(
     plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = (), draft: str | None = None, cpu: int = 1
 ) -> ServerSettings:
-    """Read ``[serve]`` (and ``[deploy]`` for ``mode="eagle3"``) into :class:`ServerSettings`."""
+    """``[serve]`` (and ``[deploy]`` for ``mode="eagle3"``), checked when the plan loaded, resolved for a
+    stage with these GPUs into :class:`ServerSettings`."""
     if mode not in MODES:
         raise PlanError(plan.path, "serve", f"unknown mode {mode!r} (known: {', '.join(MODES)})")
-    sec = plan.section("serve")
-    for k in sec:
-        if k not in SERVE_KEYS:
-            raise PlanError(plan.path, f"serve.{k}", f"unknown key (known: {', '.join(sorted(SERVE_KEYS))})")
-    backend = _get(plan, "serve", sec, "backend", str, "a string", "sglang")
-    if backend not in BACKENDS:
-        raise PlanError(plan.path, "serve.backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    model = _get(plan, "serve", sec, "model", str, "a string (hub id or path)", plan.target.get("model"))
+    sec = plan.settings.serve
+    model = sec.model or plan.target.model
     if not model:
         raise PlanError(plan.path, "serve.model", "no model: set [serve] model or [target] model")
-    port = _get(plan, "serve", sec, "port", int, "an integer port (0 = pick a free one)", 30000)
-    if not 0 <= port <= 65535:
-        raise PlanError(plan.path, "serve.port", f"{port} is not a TCP port")
-    tp = _get(plan, "serve", sec, "tp", int, "an integer", max(1, len(gpus)))
-    _positive(plan, "serve.tp", tp)
+    tp = sec.tp if sec.tp is not None else max(1, len(gpus))
     if gpus and tp > len(gpus):
         raise PlanError(
             plan.path, "serve.tp", f"tp {tp} needs {tp} GPUs but the stage has {len(gpus)}: {list(gpus)}"
         )
-    mem = _get(plan, "serve", sec, "mem_fraction_static", (int, float), "a fraction", None)
-    if mem is not None and not 0 < mem < 1:
-        raise PlanError(plan.path, "serve.mem_fraction_static", f"must be between 0 and 1, got {mem!r}")
-    ctx_len = _get(plan, "serve", sec, "context_length", int, "an integer", plan.target.get("max_length"))
-    _positive(plan, "serve.context_length", ctx_len)
-    extra = _get(plan, "serve", sec, "extra_args", list, "a list of strings", [])
-    for i, a in enumerate(extra):
-        if not isinstance(a, str):
-            raise PlanError(plan.path, f"serve.extra_args[{i}]", f"expected a string, got {a!r}")
-    num = (int, float)
     s = ServerSettings(
-        backend=backend,
+        backend=sec.backend,
         model=model,
-        host=_get(plan, "serve", sec, "host", str, "a string", "127.0.0.1"),
-        port=port,
+        host=sec.host,
+        port=sec.port,
         tp=tp,
-        mem_fraction_static=float(mem) if mem is not None else None,
-        context_length=ctx_len,
-        served_model_name=_get(plan, "serve", sec, "served_model_name", str, "a string", None),
-        dtype=_get(plan, "serve", sec, "dtype", str, "a string", None),
-        startup_timeout_s=float(_get(plan, "serve", sec, "startup_timeout_s", num, "seconds", 1800.0)),
-        health_interval_s=float(_get(plan, "serve", sec, "health_interval_s", num, "seconds", 2.0)),
-        health_timeout_s=float(_get(plan, "serve", sec, "health_timeout_s", num, "seconds", 5.0)),
-        unhealthy_after=_get(plan, "serve", sec, "unhealthy_after", int, "an integer", 3),
-        stop_timeout_s=float(_get(plan, "serve", sec, "stop_timeout_s", num, "seconds", 8.0)),
-        extra_args=tuple(extra),
+        mem_fraction_static=sec.mem_fraction_static,
+        context_length=sec.context_length if sec.context_length is not None else plan.target.max_length,
+        served_model_name=sec.served_model_name,
+        dtype=sec.dtype,
+        startup_timeout_s=sec.startup_timeout_s,
+        health_interval_s=sec.health_interval_s,
+        health_timeout_s=sec.health_timeout_s,
+        unhealthy_after=sec.unhealthy_after,
+        stop_timeout_s=sec.stop_timeout_s,
+        extra_args=sec.extra_args,
         gpus=tuple(gpus),
         cpu_threads=max(1, cpu),
     )
-    for k in (
-        "startup_timeout_s",
-        "health_interval_s",
-        "health_timeout_s",
-        "unhealthy_after",
-        "stop_timeout_s",
-    ):
-        _positive(plan, f"serve.{k}", getattr(s, k))
     if mode == "eagle3":
         s = _with_speculative(plan, s, draft)
     return s
 
 
 def _with_speculative(plan: Plan, s: ServerSettings, draft: str | None) -> ServerSettings:
-    dep = plan.section("deploy")
-    path = draft or _get(plan, "deploy", dep, "draft_model_path", str, "a path", None)
+    dep = plan.settings.deploy
+    path = draft or dep.draft_model_path
     if not path:
         raise PlanError(plan.path, "deploy.draft_model_path", "--mode eagle3 needs the draft checkpoint path")
     if not Path(path).expanduser().is_absolute():
         path = str(plan.path.parent.absolute() / path)
-    vals = {}
-    for key, default in (
-        ("speculative_num_steps", 3),
-        ("speculative_eagle_topk", 1),
-        ("speculative_num_draft_tokens", 4),
-    ):
-        vals[key] = _get(plan, "deploy", dep, key, int, "an integer", default)
-        _positive(plan, f"deploy.{key}", vals[key])
     spec = Speculative(
-        path,
-        vals["speculative_num_steps"],
-        vals["speculative_eagle_topk"],
-        vals["speculative_num_draft_tokens"],
+        path, dep.speculative_num_steps, dep.speculative_eagle_topk, dep.speculative_num_draft_tokens
     )
-    port = _get(plan, "deploy", dep, "port", int, "an integer port", s.port)
-    return replace(s, speculative=spec, port=port)
+    return replace(s, speculative=spec, port=dep.port if dep.port is not None else s.port)
 
 
 def sglang_argv(s: ServerSettings, python: str = "python3") -> list[str]:

@@ -55,6 +55,7 @@ from pipeline.eagle3.draft_model import (
 )
 from pipeline.eagle3.shard_sink import HostBatch, HostStager, ShardSink, ShardWriteError, WrittenShard
 from pipeline.run import nospace
+from pipeline.run.plan_sections import ExtractSection
 from pipeline.run.ranks import Dist, tensor_parallel_rank, tp_device
 from pipeline.run.rundir import read_json, write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
@@ -62,11 +63,11 @@ from pipeline.run.runtime import StageContext, add_common_args, fail
 STATE_FILE = "extract-state.json"
 
 
-def pick_device(sec: dict[str, Any]) -> tuple[str, torch.dtype]:
+def pick_device(sec: ExtractSection) -> tuple[str, torch.dtype]:
     """``(device, dtype)``; ``device = "auto"`` spreads the target's layers over every visible GPU."""
-    dev = sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = sec.device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = torch.cuda.is_available() if dev == "auto" else torch.device(dev).type == "cuda"
-    name = sec.get("dtype") or ("bfloat16" if on_gpu else "float32")
+    name = sec.dtype or ("bfloat16" if on_gpu else "float32")
     dtypes = {
         "bfloat16": torch.bfloat16,
         "bf16": torch.bfloat16,
@@ -80,13 +81,12 @@ def pick_device(sec: dict[str, Any]) -> tuple[str, torch.dtype]:
     return dev, dtypes[name]
 
 
-def aux_layers_from(sec: dict[str, Any], num_layers: int, where: str) -> list[int]:
+def aux_layers_from(sec: ExtractSection, num_layers: int, where: str) -> list[int]:
     """``[extract] aux_layers`` as SGLang will capture them: ascending, distinct, in range."""
-    ids = sec.get("aux_layers")
-    if ids is None:
+    if sec.aux_layers is None:
         return default_aux_layers(num_layers)
     try:
-        return normalise_aux_layers(ids, num_layers, f"{where}: extract.aux_layers")
+        return normalise_aux_layers(list(sec.aux_layers), num_layers, f"{where}: extract.aux_layers")
     except DraftModelError as exc:
         raise ValueError(str(exc)) from None
 
@@ -209,9 +209,9 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     from pipeline.eagle3.target_capture import load_target, target_config
 
     plan = ctx.plan
-    sec = plan.section("extract")
-    mode = hs.storage_mode(plan)
-    model_id = str(plan.target.get("model") or "")
+    sec = plan.settings.extract
+    mode = plan.settings.storage_mode
+    model_id = str(plan.target.model or "")
     if not model_id:
         fail(ctx, f"{plan.path}: target.model is not set")
     if not inputs:
@@ -223,16 +223,16 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     num_layers, hidden = int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
     aux = aux_layers_from(sec, num_layers, str(plan.path))
     holdout = holdout_fraction(plan)
-    max_length = sec.get("max_length", plan.target.get("max_length"))
+    max_length = sec.max_length or plan.target.max_length
     rows = list(iter_rows(inputs, holdout, "train", int(tcfg.vocab_size), max_length))
     rows = [r for r in rows if r.num_tokens >= 2 and r.loss_mask.any()]
-    eval_rows = eval_split(inputs, holdout, int(tcfg.vocab_size), max_length, int(sec.get("eval_rows", 64)))
-    if sec.get("max_rows"):
-        rows = rows[: int(sec["max_rows"])]
-    if sec.get("max_tokens"):
+    eval_rows = eval_split(inputs, holdout, int(tcfg.vocab_size), max_length, sec.eval_rows)
+    if sec.max_rows:
+        rows = rows[: sec.max_rows]
+    if sec.max_tokens:
         kept, n = [], 0
         for r in rows:
-            if n + r.num_tokens > int(sec["max_tokens"]):
+            if n + r.num_tokens > sec.max_tokens:
                 break
             kept.append(r)
             n += r.num_tokens
@@ -265,9 +265,9 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         "eval_tokens": sum(r.num_tokens for r in eval_rows),
     }
     writer = dist is None or dist.main  # tensor-parallel: rank 0 alone writes
-    if sec.get("aux_layers") is not None and list(sec["aux_layers"]) != aux:
+    if sec.aux_layers is not None and list(sec.aux_layers) != aux:
         ctx.message(
-            f"extract.aux_layers {sec['aux_layers']} used as {aux}: SGLang captures layers in ascending "
+            f"extract.aux_layers {list(sec.aux_layers)} used as {aux}: SGLang captures layers in ascending "
             "order, each once",
             level="warning",
         )
@@ -287,7 +287,7 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
         return 0
 
-    shard_tokens = int(sec.get("shard_tokens", 262144))
+    shard_tokens = sec.shard_tokens
     jobs = [(hs.shard_name(i), sh) for i, sh in enumerate(plan_shards(rows, shard_tokens))]
     jobs += [(hs.eval_shard_name(i), sh) for i, sh in enumerate(plan_shards(eval_rows, shard_tokens))]
     fp = fingerprint(rows + eval_rows, aux, model_id)
@@ -316,17 +316,17 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     )
     device, dtype = pick_device(sec)
     if dist is not None:
-        dev = tp_device(dist, sec.get("device"))
+        dev = tp_device(dist, sec.device)
         if dev.type == "cpu":
             dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
-        if sec.get("dtype") is None:
+        if sec.dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         target = load_target(model_id, aux, dtype=dtype, device=dev, parallel="tp")
         dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
     else:
         target = load_target(model_id, aux, dtype=dtype, device=device)
-    batch_tokens = int(sec.get("batch_tokens", 8192))
+    batch_tokens = sec.batch_tokens
     tokens_done = sum(v["tokens"] for v in done.values())
     actual = sum(v["bytes"] for v in done.values())
     ctx.progress(tokens_done, total_tokens, unit="tokens", force=True)
@@ -343,13 +343,13 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
 
     sink = stager = None
     if writer:
-        stager = HostStager(target.device, slots=int(sec.get("write_queue", 2)) + 2)
+        stager = HostStager(target.device, slots=sec.write_queue + 2)
         sink = ShardSink(
             ctx.out,
             len(aux) * hidden,
             hidden,
-            queue_batches=int(sec.get("write_queue", 2)),
-            io_threads=int(sec.get("io_threads", 4)),
+            queue_batches=sec.write_queue,
+            io_threads=sec.io_threads,
         )
     try:
         for si, (name, shard_rows) in enumerate(jobs):

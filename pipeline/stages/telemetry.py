@@ -40,13 +40,12 @@ from typing import Any
 from pipeline.run import budget
 from pipeline.run.gpus import GpuSource, GpuUnavailable, NvmlSource, annotate_owners
 from pipeline.run.plan import Plan
+from pipeline.run.plan_sections import TelemetrySection
 from pipeline.run.rundir import RunDir, read_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
 
 FILE_NAME = "telemetry.jsonl"
-DEFAULT_INTERVAL_S = 2.0
-DEFAULT_MAX_MB = 16.0
-DEFAULT_PROJECTION_EVERY_S = 30.0
+_DEFAULTS = TelemetrySection()
 SCHEMA_VERSION = 1
 
 
@@ -159,9 +158,9 @@ class Agent:
         out: Path,
         run: RunDir | None = None,
         plan: Plan | None = None,
-        interval_s: float = DEFAULT_INTERVAL_S,
-        max_bytes: int = int(DEFAULT_MAX_MB * 2**20),
-        projection_every_s: float = DEFAULT_PROJECTION_EVERY_S,
+        interval_s: float = _DEFAULTS.interval_s,
+        max_bytes: int = int(_DEFAULTS.max_mb * 2**20),
+        projection_every_s: float = _DEFAULTS.projection_every_s,
         message: Callable[..., None] | None = None,
     ) -> None:
         self.source = source
@@ -305,27 +304,9 @@ class Agent:
 
 # ---------------------------------------------------------------------------- the stage
 def settings(plan: Plan | None) -> tuple[float, float, float]:
-    """(interval_s, max_mb, projection_every_s) from ``[telemetry]``, validated."""
-    sec = plan.section("telemetry") if plan else {}
-    out = []
-    for key, default in (
-        ("interval_s", DEFAULT_INTERVAL_S),
-        ("max_mb", DEFAULT_MAX_MB),
-        ("projection_every_s", DEFAULT_PROJECTION_EVERY_S),
-    ):
-        v = sec.get(key, default)
-        if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
-            assert plan is not None
-            raise ValueError(f"{plan.path}: telemetry.{key}: expected a positive number, got {v!r}")
-        out.append(float(v))
-    unknown = set(sec) - {"interval_s", "max_mb", "projection_every_s"}
-    if unknown:
-        assert plan is not None
-        raise ValueError(
-            f"{plan.path}: telemetry.{sorted(unknown)[0]}: unknown key "
-            "(known: interval_s, max_mb, projection_every_s)"
-        )
-    return out[0], out[1], out[2]
+    """(interval_s, max_mb, projection_every_s): the plan's ``[telemetry]`` (checked when it loaded)."""
+    t = plan.settings.telemetry if plan else TelemetrySection()
+    return t.interval_s, t.max_mb, t.projection_every_s
 
 
 def run_loop(agent: Agent, ctx: StageContext | None, samples: int | None = None) -> str:

@@ -21,8 +21,6 @@ from pipeline.data.shards import ShardError, holdout_fraction, iter_rows
 from pipeline.eagle3 import draft_vocab
 from pipeline.run.runtime import StageContext, add_common_args, fail
 
-DEFAULT_SIZE = 32000
-
 
 def count_tokens(
     inputs: list[Path],
@@ -54,23 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.eagle3.target_capture import target_config
 
     plan = ctx.plan
-    sec = plan.section("vocab")
     inputs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
     if not inputs:
         fail(ctx, "no inputs: the vocab stage needs the out dirs of the prep/regen stages")
     try:
-        vocab_size = int(target_config(str(plan.target["model"])).vocab_size)
-        size = sec.get("draft_vocab_size", DEFAULT_SIZE)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            fail(ctx, f"{plan.path}: vocab.draft_vocab_size: expected a positive integer, got {size!r}")
+        vocab_size = int(target_config(str(plan.target.model)).vocab_size)
+        size = plan.settings.vocab.draft_vocab_size
         if size > vocab_size:
             ctx.message(
                 f"draft_vocab_size {size} exceeds the target vocabulary; using {vocab_size}", level="warning"
             )
             size = vocab_size
-        counts, rows = count_tokens(
-            inputs, holdout_fraction(plan), vocab_size, plan.target.get("max_length"), ctx
-        )
+        counts, rows = count_tokens(inputs, holdout_fraction(plan), vocab_size, plan.target.max_length, ctx)
     except (ShardError, draft_vocab.VocabError) as exc:
         fail(ctx, str(exc))
     total = int(counts.sum())
@@ -85,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "tokens": total,
             "distinct_tokens": int((counts > 0).sum()),
-            "target": plan.target["model"],
+            "target": plan.target.model,
         },
     )
     ctx.progress(rows, rows, unit="rows", force=True)

@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
-    mode = args.mode or ctx.plan.section("bench").get("mode", "offline")
-    if mode not in MODES:
-        fail(ctx, f"{ctx.plan.path}: bench.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    mode = args.mode or ctx.plan.settings.bench.mode
     inputs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
     dist = Dist()
     try:

@@ -41,19 +41,14 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     from pipeline.eagle3.target_capture import load_target
 
     plan = ctx.plan
-    sec = plan.section("bench")
+    sec = plan.settings.bench
     man, train_dir = find_draft(inputs)
-    model_id = str(plan.target.get("model") or man.get("target"))
-    steps = int(sec.get("steps", 3))
-    max_new = int(sec.get("max_new_tokens", 64))
-    n_prompts = int(sec.get("prompts", 16))
-    if steps < 1 or max_new < 2 or n_prompts < 1:
-        fail(
-            ctx,
-            f"{plan.path}: bench.steps >= 1, bench.max_new_tokens >= 2 and bench.prompts >= 1 are required",
-        )
+    model_id = str(plan.target.model or man.get("target"))
+    steps = sec.steps
+    max_new = sec.new_tokens(online=False)
+    n_prompts = sec.prompt_count(online=False)
     if dist is not None:
-        dev = tp_device(dist, sec.get("device"))
+        dev = tp_device(dist, sec.device)
         if dev.type == "cpu":
             dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -61,7 +56,7 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
     else:
-        dev = torch.device(sec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = torch.device(sec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev)
     vocab = int(target.embed_weight.shape[0])
@@ -73,7 +68,7 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     ).to(dev)
     drafter = Eagle3Drafter(draft)
     eos = eos_ids(model_id, target)
-    check = bool(sec.get("check_lossless", False))
+    check = sec.check_lossless
     ctx.message(
         f"speculative decoding of {len(prompts)} held-out prompts, {steps} draft tokens per verify step, "
         f"up to {max_new} new tokens"

@@ -140,15 +140,15 @@ def _drive(
 
 
 def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) -> int:
-    sec = ctx.plan.section("bench")
+    sec = ctx.plan.settings.bench
     label = args.label or ctx.stage_id
     url = endpoint_url(ctx, args.url)
-    prompts = prompts_for(ctx, inputs, int(sec.get("prompts", 64)))
+    prompts = prompts_for(ctx, inputs, sec.prompt_count(online=True))
     if not prompts:
         fail(ctx, "no held-out prompts for the online benchmark; raise [bench] holdout")
-    max_new = int(sec.get("max_new_tokens", 256))
-    conc = int(sec.get("concurrency", 8))
-    timeout = float(sec.get("timeout_s", 600))
+    max_new = sec.new_tokens(online=True)
+    conc = sec.concurrency
+    timeout = sec.timeout_s
     ctx.message(
         f"{label}: {len(prompts)} prompts against {url}/generate, concurrency {conc}, {max_new} new tokens"
     )

@@ -28,7 +28,7 @@ def _tokenizer(plan: plan_mod.Plan, settings: PrepSettings) -> Any:  # a ChatTok
     os.environ.setdefault("RAYON_NUM_THREADS", str(settings.tokenizer_threads))
     from pipeline.data.tokenise import load_chat_tokenizer
 
-    model = plan.target.get("model")
+    model = plan.target.model
     if not model:
         raise plan_mod.PlanError(
             plan.path, "target.model", "target-native datasets need the target model's tokenizer"

@@ -29,88 +29,20 @@ from typing import Any
 
 from pipeline.run.files import sha256_file
 from pipeline.run.plan import Plan, PlanError
+from pipeline.run.plan_sections import RegenSection
 from pipeline.run.rundir import RunDir, read_json, write_atomic
 from pipeline.run.runtime import StageContext, add_common_args, fail
 from pipeline.stages.regen.client import ClientConfig, ClientStats, OutageError, Regenerator
 from pipeline.stages.regen.store import ResponseLog
-
-DEFAULTS: dict[str, Any] = {
-    "concurrency": 64,
-    "temperature": 0.7,
-    "max_tokens": 4096,
-    "request_timeout_s": 600.0,
-    "max_attempts": 5,
-    "backoff_s": 1.0,
-    "backoff_max_s": 30.0,
-    "outage_timeout_s": 900.0,
-    "max_error_fraction": 0.05,
-    "drop_truncated": False,
-    "shard_rows": 5000,
-    "max_skipped_fraction": 0.5,
-}
-NUM = (int, float)
-TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "concurrency": ((int,), "an integer"),
-    "temperature": (NUM, "a number"),
-    "top_p": (NUM, "a number"),
-    "top_k": ((int,), "an integer"),
-    "max_tokens": ((int,), "an integer"),
-    "seed": ((int,), "an integer"),
-    "stop": ((list, str), "a string or a list of strings"),
-    "extra": ((dict,), "a table of request-body keys"),
-    "request_timeout_s": (NUM, "seconds"),
-    "max_attempts": ((int,), "an integer"),
-    "backoff_s": (NUM, "seconds"),
-    "backoff_max_s": (NUM, "seconds"),
-    "outage_timeout_s": (NUM, "seconds"),
-    "max_records": ((int,), "an integer"),
-    "max_error_fraction": (NUM, "a fraction"),
-    "max_skipped_fraction": (NUM, "a fraction"),
-    "drop_truncated": ((bool,), "true or false"),
-    "shard_rows": ((int,), "an integer"),
-    "server_url": ((str,), "a URL"),
-    "model": ((str,), "a model id"),
-    "api_key_env": ((str,), "an environment variable name"),
-}
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
-POSITIVE = (
-    "concurrency",
-    "max_tokens",
-    "request_timeout_s",
-    "max_attempts",
-    "outage_timeout_s",
-    "max_records",
-    "shard_rows",
-)
 
 
 class InputError(ValueError):
     """Bad upstream data; names the file, row and field."""
 
 
-def regen_settings(plan: Plan) -> dict[str, Any]:
-    """``[regen]`` with defaults, type-checked; errors name ``regen.<key>``."""
-    sec = plan.section("regen")
-    out = dict(DEFAULTS)
-    for k, v in sec.items():
-        if k not in TYPES:
-            raise PlanError(plan.path, f"regen.{k}", f"unknown key (known: {', '.join(sorted(TYPES))})")
-        types, what = TYPES[k]
-        if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
-            raise PlanError(plan.path, f"regen.{k}", f"expected {what}, got {v!r}")
-        if k in POSITIVE and isinstance(v, int | float) and v <= 0:
-            raise PlanError(plan.path, f"regen.{k}", f"must be > 0, got {v!r}")
-        out[k] = v
-    for k in ("max_error_fraction", "max_skipped_fraction"):
-        if not 0 <= out[k] <= 1:
-            raise PlanError(plan.path, f"regen.{k}", "must be between 0 and 1")
-    return out
-
-
-def sampling_body(s: dict[str, Any]) -> dict[str, Any]:
-    body = {k: s[k] for k in SAMPLING_KEYS if k in s}
-    body.update(s.get("extra") or {})
-    return body
+def regen_settings(plan: Plan) -> RegenSection:
+    """``[regen]``, typed and checked when the plan loaded."""
+    return plan.settings.regen
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -165,13 +97,13 @@ def read_prompts(d: Path, limit: int | None = None) -> list[tuple[str, list[dict
     return out
 
 
-def server_urls(ctx: StageContext, plan: Plan, s: dict[str, Any], override: str | None) -> list[str]:
+def server_urls(ctx: StageContext, plan: Plan, s: RegenSection, override: str | None) -> list[str]:
     """Every server to send requests to: the override, ``[regen] server_url``, else the ``endpoint.json``
     of each service this stage uses (several with ``replicas = N`` under Slurm), else ``[serve]``'s."""
     if override:
         return [override]
-    if s.get("server_url"):
-        return [s["server_url"]]
+    if s.server_url:
+        return [s.server_url]
     uses: tuple[str, ...] = ()
     with contextlib.suppress(KeyError):
         uses = plan.stage(ctx.stage_id).uses
@@ -183,10 +115,9 @@ def server_urls(ctx: StageContext, plan: Plan, s: dict[str, Any], override: str 
                 urls.append(str(ep["url"]))
     if urls:
         return urls
-    serve = plan.section("serve")
-    port = serve.get("port", 30000)
-    if port:
-        return [f"http://{serve.get('host', '127.0.0.1')}:{port}"]
+    serve = plan.settings.serve
+    if serve.port:
+        return [f"http://{serve.host}:{serve.port}"]
     raise InputError(
         "no server address: the service's endpoint.json is missing and [serve] port is 0; "
         "pass --server-url or set [regen] server_url"
@@ -327,7 +258,7 @@ def tokenise_answers(
     dataset: str,
     order: list[str],
     log: ResponseLog,
-    s: dict[str, Any],
+    s: RegenSection,
     skipped: list[dict[str, Any]] | None = None,
     info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -342,9 +273,9 @@ def tokenise_answers(
         "tokenizer": ct.tokenizer_id,
         "template_hash": ct.template_hash,
         "max_length": max_length,
-        "drop_truncated": bool(s["drop_truncated"]),
+        "drop_truncated": bool(s.drop_truncated),
         "responses_sha256": sha256_file(log.path),
-        "shard_rows": int(s["shard_rows"]),
+        "shard_rows": int(s.shard_rows),
     }
     store = sw.ShardStore(ctx.out, fingerprint)
     store.clean_partials()
@@ -368,7 +299,7 @@ def tokenise_answers(
     recs = log.records()
     rows = [rid for rid in order if rid in recs]
     truncated = sum(1 for rid in rows if recs[rid].get("finish_reason") == "length")
-    per = int(s["shard_rows"])
+    per = int(s.shard_rows)
     shards = list(finished)
     pos = sum(int(r.get("rows_in", 0)) for r in finished)
     while pos < len(rows):
@@ -377,7 +308,7 @@ def tokenise_answers(
         ids, convs, rejects, dropped = [], [], [], 0
         for rid in chunk:
             rec = recs[rid]
-            if s["drop_truncated"] and rec.get("finish_reason") == "length":
+            if s.drop_truncated and rec.get("finish_reason") == "length":
                 dropped += 1
                 continue
             try:
@@ -445,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.dataset(args.dataset)
         s = regen_settings(plan)
         src = args.input or find_prompt_dir(ctx.inputs)
-        prompts = read_prompts(src, s.get("max_records"))
+        prompts = read_prompts(src, s.max_records)
         if not prompts:
             fail(ctx, f"{src}: no prompts to regenerate", 2)
         urls = server_urls(ctx, plan, s, args.server_url)
@@ -454,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(ctx, str(exc), 2)
     from pipeline.data.tokenise import load_chat_tokenizer
 
-    max_length = int(plan.target.get("max_length", 2048))
-    ct = load_chat_tokenizer(str(plan.target.get("model")), max_length)
+    max_length = plan.target.row_length
+    ct = load_chat_tokenizer(str(plan.target.model), max_length)
     read = len(prompts)
     prompts, too_long = split_by_length(ct, prompts)
     skipped = [
@@ -473,28 +404,28 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(too_long)} of {read} prompts are {lens[0]}-{lens[-1]} tokens, not shorter than target.max_length "
             f"{max_length}: not sent (they would train on no answer token)"
         )
-        if len(too_long) > s["max_skipped_fraction"] * read:
+        if len(too_long) > s.max_skipped_fraction * read:
             fail(
                 ctx,
-                text + f"; that is more than regen.max_skipped_fraction {s['max_skipped_fraction']:g}: "
+                text + f"; that is more than regen.max_skipped_fraction {s.max_skipped_fraction:g}: "
                 "raise [target] max_length, or drop this dataset",
                 2,
             )
         ctx.message(text, level="warning", code="prompts-too-long", skipped=len(too_long))
-    api_key = os.environ.get(s["api_key_env"]) if s.get("api_key_env") else None
+    api_key = os.environ.get(s.api_key_env) if s.api_key_env else None
     if len(urls) > 1:
         ctx.message(f"spreading requests over {len(urls)} servers: {', '.join(urls)}")
     cfg = ClientConfig(
         url=url,
         more_urls=tuple(urls[1:]),
-        model=s.get("model"),
-        concurrency=int(s["concurrency"]),
-        request_timeout_s=float(s["request_timeout_s"]),
-        max_attempts=int(s["max_attempts"]),
-        backoff_s=float(s["backoff_s"]),
-        backoff_max_s=float(s["backoff_max_s"]),
-        outage_timeout_s=float(s["outage_timeout_s"]),
-        sampling=sampling_body(s),
+        model=s.model,
+        concurrency=int(s.concurrency),
+        request_timeout_s=float(s.request_timeout_s),
+        max_attempts=int(s.max_attempts),
+        backoff_s=float(s.backoff_s),
+        backoff_max_s=float(s.backoff_max_s),
+        outage_timeout_s=float(s.outage_timeout_s),
+        sampling=s.sampling_body(),
         api_key=api_key,
         drain_timeout_s=max(1.0, _kill_grace(plan, ctx.stage_id) - 2.0),
     )
@@ -528,10 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     answered = sum(1 for rid, _ in prompts if rid in log)
     if answered + failed != len(prompts):
         fail(ctx, f"bookkeeping: {answered} answered + {failed} failed != {len(prompts)} prompts", 1)
-    if failed and failed > s["max_error_fraction"] * len(prompts):
+    if failed and failed > s.max_error_fraction * len(prompts):
         fail(
             ctx,
-            f"{failed} of {len(prompts)} records failed (> max_error_fraction {s['max_error_fraction']:g}); "
+            f"{failed} of {len(prompts)} records failed (> max_error_fraction {s.max_error_fraction:g}); "
             "see errors.jsonl; a retry asks only for the unanswered ones",
             1,
         )

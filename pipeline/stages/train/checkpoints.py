@@ -12,7 +12,7 @@ import torch
 
 from pipeline.eagle3.draft_model import Eagle3Draft, save_draft
 from pipeline.run.files import swap_dir, write_atomic
-from pipeline.stages.train.settings import TrainSettings
+from pipeline.run.plan_sections import TrainSection
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "training_state.pt"
@@ -40,7 +40,7 @@ def save_checkpoint(
     step: int,
     draft: Eagle3Draft,
     opt: torch.optim.Optimizer,
-    settings: TrainSettings,
+    settings: TrainSection,
     extra: dict[str, Any],
 ) -> Path:
     final = out / CKPT_DIR / f"step_{step:08d}"

@@ -17,6 +17,7 @@ from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft, save_draft
 from pipeline.run.files import swap_dir
+from pipeline.run.plan_sections import TrainSection
 from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
 from pipeline.run.rundir import write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
@@ -31,7 +32,7 @@ from pipeline.stages.train.checkpoints import (
     read_best,
 )
 from pipeline.stages.train.feeder import Feeder, Inline
-from pipeline.stages.train.settings import BatchSchedule, TrainSettings
+from pipeline.stages.train.settings import BatchSchedule
 from pipeline.stages.train.steps import Steps, rank_chunks
 
 
@@ -55,7 +56,7 @@ def find_inputs(dirs: list[Path]) -> tuple[dict, Path, Path]:
     return ext[0], ext[1], vocab
 
 
-def pick_device(s: TrainSettings, dist: Dist) -> torch.device:
+def pick_device(s: TrainSection, dist: Dist) -> torch.device:
     if s.device:
         dev = torch.device(s.device)
     else:
@@ -67,7 +68,7 @@ def pick_device(s: TrainSettings, dist: Dist) -> torch.device:
 
 
 def build_draft(
-    model_id: str, aux: list[int], vm: draft_vocab.VocabMap, s: TrainSettings
+    model_id: str, aux: list[int], vm: draft_vocab.VocabMap, s: TrainSection
 ) -> tuple[Eagle3Draft, torch.Tensor]:
     from pipeline.eagle3.target_capture import load_target_tensors, target_config
 
@@ -100,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     ctx = StageContext.from_cli(args) if dist.main else None
     plan_ctx = ctx or StageContext.from_cli(args)  # non-zero ranks read the plan, never emit
-    try:
-        s = TrainSettings.from_section(plan_ctx.plan.section("train"), str(plan_ctx.plan.path))
-        mode = hs.storage_mode(plan_ctx.plan)
-    except (ValueError, hs.StoreError) as exc:
-        fail(ctx, str(exc))
+    s = plan_ctx.plan.settings.train
+    mode = plan_ctx.plan.settings.storage_mode
     if (s.nproc > 1 or s.target == "online-tp") and "LOCAL_RANK" not in os.environ:
         if ctx is not None:
             ctx.message(f"starting {s.nproc} processes under torchrun")
@@ -126,21 +124,21 @@ def main(argv: list[str] | None = None) -> int:
 def train(
     ctx: StageContext | None,
     plan_ctx: StageContext,
-    s: TrainSettings,
+    s: TrainSection,
     mode: str,
     inputs: list[Path],
     dist: Dist,
 ) -> int:
     plan = plan_ctx.plan
     out = plan_ctx.out
-    model_id = str(plan.target.get("model") or "")
+    model_id = str(plan.target.model or "")
     man, ext_dir, vocab_dir = find_inputs(inputs)
     aux = list(man["aux_layer_ids"])
     if man.get("target") not in (None, model_id):
         raise ValueError(
             f"{ext_dir / 'manifest.json'}: extracted from {man.get('target')!r} but the plan's target is {model_id!r}"
         )
-    online_tp = s.target == "online-tp"
+    online_tp = s.online_tp
     if online_tp and man["mode"] != "online":
         raise ValueError(
             f'{ext_dir / "manifest.json"}: train.target = "online-tp" needs the extraction in online mode '
@@ -164,7 +162,7 @@ def train(
         from pipeline.data.shards import iter_rows, training_order
         from pipeline.eagle3.target_capture import load_target
 
-        max_len = man.get("max_length") or s.max_length or plan.target.get("max_length")
+        max_len = man.get("max_length") or s.max_length or plan.target.max_length
         wanted = set(man.get("row_ids") or [])
         rows = training_order(
             [

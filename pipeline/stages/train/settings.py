@@ -1,115 +1,18 @@
-"""The ``[train]`` settings and the schedule they imply: learning rate per step and the samples of each step."""
+"""The schedule ``[train]`` implies: learning rate per step and the samples of each step.
+
+The settings themselves are :class:`pipeline.run.plan_sections.TrainSection`.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 
-
-@dataclass
-class TrainSettings:
-    steps: int = 200
-    batch_size: int = 8  # global batch, in sequences
-    micro_batch: int = 8  # per rank, per forward
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = -1  # -1: 1.5 % of steps (SpecForge's warmup ratio)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
-    ttt_steps: int = 7
-    loss_decay: float = 0.8
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    log_every: int = 1
-    seed: int = 0
-    nproc: int = 1
-    device: str = ""
-    init_lm_head: str = "target"  # "target": rows of the target's LM head; "random"
-    max_length: int = 0  # 0: [target] max_length
-    target: str = ""  # "online-tp": every rank holds a tensor-parallel shard of the target and captures
-    length_grouping: int = 16  # sort rows by length within windows of this many batches (0: plain shuffle)
-    prefetch: int = 2  # GPU, offline data: steps assembled ahead on a feeder thread (0: on the step's thread)
-    eval_every: int = (
-        0  # simulated acceptance on held-out rows every N steps (0: at every checkpoint; -1: never)
-    )
-    eval_rows: int = 64  # held-out rows it reads (the first N of the extraction's eval split)
-    eval_spec_steps: int = (
-        0  # draft steps per verification it simulates (--speculative-num-steps); 0: min(3, ttt_steps)
-    )
-    loss_chunk_tokens: int = 4096  # tokens per soft-label loss chunk (0: every step's full logits at once)
-
-    @classmethod
-    def from_section(cls, sec: dict[str, Any], where: str) -> TrainSettings:
-        known = {f.name: f for f in fields(cls)}
-        vals: dict[str, Any] = {}
-        for k, v in sec.items():
-            if k == "mode":
-                continue
-            if k not in known:
-                raise ValueError(f"{where}: train.{k}: unknown key (known: mode, {', '.join(sorted(known))})")
-            want = type(getattr(cls(), k))
-            if want is float and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
-            if not isinstance(v, want) or isinstance(v, bool):
-                raise ValueError(f"{where}: train.{k}: expected {want.__name__}, got {v!r}")
-            vals[k] = v
-        s = cls(**vals)
-        for k in (
-            "steps",
-            "batch_size",
-            "micro_batch",
-            "ttt_steps",
-            "checkpoint_every",
-            "log_every",
-            "nproc",
-        ):
-            if getattr(s, k) < 1:
-                raise ValueError(f"{where}: train.{k}: must be at least 1")
-        if s.loss_chunk_tokens < 0:
-            raise ValueError(f"{where}: train.loss_chunk_tokens: must be 0 (no chunking) or more")
-        if s.batch_size % s.nproc:
-            raise ValueError(
-                f"{where}: train.batch_size ({s.batch_size}) must be a multiple of train.nproc ({s.nproc})"
-            )
-        for k in ("length_grouping", "prefetch", "eval_rows", "eval_spec_steps"):
-            if getattr(s, k) < 0:
-                raise ValueError(f"{where}: train.{k}: must be 0 or more")
-        if s.eval_every < -1:
-            raise ValueError(
-                f"{where}: train.eval_every: -1 (never), 0 (at every checkpoint) or a number of steps"
-            )
-        if s.eval_spec_steps > s.ttt_steps:
-            raise ValueError(
-                f"{where}: train.eval_spec_steps ({s.eval_spec_steps}) cannot exceed train.ttt_steps "
-                f"({s.ttt_steps}): the draft is only trained that deep"
-            )
-        if s.target not in ("", "online-tp"):
-            raise ValueError(f'{where}: train.target: "online-tp" (or leave it out), got {s.target!r}')
-        if s.init_lm_head not in ("target", "random"):
-            raise ValueError(f"{where}: train.init_lm_head: 'target' or 'random', got {s.init_lm_head!r}")
-        return s
-
-    @property
-    def warmup(self) -> int:
-        return self.warmup_steps if self.warmup_steps >= 0 else max(1, round(0.015 * self.steps))
-
-    @property
-    def spec_steps(self) -> int:
-        """Draft tokens per verification the acceptance evaluation simulates."""
-        return self.eval_spec_steps or min(3, self.ttt_steps)
-
-    @property
-    def eval_interval(self) -> int:
-        """Steps between acceptance evaluations (0: never)."""
-        if self.eval_every < 0 or self.eval_rows == 0:
-            return 0
-        return self.eval_every or self.checkpoint_every
+from pipeline.run.plan_sections import TrainSection
 
 
-def lr_at(step: int, s: TrainSettings) -> float:
+def lr_at(step: int, s: TrainSection) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step (1-based)."""
     if step <= s.warmup:
         return s.lr * step / max(1, s.warmup)

@@ -11,13 +11,14 @@ from typing import Any
 import torch
 
 from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.run.plan_sections import TrainSection
 from pipeline.run.ranks import Dist
 from pipeline.run.runtime import StageContext
 from pipeline.stages.train.acceptance import simulated_accept_length
 from pipeline.stages.train.batches import Batch
 from pipeline.stages.train.checkpoints import StepLog, save_best, save_checkpoint
 from pipeline.stages.train.loss import counts_of, ttt_sums
-from pipeline.stages.train.settings import BatchSchedule, TrainSettings, lr_at
+from pipeline.stages.train.settings import BatchSchedule, lr_at
 
 
 def rank_chunks(all_idx: list[int], rank: int, world: int, length: Any, micro_batch: int) -> list[list[int]]:
@@ -32,7 +33,7 @@ class Steps:
 
     ctx: StageContext | None
     plan_ctx: StageContext
-    s: TrainSettings
+    s: TrainSection
     dist: Dist
     device: torch.device
     dtype: torch.dtype
