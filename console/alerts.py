@@ -29,6 +29,7 @@ from pathlib import Path
 
 from console.model import RunModel
 from pipeline.run.rundir import write_atomic
+from pipeline.run.stage_row import StageState
 
 DISK_RANK = {"ok": 0, "warning": 1, "error": 2}
 MAX_RUNS = 200
@@ -56,7 +57,7 @@ class AlertWatcher:
         """(new failure alerts, the disk level if it changed since the last check)."""
         out = []
         for st in model.stages.values():
-            if st.state != "failed":
+            if st.state != StageState.FAILED:
                 continue
             key = f"failed:{st.id}:{st.attempt}"
             if key in self.seen:

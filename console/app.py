@@ -47,6 +47,7 @@ from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
+from pipeline.run.stage_row import StageState
 from themes import load_themes
 
 # Theme variables a theme may set per state (``state-running`` ...); else these fall-backs.
@@ -295,7 +296,7 @@ class AerieApp(App[int]):
         self.refresh_view(changed)
 
     def refresh_view(self, changed: set[str]) -> None:
-        ticking = any(s.state in ("running", "paused") for s in self.model.stages.values())
+        ticking = any(s.state in (StageState.RUNNING, StageState.PAUSED) for s in self.model.stages.values())
         if not changed and not ticking and self.model.loaded:
             return  # nothing new and no elapsed clock to advance
         try:
@@ -315,7 +316,9 @@ class AerieApp(App[int]):
         self.model.watch_log(st.id if st else None)
         if st is not None and (st.id != detail.stage_id):
             detail.show(st)
-        elif st is not None and (st.id in changed or "*" in changed or st.state in ("running", "paused")):
+        elif st is not None and (
+            st.id in changed or "*" in changed or st.state in (StageState.RUNNING, StageState.PAUSED)
+        ):
             detail.sync(st)
         screen = self.screen
         if isinstance(screen, DatasetsScreen | MetricsScreen):
@@ -406,9 +409,9 @@ class AerieApp(App[int]):
         st = self._selected()
         if st is None:
             return
-        if st.state == "paused" or st.pausing:
+        if st.state == StageState.PAUSED or st.pausing:
             self.run_ctl("resume", st.id)
-        elif st.state == "running":
+        elif st.state == StageState.RUNNING:
             self.run_ctl("pause", st.id)
         else:
             self.notify(
@@ -419,7 +422,7 @@ class AerieApp(App[int]):
         st = self._selected()
         if st is None:
             return
-        if st.state not in ("running", "paused"):
+        if st.state not in (StageState.RUNNING, StageState.PAUSED):
             self.notify(f"{st.id} is {st.display_state}: nothing to kill", severity="warning")
             return
 
@@ -466,7 +469,7 @@ class AerieApp(App[int]):
         st = self._selected()
         if st is None:
             return
-        if st.state != "pending":
+        if st.state != StageState.PENDING:
             self.notify(
                 f"{st.id} is {st.display_state}: only a waiting stage can be forced", severity="warning"
             )

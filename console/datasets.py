@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from console.model import RunModel, StageView
+from pipeline.run.stage_row import StageState
 
 STATE_RANK = {
     "failed": 0,
@@ -49,9 +50,13 @@ class DatasetRow:
 
 
 def row_for(st: StageView) -> DatasetRow:
-    running = st.state == "running"
+    running = st.state == StageState.RUNNING
     prog = st.progress
-    note = st.reason if st.state in ("pending", "failed", "killed", "upstream-failed") else ""
+    note = (
+        st.reason
+        if st.state in (StageState.PENDING, StageState.FAILED, StageState.KILLED, StageState.UPSTREAM_FAILED)
+        else ""
+    )
     return DatasetRow(
         stage=st.id,
         dataset=st.dataset or st.id,

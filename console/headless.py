@@ -15,6 +15,7 @@ from typing import TextIO
 from console import fmt
 from console.model import RunModel, describe_event
 from console.transport import Transport
+from pipeline.run.stage_row import StageState
 
 MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
 
@@ -46,7 +47,11 @@ async def follow(
             key = (st.display_state, st.attempt)
             if seen_state.get(sid) != key:
                 seen_state[sid] = key
-                extra = f" — {st.reason}" if st.reason and st.state not in ("running", "succeeded") else ""
+                extra = (
+                    f" — {st.reason}"
+                    if st.reason and st.state not in (StageState.RUNNING, StageState.SUCCEEDED)
+                    else ""
+                )
                 emit(
                     f"{sid:<28} {st.display_state}"
                     + (f" (attempt {st.attempt})" if st.attempt > 1 else "")
@@ -66,7 +71,11 @@ async def follow(
                         emit(f"{sid:<28} (more warnings: see stages/{sid}/events.jsonl)")
             if st.events:
                 seen_events[sid] = max(seen_events.get(sid, 0.0), st.events[-1].t)
-            if st.state == "running" and st.progress.t and now - last_progress.get(sid, 0) >= every_s:
+            if (
+                st.state == StageState.RUNNING
+                and st.progress.t
+                and now - last_progress.get(sid, 0) >= every_s
+            ):
                 last_progress[sid] = now
                 p = st.progress
                 eta = p.eta_s()
@@ -81,7 +90,7 @@ async def follow(
             emit(f"run {'succeeded' if ok else 'did not succeed'}: {counts}")
             for sid in model.order:  # why, once more at the end: the state lines may have scrolled away
                 st = model.stages[sid]
-                if st.state in ("failed", "killed"):
+                if st.state in (StageState.FAILED, StageState.KILLED):
                     emit(f"  {sid} {st.state}: {st.reason or 'no reason recorded'}")
             for sid in model.order:
                 st = model.stages[sid]

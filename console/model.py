@@ -25,8 +25,8 @@ from console.series import StageHistory
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import Transport
 from pipeline.run.events import Event, parse_lines, split_complete
+from pipeline.run.stage_row import TERMINAL, StageRow, StageState
 
-TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10
 BACKFILL_CHUNK = 2 << 20  # bytes of an events file's skipped head read per poll for the curves
@@ -72,26 +72,10 @@ class Progress:
 
 
 @dataclass
-class StageView:
-    """Everything the board and the detail pane show about one stage."""
+class StageView(StageRow):
+    """Everything the board and the detail pane show about one stage: its ``state.json`` row, and what
+    the console keeps beside it (progress rates, metrics, log tail, history)."""
 
-    id: str
-    family: str
-    dataset: str | None = None
-    state: str = "pending"
-    attempt: int = 1
-    pid: int | None = None
-    pgid: int | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    returncode: int | None = None
-    reason: str = ""
-    health: str | None = None
-    pausing: bool = False
-    service: bool = False
-    retry_at: float | None = None
-    gpus: list[int] = field(default_factory=list)
-    after: list[str] = field(default_factory=list)
     progress: Progress = field(default_factory=Progress)
     metrics: dict[str, float] = field(default_factory=dict)
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=50))
@@ -110,17 +94,17 @@ class StageView:
     @property
     def queued(self) -> bool:
         """A Slurm stage whose job waits in Slurm's queue (or is being submitted): launched, not running yet."""
-        return self.state == "running" and (
+        return self.state == StageState.RUNNING and (
             self.reason.startswith("queued:") or self.reason == "submitting to Slurm"
         )
 
     @property
     def display_state(self) -> str:
-        if self.state == "running" and self.pausing:
+        if self.state == StageState.RUNNING and self.pausing:
             return "pausing"
         if self.state == "running" and self.service and self.health:
             return self.health if self.health != "ready" else "ready"
-        if self.state == "running" and (self.reason == "starting" or self.queued):
+        if self.state == StageState.RUNNING and (self.reason == "starting" or self.queued):
             return "starting"
         return self.state
 
@@ -212,7 +196,9 @@ class RunModel:
         return c
 
     def all_succeeded(self) -> bool:
-        return bool(self.stages) and all(s.state in ("succeeded", "skipped") for s in self.stages.values())
+        return bool(self.stages) and all(
+            s.state in (StageState.SUCCEEDED, StageState.SKIPPED) for s in self.stages.values()
+        )
 
     # ------------------------------------------------------------------------------------------
     async def poll(self) -> set[str]:
@@ -320,25 +306,7 @@ class RunModel:
             if st is None:
                 st = self.stages[sid] = StageView(id=sid, family=d.get("family", sid))
             before = (st.state, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at)
-            for key in (
-                "dataset",
-                "state",
-                "attempt",
-                "pid",
-                "pgid",
-                "started_at",
-                "finished_at",
-                "returncode",
-                "reason",
-                "health",
-                "pausing",
-                "service",
-                "retry_at",
-                "gpus",
-                "after",
-            ):
-                if key in d:
-                    setattr(st, key, d[key])
+            st.update_from(d)
             prog = d.get("progress")
             if prog and prog.get("t", 0) > st.progress.t:
                 st.progress.add(prog["t"], prog.get("done") or 0, prog.get("total"), prog.get("unit") or "")

@@ -156,3 +156,28 @@ def test_server_live_line_on_the_board() -> None:
     assert note_for(st) == "1635.1 tok/s · running 32 · queued 0 · tokens 8% · accept 2.17"
     st.state = "succeeded"
     assert "tok/s" not in note_for(st)  # a stopped server shows no live numbers
+
+
+def test_every_field_of_a_state_json_row_reaches_the_console_view() -> None:
+    """The supervisor's row and the console's view are one definition (pipeline/run/stage_row.py): a
+    field the supervisor writes — the Slurm job id, the services a stage uses — is one the board can show."""
+    import json
+    from dataclasses import asdict
+
+    from console.model import StageView
+    from pipeline.run.stage_row import ROW_FIELDS, StageState
+    from pipeline.run.stage_status import StageStatus
+
+    written = StageStatus(
+        id="train", family="train", dataset="chat", state=StageState.FAILED, attempt=3, pid=11, pgid=11,
+        started_at=1.0, finished_at=2.0, returncode=1, reason="exit 1", health="ready", pausing=True,
+        retry_at=3.0, service=True, gpus=[0, 1], after=["prep"], uses=["serve"], run="train", job="42",
+    )  # fmt: skip
+    row = json.loads(json.dumps(asdict(written)))  # through state.json
+    assert row["state"] == "failed"  # stored as its string
+    view = StageView(id=row["id"], family=row["family"])
+    view.update_from(row)
+    assert {f: getattr(view, f) for f in ROW_FIELDS} == {f: getattr(written, f) for f in ROW_FIELDS}
+    assert view.state is StageState.FAILED
+    view.update_from({"state": "hibernating"})  # a newer supervisor's state: kept, not a crash
+    assert view.state == "hibernating"

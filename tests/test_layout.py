@@ -20,6 +20,7 @@ CONSOLE_ALLOWED = {
     "pipeline.run.events",
     "pipeline.run.rundir",
     "pipeline.run.logscan",
+    "pipeline.run.stage_row",  # a stage's state.json row and its states: one definition
     "pipeline.run.checks",  # the SSH preflight's report is the one every preflight prints
     "pipeline.serving.sglang_log",
 }

@@ -16,6 +16,7 @@ from textual.widgets import DataTable, Footer, Static
 from console import fmt
 from console.datasets import DatasetRow, dataset_rows
 from console.model import RunModel
+from pipeline.run.stage_row import StageState
 
 COLUMNS = ("Dataset", "Stage", "State", "Done / quota", "Progress", "Rate", "ETA", "Rejects", "Note")
 
@@ -84,7 +85,7 @@ class DatasetsScreen(Screen[None]):
         sig = tuple(
             (r.stage, tuple(str(c) for c in cs), str(cs[2].style)) for r, cs in zip(rows, cells, strict=True)
         )
-        n_running = sum(1 for r in rows if r.state == "running")
+        n_running = sum(1 for r in rows if r.state == StageState.RUNNING)
         title = Text.assemble(
             ("Datasets", "bold"), f"  {len(rows)} stages · {n_running} running · sorted by state, then ETA"
         )

@@ -29,6 +29,7 @@ from textual.strip import Strip
 
 from console import fmt
 from console.model import RunModel, StageView
+from pipeline.run.stage_row import StageState
 from pipeline.serving.sglang_log import ServerStats
 
 COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA", "Note")
@@ -89,12 +90,15 @@ def server_line(st: StageView) -> str | None:
 def note_for(st: StageView) -> str:
     if st.queued:  # "queued: Slurm job 12 pending (Resources)"
         return st.reason
-    live = server_line(st) if st.state in ("running", "paused") else None
+    live = server_line(st) if st.state in (StageState.RUNNING, StageState.PAUSED) else None
     if live:
         return live
-    if st.state == "succeeded" and "accept_len" in st.metrics:
+    if st.state == StageState.SUCCEEDED and "accept_len" in st.metrics:
         return f"accept len {st.metrics['accept_len']:.2f}"
-    if st.state in ("pending", "failed", "killed", "upstream-failed") and st.reason:
+    if (
+        st.state in (StageState.PENDING, StageState.FAILED, StageState.KILLED, StageState.UPSTREAM_FAILED)
+        and st.reason
+    ):
         extra = ""
         if st.retry_at:
             extra = f" · auto-retry in {fmt.duration(max(0, st.retry_at - time.time()))}"
@@ -104,7 +108,7 @@ def note_for(st: StageView) -> str:
     for key in ("loss", "tok_s", "accept_len"):
         if key in st.metrics:
             return f"{key} {st.metrics[key]:.4g}"
-    if st.gpus and st.state in ("running", "paused"):
+    if st.gpus and st.state in (StageState.RUNNING, StageState.PAUSED):
         return "GPUs " + ",".join(map(str, st.gpus))
     return ""
 
@@ -243,10 +247,11 @@ class StageBoard(ScrollView, can_focus=True):
                 if i:
                     summary.append(" · ")
                 summary.append(f"{n} {state}", style=self._style(state))
-            rate = sum((m.progress.rate() or 0) for m in members if m.state == "running") or None
+            rate = sum((m.progress.rate() or 0) for m in members if m.state == StageState.RUNNING) or None
             unit = next((m.progress.unit for m in members if m.progress.unit), "")
             eta = (
-                max((m.progress.eta_s() or 0 for m in members if m.state == "running"), default=None) or None
+                max((m.progress.eta_s() or 0 for m in members if m.state == StageState.RUNNING), default=None)
+                or None
             )
             spans = [(m.started_at, m.started_at + (m.elapsed_s(now) or 0)) for m in members if m.started_at]
             elapsed = max(e for _, e in spans) - min(b for b, _ in spans) if spans else None
@@ -271,7 +276,7 @@ class StageBoard(ScrollView, can_focus=True):
             if st.progress.total
             else (fmt.count(st.progress.done) if st.progress.t else "")
         )
-        running = st.state == "running"
+        running = st.state == StageState.RUNNING
         eta = st.progress.eta_s() if running else None
         return (
             label,

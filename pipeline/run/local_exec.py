@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pipeline.run.plan import StageSpec
 from pipeline.run.procs import ProcIdentity, StrangerError, env_with_pipeline, signal_group
 from pipeline.run.rundir import RunDir, StageDir
+from pipeline.run.stage_row import StageState
 from pipeline.run.stage_status import StageStatus, finish, record_lost
 
 LAUNCH_TIMEOUT_S = 30.0  # a launch intent whose launcher never wrote proc.json (no child to ask) is lost
@@ -90,8 +91,10 @@ class LocalProcesses:
             ex = sd.record_for(sd.exit, attempt)
             if ident.is_alive() and ex is None:
                 pause = sd.pause_flag.exists()
-                st.state = "paused" if pause and (acked or ident.is_stopped()) else "running"
-                st.pausing = pause and st.state == "running"
+                st.state = (
+                    StageState.PAUSED if pause and (acked or ident.is_stopped()) else StageState.RUNNING
+                )
+                st.pausing = pause and st.state == StageState.RUNNING
                 return st
             if ex is None:
                 ex = record_lost(sd, attempt, "the stage's launcher died without recording an exit", self.log)
@@ -107,7 +110,7 @@ class LocalProcesses:
         if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
             ex = record_lost(sd, attempt, "the launcher never reported its pid", self.log)
             return finish(st, sd, ex, attempt, self.specs[sd.id])
-        st.state, st.reason = "running", "starting"
+        st.state, st.reason = StageState.RUNNING, "starting"
         return st
 
     # ------------------------------------------------------------------------------- control

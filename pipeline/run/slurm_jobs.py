@@ -31,6 +31,7 @@ from pipeline.run.events import EventWriter
 from pipeline.run.plan import StageSpec
 from pipeline.run.plan_sections import SlurmSection
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
+from pipeline.run.stage_row import StageState
 from pipeline.run.stage_status import StageStatus, finish, record_lost
 
 SUBMIT_GRACE_S = 30.0  # a job name Slurm does not know this long after "submitting" was never submitted
@@ -190,14 +191,14 @@ class SlurmJobs:
             if job is None and ex is None:
                 if self.record(sd, attempt) is None:
                     return None  # never reached Slurm: the attempt is submitted again
-                st.state, st.reason = "running", "submitting to Slurm"
+                st.state, st.reason = StageState.RUNNING, "submitting to Slurm"
                 return st
         st.job = job
         if ex:
             if job and ex.get("returncode") != 0 and "slurm_state" not in ex:
                 ex = self._annotate(sd, ex, job)
                 if "slurm_state" not in ex:  # the job is still ending: wait for Slurm's verdict
-                    st.state, st.reason = "running", f"Slurm job {job} ending"
+                    st.state, st.reason = StageState.RUNNING, f"Slurm job {job} ending"
                     return st
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         if job is None:
@@ -205,23 +206,31 @@ class SlurmJobs:
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         info = self.info(job)
         if info is None:
-            st.state, st.reason = "running", f"Slurm job {job}: Slurm is not answering"
+            st.state, st.reason = StageState.RUNNING, f"Slurm job {job}: Slurm is not answering"
             return st
         if info.queued:
-            st.state, st.reason = "running", f"queued: Slurm job {job} {info.state.lower()} ({info.reason})"
+            st.state, st.reason = (
+                StageState.RUNNING,
+                f"queued: Slurm job {job} {info.state.lower()} ({info.reason})",
+            )
             st.pausing = sd.pause_flag.exists()  # nothing to freeze yet: Slurm will say so
             return st
         if info.active:
             self._ended_seen.pop(job, None)
             pause = sd.pause_flag.exists()
-            st.state = "paused" if pause and (acked or info.state == "SUSPENDED") else "running"
-            st.pausing = pause and st.state == "running"
+            st.state = (
+                StageState.PAUSED if pause and (acked or info.state == "SUSPENDED") else StageState.RUNNING
+            )
+            st.pausing = pause and st.state == StageState.RUNNING
             st.reason = f"Slurm job {job} on {info.nodes}" if info.nodes else f"Slurm job {job}"
             return st
         # Ended in Slurm's eyes, no exit record yet: give the launcher a moment, then record it ourselves.
         first = self._ended_seen.setdefault(job, time.monotonic())
         if time.monotonic() - first < EXIT_GRACE_S:
-            st.state, st.reason = "running", f"Slurm job {job} {info.state.lower()}: collecting its exit"
+            st.state, st.reason = (
+                StageState.RUNNING,
+                f"Slurm job {job} {info.state.lower()}: collecting its exit",
+            )
             return st
         ex = self._record_ended(sd, attempt, info)
         return finish(st, sd, ex, attempt, self.specs[sd.id])

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from pipeline.run.events import EventTail
 from pipeline.run.plan import StageSpec
 from pipeline.run.rundir import RunDir
-from pipeline.run.stage_status import BROKEN, SATISFIED, TERMINAL, StageStatus
+from pipeline.run.stage_row import BROKEN, SATISFIED, TERMINAL, StageState
+from pipeline.run.stage_status import StageStatus
 
 if TYPE_CHECKING:
     from pipeline.run.executor import Executor
@@ -97,7 +98,7 @@ class StateDeriver:
             return done
         # Not started in this attempt.
         if spec.skip or sd.record_for(sd.path / "skip.json", attempt):
-            st.state = "skipped"
+            st.state = StageState.SKIPPED
             return st
         return self._waiting(st, spec, status)
 
@@ -105,24 +106,24 @@ class StateDeriver:
         deps = [(d, status.get(d)) for d in spec.after]
         for d, ds in deps:
             if ds and ds.state in BROKEN and ds.retry_at is None:
-                st.state, st.reason = "upstream-failed", f"{d} {ds.state}"
+                st.state, st.reason = StageState.UPSTREAM_FAILED, f"{d} {ds.state}"
                 return st
         for u in spec.uses:
             us = status.get(u)
-            if us and us.state in TERMINAL and us.state != "skipped":
-                st.state, st.reason = "upstream-failed", f"service {u} {us.state}"
+            if us and us.state in TERMINAL and us.state != StageState.SKIPPED:
+                st.state, st.reason = StageState.UPSTREAM_FAILED, f"service {u} {us.state}"
                 return st
         waiting = [d for d, ds in deps if not ds or ds.state not in SATISFIED]
         if waiting:
             st.state, st.reason = (
-                "pending",
+                StageState.PENDING,
                 "after " + ", ".join(waiting[:3]) + (" …" if len(waiting) > 3 else ""),
             )
             return st
         for u in spec.uses:
             us = status.get(u)
-            if not us or us.state != "running" or us.health != "ready":
-                st.state, st.reason = "pending", f"waiting for {u} to be ready"
+            if not us or us.state != StageState.RUNNING or us.health != "ready":
+                st.state, st.reason = StageState.PENDING, f"waiting for {u} to be ready"
                 return st
-        st.state = "ready"
+        st.state = StageState.READY
         return st

@@ -9,43 +9,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.run.events import EventWriter
 from pipeline.run.plan import StageSpec
 from pipeline.run.rundir import StageDir, write_json
-
-TERMINAL = ("succeeded", "failed", "killed", "upstream-failed", "skipped")
-SATISFIED = ("succeeded", "skipped")
-BROKEN = ("failed", "killed", "upstream-failed")
+from pipeline.run.stage_row import StageRow, StageState
 
 
 @dataclass
-class StageStatus:
-    """The derived state of one stage, as written to ``state.json``."""
+class StageStatus(StageRow):
+    """The derived state of one stage, as written to ``state.json``: the row and its last progress event."""
 
-    id: str
-    family: str
-    dataset: str | None
-    state: str = "pending"
-    attempt: int = 1
-    pid: int | None = None
-    pgid: int | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    returncode: int | None = None
-    reason: str = ""  # why it failed / why it waits
-    health: str | None = None
     progress: dict[str, Any] | None = None
-    pausing: bool = False
-    retry_at: float | None = None
-    service: bool = False
-    gpus: list[int] = field(default_factory=list)
-    after: list[str] = field(default_factory=list)
-    uses: list[str] = field(default_factory=list)
-    run: str | None = None  # the built-in module, None for an operator command
-    job: str | None = None  # the Slurm executor: the attempt's Slurm job id
 
 
 def finish(st: StageStatus, sd: StageDir, ex: dict, attempt: int, spec: StageSpec) -> StageStatus:
@@ -54,11 +31,11 @@ def finish(st: StageStatus, sd: StageDir, ex: dict, attempt: int, spec: StageSpe
     st.returncode = ex.get("returncode")
     killed = sd.record_for(sd.kill_marker, attempt)
     if st.returncode == 0 or (killed and killed.get("reason") == "stop"):
-        st.state = "succeeded"
+        st.state = StageState.SUCCEEDED
     elif killed:
-        st.state, st.reason = "killed", killed.get("reason", "operator")
+        st.state, st.reason = StageState.KILLED, killed.get("reason", "operator")
     else:
-        st.state = "failed"
+        st.state = StageState.FAILED
         st.reason = ex.get("detail") or (f"exit {st.returncode}" if st.returncode is not None else "lost")
         if ex.get("error"):
             st.reason += f": {ex['error']}"  # the log line that says why

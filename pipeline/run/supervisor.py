@@ -37,8 +37,9 @@ from pipeline.run.executor import Executor, make_executor
 from pipeline.run.plan import Plan, StageSpec
 from pipeline.run.procs import ProcIdentity, env_with_pipeline
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
+from pipeline.run.stage_row import TERMINAL, StageState
 from pipeline.run.stage_state import StateDeriver
-from pipeline.run.stage_status import TERMINAL, StageStatus
+from pipeline.run.stage_status import StageStatus
 
 AdmissionCheck = Callable[[StageSpec, "Supervisor"], "str | None"]
 
@@ -144,7 +145,7 @@ class Supervisor:
     # ------------------------------------------------------------------------------- actions
     def do_pause(self, sid: str) -> str:
         st = self.status[sid]
-        if st.state != "running":
+        if st.state != StageState.RUNNING:
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to pause")
         write_json(self.sd(sid).pause_flag, {"attempt": st.attempt, "t": time.time()})
         return (
@@ -155,7 +156,7 @@ class Supervisor:
     def do_resume(self, sid: str) -> str:
         sd = self.sd(sid)
         st = self.status[sid]
-        if not sd.pause_flag.exists() and st.state != "paused":
+        if not sd.pause_flag.exists() and st.state != StageState.PAUSED:
             raise SupervisorError(f"{sid} is {st.state}, not paused")
         flag = read_json(sd.pause_flag) or {}
         sd.pause_flag.unlink(missing_ok=True)
@@ -164,7 +165,7 @@ class Supervisor:
 
     def do_kill(self, sid: str, reason: str = "operator") -> str:
         st = self.status[sid]
-        if st.state not in ("running", "paused"):
+        if st.state not in (StageState.RUNNING, StageState.PAUSED):
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to kill")
         sd = self.sd(sid)
         write_json(sd.kill_marker, {"attempt": st.attempt, "t": time.time(), "reason": reason})
@@ -174,11 +175,16 @@ class Supervisor:
 
     def do_retry(self, sid: str, fresh: bool = False) -> str:
         st = self.status[sid]
-        if st.state not in ("failed", "killed", "upstream-failed", "skipped"):
+        if st.state not in (
+            StageState.FAILED,
+            StageState.KILLED,
+            StageState.UPSTREAM_FAILED,
+            StageState.SKIPPED,
+        ):
             raise SupervisorError(
                 f"{sid} is {st.state}: only failed, killed or skipped stages can be retried"
             )
-        if st.state == "upstream-failed":
+        if st.state == StageState.UPSTREAM_FAILED:
             raise SupervisorError(f"{sid} is upstream-failed ({st.reason}): retry the failed upstream stage")
         sd = self.sd(sid)
         if fresh:
@@ -189,10 +195,16 @@ class Supervisor:
 
     def do_skip(self, sid: str) -> str:
         st = self.status[sid]
-        if st.state not in ("pending", "ready", "upstream-failed", "failed", "killed"):
+        if st.state not in (
+            StageState.PENDING,
+            StageState.READY,
+            StageState.UPSTREAM_FAILED,
+            StageState.FAILED,
+            StageState.KILLED,
+        ):
             raise SupervisorError(f"{sid} is {st.state}: only a stage that is not running can be skipped")
         sd = self.sd(sid)
-        att = st.attempt + (1 if st.state in ("failed", "killed") else 0)
+        att = st.attempt + (1 if st.state in (StageState.FAILED, StageState.KILLED) else 0)
         write_json(sd.attempt_file, {"attempt": att, "t": time.time()})
         write_json(sd.path / "skip.json", {"attempt": att, "t": time.time()})
         return f"{sid}: skipped"
@@ -200,7 +212,7 @@ class Supervisor:
     def do_force(self, sid: str) -> str:
         """Let a stage past the admission checks (disk budget, GPU guard) once, recorded in its events."""
         st = self.status[sid]
-        if st.state not in ("pending", "ready"):
+        if st.state not in (StageState.PENDING, StageState.READY):
             raise SupervisorError(f"{sid} is {st.state}: --force applies to a stage waiting to start")
         write_json(self.sd(sid).force_marker, {"attempt": st.attempt, "t": time.time()})
         return f"{sid}: admission checks overridden for attempt {st.attempt}"
@@ -246,7 +258,7 @@ class Supervisor:
         if not self.executor.uses_local_slots:  # e.g. Slurm schedules CPUs and GPUs on its nodes
             return cpu, gpus
         for sid, st in self.status.items():
-            if st.state in ("running", "paused"):
+            if st.state in (StageState.RUNNING, StageState.PAUSED):
                 cpu += self.specs[sid].cpu
                 gpus |= set(self.specs[sid].gpus)
         return cpu, gpus
@@ -260,7 +272,7 @@ class Supervisor:
             holders = [
                 s
                 for s, st in self.status.items()
-                if st.state in ("running", "paused") and set(self.specs[s].gpus) & busy
+                if st.state in (StageState.RUNNING, StageState.PAUSED) and set(self.specs[s].gpus) & busy
             ]
             return f"waiting for GPUs {sorted(busy)} (held by {', '.join(holders)})"
         if self.forced(spec.id):
@@ -292,18 +304,18 @@ class Supervisor:
         self._refused = {}
         for sid in self.order:
             st = self.status[sid]
-            if st.state == "failed" and st.retry_at is not None and now >= st.retry_at:
+            if st.state == StageState.FAILED and st.retry_at is not None and now >= st.retry_at:
                 self.log(
                     f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})"
                 )
                 self.do_retry(sid)
                 self.status[sid] = self.deriver.derive(sid, self.status)
                 st = self.status[sid]
-            if st.state != "ready":
+            if st.state != StageState.READY:
                 continue
             why = self.why_not_admitted(self.specs[sid])
             if why:
-                st.state, st.reason = "pending", why
+                st.state, st.reason = StageState.PENDING, why
                 self._refused[sid] = why
                 continue
             self.launch(sid)
@@ -322,13 +334,18 @@ class Supervisor:
             killed = sd.record_for(sd.kill_marker, st.attempt)
             if (
                 killed
-                and st.state in ("running", "paused")
+                and st.state in (StageState.RUNNING, StageState.PAUSED)
                 and not killed.get("sigkill")
                 and now - float(killed["t"]) > spec.kill_grace_s
             ):
                 self.log(f"{sid}: still running after {spec.kill_grace_s:g}s: {self.executor.kill(sid)}")
                 write_json(sd.kill_marker, {**killed, "sigkill": now})
-            if spec.service and st.state in ("running", "paused") and not killed and self._service_idle(sid):
+            if (
+                spec.service
+                and st.state in (StageState.RUNNING, StageState.PAUSED)
+                and not killed
+                and self._service_idle(sid)
+            ):
                 self.do_kill(sid, reason="stop")
                 self.log(f"{sid}: service no longer needed: stopping it")
         self.executor.poll()
@@ -403,8 +420,8 @@ class Supervisor:
         if acted or launched:
             self.refresh()  # dependants of what just changed see it in this snapshot
             for sid, why in self._refused.items():
-                if self.status[sid].state == "ready":  # keep showing why it is not admitted
-                    self.status[sid].state, self.status[sid].reason = "pending", why
+                if self.status[sid].state == StageState.READY:  # keep showing why it is not admitted
+                    self.status[sid].state, self.status[sid].reason = StageState.PENDING, why
         self.write_state()
 
     def run_forever(self, exit_when_done: bool = True) -> int:

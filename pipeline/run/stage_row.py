@@ -1,0 +1,82 @@
+"""A stage's status row — the one definition of what ``state.json`` says of a stage — and its states.
+
+The supervisor derives one :class:`StageRow` per stage and writes them all to ``state.json``; the
+console reads them back into its views (which add what only the console keeps: progress rates, log
+tails, metric history). Both sides extend this class, so a field added here reaches the file, the
+console and ``aerie status`` at once. Standard library only: the console imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any
+
+
+class StageState(StrEnum):
+    """Where a stage is. A ``StrEnum``: each member *is* its string, as ``state.json`` stores it."""
+
+    PENDING = "pending"  # waiting for its dependencies, its services, or the resources it needs
+    READY = "ready"  # a service that answers its health checks (dependants may start)
+    RUNNING = "running"  # an attempt is running (under Slurm: also submitted and queued)
+    PAUSED = "paused"  # stopped with SIGSTOP (or suspended by Slurm) at the operator's word
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # the attempt exited non-zero (a retry may be scheduled: ``retry_at``)
+    KILLED = "killed"  # stopped at the operator's word, or by a guard (disk, GPU)
+    UPSTREAM_FAILED = "upstream-failed"  # a stage it runs after is broken
+    SKIPPED = "skipped"  # the plan or the operator said not to run it; counts as satisfied
+
+
+TERMINAL = frozenset(
+    {
+        StageState.SUCCEEDED,
+        StageState.FAILED,
+        StageState.KILLED,
+        StageState.UPSTREAM_FAILED,
+        StageState.SKIPPED,
+    }
+)
+SATISFIED = frozenset({StageState.SUCCEEDED, StageState.SKIPPED})  # dependants may run
+BROKEN = frozenset({StageState.FAILED, StageState.KILLED, StageState.UPSTREAM_FAILED})
+LIVE = frozenset({StageState.RUNNING, StageState.PAUSED, StageState.READY})  # a process group exists
+
+
+@dataclass
+class StageRow:
+    """One stage as ``state.json`` records it (the fields both the supervisor and the console keep)."""
+
+    id: str
+    family: str
+    dataset: str | None = None
+    state: StageState = StageState.PENDING
+    attempt: int = 1
+    pid: int | None = None
+    pgid: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    returncode: int | None = None
+    reason: str = ""  # why it failed / why it waits
+    health: str | None = None
+    pausing: bool = False
+    retry_at: float | None = None
+    service: bool = False
+    gpus: list[int] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)
+    uses: list[str] = field(default_factory=list)
+    run: str | None = None  # the built-in stage's short name, None for an operator command
+    job: str | None = None  # the Slurm executor: the attempt's Slurm job id
+
+    def update_from(self, d: dict[str, Any]) -> None:
+        """Take every row field ``d`` (a ``state.json`` row) has; a state this version does not know is
+        kept as the string it is (a newer supervisor may have more)."""
+        for f in ROW_FIELDS:
+            if f in d and f not in ("id", "family"):
+                setattr(self, f, d[f])
+        if "state" in d:
+            try:
+                self.state = StageState(d["state"])
+            except ValueError:
+                self.state = d["state"]
+
+
+ROW_FIELDS = tuple(f.name for f in fields(StageRow))
