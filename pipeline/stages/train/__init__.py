@@ -17,9 +17,11 @@ curve continues from that step. At every checkpoint the draft's accept length is
 extraction's held-out rows (:mod:`.acceptance`); the finished draft ``draft/`` is the checkpoint where it
 was best (or the last step without held-out rows) — pass it to SGLang as ``--speculative-draft-model-path``.
 
-Modules: :mod:`.settings` (``[train]`` and the data order), :mod:`.batches` (from the store or the target),
-:mod:`.feeder` (batches assembled ahead on a GPU), :mod:`.loss`, :mod:`.acceptance`, :mod:`.checkpoints`,
-:mod:`.steps` (one step and what happens at it), :mod:`.loop` (the program).
+Modules: :mod:`.settings` (the data order and the learning-rate schedule ``[train]`` implies),
+:mod:`.batches` (from the store or the target), :mod:`.feeder` (batches assembled ahead on a GPU),
+:mod:`.loss`, :mod:`.acceptance`, :mod:`.checkpoints`, :mod:`.components` (the trainer's parts: runtime,
+data source, draft, loss, optimiser, checkpointer, evaluator, metric reporter — built by keyword),
+:mod:`.steps` (one step over those parts), :mod:`.loop` (the program: builds the parts, runs the steps).
 
 Several processes: ``[train] nproc = N`` makes the stage re-run itself under ``torchrun`` (gloo on the
 CPU, NCCL on GPUs); plain DDP, every rank holds the whole draft; the global batch is split by rank

@@ -25,11 +25,18 @@ from pipeline.stages.train.batches import OfflineData, OnlineData
 from pipeline.stages.train.checkpoints import (
     BEST_DIR,
     FINAL_DIR,
-    STATE_FILE,
     STEPS_FILE,
     StepLog,
-    checkpoints,
-    read_best,
+)
+from pipeline.stages.train.components import (
+    Checkpointer,
+    Evaluator,
+    MetricReporter,
+    Optimiser,
+    Runtime,
+    TrainData,
+    TrainedDraft,
+    TTTLoss,
 )
 from pipeline.stages.train.feeder import Feeder, Inline
 from pipeline.stages.train.settings import BatchSchedule
@@ -84,6 +91,64 @@ def build_draft(
         draft.lm_head.weight.data.copy_(head_d)
         draft.norm.weight.data.copy_(t["norm"])
     return draft, head_d
+
+
+def load_data(
+    rt: Runtime,
+    s: TrainSection,
+    man: dict[str, Any],
+    ext_dir: Path,
+    model_id: str,
+    aux: list[int],
+    target_max_length: int | None,
+) -> TrainData:
+    """The data source: the extraction's stored hidden states (offline), or its rows with the target run
+    over them as training goes (online; tensor-parallel over the ranks under ``online-tp``)."""
+    online_tp = s.online_tp
+    mode = "online-tp" if online_tp else str(man["mode"])
+    if man["mode"] == "offline":
+        data = TrainData(source=OfflineData(hs.HiddenStore(ext_dir)), mode=mode)
+        if s.eval_interval and man.get("eval_shards"):
+            data.eval_source = OfflineData(hs.HiddenStore(ext_dir, split="eval"))
+    else:
+        from pipeline.data.shards import iter_rows, training_order
+        from pipeline.eagle3.target_capture import load_target
+
+        max_len = man.get("max_length") or s.max_length or target_max_length
+        wanted = set(man.get("row_ids") or [])
+        rows = training_order(
+            [
+                r
+                for r in iter_rows(
+                    [Path(p) for p in man["sources"]], float(man.get("holdout", 0.0)), "train", None, max_len
+                )
+                if r.id in wanted
+            ]
+        )
+        if len(rows) != len(wanted):
+            raise ValueError(
+                f"{ext_dir / 'manifest.json'}: lists {len(wanted)} rows but the sources now hold "
+                f"{len(rows)} of them; rerun extraction with --fresh"
+            )
+        if online_tp:
+            target = load_target(model_id, aux, dtype=rt.dtype, device=rt.device, parallel="tp")
+            rt.dist.init(rt.device)  # a no-op where transformers started the group
+        else:
+            target = load_target(model_id, aux, dtype=rt.dtype, device=rt.device)
+        data = TrainData(source=OnlineData(rows, target), mode=mode, online_tp=online_tp)
+        if s.eval_interval and float(man.get("holdout") or 0) > 0:
+            held = training_order(
+                list(
+                    iter_rows(
+                        [Path(p) for p in man["sources"]], float(man["holdout"]), "heldout", None, max_len
+                    )
+                )
+            )
+            held = [r for r in held if r.num_tokens >= 2 and r.loss_mask.any()][: s.eval_rows]
+            data.eval_source = OnlineData(held, target) if held else None
+    if data.eval_source is not None:
+        data.eval_rows = list(range(min(s.eval_rows, len(data.eval_source))))
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,147 +212,88 @@ def train(
     device = pick_device(s, dist)
     if not (online_tp and device.type == "cuda"):
         dist.init(device)  # (on GPUs transformers starts the group for the tensor-parallel target, below)
-    autocast = device.type == "cuda"
-    dtype = torch.bfloat16 if autocast else torch.float32
+    rt = Runtime(
+        ctx=ctx,
+        plan_ctx=plan_ctx,
+        dist=dist,
+        device=device,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+    )
     vm = draft_vocab.load(vocab_dir)
     draft, head_d = build_draft(model_id, aux, vm, s)
     draft.to(device)
-    head_d = head_d.to(device)
-    eval_data: Any = None
-    if man["mode"] == "offline":
-        data: Any = OfflineData(hs.HiddenStore(ext_dir))
-        if s.eval_interval and man.get("eval_shards"):
-            eval_data = OfflineData(hs.HiddenStore(ext_dir, split="eval"))
-    else:
-        from pipeline.data.shards import iter_rows, training_order
-        from pipeline.eagle3.target_capture import load_target
-
-        max_len = man.get("max_length") or s.max_length or plan.target.max_length
-        wanted = set(man.get("row_ids") or [])
-        rows = training_order(
-            [
-                r
-                for r in iter_rows(
-                    [Path(p) for p in man["sources"]], float(man.get("holdout", 0.0)), "train", None, max_len
-                )
-                if r.id in wanted
-            ]
-        )
-        if len(rows) != len(wanted):
-            raise ValueError(
-                f"{ext_dir / 'manifest.json'}: lists {len(wanted)} rows but the sources now hold "
-                f"{len(rows)} of them; rerun extraction with --fresh"
-            )
-        if online_tp:
-            target = load_target(model_id, aux, dtype=dtype, device=device, parallel="tp")
-            dist.init(device)  # a no-op where transformers started the group
-        else:
-            target = load_target(model_id, aux, dtype=dtype, device=device)
-        data = OnlineData(rows, target)
-        if s.eval_interval and float(man.get("holdout") or 0) > 0:
-            held = training_order(
-                list(
-                    iter_rows(
-                        [Path(p) for p in man["sources"]], float(man["holdout"]), "heldout", None, max_len
-                    )
-                )
-            )
-            held = [r for r in held if r.num_tokens >= 2 and r.loss_mask.any()][: s.eval_rows]
-            eval_data = OnlineData(held, target) if held else None
-    n = len(data)
+    data = load_data(rt, s, man, ext_dir, model_id, aux, plan.target.max_length)
+    n = len(data.source)
     if s.batch_size % dist.world:
         raise ValueError(
             f"train.batch_size ({s.batch_size}) must be a multiple of the {dist.world} processes"
         )
     if n < s.batch_size:
         raise ValueError(f"only {n} training sequences but train.batch_size is {s.batch_size}")
-    eval_rows = list(range(min(s.eval_rows, len(eval_data)))) if eval_data is not None else []
-    if ctx and s.eval_interval and not eval_rows:
+    if ctx and s.eval_interval and not data.eval_rows:
         ctx.message(
             "no held-out rows in the extraction (extract.eval_rows = 0, bench.holdout = 0, or an extraction "
             "made before this version): acceptance is not tracked and draft/ is the last step",
             level="warning",
         )
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
-    start = 0
-    found = checkpoints(out)
-    if found:
-        step0, path = found[-1]
-        st = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-        draft.load_state_dict(st["model"], strict=False)
-        opt.load_state_dict(st["optimizer"])
-        start = int(st["step"])
-        if ctx:
-            ctx.message(
-                f"resuming from checkpoint {path.name} (step {start})",
-                code="resumed_from_checkpoint",
-                step=start,
-            )
-    best = read_best(out)
-    if best is not None and best["step"] > start:
-        best = None  # chosen in an attempt whose steps after the checkpoint were lost: not this lineage
-    model: Any = draft
+    td = TrainedDraft(draft=draft, model=draft, head_d=head_d.to(device), params=params)
+    optim = Optimiser.adamw(params, s)
+    checkpointer = Checkpointer(
+        out=out,
+        settings=s,
+        extra={"world_size": dist.world, "aux_layer_ids": aux, "mode": data.mode},
+        runtime=rt,
+    )
+    start = checkpointer.resume(td, optim)
     if dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(
+        td.model = DDP(
             draft, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
         )
     draft.train()
     if ctx:
         ctx.message(
             f"training {sum(p.numel() for p in params) / 1e6:.1f}M parameters on {n:,} sequences "
-            f"({'online, target tensor-parallel over the ranks' if online_tp else man['mode']} data), "
+            f"({'online, target tensor-parallel over the ranks' if online_tp else data.mode} data), "
             f"{dist.world} process(es) on {device.type}, steps {start + 1}..{s.steps}, "
             f"TTT {s.ttt_steps}"
         )
         ctx.progress(start, s.steps, unit="steps", force=True)
-    mode_name = "online-tp" if online_tp else man["mode"]
-    extra = {"world_size": dist.world, "aux_layer_ids": aux, "mode": mode_name}
-    steps_log = StepLog(out / STEPS_FILE, start) if dist.main else None
     last_saved = start
+    source = data.source
     schedule = BatchSchedule(
         n,
         s.batch_size,
         s.seed,
-        [data.length(i) for i in range(n)] if s.length_grouping else None,
+        [source.length(i) for i in range(n)] if s.length_grouping else None,
         s.length_grouping,
     )
 
     def my_chunks(step: int) -> list[list[int]]:
-        return rank_chunks(schedule.rows(step), dist.rank, dist.world, data.length, s.micro_batch)
+        return rank_chunks(schedule.rows(step), dist.rank, dist.world, source.length, s.micro_batch)
 
     feeder: Any = (
-        Feeder(data, range(start + 1, s.steps + 1), my_chunks, device, dtype, s.prefetch)
-        if isinstance(data, OfflineData) and s.prefetch and device.type == "cuda"
-        else Inline(data, my_chunks, device, dtype)
+        Feeder(source, range(start + 1, s.steps + 1), my_chunks, device, rt.dtype, s.prefetch)
+        if isinstance(source, OfflineData) and s.prefetch and device.type == "cuda"
+        else Inline(source, my_chunks, device, rt.dtype)
     )
     steps = Steps(
-        ctx,
-        plan_ctx,
-        s,
-        dist,
-        device,
-        dtype,
-        data,
-        online_tp,
-        model,
-        draft,
-        opt,
-        params,
-        head_d,
-        autocast,
-        steps_log,
-        out,
-        extra,
-        schedule,
-        feeder,
-        eval_data,
-        eval_rows,
-        best,
-        start + 1,
+        runtime=rt,
+        data=data,
+        draft=td,
+        loss=TTTLoss.from_settings(s, rt.autocast),
+        optim=optim,
+        checkpointer=checkpointer,
+        evaluator=Evaluator.from_settings(data, s),
+        metrics=MetricReporter(ctx=ctx, log_every=s.log_every, last_step=s.steps, first_step=start + 1),
+        schedule=schedule,
+        feeder=feeder,
+        micro_batch=s.micro_batch,
+        steps_log=StepLog(out / STEPS_FILE, start) if dist.main else None,
     )
+    best = checkpointer.best
     if start and steps.eval_due(start) and (best is None or best["step"] < start):
         steps.evaluate(start, saved=True)  # killed between that checkpoint and its evaluation
     try:
@@ -300,7 +306,8 @@ def train(
                 steps.evaluate(step, saved=last_saved == step)
     finally:
         feeder.close()
-    best = steps.best
+    best = checkpointer.best
+    mode_name = data.mode
     if ctx and device.type == "cuda":
         ctx.metric("peak_memory_gib", torch.cuda.max_memory_allocated(device) / 2**30)
     if dist.main:
