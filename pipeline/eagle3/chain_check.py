@@ -105,8 +105,10 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         DraftModelError,
         default_aux_layers,
         normalise_aux_layers,
+        sglang_capture_ids,
     )
     from pipeline.eagle3.target_capture import TargetError, tensor_roles, text_backbone
+    from pipeline.serving.sglang_capture import SGLANG_RELEASE, architecture_of
 
     rep = Report.of(str(plan.path))
     where = str(plan.path)
@@ -154,8 +156,13 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             if ext.aux_layers is None or list(ext.aux_layers) == aux
             else f" (plan order {list(ext.aux_layers)} sorted)"
         )
+        arch = architecture_of(cfg) or architecture_of(tcfg)
+        captured = sglang_capture_ids(aux, arch)  # raises where SGLang cannot be told to feed these layers
         rep.add(
-            "aux layers", True, f"{aux}{note}; SGLang captures the inputs of layers {[i + 1 for i in aux]}"
+            "aux layers",
+            True,
+            f"{aux}{note}; SGLang {SGLANG_RELEASE} ({arch or 'its default model class'}) captures the inputs "
+            f"of layers {captured}",
         )
     except DraftModelError as exc:
         rep.add("aux layers", False, str(exc))

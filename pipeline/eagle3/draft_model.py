@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.eagle3.rope import apply_rope, rope_attention_scale, rope_inv_freq
+from pipeline.serving import sglang_capture
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -72,9 +73,14 @@ def normalise_aux_layers(ids: list[int], num_layers: int, where: str = "extract.
     return out
 
 
-def sglang_capture_ids(aux_layer_ids: list[int]) -> list[int]:
-    """The layer indices SGLang hooks for these ids: it captures the *input* of layer ``id + 1``."""
-    return [i + 1 for i in aux_layer_ids]
+def sglang_capture_ids(aux_layer_ids: list[int], architecture: str | None = None) -> list[int]:
+    """The layers whose *input* SGLang hooks to feed the outputs of ``aux_layer_ids`` (``id + 1``); raises
+    :class:`DraftModelError` where SGLang cannot be told to (see :mod:`pipeline.serving.sglang_capture`)."""
+    try:
+        ids = sglang_capture.config_layer_ids(aux_layer_ids, architecture)
+    except sglang_capture.CaptureError as exc:
+        raise DraftModelError(str(exc)) from None
+    return sglang_capture.layers_to_capture(ids, architecture)
 
 
 def is_mla(cfg: Any) -> bool:
@@ -117,12 +123,16 @@ class DraftConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # The target's model class as SGLang picks it: its rule for which layers the config's ids capture.
+    target_architecture: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_target(cls, cfg: Any, draft_vocab_size: int, aux_layer_ids: list[int]) -> DraftConfig:
         """A draft sized like the target's decoder layer (SpecForge's convention)."""
+        arch = sglang_capture.architecture_of(cfg)  # the wrapper's class (Kimi-K2.5), not its text model's
         cfg = getattr(cfg, "text_config", None) or cfg
+        arch = arch or sglang_capture.architecture_of(cfg)
         theta, scaling = _target_rope(cfg)
         heads = int(cfg.num_attention_heads)
         if is_mla(cfg):
@@ -150,6 +160,7 @@ class DraftConfig:
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_id=getattr(cfg, "eos_token_id", None),
             pad_token_id=getattr(cfg, "pad_token_id", None),
+            target_architecture=arch,
         )
 
     def sglang_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -180,14 +191,24 @@ class DraftConfig:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": dtype,
             "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                # The ids that make SGLang feed the outputs of aux_layer_ids, by the target's rule.
+                "eagle_aux_hidden_state_layer_ids": self.sglang_layer_ids(),
                 "use_aux_hidden_state": True,
-                # What SGLang hooks for those ids (it adds 1); recorded for the operator, not read back.
-                "sglang_layers_to_capture": sglang_capture_ids(self.aux_layer_ids),
+                # What SGLang hooks for those ids and the target class whose rule that is (Aerie reads the
+                # class back to recover aux_layer_ids); the layers are for the operator, not read back.
+                "sglang_layers_to_capture": sglang_capture_ids(self.aux_layer_ids, self.target_architecture),
+                "target_architecture": self.target_architecture,
             },
         }
         out.update(self.extra)
         return out
+
+    def sglang_layer_ids(self) -> list[int]:
+        """``eagle_aux_hidden_state_layer_ids`` for this target (raises where SGLang cannot capture them)."""
+        try:
+            return sglang_capture.config_layer_ids(self.aux_layer_ids, self.target_architecture)
+        except sglang_capture.CaptureError as exc:
+            raise DraftModelError(str(exc)) from None
 
     @classmethod
     def from_sglang_config(cls, d: dict[str, Any], where: str = CONFIG_FILE) -> DraftConfig:
@@ -205,6 +226,13 @@ class DraftConfig:
             raise DraftModelError(
                 f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing"
             ) from None
+        arch = d["eagle_config"].get(
+            "target_architecture"
+        )  # absent in drafts of other trainers: plus-one rule
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise DraftModelError(
+                f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must be a list of ids"
+            )
         for key in (
             "hidden_size",
             "intermediate_size",
@@ -223,7 +251,7 @@ class DraftConfig:
             head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
             vocab_size=d["vocab_size"],
             draft_vocab_size=d["draft_vocab_size"],
-            aux_layer_ids=[int(i) for i in ids],
+            aux_layer_ids=sglang_capture.fed_outputs([int(i) for i in ids], arch),
             target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             rope_theta=float(d.get("rope_theta", 10000.0)),
@@ -233,6 +261,7 @@ class DraftConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
+            target_architecture=arch,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from torch import nn
 from pipeline import tested_versions
 from pipeline.data import model_assets
 from pipeline.eagle3.draft_model import default_aux_layers, normalise_aux_layers
+from pipeline.serving.sglang_capture import architecture_of
 
 
 class TargetError(RuntimeError):
@@ -210,6 +211,12 @@ def target_config(model_id: str) -> Any:
     """The text model's config (``text_config`` of a vision-language wrapper)."""
     cfg = model_assets.model_config(model_id)
     return getattr(cfg, "text_config", None) or cfg
+
+
+def target_architecture(model_id: str) -> str | None:
+    """The model class SGLang will pick for the target (a wrapper's, e.g. Kimi-K2.5's, not its text model's)."""
+    cfg = model_assets.model_config(model_id)
+    return architecture_of(cfg) or architecture_of(getattr(cfg, "text_config", None))
 
 
 def tensor_roles(model_id: str) -> dict[str, str]:

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     """Extract; with ``dist`` (tensor-parallel ranks) every rank runs it and rank 0 writes."""
-    from pipeline.eagle3.target_capture import load_target, target_config
+    from pipeline.eagle3.target_capture import load_target, target_architecture, target_config
 
     plan = ctx.plan
     sec = plan.settings.extract
@@ -222,6 +222,11 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     tcfg = target_config(model_id)
     num_layers, hidden = int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
     aux = aux_layers_from(sec, num_layers, str(plan.path))
+    arch = target_architecture(model_id)
+    try:
+        capture = sglang_capture_ids(aux, arch)
+    except DraftModelError as exc:
+        fail(ctx, f"{plan.path}: extract.aux_layers: {exc}")
     holdout = holdout_fraction(plan)
     max_length = sec.max_length or plan.target.max_length
     rows = list(iter_rows(inputs, holdout, "train", int(tcfg.vocab_size), max_length))
@@ -254,7 +259,8 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         "hidden_size": hidden,
         "num_layers": num_layers,
         "aux_layer_ids": aux,
-        "sglang_layers_to_capture": sglang_capture_ids(aux),
+        "sglang_layers_to_capture": capture,
+        "target_architecture": arch,
         "dtype": "bfloat16",
         "sources": sources,
         "holdout": holdout,
