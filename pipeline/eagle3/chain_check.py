@@ -198,6 +198,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     )
     rep.numbers["draft_params"] = draft_params
 
+    ct: Any = None
     try:
         from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
 
@@ -229,9 +230,29 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     from pipeline.run import budget
 
     per_token = hs.bytes_per_token(hidden, len(aux))
+    from pipeline.data import token_estimate
+
     max_len = ext.max_length or plan.target.row_length
     rows = sum(int(d.quota or 0) for d in plan.datasets)
-    tokens = ext.max_tokens or rows * max_len
+    if ct is not None:
+        per_ds = token_estimate.estimate(plan, ct.encode, max_len, plan.settings.regen.max_tokens)
+    else:  # the tokenizer failed above: every row at max_length
+        per_ds = [
+            token_estimate.DatasetTokens(d.name, d.quota * max_len, "assumed (no tokenizer)")
+            for d in plan.datasets
+        ]
+    tokens = sum(d.tokens for d in per_ds)
+    if ext.max_rows and rows:
+        tokens = min(tokens, tokens * ext.max_rows // rows)
+    tokens = min(tokens, ext.max_tokens) if ext.max_tokens else tokens
+    assumed = [d.name for d in per_ds if d.assumed]
+    rep.add(
+        "tokens",
+        True,
+        f"{tokens:,} tokens to extract from {rows:,} rows: "
+        + "; ".join(f"{d.name} {d.tokens:,} ({d.how})" for d in per_ds),
+        warning=bool(assumed),
+    )
     mode = plan.settings.storage_mode
     need = 0 if mode == "online" else tokens * per_token
     rep.numbers.update(bytes_per_token=per_token, tokens=tokens, hidden_state_bytes=need)
@@ -249,7 +270,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             "disk",
             fits,
             f"{where}: offline hidden states {budget.human_bytes(need)} ({per_token / 1000:.1f} KB/token x "
-            f"{tokens:,} tokens, at most {rows:,} rows x {max_len} tokens) + reserve "
+            f"{tokens:,} tokens of {rows:,} rows, see 'tokens') + reserve "
             f"{budget.human_bytes(reserve)} vs {budget.human_bytes(free_bytes)} free at the run "
             "directory" + ("" if fits else "; free space, lower the quotas or go online"),
         )
