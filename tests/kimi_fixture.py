@@ -287,3 +287,40 @@ def build_tiny_kimi(folder: Path, seed: int = 0, dtype: str = "float32", **text_
     write_config(folder, tiny=True, **text_overrides)  # the published config.json, not transformers' rewrite
     build_tiny_tokenizer(folder, int(TINY_TEXT_SIZES["vocab_size"]))
     return folder
+
+
+def build_tiny_kimi_int4(folder: Path, seed: int = 0) -> Path:
+    """:func:`build_tiny_kimi` with its routed experts stored as Kimi-K2.5's checkpoint stores them:
+    compressed-tensors ``pack-quantized`` INT4, symmetric, group 32 (``weight_packed`` int32,
+    ``weight_scale`` bf16 per group, ``weight_shape``), and the real ``quantization_config``. The tiny
+    vision tower stays dense (added to ``ignore``) so the fixture is about the experts."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_kimi(folder, seed=seed, dtype="bfloat16")
+    quant = copy.deepcopy(KIMI_K25_CONFIG["quantization_config"])
+    group = quant["config_groups"]["group_0"]["weights"]["group_size"]
+    for f in folder.glob("*.safetensors"):
+        out: dict[str, torch.Tensor] = {}
+        for k, v in load_file(str(f)).items():
+            if ".mlp.experts." not in k or not k.endswith(".weight"):
+                out[k] = v
+                continue
+            rows, cols = v.shape
+            g = v.float().reshape(rows, cols // group, group)
+            scale = g.abs().amax(-1).clamp(min=1e-8) / 7  # symmetric INT4: -8..7
+            q = torch.round(g / scale[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, cols)
+            base = k[: -len(".weight")]
+            out[base + ".weight_packed"] = pack_to_int32(q, 4)
+            out[base + ".weight_scale"] = scale.to(torch.bfloat16)
+            out[base + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+        save_file(out, str(f), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        index.unlink()  # one file: no map of the renamed keys is needed
+    cfg = json.loads((folder / "config.json").read_text())
+    quant["ignore"] = [*quant["ignore"], "re:.*vision_tower.*", "re:.*mm_projector.*"]
+    cfg["quantization_config"] = quant
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

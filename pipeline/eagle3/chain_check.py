@@ -60,38 +60,28 @@ def local_model_dir(model: str) -> Path | None:
     return Path(hit).parent if isinstance(hit, str) else None
 
 
-def param_bytes(model: Any, cfg: Any) -> dict[str, int]:
-    """Bytes of the target's parameters by where they go under tensor parallelism.
+def _alternatives(sg: Any, act: int, training: int, tp: int, gpu_gb: float | None, tf: Any = None) -> str:
+    """What would fit instead: more GPUs for this engine, or SGLang, which keeps packed weights packed."""
+    from pipeline.run import budget
 
-    ``sharded``: what the text model's TP plan splits over the ranks (MLP, shared and routed experts);
-    ``replicated``: everything else (MLA attention, embeddings, norms, router, the vision tower).
-    Routed experts stored as packed INT4 (Kimi-K2.5's compressed-tensors, group 32) count 0.5 byte
-    plus a bf16 scale per group; everything else at the checkpoint's dtype (bf16).
-    """
-    import fnmatch
-
-    tcfg = getattr(cfg, "text_config", None) or cfg
-    plan = dict(getattr(tcfg, "base_model_tp_plan", None) or {})
-    q = getattr(cfg, "quantization_config", None) or getattr(tcfg, "quantization_config", None) or {}
-    q = q if isinstance(q, dict) else q.to_dict()
-    groups = q.get("config_groups") or {}
-    bits = next((g.get("weights", {}).get("num_bits") for g in groups.values() if isinstance(g, dict)), None)
-    group = (
-        next((g.get("weights", {}).get("group_size") for g in groups.values() if isinstance(g, dict)), None)
-        or 32
-    )
-    out = {"sharded": 0, "replicated": 0}
-    for name, p in model.named_parameters():
-        n = p.numel()
-        routed = ".mlp.experts." in f".{name}." and "shared_experts" not in name
-        b = n * bits // 8 + (n // group) * 2 if bits and routed else n * 2
-        tail = name.split("layers.", 1)[-1] if "layers." in name else name
-        sharded = any(
-            fnmatch.fnmatch("layers." + tail, pat) or fnmatch.fnmatch("layers." + tail.rsplit(".", 1)[0], pat)
-            for pat in plan
+    out = []
+    if gpu_gb is None:
+        return "set resources.gpu_memory_gb to see what would fit"
+    cap = int(float(gpu_gb) * 1e9) - act
+    if tf is not None and not tf.problem:
+        n = tf.min_ranks(cap)
+        out.append(
+            f"transformers would need {n} GPUs of {gpu_gb:g} GB"
+            if n
+            else "no number of such GPUs holds it with transformers"
         )
-        out["sharded" if sharded else "replicated"] += b
-    return out
+    s_rank = sg.per_rank(tp) + act
+    verdict = "fits" if max(s_rank, training) <= gpu_gb * 1e9 else "does not fit either"
+    out.append(
+        f"SGLang keeps the INT4 experts packed: {budget.human_bytes(s_rank)} per rank on {tp} GPUs, {verdict} "
+        "(capture through SGLang: issue 26, not in this release)"
+    )
+    return "; ".join(out)
 
 
 def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
@@ -280,11 +270,23 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     online_tp = tr.online_tp
     # Ranks holding a shard of the target: training's under online-tp, else the extraction's.
     tp = tr.nproc if online_tp else (ext.tp_size or len(plan.gpus) or 1) if ext.parallel == "tp" else 1
-    pb = param_bytes(meta, cfg)
-    capture = pb["replicated"] + pb["sharded"] // tp
+    from pipeline.eagle3.target_memory import sglang_layout, transformers_layout
+
+    try:
+        tf = transformers_layout(cfg, cls, tp)  # what the stages' engine (transformers) really holds
+    except ImportError as exc:
+        rep.add(
+            "gpu memory",
+            False,
+            f"{where}: target.model: {folder / 'config.json'}: quantization_config: the checkpoint's quantizer "
+            f"cannot be built here: {exc}",
+        )
+        return rep
+    sg = sglang_layout(meta, cfg)
     batch_tokens = ext.batch_tokens
     act = batch_tokens * hidden * 2 * 8  # a few live (tokens x hidden) bf16 buffers per layer step
-    capture += act + batch_tokens * len(aux) * hidden * 2
+    act += batch_tokens * len(aux) * hidden * 2
+    capture = tf.per_rank(tp) + act
     mb, ttt = tr.micro_batch, tr.ttt_steps
     seq = tr.max_length or max_len
     draft_state = (
@@ -298,8 +300,10 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         capture_bytes_per_rank=capture,
         training_bytes_per_rank=training,
         tp_size=tp,
-        target_sharded_bytes=pb["sharded"],
-        target_replicated_bytes=pb["replicated"],
+        target_sharded_bytes=tf.sharded,
+        target_replicated_bytes=tf.replicated,
+        target_dequantized_bytes=tf.dequantized,
+        sglang_bytes_per_rank=sg.per_rank(tp) + act,
     )
     # The per-rank split above is read from the installed transformers' TP plan; a release Aerie was not
     # tested with may shard differently (5.25 moved DeepSeek-V3's routed experts to an EP plan): say so.
@@ -314,33 +318,45 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         warning=bool(notes),
     )
     gpu_gb = plan.resources.gpu_memory_gb
+    online_training = 0  # online-tp: the draft's training, held beside the target shard on every rank
     if online_tp:
         # Every rank holds its target shard *and* trains its draft replica at the same time.
         capture += training
         rep.numbers["online_tp_bytes_per_rank"] = capture
         detail = (
-            f"online-tp, per rank: target shard {budget.human_bytes(pb['sharded'] // tp)} + replicated "
-            f"{budget.human_bytes(pb['replicated'])} + capture activations {budget.human_bytes(act)} + draft and "
+            f"online-tp, per rank: target shard {budget.human_bytes(tf.sharded // tp)} + replicated "
+            f"{budget.human_bytes(tf.replicated)} + capture activations {budget.human_bytes(act)} + draft and "
             f"AdamW {budget.human_bytes(draft_state)} + training activations {budget.human_bytes(train_act)} "
             f"(micro_batch {mb} x {seq} tokens) = {budget.human_bytes(capture)} (TP {tp})"
         )
-        training = 0
+        online_training, training = training, 0
     else:
         detail = (
-            f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(pb['sharded'] // tp)} "
-            f"sharded + {budget.human_bytes(pb['replicated'])} replicated + activations); training "
+            f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(tf.sharded // tp)} "
+            f"sharded + {budget.human_bytes(tf.replicated)} replicated + activations); training "
             f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
             f"at micro_batch {mb} x {seq} tokens)"
         )
-    if isinstance(gpu_gb, int | float) and not isinstance(gpu_gb, bool):
-        cap = float(gpu_gb) * 1e9
-        worst = max(capture, training)
+    dequantized = ""
+    if tf.dequantized:
+        dequantized += (
+            f"; transformers holds the INT4 routed experts dequantized to bf16 "
+            f"({budget.human_bytes(tf.dequantized)}, 3.56x their packed size)"
+        )
+    worst = max(capture, training)
+    fits = gpu_gb is None or worst <= float(gpu_gb) * 1e9
+    if gpu_gb is not None or tf.problem:
+        ok = fits and not tf.problem
         rep.add(
             "gpu memory",
-            worst <= cap,
-            detail
-            + f" vs {gpu_gb} GB per GPU (resources.gpu_memory_gb)"
-            + ("" if worst <= cap else f"; {budget.human_bytes(worst)} does not fit"),
+            ok,
+            ("" if ok else f"{where}: ")
+            + detail
+            + (f" vs {gpu_gb:g} GB per GPU (resources.gpu_memory_gb)" if gpu_gb is not None else "")
+            + ("" if fits else f"; {budget.human_bytes(worst)} does not fit")
+            + dequantized
+            + (f"; {tf.problem}" if tf.problem else "")
+            + ("" if ok else "; " + _alternatives(sg, act + online_training, training, tp, gpu_gb, tf)),
         )
     else:
         rep.add(
