@@ -6,6 +6,9 @@ attributes (``plan.settings.train.micro_batch``). A default lives here and nowhe
 needs a rule beyond one key (a default that depends on the mode, the stage's GPUs) reads it from a
 property or a method of its section. Standard library only: ``aerie plan check --show-defaults`` prints
 all of it without importing torch.
+
+Over 450 lines on purpose: it is the reference of every settings key, one declaration per key, grouped by
+table; split up, what ``--show-defaults`` prints from one place would be scattered over many.
 """
 
 from __future__ import annotations
