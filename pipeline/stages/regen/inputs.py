@@ -1,0 +1,100 @@
+"""What the regeneration stage reads: its ``[regen]`` settings, the upstream prompts, and the servers to ask."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from pipeline.run.plan import Plan
+from pipeline.run.plan_sections import RegenSection
+from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.runtime import StageContext
+
+
+class InputError(ValueError):
+    """Bad upstream data; names the file, row and field."""
+
+
+def regen_settings(plan: Plan) -> RegenSection:
+    """``[regen]``, typed and checked when the plan loaded."""
+    return plan.settings.regen
+
+
+# ------------------------------------------------------------------------------------ inputs
+def find_prompt_dir(inputs: dict[str, Path]) -> Path:
+    found = []
+    for _dep, d in inputs.items():
+        man = read_json(Path(d) / "manifest.json")
+        if man and man.get("kind") == "prompts":
+            found.append(Path(d))
+        elif man is None:
+            continue
+    if not found:
+        deps = ", ".join(f"{k} ({v})" for k, v in inputs.items()) or "none"
+        raise InputError(
+            f"no upstream output with a manifest.json of kind 'prompts' (inputs: {deps}); "
+            "regen runs after the prep stage of a prompt-only dataset"
+        )
+    if len(found) > 1:
+        raise InputError(f"several prompt inputs: {', '.join(map(str, found))}; give one with --input")
+    return found[0]
+
+
+def read_prompts(d: Path, limit: int | None = None) -> list[tuple[str, list[dict[str, Any]]]]:
+    """``(id, messages)`` from a ``prompts`` output, in shard order; errors name file, row and field."""
+    import pyarrow.parquet as pq
+
+    man = read_json(d / "manifest.json")
+    if not man or man.get("kind") != "prompts":
+        raise InputError(f"{d / 'manifest.json'}: not a prompts manifest (kind {man and man.get('kind')!r})")
+    out: list[tuple[str, list[dict[str, Any]]]] = []
+    seen: set[str] = set()
+    for s in man.get("shards") or []:
+        path = d / s["file"]
+        try:
+            table = pq.read_table(path, columns=["id", "messages"])
+        except (OSError, KeyError) as exc:
+            raise InputError(f"{path}: cannot read prompt shard: {exc}") from None
+        for row, (rid, msgs) in enumerate(
+            zip(table.column("id").to_pylist(), table.column("messages").to_pylist(), strict=True)
+        ):
+            where = f"{path.name}: row {row}"
+            if not isinstance(rid, str) or not rid:
+                raise InputError(f"{where}: id: expected a non-empty string, got {rid!r}")
+            if rid in seen:
+                raise InputError(f"{where}: id: duplicate id {rid!r}")
+            if not isinstance(msgs, list) or not msgs or msgs[-1].get("role") != "user":
+                raise InputError(f"{where} (id {rid}): messages: expected turns ending with a user turn")
+            seen.add(rid)
+            out.append((rid, [{"role": m["role"], "content": m["content"]} for m in msgs]))
+            if limit is not None and len(out) >= limit:
+                return out
+    return out
+
+
+def server_urls(ctx: StageContext, plan: Plan, s: RegenSection, override: str | None) -> list[str]:
+    """Every server to send requests to: the override, ``[regen] server_url``, else the ``endpoint.json``
+    of each service this stage uses (several with ``replicas = N`` under Slurm), else ``[serve]``'s."""
+    if override:
+        return [override]
+    if s.server_url:
+        return [s.server_url]
+    uses: tuple[str, ...] = ()
+    with contextlib.suppress(KeyError):
+        uses = plan.stage(ctx.stage_id).uses
+    urls: list[str] = []
+    if ctx.run_dir is not None:
+        for u in uses:
+            ep = read_json(RunDir(ctx.run_dir).stage(u).out / "endpoint.json")
+            if ep and ep.get("url") and str(ep["url"]) not in urls:
+                urls.append(str(ep["url"]))
+    if urls:
+        return urls
+    serve = plan.settings.serve
+    if serve.port:
+        return [f"http://{serve.host}:{serve.port}"]
+    raise InputError(
+        "no server address: the service's endpoint.json is missing and [serve] port is 0; "
+        "pass --server-url or set [regen] server_url"
+    )
