@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, sync, time_ms, write_out  # noqa: E402
 from pipeline.eagle3 import hidden_store as hs  # noqa: E402
-from pipeline.eagle3.draft_model import default_aux_layers  # noqa: E402
+from pipeline.eagle3.draft_config import default_aux_layers  # noqa: E402
 from pipeline.eagle3.shard_sink import HostStager, ShardSink  # noqa: E402
 from pipeline.eagle3.target_capture import Target  # noqa: E402
 

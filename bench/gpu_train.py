@@ -44,7 +44,8 @@ from bench.gpu_common import (  # noqa: E402
     time_ms,
     write_out,
 )
-from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft  # noqa: E402
+from pipeline.eagle3.draft_config import DraftConfig
+from pipeline.eagle3.draft_model import Eagle3Draft  # noqa: E402
 from pipeline.stages.train.batches import Batch  # noqa: E402
 from pipeline.stages.train.loss import ttt_sums  # noqa: E402
 

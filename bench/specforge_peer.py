@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import time_ms  # noqa: E402
-from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft, shift_left  # noqa: E402
+from pipeline.eagle3.draft_config import DraftConfig
+from pipeline.eagle3.draft_model import Eagle3Draft, shift_left  # noqa: E402
 from pipeline.stages.train.batches import Batch  # noqa: E402
 from pipeline.stages.train.loss import ttt_sums  # noqa: E402
 

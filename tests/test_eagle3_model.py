@@ -18,16 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline.eagle3.draft_model import (
-    DraftConfig,
-    DraftModelError,
-    Eagle3Draft,
-    chain_attention,
-    chain_attention_reference,
-    default_aux_layers,
-    load_draft,
-    save_draft,
-)
+from pipeline.eagle3.draft_attention import chain_attention, chain_attention_reference
+from pipeline.eagle3.draft_config import DraftConfig, DraftModelError, default_aux_layers
+from pipeline.eagle3.draft_model import Eagle3Draft, load_draft, save_draft
 
 # The parameters of SGLang's LlamaForCausalLMEagle3 (one midlayer), as its modules name them.
 SGLANG_PARAMS = {

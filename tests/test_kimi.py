@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.eagle3.draft_model import (
+from pipeline.eagle3.draft_config import (
     DraftConfig,
     DraftModelError,
-    Eagle3Draft,
     default_aux_layers,
     normalise_aux_layers,
-    save_draft,
 )
+from pipeline.eagle3.draft_model import Eagle3Draft, save_draft
 from pipeline.eagle3.rope import rope_attention_scale, rope_inv_freq
 from pipeline.eagle3.target_capture import checkpoint_key, target_config, tensor_roles
 from tests.eagle3_fixtures import assert_stores_match

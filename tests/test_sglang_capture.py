@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.eagle3.draft_model import DraftConfig, DraftModelError, default_aux_layers, sglang_capture_ids
+from pipeline.eagle3.draft_config import DraftConfig, DraftModelError, default_aux_layers, sglang_capture_ids
 from pipeline.serving import sglang_capture as sc
 
 # (sglang model file, class, an architecture it serves, aux lists to try on a 61-layer target)

@@ -90,7 +90,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
 
     from pipeline.data import model_assets
     from pipeline.eagle3 import hidden_store as hs
-    from pipeline.eagle3.draft_model import (
+    from pipeline.eagle3.draft_config import (
         DraftConfig,
         DraftModelError,
         default_aux_layers,

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipeline import tested_versions
 from pipeline.data import model_assets
-from pipeline.eagle3.draft_model import default_aux_layers, normalise_aux_layers
+from pipeline.eagle3.draft_config import default_aux_layers, normalise_aux_layers
 from pipeline.serving.sglang_capture import architecture_of
 
 

@@ -107,7 +107,9 @@ def transformers_layout(cfg: Any, model_class: Any, tp: int) -> Layout:
         from transformers.quantizers.auto import AutoHfQuantizer
 
         quantizer = AutoHfQuantizer.from_config(cfg.quantization_config)  # imports compressed-tensors
-        with contextlib.suppress(ImportError):  # which logs a line per odd-sized vision layer: not our finding
+        with contextlib.suppress(
+            ImportError
+        ):  # which logs a line per odd-sized vision layer: not our finding
             from loguru import logger
 
             logger.disable("compressed_tensors")

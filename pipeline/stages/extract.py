@@ -47,7 +47,7 @@ import torch
 
 from pipeline.data.shards import Row, ShardError, holdout_fraction, iter_rows, training_order
 from pipeline.eagle3 import hidden_store as hs
-from pipeline.eagle3.draft_model import (
+from pipeline.eagle3.draft_config import (
     DraftModelError,
     default_aux_layers,
     normalise_aux_layers,

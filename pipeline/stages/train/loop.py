@@ -15,7 +15,8 @@ import pipeline.stages.train as train_pkg
 from pipeline.data.shards import find_manifests
 from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
-from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft, save_draft
+from pipeline.eagle3.draft_config import DraftConfig
+from pipeline.eagle3.draft_model import Eagle3Draft, save_draft
 from pipeline.run.files import swap_dir
 from pipeline.run.plan_sections import TrainSection
 from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
