@@ -12,17 +12,19 @@ plot in the detail pane of a training stage), themes from ``themes/`` (``--theme
 config, the plan's ``[ui]``, or the command palette), failure alerts (notification, bell, the
 plan's ``[alerts] command``; see :mod:`console.alerts`), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
+
+Over 450 lines because it is the App itself: its bindings, one short action per key, and the palette's
+list of them; what has a job of its own lives beside it (header text: ``console.header``; alerts:
+``console.alert_dispatch``; each screen's palette entries: ``console.palette``; screens and widgets).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import gc
-import time
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from rich.text import Text
 from textual import on, work
@@ -35,9 +37,12 @@ from textual.screen import Screen
 from textual.theme import BUILTIN_THEMES
 from textual.widgets import Footer, Input, Static
 
-from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
+from console.alert_dispatch import AlertDispatcher
+from console.alerts import AlertBook
+from console.header import header_text, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
+from console.palette import screen_commands
 from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
 from console.screens.logview import LogScreen
@@ -65,7 +70,6 @@ STATE_FALLBACK = {
     "pending": "foreground-muted",
     "skipped": "foreground-muted",
 }
-STALE_SUPERVISOR_S = 15.0
 
 
 def freeze_startup_objects() -> None:
@@ -187,13 +191,15 @@ class AerieApp(App[int]):
         self.settings: Settings = self._resolve({})
         self.settings.problems[:0] = problems
         self.alerts_enabled = alerts
-        self.alert_watcher = AlertWatcher()
-        self.alert_book = AlertBook(
-            state_dir() / "alerts.json", f"{transport.status.host}:{transport.run_root}"
-        )
-        self.hooks_run = 0  # hook commands completed (tests wait on it)
+        where = f"{transport.status.host}:{transport.run_root}"
+        self.alerts = AlertDispatcher(self, AlertBook(state_dir() / "alerts.json", where), where)
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
+
+    @property
+    def hooks_run(self) -> int:
+        """Alert hook commands completed in this console."""
+        return self.alerts.hooks_run
 
     def _resolve(self, plan_raw: dict) -> Settings:
         return resolve(
@@ -324,44 +330,14 @@ class AerieApp(App[int]):
         if isinstance(screen, DatasetsScreen | MetricsScreen):
             screen.sync(self.model)
         if self.alerts_enabled and self.model.loaded:
-            self._check_alerts()
+            self.alerts.check(self.model)
 
     def _update_header(self) -> None:
-        m = self.model
-        counts = Text()
-        for state, n in sorted(m.counts().items()):
-            counts.append(f" {n} {state} ", style=self.state_style(state))
-        t = Text()
-        t.append(f" {m.run_name or 'Aerie'} ", style="bold")
-        t.append(f" {self.transport.status.label()} ")
-        # The run dir gives way (its start becomes "…") so the state counts always fit on the line.
-        room = self.size.width - 2 - t.cell_len - counts.cell_len - 2
-        path = str(m.run_dir)
-        if len(path) > room:
-            path = "…" + path[-max(0, room - 1) :] if room > 8 else ""
-        if path:
-            t.append(f" {path} ", style="dim")
-        t.append_text(counts)
-        self._set_text("#header", t)
-        line = Text()
-        if m.error:
-            line.append(m.error, style=self.state_style("failed"))
-        elif not m.loaded:
-            line.append("waiting for the supervisor's first snapshot…")
-        elif m.done:
-            ok = m.all_succeeded()
-            line.append(
-                "run finished: " + ("every stage succeeded" if ok else "some stages did not succeed"),
-                style=self.state_style("succeeded" if ok else "failed"),
-            )
-        elif m.supervisor_t and time.time() - m.supervisor_t > STALE_SUPERVISOR_S:
-            line.append(
-                f"supervisor silent for {time.time() - m.supervisor_t:.0f}s — restarting it",
-                style=self.state_style("paused"),
-            )
-        else:
-            line.append(f"supervisor pid {m.supervisor_pid} · polling every {self.poll_s:g}s")
-        self._set_text("#status-line", line)
+        style = self.state_style
+        self._set_text(
+            "#header", header_text(self.model, self.transport.status.label(), self.size.width, style)
+        )
+        self._set_text("#status-line", status_text(self.model, self.poll_s, style))
 
     def _set_text(self, selector: str, text: Text) -> None:
         """Update a one-line Static only when its text changed."""
@@ -567,42 +543,7 @@ class AerieApp(App[int]):
     # ------------------------------------------------------------------------------ palette
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Every action of the screen the palette was opened on, then themes and the rest."""
-        cmds: list[tuple[str, str, Callable[[], object]]] = []
-        if isinstance(screen, LogScreen):
-            cmds += [
-                ("Log: follow", "follow the end of the log (auto-scroll)", screen.action_follow),
-                ("Log: top", "go to the first line", screen.action_top),
-                ("Log: wrap", "wrap long lines on/off", screen.action_wrap),
-                ("Log: timestamps", "hide/show leading timestamps", screen.action_timestamps),
-                ("Log: search", "search with a regex", screen.action_search),
-                ("Log: next match", "next match below", screen.action_next),
-                ("Log: previous match", "previous match above", screen.action_previous),
-                ("Log: filter", "show only lines matching a regex", screen.action_filter),
-                ("Log: clear filter", "show every line again", lambda: screen.set_filter(None)),
-                ("Log: first error", "jump to the first error or traceback", screen.action_first_error),
-                ("Log: back", "back to the board", screen.action_close),
-            ]
-        if isinstance(screen, DatasetsScreen):
-            cmds += [
-                ("Datasets: open log", "the selected stage's log", screen.action_log),
-                ("Datasets: back", "back to the board", screen.action_close),
-            ]
-        if isinstance(screen, MetricsScreen):
-            cmds += [
-                (
-                    "Metrics: show/hide metric",
-                    "tick or untick the highlighted metric",
-                    screen.action_toggle_metric,
-                ),
-                (
-                    "Metrics: compare attempts",
-                    "the highlighted metric, a curve per attempt",
-                    screen.action_attempts,
-                ),
-                ("Metrics: previous stage", "the previous stage with metrics", screen.action_previous_stage),
-                ("Metrics: next stage", "the next stage with metrics", screen.action_next_stage),
-                ("Metrics: back", "back to the board", screen.action_close),
-            ]
+        cmds = screen_commands(screen)
         cmds += [
             (
                 "Pause / resume stage",
@@ -643,48 +584,3 @@ class AerieApp(App[int]):
                 )
             else:
                 yield cmd
-
-    # ------------------------------------------------------------------------------ alerts
-    def _check_alerts(self) -> None:
-        fails, disk_level = self.alert_watcher.check(self.model)
-        if fails or disk_level is not None:
-            self.fire_alerts(fails, disk_level)
-
-    @work(group="alerts")
-    async def fire_alerts(self, fails: list[Alert], disk_level: str | None) -> None:
-        try:
-            new, disk_fire = await asyncio.to_thread(
-                self.alert_book.claim, [a.key for a in fails], disk_level
-            )
-        except OSError as exc:  # no state dir: announce anyway, once per session
-            self.notify(f"cannot record alerts in {self.alert_book.path}: {exc}", severity="warning")
-            new, disk_fire = [a.key for a in fails], disk_level in ("warning", "error")
-        todo = [a for a in fails if a.key in new]
-        if disk_fire and disk_level is not None:
-            todo.append(AlertWatcher.disk_alert(self.model, disk_level))
-        for alert in todo:
-            self.announce(alert)
-
-    def announce(self, alert: Alert) -> None:
-        if self.settings.notify:
-            self.notify(alert.text, title=alert.title, severity="error", timeout=20)
-        if self.settings.bell:
-            self.bell()
-        for cmd in self.settings.hooks:
-            self.run_alert_hook(cmd, alert)
-
-    @work(group="alert-hooks")
-    async def run_alert_hook(self, command: str, alert: Alert) -> None:
-        run = f"{self.transport.status.host}:{self.transport.run_root}"
-        try:
-            rc, out = await run_hook(command, alert, run, self.settings.hook_timeout_s)
-        except OSError as exc:
-            rc, out = 127, str(exc)
-        self.hooks_run += 1
-        if rc != 0:
-            self.notify(
-                f"alert hook `{command}` failed ({'timeout' if rc is None else f'exit {rc}'}): {out}",
-                title="alert hook",
-                severity="warning",
-                timeout=10,
-            )

@@ -1,0 +1,73 @@
+"""From the model to the operator: new failures and disk projections become alerts, each claimed once across
+consoles (:class:`~console.alerts.AlertBook`), then announced — a toast, the terminal bell, the hook commands —
+as the settings say. Runs in workers of the app; never blocks the UI loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
+from console.model import RunModel
+from console.settings import Settings
+
+
+class AlertHost(Protocol):
+    """What the dispatcher needs of the app (AerieApp): its settings, toasts, the bell and its workers."""
+
+    settings: Settings
+
+    def notify(
+        self, message: str, *, title: str = ..., severity: Any = ..., timeout: float | None = ...
+    ) -> None: ...
+
+    def bell(self) -> None: ...
+
+    def run_worker(self, work: Any, *, group: str = ...) -> Any: ...
+
+
+class AlertDispatcher:
+    def __init__(self, host: AlertHost, book: AlertBook, where: str) -> None:
+        self.host, self.book, self.where = host, book, where
+        self.watcher = AlertWatcher()
+        self.hooks_run = 0  # hook commands completed (tests wait on it)
+
+    def check(self, model: RunModel) -> None:
+        fails, disk_level = self.watcher.check(model)
+        if fails or disk_level is not None:
+            self.host.run_worker(self._fire(model, fails, disk_level), group="alerts")
+
+    async def _fire(self, model: RunModel, fails: list[Alert], disk_level: str | None) -> None:
+        try:
+            new, disk_fire = await asyncio.to_thread(self.book.claim, [a.key for a in fails], disk_level)
+        except OSError as exc:  # no state dir: announce anyway, once per session
+            self.host.notify(f"cannot record alerts in {self.book.path}: {exc}", severity="warning")
+            new, disk_fire = [a.key for a in fails], disk_level in ("warning", "error")
+        todo = [a for a in fails if a.key in new]
+        if disk_fire and disk_level is not None:
+            todo.append(AlertWatcher.disk_alert(model, disk_level))
+        for alert in todo:
+            self.announce(alert)
+
+    def announce(self, alert: Alert) -> None:
+        settings = self.host.settings
+        if settings.notify:
+            self.host.notify(alert.text, title=alert.title, severity="error", timeout=20)
+        if settings.bell:
+            self.host.bell()
+        for cmd in settings.hooks:
+            self.host.run_worker(self._hook(cmd, alert), group="alert-hooks")
+
+    async def _hook(self, command: str, alert: Alert) -> None:
+        try:
+            rc, out = await run_hook(command, alert, self.where, self.host.settings.hook_timeout_s)
+        except OSError as exc:
+            rc, out = 127, str(exc)
+        self.hooks_run += 1
+        if rc != 0:
+            self.host.notify(
+                f"alert hook `{command}` failed ({'timeout' if rc is None else f'exit {rc}'}): {out}",
+                title="alert hook",
+                severity="warning",
+                timeout=10,
+            )
