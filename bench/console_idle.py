@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.run import plan as plan_mod  # noqa: E402
+from pipeline.run.run_setup import create_run  # noqa: E402
 from pipeline.run.rundir import read_json  # noqa: E402
-from pipeline.run.supervisor import create_run  # noqa: E402
 
 POLL_S = 1.0
 WORKER = """

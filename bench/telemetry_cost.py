@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.run import plan as plan_mod  # noqa: E402
 from pipeline.run.gpus import FakeNvmlReplay, GpuUnavailable  # noqa: E402
+from pipeline.run.run_setup import create_run  # noqa: E402
 from pipeline.run.rundir import RunDir, write_json  # noqa: E402
-from pipeline.run.supervisor import create_run  # noqa: E402
 from pipeline.stages.telemetry import Agent, run_loop  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"

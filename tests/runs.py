@@ -16,8 +16,8 @@ from pathlib import Path
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import read_all
 from pipeline.run.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.run.run_setup import create_run
 from pipeline.run.rundir import RunDir, read_json
-from pipeline.run.supervisor import create_run
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,8 +19,8 @@ from slurm_cluster import SlurmCluster
 from pipeline.run import plan as plan_mod
 from pipeline.run import slurm
 from pipeline.run.events import read_all
+from pipeline.run.run_setup import create_run
 from pipeline.run.rundir import read_json
-from pipeline.run.supervisor import create_run
 from tests.eagle3_fixtures import (
     TEST_SECTIONS,
     assert_same_training,

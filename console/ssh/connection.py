@@ -13,6 +13,9 @@ unknown or changed key is refused with :class:`HostKeyError`, whose message says
 fingerprint and accept it; a config that disables checking (``UserKnownHostsFile none``) is
 refused too. ``~/.ssh/config`` aliases work because asyncssh reads the config (HostName, Port,
 User, IdentityFile, ProxyJump ...); ``user``/``port``/``identity`` from the plan override it.
+
+Over 450 lines because :class:`HostConnection` is one job — the lifetime of one SSH connection (connect,
+host keys, session accounting, keepalive, reconnect) — whose states are easiest to check read together.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ shapes, metadata and data order); only the order of the metadata keys in the JSO
 safetensors itself leaves to chance, is fixed here. A write that fails raises
 :class:`ShardWriteError` in the caller's thread, naming the shard file, with the ``errno`` of the
 cause (so a full disk is still recognised as one).
+
+Over 450 lines because the stager and the sink are two halves of one pipeline whose buffer hand-off
+(slots, events, the writer queue) is easiest to check read together.
 """
 
 from __future__ import annotations

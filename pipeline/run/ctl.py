@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.run.run_setup import spawn_detached, supervisor_alive
 from pipeline.run.rundir import RunDir, read_json
-from pipeline.run.supervisor import spawn_detached, supervisor_alive
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 2, 3, 4
 ACTIONS = ("status", "ensure", "pause", "resume", "kill", "retry", "skip", "force")

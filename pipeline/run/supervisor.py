@@ -13,6 +13,9 @@ An ``flock`` on ``supervisor.lock`` keeps one supervisor per run dir.
 
 How each stage's state is read from its files is :mod:`pipeline.run.stage_state`; this module
 acts on those states.
+
+Over 450 lines because it is one loop's decisions — admission, pause/kill grace, services, retries —
+which share its state; setting a run up is :mod:`.run_setup`, reading states is :mod:`.stage_state`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import contextlib
 import fcntl
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -34,46 +36,22 @@ from pipeline.run import nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter
 from pipeline.run.executor import Executor, make_executor
-from pipeline.run.plan import Plan, StageSpec
-from pipeline.run.procs import ProcIdentity, env_with_pipeline
-from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
+from pipeline.run.plan import StageSpec
+from pipeline.run.procs import ProcIdentity
+from pipeline.run.run_setup import (
+    ModelMissing,
+    SupervisorError,
+    check_model,
+    create_run,
+    spawn_detached,
+    supervisor_alive,
+)
+from pipeline.run.rundir import RunDir, StageDir, read_json, write_json
 from pipeline.run.stage_row import TERMINAL, StageState
 from pipeline.run.stage_state import StateDeriver
 from pipeline.run.stage_status import StageStatus
 
 AdmissionCheck = Callable[[StageSpec, "Supervisor"], "str | None"]
-
-
-class SupervisorError(RuntimeError):
-    pass
-
-
-def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
-    """Create (or re-open) the run directory for ``plan``; refuses a dir holding another plan."""
-    run = RunDir(run_dir or plan.run_dir)
-    text = plan.path.read_text()
-    if run.plan_path.exists():
-        if run.plan_path.read_text() != text:
-            raise SupervisorError(
-                f"{run.root} already holds a different plan; attach to it (aerie attach {run.root}) "
-                "or choose a new run directory"
-            )
-        return run
-    run.root.mkdir(parents=True, exist_ok=True)
-    for spec in plan.stages:
-        sd = run.stage(spec.id)
-        sd.path.mkdir(parents=True, exist_ok=True)
-        write_json(sd.spec, spec.to_dict())
-        if not sd.attempt_file.exists():
-            write_json(sd.attempt_file, {"attempt": 1, "t": time.time()})
-    write_json(run.root / "order.json", plan.order())
-    write_json(
-        run.root / "plan-origin.json",
-        {"base": str(plan.path.parent.absolute()), "path": str(plan.path.absolute())},
-    )
-    # The plan goes last: its presence marks a complete run dir.
-    write_atomic(run.plan_path, text)
-    return run
 
 
 class Supervisor:
@@ -463,58 +441,11 @@ class Supervisor:
         return 0
 
 
-def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
-    """Start ``python -m pipeline.run.supervisor RUN`` in its own session; returns its pid."""
-    run = RunDir(run_root)
-    with open(run.supervisor_log, "ab") as logfh:
-        p = subprocess.Popen(
-            [python, "-m", "pipeline.run.supervisor", str(run.root)],
-            stdin=subprocess.DEVNULL,
-            stdout=logfh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=str(run.root),
-            env=env_with_pipeline(),
-        )
-    return p.pid
-
-
-def supervisor_alive(run: RunDir) -> bool:
-    """True when some process holds the run's supervisor lock."""
-    if not run.lock_path.exists():
-        return False
-    fd = os.open(run.lock_path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def default_admission() -> list[AdmissionCheck]:
     """Admission checks every supervisor applies besides CPU/GPU slots (extended by later modules)."""
     from pipeline.run.budget import disk_budget_check, gpu_guard_check
 
     return [disk_budget_check, gpu_guard_check]
-
-
-class ModelMissing(RuntimeError):
-    """The plan's built-in target model is not installed on this host."""
-
-
-def check_model(plan: plan_mod.Plan) -> None:
-    """Before any stage starts: a built-in target model (the demo's) must be installed here."""
-    model = plan.target.model
-    if not isinstance(model, str) or not model.startswith("builtin:"):
-        return
-    from pipeline.run.builtin_models import ModelAssetError, check_available
-
-    try:
-        check_available(model)
-    except ModelAssetError as exc:
-        raise ModelMissing(f"target.model {model}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
