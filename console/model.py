@@ -102,7 +102,7 @@ class StageView(StageRow):
     def display_state(self) -> str:
         if self.state == StageState.RUNNING and self.pausing:
             return "pausing"
-        if self.state == "running" and self.service and self.health:
+        if self.state == StageState.RUNNING and self.service and self.health:
             return self.health if self.health != "ready" else "ready"
         if self.state == StageState.RUNNING and (self.reason == "starting" or self.queued):
             return "starting"

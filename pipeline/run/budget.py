@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from pipeline.run.gpus import FOREIGN, GpuProbe
 from pipeline.run.plan import Plan, StageSpec
 from pipeline.run.rundir import RunDir
+from pipeline.run.stage_row import TERMINAL, StageState
 
 
 class RunView(Protocol):
@@ -273,7 +274,7 @@ def remaining_projected_output(plan: Plan, run: RunDir, states: dict[str, str]) 
     """Sum of what every not-yet-finished stage has still to write (for the console's warning)."""
     total = 0
     for spec in plan.stages:
-        if states.get(spec.id, "pending") in ("succeeded", "failed", "killed", "upstream-failed", "skipped"):
+        if states.get(spec.id, StageState.PENDING) in TERMINAL:
             continue
         try:
             total += remaining_bytes(spec, plan, run)[0]
@@ -301,7 +302,7 @@ def _disk_budget(spec: StageSpec, sup: RunView) -> str | None:
     reserve = reserve_bytes(sup.plan)
     committed = 0
     for sid, st in sup.status.items():
-        if sid != spec.id and st.state in ("running", "paused"):
+        if sid != spec.id and st.state in (StageState.RUNNING, StageState.PAUSED):
             try:
                 committed += remaining_bytes(sup.specs[sid], sup.plan, sup.run)[0]
             except BudgetError:
