@@ -23,7 +23,10 @@ Tokenising (:class:`ChatTokenizer`)
     identical to tokenising the whole text. Templates that do not mention ``tool_calls`` /
     ``reasoning_content`` get those folded into the content as ``<tool_call>{json}</tool_call>`` /
     ``<think>...</think>`` text; templates that do are given OpenAI-style ``tool_calls`` with the
-    arguments as the source had them (JSON text or object) and ``reasoning_content``. A text holding
+    arguments as the source had them (JSON text or object) and ``reasoning_content``. A template that drops
+    the reasoning of every assistant turn it is given (Kimi-K2.5) has its final turn trained as the model
+    generated it — reasoning, answer, end of turn after the generation prompt — with the reasoning in the
+    loss mask, and the earlier turns as it renders them at serving time (``<think></think>answer``). A text holding
     one of the tokenizer's special tokens (``<|im_end|>``) is refused: it would silently end the turn.
 """
 
@@ -108,6 +111,7 @@ class ChatTokenizer:
         )
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._compiled = self._compile()
+        self.generation_tail = self._generation_tail()
 
     # -- rendering --------------------------------------------------------------------------
     def _compile(self) -> Any:
@@ -136,6 +140,42 @@ class ChatTokenizer:
         except Exception:  # an unusual template: always go through apply_chat_template
             return None
         return compiled
+
+    def _generation_tail(self) -> tuple[str, str] | None:
+        """``(between, after)`` when the template drops a finished final turn's reasoning (Kimi-K2.5 renders
+        every assistant turn it is given as ``<think></think>answer``) while its generation prompt opens the
+        reasoning the model then writes: the final turn is then trained as it was generated, prompt +
+        ``reasoning + between + answer + after``. None when the template keeps the reasoning, has none, or the
+        plan switched thinking off (``thinking = false``: the model writes no reasoning)."""
+        if not self.native_reasoning or self.template_kwargs.get("thinking") is False:
+            return None
+        user = {"role": "user", "content": "u"}
+        answer = {"role": "assistant", "content": "ANSWER7", "reasoning_content": "REASON7"}
+        try:
+            head = self.render([user], add_generation_prompt=True)
+            whole = self.render([user, answer])
+        except Exception:
+            return None
+        if "REASON7" in whole or not whole.startswith(head) or whole[len(head) :].count("ANSWER7") != 1:
+            return None
+        between, after = whole[len(head) :].split("ANSWER7")
+        return between, after
+
+    def render_for_training(self, messages: list[dict[str, Any]]) -> tuple[str, bool]:
+        """The text a conversation is trained on, and whether its final turn is the model's own generation
+        (see :meth:`_generation_tail`): everything before it as the template renders it at serving time, then
+        the final turn's reasoning and answer exactly as the model wrote them after the generation prompt."""
+        last = messages[-1] if messages else {}
+        if (
+            self.generation_tail is None
+            or last.get("role") != "assistant"
+            or not last.get("reasoning_content")
+            or last.get("tool_calls")
+        ):
+            return self.render(messages), False
+        between, after = self.generation_tail
+        head = self.render(messages[:-1], add_generation_prompt=True)
+        return head + last["reasoning_content"] + between + (last.get("content") or "") + after, True
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The template's text for already-converted template messages (see :meth:`template_messages`)."""
@@ -200,9 +240,10 @@ class ChatTokenizer:
                     )
 
     def _spans(
-        self, msgs: list[dict[str, Any]], rendered: str, limit: int, field: str
+        self, msgs: list[dict[str, Any]], rendered: str, limit: int, field: str, generated: bool = False
     ) -> list[tuple[int, int]]:
-        """Character spans of the assistant turns that start before ``limit``."""
+        """Character spans of the assistant turns that start before ``limit``; with ``generated`` the final
+        turn is the model's own generation (reasoning included) and runs to the end of the text."""
         spans = []
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
@@ -215,6 +256,9 @@ class ChatTokenizer:
                     "from the whole conversation; cannot locate the assistant text",
                 )
             if len(head) >= limit:
+                break
+            if generated and i == len(msgs) - 1:
+                spans.append((len(head), len(rendered.rstrip())))
                 break
             full = self.render(msgs[: i + 1])
             if not rendered.startswith(full):
@@ -264,11 +308,15 @@ class ChatTokenizer:
         """Tokenise conversations (canonical, checked, ending with an assistant turn) with loss masks."""
         out: list[Encoded | ConversationError | None] = [None] * len(convs)
         rendered: dict[int, tuple[list[dict[str, Any]], str]] = {}
+        generated: set[int] = set()
         for k, conv in enumerate(convs):
             try:
                 self._check_specials(conv, field)
                 msgs = self.template_messages(conv)
-                rendered[k] = (msgs, self.render(msgs))
+                text, gen = self.render_for_training(msgs)
+                rendered[k] = (msgs, text)
+                if gen:
+                    generated.add(k)
             except ConversationError as exc:
                 out[k] = exc
             except Exception as exc:  # a template error (raise_exception in the template, a bad value)
@@ -295,7 +343,7 @@ class ChatTokenizer:
             else:
                 limit = len(text) if not truncated else text_len
             try:
-                spans = self._spans(msgs, text, limit, field)
+                spans = self._spans(msgs, text, limit, field, generated=k in generated)
             except ConversationError as exc:
                 out[k] = exc
                 continue

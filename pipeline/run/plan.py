@@ -99,6 +99,14 @@ class Plan:
                 return s
         raise KeyError(stage_id)
 
+    def template_kwargs(self, dataset: str | None = None) -> dict[str, Any]:
+        """Chat-template variables for a dataset's rows: ``[prep] template_kwargs``, and ``thinking`` from the
+        dataset's ``options.thinking`` where set (unset: the template's own default, Kimi-K2.5's is on)."""
+        kw = dict(self.settings.prep.template_kwargs)
+        if dataset is not None and "thinking" in self.dataset(dataset).options:
+            kw["thinking"] = bool(self.dataset(dataset).options["thinking"])
+        return kw
+
     def dataset(self, name: str) -> Dataset:
         for d in self.datasets:
             if d.name == name:

@@ -117,9 +117,12 @@ class RegenSection(Section):
     model: str | None = setting(None, "the model name sent with each request (unset: the served model)")
     api_key_env: str | None = setting(None, "environment variable holding the server's API key")
 
-    def sampling_body(self) -> dict[str, Any]:
-        """The request-body sampling keys that are set, then ``extra``."""
+    def sampling_body(self, thinking: bool | None = None) -> dict[str, Any]:
+        """The request-body sampling keys that are set, the dataset's thinking switch as the server's
+        ``chat_template_kwargs`` (unset: the model's default), then ``extra``."""
         body: dict[str, Any] = {}
+        if thinking is not None:
+            body["chat_template_kwargs"] = {"thinking": thinking}
         for k in self.SAMPLING:
             v = getattr(self, k)
             if v is not None and v != ():

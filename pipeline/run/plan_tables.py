@@ -145,5 +145,10 @@ def datasets_from(path: Path, items: Any, base: Path) -> list[Dataset]:
             if d.get(k) is not None:
                 _text(path, f"{key}.{k}", d[k])
         options = _type(path, f"{key}.options", d.get("options", {}), dict, "a table")
+        if "thinking" in options and not isinstance(options["thinking"], bool):
+            # Whether the target answered (or answers, in regen) with its reasoning on; unset: the model's default.
+            raise PlanError(
+                path, f"{key}.options.thinking", f"expected true or false, got {options['thinking']!r}"
+            )
         out.append(Dataset(name, source, kind, quota, p, d.get("split"), d.get("config"), dict(options)))
     return out

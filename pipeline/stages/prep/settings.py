@@ -39,6 +39,6 @@ class PrepSettings:
             check_rows=sec.check_rows,
             reject_messages=sec.reject_messages,
             tokenizer_threads=sec.tokenizer_threads,
-            template_kwargs=dict(sec.template_kwargs),
+            template_kwargs=plan.template_kwargs(ds.name if ds is not None else None),
             max_length=plan.target.row_length,
         )

@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.data.tokenise import load_chat_tokenizer
 
     max_length = plan.target.row_length
-    ct = load_chat_tokenizer(str(plan.target.model), max_length)
+    template_kwargs = plan.template_kwargs(args.dataset)
+    ct = load_chat_tokenizer(str(plan.target.model), max_length, template_kwargs)
     read = len(prompts)
     prompts, too_long = split_by_length(ct, prompts)
     skipped = [
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         backoff_s=float(s.backoff_s),
         backoff_max_s=float(s.backoff_max_s),
         outage_timeout_s=float(s.outage_timeout_s),
-        sampling=s.sampling_body(),
+        sampling=s.sampling_body(thinking=template_kwargs.get("thinking")),
         api_key=api_key,
         drain_timeout_s=max(1.0, _kill_grace(plan, ctx.stage_id) - 2.0),
     )
