@@ -299,7 +299,8 @@ class AerieApp(App[int]):
     @work(exclusive=True, group="poll")
     async def poll_model(self) -> None:
         changed = await self.model.poll()
-        self.refresh_view(changed)
+        with self.batch_update():  # one screen update per poll, not one per widget that changed
+            self.refresh_view(changed)
 
     def refresh_view(self, changed: set[str]) -> None:
         ticking = any(s.state in (StageState.RUNNING, StageState.PAUSED) for s in self.model.stages.values())

@@ -38,6 +38,7 @@ class StageDetail(Horizontal):
         super().__init__(**kw)  # type: ignore[arg-type]
         self.stage_id: str | None = None
         self._log_count = 0
+        self._facts_lines = -1  # the facts' line count last drawn: only a change of it needs a new layout
 
     def compose(self) -> ComposeResult:
         with Vertical(id="info"):
@@ -106,7 +107,11 @@ class StageDetail(Horizontal):
         elif st.metrics:
             shown = list(st.metrics.items())[-8:]
             t.append("\n" + "  ".join(f"{k}={v:.4g}" for k, v in shown))
-        facts.update(t)
+        lines_now = t.plain.count("\n")
+        # Re-layout only when the facts grow or shrink by a line: the elapsed time and the rate change every
+        # poll, and a layout pass of the whole screen per poll was most of the live console's CPU.
+        facts.update(t, layout=lines_now != self._facts_lines)
+        self._facts_lines = lines_now
         self._plot(st)
         evs = [ev for ev in st.events if ev.type != "progress"][-6:]
         lines = Text()
