@@ -14,7 +14,9 @@ The chat template (``fixtures/kimi_k25/chat_template.jinja``) is Kimi-K2.5's ``c
 byte for byte, as vendored by lightseekorg/smg (crates/tokenizer/tests/fixtures/kimi_k25/, commit
 a18d64f5), which took it from huggingface.co/moonshotai/Kimi-K2.5. Kimi's real tokenizer (tiktoken,
 163,840 ids) cannot be shipped; :func:`build_tiny_tokenizer` trains a small byte-level BPE with
-Kimi's special tokens and attaches that template, so prep renders exactly what Kimi-K2.5 renders.
+Kimi's special tokens and attaches that template, so prep renders exactly what Kimi-K2.5 renders. The tokenizer's real *format* is fixed too:
+:func:`build_tiktoken_kimi` lays out ``tiktoken.model`` (synthetic ranks) and ``tokenizer_config.json`` with
+Kimi-K2.5's special tokens at their offsets (``tests/fixtures/kimi_k25_tiktoken``).
 
 The quantisation block (compressed-tensors INT4, group 32, the routed experts only) is part of the
 real-size config (the memory estimate of ``aerie plan check --deep`` reads it); the tiny model drops

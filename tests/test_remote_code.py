@@ -93,7 +93,9 @@ def test_the_plan_key_defaults_to_false_and_takes_only_a_bool(tmp_path: Path) ->
     plan = tmp_path / "plan.toml"
     plan.write_text(f'[run]\nname = "x"\ndir = "{tmp_path}"\n[target]\nmodel = "m"\n')
     assert plan_mod.load(plan).target.trust_remote_code is False
-    plan.write_text(f'[run]\nname = "x"\ndir = "{tmp_path}"\n[target]\nmodel = "m"\ntrust_remote_code = "yes"\n')
+    plan.write_text(
+        f'[run]\nname = "x"\ndir = "{tmp_path}"\n[target]\nmodel = "m"\ntrust_remote_code = "yes"\n'
+    )
     with pytest.raises(plan_mod.PlanError, match="target.trust_remote_code"):
         plan_mod.load(plan)
 
