@@ -14,7 +14,9 @@ The chat template (``fixtures/kimi_k25/chat_template.jinja``) is Kimi-K2.5's ``c
 byte for byte, as vendored by lightseekorg/smg (crates/tokenizer/tests/fixtures/kimi_k25/, commit
 a18d64f5), which took it from huggingface.co/moonshotai/Kimi-K2.5. Kimi's real tokenizer (tiktoken,
 163,840 ids) cannot be shipped; :func:`build_tiny_tokenizer` trains a small byte-level BPE with
-Kimi's special tokens and attaches that template, so prep renders exactly what Kimi-K2.5 renders.
+Kimi's special tokens and attaches that template, so prep renders exactly what Kimi-K2.5 renders. The tokenizer's real *format* is fixed too:
+:func:`build_tiktoken_kimi` lays out ``tiktoken.model`` (synthetic ranks) and ``tokenizer_config.json`` with
+Kimi-K2.5's special tokens at their offsets (``tests/fixtures/kimi_k25_tiktoken``).
 
 The quantisation block (compressed-tensors INT4, group 32, the routed experts only) is part of the
 real-size config (the memory estimate of ``aerie plan check --deep`` reads it); the tiny model drops
@@ -323,4 +325,152 @@ def build_tiny_kimi_int4(folder: Path, seed: int = 0) -> Path:
     quant["ignore"] = [*quant["ignore"], "re:.*vision_tower.*", "re:.*mm_projector.*"]
     cfg["quantization_config"] = quant
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+# ------------------------------------------------------------------ Kimi's real tokenizer format (tiktoken)
+# Kimi-K2/K2.5 ship no tokenizer.json: ``tiktoken.model`` holds one ``<base64 token bytes> <rank>`` line per
+# mergeable token (163,584 of them), ``tokenizer_config.json`` names the class of the checkpoint's own
+# ``tokenization_kimi.py`` (``TikTokenTokenizer``, through ``auto_map``) and lists the special tokens in
+# ``added_tokens_decoder``. That class numbers the special tokens after the mergeable ones: id = number of
+# ranks + offset, 256 reserved slots, a slot without a name being ``<|reserved_token_ID|>``. The ids and
+# names below are Kimi-K2.5's (163584 = [BOS] ... 163839 = [PAD]); facts gathered from public copies of the
+# checkpoint's files. The fixture keeps the format and the special tokens at their offsets, with synthetic
+# ranks: the 256 bytes, then byte-pair merges learnt from a few sentences (so text encodes to real merges).
+TIKTOKEN_DIR = Path(__file__).parent / "fixtures" / "kimi_k25_tiktoken"
+KIMI_FIRST_SPECIAL = 163584  # len(ranks) of the real tiktoken.model
+KIMI_SPECIAL_IDS: dict[int, str] = {
+    163584: "[BOS]",
+    163585: "[EOS]",
+    163586: "<|im_end|>",
+    163587: "<|im_user|>",
+    163588: "<|im_assistant|>",
+    163590: "<|start_header_id|>",
+    163591: "<|end_header_id|>",
+    163593: "[EOT]",
+    163594: "<|im_system|>",
+    163595: "<|tool_calls_section_begin|>",
+    163596: "<|tool_calls_section_end|>",
+    163597: "<|tool_call_begin|>",
+    163598: "<|tool_call_argument_begin|>",
+    163599: "<|tool_call_end|>",
+    163601: "<|im_middle|>",
+    163602: "<|media_begin|>",
+    163603: "<|media_content|>",
+    163604: "<|media_end|>",
+    163605: "<|media_pad|>",
+    163606: "<think>",
+    163607: "</think>",
+    163838: "[UNK]",
+    163839: "[PAD]",
+}
+_MERGE_TEXT = (
+    "The user asks what two plus two is. The answer is four. Let me think about the question and then answer "
+    "it: the assistant thinks, then answers the user. What is three and three? Six. "
+)
+_MERGES = 64
+
+
+def tiktoken_ranks() -> dict[bytes, int]:
+    """The synthetic mergeable ranks: every byte, then the most frequent adjacent pair, ``_MERGES`` times."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = [[bytes([c]) for c in w.encode()] for w in _MERGE_TEXT.replace(" ", "  ").split(" ") if w]
+    for _ in range(_MERGES):
+        pairs: dict[tuple[bytes, bytes], int] = {}
+        for w in words:
+            for a, b in zip(w, w[1:], strict=False):
+                pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        if not pairs:
+            break
+        best = max(sorted(pairs), key=lambda p: pairs[p])
+        ranks[best[0] + best[1]] = len(ranks)
+        merged = []
+        for w in words:
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged.append(out)
+        words = merged
+    return ranks
+
+
+def tiktoken_special_tokens(n_ranks: int) -> dict[int, str]:
+    """Kimi-K2.5's named special tokens at their offsets after ``n_ranks`` mergeable tokens."""
+    return {n_ranks + i - KIMI_FIRST_SPECIAL: name for i, name in KIMI_SPECIAL_IDS.items()}
+
+
+def write_tiktoken_fixture(folder: Path = TIKTOKEN_DIR) -> Path:
+    """Write ``tiktoken.model`` and ``tokenizer_config.json`` in Kimi-K2.5's format (the committed fixture)."""
+    import base64
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ranks = tiktoken_ranks()
+    lines = [
+        f"{base64.b64encode(tok).decode()} {rank}" for tok, rank in sorted(ranks.items(), key=lambda t: t[1])
+    ]
+    (folder / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    specials = tiktoken_special_tokens(len(ranks))
+    names = dict(zip(KIMI_SPECIAL_IDS.values(), specials, strict=True))
+    config = {
+        "added_tokens_decoder": {
+            str(i): {
+                "content": name,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, name in specials.items()
+        },
+        "additional_special_tokens": [
+            "<|im_end|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "[EOT]",
+            "<|im_system|>",
+            "<|im_middle|>",
+        ],
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "bos_token": "[BOS]",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "[EOS]",
+        "extra_special_tokens": {},
+        "model_max_length": 1000000000000000019884624838656,
+        "pad_token": "[PAD]",
+        "tokenizer_class": "TikTokenTokenizer",
+        "unk_token": "[UNK]",
+    }
+    assert names["[BOS]"] == len(ranks)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def build_tiktoken_kimi(folder: Path) -> Path:
+    """A Kimi-K2.5 folder as the checkpoint lays out its tokenizer: the tiny config (its vocabulary and
+    special ids moved to the fixture's), ``tiktoken.model``, ``tokenizer_config.json``, ``chat_template.jinja``."""
+    import shutil
+
+    n = len(tiktoken_ranks())
+    ids = {name: i for i, name in tiktoken_special_tokens(n).items()}
+    sizes = {
+        "vocab_size": n + 256,
+        "bos_token_id": ids["[BOS]"],
+        "eos_token_id": ids["[EOS]"],
+        "pad_token_id": ids["[PAD]"],
+    }
+    cfg = kimi_config(tiny=True, **sizes)
+    cfg.update({k: v for k, v in sizes.items() if k != "vocab_size"})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(TIKTOKEN_DIR / f, folder / f)
+    shutil.copy(TEMPLATE, folder / "chat_template.jinja")
     return folder

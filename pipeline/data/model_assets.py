@@ -9,14 +9,22 @@ everything else: tokenizer, extraction, the CPU inference server. Nothing here t
 
 A plan names the model as ``target.model``: ``"builtin:smollm2-135m-instruct"`` for the demo, or
 a hub id / local path for production (resolved by transformers as usual).
+
+Every load passes ``trust_remote_code`` to transformers as a bool (the plan's ``target.trust_remote_code``,
+default false), never ``None``: with ``None`` transformers asks "run custom code? [y/N]" on stdin when a
+model's files name code of their own, and a stage must never wait on a terminal. What transformers then
+raises (custom code not trusted, a model type it does not know, a ``tiktoken.model`` without the
+``tiktoken`` package) becomes a :class:`ModelAssetError` naming the plan key that decides it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,17 +110,80 @@ def resolve(model: str) -> str:
     return model
 
 
-def load_tokenizer(model: str, **kw: Any) -> Any:  # a transformers tokenizer (imported lazily)
+def _declared(model: str, file: str) -> dict[str, Any]:
+    """A JSON file of a local model folder (``config.json``, ``tokenizer_config.json``), or ``{}``."""
+    path = Path(resolve(model)) / file
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def custom_code(model: str) -> list[str]:
+    """The custom classes a local model folder's files ask transformers to import (their ``auto_map``)."""
+    refs: list[str] = []
+    for file in ("config.json", "tokenizer_config.json"):
+        auto = _declared(model, file).get("auto_map") or {}
+        values = auto.values() if isinstance(auto, dict) else [auto]
+        for v in values:
+            for ref in v if isinstance(v, list | tuple) else [v]:
+                if isinstance(ref, str) and ref not in refs:
+                    refs.append(f"{file}: {ref}")
+    return refs
+
+
+@contextlib.contextmanager
+def explained(model: str, trust_remote_code: bool) -> Iterator[None]:
+    """Turn transformers' load errors that a plan key decides into a :class:`ModelAssetError` naming it."""
+    try:
+        yield
+    except ModelAssetError:
+        raise
+    except (ValueError, ImportError, OSError) as exc:
+        text = str(exc)
+        if "trust_remote_code" in text or "custom code" in text:
+            code = "; ".join(custom_code(model)) or "named in its files"
+            raise ModelAssetError(
+                f"target.model: {model}: its files ask to run code of their own ({code}); Aerie runs it only "
+                f"when the plan says target.trust_remote_code = true (it is {str(trust_remote_code).lower()}). "
+                "Read that code first; nothing waits for an answer on the terminal"
+            ) from exc
+        if "does not recognize this architecture" in text:
+            kind = _declared(model, "config.json").get("model_type", "?")
+            import transformers
+
+            raise ModelAssetError(
+                f"target.model: {model}: config.json says model_type {kind!r}, which transformers "
+                f"{transformers.__version__} does not know, and it names no code of its own (auto_map) that "
+                "target.trust_remote_code = true could run: check target.model, or install a transformers "
+                "that supports it"
+            ) from exc
+        if "tiktoken" in text:
+            files = [f.name for f in Path(resolve(model)).glob("*.model")] or ["tiktoken.model"]
+            raise ModelAssetError(
+                f"target.model: {model}: its tokenizer is a tiktoken file ({', '.join(files)}), which "
+                "transformers reads only with the `tiktoken` package: install Aerie's `pipeline` extra "
+                "(pip install -c constraints.txt -e '.[pipeline]'), which carries it"
+            ) from exc
+        raise
+
+
+def load_tokenizer(
+    model: str, *, trust_remote_code: bool = False, **kw: Any
+) -> Any:  # a transformers tokenizer (imported lazily)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(model), **kw)
+    with explained(model, trust_remote_code):
+        return AutoTokenizer.from_pretrained(resolve(model), trust_remote_code=trust_remote_code, **kw)
 
 
-def model_config(model: str) -> Any:
+def model_config(model: str, *, trust_remote_code: bool = False) -> Any:
     """The model's transformers config (the wrapper's, for a vision-language model like Kimi-K2.5)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve(model))
+    with explained(model, trust_remote_code):
+        return AutoConfig.from_pretrained(resolve(model), trust_remote_code=trust_remote_code)
 
 
 def model_class(cfg: Any) -> Any:
@@ -139,21 +210,26 @@ def model_class(cfg: Any) -> Any:
     )
 
 
-def load_model(model: str, dtype: Any = None, **kw: Any) -> Any:  # a transformers model (imported lazily)
+def load_model(
+    model: str, dtype: Any = None, *, trust_remote_code: bool = False, **kw: Any
+) -> Any:  # a transformers model (imported lazily)
     """Load the target with its LM head: ``kw`` goes to ``from_pretrained`` (``device_map``, ``tp_plan``)."""
     import torch
 
     path = resolve(model)
-    cls = model_class(model_config(model))
-    return cls.from_pretrained(path, dtype=dtype or torch.float32, **kw)
+    cls = model_class(model_config(model, trust_remote_code=trust_remote_code))
+    with explained(model, trust_remote_code):
+        return cls.from_pretrained(
+            path, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code, **kw
+        )
 
 
-def turn_tokens(model: str) -> Any:
+def turn_tokens(model: str, *, trust_remote_code: bool = False) -> Any:
     """The model's end-of-turn and pad ids (:class:`pipeline.data.token_facts.TokenFacts`): its tokenizer's chat
     template and its folder's generation config, never ``tok.eos_token_id`` alone."""
     from pipeline.data.token_facts import resolve as resolve_facts
 
-    tok = load_tokenizer(model)
+    tok = load_tokenizer(model, trust_remote_code=trust_remote_code)
     try:
         from transformers import GenerationConfig
 

@@ -371,8 +371,10 @@ class ChatTokenizer:
 _PLAIN_FAST = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
-def load_hf_tokenizer(model: str) -> Any:
-    """The target tokenizer for a plan's ``target.model`` (a ``builtin:`` name, a folder or a hub id)."""
+def load_hf_tokenizer(model: str, *, trust_remote_code: bool = False) -> Any:
+    """The target tokenizer for a plan's ``target.model`` (a ``builtin:`` name, a folder or a hub id);
+    ``trust_remote_code`` is the plan's ``target.trust_remote_code``
+    (:func:`pipeline.data.model_assets.load_tokenizer`)."""
     from pipeline.data import model_assets
 
     path = Path(model_assets.resolve(model))
@@ -381,13 +383,20 @@ def load_hf_tokenizer(model: str) -> Any:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return model_assets.load_tokenizer(model)
+    return model_assets.load_tokenizer(model, trust_remote_code=trust_remote_code)
 
 
 def load_chat_tokenizer(
-    model: str, max_length: int, template_kwargs: dict[str, Any] | None = None
+    model: str,
+    max_length: int,
+    template_kwargs: dict[str, Any] | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> ChatTokenizer:
     """The plan's target tokenizer (``target.model``, e.g. ``builtin:smollm2-135m-instruct``) as a ChatTokenizer."""
     return ChatTokenizer(
-        load_hf_tokenizer(model), max_length, tokenizer_id=model, template_kwargs=template_kwargs
+        load_hf_tokenizer(model, trust_remote_code=trust_remote_code),
+        max_length,
+        tokenizer_id=model,
+        template_kwargs=template_kwargs,
     )

@@ -113,15 +113,17 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         )
         return rep
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    trc = plan.target.trust_remote_code
     try:
-        cfg = model_assets.model_config(str(folder))
+        cfg = model_assets.model_config(str(folder), trust_remote_code=trc)
         cls = model_assets.model_class(cfg)
         with torch.device("meta"):
             meta = cls.from_config(cfg)
         base = text_backbone(meta)
-        roles = tensor_roles(str(folder))
+        roles = tensor_roles(str(folder), trust_remote_code=trc)
     except (model_assets.ModelAssetError, TargetError, ValueError, OSError) as exc:
-        rep.add("architecture", False, f"{where}: target.model: {exc}")
+        named = str(exc).startswith("target.")  # model_assets names the plan key that decides it
+        rep.add("architecture", False, f"{where}: {'' if named else 'target.model: '}{exc}")
         return rep
     tcfg = getattr(cfg, "text_config", None) or cfg
     n_layers, hidden, vocab = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)
@@ -192,7 +194,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     try:
         from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
 
-        tok = load_hf_tokenizer(str(folder))
+        tok = load_hf_tokenizer(str(folder), trust_remote_code=trc)
         ct = ChatTokenizer(tok, plan.target.row_length, tokenizer_id=model)
         conv = [
             {"role": "user", "content": "What is 2 + 2?"},
@@ -209,6 +211,8 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             f"a two-turn conversation renders to {enc.num_tokens} tokens, "
             f"{enc.target_tokens} of them trained (assistant)",
         )
+    except model_assets.ModelAssetError as exc:  # names its plan key (trust_remote_code, tiktoken)
+        rep.add("chat template", False, f"{where}: {exc}")
     except Exception as exc:  # noqa: BLE001 - any template/tokenizer failure is this check's finding
         rep.add(
             "chat template",

@@ -173,6 +173,8 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     parallel: str | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> Target:
     """Load the target for inference; ``aux_layer_ids=None`` picks SpecForge's default layers.
 
@@ -187,18 +189,24 @@ def load_target(
             print(
                 f"aerie: warning: {note}; tensor-parallel sharding follows this release's TP plan", flush=True
             )
-        model = model_assets.load_model(model_id, dtype=dtype, tp_plan="auto")
+        model = model_assets.load_model(
+            model_id, dtype=dtype, tp_plan="auto", trust_remote_code=trust_remote_code
+        )
         # With one rank transformers applies no plan and leaves the weights where they were loaded.
         if str(device) not in ("cpu", "auto") and not any(
             hasattr(p, "device_mesh") for p in model.parameters()
         ):
             model.to(device)
     elif str(device) == "auto":  # accelerate places the layers over every visible GPU
-        model = model_assets.load_model(model_id, dtype=dtype, device_map="auto")
+        model = model_assets.load_model(
+            model_id, dtype=dtype, device_map="auto", trust_remote_code=trust_remote_code
+        )
     elif isinstance(device, dict):  # an explicit device map (tests split a model over cuda:0 and cpu)
-        model = model_assets.load_model(model_id, dtype=dtype, device_map=device)
+        model = model_assets.load_model(
+            model_id, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code
+        )
     else:
-        model = model_assets.load_model(model_id, dtype=dtype)
+        model = model_assets.load_model(model_id, dtype=dtype, trust_remote_code=trust_remote_code)
         model.to(device)
     model.eval()
     for p in model.parameters():
@@ -207,25 +215,25 @@ def load_target(
     return Target(model, ids)
 
 
-def target_config(model_id: str) -> Any:
+def target_config(model_id: str, *, trust_remote_code: bool = False) -> Any:
     """The text model's config (``text_config`` of a vision-language wrapper)."""
-    cfg = model_assets.model_config(model_id)
+    cfg = model_assets.model_config(model_id, trust_remote_code=trust_remote_code)
     return getattr(cfg, "text_config", None) or cfg
 
 
-def target_architecture(model_id: str) -> str | None:
+def target_architecture(model_id: str, *, trust_remote_code: bool = False) -> str | None:
     """The model class SGLang will pick for the target (a wrapper's, e.g. Kimi-K2.5's, not its text model's)."""
-    cfg = model_assets.model_config(model_id)
+    cfg = model_assets.model_config(model_id, trust_remote_code=trust_remote_code)
     return architecture_of(cfg) or architecture_of(getattr(cfg, "text_config", None))
 
 
-def tensor_roles(model_id: str) -> dict[str, str]:
+def tensor_roles(model_id: str, *, trust_remote_code: bool = False) -> dict[str, str]:
     """The qualified parameter names of the input embedding, the final norm and the LM head.
 
     Found on the model built on the meta device (no memory, no weights) from the modules
     :class:`Target` uses: the text backbone's ``embed_tokens`` and ``norm``, the output embedding.
     """
-    cfg = model_assets.model_config(model_id)
+    cfg = model_assets.model_config(model_id, trust_remote_code=trust_remote_code)
     cls = model_assets.model_class(cfg)
     with torch.device("meta"):
         model = cls.from_config(cfg)
@@ -261,7 +269,7 @@ def checkpoint_key(name: str, keys: list[str]) -> str | None:
     return max(cands, key=lambda k: (len(parts & set(k.split("."))), -len(k)))
 
 
-def load_target_tensors(model_id: str) -> dict[str, torch.Tensor]:
+def load_target_tensors(model_id: str, *, trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
     """The target's input embedding, LM head (the embedding again when tied) and final norm weight.
 
     Read straight from the safetensors files of a local folder, without building the layers; other
@@ -281,7 +289,7 @@ def load_target_tensors(model_id: str) -> dict[str, torch.Tensor]:
                 with safe_open(str(f), framework="pt") as h:
                     where.update({k: f for k in h.keys()})  # noqa: SIM118 - safe_open is not iterable
         found: dict[str, torch.Tensor] = {}
-        for role, name in tensor_roles(model_id).items():
+        for role, name in tensor_roles(model_id, trust_remote_code=trust_remote_code).items():
             key = checkpoint_key(name, list(where))
             if key is None:
                 raise TargetError(f"{path}: no tensor for the model's {role} ({name}) in the checkpoint")
@@ -289,7 +297,7 @@ def load_target_tensors(model_id: str) -> dict[str, torch.Tensor]:
                 found[role] = h.get_tensor(key).float()
         found.setdefault("head", found["embed"])
         return found
-    model = model_assets.load_model(model_id)
+    model = model_assets.load_model(model_id, trust_remote_code=trust_remote_code)
     t = Target(model, default_aux_layers(len(text_backbone(model).layers)))
     return {
         "embed": t.embed.weight.detach().float(),

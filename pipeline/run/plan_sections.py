@@ -41,6 +41,11 @@ class TargetSection(Section):
     hidden_size: int | None = setting(
         None, "the target's hidden size, for disk estimates when its config cannot be read here", lo=1
     )
+    trust_remote_code: bool = setting(
+        False,
+        "run Python code the target's own files ship (their auto_map: a custom config, model or tokenizer "
+        "class); read it first. Off: such a target is a plan error, never a question on the terminal",
+    )
 
     @property
     def row_length(self) -> int:

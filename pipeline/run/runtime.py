@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 from pipeline.run import nospace
 from pipeline.run import plan as plan_mod
+from pipeline.run.builtin_models import ModelAssetError
 from pipeline.run.events import EventWriter, make
 from pipeline.run.metric_sinks import MetricSinks
 from pipeline.run.plan_sections import WandbSection
@@ -199,7 +200,11 @@ def _install_nospace_hook(ctx: StageContext) -> None:
     Installed by every :class:`StageContext`: an uncaught ``ENOSPC``/``EDQUOT`` (also one pyarrow or
     torch re-raised with the text only) becomes an ``error`` message event naming the device, and an
     ``error: no space left on device ...`` line in the stage's log, before the usual traceback. Both
-    are best effort — the disk is full — and the launcher names the device in ``exit.json`` too."""
+    are best effort — the disk is full — and the launcher names the device in ``exit.json`` too.
+
+    A target the stage cannot load for a reason a plan key decides (:class:`ModelAssetError`: custom code
+    without ``target.trust_remote_code``, a model type transformers does not know, a tiktoken tokenizer
+    without ``tiktoken``) ends the same way: its message as the stage's ``error`` event and log line."""
     global _NOSPACE_CTX
     first = _NOSPACE_CTX is None
     _NOSPACE_CTX = (
@@ -211,10 +216,14 @@ def _install_nospace_hook(ctx: StageContext) -> None:
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         c = _NOSPACE_CTX
+        text, code = "", ""
         if c is not None and nospace.is_nospace(exc):
-            text = f"{nospace.describe(c.out)}: {exc}"
+            text, code = f"{nospace.describe(c.out)}: {exc}", "nospace"
+        elif c is not None and isinstance(exc, ModelAssetError):  # names the plan key that decides it
+            text, code = str(exc), "model"
+        if c is not None and text:
             with contextlib.suppress(OSError), EventWriter(c.events_path) as w:  # the stage may have closed c
-                w.emit("message", text=text, level="error", code="nospace")
+                w.emit("message", text=text, level="error", code=code)
             with contextlib.suppress(OSError):
                 print(f"error: {text}", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):

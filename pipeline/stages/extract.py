@@ -219,10 +219,11 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
             ctx,
             "no inputs: extraction needs the out dirs of the prep/regen stages (after = [...] in the plan)",
         )
-    tcfg = target_config(model_id)
+    trc = plan.target.trust_remote_code
+    tcfg = target_config(model_id, trust_remote_code=trc)
     num_layers, hidden = int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
     aux = aux_layers_from(sec, num_layers, str(plan.path))
-    arch = target_architecture(model_id)
+    arch = target_architecture(model_id, trust_remote_code=trc)
     try:
         capture = sglang_capture_ids(aux, arch)
     except DraftModelError as exc:
@@ -327,11 +328,11 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
             dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
         if sec.dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        target = load_target(model_id, aux, dtype=dtype, device=dev, parallel="tp")
+        target = load_target(model_id, aux, dtype=dtype, device=dev, parallel="tp", trust_remote_code=trc)
         dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
     else:
-        target = load_target(model_id, aux, dtype=dtype, device=device)
+        target = load_target(model_id, aux, dtype=dtype, device=device, trust_remote_code=trc)
     batch_tokens = sec.batch_tokens
     tokens_done = sum(v["tokens"] for v in done.values())
     actual = sum(v["bytes"] for v in done.values())

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     if not inputs:
         fail(ctx, "no inputs: the vocab stage needs the out dirs of the prep/regen stages")
     try:
-        vocab_size = int(target_config(str(plan.target.model)).vocab_size)
+        vocab_size = int(
+            target_config(str(plan.target.model), trust_remote_code=plan.target.trust_remote_code).vocab_size
+        )
         size = plan.settings.vocab.draft_vocab_size
         if size > vocab_size:
             ctx.message(

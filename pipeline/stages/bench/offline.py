@@ -14,13 +14,13 @@ from pipeline.run.runtime import StageContext, fail
 from pipeline.stages.bench.inputs import find_draft, heldout_prompts
 
 
-def eos_ids(model_id: str, target: Any) -> set[int]:
+def eos_ids(model_id: str, target: Any, trust_remote_code: bool = False) -> set[int]:
     """The ids that end the target's answer (:mod:`pipeline.data.token_facts`: chat template + generation config)."""
     from pipeline.data import token_facts
     from pipeline.data.model_assets import turn_tokens
 
     try:
-        facts = turn_tokens(model_id)
+        facts = turn_tokens(model_id, trust_remote_code=trust_remote_code)
     except (
         OSError,
         ValueError,
@@ -44,6 +44,7 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     sec = plan.settings.bench
     man, train_dir = find_draft(inputs)
     model_id = str(plan.target.model or man.get("target"))
+    trc = plan.target.trust_remote_code
     steps = sec.steps
     max_new = sec.new_tokens(online=False)
     n_prompts = sec.prompt_count(online=False)
@@ -52,13 +53,22 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         if dev.type == "cpu":
             dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev, parallel="tp")
+        target = load_target(
+            model_id,
+            list(man["aux_layer_ids"]),
+            dtype=dtype,
+            device=dev,
+            parallel="tp",
+            trust_remote_code=trc,
+        )
         dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
     else:
         dev = torch.device(sec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        target = load_target(model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev)
+        target = load_target(
+            model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev, trust_remote_code=trc
+        )
     vocab = int(target.embed_weight.shape[0])
     prompts = heldout_prompts(man, n_prompts, vocab)
     if not prompts:
@@ -67,7 +77,7 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         train_dir / man.get("path", "draft"), embed=target.embed_weight.detach().float(), dtype=dtype
     ).to(dev)
     drafter = Eagle3Drafter(draft)
-    eos = eos_ids(model_id, target)
+    eos = eos_ids(model_id, target, trc)
     check = sec.check_lossless
     ctx.message(
         f"speculative decoding of {len(prompts)} held-out prompts, {steps} draft tokens per verify step, "

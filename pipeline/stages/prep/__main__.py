@@ -33,7 +33,12 @@ def _tokenizer(plan: plan_mod.Plan, settings: PrepSettings) -> Any:  # a ChatTok
         raise plan_mod.PlanError(
             plan.path, "target.model", "target-native datasets need the target model's tokenizer"
         )
-    return load_chat_tokenizer(model, settings.max_length, settings.template_kwargs)
+    return load_chat_tokenizer(
+        model,
+        settings.max_length,
+        settings.template_kwargs,
+        trust_remote_code=plan.target.trust_remote_code,
+    )
 
 
 def _check(plan: plan_mod.Plan, names: list[str], n: int) -> int:

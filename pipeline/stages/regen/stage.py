@@ -301,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
 
     max_length = plan.target.row_length
     template_kwargs = plan.template_kwargs(args.dataset)
-    ct = load_chat_tokenizer(str(plan.target.model), max_length, template_kwargs)
+    ct = load_chat_tokenizer(
+        str(plan.target.model), max_length, template_kwargs, trust_remote_code=plan.target.trust_remote_code
+    )
     read = len(prompts)
     prompts, too_long = split_by_length(ct, prompts)
     skipped = [

@@ -76,15 +76,19 @@ def pick_device(s: TrainSection, dist: Dist) -> torch.device:
 
 
 def build_draft(
-    model_id: str, aux: list[int], vm: draft_vocab.VocabMap, s: TrainSection
+    model_id: str,
+    aux: list[int],
+    vm: draft_vocab.VocabMap,
+    s: TrainSection,
+    trust_remote_code: bool = False,
 ) -> tuple[Eagle3Draft, torch.Tensor]:
     from pipeline.eagle3.target_capture import load_target_tensors, target_config
 
-    tcfg = target_config(model_id)
+    tcfg = target_config(model_id, trust_remote_code=trust_remote_code)
     cfg = DraftConfig.from_target(tcfg, vm.size, aux)
     torch.manual_seed(s.seed)
     draft = Eagle3Draft(cfg)
-    t = load_target_tensors(model_id)
+    t = load_target_tensors(model_id, trust_remote_code=trust_remote_code)
     draft.embed_tokens.weight.data.copy_(t["embed"])
     draft.set_vocab(vm.d2t, vm.t2d)
     head_d = t["head"][vm.draft_ids].clone()
@@ -102,6 +106,7 @@ def load_data(
     model_id: str,
     aux: list[int],
     target_max_length: int | None,
+    trust_remote_code: bool = False,
 ) -> TrainData:
     """The data source: the extraction's stored hidden states (offline), or its rows with the target run
     over them as training goes (online; tensor-parallel over the ranks under ``online-tp``)."""
@@ -132,10 +137,19 @@ def load_data(
                 f"{len(rows)} of them; rerun extraction with --fresh"
             )
         if online_tp:
-            target = load_target(model_id, aux, dtype=rt.dtype, device=rt.device, parallel="tp")
+            target = load_target(
+                model_id,
+                aux,
+                dtype=rt.dtype,
+                device=rt.device,
+                parallel="tp",
+                trust_remote_code=trust_remote_code,
+            )
             rt.dist.init(rt.device)  # a no-op where transformers started the group
         else:
-            target = load_target(model_id, aux, dtype=rt.dtype, device=rt.device)
+            target = load_target(
+                model_id, aux, dtype=rt.dtype, device=rt.device, trust_remote_code=trust_remote_code
+            )
         data = TrainData(source=OnlineData(rows, target), mode=mode, online_tp=online_tp)
         if s.eval_interval and float(man.get("holdout") or 0) > 0:
             held = training_order(
@@ -221,9 +235,10 @@ def train(
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
     )
     vm = draft_vocab.load(vocab_dir)
-    draft, head_d = build_draft(model_id, aux, vm, s)
+    trc = plan.target.trust_remote_code
+    draft, head_d = build_draft(model_id, aux, vm, s, trc)
     draft.to(device)
-    data = load_data(rt, s, man, ext_dir, model_id, aux, plan.target.max_length)
+    data = load_data(rt, s, man, ext_dir, model_id, aux, plan.target.max_length, trc)
     n = len(data.source)
     if s.batch_size % dist.world:
         raise ValueError(
