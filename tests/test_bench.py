@@ -219,3 +219,49 @@ def test_online_mode_names_an_unreachable_server(tmp_path_factory, tmp_path) -> 
     assert p.returncode != 0
     assert f"plain: the server at http://127.0.0.1:{port} did not answer /generate" in p.stderr
     assert any(e.get("level") == "error" for e in events(tmp_path / "b") if e.type == "message")
+
+
+@pytest.mark.slow
+def test_bench_with_device_auto_decodes_as_on_one_device(tmp_path_factory, tmp_path) -> None:
+    """``device = "auto"`` (accelerate's device map) crashed in ``torch.device("auto")``; it now loads the
+    target through the device map and runs the draft where the target's last hidden state comes out. On this
+    CPU-only machine the map's entries are all "cpu": the same decode, draft for draft, as ``device = "cpu"``
+    (the split over a GPU and the CPU: the gpu test below)."""
+    train = shared(tmp_path_factory, "train")
+    res = {}
+    for dev in ("cpu", "auto"):
+        bench = {**TEST_SECTIONS["bench"], "device": dev, "check_lossless": True}
+        plan = write_plan(tmp_path / f"{dev}.toml", **{**TEST_SECTIONS, "bench": bench})
+        run_stage("pipeline.stages.bench", plan, tmp_path / dev, [train])
+        res[dev] = json.loads((tmp_path / dev / "results.json").read_text())
+    assert res["auto"]["lossless_mismatches"] == 0
+    assert [p["accepted"] for p in res["auto"]["per_prompt"]] == [
+        p["accepted"] for p in res["cpu"]["per_prompt"]
+    ]
+
+
+@pytest.mark.gpu  # a device map that splits the target between cuda:0 and the CPU
+@pytest.mark.parametrize("norm_on", ["cpu", "cuda:0"])
+def test_a_draft_beside_a_target_split_over_two_devices_decodes_losslessly(norm_on: str, prompt) -> None:
+    """The bench's placement on a real split (accelerate dispatches each layer on its device): the draft
+    follows the final norm, the aux features are gathered there, and the output is the target's greedy."""
+    import torch
+
+    from pipeline.eagle3.draft_model import DraftConfig, Eagle3Draft
+    from pipeline.eagle3.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
+    from pipeline.eagle3.target_capture import load_target, target_config
+    from pipeline.stages.bench.offline import draft_device
+
+    n = target_config(tiny_llama()).num_hidden_layers
+    first, rest = ("cuda:0", "cpu") if norm_on == "cpu" else ("cpu", "cuda:0")
+    dmap = {"model.embed_tokens": first, "model.rotary_emb": first}
+    dmap |= {f"model.layers.{i}": first if i < n // 2 else rest for i in range(n)}
+    dmap |= {"model.norm": rest, "lm_head": rest}
+    target = load_target(tiny_llama(), [1, 14, 26], device=dmap)
+    assert target.device == torch.device(first) and draft_device(target) == torch.device(norm_on)
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(target.model.config, 512, [1, 14, 26])
+    draft = Eagle3Draft(cfg).to(draft_device(target))
+    ids, eos = prompt
+    res = speculative_generate(target, Eagle3Drafter(draft), ids, 3, 16, eos)
+    assert res.steps > 0 and res.tokens == greedy_generate(target, ids, 16, eos)

@@ -85,7 +85,26 @@ def _alternatives(sg: Any, act: int, training: int, tp: int, gpu_gb: float | Non
 
 
 def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
-    """Run every check; ``free_bytes`` overrides the free space measured at the run directory."""
+    """Run every check; ``free_bytes`` overrides the free space measured at the run directory.
+
+    Never raises: whatever a malformed target makes fail is a FAIL line naming the plan and the config file
+    (:mod:`pipeline.eagle3.target_config_check` names the field for every malformation it knows)."""
+    rep = Report.of(str(plan.path))
+    try:
+        _check(plan, free_bytes, rep)
+    except Exception as exc:  # noqa: BLE001 - the report is the answer, never a traceback
+        model = str(plan.target.model or "")
+        folder = local_model_dir(model) if model else None
+        rep.add(
+            "deep check",
+            False,
+            f"{plan.path}: target.model: {folder / 'config.json' if folder else model}: the check stopped at "
+            f"{type(exc).__name__}: {exc} (a malformed target this check does not name field by field yet)",
+        )
+    return rep
+
+
+def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
     import torch
 
     from pipeline.data import model_assets
@@ -98,9 +117,9 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         sglang_capture_ids,
     )
     from pipeline.eagle3.target_capture import TargetError, tensor_roles, text_backbone
+    from pipeline.eagle3.target_config_check import config_problems, tokenizer_problems
     from pipeline.serving.sglang_capture import SGLANG_RELEASE, architecture_of
 
-    rep = Report.of(str(plan.path))
     where = str(plan.path)
     model = str(plan.target.model or "")
     folder = local_model_dir(model) if model else None
@@ -111,7 +130,13 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             f"{where}: target.model: {model or '(not set)'}: no config.json in a local folder or "
             "the local Hugging Face cache (download it first: nothing is fetched here)",
         )
-        return rep
+        return
+    cfg_file = folder / "config.json"
+    problems = config_problems(cfg_file)  # before transformers builds anything from it
+    for problem in problems:
+        rep.add("config", False, f"{where}: target.model: {problem}")
+    if problems:
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     trc = plan.target.trust_remote_code
     try:
@@ -120,12 +145,13 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         with torch.device("meta"):
             meta = cls.from_config(cfg)
         base = text_backbone(meta)
-        roles = tensor_roles(str(folder), trust_remote_code=trc)
+        roles = tensor_roles(str(folder), meta, trust_remote_code=trc)
     except (model_assets.ModelAssetError, TargetError, ValueError, OSError) as exc:
         named = str(exc).startswith("target.")  # model_assets names the plan key that decides it
         rep.add("architecture", False, f"{where}: {'' if named else 'target.model: '}{exc}")
-        return rep
+        return
     tcfg = getattr(cfg, "text_config", None) or cfg
+    text_prefix = "text_config." if tcfg is not cfg else ""
     n_layers, hidden, vocab = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)
     total = sum(p.numel() for p in meta.parameters())
     rep.add(
@@ -157,8 +183,18 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             f"of layers {captured}",
         )
     except DraftModelError as exc:
-        rep.add("aux layers", False, str(exc))
-        aux = default_aux_layers(n_layers)
+        layers = f"{cfg_file}: {text_prefix}num_hidden_layers"
+        rep.add(
+            "aux layers",
+            False,
+            f"{exc} ({layers} is {n_layers})"
+            if ext.aux_layers is not None
+            else f"{where}: target.model: {layers}: {exc}",
+        )
+        try:
+            aux = default_aux_layers(n_layers)
+        except DraftModelError:
+            return  # too few layers for any draft: nothing below can be sized
 
     dv = plan.settings.vocab.draft_vocab_size
     if dv > vocab:
@@ -166,7 +202,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             "draft vocab",
             False,
             f"{where}: vocab.draft_vocab_size: {dv!r} must be between 1 and the target's "
-            f"vocabulary ({vocab})",
+            f"vocabulary ({vocab}: {cfg_file}: {text_prefix}vocab_size)",
         )
         dv = vocab
     else:
@@ -195,6 +231,8 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
 
         tok = load_hf_tokenizer(str(folder), trust_remote_code=trc)
+        for problem in tokenizer_problems(cfg_file, text_prefix, vocab, tok):
+            rep.add("tokenizer", False, f"{where}: target.model: {problem}")
         ct = ChatTokenizer(tok, plan.target.row_length, tokenizer_id=model)
         conv = [
             {"role": "user", "content": "What is 2 + 2?"},
@@ -285,7 +323,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             f"{where}: target.model: {folder / 'config.json'}: quantization_config: the checkpoint's quantizer "
             f"cannot be built here: {exc}",
         )
-        return rep
+        return
     sg = sglang_layout(meta, cfg)
     batch_tokens = ext.batch_tokens
     act = batch_tokens * hidden * 2 * 8  # a few live (tokens x hidden) bf16 buffers per layer step
@@ -366,7 +404,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
         rep.add(
             "gpu memory", True, detail + " (set resources.gpu_memory_gb to have it checked)", warning=True
         )
-    return rep
+    return
 
 
 def main(argv: list[str] | None = None) -> int:

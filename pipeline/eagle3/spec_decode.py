@@ -10,7 +10,8 @@ exactly the target's greedy output, whatever the drafter proposes.
 Drafters: :class:`Eagle3Drafter` (the trained draft, chain drafting as SGLang does with
 ``--speculative-eagle-topk 1``, reusing the draft's step-0 keys across rounds) and
 :class:`OracleDrafter` (proposes the target's own greedy continuation: the accept length must be
-exactly ``k + 1``; used to prove the measurement).
+exactly ``k + 1``; used to prove the measurement). Under tensor parallelism :class:`RankZeroDrafter`
+broadcasts rank 0's proposals so every rank verifies the same tokens.
 """
 
 from __future__ import annotations
@@ -173,6 +174,42 @@ class Eagle3Drafter:
     def accept(self, n: int, feats: torch.Tensor, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
         self._step0(feats, new_tokens)
+
+
+class RankZeroDrafter:
+    """Tensor-parallel decoding: rank 0 drafts, and every rank verifies rank 0's tokens.
+
+    Each rank runs the same decode over its shard of the target; were each to draft on its own, a draft
+    that computed a near-tie differently on one rank would send different tokens into the target's
+    collectives (a hang or garbage). Here only rank 0 holds a drafter (``inner``; ``None`` on the others)
+    and its proposals are broadcast, so every rank verifies exactly the same tokens by construction.
+    """
+
+    def __init__(self, inner: Drafter | None, rank: int, device: torch.device) -> None:
+        if (inner is None) != (rank != 0):
+            raise ValueError("rank 0, and only rank 0, drafts")
+        self.inner, self.rank, self.device = inner, rank, device
+
+    def start(self, tokens: list[int], feats: torch.Tensor) -> None:
+        if self.inner is not None:
+            self.inner.start(tokens, feats)
+
+    def propose(self, k: int) -> list[int]:
+        import torch.distributed as dist
+
+        if self.inner is not None:
+            props = [int(t) for t in self.inner.propose(k)]
+            if len(props) != k:  # before the broadcast: a size the other ranks do not expect would hang them
+                raise ValueError(f"drafter proposed {len(props)} tokens, expected {k}")
+            t = torch.tensor(props, dtype=torch.int64, device=self.device)
+        else:
+            t = torch.empty(k, dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=0)
+        return [int(x) for x in t.tolist()]
+
+    def accept(self, n: int, feats: torch.Tensor, new_tokens: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.accept(n, feats, new_tokens)
 
 
 class OracleDrafter:

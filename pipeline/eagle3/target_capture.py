@@ -227,16 +227,18 @@ def target_architecture(model_id: str, *, trust_remote_code: bool = False) -> st
     return architecture_of(cfg) or architecture_of(getattr(cfg, "text_config", None))
 
 
-def tensor_roles(model_id: str, *, trust_remote_code: bool = False) -> dict[str, str]:
+def tensor_roles(model_id: str, model: Any = None, *, trust_remote_code: bool = False) -> dict[str, str]:
     """The qualified parameter names of the input embedding, the final norm and the LM head.
 
     Found on the model built on the meta device (no memory, no weights) from the modules
     :class:`Target` uses: the text backbone's ``embed_tokens`` and ``norm``, the output embedding.
+    ``model``: that model already built (the deep check builds it once).
     """
-    cfg = model_assets.model_config(model_id, trust_remote_code=trust_remote_code)
-    cls = model_assets.model_class(cfg)
-    with torch.device("meta"):
-        model = cls.from_config(cfg)
+    if model is None:
+        cfg = model_assets.model_config(model_id, trust_remote_code=trust_remote_code)
+        cls = model_assets.model_class(cfg)
+        with torch.device("meta"):
+            model = cls.from_config(cfg)
     base = text_backbone(model)
     emb = getattr(base, "embed_tokens", None)
     emb = emb if isinstance(emb, nn.Module) else model.get_input_embeddings()

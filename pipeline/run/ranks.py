@@ -344,10 +344,10 @@ def tensor_parallel_rank(ctx: Any, section: str, module: str, argv: list[str]) -
 
 def tp_device(dist: Dist, requested: str | None = None) -> Any:
     """This rank's device: its GPU (torchrun's ``LOCAL_RANK``), or the CPU (gloo) when there is none
-    or the plan's ``device`` says ``"cpu"``."""
+    or the plan's ``device`` says ``"cpu"`` (``"auto"`` under tensor parallelism: the rank's GPU)."""
     import torch
 
-    if torch.cuda.is_available() and (requested is None or torch.device(requested).type != "cpu"):
+    if torch.cuda.is_available() and (requested in (None, "auto") or torch.device(requested).type != "cpu"):
         dev = torch.device("cuda", dist.local_rank)
         torch.cuda.set_device(dev)
         return dev

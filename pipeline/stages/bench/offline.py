@@ -1,4 +1,9 @@
-"""Offline acceptance: greedy speculative decoding of the target with the trained draft on held-out prompts."""
+"""Offline acceptance: greedy speculative decoding of the target with the trained draft on held-out prompts.
+
+The target is on one device, spread over several (``device = "auto"``: the draft then runs where the
+target's last hidden state comes out), or tensor-parallel over the ranks of a torchrun (``parallel = "tp"``:
+rank 0 drafts and broadcasts its tokens, so every rank verifies the same ones).
+"""
 
 from __future__ import annotations
 
@@ -33,11 +38,23 @@ def eos_ids(model_id: str, target: Any, trust_remote_code: bool = False) -> set[
     return facts.stop_ids
 
 
+def draft_device(target: Any) -> torch.device:
+    """Where the draft runs: beside the target's final hidden state, where :meth:`Target.capture` gathers the
+    aux features (the last layers' device when ``device = "auto"`` spreads the target over several)."""
+    return target.base.norm.weight.device
+
+
 def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     """Speculative decoding on held-out prompts; with ``dist`` every rank holds a tensor-parallel
     shard of the target and runs the same decode (same tokens on every rank), rank 0 writes."""
     from pipeline.eagle3.draft_model import load_draft
-    from pipeline.eagle3.spec_decode import Eagle3Drafter, greedy_generate, speculative_generate
+    from pipeline.eagle3.spec_decode import (
+        Drafter,
+        Eagle3Drafter,
+        RankZeroDrafter,
+        greedy_generate,
+        speculative_generate,
+    )
     from pipeline.eagle3.target_capture import load_target
 
     plan = ctx.plan
@@ -64,19 +81,26 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
     else:
-        dev = torch.device(sec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        name = sec.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_gpu = torch.cuda.is_available() if name == "auto" else torch.device(name).type == "cuda"
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        # "auto": accelerate spreads the layers over the GPUs; the draft goes where the features come out
         target = load_target(
-            model_id, list(man["aux_layer_ids"]), dtype=dtype, device=dev, trust_remote_code=trc
+            model_id, list(man["aux_layer_ids"]), dtype=dtype, device=name, trust_remote_code=trc
         )
+        dev = draft_device(target)
     vocab = int(target.embed_weight.shape[0])
     prompts = heldout_prompts(man, n_prompts, vocab)
     if not prompts:
         fail(ctx, "no held-out prompts: every row was used for training; raise [bench] holdout")
-    draft = load_draft(
-        train_dir / man.get("path", "draft"), embed=target.embed_weight.detach().float(), dtype=dtype
-    ).to(dev)
-    drafter = Eagle3Drafter(draft)
+    embed = target.embed_weight.detach().float()  # under TP a collective: every rank gathers it
+    drafter: Drafter | None = None
+    if dist is None or dist.main:
+        draft = load_draft(train_dir / man.get("path", "draft"), embed=embed, dtype=dtype).to(dev)
+        drafter = Eagle3Drafter(draft)
+    if dist is not None:  # rank 0 drafts; the others verify its tokens (never drafts of their own)
+        drafter = RankZeroDrafter(drafter, dist.rank, dev)
+    assert drafter is not None
     eos = eos_ids(model_id, target, trc)
     check = sec.check_lossless
     ctx.message(
