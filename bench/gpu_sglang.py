@@ -1,6 +1,10 @@
 """SGLang on the lent H200 (issue 26): start it with the serve stage's own argv, measure plain vs EAGLE-3 decoding.
 
-``python bench/gpu_sglang.py --stage-from .gpu-stage/c1 [--phases smollm2,plain,data,train,eagle3] [--batches 1,8,32]``
+``python bench/gpu_sglang.py --stage-from .gpu-stage/c1 --stage-from .gpu-stage/c2 [--phases smollm2,plain,data,train,eagle3]
+[--batches 1,8,32] [--specs 3/1/4,...]`` — on the device, one ``run`` call carrying ``.gpu-stage/c1`` and
+``.gpu-stage/c2`` (~57 MB together with the repo), made by ``bash bench/gpu_sglang_stage.sh`` here; all phases take
+~10 minutes, so split them over back-to-back calls (``--phases smollm2,plain,data`` then ``--phases train,eagle3``,
+issued within the 30 s the machine stays warm; later calls need no ``--stage-from``).
 
 SGLang itself is assembled here by ``bench/gpu_sglang_stage.sh`` (wheels → one trimmed site folder → xz → chunk
 folders ``.gpu-stage/cN`` of ≤ 56 MiB, each carried by one ``run`` call; the machine keeps /tmp while warm). The
@@ -522,7 +526,10 @@ def _stage_cli(module: str, plan: Path, out: Path, inputs: list[Path], *extra: s
     for i in inputs:
         argv += ["--input", str(i)]
     t = time.monotonic()
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    env = dict(os.environ)
+    if (BASE / "extra").is_dir():  # datasets (+ dill, multiprocess): prep reads JSONL through it; not on the image
+        env["PYTHONPATH"] = str(BASE / "extra")
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-4000:])
         raise RuntimeError(f"{module} failed ({p.returncode})")

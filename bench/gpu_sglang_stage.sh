@@ -90,3 +90,15 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
   cp "$SMOL/$f" $STAGE/c1/smollm2/
 done
 ls -la $STAGE/c*/
+
+# c2/extra: `datasets` for Aerie's own stages (prep reads JSONL through it; the image lacks it), with the dill and
+# multiprocess it needs (dist-info included: datasets reads their versions). On PYTHONPATH for the stages only,
+# not for the server (the server's site folder would also swap the stages' transformers for SGLang's 5.8.1).
+mkdir -p $STAGE/xw
+ls $STAGE/xw | grep -q '^datasets-5.2.0-' || pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  -d $STAGE/xw datasets==5.2.0
+rm -rf $STAGE/c2 && mkdir -p $STAGE/c2/extra
+(cd $STAGE/c2/extra && unzip -q ../../xw/datasets-5.2.0-*.whl)
+cp -r $STAGE/site/dill $STAGE/site/dill-*.dist-info $STAGE/site/multiprocess $STAGE/site/multiprocess-*.dist-info \
+  $STAGE/site/_multiprocess $STAGE/c2/extra/
+du -sh $STAGE/c*
