@@ -527,7 +527,8 @@ def _stage_cli(module: str, plan: Path, out: Path, inputs: list[Path], *extra: s
         argv += ["--input", str(i)]
     t = time.monotonic()
     env = dict(os.environ)
-    if (BASE / "extra").is_dir():  # datasets (+ dill, multiprocess): prep reads JSONL through it; not on the image
+    # datasets (+ dill, multiprocess): prep reads JSONL through it, and the image lacks it.
+    if (BASE / "extra").is_dir():
         env["PYTHONPATH"] = str(BASE / "extra")
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:
