@@ -193,9 +193,12 @@ def _plan(tmp: Path, model: Path, extra: str = "") -> Path:
 def test_deep_check_fails_a_custom_code_target_naming_the_key(tmp_path: Path) -> None:
     model = custom_code_model(tmp_path / "m")
     rc, checks, err = _deep(_plan(tmp_path, model))
-    arch = checks["architecture"]
-    assert rc == 1 and not arch["ok"], checks
-    assert "plan.toml: target.model: " in arch["detail"] and "target.trust_remote_code" in arch["detail"]
+    failed = [c for c in checks.values() if not c["ok"]]  # the config check, before anything is built
+    assert rc == 1 and failed, checks
+    assert any(
+        "plan.toml: target.model: " in c["detail"] and "target.trust_remote_code" in c["detail"]
+        for c in failed
+    ), failed
     assert "Traceback" not in err and not (model / "CUSTOM_CODE_RAN").exists()
 
 

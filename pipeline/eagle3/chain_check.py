@@ -132,7 +132,9 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
         )
         return
     cfg_file = folder / "config.json"
-    problems = config_problems(cfg_file)  # before transformers builds anything from it
+    problems = config_problems(
+        cfg_file, plan.target.trust_remote_code
+    )  # before transformers builds anything from it
     for problem in problems:
         rep.add("config", False, f"{where}: target.model: {problem}")
     if problems:

@@ -153,7 +153,7 @@ def _is_number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def config_problems(path: Path) -> list[str]:
+def config_problems(path: Path, trust_remote_code: bool = False) -> list[str]:
     """Every problem of the config file at ``path``, one line each, naming the file and the field."""
     try:
         raw = json.loads(path.read_text())
@@ -165,6 +165,13 @@ def config_problems(path: Path) -> list[str]:
 
     out: list[str] = []
     mt = raw.get("model_type")
+    if isinstance(raw.get("auto_map"), dict) and (trust_remote_code or mt not in CONFIG_MAPPING):
+        if trust_remote_code:
+            return []  # the model's own code defines its fields: transformers' classes cannot check them
+        return [
+            f"{path}: auto_map: the model needs code of its own ({', '.join(map(str, raw['auto_map'].values()))}); "
+            "set target.trust_remote_code = true if you trust it"
+        ]
     if not isinstance(mt, str) or mt not in CONFIG_MAPPING:
         what = "missing" if "model_type" not in raw else f"{mt!r} is not a model type transformers knows"
         return [f"{path}: model_type: {what} (the installed transformers builds the model from it)"]
