@@ -63,7 +63,7 @@ def test_thinking_off_trains_no_reasoning(kimi_tokenizer: object) -> None:
     assert "It is 6." in trained
 
 
-def test_a_template_that_keeps_reasoning_is_rendered_as_it_was(tmp_path: Path) -> None:
+def test_a_template_that_keeps_reasoning_is_rendered_as_it_was() -> None:
     """SmolLM2's template has no reasoning field: reasoning is folded into the answer text, as before."""
     from pipeline.data.tokenise import load_chat_tokenizer
 

@@ -182,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     ctx = StageContext.from_cli(args) if dist.main else None
     plan_ctx = ctx or StageContext.from_cli(args)  # non-zero ranks read the plan, never emit
     s = plan_ctx.plan.settings.train
-    mode = plan_ctx.plan.settings.storage_mode
     if (s.nproc > 1 or s.target == "online-tp") and "LOCAL_RANK" not in os.environ:
         if ctx is not None:
             ctx.message(f"starting {s.nproc} processes under torchrun")
@@ -193,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         [Path(p) for p in args.input] if args.input else [plan_ctx.inputs[k] for k in sorted(plan_ctx.inputs)]
     )
     try:
-        return train(ctx, plan_ctx, s, mode, inputs, dist)
+        return train(ctx, plan_ctx, s, inputs, dist)
     except (ValueError, hs.StoreError, draft_vocab.VocabError) as exc:
         fail(ctx, str(exc))
     finally:
@@ -205,7 +204,6 @@ def train(
     ctx: StageContext | None,
     plan_ctx: StageContext,
     s: TrainSection,
-    mode: str,
     inputs: list[Path],
     dist: Dist,
 ) -> int:
