@@ -235,6 +235,7 @@ def test_local_backend_runs_transformers_serve_with_the_stage_cpu_slots_as_threa
     """,
     )
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     argv, env = launch(settings_from_plan(plan, cpu=2), "py")
     assert argv == [
         "py",
@@ -252,5 +253,6 @@ def test_local_backend_runs_transformers_serve_with_the_stage_cpu_slots_as_threa
         "/models/dense",
     ]
     assert env["OMP_NUM_THREADS"] == "2" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE", "its threads sleep between parallel regions, never spin"
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # an operator's own setting wins
     assert "OMP_NUM_THREADS" not in launch(settings_from_plan(plan, cpu=2), "py")[1]

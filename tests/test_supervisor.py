@@ -460,9 +460,12 @@ def test_a_cpu_stage_computes_on_the_slots_it_holds(
 ) -> None:
     """torch's default is a thread per core: three CPU stages side by side on a 2-slot host would run six
     spinning threads on two cores. Each stage gets ``OMP_NUM_THREADS`` = its CPU slots; a GPU stage keeps
-    torch's default, and what the operator set (the plan's ``env`` or the environment) wins."""
+    torch's default, and what the operator set (the plan's ``env`` or the environment) wins. Threads Aerie
+    chose sleep when they wait (``OMP_WAIT_POLICY=PASSIVE``): spinning ones beside another busy stage took
+    4-5x the CPU (bench/omp_wait.py)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    show = "echo threads=${OMP_NUM_THREADS:-unset}"
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    show = "echo threads=${OMP_NUM_THREADS:-unset} ${OMP_WAIT_POLICY:-spin}"
     body = f"""
         [run]
         dir = "run"
@@ -499,11 +502,11 @@ def test_a_cpu_stage_computes_on_the_slots_it_holds(
         for sid in ("one", "three", "gpu", "waits", "operator")
     }
     assert said == {
-        "one": "threads=1",
-        "three": "threads=3",
-        "gpu": "threads=unset",
-        "waits": "threads=unset",
-        "operator": "threads=7",
+        "one": "threads=1 PASSIVE",
+        "three": "threads=3 PASSIVE",
+        "gpu": "threads=unset spin",
+        "waits": "threads=unset spin",
+        "operator": "threads=7 spin",
     }
 
 

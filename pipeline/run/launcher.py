@@ -73,6 +73,10 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
         # each other (measured: docs/performance.md, "CPU threads of a stage"). Under Slurm the job's
         # cgroup already holds it to its cpus-per-task, which torch's default follows.
         env["OMP_NUM_THREADS"] = env[ENV_THREADS] = str(spec.cpu)
+        # Threads that wait sleep instead of spinning: libgomp's spinning threads, beside another busy
+        # process, took 4-5x the CPU for the same decoding (docs/performance.md, "OpenMP threads that wait").
+        if "OMP_NUM_THREADS" not in spec.env:  # the plan's own thread count keeps libgomp's own policy
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.update(spec.env)
     env = env_with_pipeline(env)  # built-in stages import `pipeline` from wherever the launcher did
     env.update(

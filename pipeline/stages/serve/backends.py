@@ -7,7 +7,9 @@ the CPU with the model preloaded, an OpenAI-compatible server on the same ``/hea
 (:mod:`pipeline.data.model_assets`), since transformers cannot serve the GGUF directly. Its compute
 threads are the stage's CPU slots (``OMP_NUM_THREADS``, unless already set): with torch's default of
 one thread per core, two requests generating at once on a busy shared 2-core machine were measured
-~400x slower than with one thread each (docs/performance.md; on an idle machine 1.5x faster).
+~400x slower than with one thread each (docs/performance.md; on an idle machine 1.5x faster). Its threads
+sleep between parallel regions (``OMP_WAIT_POLICY=PASSIVE``, unless already set): spinning ones beside another
+busy process took 4-5x the CPU for the same decoding (docs/performance.md, "OpenMP threads that wait").
 """
 
 from __future__ import annotations
@@ -49,5 +51,7 @@ def launch(s: ServerSettings, python: str) -> tuple[list[str], dict[str, str]]:
         env.update({"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"})
         if not s.gpus and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(s.cpu_threads)
+            if "OMP_WAIT_POLICY" not in os.environ:  # sleeping, not spinning, between parallel regions
+                env["OMP_WAIT_POLICY"] = "PASSIVE"
         return local_argv(s, python), env
     return sglang_argv(s, python), env
