@@ -393,9 +393,12 @@ class AnomalyWatcher:
     def check(self, model: RunModel, now: float | None = None) -> list[Alert]:
         """The anomalies found since the last check, for running stages only (a failure alerts anyway)."""
         now = time.time() if now is None else now
+        # The latest episode of each rule per stage: attaching replays the events' tail, whose old
+        # episodes would otherwise arrive as a burst of toasts.
+        latest = {(a.stage, a.kind): a for a in self.pending}
         out = [
             a
-            for a in self.pending
+            for a in latest.values()
             if (st := model.stages.get(a.stage)) is not None
             and st.state == StageState.RUNNING
             and st.attempt == a.attempt
@@ -407,7 +410,7 @@ class AnomalyWatcher:
                 if st.id in self.stages:
                     self.stages[st.id].was_paused = True
                 continue
-            if st.state != StageState.RUNNING or st.queued:
+            if st.state != StageState.RUNNING or st.queued or st.id == model.telemetry_stage:
                 continue
             sw = self._watch(st)
             if sw.was_paused:

@@ -95,6 +95,9 @@ async def test_a_nan_or_inf_loss_alerts_once_per_episode_with_the_last_finite_va
     ctx.metric("loss", float("inf"), step=340)
     (b,) = await run.alerts()
     assert b.key == "loss-nonfinite:train:1:step340" and b.evidence[0] == "loss = inf at step 340"
+    attached = Run(tmp_path)  # another console attaching: the latest episode once, with the same key
+    attached.rows = run.rows
+    assert [x.key for x in await attached.alerts()] == [b.key]
 
 
 async def test_divergence_fires_after_two_points_over_k_times_the_window_minimum_and_rearms(
