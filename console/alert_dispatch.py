@@ -1,6 +1,8 @@
-"""From the model to the operator: new failures and disk projections become alerts, each claimed once across
-consoles (:class:`~console.alerts.AlertBook`), then announced — a toast, the terminal bell, the hook commands —
-as the settings say. Runs in workers of the app; never blocks the UI loop."""
+"""From the model to the operator: new failures, disk projections and anomalies (:mod:`console.anomalies`)
+become alerts, each claimed once across consoles (:class:`~console.alerts.AlertBook`), then announced — a toast,
+the terminal bell, the hook commands — as the settings say. An anomaly's toast carries its evidence and names
+its stage; ``a`` on the board selects that stage (:attr:`AlertDispatcher.last_stage`), and the hook gets it in
+``AERIE_ALERT_STAGE``. Runs in workers of the app; never blocks the UI loop."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 from typing import Any, Protocol
 
 from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
+from console.anomalies import AnomalyWatcher
 from console.model import RunModel
 from console.settings import Settings
 
@@ -18,7 +21,13 @@ class AlertHost(Protocol):
     settings: Settings
 
     def notify(
-        self, message: str, *, title: str = ..., severity: Any = ..., timeout: float | None = ...
+        self,
+        message: str,
+        *,
+        title: str = ...,
+        severity: Any = ...,
+        timeout: float | None = ...,
+        markup: bool = ...,
     ) -> None: ...
 
     def bell(self) -> None: ...
@@ -30,10 +39,18 @@ class AlertDispatcher:
     def __init__(self, host: AlertHost, book: AlertBook, where: str) -> None:
         self.host, self.book, self.where = host, book, where
         self.watcher = AlertWatcher()
+        self.anomalies = AnomalyWatcher(host.settings.rules)
         self.hooks_run = 0  # hook commands completed (tests wait on it)
+        self.last_stage: str | None = None  # the stage of the latest alert announced (``a`` goes there)
+
+    def attach(self, model: RunModel) -> None:
+        """Let the anomaly rules see each event the model applies."""
+        model.listeners.append(self.anomalies.on_event)
 
     def check(self, model: RunModel) -> None:
         fails, disk_level = self.watcher.check(model)
+        self.anomalies.rules = self.host.settings.rules  # the plan's, once it has been read
+        fails += self.anomalies.check(model)
         if fails or disk_level is not None:
             self.host.run_worker(self._fire(model, fails, disk_level), group="alerts")
 
@@ -51,8 +68,15 @@ class AlertDispatcher:
 
     def announce(self, alert: Alert) -> None:
         settings = self.host.settings
+        if alert.stage:
+            self.last_stage = alert.stage
         if settings.notify:
-            self.host.notify(alert.text, title=alert.title, severity="error", timeout=20)
+            text = "\n".join((alert.text, *alert.evidence))
+            if alert.evidence and alert.stage:
+                text += f"\n[a: go to {alert.stage}]"
+            severity = "error" if alert.kind in ("stage-failed", "disk") else "warning"
+            # No markup: evidence quotes log lines, whose "[...]" must show as printed.
+            self.host.notify(text, title=alert.title, severity=severity, timeout=20, markup=False)
         if settings.bell:
             self.host.bell()
         for cmd in settings.hooks:

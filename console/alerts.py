@@ -1,4 +1,4 @@
-"""Failure alerts: a stage failing or the disk projection turning red, announced once per event.
+"""Alerts: a stage failing, the disk projection turning red, or an anomaly, announced once per event.
 
 :class:`AlertWatcher` looks at the run model after each poll and proposes alerts for what is new
 *to this console* (pure, in memory, cheap). :class:`AlertBook` is a small JSON file in the user's
@@ -6,10 +6,12 @@ state directory (``settings.state_dir()/alerts.json``) recording which events we
 keyed by the run (host and run directory) and the event — ``failed:<stage>:<attempt>`` for a
 failure, the disk level for the disk — so re-attaching, a second console on the same run, or the
 browser mode never announce an event twice; the claim is made under an exclusive ``flock``.
-The disk alert re-arms once the projection is back to fitting.
+The disk alert re-arms once the projection is back to fitting. Anomalies (a stalled stage, a NaN loss ...)
+are found by :mod:`console.anomalies` and come here as :class:`Alert` objects with their evidence.
 
 :func:`run_hook` runs an ``[alerts] command`` (e.g. ``curl`` to a webhook) in its own session with
-the event in ``AERIE_ALERT_*`` environment variables (never spliced into the command line), bounded
+the event in ``AERIE_ALERT_*`` environment variables (never spliced into the command line; the evidence
+lines, newline-separated, in ``AERIE_ALERT_EVIDENCE``), bounded
 by a timeout after which its process group is killed; under ``console/hook_guard.py`` it also dies with
 the console, however the console ends. The console calls all of this from workers.
 """
@@ -38,12 +40,13 @@ MAX_KEYS_PER_RUN = 2000
 
 @dataclass(frozen=True)
 class Alert:
-    key: str  # failed:<stage>:<attempt> | disk:<level>
-    kind: str  # stage-failed | disk
+    key: str  # failed:<stage>:<attempt> | disk:<level> | <anomaly kind>:<stage>:<attempt>:<episode>
+    kind: str  # stage-failed | disk | an anomaly kind (console/anomalies.py)
     title: str
     text: str
     stage: str = ""
     attempt: int = 0
+    evidence: tuple[str, ...] = ()  # the metric values / log lines that triggered it
 
 
 class AlertWatcher:
@@ -142,6 +145,7 @@ async def run_hook(command: str, alert: Alert, run: str, timeout_s: float) -> tu
         AERIE_ALERT_STAGE=alert.stage,
         AERIE_ALERT_ATTEMPT=str(alert.attempt),
         AERIE_ALERT_RUN=run,
+        AERIE_ALERT_EVIDENCE="\n".join(alert.evidence),
     )
     # Through the guard (console/hook_guard.py), leader of the hook's own session: the hook dies with this
     # console however it ends (SIGKILL included), and is killed whole when it times out or the console closes.

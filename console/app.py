@@ -10,7 +10,8 @@ Around the board: the full log of any stage (``l``; the inference server's with 
 viewer, the per-dataset progress screen (``d``), the metrics' curves (``m``; a compact loss/acc_0
 plot in the detail pane of a training stage), themes from ``themes/`` (``--theme``, the user's
 config, the plan's ``[ui]``, or the command palette), failure alerts (notification, bell, the
-plan's ``[alerts] command``; see :mod:`console.alerts`), every action in the command palette
+plan's ``[alerts] command``; see :mod:`console.alerts`) and anomaly alerts (:mod:`console.anomalies`;
+``a`` selects the alerted stage), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
 Over 450 lines because it is the App itself: its bindings, one short action per key, and the palette's
@@ -157,6 +158,13 @@ class AerieApp(App[int]):
             tooltip="curves of the selected stage's metrics (loss, acc_0…, tokens/s), or one metric across attempts",
         ),
         Binding("slash", "filter", "Filter", tooltip="filter stages by id or state; Esc clears"),
+        Binding(
+            "a",
+            "alert_stage",
+            "Alerted stage",
+            show=False,
+            tooltip="select the stage of the latest alert (a stalled stage, a NaN loss, idle GPUs ...)",
+        ),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
         Binding(
             "q",
@@ -193,6 +201,8 @@ class AerieApp(App[int]):
         self.alerts_enabled = alerts
         where = f"{transport.status.host}:{transport.run_root}"
         self.alerts = AlertDispatcher(self, AlertBook(state_dir() / "alerts.json", where), where)
+        if alerts:
+            self.alerts.attach(self.model)
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
 
@@ -502,6 +512,20 @@ class AerieApp(App[int]):
         if st is not None:
             self.push_screen(MetricsScreen(self.model, st.id))
 
+    def action_alert_stage(self) -> None:
+        sid = self.alerts.last_stage
+        if sid is None:
+            self.notify("no alert with a stage yet", severity="warning")
+            return
+        if isinstance(self.screen, DatasetsScreen | MetricsScreen | LogScreen):
+            self.screen.dismiss(None)
+        board = self.query_one(StageBoard)
+        if not board.select_key(sid):
+            self.action_clear_filter()  # the filter hid it
+            board.sync(self.model)
+            if not board.select_key(sid):
+                self.notify(f"{sid} is not on the board", severity="warning")
+
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.add_class("visible")
@@ -565,6 +589,7 @@ class AerieApp(App[int]):
             ("Dataset progress", "per-dataset rows, rate, ETA, rejects", self.action_datasets),
             ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
             ("Filter stages", "filter the board by id or state", self.action_filter),
+            ("Go to alerted stage", "select the stage of the latest alert", self.action_alert_stage),
             ("Help", "every key of this screen", self.action_help),
             ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),
         ]

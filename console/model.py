@@ -10,7 +10,8 @@ near the end of long event files instead of replaying days of history; the curve
 skipped head back in the background, a chunk per poll (see :meth:`RunModel._backfill_step`).
 
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
-:meth:`poll` reports that something changed.
+:meth:`poll` reports that something changed. Listeners (``RunModel.listeners``, e.g. the anomaly rules of
+:mod:`console.anomalies`) see each event as it is applied, so they work incrementally.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from console.series import StageHistory
@@ -171,6 +173,7 @@ class RunModel:
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
         self.telemetry = TelemetryModel()
         self.telemetry_stage: str | None = None
+        self.listeners: list[Callable[[StageView, Event], None]] = []  # called with each applied event
 
     # ------------------------------------------------------------------------------------------
     def watch_log(self, stage_id: str | None) -> None:
@@ -350,6 +353,8 @@ class RunModel:
                 st.ev_attempt = ev.get("attempt")
         if ev.type != "progress":
             st.events.append(ev)
+        for listener in self.listeners:
+            listener(st, ev)
 
     def _apply_log(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
         lines = _consume(stream, data, size, ino, LOG_TAIL_BYTES)

@@ -7,6 +7,8 @@ Where each comes from, strongest first:
 * alerts: ``[alerts] bell`` / ``notify`` from the user's config, else the plan's, else on;
   ``[alerts] command`` hooks from both the plan (the team's webhook) and the user's config (a
   personal one) run, plan's first; ``timeout_s`` (default 30) bounds each hook run.
+* anomaly rules (``stall_minutes``, ``diverge_factor`` ... :data:`RULE_KEYS`): the user's config, else the
+  plan's, else the defaults in ``pipeline/run/plan_sections.py``; each value is checked as the plan check does.
 
 The user's config is ``$AERIE_CONFIG``, else ``$XDG_CONFIG_HOME/aerie/config.toml``, else
 ``~/.config/aerie/config.toml``; it may hold ``[ui]`` and ``[alerts]``. A bad key or value never
@@ -17,16 +19,18 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from pipeline.run.plan_sections import AlertsSection, UiSection
+from pipeline.run.schema import PlanError
 from themes import DEFAULT_THEME
 
 # The keys and defaults are the plan's (pipeline/run/plan_sections.py); the user's config uses the same tables.
 UI_KEYS = tuple(f.name for f in fields(UiSection))
 ALERT_KEYS = tuple(f.name for f in fields(AlertsSection))
+RULE_KEYS = tuple(k for k in ALERT_KEYS if k not in ("command", "bell", "notify", "timeout_s"))
 
 
 def user_config_path() -> Path:
@@ -54,6 +58,7 @@ class Settings:
     notify: bool = AlertsSection.notify
     hooks: list[str] = field(default_factory=list)
     hook_timeout_s: float = AlertsSection.timeout_s
+    rules: AlertsSection = field(default_factory=AlertsSection)  # the anomaly thresholds
     problems: list[str] = field(default_factory=list)
 
 
@@ -138,6 +143,19 @@ def resolve(
                 s.hook_timeout_s = float(t)
             else:
                 p.append(f"{where}: alerts.timeout_s: must be > 0, got {t!r}")
+        s.rules = _rules(s.rules, al, where, p)
     if cli_theme:
         s.theme, s.theme_from = cli_theme, "--theme"
     return s
+
+
+def _rules(rules: AlertsSection, al: dict[str, Any], where: str, problems: list[str]) -> AlertsSection:
+    """``rules`` with this layer's anomaly keys, each checked as the plan's loader checks it."""
+    good: dict[str, Any] = {}
+    for k in RULE_KEYS:
+        if k in al:
+            try:
+                good[k] = getattr(AlertsSection.parse({k: al[k]}, where), k)  # typed: 30 -> 30.0
+            except PlanError as exc:
+                problems.append(str(exc))
+    return replace(rules, **good)

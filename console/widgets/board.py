@@ -393,6 +393,14 @@ class StageBoard(ScrollView, can_focus=True):
     def move_cursor(self, row: int) -> None:
         self._move_to(row)
 
+    def select_key(self, key: str) -> bool:
+        """Put the cursor on the row of ``key``; False if it has none (unknown, or filtered out)."""
+        row = self._index.get(key)
+        if row is None:
+            return False
+        self._move_to(row)
+        return True
+
     def on_click(self, event: Click) -> None:
         if event.y >= 1:
             self._move_to(int(self.scroll_offset.y) + event.y - 1)

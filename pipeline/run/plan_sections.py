@@ -387,6 +387,56 @@ class AlertsSection(Section):
     bell: bool = setting(True, "ring the terminal bell on an alert")
     notify: bool = setting(True, "show a desktop notification on an alert")
     timeout_s: float = setting(30.0, "seconds each alert command may run", positive=True, hi=86400)
+    # Anomaly rules (console/anomalies.py; docs/operating.md, "On day four"). A 0 turns a rule off.
+    stall_minutes: float = setting(
+        30.0,
+        "alert when a running stage reports no progress and no metric for this long (0: off)",
+        lo=0,
+        hi=1e6,
+    )
+    diverge_factor: float = setting(
+        3.0,
+        "alert when the loss is above this many times its minimum over the last diverge_window points "
+        "(two points in a row; 0: off)",
+        lo=0,
+        hi=1e6,
+    )
+    diverge_window: int = setting(
+        50, "logged loss points the divergence rule's minimum spans", lo=2, hi=10**6
+    )
+    accept_window: int = setting(
+        3, "evaluations over which a falling accept length with a falling loss alerts (0: off)", lo=0, hi=1000
+    )
+    accept_drop: float = setting(
+        0.05,
+        "the relative fall of the accept length across accept_window evaluations that alerts",
+        lo=0,
+        hi=1,
+    )
+    gpu_idle_minutes: float = setting(
+        20.0, "alert when a GPU of a running (non-service) stage sits idle this long (0: off)", lo=0, hi=1e6
+    )
+    gpu_idle_util: float = setting(
+        5.0, "utilisation (%) at or below which a GPU counts as idle", lo=0, hi=100
+    )
+    throughput_fraction: float = setting(
+        0.3,
+        "alert when the server's gen throughput falls below this fraction of its recent median while "
+        "requests run (0: off)",
+        lo=0,
+        hi=1,
+    )
+    throughput_window: int = setting(
+        30, "gen-throughput samples the server's recent median spans", lo=3, hi=10**5
+    )
+
+    def check(self, file: Path | str, name: str) -> None:
+        if 0 < self.diverge_factor <= 1:
+            self.bad(
+                file, f"{name}.diverge_factor", f"must be 0 (off) or above 1, got {self.diverge_factor!r}"
+            )
+        if self.accept_window == 1:
+            self.bad(file, f"{name}.accept_window", "must be 0 (off) or 2 or more evaluations, got 1")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,314 @@
+"""Anomaly alerts (console/anomalies.py): each rule fires once with its evidence on a bad sequence, stays
+quiet on a healthy one, and re-arms once its condition clears. The metric events are written by the
+stages' own writers (``StageContext``, the serve stage's ``LogFollower`` on SGLang log lines, the telemetry
+agent on the FAKE NVML replaying the H200 recording) and read back by the console's ``RunModel``."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from console.alerts import Alert
+from console.anomalies import AnomalyWatcher
+from console.app import AerieApp
+from console.model import RunModel
+from console.settings import resolve
+from console.transport import LocalTransport
+from console.widgets.board import StageBoard
+from pipeline.run.gpus import FakeNvmlReplay
+from pipeline.run.plan_sections import AlertsSection
+from pipeline.run.runtime import StageContext
+from pipeline.serving.sglang_log import ServerStats
+from pipeline.stages.serve import stage as serve_stage
+from pipeline.stages.telemetry import Agent
+from tests.runs import kill_run_stages, make_run, start_supervisor, stop
+from tests.test_console import until
+
+T0 = float(int(time.time()) - 3600)  # stages start an hour ago (metric events carry the real time)
+FIXTURE = Path(__file__).parent / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"
+
+
+# ------------------------------------------------------------------------------ a run the model reads
+class Run:
+    """A run directory as the supervisor and the stages leave it: state.json and each stage's events."""
+
+    def __init__(self, root: Path, **rules: Any) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.model = RunModel(LocalTransport(str(root)), backfill=False)
+        self.watcher = AnomalyWatcher(AlertsSection(**rules))
+        self.model.listeners.append(self.watcher.on_event)
+
+    def stage(self, sid: str, **row: Any) -> StageContext:
+        self.rows[sid] = {"id": sid, "family": sid, "state": "running", "attempt": 1, "started_at": T0, **row}
+        self.write_state()
+        return StageContext(
+            sid, self.root / "stages" / sid / "out", self.root / "stages" / sid / "events.jsonl", None
+        )
+
+    def write_state(self) -> None:
+        state = {"run": "r", "executor": "local", "stages": list(self.rows.values())}
+        (self.root / "state.json").write_text(json.dumps(state))
+
+    async def alerts(self, now: float | None = None) -> list[Alert]:
+        await self.model.poll()
+        await self.model.poll()  # a stage's events are read from the poll after it appears
+        return self.watcher.check(self.model, time.time() if now is None else now)
+
+
+def losses(n: int, start: int = 0) -> list[float]:
+    """A healthy EAGLE-3 loss curve: falls fast, then slowly, with ±4 % step-to-step noise."""
+    return [
+        (7.0 * math.exp(-(start + i) / 40) + 2.0) * (1 + 0.04 * math.sin(7.3 * (start + i))) for i in range(n)
+    ]
+
+
+async def test_a_nan_or_inf_loss_alerts_once_per_episode_with_the_last_finite_values(tmp_path: Path) -> None:
+    run = Run(tmp_path)
+    ctx = run.stage("train", run="train")
+    for i, v in enumerate(losses(30)):
+        ctx.metric("loss", v, step=10 * i)
+    assert await run.alerts() == [], "a healthy curve"
+    ctx.metric("loss", float("nan"), step=300)
+    ctx.metric("loss", float("nan"), step=310)
+    (a,) = await run.alerts()
+    assert (a.kind, a.key, a.stage, a.attempt) == (
+        "loss-nonfinite",
+        "loss-nonfinite:train:1:step300",
+        "train",
+        1,
+    )
+    assert a.title == "train: loss is nan"
+    assert a.evidence[0] == "loss = nan at step 300"
+    assert a.evidence[1].startswith("last finite losses: ") and "(step 290)" in a.evidence[1]
+    ctx.metric("loss", float("nan"), step=320)
+    assert await run.alerts() == [], "the same episode"
+    ctx.metric("loss", 2.4, step=330)
+    ctx.metric("loss", float("inf"), step=340)
+    (b,) = await run.alerts()
+    assert b.key == "loss-nonfinite:train:1:step340" and b.evidence[0] == "loss = inf at step 340"
+    attached = Run(tmp_path)  # another console attaching: the latest episode once, with the same key
+    attached.rows = run.rows
+    assert [x.key for x in await attached.alerts()] == [b.key]
+
+
+async def test_divergence_fires_after_two_points_over_k_times_the_window_minimum_and_rearms(
+    tmp_path: Path,
+) -> None:
+    run = Run(tmp_path, diverge_factor=3.0, diverge_window=50)
+    ctx = run.stage("train", run="train")
+    curve = losses(200)
+    curve[120] *= 3.5  # one spike: not a trend
+    for i, v in enumerate(curve):
+        ctx.metric("loss", v, step=i)
+    assert await run.alerts() == [], "healthy, with one spike"
+    low = min(curve[150:200])
+    for step, v in ((200, 3.3 * low), (201, 3.6 * low), (202, 4.0 * low), (203, 3.9 * low)):
+        ctx.metric("loss", v, step=step)
+    (a,) = await run.alerts()
+    assert a.kind == "loss-diverging" and a.key == "loss-diverging:train:1:step200"
+    assert a.evidence[0] == f"loss {3.3 * low:.4g} at step 200, {3.6 * low:.4g} at step 201"
+    low = min(curve[151:200])  # the window when it fired: the 50 points before step 201
+    assert a.evidence[1].startswith(f"minimum of the previous 50 points: {low:.4g} at step ")
+    assert a.evidence[2] == f"rule: loss above 3 × {low:.4g} = {3 * low:.4g}, 2 points in a row"
+    for i, v in enumerate(losses(5, start=200)):  # back under the line: re-armed
+        ctx.metric("loss", v, step=204 + i)
+    ctx.metric("loss", 5 * low, step=209)
+    ctx.metric("loss", 5 * low, step=210)
+    (b,) = await run.alerts()
+    assert b.key == "loss-diverging:train:1:step209"
+
+
+async def test_acceptance_falling_while_the_loss_falls_fires_once_and_not_for_healthy_evaluations(
+    tmp_path: Path,
+) -> None:
+    run = Run(tmp_path, accept_window=3, accept_drop=0.05)
+    ctx = run.stage("train", run="train")
+    curve = [2.0 + 5.0 * math.exp(-s / 150) for s in range(700)]  # the smoothed training loss: still falling
+    accepts = {100: 2.10, 200: 2.42, 300: 2.61, 400: 2.58, 500: 2.60}  # rising, then flat within noise
+    for step, v in enumerate(curve[:600]):
+        ctx.metric("loss", v, step=step)
+        if step in accepts:
+            ctx.metric("accept_length", accepts[step], step=step)
+    assert await run.alerts() == [], "acceptance rose, then held"
+    for step, acc in ((600, 2.52), (650, 2.41), (690, 2.33)):
+        ctx.metric("loss", curve[step], step=step)
+        ctx.metric("accept_length", acc, step=step)
+    (a,) = await run.alerts()
+    assert a.kind == "accept-falling" and a.key == "accept-falling:train:1:step500"
+    assert a.evidence[0] == "accept_length 2.6 (step 500) → 2.52 (step 600) → 2.41 (step 650)"
+    assert a.evidence[1].startswith("loss at those evaluations ")
+    assert "7.3%" in a.text
+    # A falling acceptance while the loss rises is the divergence rule's business, not this one's.
+    run2 = Run(tmp_path / "b", accept_window=3)
+    ctx2 = run2.stage("train", run="train")
+    for step, (loss, acc) in enumerate(((2.0, 2.6), (2.4, 2.4), (2.9, 2.1))):
+        ctx2.metric("loss", loss, step=step)
+        ctx2.metric("accept_length", acc, step=step)
+    assert await run2.alerts() == []
+
+
+def sglang_decode(t: int, running: int, tps: float) -> str:
+    """One SGLang scheduler line as it prints it (tests/fixtures/sglang/decode_period_tp0.log's format)."""
+    return (
+        f"[2025-02-27 04:{t // 60:02d}:{t % 60:02d} TP0] Decode batch. #running-req: {running}, #token: 62531, "
+        f"token usage: 0.12, gen throughput (token/s): {tps:.2f}, #queue-req: 0"
+    )
+
+
+async def test_server_throughput_collapse_under_load_fires_once_but_not_when_the_load_drops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve_stage, "METRIC_INTERVAL_S", 0.0)  # every line a metric (the stage samples 1/s)
+    run = Run(tmp_path, throughput_fraction=0.3, throughput_window=30)
+    ctx = run.stage("serve", run="serve", service=True, health="ready")
+
+    async def serve(lines: list[str]) -> list[Alert]:
+        follower = serve_stage.LogFollower(io.BytesIO("\n".join(lines).encode() + b"\n"), ctx, ServerStats())
+        follower.run()  # the thread's body, here
+        return await run.alerts()
+
+    steady = [sglang_decode(i, 32, 1600 + 40 * math.sin(i)) for i in range(30)]
+    lighter = [sglang_decode(30 + i, 2, 190.0) for i in range(5)]  # fewer requests: lower tok/s, fine
+    assert await serve(steady + lighter) == []
+    (a,) = await serve([sglang_decode(40 + i, 31, 120.0 + i) for i in range(6)])
+    assert a.kind == "server-throughput" and a.stage == "serve"
+    assert a.evidence[0].startswith("gen_throughput 120 tok/s with 31 running at ")
+    assert (
+        a.evidence[1].startswith("median of the last 30 samples: ")
+        and "with 32 requests running" in a.evidence[1]
+    )
+    assert "under 0.3 × its recent median" in a.text
+    assert await serve(steady[:3]) == [], "recovered"
+    (b,) = await serve([sglang_decode(50 + i, 32, 100.0) for i in range(2)])
+    assert b.key != a.key, "a new episode"
+    ctx.health("unhealthy", detail="3 failed probes: connection refused")
+    ctx.health("unhealthy", detail="4 failed probes: connection refused")
+    (c,) = await run.alerts()
+    assert c.kind == "server-unhealthy" and "connection refused" in c.evidence[0]
+
+
+async def test_a_silent_running_stage_alerts_after_stall_minutes_and_rearms_on_news(tmp_path: Path) -> None:
+    run = Run(tmp_path, stall_minutes=30)
+    train = run.stage("train", run="train")
+    run.stage("copy", run=None)  # an operator command that never reports: its silence is normal
+    run.stage("serve", run="serve", service=True)  # a server reports no progress
+    paused = run.stage("paused", run="prep", state="paused")
+    for ctx in (train, paused):
+        ctx.emit("progress", done=6, total=100, unit="steps", t=T0 + 60)
+    train.emit("metric", name="loss", value=3.25, step=6, t=T0 + 90)
+    last = T0 + 90
+    assert await run.alerts(now=last + 29 * 60) == []
+    (a,) = await run.alerts(now=last + 31 * 60)
+    assert a.kind == "stalled" and a.stage == "train" and a.key == f"stalled:train:1:t{int(last)}"
+    assert a.title == "train: no progress for 31m 00s"
+    assert a.evidence == (
+        "rule: no progress and no metric for 30 min",
+        "last progress 6/100 steps 31m 30s ago",
+        "last metric loss = 3.25 31m 00s ago",
+    )
+    assert await run.alerts(now=last + 40 * 60) == [], "once per silence"
+    train.emit("progress", done=7, total=100, unit="steps", t=last + 41 * 60)  # news: re-armed
+    assert await run.alerts(now=last + 42 * 60) == []
+    (b,) = await run.alerts(now=last + 72 * 60)
+    assert b.key == f"stalled:train:1:t{int(last + 41 * 60)}"
+
+
+async def test_idle_gpus_of_a_running_stage_alert_from_fake_nvml_samples(tmp_path: Path) -> None:
+    """FAKE NVML (pipeline.run.gpus.FakeNvmlReplay) replays the real H200 recording through the telemetry
+    agent: GPU 0 idle for samples 1–13 (26 s), then 99–100 % busy; the replay cycles."""
+    run = Run(tmp_path, gpu_idle_minutes=0.2, gpu_idle_util=5)  # 12 s
+    run.stage("gpuwork", run="train", gpus=[0], started_at=T0)
+    run.stage("serve", run="serve", service=True, gpus=[0], started_at=T0)  # a server may idle
+    agent = Agent(FakeNvmlReplay(FIXTURE), tmp_path / "agent", message=lambda text, **kw: None)
+    await run.model.poll()
+    fired: list[tuple[int, Alert]] = []
+    for i in range(1, 43):  # two passes over the 21 samples, 2 s apart
+        recs = [dict(r, t=T0 + 2 * i) for r in agent.sample() if r["kind"] == "gpu"]
+        run.model.telemetry.feed([json.dumps(r) for r in recs])
+        fired += [(i, a) for a in run.watcher.check(run.model, T0 + 2 * i)]
+    agent.close()
+    assert [i for i, _ in fired] == [7, 28], "12 s into each idle stretch, once each"
+    a = fired[0][1]
+    assert a.kind == "gpu-idle" and a.stage == "gpuwork" and a.title == "gpuwork: GPU 0 idle"
+    assert a.evidence[0].startswith("GPU 0: utilisation 0% for 12s, memory ")
+    assert a.evidence[-1] == "rule: at or below 5% for 0.2 min"
+    assert fired[1][1].key != a.key
+
+
+def test_thresholds_are_plan_keys_with_defaults_and_bad_values_name_file_and_key() -> None:
+    assert AlertsSection().stall_minutes == 30.0
+    keys = {k for k, *_ in AlertsSection.describe()}
+    assert {
+        "stall_minutes",
+        "diverge_factor",
+        "accept_window",
+        "gpu_idle_minutes",
+        "throughput_fraction",
+    } <= keys
+    plan = {"alerts": {"stall_minutes": 45, "diverge_factor": 1, "gpu_idle_util": 150}}
+    user = {"alerts": {"accept_window": 5, "stall_minutes": 60}}
+    s = resolve(None, user, "cfg.toml", plan, "RUN/plan.toml", ["aerie-dark"])
+    assert (s.rules.stall_minutes, s.rules.accept_window, s.rules.diverge_factor) == (60.0, 5, 3.0)
+    assert "RUN/plan.toml: alerts.diverge_factor: must be 0 (off) or above 1, got 1.0" in s.problems
+    assert any(p.startswith("RUN/plan.toml: alerts.gpu_idle_util: 150 is out of range") for p in s.problems)
+
+
+# ------------------------------------------------------------------------------ through the console
+NAN_STAGE = (
+    "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "for i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
+    "ctx.metric('loss', float('nan'), step=8)\ntime.sleep(60)\n"
+)
+
+
+async def test_an_anomaly_reaches_the_toast_the_bell_and_the_hook_with_its_stage(tmp_path: Path) -> None:
+    (tmp_path / "nan.py").write_text(NAN_STAGE)
+    hook_log = tmp_path / "hook.log"
+    run = make_run(
+        tmp_path,
+        f"""
+        [run]
+        name = "odd"
+        dir = "run"
+        [alerts]
+        command = "echo \\"$AERIE_ALERT_KIND|$AERIE_ALERT_STAGE|$AERIE_ALERT_EVIDENCE\\" >> {hook_log}"
+        [[stage]]
+        id = "first"
+        command = "true"
+        [[stage]]
+        id = "trainer"
+        command = "{sys.executable} {tmp_path / "nan.py"}"
+        kill_grace_s = 1
+        """,
+    )
+    sup = start_supervisor(run)
+    try:
+        app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, user_config={})
+        notes: list[str] = []
+        bells: list[int] = []
+        orig = app.notify
+        app.notify = lambda message, **kw: (notes.append(str(message)), orig(message, **kw))[1]  # type: ignore[method-assign]
+        app.bell = lambda: bells.append(1)  # type: ignore[method-assign]
+        async with app.run_test(size=(120, 30)) as pilot:
+            await until(pilot, lambda: app.hooks_run >= 1, what="the alert hook")
+            note = next(n for n in notes if "loss became nan" in n)
+            assert "loss = nan at step 8" in note and "[a: go to trainer]" in note
+            assert bells == [1]
+            assert app.query_one(StageBoard).selected_key == "first"
+            await pilot.press("a")
+            await pilot.pause(0.2)
+            assert app.query_one(StageBoard).selected_key == "trainer"
+        kind, stage, evidence = hook_log.read_text().split("|", 2)
+        assert (kind, stage) == ("loss-nonfinite", "trainer") and "loss = nan at step 8" in evidence
+    finally:
+        stop(sup)
+        kill_run_stages(run)
