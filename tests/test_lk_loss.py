@@ -16,7 +16,7 @@ from pipeline.run.plan_sections import TrainSection
 from pipeline.stages.train.batches import Batch
 from pipeline.stages.train.components import Optimiser, TrainedDraft, TTTLoss
 from pipeline.stages.train.head_loss import linear_soft_ce
-from pipeline.stages.train.lk_loss import adaptive_lambda, linear_lk, lk_rows
+from pipeline.stages.train.lk_loss import adaptive_lambda, linear_lk
 from pipeline.stages.train.loss import ttt_sums
 from tests.test_eagle3_model import tiny_draft
 from tests.test_train_loss import batch
