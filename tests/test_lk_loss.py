@@ -128,7 +128,7 @@ def test_the_adaptive_blend_runs_from_kl_to_tv() -> None:
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         out = fn(x, w, *args, **kw)
         out[0].backward()
-        return float(out[0]), x.grad, w.grad
+        return float(out[0].detach()), x.grad, w.grad
 
     kl = run(linear_soft_ce, t, rows, cols, wt, 5)
     ends = {
