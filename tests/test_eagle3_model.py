@@ -310,3 +310,115 @@ def test_ttt_logits_equal_the_full_mask_ttt_in_float64(monkeypatch) -> None:
         for row, n in enumerate(lengths.tolist()):
             # every column before the row's last one (the last has no next token: nothing to score)
             assert torch.allclose(new[j][row, : n - 1], ref[j][row, : n - 1], atol=1e-10), (j, row)
+
+
+# ------------------------------------------------------------------------------ EAGLE-3.1
+def sglang_params_for(conf: dict) -> set[str]:
+    """SGLang's LlamaForCausalLMEagle3 parameters for a draft config.json: ``LlamaModel.__init__`` adds
+    ``fc_norm.{0,1,2}`` when ``getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)``."""
+    extra = (
+        {f"model.fc_norm.{i}.weight" for i in range(3)}
+        if conf.get("fc_norm") or conf.get("use_aux_norm")
+        else set()
+    )
+    return SGLANG_PARAMS | extra
+
+
+def sglang_maps_every_tensor(path) -> None:
+    """The loader check: every saved tensor lands on a parameter SGLang builds from this config, and every
+    parameter but the shared embedding is filled."""
+    conf = json.loads((path / "config.json").read_text())
+    params = sglang_params_for(conf)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+
+    def resolve(name: str) -> str | None:
+        if "d2t" in name or "t2d" in name:
+            return None
+        for param, shard in STACKED:
+            if shard in name:
+                name = name.replace(shard, param)
+                break
+        return name if name in params else f"model.{name}"
+
+    mapped = {resolve(n) for n in names} - {None}
+    assert mapped <= params, mapped - params
+    assert params - mapped == {"model.embed_tokens.weight"}
+
+
+def test_sglang_reads_the_eagle31_keys_where_the_export_writes_them() -> None:
+    """The pinned SGLang's llama_eagle3.py (read as text: importing it needs a GPU stack) takes both switches
+    from the top level of config.json, and fc_norm as one RMSNorm per aux state applied before fc."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is not installed (pip install --no-deps -r .ci/sglang-parser-requirements.txt)")
+    src = (Path(spec.origin).parent / "srt" / "models" / "llama_eagle3.py").read_text()
+    assert 'getattr(config, "fc_norm", None)' in src and 'getattr(config, "norm_output", False)' in src
+    assert "zip(self.fc_norm, chunks)" in src and "hidden_states = self.fc(hidden_states)" in src
+    assert "aux = hidden_states_to_logits if self.norm_output else hidden_states_to_aux" in src
+
+
+@pytest.mark.parametrize(("fc_norm", "norm_output"), [(True, False), (False, True), (True, True)])
+def test_eagle31_switches_build_sglangs_modules_and_round_trip(
+    tmp_path, fc_norm: bool, norm_output: bool
+) -> None:
+    d = tiny_draft(seed=3, fc_norm=fc_norm, norm_output=norm_output)
+    plain = tiny_draft(seed=3)
+    for n in (d.norm, *(d.fc_norm or [])):  # not the identity, so the switches change outputs
+        n.weight.data.uniform_(0.5, 1.5)
+    names = set(d.trainable_state())
+    assert ({f"fc_norm.{i}.weight" for i in range(3)} <= names) == fc_norm
+    assert names - {f"fc_norm.{i}.weight" for i in range(3)} == set(plain.trainable_state())
+    if fc_norm:
+        assert [tuple(n.weight.shape) for n in d.fc_norm] == [(32,)] * 3  # one per target state
+    save_draft(d, tmp_path, dtype=torch.float32)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    assert conf["fc_norm"] is fc_norm and conf["norm_output"] is norm_output
+    sglang_maps_every_tensor(tmp_path)
+    e = load_draft(tmp_path, embed=d.embed_tokens.weight.data)
+    assert e.cfg.fc_norm is fc_norm and e.cfg.norm_output is norm_output
+    aux, ids, n = torch.randn(1, 9, 96), torch.randint(0, 64, (1, 9)), torch.tensor([9])
+    with torch.no_grad():
+        got, want = e.ttt(aux, ids, n, 3), d.ttt(aux, ids, n, 3)
+        plain.load_state_dict({k: v for k, v in d.state_dict().items() if "fc_norm" not in k})
+        base = plain.ttt(aux, ids, n, 3)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    # fc_norm changes the first step already; norm_output only what later steps are fed.
+    assert torch.allclose(want[0], base[0], atol=1e-6) is not fc_norm
+    assert not torch.allclose(want[2], base[2], atol=1e-4)
+
+
+def test_a_config_from_another_trainer_with_use_aux_norm_loads_as_fc_norm(tmp_path) -> None:
+    save_draft(tiny_draft(fc_norm=True), tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    del conf["fc_norm"], conf["norm_output"]
+    conf["use_aux_norm"] = True  # SGLang's legacy key for the same modules
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    e = load_draft(tmp_path, embed=torch.zeros(64, 32))
+    assert e.cfg.fc_norm and not e.cfg.norm_output and e.fc_norm is not None
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_eagle31_ttt_equals_sglang_style_drafting(norm_output: bool) -> None:
+    """What training unrolls equals what chain drafting proposes (the offline bench's drafter, fed as SGLang
+    feeds its draft): fed the draft's own proposals, TTT step j's greedy token at the last column is the
+    j-th proposal."""
+    from pipeline.eagle3.spec_decode import Eagle3Drafter
+
+    d = tiny_draft(seed=6, fc_norm=True, norm_output=norm_output).eval()
+    for n in (d.norm, *d.fc_norm):
+        n.weight.data.uniform_(0.5, 1.5)
+    s, k = 8, 4
+    aux, toks = torch.randn(s + 1 + k, 96), torch.randint(0, 64, (s + 1,)).tolist()
+    drafter = Eagle3Drafter(d)
+    drafter.start(toks, aux[:s])
+    proposal = drafter.propose(k)
+    ids = torch.tensor([toks + proposal])
+    with torch.no_grad():
+        ttt = d.ttt(aux[None, : ids.shape[1]], ids, torch.tensor([ids.shape[1]]), k)
+    got = [int(d.draft_to_target(ttt[j][0, s - 1].argmax())) for j in range(k)]
+    assert got == proposal

@@ -191,7 +191,8 @@ def test_plan_check_cli(tmp_path: Path) -> None:
 def test_plan_check_shows_every_resolved_setting_without_torch(tmp_path: Path) -> None:
     plan = write_plan(
         tmp_path,
-        BASE + '[train]\nsteps = 30\n[[stage]]\nid = "prep"\ncommand = "true"\nfor_each = "dataset"\n',
+        BASE
+        + '[train]\nsteps = 30\nloss = "lk"\n[[stage]]\nid = "prep"\ncommand = "true"\nfor_each = "dataset"\n',
         "p.toml",
     )
     code = (
@@ -210,6 +211,21 @@ def test_plan_check_shows_every_resolved_setting_without_torch(tmp_path: Path) -
     for name in ("target", "resources", "prep", "regen", "serve", "extract", "vocab", "train", "bench"):
         assert f"[{name}]" in lines, name
     assert "# [wandb] is not in the plan: off" in lines
+    # issue 27: the LK losses and EAGLE-3.1's switches, each with its doc
+    loss = next(x for x in lines if x.startswith("loss = "))
+    assert loss.startswith('loss = "lk" ') and "-log acceptance" in loss and "(default)" not in loss
+    for key, doc in (
+        ("lk_kl_decay = 1.0 ", "KL weight falls as acceptance rises"),
+        ("draft_fc_norm = false ", "RMSNorm on each fused target state before fc"),
+        ("draft_norm_output = false ", "final-normed hidden"),
+    ):
+        line = next(x for x in lines if x.startswith(key.split()[0] + " = "))
+        assert line.startswith(key) and doc in line and line.endswith("(default)"), line
+
+
+def test_an_unknown_training_loss_is_named_with_the_choices(tmp_path: Path) -> None:
+    msg = error(tmp_path, '[train]\nloss = "tv"\n[[stage]]\nid = "a"\ncommand = "true"\n')
+    assert "train.loss" in msg and "lk_adaptive" in msg, msg
 
 
 def test_shipped_plans_validate() -> None:

@@ -108,6 +108,11 @@ class DraftConfig:
     pad_token_id: int | None = None
     # The target's model class as SGLang picks it: its rule for which layers the config's ids capture.
     target_architecture: str | None = None
+    # EAGLE-3.1 (config keys as SGLang's llama_eagle3.py reads them, top level of config.json):
+    # fc_norm: an RMSNorm on each of the low/mid/high target states before ``fc`` (``fc_norm.{0,1,2}``);
+    # norm_output: the next draft step is fed the final-normed hidden instead of the pre-norm one.
+    fc_norm: bool = False
+    norm_output: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -173,6 +178,9 @@ class DraftConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "torch_dtype": dtype,
+            # EAGLE-3.1 switches; SGLang reads both with getattr(config, ..., False): written either way.
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
             "eagle_config": {
                 # The ids that make SGLang feed the outputs of aux_layer_ids, by the target's rule.
                 "eagle_aux_hidden_state_layer_ids": self.sglang_layer_ids(),
@@ -245,6 +253,9 @@ class DraftConfig:
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             target_architecture=arch,
+            # SGLang also takes the legacy ``use_aux_norm`` for fc_norm (drafts of other trainers).
+            fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm")),
+            norm_output=bool(d.get("norm_output", False)),
         )
 
     def to_dict(self) -> dict[str, Any]:

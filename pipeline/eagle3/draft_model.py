@@ -3,7 +3,9 @@
 One decoder layer (``midlayer``) whose attention reads ``[norm(token embedding) ‖ norm(hidden)]``
 (2·hidden in), ``fc`` fusing the target's low/mid/high hidden states (3·hidden → hidden), a final
 ``norm`` and an ``lm_head`` over the draft vocabulary; ``d2t`` (draft id → target id offset, int64)
-and ``t2d`` (bool mask over the target vocabulary) are buffers. Tensor names, config fields and the
+and ``t2d`` (bool mask over the target vocabulary) are buffers. EAGLE-3.1's two switches (config
+``fc_norm``, ``norm_output``) add a per-state RMSNorm before ``fc`` and feed the next draft step the
+normed hidden; both as SGLang builds them. Tensor names, config fields and the
 layer-id convention follow sglang/srt/models/llama_eagle3.py and SpecForge's
 specforge/modeling/draft/llama3_eagle.py; see docs/eagle3.md.
 
@@ -131,6 +133,12 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        # EAGLE-3.1 fc_norm: one RMSNorm per fused target state (low, mid, high), before fc.
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
+            if cfg.fc_norm
+            else None
+        )
         self.midlayer = DraftDecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -154,6 +162,19 @@ class Eagle3Draft(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's fused low/mid/high states (…, 3·H) → the draft's hidden: ``fc``, after each state's
+        own RMSNorm under EAGLE-3.1 ``fc_norm`` (SGLang's ``LlamaModel.forward``: chunk, norm, concat)."""
+        if self.fc_norm is not None:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], dim=-1)
+        return self.fc(aux)
+
+    def carry(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a draft step hands the next one: its pre-norm output, or under EAGLE-3.1 ``norm_output`` the
+        final-normed one (SGLang's ``aux = hidden_states_to_logits if norm_output else hidden_states_to_aux``).
+        The logits are ``lm_head(norm(h))`` either way."""
+        return self.norm(hidden) if self.cfg.norm_output else hidden
+
     def layer(
         self,
         token_ids: torch.Tensor,
@@ -172,7 +193,7 @@ class Eagle3Draft(nn.Module):
         before it (``prefix``, the draft's KV cache when drafting). Otherwise ``k0v0`` are the step-0
         keys and ``chain`` this chain's keys of the steps before. ``causal``: the TTT layout (see
         :func:`chain_attention`). Returns the pre-norm hidden (what the next step consumes, as in
-        SGLang) and this pass's (k, v).
+        SGLang; :meth:`carry` gives what it actually feeds on) and this pass's (k, v).
         """
         m = self.midlayer
         emb = self.embed_tokens(token_ids).to(hidden.dtype)
@@ -215,19 +236,20 @@ class Eagle3Draft(nn.Module):
         cols = torch.arange(s, device=dev)
         # Causal attention: keys past a row's last real column (which needs x_{t+1}) are never seen by
         # a column that is scored, so TTT needs no per-row key mask (see chain_attention).
-        hidden = self.fc(aux)
+        hidden = self.project(aux)
         k0v0: tuple[torch.Tensor, torch.Tensor] | None = None
         chain: list[tuple[torch.Tensor, torch.Tensor]] = []
         out = []
         for j in range(steps):
             tok = shift_left(input_ids, 1 + j)
             positions = (cols + 1 + j)[None, :].expand(b, s)
-            hidden, kv = self.layer(tok, hidden, positions, cols, k0v0, chain, None, causal=True)
+            h, kv = self.layer(tok, hidden, positions, cols, k0v0, chain, None, causal=True)
             if k0v0 is None:
                 k0v0 = kv
             else:
                 chain.append(kv)
-            out.append(hidden)
+            out.append(h)
+            hidden = self.carry(h)
         return out
 
     def forward(

@@ -128,7 +128,7 @@ class Eagle3Drafter:
         d = self.draft
         c0, n = self.ncols, feats.shape[0]
         cols = torch.arange(c0, c0 + n, device=self.dev)
-        hidden = d.fc(feats.to(self.dev, self.dtype)[None])
+        hidden = d.project(feats.to(self.dev, self.dtype)[None])
         prefix = None if self.k0 is None else (self.k0, self.v0)
         h, (k, v) = d.layer(
             torch.tensor([next_tokens], device=self.dev),
@@ -164,7 +164,13 @@ class Eagle3Drafter:
         for j in range(1, k):
             pos = torch.tensor([[t + 1 + j]], device=self.dev)
             hidden, kv = d.layer(
-                torch.tensor([[out[-1]]], device=self.dev), hidden, pos, qcol, (self.k0, self.v0), chain, None
+                torch.tensor([[out[-1]]], device=self.dev),
+                d.carry(hidden),
+                pos,
+                qcol,
+                (self.k0, self.v0),
+                chain,
+                None,
             )
             chain.append(kv)
             out.append(int(d.draft_to_target(d.logits(hidden)[0, -1].argmax())))

@@ -295,6 +295,24 @@ class TrainSection(Section):
     loss_chunk_tokens: int = setting(
         4096, "tokens per soft-label loss chunk (0: every step's full logits at once)", lo=0
     )
+    loss: str = setting(
+        "kl",
+        "objective per TTT step: kl (soft-label cross-entropy to the target), lk (-log acceptance), "
+        "lk_adaptive (lambda*KL + (1-lambda)*TV); docs/eagle3.md, Methods",
+        choices=("kl", "lk", "lk_adaptive"),
+    )
+    lk_kl_scale: float = setting(
+        1.0, "lk_adaptive: lambda = lk_kl_scale * exp(-lk_kl_decay * mean acceptance)", lo=0, hi=1
+    )
+    lk_kl_decay: float = setting(
+        1.0, "lk_adaptive: how fast the KL weight falls as acceptance rises (0: constant)", lo=0, hi=100
+    )
+    draft_fc_norm: bool = setting(
+        False, "EAGLE-3.1: an RMSNorm on each fused target state before fc (config fc_norm)"
+    )
+    draft_norm_output: bool = setting(
+        False, "EAGLE-3.1: feed the next draft step the final-normed hidden (config norm_output)"
+    )
 
     def check(self, file: Path | str, name: str) -> None:
         if self.batch_size % self.nproc:

@@ -72,27 +72,55 @@ class TrainedDraft:
     model: Any
     head_d: torch.Tensor
     params: list[torch.nn.Parameter]
+    head_full: torch.Tensor | None = None  # the target's whole lm_head: the LK losses' acceptance needs it
 
 
 @dataclass(frozen=True)
 class TTTLoss:
-    """Training-time test: ``sum_j decay**j * CE_j`` over ``ttt_steps`` unrolled draft steps, the soft-label
-    cross-entropy against the target's distribution, computed ``chunk_tokens`` at a time."""
+    """Training-time test: ``sum_j decay**j * L_j`` over ``ttt_steps`` unrolled draft steps, ``L_j`` step
+    ``j``'s mean objective (``[train] loss``: the soft-label cross-entropy against the target's distribution,
+    or an LK loss on the acceptance rate, :mod:`.lk_loss`), computed ``chunk_tokens`` at a time."""
 
     ttt_steps: int
     decay: float
     chunk_tokens: int
     autocast: bool
+    objective: str = "kl"
+    kl_scale: float = 1.0  # lk_adaptive's λ = kl_scale·exp(−kl_decay·ᾱ)
+    kl_decay: float = 1.0
 
     @classmethod
     def from_settings(cls, s: TrainSection, autocast: bool) -> TTTLoss:
         return cls(
-            ttt_steps=s.ttt_steps, decay=s.loss_decay, chunk_tokens=s.loss_chunk_tokens, autocast=autocast
+            ttt_steps=s.ttt_steps,
+            decay=s.loss_decay,
+            chunk_tokens=s.loss_chunk_tokens,
+            autocast=autocast,
+            objective=s.loss,
+            kl_scale=s.lk_kl_scale,
+            kl_decay=s.lk_kl_decay,
         )
+
+    @property
+    def needs_full_head(self) -> bool:
+        """The LK losses need the target's whole ``lm_head`` (acceptance is over its whole vocabulary)."""
+        return self.objective != "kl"
 
     def sums(self, td: TrainedDraft, b: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per TTT step: the summed loss over loss positions, and the count of correct greedy tokens."""
-        return ttt_sums(td.model, td.draft, b, td.head_d, self.ttt_steps, self.autocast, self.chunk_tokens)
+        return ttt_sums(
+            td.model,
+            td.draft,
+            b,
+            td.head_d,
+            self.ttt_steps,
+            self.autocast,
+            self.chunk_tokens,
+            objective=self.objective,
+            head_full=td.head_full,
+            kl_scale=self.kl_scale,
+            kl_decay=self.kl_decay,
+        )
 
     def weighted(self, per_step: list[Any], denom: torch.Tensor) -> Any:
         """The objective: each step's mean (over the *global* count of its positions), decayed."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -81,11 +82,15 @@ def build_draft(
     vm: draft_vocab.VocabMap,
     s: TrainSection,
     trust_remote_code: bool = False,
-) -> tuple[Eagle3Draft, torch.Tensor]:
+) -> tuple[Eagle3Draft, torch.Tensor, torch.Tensor]:
+    """The draft to train (EAGLE-3.1 switches from ``[train]``), the target's ``lm_head`` rows of the
+    draft vocabulary and its whole ``lm_head`` (the LK losses' acceptance is over the whole vocabulary)."""
     from pipeline.eagle3.target_capture import load_target_tensors, target_config
 
     tcfg = target_config(model_id, trust_remote_code=trust_remote_code)
-    cfg = DraftConfig.from_target(tcfg, vm.size, aux)
+    cfg = dataclasses.replace(
+        DraftConfig.from_target(tcfg, vm.size, aux), fc_norm=s.draft_fc_norm, norm_output=s.draft_norm_output
+    )
     torch.manual_seed(s.seed)
     draft = Eagle3Draft(cfg)
     t = load_target_tensors(model_id, trust_remote_code=trust_remote_code)
@@ -95,7 +100,13 @@ def build_draft(
     if s.init_lm_head == "target":
         draft.lm_head.weight.data.copy_(head_d)
         draft.norm.weight.data.copy_(t["norm"])
-    return draft, head_d
+    return draft, head_d, t["head"]
+
+
+def eagle31_note(s: TrainSection) -> str:
+    """The startup note for the EAGLE-3.1 switches that are on, e.g. " (EAGLE-3.1: fc_norm)"; empty if none."""
+    on = [k for k, v in (("fc_norm", s.draft_fc_norm), ("norm_output", s.draft_norm_output)) if v]
+    return f" (EAGLE-3.1: {', '.join(on)})" if on else ""
 
 
 def load_data(
@@ -234,7 +245,8 @@ def train(
     )
     vm = draft_vocab.load(vocab_dir)
     trc = plan.target.trust_remote_code
-    draft, head_d = build_draft(model_id, aux, vm, s, trc)
+    draft, head_d, head_full = build_draft(model_id, aux, vm, s, trc)
+    loss = TTTLoss.from_settings(s, rt.autocast)
     draft.to(device)
     data = load_data(rt, s, man, ext_dir, model_id, aux, plan.target.max_length, trc)
     n = len(data.source)
@@ -251,7 +263,14 @@ def train(
             level="warning",
         )
     params = [p for p in draft.parameters() if p.requires_grad]
-    td = TrainedDraft(draft=draft, model=draft, head_d=head_d.to(device), params=params)
+    td = TrainedDraft(
+        draft=draft,
+        model=draft,
+        head_d=head_d.to(device),
+        params=params,
+        head_full=head_full.to(device) if loss.needs_full_head else None,
+    )
+    del head_full
     optim = Optimiser.adamw(params, s)
     checkpointer = Checkpointer(
         out=out,
@@ -272,7 +291,7 @@ def train(
             f"training {sum(p.numel() for p in params) / 1e6:.1f}M parameters on {n:,} sequences "
             f"({'online, target tensor-parallel over the ranks' if online_tp else data.mode} data), "
             f"{dist.world} process(es) on {device.type}, steps {start + 1}..{s.steps}, "
-            f"TTT {s.ttt_steps}"
+            f"TTT {s.ttt_steps}, loss {s.loss}{eagle31_note(s)}"
         )
         ctx.progress(start, s.steps, unit="steps", force=True)
     last_saved = start
@@ -297,7 +316,7 @@ def train(
         runtime=rt,
         data=data,
         draft=td,
-        loss=TTTLoss.from_settings(s, rt.autocast),
+        loss=loss,
         optim=optim,
         checkpointer=checkpointer,
         evaluator=Evaluator.from_settings(data, s),
@@ -349,6 +368,9 @@ def train(
                 "steps_log": STEPS_FILE,
                 "draft_vocab_size": vm.size,
                 "ttt_steps": s.ttt_steps,
+                "loss": s.loss,
+                "fc_norm": s.draft_fc_norm,
+                "norm_output": s.draft_norm_output,
                 "mode": mode_name,
                 "token_sources": list(man.get("sources", [])),
                 "holdout": man.get("holdout"),

@@ -9,6 +9,10 @@ computed once per batch (bf16 under autocast, as the target itself would give th
 and shared by every step and chunk, which only gather their rows. ``chunk_tokens=0`` keeps the
 plain form (every step's full logits alive until backward), which the tests and
 ``bench/ttt_memory.py`` compare against.
+
+``objective`` other than ``kl`` (``[train] loss``) scores the same positions with the same weights through
+:func:`pipeline.stages.train.lk_loss.linear_lk` instead: the LK losses, which also need the target's
+log-sum-exp over its whole vocabulary (``head_full``: its ``lm_head``), computed once per batch.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from pipeline.eagle3.draft_model import Eagle3Draft, shift_left
 from pipeline.stages.train.batches import Batch
 from pipeline.stages.train.head_loss import linear_soft_ce
+from pipeline.stages.train.lk_loss import full_lse_of, linear_lk
 
 # Tokens per loss chunk: 4096 × a 32k draft vocab × fp32 is 0.5 GiB per live (tokens × vocab) tensor.
 DEFAULT_CHUNK_TOKENS = 4096
@@ -42,16 +47,30 @@ def ttt_sums(
     steps: int,
     autocast: bool,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    objective: str = "kl",
+    head_full: torch.Tensor | None = None,
+    kl_scale: float = 1.0,
+    kl_decay: float = 1.0,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Per TTT step: the summed soft-label CE (with grad) and the number of correct greedy tokens.
+    """Per TTT step: the summed loss (with grad) and the number of correct greedy tokens.
 
     ``model`` is the draft or its DDP wrapper; ``head_d`` the target's ``lm_head`` rows of the draft
-    vocabulary (the soft labels are the target's distribution renormalised over them).
+    vocabulary (the soft labels are the target's distribution renormalised over them). ``objective``:
+    ``kl`` (soft-label CE), ``lk`` or ``lk_adaptive`` (:mod:`.lk_loss`; they need ``head_full``, the
+    target's whole ``lm_head``, and its ``kl_scale``/``kl_decay``).
     """
-    if chunk_tokens <= 0:
+    lk = objective != "kl"
+    if lk and head_full is None:
+        raise ValueError(f"the {objective!r} loss needs the target's whole lm_head (head_full)")
+    if chunk_tokens <= 0 and not lk:
         return ttt_sums_unchunked(model, draft, b, head_d, steps, autocast)
     with torch.no_grad():
         target_logits = target_logits_of(b.last_hidden, head_d, autocast)
+        lse_full = (
+            full_lse_of(b.last_hidden, head_full, shift_left(b.loss_mask, 1, False), autocast, chunk_tokens)
+            if head_full is not None and lk
+            else None
+        )
     with torch.autocast(b.aux.device.type, dtype=torch.bfloat16, enabled=autocast):
         hiddens = model(b.aux, b.input_ids, b.lengths, steps, logits=False)
     work = torch.bfloat16 if autocast else draft.lm_head.weight.dtype
@@ -64,9 +83,25 @@ def ttt_sums(
         weight = draft.t2d[am].to(torch.float32)  # a target token outside the draft vocab teaches nothing
         with torch.autocast(b.aux.device.type, dtype=torch.bfloat16, enabled=autocast):
             x = draft.norm(hj[rows, cols])
-        loss, guess = linear_soft_ce(
-            x, draft.lm_head.weight, target_logits, rows, tcols, weight, chunk_tokens, work
-        )
+        if lse_full is None:
+            loss, guess = linear_soft_ce(
+                x, draft.lm_head.weight, target_logits, rows, tcols, weight, chunk_tokens, work
+            )
+        else:
+            loss, guess, _alpha = linear_lk(
+                x,
+                draft.lm_head.weight,
+                target_logits,
+                lse_full,
+                rows,
+                tcols,
+                weight,
+                chunk_tokens,
+                objective,
+                kl_scale,
+                kl_decay,
+                work,
+            )
         correct[j] += (draft.draft_to_target(guess) == am).sum()
         losses.append(loss)
     return losses, correct
