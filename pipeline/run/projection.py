@@ -36,7 +36,7 @@ and projected: that plus each stage's remaining wall time × its GPUs.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pipeline.run.plan import Plan, StageSpec
@@ -118,7 +118,7 @@ class StageEstimate:
     size: float | None = None  # planned units (stages not started), or the progress total
     unit: str = ""
     rate: float | None = None  # units/s the estimate used
-    rate_from: str = ""  # "own", "prep (3 stages)", "default"
+    rate_from: str = ""  # "own", "by prep.a", "mean of 3 prep stages", "default"
 
 
 @dataclass
@@ -150,6 +150,15 @@ class RunProjection:
         d["will_finish"] = self.will_finish
         d["measured"] = [s.id for s in self.stages if s.basis == "measured"]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunProjection:
+        """Read :meth:`to_dict`'s object back (``aerie status`` gets it from the host as JSON)."""
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known and k != "stages"}
+        est = {f.name for f in fields(StageEstimate)}
+        stages = [StageEstimate(**{k: v for k, v in e.items() if k in est}) for e in d.get("stages", [])]
+        return cls(**kw, stages=stages)
 
 
 def _num(v: Any) -> float | None:
@@ -206,16 +215,16 @@ def planned_size(plan: Plan, spec: StageSpec) -> tuple[float, str] | None:
 
 def kind_rates(
     plan: Plan, progress: dict[str, StageProgress], now: float
-) -> dict[tuple[str, str], list[float]]:
-    """Rates measured in this run, by (stage kind, unit): every stage that reported progress."""
-    out: dict[tuple[str, str], list[float]] = {}
+) -> dict[tuple[str, str], list[tuple[str, float]]]:
+    """Rates measured in this run, by (stage kind, unit): (stage id, rate) of every stage that reported progress."""
+    out: dict[tuple[str, str], list[tuple[str, float]]] = {}
     for spec in plan.stages:
         p = progress.get(spec.id)
         if spec.run is None or p is None or p.state not in (*DONE, StageState.RUNNING, StageState.PAUSED):
             continue
         r = p.measured_rate(now)
         if r is not None and p.unit:
-            out.setdefault((spec.run, p.unit), []).append(r)
+            out.setdefault((spec.run, p.unit), []).append((spec.id, r))
     return out
 
 
@@ -346,7 +355,7 @@ def _estimate(
     spec: StageSpec,
     p: StageProgress,
     plan: Plan,
-    rates: dict[tuple[str, str], list[float]],
+    rates: dict[tuple[str, str], list[tuple[str, float]]],
     now: float,
     ready: float,
 ) -> StageEstimate:
@@ -372,7 +381,8 @@ def _estimate(
     units, unit = size
     measured = rates.get((spec.run or "", unit))
     if measured:
-        rate, basis, src = sum(measured) / len(measured), "measured", f"{spec.run} ({len(measured)} stages)"
+        rate, basis = sum(r for _sid, r in measured) / len(measured), "measured"
+        src = f"by {measured[0][0]}" if len(measured) == 1 else f"mean of {len(measured)} {spec.run} stages"
     else:
         rate, basis, src = DEFAULT_RATES[spec.run or ""][0], "assumed", "default"
     left = units / rate if rate > 0 else 0.0
