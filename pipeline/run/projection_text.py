@@ -76,7 +76,7 @@ def parts(p: RunProjection) -> list[str]:
         of = f"/{size(p.disk_total)}" if p.disk_total else ""
         out.append(f"disk {size(p.disk_at_finish)}{of} at end")
     if p.blocked:
-        out.append(f"retried now: {clock(p.finish_at, p.now)}")
+        out.append(f"{duration(p.remaining_s)} more if retried now")
     if p.assumed and not p.finished:
         out.append(f"{len(p.assumed)} assumed")
     return out
