@@ -40,7 +40,7 @@ from textual.widgets import Footer, Input, Static
 
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
-from console.header import header_text, status_text
+from console.header import header_text, plan_of, projection_text, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.palette import screen_commands
@@ -53,6 +53,7 @@ from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
+from pipeline.run.plan import Plan
 from pipeline.run.stage_row import StageState
 from themes import load_themes
 
@@ -88,6 +89,7 @@ class AerieApp(App[int]):
     CSS = """
     #header { height: 1; background: $panel; color: $foreground; padding: 0 1; }
     #status-line { height: 1; padding: 0 1; color: $text-muted; }
+    #projection { height: 1; padding: 0 1; background: $panel; color: $text-muted; }
     #filter { display: none; height: 3; }
     #filter.visible { display: block; }
     #main { height: 1fr; }
@@ -205,6 +207,7 @@ class AerieApp(App[int]):
             self.alerts.attach(self.model)
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
+        self.plan: Plan | str | None = None  # the run's frozen plan, for the projection line (or why not)
 
     @property
     def hooks_run(self) -> int:
@@ -224,6 +227,7 @@ class AerieApp(App[int]):
     # ------------------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
         yield Static("Aerie", id="header")
+        yield Static("", id="projection")
         yield Input(placeholder="filter stages (id or state) — Enter to apply, Esc to clear", id="filter")
         with Vertical(id="main"):
             yield StageBoard(id="board")
@@ -279,6 +283,7 @@ class AerieApp(App[int]):
             raw = {}
         problems = self.settings.problems
         self.settings = self._resolve(raw)
+        self.plan = plan_of(raw, self.transport.run_root) if raw else None
         self.settings.problems[:0] = [p for p in problems if p not in self.settings.problems]
         if self.theme != self.settings.theme and self.settings.theme_from not in ("default",):
             self.theme = self.settings.theme
@@ -348,6 +353,7 @@ class AerieApp(App[int]):
         self._set_text(
             "#header", header_text(self.model, self.transport.status.label(), self.size.width, style)
         )
+        self._set_text("#projection", projection_text(self.model, self.plan, self.size.width))
         self._set_text("#status-line", status_text(self.model, self.poll_s, style))
 
     def _set_text(self, selector: str, text: Text) -> None:

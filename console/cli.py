@@ -30,6 +30,8 @@ from pathlib import Path
 from console.transport import LocalTransport, Transport, start_local_run
 from pipeline.run import plan as plan_mod
 from pipeline.run.plan_sections import render_settings
+from pipeline.run.projection import RunProjection
+from pipeline.run.projection_text import status_lines
 from pipeline.run.rundir import RunDir, read_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
@@ -178,8 +180,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         run = _open_run(args.run)
         if run is None:
             return EXIT_USAGE
-        state = read_json(run.state_path) or {"stages": []}
+        state = _local_state(run)
     stages = state.get("stages", [])
+    projection = state.get("projection")
     if args.json:
         for st in stages:
             print(
@@ -205,6 +208,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     }
                 )
             )  # a Slurm stage's job id
+        if isinstance(projection, dict):
+            print(json.dumps({"projection": projection}))  # the last line: the run as a whole
         return EXIT_OK
     for st in stages:
         prog = st.get("progress") or {}
@@ -212,7 +217,34 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(
             f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip()
         )
+    if isinstance(projection, dict):
+        print()
+        print("\n".join(projection_report(projection)))
     return EXIT_OK
+
+
+def _local_state(run: RunDir) -> dict:
+    """``state.json`` with the run's projection, as ``ctl status`` makes them on the host (as over SSH);
+    ``state.json`` alone if that fails."""
+    rc, out, _err = _ctl(run, "status")
+    if rc == 0:
+        try:
+            state = json.loads(out)
+            if isinstance(state, dict):
+                return state
+        except ValueError:
+            pass
+    return read_json(run.state_path) or {"stages": []}
+
+
+def projection_report(d: dict) -> list[str]:
+    """``aerie status``'s projection lines (``pipeline.run.projection_text``), or why there is none."""
+    if "error" in d:
+        return [f"projection: none ({d['error']})"]
+    try:
+        return status_lines(RunProjection.from_dict(d))
+    except (TypeError, ValueError, KeyError) as exc:  # a host with another Aerie version
+        return [f"projection: unreadable ({type(exc).__name__}: {exc})"]
 
 
 def cmd_control(args: argparse.Namespace) -> int:

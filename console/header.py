@@ -1,14 +1,21 @@
-"""The console's two top lines as text: the header (run, connection, run dir, state counts) and the status
-line (the run's outcome, or the supervisor's liveness). Pure functions of the model: the app sets them."""
+"""The console's header lines as text: the header (run, connection, run dir, state counts), the projection
+line under it (progress, finish, GPU-hours, disk at finish: :mod:`pipeline.run.projection`) and the status
+line at the bottom (the run's outcome, or the supervisor's liveness). Pure functions of the model: the app
+sets them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from rich.text import Text
 
-from console.model import RunModel
+from console.model import RunModel, StageView
+from pipeline.run import plan as plan_mod
+from pipeline.run.projection import DiskNow, StageProgress, project
+from pipeline.run.projection_text import compact_line
 
 STALE_SUPERVISOR_S = 15.0  # no snapshot for this long: the console restarts the supervisor
 
@@ -55,3 +62,47 @@ def status_text(
     else:
         line.append(f"supervisor pid {model.supervisor_pid} · polling every {poll_s:g}s")
     return line
+
+
+def plan_of(raw: dict[str, Any], run_root: str) -> plan_mod.Plan | str:
+    """The run's frozen plan (``RUN/plan.toml``, read through the transport), or why it cannot be used."""
+    try:
+        return plan_mod.from_dict(raw, Path(run_root) / "plan.toml", run_dir=run_root)
+    except plan_mod.PlanError as exc:
+        return str(exc)
+
+
+def stage_progress(st: StageView) -> StageProgress:
+    """What the projection needs of a stage: its row, its last progress and the rate over the recent window."""
+    p = st.progress
+    return StageProgress(
+        state=str(st.state),
+        started_at=st.started_at,
+        finished_at=st.finished_at,
+        done=p.done if p.t else None,
+        total=p.total,
+        unit=p.unit,
+        t=p.t or None,
+        rate=p.rate(),
+        retry_at=st.retry_at,
+    )
+
+
+def projection_text(
+    model: RunModel, plan: plan_mod.Plan | str | None, width: int, now: float | None = None
+) -> Text:
+    """One line under the header: progress, projected finish, GPU-hours used/projected, disk at finish."""
+    if not model.loaded or plan is None:
+        return Text("")
+    if isinstance(plan, str):
+        return Text(f"no projection: {plan}", style="dim")
+    d = model.telemetry.disk
+    disk = None
+    if d is not None and d.used is not None and d.total is not None:
+        disk = DiskNow(d.used, d.total, d.projected_remaining or 0)
+    progress = {sid: stage_progress(st) for sid, st in model.stages.items()}
+    try:
+        p = project(plan, progress, time.time() if now is None else now, disk)
+    except (KeyError, ValueError) as exc:  # a state.json from another plan than the frozen one
+        return Text(f"no projection: {type(exc).__name__}: {exc}", style="dim")
+    return Text(compact_line(p, max(0, width - 2)))

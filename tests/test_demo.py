@@ -55,4 +55,7 @@ def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
         env=env,
     )
     assert status.returncode == 0
-    assert len(status.stdout.splitlines()) == len(states)
+    *rows, last = status.stdout.splitlines()  # a line per stage, then the run's projection
+    assert len(rows) == len(states)
+    projection = json.loads(last)["projection"]
+    assert projection["finished"] and projection["will_finish"] and projection["progress"] == 1.0

@@ -22,6 +22,8 @@ CONSOLE_ALLOWED = {
     "pipeline.run.logscan",
     "pipeline.run.stage_row",  # a stage's state.json row and its states: one definition
     "pipeline.run.checks",  # the SSH preflight's report is the one every preflight prints
+    "pipeline.run.projection",  # the run's finish, GPU-hours and disk at finish: one computation
+    "pipeline.run.projection_text",  # … and its words, the same in the header and in aerie status
     "pipeline.serving.sglang_log",
 }
 

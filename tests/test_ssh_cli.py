@@ -92,8 +92,10 @@ def test_preflight_run_status_and_attach_from_the_command_line(alias_plan):
     url = f"ssh://aerie-box{remote}"
     p = aerie("status", url)
     assert p.returncode == 0, p.stderr
-    lines = {ln.split()[0]: ln.split()[1] for ln in p.stdout.splitlines()}
+    table, projection = p.stdout.split("\n\n", 1)  # the stages, then the run's projection (made on the host)
+    lines = {ln.split()[0]: ln.split()[1] for ln in table.splitlines()}
     assert lines == {"make": "succeeded", "use": "succeeded"}
+    assert "run: 100% of the estimated work, 2/2 stages done" in projection and "finish: ended" in projection
 
     p = aerie("kill", url, "make")
     assert p.returncode == 3 and "not running" in p.stderr

@@ -4,7 +4,7 @@ The console and the ``aerie`` CLI never signal processes themselves: they run th
 subprocess, or through the SSH connection on the container). It validates the stage id, queues a
 request in the run dir, makes sure a supervisor is running, and waits for the supervisor's answer.
 
-Actions: ``status`` (prints state.json), ``ensure`` (start a supervisor if none holds the lock),
+Actions: ``status`` (prints state.json, with the run's ``projection``: :mod:`pipeline.run.run_projection`), ``ensure`` (start a supervisor if none holds the lock),
 ``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
 admission checks: disk budget, GPU guard; recorded in the stage's events).
 
@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.run.run_projection import run_projection
 from pipeline.run.run_setup import spawn_detached, supervisor_alive
 from pipeline.run.rundir import RunDir, read_json
 
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "status":
         state = read_json(run.state_path) or {"stages": []}
         state["supervisor_alive"] = supervisor_alive(run)
+        state["projection"] = run_projection(run, state, time.time())
         print(json.dumps(state))
         return EXIT_OK
     if args.action == "ensure":

@@ -1,0 +1,250 @@
+"""The run projection (pipeline/run/projection.py): a run with known rates, its finish, remaining time and
+GPU-hours; parallel branches, a stage not started estimated from the plan's sizes, a failed stage, a paused
+one, a server; and ``aerie status --json`` on a real run directory carrying it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.run import plan as plan_mod
+from pipeline.run.projection import DEFAULT_RATES, DiskNow, StageProgress, project
+from pipeline.run.projection_text import compact_line, status_lines
+
+NOW = 1_800_000_000.0
+# Two datasets prepared in parallel (a: 1,000 rows, b: 4,000), then training on GPUs 0-1, then a bench on GPU 0.
+PLAN = """
+[run]
+name = "eta"
+dir = "run"
+[resources]
+cpu_slots = 8
+gpus = [0, 1, 2, 3]
+[train]
+steps = 1000
+[bench]
+prompts = 100
+[[datasets]]
+name = "a"
+source = "x"
+kind = "target-native"
+quota = 1000
+[[datasets]]
+name = "b"
+source = "x"
+kind = "target-native"
+quota = 4000
+[[stage]]
+id = "prep"
+run = "prep"
+for_each = "dataset"
+[[stage]]
+id = "train"
+run = "train"
+after = ["prep.*"]
+gpus = [0, 1]
+[[stage]]
+id = "bench"
+run = "bench"
+after = ["train"]
+gpus = [0]
+"""
+TRAIN_S = 1000 / DEFAULT_RATES["train"][0]  # 1,000 steps at the assumed rate
+BENCH_S = 100 / DEFAULT_RATES["bench"][0]
+
+
+@pytest.fixture
+def plan(tmp_path: Path) -> plan_mod.Plan:
+    path = tmp_path / "plan.toml"
+    path.write_text(PLAN)
+    return plan_mod.load(path)
+
+
+def running(done: float, total: float, unit: str, started: float, rate: float | None = None) -> StageProgress:
+    return StageProgress("running", started, None, done, total, unit, NOW, rate)
+
+
+def by_id(p, sid: str):  # noqa: ANN001, ANN201
+    return next(e for e in p.stages if e.id == sid)
+
+
+def test_two_branches_in_parallel_finish_with_the_longer_one(plan: plan_mod.Plan) -> None:
+    p = project(
+        plan,
+        {
+            "prep.a": running(500, 1000, "rows", NOW - 50, rate=10.0),  # 50 s left
+            "prep.b": running(1000, 4000, "rows", NOW - 100, rate=10.0),  # 300 s left: the critical path
+        },
+        NOW,
+    )
+    assert by_id(p, "prep.a").end == pytest.approx(NOW + 50)
+    assert by_id(p, "train").start == pytest.approx(NOW + 300), "train waits for the longer branch"
+    assert p.finish_at == pytest.approx(NOW + 300 + TRAIN_S + BENCH_S)
+    assert p.remaining_s == pytest.approx(300 + TRAIN_S + BENCH_S)
+    # Nothing that holds a GPU has run; to come: train's 2 GPUs and bench's 1 for their assumed times.
+    assert p.gpu_hours_used == 0
+    assert p.gpu_hours_projected == pytest.approx((2 * TRAIN_S + BENCH_S) / 3600)
+    assert (by_id(p, "train").basis, by_id(p, "train").rate_from) == ("assumed", "default")
+    assert p.assumed == ["train", "bench"] and not p.blocked and p.will_finish
+    # Progress is the share of the estimated wall time of the work already spent.
+    spent, left = 50 + 100, 50 + 300 + TRAIN_S + BENCH_S
+    assert p.progress == pytest.approx(spent / (spent + left))
+
+
+def test_a_stage_not_started_takes_the_rate_its_kind_measured_and_gpu_hours_count_wall_time(
+    plan: plan_mod.Plan,
+) -> None:
+    p = project(
+        plan,
+        {
+            # prep.a took 100 s for its 1,000 rows: 10 rows/s, measured.
+            "prep.a": StageProgress("succeeded", NOW - 300, NOW - 200, 1000, 1000, "rows", NOW - 200),
+            "prep.b": StageProgress("pending"),  # not started: 4,000 rows (its quota) at prep.a's 10 rows/s
+        },
+        NOW,
+    )
+    b = by_id(p, "prep.b")
+    assert (b.basis, b.size, b.unit, b.rate, b.rate_from) == ("measured", 4000, "rows", 10.0, "by prep.a")
+    assert b.end == pytest.approx(NOW + 400)
+    assert p.finish_at == pytest.approx(NOW + 400 + TRAIN_S + BENCH_S)
+
+    # Training is running with its own progress: 200 of 1,000 steps in 100 s (2 steps/s, since its start).
+    p = project(
+        plan,
+        {
+            "prep.a": StageProgress("succeeded", NOW - 300, NOW - 200, 1000, 1000, "rows", NOW - 200),
+            "prep.b": StageProgress("succeeded", NOW - 300, NOW - 100, 4000, 4000, "rows", NOW - 100),
+            "train": running(200, 1000, "steps", NOW - 100),
+        },
+        NOW,
+    )
+    t = by_id(p, "train")
+    assert (t.basis, t.rate, t.remaining_s) == ("measured", pytest.approx(2.0), pytest.approx(400))
+    assert p.finish_at == pytest.approx(NOW + 400 + BENCH_S)
+    assert p.gpu_hours_used == pytest.approx(100 * 2 / 3600), "100 s on 2 GPUs"
+    assert p.gpu_hours_projected == pytest.approx((100 * 2 + 400 * 2 + BENCH_S) / 3600)
+    assert p.stages_done == 2 and p.assumed == ["bench"]
+
+
+def test_a_failed_stage_means_no_finish_without_a_retry(plan: plan_mod.Plan) -> None:
+    failed = StageProgress(
+        "failed", NOW - 150, NOW - 50, 1000, 4000, "rows", NOW - 50
+    )  # 10 rows/s, 3,000 left
+    prog = {"prep.a": StageProgress("succeeded", NOW - 300, NOW - 200, 1000, 1000, "rows", NOW - 200)}
+    p = project(plan, {**prog, "prep.b": failed, "train": StageProgress("upstream-failed")}, NOW)
+    assert p.blocked == ["prep.b"] and not p.will_finish
+    # The times are those of a retry started now, resuming where the attempt stopped.
+    assert p.finish_at == pytest.approx(NOW + 300 + TRAIN_S + BENCH_S)
+    line = compact_line(p)
+    assert "won't finish: retry prep.b" in line and len(line) <= 80
+    assert any("will not finish without a retry of prep.b" in ln for ln in status_lines(p))
+
+    # An automatic retry already scheduled in a minute: the run will finish, a minute later.
+    scheduled = StageProgress("failed", NOW - 150, NOW - 50, 1000, 4000, "rows", NOW - 50, retry_at=NOW + 60)
+    p = project(plan, {**prog, "prep.b": scheduled}, NOW)
+    assert p.will_finish and p.finish_at == pytest.approx(NOW + 60 + 300 + TRAIN_S + BENCH_S)
+
+
+def test_a_paused_stage_moves_the_finish_later_and_keeps_counting_its_gpus(plan: plan_mod.Plan) -> None:
+    prog = {
+        "prep.a": StageProgress("succeeded", NOW - 900, NOW - 800, 1000, 1000, "rows", NOW - 800),
+        "prep.b": StageProgress("succeeded", NOW - 900, NOW - 700, 4000, 4000, "rows", NOW - 700),
+    }
+    paused = StageProgress("paused", NOW - 500, None, 500, 1000, "steps", NOW - 250, rate=2.0)
+    p = project(plan, {**prog, "train": paused}, NOW)
+    assert p.paused == ["train"]
+    assert p.finish_at == pytest.approx(NOW + 250 + BENCH_S), "as if resumed now: 500 steps at 2 steps/s"
+    later = project(plan, {**prog, "train": paused}, NOW + 100)
+    assert later.finish_at == pytest.approx(p.finish_at + 100), "still paused 100 s later: 100 s later"
+    assert later.gpu_hours_used - p.gpu_hours_used == pytest.approx(100 * 2 / 3600), (
+        "a paused stage holds its GPUs"
+    )
+    assert "later while train paused" in compact_line(p)
+
+
+def test_a_server_runs_until_its_last_user_ends_and_what_is_after_it_waits(tmp_path: Path) -> None:
+    path = tmp_path / "plan.toml"
+    path.write_text(
+        PLAN.replace('kind = "target-native"\nquota = 4000', 'kind = "prompt-only"\nquota = 4000')
+        + '[[stage]]\nid = "serve"\nrun = "serve"\nservice = true\ngpus = [2, 3]\n'
+        + '[[stage]]\nid = "regen"\nrun = "regen"\nfor_each = "dataset"\nwhen = {kind = "prompt-only"}\n'
+        + 'after = ["prep.{dataset}"]\nuses = ["serve"]\ncpu = 0\n'
+        + '[[stage]]\nid = "copy"\ncommand = "true"\nafter = ["serve"]\n'
+    )
+    plan = plan_mod.load(path)
+    p = project(
+        plan,
+        {
+            "prep.a": StageProgress("succeeded", NOW - 300, NOW - 200, 1000, 1000, "rows", NOW - 200),
+            "prep.b": StageProgress("succeeded", NOW - 300, NOW - 200, 4000, 4000, "rows", NOW - 200),
+            "serve": StageProgress("running", NOW - 100),
+            "regen.b": running(1000, 4000, "records", NOW - 100, rate=10.0),  # 300 s left
+        },
+        NOW,
+    )
+    assert by_id(p, "serve").end == pytest.approx(NOW + 300), "the server stops when regen.b ends"
+    assert by_id(p, "copy").start == pytest.approx(NOW + 300) and p.unknown == ["copy"]
+    assert p.gpu_hours_used == pytest.approx(100 * 2 / 3600)
+    assert p.gpu_hours_projected == pytest.approx((100 * 2 + 300 * 2 + 2 * TRAIN_S + BENCH_S) / 3600)
+
+
+def test_a_finished_run_and_its_disk_at_finish(plan: plan_mod.Plan) -> None:
+    prog = {
+        "prep.a": StageProgress("succeeded", NOW - 900, NOW - 800, 1000, 1000, "rows", NOW - 800),
+        "prep.b": StageProgress("succeeded", NOW - 900, NOW - 700, 4000, 4000, "rows", NOW - 700),
+        "train": StageProgress("succeeded", NOW - 700, NOW - 340, 1000, 1000, "steps", NOW - 340),
+        "bench": StageProgress("succeeded", NOW - 340, NOW - 100, 100, 100, "prompts", NOW - 340),
+    }
+    p = project(plan, prog, NOW, DiskNow(used=3 << 40, total=8 << 40, to_write=0))
+    assert p.finished and p.will_finish and p.progress == 1.0 and p.remaining_s == 0
+    assert p.finish_at == NOW - 100 and p.started_at == NOW - 900
+    assert p.gpu_hours_used == p.gpu_hours_projected == pytest.approx((360 * 2 + 240) / 3600)
+    assert compact_line(p) == "100% 4/4 · ended, took 13m · 0.3 GPU-h · disk 3.0 TiB/8.0 TiB at end"
+    # Before the end, disk at finish is what is used now plus what the stages have still to write.
+    p = project(plan, {}, NOW, DiskNow(used=1 << 40, total=8 << 40, to_write=2 << 40))
+    assert p.disk_at_finish == 3 << 40
+
+
+def test_the_compact_line_fits_80_columns_dropping_whole_facts(plan: plan_mod.Plan) -> None:
+    p = project(
+        plan, {"prep.a": running(500, 1000, "rows", NOW - 50, rate=10.0)}, NOW, DiskNow(1 << 40, 8 << 40, 0)
+    )
+    full = compact_line(p, 200)
+    assert full.startswith("3% 0/4 · finish ") and "GPU-h" in full and "disk" in full and "assumed" in full
+    for width in (80, 60, 40):
+        line = compact_line(p, width)
+        assert len(line) <= width and full.startswith(line), "the least important facts go first, whole"
+
+
+def test_aerie_status_json_carries_the_projection(tmp_path: Path) -> None:
+    """A real run directory (files as launchers write them, state.json by the real supervisor): the last line of
+    ``aerie status --json`` is the projection, and the text says the run needs a retry."""
+    from pipeline.run.supervisor import Supervisor
+    from tests.runs import finished_run
+
+    run = finished_run(tmp_path / "r")  # 10 preps (one failed, one killed), train and bench upstream-failed
+    sup = Supervisor(run)
+    sup.refresh()
+    sup.write_state(force=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "console.cli", "status", str(run.root), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    stages = [json.loads(line) for line in out[:-1]]
+    proj = json.loads(out[-1])["projection"]
+    assert len(stages) == 12 and all("id" in s for s in stages)
+    assert proj["blocked"] == ["prep.sharegpt", "prep.codefeedback"] and proj["will_finish"] is False
+    assert proj["stages_done"] == 8 and proj["stages_total"] == 12 and proj["disk_at_finish"] > 0
+    text = subprocess.run(
+        [sys.executable, "-m", "console.cli", "status", str(run.root)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "will not finish without a retry of prep.sharegpt, prep.codefeedback" in text
