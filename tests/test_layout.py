@@ -22,6 +22,7 @@ CONSOLE_ALLOWED = {
     "pipeline.run.logscan",
     "pipeline.run.stage_row",  # a stage's state.json row and its states: one definition
     "pipeline.run.checks",  # the SSH preflight's report is the one every preflight prints
+    "pipeline.run.audit",  # the audit log's entries: one format for the CLI and the console
     "pipeline.serving.sglang_log",
 }
 
