@@ -4,6 +4,7 @@ entries around it; the console's audit view shows the same."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from console.cli import main as cli_main
 from console.screens.audit import AuditScreen
 from console.transport import LocalTransport
 from pipeline.run import audit, ctl
+from pipeline.run.run_setup import supervisor_alive
 from pipeline.run.rundir import RunDir
 from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop, wait_done, wait_for
 from tests.test_console import WORKER, until
@@ -213,3 +215,97 @@ async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(t
     assert sorted(p.name for p in run.root.iterdir()) == before, (
         "nothing queued, no supervisor, no audit line"
     )
+
+
+async def _screen_until(ws, want: str, timeout: float = 60.0) -> str:  # noqa: ANN001
+    """Read the browser session's terminal output until ``want`` shows (escape sequences dropped)."""
+    import re
+    import time
+
+    import aiohttp
+
+    screen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and want not in screen:
+        try:
+            msg = await ws.receive(timeout=2)
+        except TimeoutError:
+            continue
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            screen += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", msg.data.decode(errors="replace"))
+        elif msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+            break
+    assert want in screen, f"{want!r} never showed: {screen[-1500:]!r}"
+    return screen
+
+
+@pytest.mark.slow  # two browser sessions, each a console process started cold (~4 s each on 2 cores)
+async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_token_control(
+    tmp_path: Path,
+) -> None:
+    import signal
+    import subprocess
+
+    import aiohttp
+
+    from tests.runs import ROOT
+    from tests.test_console_ux import free_port
+
+    run = settled(tmp_path / "r")
+    control, view = "c0ntrol-" + "x" * 16, "v1ew-only-" + "y" * 16
+    (tmp_path / "control").write_text(control)
+    (tmp_path / "view").write_text(view)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)]
+        + ["--token-file", str(tmp_path / "control"), "--view-token-file", str(tmp_path / "view")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):
+                try:
+                    async with http.get(f"{url}/") as resp:
+                        assert resp.status == 401, "every request needs a token once a view token exists"
+                        break
+                except aiohttp.ClientConnectionError:
+                    assert server.poll() is None, server.stderr.read() if server.stderr else ""
+                    await asyncio.sleep(0.2)
+            async with http.get(f"{url}/?token={view}") as resp:
+                assert resp.status == 200 and "/ws" in await resp.text()
+
+            async with http.ws_connect(f"{url}/ws?width=120&height=36&token={view}") as ws:
+                await _screen_until(ws, "READ-ONLY")
+                await ws.send_json(["stdin", "\x1b[B"])  # a stage, not the family row
+                await ws.send_json(["stdin", "r"])
+                await _screen_until(ws, "read-only: this console only watches")
+            assert not (run.root / "requests").exists() and not (run.root / audit.AUDIT_FILE).exists()
+
+            async with http.ws_connect(f"{url}/ws?width=120&height=36&token={control}") as ws:
+                screen = await _screen_until(ws, "prep.sharegpt")
+                assert "READ-ONLY" not in screen
+                await ws.send_json(["stdin", "\x1b[B"])
+                await ws.send_json(
+                    ["stdin", "r"]
+                )  # retry a succeeded stage: sent, and refused by the supervisor
+                wait_for(
+                    lambda: (run.root / audit.AUDIT_FILE).exists(),
+                    30,
+                    "the browser's action in the audit log",
+                )
+            (line,) = entries(run)
+            assert (line["action"], line["stage"], line["via"], line["outcome"]) == (
+                "retry",
+                "prep.swe-agent",
+                "browser",
+                "refused",
+            )
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server we started, in its own session
+        server.wait(20)
+        wait_for(lambda: not supervisor_alive(run), 30, "the run's supervisor to exit (every stage finished)")
