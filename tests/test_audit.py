@@ -309,3 +309,25 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
         os.killpg(server.pid, signal.SIGTERM)  # the server we started, in its own session
         server.wait(20)
         wait_for(lambda: not supervisor_alive(run), 30, "the run's supervisor to exit (every stage finished)")
+
+
+def test_serve_refuses_contradictory_or_weak_watcher_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from console.browser import console_command
+
+    run = finished_run(tmp_path / "r")
+    (tmp_path / "t1").write_text("a" * 20)
+    (tmp_path / "short").write_text("abc")
+    serve = ["serve", str(run.root), "--port", "1"]
+    assert cli_main([*serve, "--read-only", "--view-token-file", str(tmp_path / "t1")]) == 2
+    assert "every console is read-only already" in capsys.readouterr().err
+    assert (
+        cli_main([*serve, "--view-token-file", str(tmp_path / "t1"), "--token-file", str(tmp_path / "t1")])
+        == 2
+    )
+    assert "must differ from the control token" in capsys.readouterr().err
+    assert cli_main([*serve, "--view-token-file", str(tmp_path / "short")]) == 2
+    assert "--view-token-file" in capsys.readouterr().err
+    assert console_command("RUN", None, 1.0, read_only=True).endswith("--via browser --read-only")
+    assert "--read-only" not in console_command("RUN", None, 1.0)
