@@ -63,7 +63,7 @@ def _watch(
     if headless:
         from console.headless import run_headless
 
-        return run_headless(transport)
+        return run_headless(transport, read_only=read_only)
     from console.app import AerieApp
 
     if theme and _bad_theme(theme):

@@ -5,6 +5,7 @@ entries around it; the console's audit view shows the same."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import sys
@@ -15,8 +16,9 @@ import pytest
 from console.app import AerieApp
 from console.audit_trail import AuditTrail
 from console.cli import main as cli_main
+from console.headless import follow
 from console.screens.audit import AuditScreen
-from console.transport import LocalTransport
+from console.transport import CtlResult, LocalTransport
 from pipeline.run import audit, ctl
 from pipeline.run.run_setup import supervisor_alive
 from pipeline.run.rundir import RunDir
@@ -182,10 +184,23 @@ async def test_the_console_trail_reads_only_the_end_of_a_long_log(tmp_path: Path
 
 
 # ------------------------------------------------------------------------------ read-only watchers
+class Recording(LocalTransport):
+    """The real local transport, noting every ``ctl`` it is asked to send."""
+
+    def __init__(self, run_root: str) -> None:
+        super().__init__(run_root)
+        self.sent: list[tuple[str, ...]] = []
+
+    async def ctl(self, *args: str) -> CtlResult:
+        self.sent.append(args)
+        return await super().ctl(*args)
+
+
 async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(tmp_path: Path) -> None:
     run = settled(tmp_path / "r")
     before = sorted(p.name for p in run.root.iterdir())
-    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    transport = Recording(str(run.root))
+    app = AerieApp(transport, poll_s=0.2, alerts=False, user_config={}, read_only=True)
     async with app.run_test(size=(140, 36)) as pilot:
         await until(pilot, lambda: app.model.loaded, what="loaded")
         await pilot.press("down", "down")  # prep.deepswe-kimi: a killed stage, retry-able
@@ -215,6 +230,14 @@ async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(t
     assert sorted(p.name for p in run.root.iterdir()) == before, (
         "nothing queued, no supervisor, no audit line"
     )
+
+    assert transport.sent == [], "not even the `ensure` that restarts a dead supervisor"
+
+    headless = Recording(str(run.root))
+    out = io.StringIO()
+    assert await follow(headless, out=out, poll_s=0.1, timeout_s=20, read_only=True) == 1
+    assert "prep.sharegpt" in out.getvalue() and "failed" in out.getvalue()
+    assert headless.sent == [], "headless and read-only: nothing sent either"
 
 
 async def _screen_until(ws, want: str, timeout: float = 60.0) -> str:  # noqa: ANN001
