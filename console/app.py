@@ -14,6 +14,12 @@ plan's ``[alerts] command``; see :mod:`console.alerts`) and anomaly alerts (:mod
 ``a`` selects the alerted stage), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
+Every action is sent with the front end (``via``: console, or browser under ``aerie serve``) and the
+operator (``user@host``) for the run's audit log (``A`` shows it; :mod:`pipeline.run.audit`). A
+read-only console (``aerie attach --read-only``, a view token of ``aerie serve``) shows everything,
+hides the control keys from the footer and answers each of them with a "read-only: ..."
+notification; nothing is sent (it does not even start a missing supervisor).
+
 Over 450 lines because it is the App itself: its bindings, one short action per key, and the palette's
 list of them; what has a job of its own lives beside it (header text: ``console.header``; alerts:
 ``console.alert_dispatch``; each screen's palette entries: ``console.palette``; screens and widgets).
@@ -40,10 +46,12 @@ from textual.widgets import Footer, Input, Static
 
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
+from console.audit_trail import AuditTrail
 from console.header import header_text, plan_of, projection_text, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.palette import screen_commands
+from console.screens.audit import AuditScreen
 from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
 from console.screens.logview import LogScreen
@@ -53,6 +61,7 @@ from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
+from pipeline.run import audit
 from pipeline.run.plan import Plan
 from pipeline.run.stage_row import StageState
 from themes import load_themes
@@ -72,6 +81,10 @@ STATE_FALLBACK = {
     "pending": "foreground-muted",
     "skipped": "foreground-muted",
 }
+
+
+CONTROL_KEYS = {"pause": "p", "kill": "k", "retry": "r", "retry_fresh": "R", "skip": "s", "force": "F"}
+READ_ONLY_NOTE = "read-only console: the control keys (p k r R s F) are refused and nothing is sent"
 
 
 def freeze_startup_objects() -> None:
@@ -159,6 +172,13 @@ class AerieApp(App[int]):
             "Metrics",
             tooltip="curves of the selected stage's metrics (loss, acc_0…, tokens/s), or one metric across attempts",
         ),
+        Binding(
+            "A",
+            "audit",
+            "Audit",
+            show=False,
+            tooltip="the audit log: who paused, killed, retried or skipped what, from where, and the outcome",
+        ),
         Binding("slash", "filter", "Filter", tooltip="filter stages by id or state; Esc clears"),
         Binding(
             "a",
@@ -175,6 +195,11 @@ class AerieApp(App[int]):
             tooltip="quit the console: stages keep running; `aerie attach RUN` re-attaches",
         ),
         Binding("escape", "clear_filter", "Clear filter", show=False, tooltip="clear the stage filter"),
+        # A read-only console: the control keys land here instead (check_action picks which binding is live).
+        *(
+            Binding(key, f"read_only('{action}')", show=False, tooltip=READ_ONLY_NOTE)
+            for action, key in CONTROL_KEYS.items()
+        ),
     ]
 
     def __init__(
@@ -184,9 +209,15 @@ class AerieApp(App[int]):
         theme: str | None = None,
         alerts: bool = True,
         user_config: dict | None = None,
+        read_only: bool = False,
+        via: str = "console",
     ) -> None:
         super().__init__()
         self.transport = transport
+        self.read_only = read_only
+        self.via = via
+        self.operator = audit.identity()
+        self.audit_trail = AuditTrail(transport)
         self.model = RunModel(transport)
         self.poll_s = poll_s
         self.themes = load_themes()
@@ -350,10 +381,11 @@ class AerieApp(App[int]):
 
     def _update_header(self) -> None:
         style = self.state_style
-        self._set_text(
-            "#header", header_text(self.model, self.transport.status.label(), self.size.width, style)
-        )
         self._set_text("#projection", projection_text(self.model, self.plan, self.size.width))
+        header = header_text(self.model, self.transport.status.label(), self.size.width, style)
+        if self.read_only:
+            header = Text.assemble(("READ-ONLY ", "bold reverse"), header)
+        self._set_text("#header", header)
         self._set_text("#status-line", status_text(self.model, self.poll_s, style))
 
     def _set_text(self, selector: str, text: Text) -> None:
@@ -380,9 +412,37 @@ class AerieApp(App[int]):
             self.notify("select a stage first (a family row is a group)", severity="warning")
         return st
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A read-only console: the control bindings are off (hidden from the footer), the refusals on."""
+        if action in CONTROL_KEYS:
+            return not self.read_only
+        if action == "read_only":
+            return self.read_only
+        return True
+
+    def refuse_read_only(self, what: str) -> bool:
+        """True (after saying so) when this console is read-only: the caller sends nothing."""
+        if self.read_only:
+            sid = getattr(self.screen, "selected_stage_id", None)
+            with contextlib.suppress(NoMatches):
+                st = None if sid else self.query_one(StageBoard).selected_stage(self.model)
+                sid = st.id if st else sid
+            self.notify(
+                f"read-only: this console only watches; {what.replace('_', ' ')}{' ' + sid if sid else ''} "
+                "was not sent (attach without --read-only, or use the control token, to act)",
+                title="read-only",
+                severity="warning",
+            )
+        return self.read_only
+
+    def action_read_only(self, action: str) -> None:
+        self.refuse_read_only(action)
+
     @work(group="ctl")
     async def run_ctl(self, action: str, stage_id: str, *extra: str) -> None:
-        res = await self.transport.ctl(action, stage_id, *extra)
+        if self.refuse_read_only(action):
+            return
+        res = await self.transport.ctl(action, stage_id, *extra, "--via", self.via, "--who", self.operator)
         if res.returncode == 0:
             self.notify(res.message or f"{action} {stage_id}: done", title=action)
         else:
@@ -396,9 +456,12 @@ class AerieApp(App[int]):
 
     @work(group="ctl")
     async def ensure_supervisor(self) -> None:
-        await self.transport.ctl("ensure")
+        if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
+            await self.transport.ctl("ensure")
 
     def action_pause(self) -> None:
+        if self.refuse_read_only("pause"):
+            return
         st = self._selected()
         if st is None:
             return
@@ -412,6 +475,8 @@ class AerieApp(App[int]):
             )
 
     def action_kill(self) -> None:
+        if self.refuse_read_only("kill"):
+            return
         st = self._selected()
         if st is None:
             return
@@ -432,11 +497,15 @@ class AerieApp(App[int]):
         )
 
     def action_retry(self) -> None:
+        if self.refuse_read_only("retry"):
+            return
         st = self._selected()
         if st is not None:
             self.run_ctl("retry", st.id)
 
     def action_retry_fresh(self) -> None:
+        if self.refuse_read_only("retry --fresh"):
+            return
         st = self._selected()
         if st is None:
             return
@@ -454,11 +523,15 @@ class AerieApp(App[int]):
         )
 
     def action_skip(self) -> None:
+        if self.refuse_read_only("skip"):
+            return
         st = self._selected()
         if st is not None:
             self.run_ctl("skip", st.id)
 
     def action_force(self) -> None:
+        if self.refuse_read_only("force"):
+            return
         st = self._selected()
         if st is None:
             return
@@ -532,6 +605,12 @@ class AerieApp(App[int]):
             if not board.select_key(sid):
                 self.notify(f"{sid} is not on the board", severity="warning")
 
+    def action_audit(self) -> None:
+        if isinstance(self.screen, AuditScreen):
+            self.screen.dismiss(None)
+        else:
+            self.push_screen(AuditScreen(self.audit_trail))
+
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.add_class("visible")
@@ -594,6 +673,7 @@ class AerieApp(App[int]):
             ("Open server log", "the inference server's log", self.action_server_log),
             ("Dataset progress", "per-dataset rows, rate, ETA, rejects", self.action_datasets),
             ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
+            ("Audit log", "who did what to which stage, from where, and the outcome", self.action_audit),
             ("Filter stages", "filter the board by id or state", self.action_filter),
             ("Go to alerted stage", "select the stage of the latest alert", self.action_alert_stage),
             ("Help", "every key of this screen", self.action_help),

@@ -8,6 +8,13 @@ stages and has no login, so it is reached through an SSH port-forward
 unless the operator says so explicitly (``--allow-remote``), and then every request must carry a
 token (``?token=`` once, then an HttpOnly cookie).
 
+Watchers: ``--read-only`` makes every browser console a read-only one (``aerie attach --read-only``:
+everything shown, every control key refused, nothing sent). With a second, view-only token
+(``--view-token-file`` or ``$AERIE_SERVE_VIEW_TOKEN``) one server serves both: every request needs a
+token (on loopback too), and the token a session presents picks its console — the control token a
+full one, the view token a read-only one. There is no HTTP control endpoint to guard: control is keys
+typed into the session's console process, so a view token's console is started read-only.
+
 No console outlives the server, however the server ends and however the browser went away: each
 console runs in its own process group, recorded when it is started; the server sends that group
 SIGTERM (then SIGKILL) when it shuts down, and the kernel sends the console SIGKILL if the server
@@ -63,37 +70,47 @@ def is_loopback(host: str) -> bool:
     return True
 
 
-def read_token(token_file: str | None) -> tuple[str, bool]:
-    """The access token and whether it was generated here: from ``token_file``, else ``$AERIE_SERVE_TOKEN``,
+def read_token(
+    token_file: str | None, env: str = "AERIE_SERVE_TOKEN", flag: str = "--token-file"
+) -> tuple[str, bool]:
+    """The access token and whether it was generated here: from ``token_file``, else ``$env``,
     else a fresh random one (printed once, with the URL, to the operator's terminal)."""
     if token_file:
         try:
             token = Path(token_file).expanduser().read_text().strip()
         except OSError as exc:
-            raise ServeError(
-                f"--token-file {token_file}: cannot read the token: {exc.strerror or exc}"
-            ) from None
+            raise ServeError(f"{flag} {token_file}: cannot read the token: {exc.strerror or exc}") from None
         if len(token) < 16:
-            raise ServeError(f"--token-file {token_file}: the token must be at least 16 characters")
+            raise ServeError(f"{flag} {token_file}: the token must be at least 16 characters")
         return token, False
-    if os.environ.get("AERIE_SERVE_TOKEN"):
-        token = os.environ["AERIE_SERVE_TOKEN"].strip()
+    if os.environ.get(env):
+        token = os.environ[env].strip()
         if len(token) < 16:
-            raise ServeError("AERIE_SERVE_TOKEN: the token must be at least 16 characters")
+            raise ServeError(f"{env}: the token must be at least 16 characters")
         return token, False
     return secrets.token_urlsafe(24), True
 
 
-def console_command(run: str, theme: str | None, poll_s: float) -> str:
-    """The shell command textual-serve runs for each browser session."""
-    argv = [sys.executable, "-m", "console.cli", "attach", run, "--poll", f"{poll_s:g}"]
+def view_token(view_token_file: str | None) -> str | None:
+    """The view-only token, when the operator gave one (``--view-token-file``, ``$AERIE_SERVE_VIEW_TOKEN``)."""
+    if not view_token_file and not os.environ.get("AERIE_SERVE_VIEW_TOKEN"):
+        return None
+    return read_token(view_token_file, "AERIE_SERVE_VIEW_TOKEN", "--view-token-file")[0]
+
+
+def console_command(run: str, theme: str | None, poll_s: float, read_only: bool = False) -> str:
+    """The shell command textual-serve runs for each browser session (its actions audited as ``browser``)."""
+    argv = [sys.executable, "-m", "console.cli", "attach", run, "--poll", f"{poll_s:g}", "--via", "browser"]
     if theme:
         argv += ["--theme", theme]
+    if read_only:
+        argv.append("--read-only")
     return shlex.join(argv)
 
 
 _PR_SET_PDEATHSIG = 1
 COOKIE = "aerie_token"
+READ_ONLY_KEY = "aerie_read_only"  # the request's role, set by the token gate
 
 
 def _child_setup(parent: int) -> None:
@@ -154,10 +171,17 @@ def _group_alive(pgid: int) -> bool:
 
 
 def make_server(
-    command: str, host: str, port: int, title: str, token: str | None, groups: ConsoleGroups
+    command: str,
+    host: str,
+    port: int,
+    title: str,
+    tokens: dict[str, bool] | None,
+    groups: ConsoleGroups,
+    view_command: str | None = None,
 ) -> Any:
-    """A textual-serve Server whose consoles are recorded, own their group, die with it, and (with a
-    token) that answers only requests carrying the token."""
+    """A textual-serve Server whose consoles are recorded, own their group, die with it, and (with
+    ``tokens``: token -> read-only) that answers only requests carrying one of them. A session whose
+    token is read-only runs ``view_command`` (the read-only console) instead of ``command``."""
     from aiohttp import web
     from textual_serve.app_service import AppService
     from textual_serve.server import Server
@@ -184,8 +208,8 @@ def make_server(
     class _Server(Server):
         async def _make_app(self) -> web.Application:
             app = await super()._make_app()
-            if token is not None:
-                app.middlewares.append(_token_gate(token))
+            if tokens:
+                app.middlewares.append(_token_gate(tokens))
             app.on_shutdown.append(lambda _app: asyncio.to_thread(groups.stop_all))
             return app
 
@@ -201,8 +225,9 @@ def make_server(
 
             try:
                 await websocket.prepare(request)
+                read_only = bool(request.get(READ_ONLY_KEY)) and view_command is not None
                 app_service = _AppService(
-                    self.command,
+                    view_command if read_only and view_command else self.command,
                     write_bytes=websocket.send_bytes,
                     write_str=websocket.send_str,
                     close=close,
@@ -233,10 +258,12 @@ def _to_int(value: str, default: int) -> int:
         return default
 
 
-def _token_gate(token: str) -> Any:
+def _token_gate(tokens: dict[str, bool]) -> Any:
+    """Middleware: a request needs one of ``tokens`` (query, cookie or bearer); its role (read-only or
+    not) is put on the request for the websocket handler."""
     from aiohttp import web
 
-    expected = token.encode()
+    known = [(t.encode(), ro) for t, ro in tokens.items()]
 
     @web.middleware
     async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -244,14 +271,19 @@ def _token_gate(token: str) -> Any:
         auth = request.headers.get("Authorization", "")
         if not given and auth.startswith("Bearer "):
             given = auth[7:]
-        if not hmac.compare_digest(given.encode(), expected):
+        role = None
+        for expected, ro in known:  # every token compared, in constant time each
+            if hmac.compare_digest(given.encode(), expected):
+                role = ro
+        if role is None:
             raise web.HTTPUnauthorized(
                 text="aerie serve: this console needs its token (open the URL with "
                 "?token=... that aerie serve printed)\n"
             )
+        request[READ_ONLY_KEY] = role
         resp = await handler(request)
         if request.query.get("token") and not resp.prepared:
-            resp.set_cookie(COOKIE, token, httponly=True, samesite="Strict")
+            resp.set_cookie(COOKIE, given, httponly=True, samesite="Strict")
         return resp
 
     return gate
@@ -265,34 +297,65 @@ def serve(
     poll_s: float,
     allow_remote: bool = False,
     token_file: str | None = None,
+    read_only: bool = False,
+    view_token_file: str | None = None,
 ) -> int:
     """Serve until interrupted (Ctrl-C or SIGTERM); returns the exit code."""
-    token: str | None = None
-    generated = False
     if not allow_remote:
         check_loopback(host)
-    elif not is_loopback(host):
-        token, generated = read_token(token_file)
+    view = view_token(view_token_file)
+    if view is not None and read_only:
+        raise ServeError(
+            "--view-token-file with --read-only: every console is read-only already; give the token with "
+            "--token-file (or $AERIE_SERVE_TOKEN)"
+        )
+    tokens: dict[str, bool] = {}
+    generated = False
+    control: str | None = None
+    if view is not None or not is_loopback(host):
+        control, generated = read_token(token_file)
+        if view is not None and hmac.compare_digest(control.encode(), view.encode()):
+            raise ServeError("the view-only token must differ from the control token")
+        tokens[control] = read_only
+        if view is not None:
+            tokens[view] = True
     # The per-session console imports `console` from this checkout, whatever the browser's cwd.
     os.environ["PYTHONPATH"] = str(ROOT) + (
         os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
     )
     groups = ConsoleGroups()
-    server = make_server(console_command(run, theme, poll_s), host, port, f"Aerie — {run}", token, groups)
+    server = make_server(
+        console_command(run, theme, poll_s, read_only),
+        host,
+        port,
+        f"Aerie — {run}" + (" (read-only)" if read_only else ""),
+        tokens or None,
+        groups,
+        view_command=console_command(run, theme, poll_s, read_only=True),
+    )
     where = f"http://{host}:{port}/"
-    if token is not None:
-        where += f"?token={token}" if generated else "?token=<the token from your token file>"
-        print(
-            f"aerie serve: WARNING: serving on {host}, not loopback: anyone who has the token can kill "
-            "stages",
-            file=sys.stderr,
-            flush=True,
-        )
+    kind = "read-only console" if read_only else "console"
+    if control is not None:
+        if not read_only and not is_loopback(host):
+            print(
+                f"aerie serve: WARNING: serving on {host}, not loopback: anyone who has the control token "
+                "can kill stages",
+                file=sys.stderr,
+                flush=True,
+            )
+        where += f"?token={control}" if generated else "?token=<the token from your token file>"
     print(
-        f"aerie serve: the console for {run} at {where} (Ctrl-C stops serving; the run keeps going)",
+        f"aerie serve: the {kind} for {run} at {where} (Ctrl-C stops serving; the run keeps going)",
         file=sys.stderr,
         flush=True,
     )
+    if view is not None:
+        print(
+            f"aerie serve: view-only: http://{host}:{port}/?token=<the token from your view token file> "
+            "gets a read-only console",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         server.serve()
     finally:

@@ -3,11 +3,13 @@
     aerie demo [--headless]                 the embedded demo run (bundled data, no GPU, no SSH)
     aerie run PLAN [--headless]             create/attach the plan's run, start its supervisor, watch it
     aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
+                                            --read-only: watch only; every control key is refused
                                             RUN may be ssh://[user@]host[:port]/path or an ssh PLAN
     aerie preflight PLAN                    ssh plans: bootstrap the host and check it, start nothing;
                                             slurm plans: sinfo, a probe job (shared run dir, imports)
     aerie serve RUN [--port 8000]           the console in a web browser, on 127.0.0.1 (textual-serve)
-    aerie status RUN [--json]               one line (or JSON object) per stage
+                                            --read-only, or a view-only token: --view-token-file
+    aerie status RUN [--json]               one line (or JSON object) per stage, then the audit log's last entries
     aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
     aerie plan check PLAN                   validate a plan and print its DAG (--show-defaults: every setting)
 
@@ -28,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 from console.transport import LocalTransport, Transport, start_local_run
+from pipeline.run import audit
 from pipeline.run import plan as plan_mod
 from pipeline.run.plan_sections import render_settings
 from pipeline.run.projection import RunProjection
@@ -50,17 +53,24 @@ def err(text: str) -> None:
     print(f"aerie: error: {text}", file=sys.stderr)
 
 
-def _watch(run_root: Path | Transport, headless: bool, theme: str | None, poll_s: float) -> int:
+def _watch(
+    run_root: Path | Transport,
+    headless: bool,
+    theme: str | None,
+    poll_s: float,
+    read_only: bool = False,
+    via: str = "console",
+) -> int:
     transport = LocalTransport(str(run_root)) if isinstance(run_root, Path) else run_root
     if headless:
         from console.headless import run_headless
 
-        return run_headless(transport)
+        return run_headless(transport, read_only=read_only)
     from console.app import AerieApp
 
     if theme and _bad_theme(theme):
         return EXIT_USAGE
-    app = AerieApp(transport, poll_s=poll_s, theme=theme)
+    app = AerieApp(transport, poll_s=poll_s, theme=theme, read_only=read_only, via=via)
     rc = app.run()
     return rc or 0
 
@@ -93,6 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.poll,
             allow_remote=args.allow_remote,
             token_file=args.token_file,
+            read_only=args.read_only,
+            view_token_file=args.view_token_file,
         )
     except ServeError as exc:
         err(str(exc))
@@ -157,11 +169,13 @@ def cmd_attach(args: argparse.Namespace) -> int:
         from console.ssh.commands import attach_transport
 
         t = attach_transport(args.run)
-        return t if isinstance(t, int) else _watch(t, args.headless, args.theme, args.poll)
+        if isinstance(t, int):
+            return t
+        return _watch(t, args.headless, args.theme, args.poll, args.read_only, args.via)
     run = _open_run(args.run)
     if run is None:
         return EXIT_USAGE
-    return _watch(run.root, args.headless, args.theme, args.poll)
+    return _watch(run.root, args.headless, args.theme, args.poll, args.read_only, args.via)
 
 
 def _ctl(run: RunDir, *argv: str) -> tuple[int, str, str]:
@@ -181,6 +195,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if run is None:
             return EXIT_USAGE
         state = _local_state(run)
+        if "audit" not in state:  # ctl status could not run: read the log here
+            state["audit"] = audit.status_section(run.root)
     stages = state.get("stages", [])
     projection = state.get("projection")
     if args.json:
@@ -209,7 +225,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 )
             )  # a Slurm stage's job id
         if isinstance(projection, dict):
-            print(json.dumps({"projection": projection}))  # the last line: the run as a whole
+            print(json.dumps({"projection": projection}))  # after the stages: the run as a whole
+        _print_audit(state.get("audit"), as_json=True)
         return EXIT_OK
     for st in stages:
         prog = st.get("progress") or {}
@@ -220,6 +237,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if isinstance(projection, dict):
         print()
         print("\n".join(projection_report(projection)))
+    _print_audit(state.get("audit"))
     return EXIT_OK
 
 
@@ -247,8 +265,20 @@ def projection_report(d: dict) -> list[str]:
         return [f"projection: unreadable ({type(exc).__name__}: {exc})"]
 
 
+def _print_audit(section: dict | None, as_json: bool = False) -> None:
+    """The audit log's last entries after the stages (``--json``: a last line ``{"audit": …}``); a host
+    whose pipeline predates the audit log sends no section."""
+    if section is not None:
+        lines = [json.dumps({"audit": section})] if as_json else audit.section_lines(section)
+        if lines:
+            print("\n".join(lines))
+        for problem in section.get("problems", []):
+            print(f"aerie: warning: {problem}", file=sys.stderr)
+
+
 def cmd_control(args: argparse.Namespace) -> int:
     extra = ["--fresh"] if getattr(args, "fresh", False) else []
+    extra += ["--via", "cli", "--who", audit.identity()]
     if _remote(args.run):
         from console.ssh.commands import remote_ctl
 
@@ -349,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("attach", help="watch an existing run")
     p.add_argument("run")
     watch_opts(p)
+    p.add_argument(
+        "--read-only",
+        action="store_true",
+        help="watch only: every control action (pause, kill, retry, skip, force) is refused, nothing is sent",
+    )
+    p.add_argument("--via", choices=("console", "browser"), default="console", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_attach)
 
     p = sub.add_parser(
@@ -369,11 +405,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --allow-remote: file holding the token (else $AERIE_SERVE_TOKEN, else a random one)",
     )
+    p.add_argument(
+        "--read-only",
+        action="store_true",
+        help="every browser console only watches: control actions are refused",
+    )
+    p.add_argument(
+        "--view-token-file",
+        default=None,
+        help="file holding a second, view-only token (else $AERIE_SERVE_VIEW_TOKEN): its holders get a "
+        "read-only console, holders of the control token a full one; every request then needs a token",
+    )
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("status", help="print every stage's state")
     p.add_argument("run")
-    p.add_argument("--json", action="store_true", help="one JSON object per stage")
+    p.add_argument(
+        "--json", action="store_true", help='one JSON object per stage, then one {"audit": …} line'
+    )
     p.set_defaults(fn=cmd_status)
 
     for action in CONTROL_ACTIONS:

@@ -26,13 +26,15 @@ async def follow(
     poll_s: float = 0.5,
     every_s: float = 10.0,
     timeout_s: float | None = None,
+    read_only: bool = False,
 ) -> int:
     model = RunModel(transport, backfill=False)  # no curves here: no need for the metric history's past
     seen_state: dict[str, tuple[str, int]] = {}
     seen_events: dict[str, float] = {}
     last_progress: dict[str, float] = {}
     warned: dict[tuple[str, int], int] = {}
-    await transport.ctl("ensure")
+    if not read_only:  # a read-only watcher does not even restart a dead supervisor
+        await transport.ctl("ensure")
     start = time.monotonic()
 
     def emit(text: str) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from textual.screen import Screen
 
+from console.screens.audit import AuditScreen
 from console.screens.datasets import DatasetsScreen
 from console.screens.logview import LogScreen
 from console.screens.metrics import MetricsScreen
@@ -34,6 +35,11 @@ def screen_commands(screen: Screen) -> list[Command]:
         cmds += [
             ("Datasets: open log", "the selected stage's log", screen.action_log),
             ("Datasets: back", "back to the board", screen.action_close),
+        ]
+    if isinstance(screen, AuditScreen):
+        cmds += [
+            ("Audit: newest entry", "follow the newest entry", screen.action_follow),
+            ("Audit: back", "back to the board", screen.action_close),
         ]
     if isinstance(screen, MetricsScreen):
         cmds += [

@@ -21,6 +21,7 @@ from console.app import AerieApp
 from console.cli import main as cli_main
 from console.datasets import dataset_rows
 from console.model import Progress, RunModel, StageView
+from console.screens.audit import AuditScreen
 from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import HelpScreen
 from console.screens.logview import LogScreen
@@ -349,7 +350,7 @@ async def test_dataset_screen_lists_the_preps_and_opens_a_log(tmp_path: Path) ->
 
 
 # ------------------------------------------------------------------------------ help and palette
-NOT_COMMANDS = {"clear_filter", "back", "help"}  # Esc and ?: keys, not palette commands
+NOT_COMMANDS = {"clear_filter", "back", "help", "read_only"}  # Esc, ?, a read-only console's refusals
 
 
 async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path) -> None:
@@ -364,6 +365,7 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
             ("d", (DatasetsScreen,)),
             ("l", (LogScreen, LogView)),
             ("m", (MetricsScreen,)),
+            ("A", (AuditScreen,)),
         ):
             if key == "l":
                 await pilot.press("down")  # a stage, not the family row
@@ -380,7 +382,7 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
             shown = {k for label in labels for k in label.split(" / ")}
             groups = [line for line in help_text.splitlines() if line.startswith("[")]
             assert groups[:1] == ["[Navigate]"] and "[Views]" in groups, groups
-            if key != "d":
+            if key not in ("d", "A"):
                 assert "[Control the selected stage]" in groups
             for internal in ("cursor", "(-", "Scroll Left", "Page Left", "Focus Next", "k_up", "pgup", "^p"):
                 assert internal not in help_text, f"{internal!r} is framework talk, in the help of {screen}"
@@ -400,7 +402,7 @@ async def test_help_lists_every_key_and_the_palette_every_action(tmp_path: Path)
                         assert getattr(target, f"action_{action}") in callbacks, (
                             f"no palette command for {action} on {type(screen).__name__}"
                         )
-            while isinstance(app.screen, (LogScreen, DatasetsScreen, MetricsScreen)):
+            while isinstance(app.screen, (LogScreen, DatasetsScreen, MetricsScreen, AuditScreen)):
                 app.screen.dismiss(None)
                 await pilot.pause(0.2)
 

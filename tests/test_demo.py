@@ -55,7 +55,8 @@ def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
         env=env,
     )
     assert status.returncode == 0
-    *rows, last = status.stdout.splitlines()  # a line per stage, then the run's projection
+    *rows, last, audit = status.stdout.splitlines()  # a line per stage, the run's projection, the audit log
     assert len(rows) == len(states)
     projection = json.loads(last)["projection"]
+    assert json.loads(audit)["audit"]["total"] == 0  # nobody paused, killed or retried anything
     assert projection["finished"] and projection["will_finish"] and projection["progress"] == 1.0

@@ -236,9 +236,11 @@ def test_aerie_status_json_carries_the_projection(tmp_path: Path) -> None:
         text=True,
         check=True,
     ).stdout.splitlines()
-    stages = [json.loads(line) for line in out[:-1]]
-    proj = json.loads(out[-1])["projection"]
-    assert len(stages) == 12 and all("id" in s for s in stages)
+    lines = [json.loads(line) for line in out]  # a line per stage, then the projection, then the audit log
+    stages = [d for d in lines if "id" in d]
+    (proj,) = [d["projection"] for d in lines if "projection" in d]
+    assert list(lines[-1]) == ["audit"] and "projection" in lines[-2]
+    assert len(stages) == 12
     assert proj["blocked"] == ["prep.sharegpt", "prep.codefeedback"] and proj["will_finish"] is False
     assert proj["stages_done"] == 8 and proj["stages_total"] == 12 and proj["disk_at_finish"] > 0
     text = subprocess.run(

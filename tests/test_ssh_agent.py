@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.run.remote_agent import read_many
+from pipeline.run.remote_agent import PROTOCOL, read_many
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_reads_from_offsets_and_refuses_paths_outside_the_run(tmp_path: Path) ->
     )
     assert rc == 0  # stdin closed: the agent exits cleanly
     by_id = {a["id"]: a for a in answers}
-    assert by_id[1]["ok"] and by_id[1]["protocol"] == 1 and by_id[1]["exists"] is True
+    assert by_id[1]["ok"] and by_id[1]["protocol"] == PROTOCOL and by_id[1]["exists"] is True
     (data, size, ino), (missing, msize, _) = by_id[2]["results"]
     assert (
         base64.b64decode(data) == ev.read_bytes()[25:]

@@ -99,6 +99,10 @@ def test_preflight_run_status_and_attach_from_the_command_line(alias_plan):
 
     p = aerie("kill", url, "make")
     assert p.returncode == 3 and "not running" in p.stderr
+    p = aerie("status", url)  # the refusal is in the host's audit log, shown from here
+    assert (
+        "audit log (last 1 of 1" in p.stdout and "via cli  kill make  refused: make is succeeded" in p.stdout
+    )
 
     p = aerie("attach", str(plan), "--headless", "--poll", "0.2")
     assert p.returncode == 0 and "run succeeded" in p.stdout

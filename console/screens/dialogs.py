@@ -71,7 +71,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "next_stage",
     ),
     "Find": ("filter", "search", "next", "previous", "first_error"),
-    "Control the selected stage": ("pause", "kill", "retry", "retry_fresh", "skip", "force"),
+    "Control the selected stage": ("pause", "kill", "retry", "retry_fresh", "skip", "force", "read_only"),
     "Views": (),
 }
 FRAMEWORK_ACTIONS = (

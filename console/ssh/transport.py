@@ -33,7 +33,7 @@ import asyncssh
 from console.ssh.connection import HostConnection, NotConnected, SshError, remote_python
 from console.transport import ConnectionStatus, CtlResult, ReadResult
 
-AGENT_PROTOCOL = 1  # must equal pipeline.run.remote_agent.PROTOCOL (checked at every agent start)
+AGENT_PROTOCOL = 2  # must equal pipeline.run.remote_agent.PROTOCOL (checked at every agent start)
 LAYOUT_FILE = ".aerie/layout.json"
 EXIT_UNREACHABLE = 255  # like ssh(1): the command could not be delivered
 CALL_TIMEOUT_S = 60.0

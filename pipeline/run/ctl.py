@@ -4,9 +4,15 @@ The console and the ``aerie`` CLI never signal processes themselves: they run th
 subprocess, or through the SSH connection on the container). It validates the stage id, queues a
 request in the run dir, makes sure a supervisor is running, and waits for the supervisor's answer.
 
-Actions: ``status`` (prints state.json, with the run's ``projection``: :mod:`pipeline.run.run_projection`), ``ensure`` (start a supervisor if none holds the lock),
+Actions: ``status`` (prints state.json, with the run's ``projection``: :mod:`pipeline.run.run_projection`,
+and the audit log's last entries), ``ensure`` (start a supervisor if none holds the lock),
 ``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
 admission checks: disk budget, GPU guard; recorded in the stage's events).
+
+Every control action is recorded in ``RUN/audit.jsonl`` (:mod:`pipeline.run.audit`): the front end
+says which it is (``--via console|cli|browser``) and who its operator is (``--who user@host``, default
+the account running this); the supervisor records the outcome when it acts, this records a request
+refused before it was queued and one that timed out.
 
 Exit codes: 0 done; 2 usage error, unknown run or unknown stage; 3 refused by the supervisor
 (e.g. pausing a stage that is not running); 4 no answer from the supervisor in time.
@@ -20,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.run import audit
 from pipeline.run.run_projection import run_projection
 from pipeline.run.run_setup import spawn_detached, supervisor_alive
 from pipeline.run.rundir import RunDir, read_json
@@ -61,6 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stage", nargs="?")
     ap.add_argument("--fresh", action="store_true", help="retry: clear the stage's outputs first")
     ap.add_argument("--timeout", type=float, default=15.0)
+    ap.add_argument(
+        "--via",
+        choices=audit.FRONT_ENDS,
+        default="ctl",
+        help="the front end that sent the action (audit log)",
+    )
+    ap.add_argument(
+        "--who", default=None, help="the operator, user@host where the front end runs (audit log)"
+    )
     args = ap.parse_args(argv)
     run = RunDir(args.run)
     if not run.exists():
@@ -70,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         state = read_json(run.state_path) or {"stages": []}
         state["supervisor_alive"] = supervisor_alive(run)
         state["projection"] = run_projection(run, state, time.time())
+        state["audit"] = audit.status_section(run.root)
         print(json.dumps(state))
         return EXIT_OK
     if args.action == "ensure":
@@ -79,14 +96,28 @@ def main(argv: list[str] | None = None) -> int:
     if not args.stage:
         print(f"error: {args.action} needs a stage id", file=sys.stderr)
         return EXIT_USAGE
-    if args.stage not in run.stage_ids():
-        print(
-            f"error: {run.root}: unknown stage {args.stage!r} (stages: {', '.join(run.stage_ids())})",
-            file=sys.stderr,
+    who, account = (args.who or audit.identity())[:200], audit.identity()
+    fresh = bool(args.fresh and args.action == "retry")
+
+    def record(outcome: str, message: str) -> None:
+        audit.append(
+            run.root,
+            audit.entry(
+                args.action, args.stage, outcome, message, via=args.via, who=who, account=account, fresh=fresh
+            ),
         )
+
+    if args.stage not in run.stage_ids():
+        msg = f"{run.root}: unknown stage {args.stage!r} (stages: {', '.join(run.stage_ids())})"
+        record("refused", f"unknown stage {args.stage!r}")
+        print(f"error: {msg}", file=sys.stderr)
         return EXIT_USAGE
-    extra = {"fresh": True} if args.fresh else {}
+    extra: dict[str, object] = {"via": args.via, "who": who, "account": account}
+    if fresh:
+        extra["fresh"] = True
     code, msg = request(run, args.action, args.stage, timeout_s=args.timeout, **extra)
+    if code == EXIT_TIMEOUT:
+        record("timed out", msg)
     print(msg if code == EXIT_OK else f"error: {msg}", file=sys.stdout if code == EXIT_OK else sys.stderr)
     return code
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.run.files import append_line
+
 EVENT_TYPES = ("started", "progress", "metric", "message", "health", "finished")
 LEVELS = ("info", "warning", "error")
 HEALTH_STATES = ("starting", "ready", "unhealthy", "stopped")
@@ -112,19 +114,7 @@ class EventWriter:
 
         A write that fails part-way (``ENOSPC`` after some bytes reached the file) is rolled back with
         ``ftruncate`` to where the line started, then the error is raised."""
-        data = (ev.to_json() + "\n").encode()
-        n = os.write(self._fd, data)
-        if n == len(data):
-            return
-        end = os.lseek(self._fd, 0, os.SEEK_CUR)  # O_APPEND: our bytes end here
-        start = end - n
-        try:
-            while n < len(data):
-                n += os.write(self._fd, data[n:])
-        except OSError:
-            if os.fstat(self._fd).st_size == start + n:  # nobody appended after us meanwhile
-                os.ftruncate(self._fd, start)
-            raise
+        append_line(self._fd, (ev.to_json() + "\n").encode())
 
     def emit(self, type_: str, **data: Any) -> Event:
         ev = make(type_, **data)

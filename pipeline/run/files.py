@@ -7,6 +7,8 @@ The one place these are done (standard library only), for the run machinery and 
 * :func:`publish` — the same last step for a file a library wrote (Parquet, safetensors): fsync it,
   rename it to its name, optionally fsync the directory so the rename itself is durable;
 * :func:`swap_dir` — a finished directory (a checkpoint, the best draft) replaces the old one;
+* :func:`append_line` — one whole line appended to an ``O_APPEND`` file with a single ``write``, or
+  nothing (a write cut short by a full disk is rolled back);
 * :func:`sha256_file` — a file's sha256, read in 1 MiB blocks.
 """
 
@@ -84,6 +86,26 @@ def swap_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def append_line(fd: int, data: bytes) -> None:
+    """Append ``data`` (one line, newline included) to ``fd`` (opened ``O_APPEND``) whole, or nothing.
+
+    One ``write``, so concurrent appenders never interleave bytes. A write that fails part-way
+    (``ENOSPC`` after some bytes reached the file) is rolled back with ``ftruncate`` to where the line
+    started, then the error is raised: a full disk never leaves a torn line behind."""
+    n = os.write(fd, data)
+    if n == len(data):
+        return
+    end = os.lseek(fd, 0, os.SEEK_CUR)  # O_APPEND: our bytes end here
+    start = end - n
+    try:
+        while n < len(data):
+            n += os.write(fd, data[n:])
+    except OSError:
+        if os.fstat(fd).st_size == start + n:  # nobody appended after us meanwhile
+            os.ftruncate(fd, start)
+        raise
 
 
 def sha256_file(path: Path) -> str:

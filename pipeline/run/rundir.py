@@ -8,6 +8,7 @@ The run directory on the executing host is the single source of truth. Layout::
       supervisor.json           pid/pgid/start time of the live supervisor; supervisor.lock (flock)
       supervisor.log
       requests/<ts>-<n>.json    control requests (pause/resume/kill/retry), consumed by the supervisor
+      audit.jsonl               every control action: who, from which front end, its outcome (append-only)
       stages/<id>/
         spec.json               the expanded stage spec
         attempt.json            current attempt number (+ fresh flag) — bumped by retry

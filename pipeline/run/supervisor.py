@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.run import nospace
+from pipeline.run import audit, nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter
 from pipeline.run.executor import Executor, make_executor
@@ -226,6 +226,8 @@ class Supervisor:
             except SupervisorError as exc:
                 ok, msg = False, str(exc)
             self.log(f"request {action} {sid}: {'ok' if ok else 'refused'}: {msg}")
+            # the audit line before `done`: a crash in between may repeat it, never lose it
+            audit.record_request(self.run.root, req, ok, msg)
             write_json(done_dir / path.name, {**req, "ok": ok, "message": msg, "done_t": time.time()})
             path.unlink(missing_ok=True)
         return handled

@@ -1,0 +1,87 @@
+"""The run's audit log as the console reads it: ``RUN/audit.jsonl`` through the transport, incrementally.
+
+Like the model's event streams, it asks the transport for the bytes appended since its offset (so over
+SSH only new lines cross the link) and keeps the last :attr:`AuditTrail.KEEP` entries, whatever the
+log's length; attaching to a long run starts at the log's last 256 KiB. An unreadable line is named in
+:attr:`AuditTrail.problems`; an unterminated last line — a write a crash cut short — in
+:attr:`AuditTrail.torn` (never shown as an entry). Parsing is :func:`pipeline.run.audit.parse`, the one
+the CLI uses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from console.transport import Transport
+from pipeline.run.audit import AUDIT_FILE, TAIL_BYTES, AuditEntry, parse
+
+
+class AuditTrail:
+    KEEP = 1000  # entries kept
+    MAX_PROBLEMS = 20
+    CHUNK = 1 << 20  # bytes read per poll
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.entries: deque[AuditEntry] = deque(maxlen=self.KEEP)
+        self.problems: deque[str] = deque(maxlen=self.MAX_PROBLEMS)
+        self.torn: str | None = None
+        self.total = 0  # entries read since attaching (the log may hold more before the tail read)
+        self.loaded = False  # one poll answered
+        self.exists = False
+        self.skipped_head = False  # attached past the start of a long log
+        self._offset = 0
+        self._line = 1
+        self._ino = 0
+
+    async def poll(self) -> bool:
+        """Read what was appended; True when something changed."""
+        res = (await self.transport.read_many([(AUDIT_FILE, self._offset)], max_bytes=self.CHUNK))[0]
+        first = not self.loaded
+        self.loaded = True
+        if res.size < 0:
+            self.exists = False
+            return first
+        self.exists = True
+        if res.size < self._offset or (self._ino and res.ino and res.ino != self._ino):
+            self._reset()  # replaced or cut (someone rotated it): read it again, from its start
+            await self.poll()
+            return True
+        self._ino = res.ino or self._ino
+        data = res.data
+        if self._offset == 0 and res.size > TAIL_BYTES and not self.skipped_head:
+            self.skipped_head = True
+            self._offset = res.size - TAIL_BYTES
+            data = (await self.transport.read_many([(AUDIT_FILE, self._offset)], max_bytes=TAIL_BYTES))[
+                0
+            ].data
+            cut = data.find(b"\n") + 1  # from the first whole line
+            self._offset += cut
+            data = data[cut:]
+        end = data.rfind(b"\n") + 1
+        complete, tail = data[:end], data[end:]
+        torn = None
+        if tail and self._offset + len(data) >= res.size:  # an unterminated last line of the file
+            torn = parse(tail, first_line=self._line + complete.count(b"\n"), where=self._where).problems[0]
+        changed = bool(complete) or torn != self.torn
+        self.torn = torn
+        if complete:
+            read = parse(complete, first_line=self._line, where=self._where)
+            self.entries.extend(read.entries)
+            self.problems.extend(read.problems)
+            self.total += len(read.entries)
+            self._line += complete.count(b"\n")
+            self._offset += len(complete)
+        return changed or first
+
+    @property
+    def _where(self) -> str:
+        return f"{AUDIT_FILE} (from its last 256 KiB)" if self.skipped_head else AUDIT_FILE
+
+    def _reset(self) -> None:
+        self.entries.clear()
+        self.problems.clear()
+        self.torn = None
+        self.total = 0
+        self._offset, self._line, self._ino = 0, 1, 0
+        self.skipped_head = False
