@@ -21,21 +21,18 @@ that is not running); 4 the supervisor did not answer in time; 130 interrupted (
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import sys
 import time
 from importlib import resources
 from pathlib import Path
 
+from console.cli_common import err, open_run, remote, run_ctl
+from console.cli_status import cmd_status
 from console.transport import LocalTransport, Transport, start_local_run
 from pipeline.run import audit
 from pipeline.run import plan as plan_mod
 from pipeline.run.plan_sections import render_settings
-from pipeline.run.projection import RunProjection
-from pipeline.run.projection_text import status_lines
-from pipeline.run.rundir import RunDir, read_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 CONTROL_ACTIONS = ("pause", "resume", "kill", "retry", "skip", "force")
@@ -47,10 +44,6 @@ def aerie_home() -> Path:
 
 def demo_plan_path() -> Path:
     return Path(str(resources.files("pipeline") / "plans" / "demo.toml"))
-
-
-def err(text: str) -> None:
-    print(f"aerie: error: {text}", file=sys.stderr)
 
 
 def _watch(
@@ -90,7 +83,7 @@ def _bad_theme(theme: str) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from console.browser import ServeError, serve
 
-    if not _remote(args.run) and _open_run(args.run) is None:
+    if not remote(args.run) and open_run(args.run) is None:
         return EXIT_USAGE
     if args.theme and _bad_theme(args.theme):
         return EXIT_USAGE
@@ -151,135 +144,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _watch(started, args.headless, args.theme, args.poll)
 
 
-def _remote(arg: str) -> bool:
-    """A run named by ``ssh://host/path`` or by its plan file (console.ssh handles those)."""
-    return arg.startswith("ssh://") or (arg.endswith(".toml") and Path(arg).is_file())
-
-
-def _open_run(path: str) -> RunDir | None:
-    run = RunDir(path)
-    if not run.exists():
-        err(f"{run.root}: no such run (expected plan.toml and stages/ there)")
-        return None
-    return run
-
-
 def cmd_attach(args: argparse.Namespace) -> int:
-    if _remote(args.run):
+    if remote(args.run):
         from console.ssh.commands import attach_transport
 
         t = attach_transport(args.run)
         if isinstance(t, int):
             return t
         return _watch(t, args.headless, args.theme, args.poll, args.read_only, args.via)
-    run = _open_run(args.run)
+    run = open_run(args.run)
     if run is None:
         return EXIT_USAGE
     return _watch(run.root, args.headless, args.theme, args.poll, args.read_only, args.via)
 
 
-def _ctl(run: RunDir, *argv: str) -> tuple[int, str, str]:
-    res = asyncio.run(LocalTransport(str(run.root)).ctl(*argv))
-    return res.returncode, res.stdout, res.stderr
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    if _remote(args.run):
-        from console.ssh.commands import remote_state
-
-        state = remote_state(args.run)
-        if isinstance(state, int):
-            return state
-    else:
-        run = _open_run(args.run)
-        if run is None:
-            return EXIT_USAGE
-        state = _local_state(run)
-        if "audit" not in state:  # ctl status could not run: read the log here
-            state["audit"] = audit.status_section(run.root)
-    stages = state.get("stages", [])
-    projection = state.get("projection")
-    if args.json:
-        for st in stages:
-            print(
-                json.dumps(
-                    {
-                        **{
-                            k: st.get(k)
-                            for k in (
-                                "id",
-                                "state",
-                                "attempt",
-                                "pid",
-                                "pgid",
-                                "started_at",
-                                "finished_at",
-                                "returncode",
-                                "reason",
-                                "health",
-                                "progress",
-                            )
-                        },
-                        **({"job": st["job"]} if st.get("job") else {}),
-                    }
-                )
-            )  # a Slurm stage's job id
-        if isinstance(projection, dict):
-            print(json.dumps({"projection": projection}))  # after the stages: the run as a whole
-        _print_audit(state.get("audit"), as_json=True)
-        return EXIT_OK
-    for st in stages:
-        prog = st.get("progress") or {}
-        p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
-        print(
-            f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip()
-        )
-    if isinstance(projection, dict):
-        print()
-        print("\n".join(projection_report(projection)))
-    _print_audit(state.get("audit"))
-    return EXIT_OK
-
-
-def _local_state(run: RunDir) -> dict:
-    """``state.json`` with the run's projection, as ``ctl status`` makes them on the host (as over SSH);
-    ``state.json`` alone if that fails."""
-    rc, out, _err = _ctl(run, "status")
-    if rc == 0:
-        try:
-            state = json.loads(out)
-            if isinstance(state, dict):
-                return state
-        except ValueError:
-            pass
-    return read_json(run.state_path) or {"stages": []}
-
-
-def projection_report(d: dict) -> list[str]:
-    """``aerie status``'s projection lines (``pipeline.run.projection_text``), or why there is none."""
-    if "error" in d:
-        return [f"projection: none ({d['error']})"]
-    try:
-        return status_lines(RunProjection.from_dict(d))
-    except (TypeError, ValueError, KeyError) as exc:  # a host with another Aerie version
-        return [f"projection: unreadable ({type(exc).__name__}: {exc})"]
-
-
-def _print_audit(section: dict | None, as_json: bool = False) -> None:
-    """The audit log's last entries after the stages (``--json``: a last line ``{"audit": …}``); a host
-    whose pipeline predates the audit log sends no section."""
-    if section is not None:
-        lines = [json.dumps({"audit": section})] if as_json else audit.section_lines(section)
-        if lines:
-            print("\n".join(lines))
-        for problem in section.get("problems", []):
-            print(f"aerie: warning: {problem}", file=sys.stderr)
-
-
 def cmd_control(args: argparse.Namespace) -> int:
     extra = ["--fresh"] if getattr(args, "fresh", False) else []
     extra += ["--via", "cli", "--who", audit.identity()]
-    if _remote(args.run):
+    if remote(args.run):
         from console.ssh.commands import remote_ctl
 
         res = remote_ctl(args.run, args.action, args.stage, *extra)
@@ -287,10 +169,10 @@ def cmd_control(args: argparse.Namespace) -> int:
             return res
         rc, out, stderr = res.returncode, res.stdout, res.stderr
     else:
-        run = _open_run(args.run)
+        run = open_run(args.run)
         if run is None:
             return EXIT_USAGE
-        rc, out, stderr = _ctl(run, args.action, args.stage, *extra)
+        rc, out, stderr = run_ctl(run, args.action, args.stage, *extra)
     if out.strip():
         print(out.strip())
     if stderr.strip():

@@ -1,0 +1,33 @@
+"""What the ``aerie`` commands share: naming a run (a local directory or a remote one), opening it, and
+running ``pipeline.run.ctl`` on it locally; and the error line every command prints."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from console.transport import LocalTransport
+from pipeline.run.rundir import RunDir
+
+
+def err(text: str) -> None:
+    print(f"aerie: error: {text}", file=sys.stderr)
+
+
+def remote(arg: str) -> bool:
+    """A run named by ``ssh://host/path`` or by its plan file (console.ssh handles those)."""
+    return arg.startswith("ssh://") or (arg.endswith(".toml") and Path(arg).is_file())
+
+
+def open_run(path: str) -> RunDir | None:
+    run = RunDir(path)
+    if not run.exists():
+        err(f"{run.root}: no such run (expected plan.toml and stages/ there)")
+        return None
+    return run
+
+
+def run_ctl(run: RunDir, *argv: str) -> tuple[int, str, str]:
+    res = asyncio.run(LocalTransport(str(run.root)).ctl(*argv))
+    return res.returncode, res.stdout, res.stderr

@@ -1,0 +1,110 @@
+"""``aerie status``: every stage's row, then the run's projection, then the audit log's last entries (``--json``:
+a line per stage, then ``{"projection": …}``, then ``{"audit": …}``), made by ``ctl status`` on the executing host,
+locally or over SSH."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from console.cli_common import open_run, remote, run_ctl
+from pipeline.run import audit
+from pipeline.run.projection import RunProjection
+from pipeline.run.projection_text import status_lines
+from pipeline.run.rundir import RunDir, read_json
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if remote(args.run):
+        from console.ssh.commands import remote_state
+
+        state = remote_state(args.run)
+        if isinstance(state, int):
+            return state
+    else:
+        run = open_run(args.run)
+        if run is None:
+            return EXIT_USAGE
+        state = _local_state(run)
+        if "audit" not in state:  # ctl status could not run: read the log here
+            state["audit"] = audit.status_section(run.root)
+    stages = state.get("stages", [])
+    projection = state.get("projection")
+    if args.json:
+        for st in stages:
+            print(
+                json.dumps(
+                    {
+                        **{
+                            k: st.get(k)
+                            for k in (
+                                "id",
+                                "state",
+                                "attempt",
+                                "pid",
+                                "pgid",
+                                "started_at",
+                                "finished_at",
+                                "returncode",
+                                "reason",
+                                "health",
+                                "progress",
+                            )
+                        },
+                        **({"job": st["job"]} if st.get("job") else {}),
+                    }
+                )
+            )  # a Slurm stage's job id
+        if isinstance(projection, dict):
+            print(json.dumps({"projection": projection}))  # after the stages: the run as a whole
+        _print_audit(state.get("audit"), as_json=True)
+        return EXIT_OK
+    for st in stages:
+        prog = st.get("progress") or {}
+        p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
+        print(
+            f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip()
+        )
+    if isinstance(projection, dict):
+        print()
+        print("\n".join(projection_report(projection)))
+    _print_audit(state.get("audit"))
+    return EXIT_OK
+
+
+def _local_state(run: RunDir) -> dict:
+    """``state.json`` with the run's projection, as ``ctl status`` makes them on the host (as over SSH);
+    ``state.json`` alone if that fails."""
+    rc, out, _err = run_ctl(run, "status")
+    if rc == 0:
+        try:
+            state = json.loads(out)
+            if isinstance(state, dict):
+                return state
+        except ValueError:
+            pass
+    return read_json(run.state_path) or {"stages": []}
+
+
+def projection_report(d: dict) -> list[str]:
+    """``aerie status``'s projection lines (``pipeline.run.projection_text``), or why there is none."""
+    if "error" in d:
+        return [f"projection: none ({d['error']})"]
+    try:
+        return status_lines(RunProjection.from_dict(d))
+    except (TypeError, ValueError, KeyError) as exc:  # a host with another Aerie version
+        return [f"projection: unreadable ({type(exc).__name__}: {exc})"]
+
+
+def _print_audit(section: dict | None, as_json: bool = False) -> None:
+    """The audit log's last entries after the stages (``--json``: a last line ``{"audit": …}``); a host
+    whose pipeline predates the audit log sends no section."""
+    if section is not None:
+        lines = [json.dumps({"audit": section})] if as_json else audit.section_lines(section)
+        if lines:
+            print("\n".join(lines))
+        for problem in section.get("problems", []):
+            print(f"aerie: warning: {problem}", file=sys.stderr)
