@@ -40,12 +40,15 @@ class DatasetsScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="ds-title")
-        yield DataTable(cursor_type="row", zebra_stripes=True, id="ds-table")
+        table: DataTable = DataTable(cursor_type="row", zebra_stripes=True, id="ds-table")
+        # The columns exist before the screen mounts: the app's poll can sync a screen it has just pushed
+        # before its on_mount runs (rows then met a table without columns: "More values than columns").
+        table.add_columns(*COLUMNS)
+        yield table
         yield Footer()
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns(*COLUMNS)
         table.focus()
         self.sync(self.model)
 
