@@ -372,7 +372,20 @@ class BenchSection(Section):
     check_lossless: bool = setting(
         False, "offline: also decode without the draft and require the same tokens"
     )
-    concurrency: int = setting(8, "online: requests in flight", lo=1)
+    engine: str | None = setting(
+        None,
+        'where the draft is measured: "transformers" decodes here (offline), "sglang" drives the SGLang '
+        "server the stage uses (online); unset: from mode",
+        choices=("transformers", "sglang"),
+    )
+    concurrency: int = setting(8, "online: requests in flight while warming up", lo=1)
+    batches: tuple[int, ...] = setting(
+        (1, 8, 32),
+        "online: closed-loop request streams, measured in turn (tok/s and accept length at each)",
+        lo=1,
+        hi=4096,
+    )
+    requests_per_stream: int = setting(2, "online: greedy requests each stream sends one after another", lo=1)
     timeout_s: float = setting(600.0, "online: seconds one request may take", positive=True)
     parallel: str | None = setting(
         None, 'offline: "tp" runs the target tensor-parallel under torchrun', choices=("tp",)
@@ -380,6 +393,17 @@ class BenchSection(Section):
     tp_size: int | None = setting(
         None, "tensor-parallel ranks (unset: the stage's GPUs, else 1)", lo=1, hi=4096
     )
+
+    def check(self, file: Path | str, name: str) -> None:
+        if self.engine is not None and self.online != (self.mode == "online") and self.mode != "offline":
+            self.bad(file, f"{name}.engine", f"is {self.engine!r} but {name}.mode is {self.mode!r}; set one")
+        if not self.batches:
+            self.bad(file, f"{name}.batches", "expected a list of stream counts, got an empty list")
+
+    @property
+    def online(self) -> bool:
+        """Whether the bench drives a server (``engine = "sglang"`` or ``mode = "online"``)."""
+        return self.engine == "sglang" if self.engine is not None else self.mode == "online"
 
     def prompt_count(self, online: bool) -> int:
         return self.prompts or self.PROMPTS[online]

@@ -208,8 +208,9 @@ def planned_size(plan: Plan, spec: StageSpec) -> tuple[float, str] | None:
     if spec.run == "train":
         return float(s.train.steps), "steps"
     if spec.run == "bench":
-        online = s.bench.mode == "online"
-        return float(s.bench.prompt_count(online)), "requests" if online else "prompts"
+        if s.bench.online:  # every batch's streams, each sending its requests in turn
+            return float(sum(s.bench.batches) * s.bench.requests_per_stream), "requests"
+        return float(s.bench.prompt_count(False)), "prompts"
     return None
 
 

@@ -10,12 +10,14 @@ verify step, accepted + the target's own, at most ``steps + 1``) and ``accept_ra
 tokens accepted) — shown on the board — and writes ``results.json``. ``[bench] check_lossless``
 also decodes plainly and fails if the outputs differ (they never should).
 
-**online** (GPU only): see ``pipeline.stages.bench.online``; ``--label`` names the run (``plain`` /
-``eagle3``), the endpoint comes from the serve stage the bench stage ``uses``, and ``--baseline
-STAGE`` compares against an earlier online bench (speedup).
+**online** (``engine = "sglang"``, GPU only): see ``pipeline.stages.bench.online``; ``--label`` names the run
+(``plain`` / ``eagle3``), the endpoint comes from the serve stage the bench stage ``uses``, each of ``[bench]
+batches`` closed-loop streams is measured in turn, and ``--baseline STAGE`` compares against an earlier online
+bench (the speedup at each batch).
 
-Plan keys (``[bench]``): ``mode``, ``holdout`` (0.05), ``prompts`` (16), ``max_new_tokens`` (64),
-``steps`` (3), ``check_lossless`` (false), ``device``; online: ``concurrency``, ``timeout_s``.
+Plan keys (``[bench]``, all listed by ``aerie plan check --show-defaults``): ``engine`` / ``mode``, ``holdout``,
+``prompts``, ``max_new_tokens``, ``steps``, ``check_lossless``, ``device``; online: ``batches``,
+``requests_per_stream``, ``concurrency``, ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
-    mode = args.mode or ctx.plan.settings.bench.mode
+    mode = args.mode or ("online" if ctx.plan.settings.bench.online else "offline")
     inputs = [Path(p) for p in args.input] if args.input else [ctx.inputs[k] for k in sorted(ctx.inputs)]
     dist = Dist()
     try:

@@ -9,19 +9,24 @@ then ``--mode eagle3`` with the trained draft)::
                args = ["--mode", "online", "--label", "eagle3", "--baseline", "bench-plain"]
                after = ["bench-plain"]  uses = ["serve-eagle3"]
 
-The endpoint is read from the used serve stage's ``out/endpoint.json``. Requests go to SGLang's
-native ``/generate`` with the prompt's token ids and greedy sampling, ``[bench] concurrency`` at a
-time. Reported: output tok/s (completion tokens over wall time), the accept length SGLang measured
-(``completion_tokens / spec_verify_ct`` summed over requests, as SGLang's own EAGLE tests compute
-it) and, with ``--baseline``, the speedup over the baseline's tok/s.
+(``engine = "sglang"`` in ``[bench]`` is the same as ``mode = "online"``.) The endpoint is read from the used serve
+stage's ``out/endpoint.json``. Requests go to SGLang's native ``/generate`` with the prompt's token ids and greedy
+sampling. After a warm-up, each of ``[bench] batches`` (1, 8, 32) is measured in turn: that many closed-loop
+streams, each sending ``requests_per_stream`` requests one after another. Reported per batch: output tok/s
+(completion tokens over wall time) and the accept length — from the *deltas* of SGLang's own counters over the
+measurement (``sglang:generation_tokens_total`` / ``sglang:spec_verify_calls_total``, with ``--enable-metrics``),
+and from the responses (``completion_tokens / spec_verify_ct``, as SGLang's own EAGLE tests compute it) — and,
+with ``--baseline``, the speedup over the baseline's tok/s at the same batch: the table a run ends with.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,9 @@ from typing import Any
 from pipeline.data.shards import holdout_fraction, iter_rows
 from pipeline.run.rundir import RunDir, write_json
 from pipeline.run.runtime import StageContext, fail
+
+GEN_TOKENS = "sglang:generation_tokens_total"  # SGLang's counters (--enable-metrics), as 0.5.x names them
+VERIFY_CALLS = "sglang:spec_verify_calls_total"
 
 
 def endpoint_url(ctx: StageContext, explicit: str | None) -> str:
@@ -112,31 +120,100 @@ def baseline_results(ctx: StageContext, inputs: list[Path], stage: str) -> dict[
     raise ValueError(f"baseline {stage!r}: no results.json (is it in 'after' and finished?)")
 
 
-def _drive(
-    ctx: StageContext,
+def read_counters(url: str, timeout_s: float) -> dict[str, float] | None:
+    """SGLang's Prometheus counters (``--enable-metrics``), summed over their labels; ``None`` when the server
+    exposes none (then the accept length comes from the responses alone)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as r:  # noqa: S310 - the plan's server
+            raw = r.read().decode(errors="replace")
+    except OSError:
+        return None
+    out: dict[str, float] = {}
+    for line in raw.splitlines():
+        if line.startswith("sglang:") and " " in line:
+            key, val = line.rsplit(" ", 1)
+            base = key.split("{", 1)[0]
+            try:
+                out[base] = out.get(base, 0.0) + float(val)
+            except ValueError:
+                continue
+    return out or None
+
+
+def counter_accept_len(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Tokens generated per verify step over the measurement: the *deltas* of SGLang's counters (its
+    cumulative average would mix in the warm-up and every earlier request)."""
+    if not before or not after:
+        return None
+    gen = after.get(GEN_TOKENS, 0.0) - before.get(GEN_TOKENS, 0.0)
+    ver = after.get(VERIFY_CALLS, 0.0) - before.get(VERIFY_CALLS, 0.0)
+    return gen / ver if ver > 0 else None
+
+
+def measure_batch(
     url: str,
     prompts: list[list[int]],
+    batch: int,
+    per_stream: int,
     max_new: int,
-    conc: int,
-    warm: int,
     timeout: float,
-    label: str,
+    done: Callable[[], None],
 ) -> dict[str, Any]:
-    with ThreadPoolExecutor(max_workers=conc) as pool:
-        list(
-            pool.map(lambda p: post_json(url + "/generate", generate_request(p, 16), timeout), prompts[:warm])
-        )
-        t0 = time.monotonic()
-        metas = []
-        for i, out in enumerate(
-            pool.map(lambda p: post_json(url + "/generate", generate_request(p, max_new), timeout), prompts)
-        ):
-            metas.append(out.get("meta_info", {}) if isinstance(out, dict) else {})
-            ctx.progress(i + 1, len(prompts), unit="requests")
-        elapsed = time.monotonic() - t0
-    res = summarize(label, metas, elapsed)
-    res["url"] = url
-    return res
+    """``batch`` closed-loop streams, each sending ``per_stream`` greedy requests one after another: the server
+    sees ``batch`` requests in flight for the whole measurement, as ``batch`` users would keep it."""
+    work = [prompts[i % len(prompts)] for i in range(batch * per_stream)]
+    lock = threading.Lock()
+    metas: list[dict[str, Any]] = []
+
+    def stream(k: int) -> None:
+        for j in range(per_stream):
+            out = post_json(url + "/generate", generate_request(work[k * per_stream + j], max_new), timeout)
+            with lock:
+                metas.append(out.get("meta_info", {}) if isinstance(out, dict) else {})
+            done()
+
+    before = read_counters(url, timeout)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=batch) as pool:
+        list(pool.map(stream, range(batch)))  # re-raises a stream's error
+    elapsed = time.monotonic() - t0
+    after = read_counters(url, timeout)
+    res = summarize("", metas, elapsed)
+    row = {
+        "batch": batch,
+        "requests": res["requests"],
+        "completion_tokens": res["completion_tokens"],
+        "elapsed_s": elapsed,
+        "output_tok_s": res["output_tok_s"],
+        "accept_len_responses": res["accept_len"],
+        "accept_len_counters": counter_accept_len(before, after),
+    }
+    row["accept_len"] = row["accept_len_counters"] or row["accept_len_responses"]
+    return row
+
+
+def speedup_rows(rows: list[dict[str, Any]], base: dict[str, Any]) -> None:
+    """Adds ``baseline_tok_s`` and ``speedup`` to each row whose batch the baseline measured too."""
+    base_by_batch = {int(r["batch"]): r for r in base.get("batches", []) if r.get("output_tok_s")}
+    for r in rows:
+        b = base_by_batch.get(int(r["batch"]))
+        if b is not None:
+            r["baseline_tok_s"] = float(b["output_tok_s"])
+            r["speedup"] = r["output_tok_s"] / r["baseline_tok_s"]
+
+
+def table_lines(label: str, rows: list[dict[str, Any]], baseline: str | None) -> list[str]:
+    """The table a run ends with: one line per batch."""
+    lines = []
+    for r in rows:
+        text = f"{label} batch {r['batch']}: {r['output_tok_s']:,.1f} output tok/s"
+        if "speedup" in r:
+            text += f" ({r['speedup']:.2f}x {baseline}'s {r['baseline_tok_s']:,.1f})"
+        if r["accept_len"] is not None:
+            how = "SGLang's counters" if r["accept_len_counters"] is not None else "the responses"
+            text += f", accept length {r['accept_len']:.2f} ({how})"
+        lines.append(text)
+    return lines
 
 
 def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) -> int:
@@ -147,31 +224,61 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
     if not prompts:
         fail(ctx, "no held-out prompts for the online benchmark; raise [bench] holdout")
     max_new = sec.new_tokens(online=True)
-    conc = sec.concurrency
-    timeout = sec.timeout_s
+    batches, per_stream, timeout = list(sec.batches), sec.requests_per_stream, sec.timeout_s
+    total = sum(batches) * per_stream
     ctx.message(
-        f"{label}: {len(prompts)} prompts against {url}/generate, concurrency {conc}, {max_new} new tokens"
+        f"{label}: {len(prompts)} held-out prompts against {url}/generate, {max_new} new tokens; "
+        f"batches {batches}, {per_stream} requests per stream"
     )
-    warm = min(conc, len(prompts))
+    base = baseline_results(ctx, inputs, args.baseline) if args.baseline else None
+    sent = 0
+
+    def done() -> None:
+        nonlocal sent
+        sent += 1
+        ctx.progress(sent, total, unit="requests")
+
+    rows: list[dict[str, Any]] = []
     try:
-        res = _drive(ctx, url, prompts, max_new, conc, warm, timeout, label)
+        warm = min(sec.concurrency, len(prompts))
+        with ThreadPoolExecutor(max_workers=warm) as pool:  # compiles, graphs and caches before measuring
+            list(
+                pool.map(
+                    lambda p: post_json(url + "/generate", generate_request(p, 16), timeout), prompts[:warm]
+                )
+            )
+        for b in batches:
+            ctx.safe_point()
+            rows.append(measure_batch(url, prompts, b, per_stream, max_new, timeout, done))
     except OSError as exc:  # URLError, refused, timeout
         fail(ctx, f"{label}: the server at {url} did not answer /generate: {exc}")
-    if args.baseline:
-        base = baseline_results(ctx, inputs, args.baseline)
+    if base is not None:
+        speedup_rows(rows, base)
+    first = rows[0]
+    res: dict[str, Any] = {
+        "kind": "bench",
+        "mode": "online",
+        "label": label,
+        "url": url,
+        "max_new_tokens": max_new,
+        "batches": rows,
+        "output_tok_s": first["output_tok_s"],  # the first batch's (batch 1 by default)
+        "accept_len": first["accept_len"],
+        "requests": sum(r["requests"] for r in rows),
+        "completion_tokens": sum(r["completion_tokens"] for r in rows),
+    }
+    if base is not None:
         res["baseline"] = {"label": base.get("label"), "output_tok_s": base.get("output_tok_s")}
-        if base.get("output_tok_s"):
-            res["speedup"] = res["output_tok_s"] / float(base["output_tok_s"])
+        if "speedup" in first:
+            res["speedup"] = first["speedup"]
     write_json(ctx.out / "results.json", res)
     write_json(ctx.out / "manifest.json", {k: v for k, v in res.items() if k != "baseline"})
-    ctx.metric("output_tok_s", res["output_tok_s"], label=label)
-    if res["accept_len"] is not None:
-        ctx.metric("accept_len", res["accept_len"], label=label)
-    if "speedup" in res:
-        ctx.metric("speedup", res["speedup"], label=label)
-    ctx.message(
-        f"{label}: {res['output_tok_s']:.1f} output tok/s"
-        + (f", accept length {res['accept_len']:.2f}" if res["accept_len"] else "")
-        + (f", {res['speedup']:.2f}x over {args.baseline}" if "speedup" in res else "")
-    )
+    for r in rows:
+        ctx.metric("output_tok_s", r["output_tok_s"], label=label, batch=r["batch"])
+        if r["accept_len"] is not None:
+            ctx.metric("accept_len", r["accept_len"], label=label, batch=r["batch"])
+        if "speedup" in r:
+            ctx.metric("speedup", r["speedup"], label=label, batch=r["batch"])
+    for line in table_lines(label, rows, args.baseline):
+        ctx.message(line)
     return 0
