@@ -4,7 +4,9 @@ compact plot of loss and acc_0) and the live tail of its log.
 On a wide terminal (``-wide`` on the app, 170 columns and more) the plot is a column of its own
 between the facts and the log; narrower, it takes the place of the event list under the facts, so the
 log keeps the width it needs to be read; on a short terminal (under 36 rows) there is no room for it
-there, and ``m`` (the metrics view) has the curves."""
+there, and ``m`` (the metrics view) has the curves. Under 100 columns (``-narrow``) the log goes under the
+facts, full width, or on a short terminal is left out (``l`` opens the log viewer; the pane says so): a
+log 33 columns wide shows nothing of a line. The app's CSS holds these rules (they key on its classes)."""
 
 from __future__ import annotations
 
@@ -115,6 +117,8 @@ class StageDetail(Horizontal):
         self._plot(st)
         evs = [ev for ev in st.events if ev.type != "progress"][-6:]
         lines = Text()
+        if self.app.has_class("-narrow") and self.app.has_class("-short"):
+            lines.append("l: the log (no room for it here)\n", style="italic")
         for ev in evs:
             stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))
             lvl = ev.get("level")
