@@ -34,12 +34,13 @@ import tomllib
 from collections.abc import Iterable
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.geometry import Size
 from textual.screen import Screen
 from textual.theme import BUILTIN_THEMES
 from textual.widgets import Footer, Input, Static
@@ -47,6 +48,7 @@ from textual.widgets import Footer, Input, Static
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
 from console.audit_trail import AuditTrail
+from console.compare import OtherRun
 from console.header import header_text, plan_of, projection_text, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
@@ -106,7 +108,7 @@ class AerieApp(App[int]):
     #filter { display: none; height: 3; }
     #filter.visible { display: block; }
     #main { height: 1fr; }
-    #board { height: auto; }
+    #board { height: auto; overflow-x: hidden; }
     #bottom { height: 1fr; border-top: solid $panel-lighten-2; }
     #meters { border-top: solid $panel-lighten-2; }
     AerieApp.-wide StageDetail #info { width: 56; }
@@ -227,8 +229,10 @@ class AerieApp(App[int]):
         user_config: dict | None = None,
         read_only: bool = False,
         via: str = "console",
+        compare: list[OtherRun] | None = None,
     ) -> None:
         super().__init__()
+        self.compare_runs = compare or []  # other runs the metrics view overlays (console.compare)
         self.transport = transport
         self.read_only = read_only
         self.via = via
@@ -256,6 +260,7 @@ class AerieApp(App[int]):
         self._shown: dict[str, object] = {}
         self.plan: Plan | str | None = None  # the run's frozen plan, for the projection line (or why not)
         self._board_cap = 0  # the board's most rows (see _meters_layout)
+        self._size: Size | None = None
 
     @property
     def hooks_run(self) -> int:
@@ -285,13 +290,19 @@ class AerieApp(App[int]):
         yield Static("", id="status-line")
         yield Footer()
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: events.Resize) -> None:
+        self._size = event.size  # self.size still has the old one here
         self._apply_layout()
         with contextlib.suppress(NoMatches):
             self._update_header()
 
+    @property
+    def layout_size(self) -> Size:
+        """The terminal's size for the layout rules: the latest resize's (``self.size`` lags it)."""
+        return self._size or self.size
+
     def _apply_layout(self) -> None:
-        w, h = self.size
+        w, h = self.layout_size
         self.set_class(w >= self.WIDE_COLS, "-wide")
         self.set_class(w < self.NARROW_COLS, "-narrow")
         self.set_class(h < self.SHORT_ROWS, "-short")
@@ -305,11 +316,11 @@ class AerieApp(App[int]):
 
     def bottom_min(self) -> int:
         """The detail pane's least height: 10 rows under 36 rows of terminal, 14, or 18 from 50 rows."""
-        h = self.size.height
+        h = self.layout_size.height
         return 10 if h < self.SHORT_ROWS else (18 if h >= self.TALL_ROWS else 14)
 
     def _meters_layout(self) -> None:
-        w, h = self.size
+        w, h = self.layout_size
         bottom = self.bottom_min()
         rows_each = len(self.model.telemetry.gpus) + 4  # title, a row per GPU, disk, host, border
         meters = self.query_one(MetersPanel)
@@ -623,7 +634,7 @@ class AerieApp(App[int]):
             return
         st = self._selected()
         if st is not None:
-            self.push_screen(MetricsScreen(self.model, st.id))
+            self.push_screen(MetricsScreen(self.model, st.id, self.compare_runs))
 
     def action_alert_stage(self) -> None:
         sid = self.alerts.last_stage

@@ -86,7 +86,10 @@ class StageDetail(Horizontal):
         t.append(st.id, style="bold")
         t.append("  ")
         t.append(st.display_state, style=style(st.display_state))
-        t.append(f" · attempt {st.attempt}\n")
+        t.append(f" · attempt {st.attempt}")
+        if self.app.has_class("-narrow") and self.app.has_class("-short"):
+            t.append(" · l: its log", style="italic")  # no room for the log's tail here
+        t.append("\n")
         if st.pid:
             t.append(f"pid {st.pid} · pgid {st.pgid}")
         if st.started_at:
@@ -117,8 +120,6 @@ class StageDetail(Horizontal):
         self._plot(st)
         evs = [ev for ev in st.events if ev.type != "progress"][-6:]
         lines = Text()
-        if self.app.has_class("-narrow") and self.app.has_class("-short"):
-            lines.append("l: the log (no room for it here)\n", style="italic")
         for ev in evs:
             stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))
             lvl = ev.get("level")
