@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from textual.widgets import Input
 
 from console.cli import main
@@ -51,6 +52,7 @@ async def answer(app, pilot, path: str) -> None:  # noqa: ANN001
     await pilot.press("enter")
 
 
+@pytest.mark.slow  # 5.4-6.6 s: 3.2 s of it is open_metrics settling the shared fixture run (as its other users)
 async def test_the_metrics_view_overlays_another_run(tmp_path: Path, live_meters: None) -> None:  # noqa: F811
     other = recipe_b(tmp_path / "b")
     app = app_for(tmp_path / "a")
