@@ -34,12 +34,13 @@ import tomllib
 from collections.abc import Iterable
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.geometry import Size
 from textual.screen import Screen
 from textual.theme import BUILTIN_THEMES
 from textual.widgets import Footer, Input, Static
@@ -47,6 +48,7 @@ from textual.widgets import Footer, Input, Static
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
 from console.audit_trail import AuditTrail
+from console.compare import OtherRun
 from console.header import header_text, plan_of, projection_text, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
@@ -106,18 +108,34 @@ class AerieApp(App[int]):
     #filter { display: none; height: 3; }
     #filter.visible { display: block; }
     #main { height: 1fr; }
-    #bottom { height: 14; border-top: solid $panel-lighten-2; }
+    #board { height: auto; overflow-x: hidden; }
+    #bottom { height: 1fr; border-top: solid $panel-lighten-2; }
     #meters { border-top: solid $panel-lighten-2; }
-    AerieApp.-short #bottom { height: 10; }
-    AerieApp.-tall #bottom { height: 18; }
     AerieApp.-wide StageDetail #info { width: 56; }
+    AerieApp.-narrow StageDetail { layout: vertical; }
+    AerieApp.-narrow StageDetail #info { width: 1fr; height: auto; max-height: 14; }
+    AerieApp.-narrow StageDetail #events { height: auto; max-height: 4; }
+    AerieApp.-narrow StageDetail #plot-in { height: 8; }
+    AerieApp.-narrow StageDetail Log { height: 1fr; border-left: none; border-top: solid $panel-lighten-2; }
+    AerieApp.-narrow.-short StageDetail Log { display: none; }
+    AerieApp.-narrow.-short StageDetail #info { height: 1fr; max-height: 100%; }
+    AerieApp.-narrow.-short StageDetail #events { height: 1fr; max-height: 100%; }
+    ToastRack { dock: top; align: right top; margin-bottom: 0; max-height: 45%; }
+    MetricsScreen ToastRack { dock: bottom; align: left bottom; margin-bottom: 2; max-height: 100%; }
+    MetricsScreen ToastHolder { align-horizontal: left; }
+    MetricsScreen Toast { width: 29; max-width: 29; }
     """
-    # Layout by terminal size (see docs/operating.md, "Layout"): the meters always span the full width
-    # under the board (a GPU row never shares its line), the log takes what the facts leave.
+    # Layout by terminal size (see docs/operating.md, "Layout"): the board is as tall as its rows (up to
+    # what leaves the meters and the detail pane their room), the meters always span the full width
+    # under it (a GPU row never shares its line) and the detail pane takes the rest. Toasts sit at the
+    # top right, over the header and the board, never over a plot (the metrics view keeps them over its
+    # metric list).
     WIDE_COLS = 170  # the detail's plot gets a column of its own (narrower, it sits under the facts)
+    NARROW_COLS = 100  # the detail's log goes under the facts (or, on a short terminal, behind `l`)
     SHORT_ROWS = 36  # smaller detail pane
     TALL_ROWS = 50  # larger detail pane
     BOARD_MIN_ROWS = 12  # GPUs become cells of a grid (several per line) when a row each would leave fewer
+    BOARD_FLOOR = 6  # the board's least height (its header and 5 stages) however short the terminal
     BINDINGS = [
         Binding(
             "p",
@@ -211,8 +229,10 @@ class AerieApp(App[int]):
         user_config: dict | None = None,
         read_only: bool = False,
         via: str = "console",
+        compare: list[OtherRun] | None = None,
     ) -> None:
         super().__init__()
+        self.compare_runs = compare or []  # other runs the metrics view overlays (console.compare)
         self.transport = transport
         self.read_only = read_only
         self.via = via
@@ -239,6 +259,8 @@ class AerieApp(App[int]):
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
         self.plan: Plan | str | None = None  # the run's frozen plan, for the projection line (or why not)
+        self._board_cap = 0  # the board's most rows (see _meters_layout)
+        self._size: Size | None = None
 
     @property
     def hooks_run(self) -> int:
@@ -268,14 +290,21 @@ class AerieApp(App[int]):
         yield Static("", id="status-line")
         yield Footer()
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: events.Resize) -> None:
+        self._size = event.size  # self.size still has the old one here
         self._apply_layout()
         with contextlib.suppress(NoMatches):
             self._update_header()
 
+    @property
+    def layout_size(self) -> Size:
+        """The terminal's size for the layout rules: the latest resize's (``self.size`` lags it)."""
+        return self._size or self.size
+
     def _apply_layout(self) -> None:
-        w, h = self.size
+        w, h = self.layout_size
         self.set_class(w >= self.WIDE_COLS, "-wide")
+        self.set_class(w < self.NARROW_COLS, "-narrow")
         self.set_class(h < self.SHORT_ROWS, "-short")
         self.set_class(h >= self.TALL_ROWS, "-tall")
         with contextlib.suppress(NoMatches):
@@ -285,11 +314,26 @@ class AerieApp(App[int]):
             if st is not None:
                 detail.sync(st)
 
+    def bottom_min(self) -> int:
+        """The detail pane's least height: 10 rows under 36 rows of terminal, 14, or 18 from 50 rows."""
+        h = self.layout_size.height
+        return 10 if h < self.SHORT_ROWS else (18 if h >= self.TALL_ROWS else 14)
+
     def _meters_layout(self) -> None:
-        h = self.size.height
-        bottom = 10 if h < self.SHORT_ROWS else (18 if h >= self.TALL_ROWS else 14)
+        w, h = self.layout_size
+        bottom = self.bottom_min()
         rows_each = len(self.model.telemetry.gpus) + 4  # title, a row per GPU, disk, host, border
-        self.query_one(MetersPanel).set_compact(h - 3 - bottom - rows_each < self.BOARD_MIN_ROWS)
+        meters = self.query_one(MetersPanel)
+        compact = h - 3 - bottom - rows_each < self.BOARD_MIN_ROWS
+        meters.set_compact(compact)
+        # The board grows with its rows up to what leaves the meters and the detail pane their room.
+        per_line = max(1, (w - 2) // 30)  # the grid's cells (GpuGrid.CELL_W) on a line
+        gpu_lines = -(-len(self.model.telemetry.gpus) // per_line) if compact else rows_each - 4
+        meters_h = gpu_lines + 4 if meters.display else 0
+        cap = max(self.BOARD_FLOOR, h - 4 - meters_h - bottom)
+        if cap != self._board_cap:
+            self._board_cap = cap
+            self.query_one(StageBoard).styles.max_height = cap
 
     def on_mount(self) -> None:
         self._apply_layout()
@@ -362,6 +406,7 @@ class AerieApp(App[int]):
         meters = self.query_one(MetersPanel)
         if meters.display != (self.model.telemetry_stage is not None):
             meters.display = self.model.telemetry_stage is not None  # no telemetry stage: no empty meters
+            self._meters_layout()  # the board's room changed
         if "telemetry" in changed:
             self._meters_layout()
         detail = self.query_one(StageDetail)
@@ -589,7 +634,7 @@ class AerieApp(App[int]):
             return
         st = self._selected()
         if st is not None:
-            self.push_screen(MetricsScreen(self.model, st.id))
+            self.push_screen(MetricsScreen(self.model, st.id, self.compare_runs))
 
     def action_alert_stage(self) -> None:
         sid = self.alerts.last_stage

@@ -4,6 +4,7 @@
     aerie run PLAN [--headless]             create/attach the plan's run, start its supervisor, watch it
     aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
                                             --read-only: watch only; every control key is refused
+                                            --compare DIR[,DIR]: overlay those runs' metrics (m)
                                             RUN may be ssh://[user@]host[:port]/path or an ssh PLAN
     aerie preflight PLAN                    ssh plans: bootstrap the host and check it, start nothing;
                                             slurm plans: sinfo, a probe job (shared run dir, imports)
@@ -53,6 +54,7 @@ def _watch(
     poll_s: float,
     read_only: bool = False,
     via: str = "console",
+    compare: str = "",
 ) -> int:
     transport = LocalTransport(str(run_root)) if isinstance(run_root, Path) else run_root
     if headless:
@@ -63,7 +65,14 @@ def _watch(
 
     if theme and _bad_theme(theme):
         return EXIT_USAGE
-    app = AerieApp(transport, poll_s=poll_s, theme=theme, read_only=read_only, via=via)
+    from console.compare import CompareError, open_other
+
+    try:
+        others = [open_other(p) for p in compare.split(",") if p.strip()]
+    except CompareError as exc:
+        err(f"--compare {exc}")
+        return EXIT_USAGE
+    app = AerieApp(transport, poll_s=poll_s, theme=theme, read_only=read_only, via=via, compare=others)
     rc = app.run()
     return rc or 0
 
@@ -151,11 +160,11 @@ def cmd_attach(args: argparse.Namespace) -> int:
         t = attach_transport(args.run)
         if isinstance(t, int):
             return t
-        return _watch(t, args.headless, args.theme, args.poll, args.read_only, args.via)
+        return _watch(t, args.headless, args.theme, args.poll, args.read_only, args.via, args.compare)
     run = open_run(args.run)
     if run is None:
         return EXIT_USAGE
-    return _watch(run.root, args.headless, args.theme, args.poll, args.read_only, args.via)
+    return _watch(run.root, args.headless, args.theme, args.poll, args.read_only, args.via, args.compare)
 
 
 def cmd_control(args: argparse.Namespace) -> int:
@@ -267,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch only: every control action (pause, kill, retry, skip, force) is refused, nothing is sent",
     )
     p.add_argument("--via", choices=("console", "browser"), default="console", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--compare",
+        default="",
+        metavar="RUN_DIR[,…]",
+        help="local run directories whose metrics the metrics view (m) draws beside this run's",
+    )
     p.set_defaults(fn=cmd_attach)
 
     p = sub.add_parser(

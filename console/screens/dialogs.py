@@ -1,4 +1,4 @@
-"""Modal dialogs: the confirmation asked before any destructive action, and the help screen.
+"""Modal dialogs: the confirmation asked before any destructive action, a one-line prompt, and the help screen.
 
 The help screen is generated from the bindings active on the screen it was opened from (the
 screen's, its focused widget's and the app's), so it lists every key there is, with the long
@@ -15,7 +15,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Button, Label, Static
+from textual.widgets import Button, Input, Label, Static
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -51,6 +51,36 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_no(self) -> None:
         self.dismiss(False)
+
+
+class PromptScreen(ModalScreen[str | None]):
+    """One line of text: Enter gives it (possibly empty), Esc gives None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    DEFAULT_CSS = """
+    PromptScreen { align: center middle; }
+    PromptScreen > Grid { grid-size: 1; grid-rows: auto 3; padding: 1 2; width: 80; max-width: 100%;
+                          height: auto; border: thick $primary; background: $surface; }
+    """
+
+    def __init__(self, question: str, placeholder: str = "") -> None:
+        super().__init__()
+        self.question = question
+        self.placeholder = placeholder
+
+    def compose(self) -> ComposeResult:
+        with Grid():
+            yield Label(self.question)
+            yield Input(placeholder=self.placeholder, id="answer")
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
 
 
 # Help groups, in the order shown; an action not named here goes under "Views".

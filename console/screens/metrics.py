@@ -5,11 +5,17 @@ Left, the stage's metrics (a checklist: Space or Enter ticks one); right, one pa
 ``a`` switches to comparing the highlighted metric across the attempts the console keeps (the last
 three): one panel, a curve per attempt — "did the resumed run pick up where the failed one was?".
 ``[`` / ``]`` go to the previous / next stage that has metrics. The view follows the run live.
+
+Other runs (``aerie attach RUN --compare OTHER[,…]``, or ``c`` here, which asks for a run directory):
+each panel then has a curve per run — this run's and the same metric of the same stage (or the first
+of its family) in each other run, in the legend by run name — and the note says which run lacks the
+metric. The other runs are read through :mod:`console.compare`, every few seconds while this view is open.
 """
 
 from __future__ import annotations
 
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -17,11 +23,13 @@ from textual.screen import Screen
 from textual.widgets import Footer, SelectionList, Static
 from textual.widgets.selection_list import Selection
 
+from console.compare import CompareError, OtherRun, name_runs, open_other
 from console.model import RunModel, StageView
 from console.widgets.curves import Curve, CurvePlot, short, x_axis
 
 DEFAULT_PICKS = ("loss", "acc_0")
 MAX_PANELS = 4
+OTHERS_POLL_S = 3.0  # how often the runs compared with are read (they are usually finished runs)
 
 
 class MetricsScreen(Screen[None]):
@@ -38,6 +46,12 @@ class MetricsScreen(Screen[None]):
             "attempts",
             "Attempts",
             tooltip="compare the highlighted metric across attempts (again: back)",
+        ),
+        Binding(
+            "c",
+            "compare_run",
+            "Compare run",
+            tooltip="overlay the same metrics from another run directory (asks for it; empty: stop comparing)",
         ),
         Binding(
             "left_square_bracket",
@@ -58,9 +72,10 @@ class MetricsScreen(Screen[None]):
     MetricsScreen #metrics-note { height: 1; padding: 0 1; color: $text-muted; }
     """
 
-    def __init__(self, model: RunModel, stage_id: str) -> None:
+    def __init__(self, model: RunModel, stage_id: str, others: list[OtherRun] | None = None) -> None:
         super().__init__()
         self.model = model
+        self.others = others if others is not None else []  # the app's list: it outlives this screen
         self.selected_stage_id = stage_id
         self.compare = False
         self._names: list[str] = []
@@ -77,6 +92,17 @@ class MetricsScreen(Screen[None]):
     def on_mount(self) -> None:
         self.query_one(SelectionList).focus()
         self.sync(self.model)
+        self.poll_others()
+        self.set_interval(OTHERS_POLL_S, self.poll_others)
+
+    @work(exclusive=True, group="compare")
+    async def poll_others(self) -> None:
+        """Read the runs compared with (nothing when there are none); redraw when one changed."""
+        changed = False
+        for other in list(self.others):
+            changed |= await other.refresh()
+        if changed and self.is_current:
+            self._draw()
 
     # ------------------------------------------------------------------------------ model -> view
     @property
@@ -141,15 +167,12 @@ class MetricsScreen(Screen[None]):
             return
         names = [n for n in h.names() if n in self.picked()]
         shown = names[:MAX_PANELS]
-        panels = []
-        for n in shown:
-            s = h.get(n)
-            if s is not None:
-                panels.append((f"{n}  {short(s.last)}", [Curve(n, s)]))
+        panels, missing = self._panels(st, shown)
         series = [s for n in shown if (s := h.get(n)) is not None]
         xlabel, scale = x_axis(h, shown[0], series) if shown else ("", 1.0)
         plot.empty_text = "tick a metric on the left (Space)"
-        plot.draw(panels, xlabel, scale, key=(st.id, h.version, tuple(shown)))
+        versions = tuple(o_st.history.version for o in self.others if (o_st := o.stage_like(st)))
+        plot.draw(panels, xlabel, scale, key=(st.id, h.version, tuple(shown), len(self.others), versions))
         stride = max((s.stride for s in series), default=1)
         extra = (
             [f"{len(names) - MAX_PANELS} more ticked: showing the first {MAX_PANELS}"]
@@ -160,7 +183,31 @@ class MetricsScreen(Screen[None]):
             extra.append(
                 f"each point is the mean of {stride} samples (memory stays bounded; TensorBoard has them all)"
             )
+        extra += missing
         note.update(" · ".join([f"attempt {h.latest()}", *extra]))
+
+    def _panels(self, st: StageView, shown: list[str]) -> tuple[list[tuple[str, list[Curve]]], list[str]]:
+        """A panel per metric: this run's curve, and with other runs one curve each, named by run."""
+        h = st.history
+        panels = []
+        missing: list[str] = []
+        this = name_runs(self.model.run_name, str(self.model.run_dir), self.others) if self.others else ""
+        for n in shown:
+            s = h.get(n)
+            if s is None:
+                continue
+            if not self.others:
+                panels.append((f"{n}  {short(s.last)}", [Curve(n, s)]))
+                continue
+            curves = [Curve(f"{this}: {short(s.last)}", s)]
+            for other in self.others:
+                o, why = other.series(st, n)
+                if o is None:
+                    missing.append(why)
+                else:
+                    curves.append(Curve(f"{other.name}: {short(o.last)}", o))
+            panels.append((n, curves))
+        return panels, missing
 
     def _highlighted(self) -> str | None:
         lst = self.query_one(SelectionList)
@@ -185,6 +232,36 @@ class MetricsScreen(Screen[None]):
     def action_attempts(self) -> None:
         self.compare = not self.compare
         self._draw()
+
+    def action_compare_run(self) -> None:
+        from console.screens.dialogs import PromptScreen
+
+        def done(path: str | None) -> None:
+            if path is None:
+                return
+            if not path:
+                self.others.clear()
+                self.notify("comparing with no other run")
+            else:
+                try:
+                    other = open_other(path)
+                except CompareError as exc:
+                    self.notify(str(exc), title="compare", severity="error", timeout=10)
+                    return
+                if any(o.root == other.root for o in self.others):
+                    self.notify(f"{path}: already compared", severity="warning")
+                    return
+                self.others.append(other)
+                self.poll_others()
+            self._draw()
+
+        self.app.push_screen(
+            PromptScreen(
+                "Run directory to compare with (its metrics are drawn beside this run's; empty: stop comparing)",
+                placeholder="/path/to/other/run",
+            ),
+            done,
+        )
 
     def action_stage(self, delta: int) -> None:
         with_metrics = [sid for sid in self.model.order if self.model.stages[sid].history.attempts]

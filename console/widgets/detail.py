@@ -4,7 +4,9 @@ compact plot of loss and acc_0) and the live tail of its log.
 On a wide terminal (``-wide`` on the app, 170 columns and more) the plot is a column of its own
 between the facts and the log; narrower, it takes the place of the event list under the facts, so the
 log keeps the width it needs to be read; on a short terminal (under 36 rows) there is no room for it
-there, and ``m`` (the metrics view) has the curves."""
+there, and ``m`` (the metrics view) has the curves. Under 100 columns (``-narrow``) the log goes under the
+facts, full width, or on a short terminal is left out (``l`` opens the log viewer; the pane says so): a
+log 33 columns wide shows nothing of a line. The app's CSS holds these rules (they key on its classes)."""
 
 from __future__ import annotations
 
@@ -84,7 +86,10 @@ class StageDetail(Horizontal):
         t.append(st.id, style="bold")
         t.append("  ")
         t.append(st.display_state, style=style(st.display_state))
-        t.append(f" · attempt {st.attempt}\n")
+        t.append(f" · attempt {st.attempt}")
+        if self.app.has_class("-narrow") and self.app.has_class("-short"):
+            t.append(" · l: its log", style="italic")  # no room for the log's tail here
+        t.append("\n")
         if st.pid:
             t.append(f"pid {st.pid} · pgid {st.pgid}")
         if st.started_at:
