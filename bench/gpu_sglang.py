@@ -26,6 +26,12 @@ Phases (each resumable on a warm machine: what it made stays under ``--work``):
   counters: Δ``sglang:generation_tokens_total`` / Δ``sglang:spec_verify_calls_total`` over the measurement
   (``--enable-metrics``), and the same ratio from the responses' ``completion_tokens``/``spec_verify_ct``.
 
+``--target structured`` runs plain/data/train/eagle3 on ``llama8b_structured`` instead: the same 8B shape,
+restructured by ``bench/structured_target.py`` so its greedy text is mostly a fixed map of the current token
+(``--follow``: the share calibrated on the device), prompted with random word strings, under ``work_structured``
+and ``structured_*`` result keys (``docs/performance.md`` has its table). ``--no-prefill-graph`` skips the
+piecewise prefill CUDA graphs (~35 s a server start).
+
 The launch argv is ``pipeline.serving.sglang_args.sglang_argv`` (the serve and deploy stages' builder) with the
 bench's backend choices as ``extra_args``. While a server starts, its pid is watched with ``/health``: a dead server
 fails at once with its log tail; one still silent after ``--dump-after`` s gets a py-spy stack dump of every
@@ -121,8 +127,9 @@ def stage(sources: list[Path]) -> None:
 # ---- models -----------------------------------------------------------------------------------------------
 
 
-def build_models(which: list[str]) -> dict[str, Path]:
-    """Random-weight checkpoints (image's transformers) with the SmolLM2 tokenizer and chat template."""
+def build_models(which: list[str], args: argparse.Namespace | None = None) -> dict[str, Path]:
+    """Random-weight checkpoints (image's transformers) with the SmolLM2 tokenizer and chat template;
+    ``llama8b_structured`` is the 8B shape restructured by ``bench/structured_target.py`` (``--follow``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -159,12 +166,27 @@ def build_models(which: list[str]) -> dict[str, Path]:
         with torch.device("cuda"):
             model = LlamaForCausalLM(cfg)
         torch.set_default_dtype(torch.float32)
+        structure = None
+        if name == "llama8b_structured":
+            from transformers import AutoTokenizer
+
+            from bench import structured_target
+
+            assert args is not None
+            model.eval()
+            structure = structured_target.build(
+                model, AutoTokenizer.from_pretrained(str(tok_dir)), args.follow, args.cycle_words
+            )
+            RESULTS["structure"] = {k: v for k, v in structure.items() if k != "succ"}
+            log(f"structured: {RESULTS['structure']}")
         model.config.dtype = torch.bfloat16
         tmp = dest.with_name(name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(str(tmp))
         for f in tok_files:
             shutil.copy2(tok_dir / f, tmp / f)
+        if structure is not None:
+            (tmp / "structure.json").write_text(json.dumps(structure))
         n = sum(p.numel() for p in model.parameters())
         del model
         torch.cuda.empty_cache()
@@ -331,6 +353,8 @@ def settings(
     ]
     if args.no_cuda_graph:
         extra.append("--disable-cuda-graph")
+    if args.no_prefill_graph:  # the piecewise prefill graphs cost 34-84 s a start; decode graphs stay
+        extra += ["--cuda-graph-backend-prefill", "disabled"]
     return ServerSettings(
         backend="sglang",
         model=str(model),
@@ -450,6 +474,26 @@ def sample_questions(srv: Server, model_dir: Path, n: int, seed: int) -> list[st
 # ---- phases -----------------------------------------------------------------------------------------------
 
 
+def target_name(args: argparse.Namespace) -> str:
+    return "llama8b_structured" if args.target == "structured" else "llama8b"
+
+
+def work_dir(args: argparse.Namespace) -> Path:
+    return BASE / ("work_structured" if args.target == "structured" else "work")
+
+
+def questions(srv: Server, model: Path, n: int, seed: int, args: argparse.Namespace) -> list[str]:
+    """The random target writes its own user turns; the structured one gets random word strings (it has no
+    chat-like text of its own to sample: its sampled turns would be walks of its word cycle)."""
+    if args.target != "structured":
+        return sample_questions(srv, model, n, seed)
+    from transformers import AutoTokenizer
+
+    from bench.structured_target import word_prompts
+
+    return word_prompts(AutoTokenizer.from_pretrained(str(model)), n, seed)
+
+
 def phase_smollm2(args: argparse.Namespace) -> None:
     model = build_models(["smollm2"])["smollm2"]
     srv = Server("smollm2", settings(model, 30001, args), args.start_timeout, args.dump_after)
@@ -469,18 +513,19 @@ def phase_smollm2(args: argparse.Namespace) -> None:
 
 
 def phase_plain_and_data(args: argparse.Namespace, phases: list[str]) -> None:
-    model = build_models(["llama8b"])["llama8b"]
-    srv = Server("llama8b_plain", settings(model, 30002, args), args.start_timeout, args.dump_after)
+    name = target_name(args)
+    model = build_models([name], args)[name]
+    srv = Server(f"{name}_plain", settings(model, 30002, args), args.start_timeout, args.dump_after)
     try:
-        work = BASE / "work"
+        work = work_dir(args)
         work.mkdir(parents=True, exist_ok=True)
         held = work / "heldout.json"
         if not held.exists():
-            qs = sample_questions(srv, model, args.bench_prompts, seed=12345)
+            qs = questions(srv, model, args.bench_prompts, 12345, args)
             held.write_text(json.dumps(qs))
         prompts = chat_prompts(model, json.loads(held.read_text()))
         if "plain" in phases:
-            RESULTS["plain"] = {
+            RESULTS[plain_key(args)] = {
                 "start_s": round(srv.start_s, 1),
                 "throughput": [
                     throughput(srv, prompts, b, args.max_new_tokens, args.per_stream) for b in args.batches
@@ -489,7 +534,7 @@ def phase_plain_and_data(args: argparse.Namespace, phases: list[str]) -> None:
             save_results()
         if "data" in phases and not (work / "self.jsonl").exists():
             t = time.monotonic()
-            qs = sample_questions(srv, model, args.prompts, seed=args.seed)
+            qs = questions(srv, model, args.prompts, args.seed, args)
             texts = chat_prompts(model, qs)
             r = srv.generate(
                 {
@@ -510,15 +555,44 @@ def phase_plain_and_data(args: argparse.Namespace, phases: list[str]) -> None:
                     )
             (work / "self.jsonl").write_text("".join(json.dumps(c) + "\n" for c in rows))
             toks = sum(item["meta_info"]["completion_tokens"] for item in r)
-            RESULTS["data"] = {
+            RESULTS[key(args, "data")] = {
                 "conversations": len(rows),
                 "answer_tokens": toks,
                 "seconds": round(time.monotonic() - t, 1),
             }
+            if (model / "structure.json").exists():
+                RESULTS[key(args, "data")]["stats"] = answer_stats(model, r)
+                log(f"data: {RESULTS[key(args, 'data')]['stats']}")
             log(f"data: {len(rows)} conversations, {toks:,} answer tokens in {time.monotonic() - t:.0f} s")
             save_results()
     finally:
         srv.stop()
+
+
+def plain_key(args: argparse.Namespace) -> str:
+    return key(args, "plain")
+
+
+def key(args: argparse.Namespace, what: str) -> str:
+    """Result keys: the random target's as before, the structured one's prefixed."""
+    return f"structured_{what}" if args.target == "structured" else what
+
+
+def answer_stats(model: Path, items: list[dict]) -> dict[str, Any]:
+    """``text_stats`` of the greedy answers (their token ids), against the target's own successor map."""
+    from transformers import AutoTokenizer
+
+    from bench.structured_target import text_stats
+
+    succ = json.loads((model / "structure.json").read_text())["succ"]
+    tok = AutoTokenizer.from_pretrained(str(model))
+    seqs = [
+        list(it["output_ids"])
+        if it.get("output_ids")
+        else tok(it["text"], add_special_tokens=False).input_ids
+        for it in items
+    ]
+    return text_stats(seqs, succ)
 
 
 def _stage_cli(module: str, plan: Path, out: Path, inputs: list[Path], *extra: str) -> float:
@@ -540,10 +614,10 @@ def _stage_cli(module: str, plan: Path, out: Path, inputs: list[Path], *extra: s
 
 
 def phase_train(args: argparse.Namespace) -> None:
-    work = BASE / "work"
+    work = work_dir(args)
     if (work / "train" / "draft" / "config.json").exists():
         return
-    model = BASE / "models" / "llama8b"
+    model = BASE / "models" / target_name(args)
     data = work / "self.jsonl"
     n = sum(1 for _ in data.open())
     plan = work / "plan.toml"
@@ -603,25 +677,26 @@ quota = {n}
         t["bench_s"] = _stage_cli("pipeline.stages.bench", plan, work / "bench", [work / "train"])
         b = json.loads((work / "bench" / "results.json").read_text())
         t["offline_accept_len"] = b["accept_len"]
-    RESULTS["train"] = t
+    RESULTS[key(args, "train")] = t
     save_results()
 
 
 def phase_eagle3(args: argparse.Namespace) -> None:
-    model = BASE / "models" / "llama8b"
-    draft = BASE / "work" / "train" / "draft"
-    prompts = chat_prompts(model, json.loads((BASE / "work" / "heldout.json").read_text()))
-    out = RESULTS.setdefault("eagle3", {})
+    name = target_name(args)
+    model = BASE / "models" / name
+    draft = work_dir(args) / "train" / "draft"
+    prompts = chat_prompts(model, json.loads((work_dir(args) / "heldout.json").read_text()))
+    out = RESULTS.setdefault(key(args, "eagle3"), {})
     for spec in args.specs:
-        key = "/".join(map(str, spec))
+        k = "/".join(map(str, spec))
         srv = Server(
-            f"llama8b_eagle3_{key.replace('/', '-')}",
+            f"{name}_eagle3_{k.replace('/', '-')}",
             settings(model, 30003, args, draft, spec),
             args.start_timeout,
             args.dump_after,
         )
         try:
-            out[key] = {
+            out[k] = {
                 "start_s": round(srv.start_s, 1),
                 "throughput": [
                     throughput(srv, prompts, b, args.max_new_tokens, args.per_stream) for b in args.batches
@@ -649,6 +724,12 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline-bench", action="store_true")
+    ap.add_argument("--target", choices=["random", "structured"], default="random")
+    ap.add_argument(
+        "--follow", type=float, default=0.85, help="structured: share of tokens that follow the map"
+    )
+    ap.add_argument("--cycle-words", type=int, default=4096, help="structured: tokens on the word cycle")
+    ap.add_argument("--no-prefill-graph", action="store_true", help="skip the piecewise prefill CUDA graphs")
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--mem-fraction", type=float, default=0.8)
@@ -687,19 +768,19 @@ def main() -> int:
     finally:
         _cleanup()
     save_results()
-    summary(json.loads((BASE / "results.json").read_text()))
+    summary(json.loads((BASE / "results.json").read_text()), args)
     return 0
 
 
-def summary(doc: dict) -> None:
+def summary(doc: dict, args: argparse.Namespace) -> None:
     print("\nbatch | plain tok/s | eagle3 tok/s (spec) | speedup | accept length (metrics / responses)")
-    plain = {r["batch"]: r for r in doc.get("plain", {}).get("throughput", [])}
-    for key, e in doc.get("eagle3", {}).items():
+    plain = {r["batch"]: r for r in doc.get(key(args, "plain"), {}).get("throughput", [])}
+    for spec, e in doc.get(key(args, "eagle3"), {}).items():
         for r in e["throughput"]:
             p = plain.get(r["batch"])
             sp = f"{r['tokens_per_s'] / p['tokens_per_s']:.2f}x" if p else "-"
             print(
-                f"{r['batch']:5} | {p['tokens_per_s'] if p else '-':>11} | {r['tokens_per_s']:>9} ({key}) | {sp} | "
+                f"{r['batch']:5} | {p['tokens_per_s'] if p else '-':>11} | {r['tokens_per_s']:>9} ({spec}) | {sp} | "
                 f"{r.get('accept_length_metrics')} / {r.get('accept_length_responses')}"
             )
 
