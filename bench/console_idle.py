@@ -123,7 +123,11 @@ def main() -> None:
             time.sleep(0.1)
         idle_pct = measure(done, args.seconds)
     if args.json:
-        print(json.dumps({"live_pct": live_pct, "finished_pct": idle_pct, "stages": args.stages, "events": events}))
+        print(
+            json.dumps(
+                {"live_pct": live_pct, "finished_pct": idle_pct, "stages": args.stages, "events": events}
+            )
+        )
         return
     print(
         f"console CPU, attached to {args.stages} live stages (~{args.stages * 4} events/s): {live_pct:.2f} % of a core"
