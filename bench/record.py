@@ -12,6 +12,8 @@ WORSE any that moved the wrong way by more than the spread (``bench/record_store
     python bench/record.py --fail-on-worse       # exit 1 when a figure got worse
     python bench/record.py --table-md [--write-docs]   # the record as markdown (into docs/performance.md)
 
+A run that appends to the repo's own record also rewrites the table at the top of docs/performance.md.
+
 Benchmarks: console (bench/console_idle.py: attached to 12 live stages and to a finished run), log_ingest,
 plot_render, prep, shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
 ``aerie demo --headless``: wall time and the draft's accept length).
@@ -247,7 +249,7 @@ def table_md_main(args: argparse.Namespace) -> int:
         print(block, end="")
         return 0
     DOCS.write_text(rs.replace_between(DOCS.read_text(), block, BEGIN, END, str(DOCS)))
-    print(f"wrote the record's table into {DOCS.relative_to(ROOT)}", file=sys.stderr)
+    print(f"wrote the record's table into {DOCS.relative_to(ROOT)}")
     return 0
 
 
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         with args.record.open("a") as fh:
             fh.write(rs.record_line(rec) + "\n")
         print(f"appended to {args.record}")
+        if args.record.resolve() == RECORD.resolve():  # the repo's record: its docs table follows it
+            table_md_main(argparse.Namespace(**{**vars(args), "write_docs": True}))
     for name, why in failed.items():
         print(f"FAILED {name}: {why}")
     worse = rs.regressions(rows)
