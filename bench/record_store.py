@@ -186,7 +186,7 @@ def worse_by(fig: Figure, ref: Figure) -> float:
 
 def tolerance(fig: Figure, ref: Figure, rel_floor: float = REL_FLOOR) -> float:
     """The change that is not noise: both runs' spreads, the figure's floor, a share of the reference value."""
-    return max(fig.spread, ref.spread, fig.floor, rel_floor * abs(ref.value))
+    return max(fig.spread, ref.spread, fig.floor, ref.floor, rel_floor * abs(ref.value))
 
 
 def verdict(fig: Figure, ref: Figure | None, rel_floor: float = REL_FLOOR) -> str:
@@ -240,6 +240,14 @@ def fmt(v: float) -> str:
     return f"{v:.{digits}f}"
 
 
+def fmt_spread(spread: float, value: float) -> str:
+    """A spread at its value's precision (a spread of 0.00005 next to 0.967 reads 0.000)."""
+    if abs(value) >= 1000 or value == 0:
+        return fmt(spread)
+    digits = max(0, 2 - int(math.floor(math.log10(abs(value)))))
+    return f"{spread:.{digits}f}"
+
+
 def format_table(rows: Sequence[Row]) -> str:
     """The terminal table: now ± spread, the best and the last on a comparable machine, and the verdict."""
     head = ("figure", "now", "± spread", "unit", "better", "best", "last", "vs last", "verdict")
@@ -247,7 +255,7 @@ def format_table(rows: Sequence[Row]) -> str:
         (
             r.figure.name,
             fmt(r.figure.value),
-            fmt(r.figure.spread),
+            fmt_spread(r.figure.spread, r.figure.value),
             r.figure.unit,
             r.figure.better,
             fmt(r.best.value) if r.best else "-",
@@ -312,7 +320,13 @@ def table_md(
         "| --- | ---: | ---: | --- | --- | ---: | --- | --- | --- |",
     ]
     machines: list[str] = []
+    loads: dict[str, str] = {}
     for rec, fig in latest_figures(records):
+        load = rec.extra.get("load_avg")
+        if isinstance(load, list) and len(load) == 2:
+            loads[rec.commit.removesuffix("+dirty")[:10] + " " + rec.date[:16].replace("T", " ")] = (
+                f"{load[0]:g} → {load[1]:g}"
+            )
         same = [
             r.figures[fig.name]
             for r in records
@@ -323,7 +337,7 @@ def table_md(
         if rec.machine.short() not in machines:
             machines.append(rec.machine.short())
         lines.append(
-            f"| {fig.name} | {fmt(fig.value)} | {fmt(fig.spread)} | {fig.unit} | {fig.better} | "
+            f"| {fig.name} | {fmt(fig.value)} | {fmt_spread(fig.spread, fig.value)} | {fig.unit} | {fig.better} | "
             f"{fmt(best.value) if best else '-'} | `{rec.commit.removesuffix('+dirty')[:10]}{'+dirty' if rec.commit.endswith('+dirty') else ''}` | "
             f"{rec.date[:16].replace('T', ' ')} | {'**stale**: ' + stale if stale else ''} |"
         )
@@ -331,6 +345,12 @@ def table_md(
     lines.append(
         f"Machine: {'; '.join(machines)}. Stale: more than {max_commits} commits or {max_days:g} days old."
     )
+    if loads:
+        lines.append(
+            "Load average at the start → end of each run: "
+            + "; ".join(f"{k}: {v}" for k, v in loads.items())
+            + " (above the core count, the benchmarks waited for a CPU)."
+        )
     return "\n".join(lines) + "\n"
 
 

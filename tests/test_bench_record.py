@@ -191,3 +191,19 @@ def test_record_runs_a_benchmark_twice_appends_a_line_and_flags_a_regression(tmp
     assert new.extra["benchmarks"] == ["plot_render"] and new.extra["repeats"] == 2
     bad = subprocess.run([*cmd[:3], "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown benchmark nope; known: console," in bad.stderr
+
+
+def test_the_docs_table_holds_the_records_latest_figures() -> None:
+    """docs/performance.md opens with the record's table: generated from bench/record.jsonl, not typed by hand."""
+    from bench.record import BEGIN, DOCS, END, RECORD
+
+    doc = DOCS.read_text()
+    assert BEGIN in doc and END in doc, "docs/performance.md lost the record's table markers"
+    block = doc.split(BEGIN, 1)[1].split(END, 1)[0]
+    shown = {
+        cells[1].strip(): cells[2].strip()
+        for cells in (row.split("|") for row in block.splitlines())
+        if len(cells) > 3 and cells[1].strip() not in ("figure", "---")
+    }
+    latest = {f.name: rs.fmt(f.value) for _, f in rs.latest_figures(rs.read_records(RECORD))}
+    assert shown == latest, "run: python bench/record.py --table-md --write-docs"
