@@ -182,16 +182,21 @@ def git(*args: str) -> str:
 
 
 def commit_id() -> str:
-    """HEAD, with ``+dirty`` when tracked files differ from it (the record file itself aside)."""
-    head = git("rev-parse", "HEAD")
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/record.jsonl")
+    """HEAD, with ``+dirty`` when tracked files differ from it, aside from the two files a run itself
+    writes (the record and the docs page holding its table)."""
+    try:
+        head = git("rev-parse", "HEAD")
+        mine = (f":(exclude){p.relative_to(ROOT)}" for p in (RECORD, DOCS))
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *mine)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"  # not a git checkout: the record still says when and where
     return head + ("+dirty" if changed else "")
 
 
 def commits_since(commit: str) -> int | None:
     try:
         return int(git("rev-list", "--count", f"{commit}..HEAD"))
-    except subprocess.CalledProcessError:
+    except (OSError, subprocess.CalledProcessError, ValueError):
         return None
 
 
