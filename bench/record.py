@@ -88,29 +88,59 @@ def script(name: str, *args: str, timeout: float = 900) -> Callable[[], dict[str
     return run
 
 
+DEMO_TIMEOUT_S = 3600  # ~5 min alone on 2 cores, 25 min measured at load 4-8 (docs/performance.md)
+
+
 def demo() -> dict[str, Any]:
-    """The README's first command without the UI, timed; the bench stage's accept length from its results."""
+    """The README's first command without the UI, timed; the bench stage's accept length from its results.
+
+    The run's stages run detached from the ``aerie demo`` watcher, so on a timeout the stages still running
+    are killed through ``aerie kill`` (their own process groups) before the temporary run dir goes."""
     with tempfile.TemporaryDirectory(prefix="aerie-record-demo-") as d:
         run_dir = Path(d) / "demo"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env.pop("OMP_NUM_THREADS", None)  # as a user runs it
+        cli = [sys.executable, "-m", "console.cli"]
         t0 = time.monotonic()
-        p = subprocess.run(
-            [sys.executable, "-m", "console.cli", "demo", "--headless", "--run-dir", str(run_dir)],
+        p = subprocess.Popen(
+            [*cli, "demo", "--headless", "--run-dir", str(run_dir)],
             cwd=d,
             env=env,
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=1800,
         )
+        try:
+            out, _ = p.communicate(timeout=DEMO_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            stop_demo(cli, run_dir, env)
+            raise RuntimeError(f"aerie demo --headless did not finish within {DEMO_TIMEOUT_S} s") from None
         wall = time.monotonic() - t0
         if p.returncode != 0:
-            raise RuntimeError(
-                f"aerie demo --headless exited {p.returncode}: {p.stdout[-1500:]}{p.stderr[-1500:]}"
-            )
+            raise RuntimeError(f"aerie demo --headless exited {p.returncode}: {out[-1500:]}")
         res = json.loads((run_dir / "stages" / "bench" / "out" / "results.json").read_text())
         return {"wall_s": wall, "accept_len": res["accept_len"]}
+
+
+def stop_demo(cli: list[str], run_dir: Path, env: dict[str, str]) -> None:
+    """Kill the demo's running stages with ``aerie kill`` and give its supervisor a minute to wind down."""
+    state_path = run_dir / "state.json"
+    for _ in range(60):
+        try:
+            state = json.loads(state_path.read_text())
+        except (OSError, ValueError):
+            return
+        if state.get("done"):
+            return
+        for st in state.get("stages", []):
+            if st.get("state") == "running":
+                subprocess.run(
+                    [*cli, "kill", str(run_dir), st["id"]], env=env, capture_output=True, timeout=60
+                )
+        time.sleep(1.0)
 
 
 SHM = "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
@@ -239,9 +269,13 @@ def measure(bench: Bench, repeats: int) -> list[rs.Figure]:
     for i in range(repeats):
         t0 = time.monotonic()
         print(f"  {bench.name} {i + 1}/{repeats} …", end="", file=sys.stderr, flush=True)
-        out = bench.run()
-        for s in bench.figures:
-            samples[s.name].append(s.pick(out))
+        try:
+            out = bench.run()
+            picked = {s.name: s.pick(out) for s in bench.figures}
+        except (RuntimeError, KeyError, ValueError, OSError) as e:
+            raise RuntimeError(f"run {i + 1}/{repeats}: {e} (earlier runs: {samples})") from e
+        for name, v in picked.items():
+            samples[name].append(v)
         print(f" {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return [rs.figure_from_samples(s.name, s.unit, s.better, samples[s.name], s.floor) for s in bench.figures]
 
@@ -297,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in benches:
         try:
             figures.update((f.name, f) for f in measure(b, args.repeats))
-        except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError, OSError) as e:
+        except (RuntimeError, subprocess.TimeoutExpired, rs.RecordError) as e:
             print(f" failed: {e}", file=sys.stderr)
             failed[b.name] = str(e)[-500:]
     extra: dict[str, Any] = {
