@@ -14,6 +14,7 @@ import pytest
 
 from bench import record_store as rs
 from bench.record import machine
+from bench.record import main as record_main
 from tests.runs import ROOT
 
 BOX = {"hostname": "vm", "cpu": "AMD EPYC", "cores": 2, "python": "3.11.7", "torch": "2.13.0+cpu"}
@@ -189,8 +190,8 @@ def test_record_runs_a_benchmark_twice_appends_a_line_and_flags_a_regression(tmp
         assert (f.unit, f.better, len(f.samples)) == ("ms", "lower", 2)
         assert f.value > 0 and f.spread == max(f.samples) - min(f.samples)
     assert new.extra["benchmarks"] == ["plot_render"] and new.extra["repeats"] == 2
-    bad = subprocess.run([*cmd[:3], "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "unknown benchmark nope; known: console," in bad.stderr
+    with pytest.raises(SystemExit, match="--only: unknown benchmark nope; known: console,"):
+        record_main(["--only", "nope", "--record", str(record)])
 
 
 def test_the_docs_table_holds_the_records_latest_figures() -> None:
