@@ -6,7 +6,9 @@ attached through LocalTransport, and measures that process's CPU time (utime+sti
 /proc/PID/stat) over the measurement window. As a baseline in the same run it measures the same
 console attached to a finished run (nothing changes, polling continues).
 
-    python bench/console_idle.py [--seconds 30]
+    python bench/console_idle.py [--seconds 30] [--json]
+
+``--json`` prints one JSON object instead of the text (what ``bench/record.py`` reads).
 
 Goal (docs/performance.md): <= 1 % of a core at rest.
 """
@@ -14,6 +16,7 @@ Goal (docs/performance.md): <= 1 % of a core at rest.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +101,7 @@ def main() -> None:
     ap.add_argument(
         "--poll", type=float, default=1.0, help="the console's poll interval (default as shipped)"
     )
+    ap.add_argument("--json", action="store_true", help="print one JSON object (bench/record.py reads it)")
     args = ap.parse_args()
     global POLL_S
     POLL_S = args.poll
@@ -118,6 +122,13 @@ def main() -> None:
                 break
             time.sleep(0.1)
         idle_pct = measure(done, args.seconds)
+    if args.json:
+        print(
+            json.dumps(
+                {"live_pct": live_pct, "finished_pct": idle_pct, "stages": args.stages, "events": events}
+            )
+        )
+        return
     print(
         f"console CPU, attached to {args.stages} live stages (~{args.stages * 4} events/s): {live_pct:.2f} % of a core"
     )

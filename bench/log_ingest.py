@@ -17,7 +17,10 @@ Baseline in the same run: Textual's ``Log`` widget fed the same way (new bytes r
 ``write_lines`` in batches of 1,000, ``max_lines`` 10,000 so its memory is bounded), on
 ``--baseline-lines`` (default 1M) lines.
 
-    python bench/log_ingest.py [--lines 10000000] [--baseline-lines 1000000]
+    python bench/log_ingest.py [--lines 10000000] [--baseline-lines 1000000] [--json]
+
+``--baseline-lines 0`` skips the baseline; ``--json`` prints one JSON object instead of the text (what
+``bench/record.py`` reads: the viewer's figures and the fresh open's).
 
 Goals (issue 8, docs/performance.md): >= 100K lines/s, frame gaps <= 100 ms, RSS <= 200 MB.
 """
@@ -229,16 +232,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lines", type=int, default=10_000_000)
     ap.add_argument("--baseline-lines", type=int, default=1_000_000)
+    ap.add_argument("--json", action="store_true", help="print one JSON object (bench/record.py reads it)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         ours = run(tmp, args.lines, "index")
         opened = open_existing(tmp, args.lines)
-        base = run(tmp, args.baseline_lines, "log")
+        base = run(tmp, args.baseline_lines, "log") if args.baseline_lines else None
+    if args.json:
+        print(json.dumps({"viewer": ours, "open": opened, "baseline": base, "lines": args.lines}))
+        return
     for name, r, n in (
         ("log viewer (line index)", ours, args.lines),
         ("baseline: Textual Log", base, args.baseline_lines),
     ):
+        if r is None:
+            continue
         print(f"{name}: {n:,} lines (~{r['bytes'] / 2**20:.0f} MiB) in {r['span_s']:.2f} s")
         print(
             f"  sustained {r['lines_per_s']:,.0f} lines/s (writer {r['writer_lines_per_s']:,.0f} lines/s, "
@@ -258,7 +267,8 @@ def main() -> None:
         f"(start-up of the screen included), fully indexed after {opened['indexed_s']:.2f} s, RSS "
         f"{opened['rss_mb']:.0f} MB"
     )
-    print(f"ratio lines/s viewer / baseline: {ours['lines_per_s'] / base['lines_per_s']:.1f}x")
+    if base is not None:
+        print(f"ratio lines/s viewer / baseline: {ours['lines_per_s'] / base['lines_per_s']:.1f}x")
     print(f"host: {os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -1,6 +1,6 @@
 """How long drawing the curves costs: one Plotext build of the detail pane's plot and of the metrics view.
 
-    python bench/plot_render.py [--repeat 20]
+    python bench/plot_render.py [--repeat 20] [--json]
 
 The detail pane redraws its plot at most once per poll (1 s) and only when the stage reported a new
 metric; the metrics view the same. Both plot full series (512 points, the history's bound).
@@ -9,6 +9,7 @@ metric; the metrics view the same. Both plot full series (512 points, the histor
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
@@ -28,6 +29,7 @@ def timed(build: Plot, repeat: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--json", action="store_true", help="print one JSON object (bench/record.py reads it)")
     args = ap.parse_args()
     xs = list(range(MAX_POINTS))
     mini = Plot()
@@ -43,8 +45,12 @@ def main() -> None:
         panel.plot(xs, [math.sin(x / 30) + i for x in xs], marker="braille")
         panel.title(f"metric {i}")
     full.plotsize(190, 45)
-    print(f"detail pane plot, 2 curves x {MAX_POINTS} points, 44x8:    {timed(mini, args.repeat):6.1f} ms")
-    print(f"metrics view, 4 panels x {MAX_POINTS} points, 190x45:    {timed(full, args.repeat):6.1f} ms")
+    mini_ms, full_ms = timed(mini, args.repeat), timed(full, args.repeat)
+    if args.json:
+        print(json.dumps({"detail_ms": mini_ms, "metrics_ms": full_ms, "points": MAX_POINTS}))
+        return
+    print(f"detail pane plot, 2 curves x {MAX_POINTS} points, 44x8:    {mini_ms:6.1f} ms")
+    print(f"metrics view, 4 panels x {MAX_POINTS} points, 190x45:    {full_ms:6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ again for the prefixes before and after every assistant turn to find the mask bo
 bare ``apply_chat_template`` without any mask, is printed for reference. One run, same process, same
 tokenizer threads (1, as the stage uses by default).
 
-    python bench/prep.py [--rows 150] [--max-length 2048]
+    python bench/prep.py [--rows 150] [--max-length 2048] [--prep-only] [--json]
+
+``--prep-only`` times the prep path alone (the naive loop takes minutes on agent trajectories); ``--json``
+prints one JSON object instead of the table (what ``bench/record.py`` reads).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.data import sources  # noqa: E402
-from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer, trim_to_last_assistant  # noqa: E402
+from pipeline.data.conversation import trim_to_last_assistant  # noqa: E402
+from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer  # noqa: E402
 from pipeline.stages.prep.rows import RowProcessor  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -141,10 +145,42 @@ def naive(
     return out
 
 
+def timed_prep(src: sources.Source, raw: list[sources.RawRow], ct: ChatTokenizer) -> tuple[float, list]:
+    """Seconds the stage's own path takes on these rows (batches of 64), and its outcome for each."""
+    proc = RowProcessor(src, "target-native", {}, ct)
+    t0 = time.perf_counter()
+    outs = []
+    for k in range(0, len(raw), 64):  # the stage's batches
+        outs.extend(proc.process(raw[k : k + 64]))
+    return time.perf_counter() - t0, outs
+
+
+def prep_only(kinds: list[tuple[str, str, list[sources.RawRow]]], ct: ChatTokenizer, as_json: bool) -> int:
+    """The prep path's rows/s per kind and over all, without the naive loops."""
+    per: dict[str, float] = {}
+    tot, total = 0.0, 0
+    for label, key, raw in kinds:
+        dt, outs = timed_prep(sources.get(key), raw, ct)
+        accepted = sum(o.kind == "accept" for o in outs)
+        if accepted != len(raw):
+            raise SystemExit(f"prep: {label}: {accepted}/{len(raw)} rows accepted")
+        per[label] = len(raw) / dt
+        tot, total = tot + dt, total + len(raw)
+    if as_json:
+        print(json.dumps({"rows_per_s": total / tot, "per_kind": per, "rows": total}))
+    else:
+        for label, rate in per.items():
+            print(f"{label:<24}{rate:>12.0f} prep rows/s")
+        print(f"{'all':<24}{total / tot:>12.0f} prep rows/s")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=150, help="rows per kind")
     ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--prep-only", action="store_true", help="skip the naive and bare loops")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (bench/record.py reads it)")
     args = ap.parse_args()
     hf = load_hf_tokenizer(MODEL)
     ct = ChatTokenizer(hf, args.max_length, tokenizer_id=MODEL)
@@ -153,6 +189,8 @@ def main() -> int:
         ("single-turn reasoning", "kimik2-5-2000x", reasoning(args.rows)),
         ("multi-turn chat", "ultrachat", chats(args.rows)),
     ]
+    if args.prep_only or args.json:
+        return prep_only(kinds, ct, args.json)
     print(
         f"prep benchmark: {MODEL}, max_length {args.max_length}, {args.rows} rows per kind, "
         f"tokenizer threads {os.environ['RAYON_NUM_THREADS']}"
@@ -164,12 +202,7 @@ def main() -> int:
     total = 0
     for label, key, raw in kinds:
         src = sources.get(key)
-        proc = RowProcessor(src, "target-native", {}, ct)
-        t0 = time.perf_counter()
-        outs = []
-        for k in range(0, len(raw), 64):  # the stage's batches
-            outs.extend(proc.process(raw[k : k + 64]))
-        t_prep = time.perf_counter() - t0
+        t_prep, outs = timed_prep(src, raw, ct)
         convs = [ct.template_messages(trim_to_last_assistant(sources.normalise(src, r.row, {}))) for r in raw]
         t0 = time.perf_counter()
         ref = naive(

@@ -9,12 +9,14 @@ bf16, greedy token, ids, mask: 32,777 B a token at hidden 4096) through
 ``os.pwrite`` (file sized up front, 32 MiB writes, one fsync per file): the rate the directory's
 filesystem gives a single writer. Prints GB/s of each and the sink's share of the raw rate. This is
 the host half of issue 15's extraction goal: what a GPU run's end-to-end rate is capped by whatever
-the model does (``bench/gpu_extract.py`` times the whole path on a GPU).
+the model does (``bench/gpu_extract.py`` times the whole path on a GPU). ``--json`` prints one JSON
+object instead of the text (what ``bench/record.py`` reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -95,6 +97,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--shard-batches", type=int, default=4)
     ap.add_argument("--modes", default="2:4,0:1", help="queue:io_threads pairs for the sink")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (bench/record.py reads it)")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="aerie-shard-write-", dir=args.out_dir))
     try:
@@ -118,6 +121,9 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     gb = args.batches * args.batch_tokens * (8 * args.hidden + 9) / 1e9
+    if args.json:
+        print(json.dumps({"sink_gbps": dict(rows), "raw_gbps": raw, "gb": gb}))
+        return 0
     print(
         f"shard_write: {gb:.1f} GB in {args.batches} batches of {args.batch_tokens} tokens, "
         f"{args.shard_batches} batches a shard, into {args.out_dir or tempfile.gettempdir()}"
