@@ -47,7 +47,7 @@ from textual.widgets import Footer, Input, Static
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
 from console.audit_trail import AuditTrail
-from console.header import header_text, plan_of, projection_text, status_text
+from console.header import ProjectionLine, header_text, plan_of, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.palette import screen_commands
@@ -239,6 +239,7 @@ class AerieApp(App[int]):
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
         self.plan: Plan | str | None = None  # the run's frozen plan, for the projection line (or why not)
+        self.projection = ProjectionLine()
 
     @property
     def hooks_run(self) -> int:
@@ -381,7 +382,7 @@ class AerieApp(App[int]):
 
     def _update_header(self) -> None:
         style = self.state_style
-        self._set_text("#projection", projection_text(self.model, self.plan, self.size.width))
+        self._set_text("#projection", self.projection.text(self.model, self.plan, self.size.width))
         header = header_text(self.model, self.transport.status.label(), self.size.width, style)
         if self.read_only:
             header = Text.assemble(("READ-ONLY ", "bold reverse"), header)
