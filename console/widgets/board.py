@@ -338,9 +338,8 @@ class StageBoard(ScrollView, can_focus=True):
         return widths
 
     def _strip(self, cells: tuple[Cell, ...], widths: list[int], width: int, base: Style) -> Strip:
-        """A line of ``cells`` in ``widths`` on ``base``: each cell cut to its width less one (with "…") and
-        padded. Plain cells are laid out as strings, runs of them one segment; only the styled ones (the
-        state, a family's counts) go through Rich — a live run repaints most rows every second."""
+        """``cells`` in ``widths`` on ``base``, each cut to its width less one (with "…") and padded: plain cells
+        as strings (a run of them one segment), styled ones (state, family counts) through Rich, once each."""
         out: list[Segment] = []
         run: list[str] = []
         for cell, w in zip(cells, widths, strict=True):
@@ -354,21 +353,23 @@ class StageBoard(ScrollView, can_focus=True):
             if run:
                 out.append(Segment("".join(run), base))
                 run = []
-            t = cell.copy()
-            t.truncate(w - 1, overflow="ellipsis")
-            t.pad_right(w - t.cell_len)
-            t = Text().append_text(t)  # its own style as a span: Text.render draws spans only
-            out.extend(
-                Segment(sg.text, base + sg.style if sg.style else base, sg.control)
-                for sg in t.render(self.app.console)
-            )
+            key = ("cell", cell.plain, str(cell.style), tuple(cell.spans), w, base)
+            if key not in self._cache:  # a state's word is on many rows, every poll: render it once
+                t = cell.copy()
+                t.truncate(w - 1, overflow="ellipsis")
+                t.pad_right(w - t.cell_len)
+                t = Text().append_text(t)  # its own style as a span: Text.render draws spans only
+                self._cache[key] = Strip(
+                    Segment(sg.text, base + sg.style if sg.style else base, sg.control)
+                    for sg in t.render(self.app.console)
+                )
+            out.extend(self._cache[key])
         if run:
             out.append(Segment("".join(run), base))
         return Strip(out).crop_extend(0, width, base)
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width  # without the scrollbar: nothing hides under it
-        scroll_y = int(self.scroll_offset.y)
         widths = self._widths(width)
         if y == 0:
             style = self.get_component_rich_style("board--header")
@@ -376,7 +377,7 @@ class StageBoard(ScrollView, can_focus=True):
             if key not in self._cache:
                 self._cache[key] = self._strip(COLUMNS, widths, width, style)
             return self._cache[key]
-        idx = y - 1 + scroll_y
+        idx = y - 1 + int(self.scroll_offset.y)
         base = self._frame_style or self.rich_style
         if idx >= len(self._rows):
             return Strip.blank(width, base)
