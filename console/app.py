@@ -49,7 +49,7 @@ from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
 from console.audit_trail import AuditTrail
 from console.compare import OtherRun
-from console.header import header_text, plan_of, projection_text, status_text
+from console.header import ProjectionLine, header_text, plan_of, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.palette import screen_commands
@@ -261,6 +261,7 @@ class AerieApp(App[int]):
         self.plan: Plan | str | None = None  # the run's frozen plan, for the projection line (or why not)
         self._board_cap = 0  # the board's most rows (see _meters_layout)
         self._size: Size | None = None
+        self.projection = ProjectionLine()
 
     @property
     def hooks_run(self) -> int:
@@ -426,7 +427,7 @@ class AerieApp(App[int]):
 
     def _update_header(self) -> None:
         style = self.state_style
-        self._set_text("#projection", projection_text(self.model, self.plan, self.size.width))
+        self._set_text("#projection", self.projection.text(self.model, self.plan, self.size.width))
         header = header_text(self.model, self.transport.status.label(), self.size.width, style)
         if self.read_only:
             header = Text.assemble(("READ-ONLY ", "bold reverse"), header)

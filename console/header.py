@@ -1,10 +1,11 @@
 """The console's header lines as text: the header (run, connection, run dir, state counts), the projection
 line under it (progress, finish, GPU-hours, disk at finish: :mod:`pipeline.run.projection`) and the status
 line at the bottom (the run's outcome, or the supervisor's liveness). Pure functions of the model: the app
-sets them."""
+sets them; :class:`ProjectionLine` spares it recomputing the projection on every poll."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from pipeline.run import plan as plan_mod
 from pipeline.run.projection import DiskNow, StageProgress, project
 from pipeline.run.projection_text import compact_line
 
+PROJECTION_EVERY_S = 5.0  # the projection line is recomputed at least this often (sooner on a state change)
 STALE_SUPERVISOR_S = 15.0  # no snapshot for this long: the console restarts the supervisor
 
 
@@ -106,3 +108,34 @@ def projection_text(
     except (KeyError, ValueError) as exc:  # a state.json from another plan than the frozen one
         return Text(f"no projection: {type(exc).__name__}: {exc}", style="dim")
     return Text(compact_line(p, max(0, width - 2)))
+
+
+class ProjectionLine:
+    """:func:`projection_text`, recomputed when a stage changes state or attempt, the plan or the width
+    changes or the first disk sample arrives, and otherwise at most every :data:`PROJECTION_EVERY_S`: its figures are whole minutes and tenths
+    of GPU-hours, while a live run's progress changes every poll (recomputing it each poll and repainting the
+    line for a changed second was a good share of the live console's CPU)."""
+
+    def __init__(
+        self, every_s: float = PROJECTION_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._key: tuple = ()
+        self._at = -math.inf
+        self._text = Text("")
+
+    def text(self, model: RunModel, plan: plan_mod.Plan | str | None, width: int) -> Text:
+        key = (
+            id(plan),
+            width,
+            model.loaded,
+            model.done,
+            model.telemetry.disk
+            is not None,  # the disk at finish appears with the first sample, not 5 s later
+            tuple((sid, st.state, st.attempt, st.retry_at) for sid, st in model.stages.items()),
+        )
+        now = self.clock()
+        if key != self._key or now - self._at >= self.every_s:
+            self._key, self._at = key, now
+            self._text = projection_text(model, plan, width)
+        return self._text

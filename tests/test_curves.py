@@ -320,3 +320,46 @@ async def test_attaching_late_still_draws_the_curve_from_step_zero(tmp_path: Pat
     assert loss.xs[0] < 10 and loss.xs[-1] > 3990, "the head was read back: the whole run"
     assert len(loss) <= 512 and loss.last == pytest.approx(train_metrics(3999)["loss"])
     assert st.history.names()[:2] == ["loss", "acc_0"]
+
+
+async def test_a_new_metric_reaches_the_detail_plot_at_the_next_poll(tmp_path: Path) -> None:
+    """What the operator sees is not throttled by the console's CPU savings (unchanged lines are not
+    repainted, the projection is recomputed every few seconds): a loss the training writes is in the detail
+    pane's plot — its legend's latest value — as soon as the next poll has read it. The polls are driven by
+    the test (no timer), so the count is exact whatever the machine's load."""
+    import json
+    import time
+
+    from pipeline.run.runtime import StageContext
+
+    root = tmp_path / "run"
+    root.mkdir()
+    row = {"id": "train", "family": "train", "state": "running", "attempt": 1, "started_at": time.time() - 60}
+    (root / "state.json").write_text(json.dumps({"run": "r", "executor": "local", "stages": [row]}))
+    sd = root / "stages" / "train"
+    ctx = StageContext("train", sd / "out", sd / "events.jsonl", None)
+    for step in range(20):
+        for name, value in train_metrics(step).items():
+            ctx.metric(name, value, step=step)
+    app = AerieApp(LocalTransport(str(root)), poll_s=3600, alerts=False, user_config={}, read_only=True)
+
+    async def shown_after_a_poll() -> str:
+        app.poll_model()
+        await until(  # this poll, or the one a new selection started instead (the exclusive group)
+            pilot,
+            lambda: not any(w.group == "poll" and not w.is_finished for w in app.workers),
+            what="a poll",
+        )
+        await pilot.pause()
+        return "\n".join(svg_rows(app.export_screenshot()))
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(5):  # the first poll finds the stage, the next reads its events
+            if "⢕⢕ loss 7.762" in await shown_after_a_poll():
+                break
+        else:
+            raise AssertionError("the plot never showed the training's loss")
+        ctx.metric("loss", 0.123, step=20)
+        ctx.metric("acc_0", 0.8, step=20)
+        text = await shown_after_a_poll()
+        assert "⢕⢕ loss 0.123" in text and "⢕⢕ acc_0 0.8" in text, text

@@ -8,8 +8,8 @@ aggregate progress and state counts, then its members indented below it. State c
 the app's theme (``App.state_style``), never from this widget.
 
 It renders through Textual's line API with one cached strip per row, so a board at rest costs
-nothing and a tick re-renders only the rows whose text changed (a DataTable re-renders every cell
-of every row on any update: measured 3x the CPU, see docs/performance.md).
+nothing and a tick repaints only the lines of the rows whose text changed (a DataTable re-renders
+every cell of every row on any update: measured 3x the CPU, see docs/performance.md).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
 from textual.events import Click
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
@@ -170,6 +171,7 @@ class StageBoard(ScrollView, can_focus=True):
         self._bar_w = BAR_WIDE
         self._content_sig: int = 0
         self._width_cache: tuple[tuple, list[int]] = ((), [])
+        self._frame_style: Style | None = None  # the widget's own style, looked up once per frame
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -212,13 +214,17 @@ class StageBoard(ScrollView, can_focus=True):
         now = time.time()
         selected = self.selected_key
         new = [_Row(key, self._cells(key, st, members, now)) for key, st, members in self._visible(model)]
-        if [r.sig for r in new] == [r.sig for r in self._rows]:
+        old = self._rows
+        if [r.sig for r in new] == [r.sig for r in old]:
             return  # nothing changed: no repaint at all
-        structure_changed = [r.key for r in new] != [r.key for r in self._rows]
+        structure_changed = [r.key for r in new] != [r.key for r in old]
+        width = self.scrollable_content_region.width
+        before = (list(self._widths(width)), self._bar_w)
         self._rows = new
         self._index = {r.key: i for i, r in enumerate(new)}
         self._stage_w = max([len(str(r.cells[0])) for r in new] + [12]) + 1
         self._content_sig = hash(tuple(tuple(_plain_len(c) for c in r.cells[:-1]) for r in new))
+        columns_changed = (self._widths(width), self._bar_w) != before  # then every line moves
         if structure_changed:
             self.virtual_size = Size(self.size.width, len(new) + 1)
             self.cursor_row = (
@@ -226,7 +232,17 @@ class StageBoard(ScrollView, can_focus=True):
             )
             if self.selected_key != selected:
                 self.post_message(self.Highlighted(self.selected_key))
-        self.refresh()
+        if structure_changed or columns_changed:
+            self.refresh()
+            return
+        top = int(self.scroll_offset.y)  # same rows, same columns: repaint the lines of rows that changed
+        ys = [i + 1 - top for i, (a, b) in enumerate(zip(old, new, strict=True)) if a.sig != b.sig]
+        if dirty := [Region(0, y, self.size.width, 1) for y in ys if 1 <= y < self.size.height]:
+            self.refresh(*dirty)
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        self._frame_style = self.rich_style  # walks every ancestor's styles: once a frame, not once a line
+        return super().render_lines(crop)
 
     def _style(self, state: str) -> str:
         style_of = getattr(self.app, "state_style", None)
@@ -321,49 +337,60 @@ class StageBoard(ScrollView, can_focus=True):
         self._width_cache = (key, widths)
         return widths
 
-    def _line_text(self, cells: tuple[Cell, ...], widths: list[int]) -> Text:
-        line = Text(no_wrap=True, overflow="ellipsis")
+    def _strip(self, cells: tuple[Cell, ...], widths: list[int], width: int, base: Style) -> Strip:
+        """``cells`` in ``widths`` on ``base``, each cut to its width less one (with "…") and padded: plain cells
+        as strings (a run of them one segment), styled ones (state, family counts) through Rich, once each."""
+        out: list[Segment] = []
+        run: list[str] = []
         for cell, w in zip(cells, widths, strict=True):
             if w <= 0:
                 continue
             if isinstance(cell, _Bar) and self._bar_w != BAR_WIDE:
                 cell = _bar(cell.fraction, self._bar_w)
-            t = cell.copy() if isinstance(cell, Text) else Text(str(cell))
-            t.truncate(w - 1, overflow="ellipsis")
-            t.pad_right(w - t.cell_len)
-            line.append_text(t)
-        return line
+            if not isinstance(cell, Text):
+                run.append(_fit(str(cell), w))
+                continue
+            if run:
+                out.append(Segment("".join(run), base))
+                run = []
+            key = ("cell", cell.plain, str(cell.style), tuple(cell.spans), w, base)
+            if key not in self._cache:  # a state's word is on many rows, every poll: render it once
+                t = cell.copy()
+                t.truncate(w - 1, overflow="ellipsis")
+                t.pad_right(w - t.cell_len)
+                t = Text().append_text(t)  # its own style as a span: Text.render draws spans only
+                self._cache[key] = Strip(
+                    Segment(sg.text, base + sg.style if sg.style else base, sg.control)
+                    for sg in t.render(self.app.console)
+                )
+            out.extend(self._cache[key])
+        if run:
+            out.append(Segment("".join(run), base))
+        return Strip(out).crop_extend(0, width, base)
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width  # without the scrollbar: nothing hides under it
-        scroll_y = int(self.scroll_offset.y)
         widths = self._widths(width)
         if y == 0:
             style = self.get_component_rich_style("board--header")
             key: tuple = ("header", width, tuple(widths), style)
             if key not in self._cache:
-                self._cache[key] = self._strip(self._line_text(COLUMNS, widths), width, style)
+                self._cache[key] = self._strip(COLUMNS, widths, width, style)
             return self._cache[key]
-        idx = y - 1 + scroll_y
+        idx = y - 1 + int(self.scroll_offset.y)
+        base = self._frame_style or self.rich_style
         if idx >= len(self._rows):
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, base)
         row = self._rows[idx]
         selected = idx == self.cursor_row
-        style = self.get_component_rich_style("board--cursor") if selected else self.rich_style
+        style = self.get_component_rich_style("board--cursor") if selected else base
         key = (row.key, row.sig, width, tuple(widths), selected, style)
         strip = self._cache.get(key)
         if strip is None:
             if len(self._cache) > 4096:
                 self._cache.clear()
-            strip = self._cache[key] = self._strip(self._line_text(row.cells, widths), width, style)
+            strip = self._cache[key] = self._strip(row.cells, widths, width, style)
         return strip
-
-    def _strip(self, text: Text, width: int, base: Style) -> Strip:
-        segments = [
-            Segment(s.text, base + s.style if s.style else base, s.control)
-            for s in text.render(self.app.console)
-        ]
-        return Strip(segments).crop_extend(0, width, base)
 
     def watch_scroll_y(self, old: float, new: float) -> None:
         super().watch_scroll_y(old, new)
@@ -410,6 +437,13 @@ def _bar(frac: float | None, width: int = BAR_WIDE) -> str:
     if frac is None:
         return ""
     return f"{fmt.bar(frac, width)} {frac * 100:3.0f}%"
+
+
+def _fit(s: str, w: int) -> str:
+    """``s`` in ``w`` cells as Rich would lay the cell out: cut to ``w - 1`` cells with "…", then padded."""
+    if cell_len(s) > w - 1:
+        s = set_cell_size(s, w - 2) + "…"
+    return s + " " * (w - cell_len(s))
 
 
 def _plain_len(cell: Cell) -> int:

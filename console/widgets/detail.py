@@ -41,6 +41,7 @@ class StageDetail(Horizontal):
         self.stage_id: str | None = None
         self._log_count = 0
         self._facts_lines = -1  # the facts' line count last drawn: only a change of it needs a new layout
+        self._drawn: dict[str, tuple] = {}  # what #facts and #events show now (a same text is not redrawn)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="info"):
@@ -65,6 +66,15 @@ class StageDetail(Horizontal):
         if target is not None:
             target.draw([("", curves)], "step", key=(st.id, st.history.version, wide), compact=True)
 
+    def _changed(self, what: str, text: Text) -> bool:
+        """True (and remembered) when ``text`` differs from what ``what`` shows: an unchanged Static is not
+        repainted (a repaint there widens the screen region each poll redraws to the bottom pane)."""
+        key = (text.plain, tuple((sp.start, sp.end, str(sp.style)) for sp in text.spans))
+        if self._drawn.get(what) == key:
+            return False
+        self._drawn[what] = key
+        return True
+
     def show(self, st: StageView | None) -> None:
         if st is None or st.id != self.stage_id:
             self.query_one(Log).clear()
@@ -75,6 +85,7 @@ class StageDetail(Horizontal):
     def sync(self, st: StageView | None) -> None:
         facts = self.query_one("#facts", Static)
         if st is None:
+            self._drawn.clear()
             facts.update("Select a stage (↑/↓)")
             self.query_one("#events", Static).update("")
             for plot in self.query(CurvePlot):
@@ -115,7 +126,8 @@ class StageDetail(Horizontal):
         lines_now = t.plain.count("\n")
         # Re-layout only when the facts grow or shrink by a line: the elapsed time and the rate change every
         # poll, and a layout pass of the whole screen per poll was most of the live console's CPU.
-        facts.update(t, layout=lines_now != self._facts_lines)
+        if self._changed("facts", t):
+            facts.update(t, layout=lines_now != self._facts_lines)
         self._facts_lines = lines_now
         self._plot(st)
         evs = [ev for ev in st.events if ev.type != "progress"][-6:]
@@ -124,7 +136,8 @@ class StageDetail(Horizontal):
             stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))
             lvl = ev.get("level")
             lines.append(f"{stamp} {describe_event(ev)}\n", style=style("failed") if lvl == "error" else "")
-        self.query_one("#events", Static).update(lines, layout=False)
+        if self._changed("events", lines):
+            self.query_one("#events", Static).update(lines, layout=False)
         log = self.query_one(Log)
         fresh = st.log_total - self._log_count
         if fresh > 0:

@@ -30,6 +30,7 @@ from console.telemetry_model import GpuView, TelemetryModel, duration, size
 
 if TYPE_CHECKING:
     from textual.geometry import Size as Cells
+    from textual.timer import Timer
 
 SPARK = "▁▂▃▄▅▆▇█"
 BAR_W = 10
@@ -337,6 +338,7 @@ class MetersPanel(Vertical):
         self.poll_s = poll_s
         self._seen = -1
         self._title_text = ""
+        self._ticker: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield Static("", classes="meters-title")
@@ -346,10 +348,23 @@ class MetersPanel(Vertical):
 
     def on_mount(self) -> None:
         self.sync()
-        self.set_interval(self.poll_s, self._tick)
+        self._ticker = self.set_interval(self.poll_s, self._tick)
+
+    # Hidden (a run without a telemetry stage, or clipped away), the panel's clock stops: no wake-up of the
+    # UI loop each second for nothing. Shown again, it catches up at once.
+    def on_hide(self) -> None:
+        if self._ticker is not None:
+            self._ticker.pause()
+
+    def on_show(self) -> None:
+        if self._ticker is not None:
+            self._ticker.resume()
+            self._tick()
 
     def _tick(self) -> None:
         if not self.display:
+            if self._ticker is not None:
+                self._ticker.pause()  # hidden before it was ever shown (no Hide then): on_show resumes it
             return
         if self.model.version != self._seen:
             self.sync()
