@@ -53,6 +53,11 @@ def screen_commands(screen: Screen) -> list[Command]:
                 "the highlighted metric, a curve per attempt",
                 screen.action_attempts,
             ),
+            (
+                "Metrics: compare with another run",
+                "overlay the same metrics from another run directory (empty: stop comparing)",
+                screen.action_compare_run,
+            ),
             ("Metrics: previous stage", "the previous stage with metrics", screen.action_previous_stage),
             ("Metrics: next stage", "the next stage with metrics", screen.action_next_stage),
             ("Metrics: back", "back to the board", screen.action_close),
