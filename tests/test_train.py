@@ -50,6 +50,26 @@ def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="train.loss_chunk_tokens: must be 0"):
         TrainSection.parse({"loss_chunk_tokens": -1}, "p.toml")
     assert TrainSection.parse({"loss_chunk_tokens": 0}, "p.toml").loss_chunk_tokens == 0
+    with pytest.raises(ValueError, match="train.stop_when_acceptance_flat: needs evaluations"):
+        TrainSection.parse({"stop_when_acceptance_flat": 2, "eval_every": -1}, "p.toml")
+
+
+F = False
+
+
+def test_acceptance_that_stops_improving_stops_training_after_n_flat_evaluations() -> None:
+    from pipeline.stages.train.plateau import Plateau
+
+    p = Plateau(patience=2, min_delta=0.01)
+    assert [p.update(s, a) for s, a in ((10, 1.5), (20, 1.8), (30, 1.805), (40, 1.7))] == [F, F, F, True]
+    assert (
+        p.best == 1.8
+        and p.best_step == 20
+        and "not improved for 2 evaluations (best 1.800 at step 20)" in (p.reason())
+    )
+    p = Plateau(patience=2)
+    assert not any(p.update(s, a) for s, a in ((1, 1.0), (2, 0.9), (3, 1.1), (4, 1.0)))  # a new best resets
+    assert not any(Plateau(patience=0).update(s, 1.0) for s in range(10))  # 0: never stops
 
 
 @pytest.mark.slow
@@ -71,6 +91,26 @@ def test_training_reports_every_metric_and_writes_an_sglang_draft(tmp_path_facto
     d = load_draft(out / "draft", embed=torch.zeros(49152, HIDDEN))
     assert int(d.t2d.sum()) == 512
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_00000012", "step_00000024"]
+
+
+@pytest.mark.slow
+def test_training_whose_acceptance_is_flat_stops_early_and_says_so(tmp_path_factory, tmp_path) -> None:
+    """lr = 0: the draft never changes, so its simulated accept length never improves; with
+    ``stop_when_acceptance_flat = 2`` and an evaluation every 2 steps, training stops at step 6 of 24, checkpoints
+    it, says why in the console's events and the manifest, and the draft is the best checkpoint as always."""
+    ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
+    train = {**TEST_SECTIONS["train"], "lr": 0.0, "eval_every": 2, "stop_when_acceptance_flat": 2}
+    plan = write_plan(tmp_path / "plan.toml", **{**TEST_SECTIONS, "train": train})
+    out = tmp_path / "train"
+    run_stage("pipeline.stages.train", plan, out, [ext, voc])
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["last_step"] == 6 and man["stopped_early"].startswith("stopped early at step 6 of 24: ")
+    assert "not improved for 2 evaluations" in man["stopped_early"]
+    said = [e for e in events(out) if e.type == "message" and e.get("code") == "early_stop"]
+    assert len(said) == 1 and said[0].get("level") == "warning"
+    assert sorted(e.get("step") for e in metrics(out, "accept_length")) == [2, 4, 6]
+    assert max(e.get("step") for e in metrics(out, "loss")) == 6
+    assert (out / "checkpoints" / "step_00000006").is_dir() and (out / "draft" / "config.json").is_file()
 
 
 @pytest.mark.slow

@@ -289,6 +289,12 @@ class TrainSection(Section):
         0, "simulated acceptance on held-out rows every N steps (0: at every checkpoint; -1: never)", lo=-1
     )
     eval_rows: int = setting(64, "held-out rows it reads (the first N of the extraction's eval split)", lo=0)
+    stop_when_acceptance_flat: int = setting(
+        0, "stop training after N evaluations in a row without a better accept length (0: never)", lo=0
+    )
+    acceptance_min_delta: float = setting(
+        0.0, "an accept length must beat the best by more than this to count as better", lo=0
+    )
     eval_spec_steps: int = setting(
         0, "draft steps per verification it simulates (0: min(3, ttt_steps))", lo=0
     )
@@ -320,6 +326,12 @@ class TrainSection(Section):
                 file,
                 f"{name}.batch_size",
                 f"{self.batch_size} must be a multiple of {name}.nproc ({self.nproc})",
+            )
+        if self.stop_when_acceptance_flat and self.eval_interval == 0:
+            self.bad(
+                file,
+                f"{name}.stop_when_acceptance_flat",
+                f"needs evaluations, but {name}.eval_every is {self.eval_every} and {name}.eval_rows {self.eval_rows}",
             )
         if self.eval_spec_steps > self.ttt_steps:
             self.bad(

@@ -41,6 +41,7 @@ from pipeline.stages.train.components import (
     TTTLoss,
 )
 from pipeline.stages.train.feeder import Feeder, Inline
+from pipeline.stages.train.plateau import Plateau
 from pipeline.stages.train.settings import BatchSchedule
 from pipeline.stages.train.steps import Steps, rank_chunks
 
@@ -325,8 +326,12 @@ def train(
         feeder=feeder,
         micro_batch=s.micro_batch,
         steps_log=StepLog(out / STEPS_FILE, start) if dist.main else None,
+        plateau=Plateau(s.stop_when_acceptance_flat, s.acceptance_min_delta),
     )
     best = checkpointer.best
+    if best is not None:  # a resumed attempt counts from the best it kept
+        steps.plateau.best, steps.plateau.best_step = best["accept_length"], best["step"]
+    stopped: str | None = None
     if start and steps.eval_due(start) and (best is None or best["step"] < start):
         steps.evaluate(start, saved=True)  # killed between that checkpoint and its evaluation
     try:
@@ -335,8 +340,14 @@ def train(
             if step % s.checkpoint_every == 0 or step == s.steps:
                 steps.checkpoint(step)
                 last_saved = step
-            if steps.eval_due(step):
-                steps.evaluate(step, saved=last_saved == step)
+            if steps.eval_due(step) and steps.evaluate(step, saved=last_saved == step):
+                if last_saved != step:  # the last step trained is on disk too
+                    steps.checkpoint(step)
+                    last_saved = step
+                stopped = f"stopped early at step {step} of {s.steps}: {steps.plateau.reason()}"
+                if ctx:
+                    ctx.message(stopped, level="warning", code="early_stop")
+                break
     finally:
         feeder.close()
     best = checkpointer.best
@@ -360,6 +371,7 @@ def train(
                 "path": FINAL_DIR,
                 "step": best["step"] if best else last_saved,
                 "last_step": last_saved,
+                "stopped_early": stopped,  # why training ended before [train] steps, or null
                 "chosen_by": "simulated accept length on held-out rows" if best else "last step",
                 "accept_length": best["accept_length"] if best else None,
                 "eval_spec_steps": s.spec_steps if best else None,
@@ -379,7 +391,8 @@ def train(
             },
         )
         if ctx:
-            ctx.progress(s.steps, s.steps, unit="steps", force=True)
+            end = last_saved if stopped else s.steps
+            ctx.progress(end, end, unit="steps", force=True)
             which = (
                 f"the step-{best['step']} checkpoint, best simulated accept length {best['accept_length']:.3f}"
                 if best

@@ -4,7 +4,7 @@ checkpoint and the acceptance evaluation that may keep the draft as the best (se
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from pipeline.stages.train.components import (
     TTTLoss,
 )
 from pipeline.stages.train.loss import counts_of
+from pipeline.stages.train.plateau import Plateau
 from pipeline.stages.train.settings import BatchSchedule
 
 
@@ -50,6 +51,7 @@ class Steps:
     feeder: Any  # this rank's micro-batches of a step (assembled ahead on a GPU, or inline)
     micro_batch: int
     steps_log: StepLog | None  # rank 0: the rows of every step
+    plateau: Plateau = field(default_factory=lambda: Plateau(0))  # early stopping on the accept length
 
     def batches(self, step: int, all_idx: list[int]) -> list[Batch]:
         rt, dist = self.runtime, self.runtime.dist
@@ -108,16 +110,21 @@ class Steps:
     def eval_due(self, step: int) -> bool:
         return self.evaluator.due(step)
 
-    def evaluate(self, step: int, saved: bool) -> None:
+    def evaluate(self, step: int, saved: bool) -> bool:
         """Simulated accept length on the held-out rows (every rank computes it: online-TP captures together);
         rank 0 keeps the best draft. Only at a checkpointed step can it become the best: a resume never keeps a
-        draft from steps it has lost."""
+        draft from steps it has lost. ``True`` when acceptance has been flat long enough to stop (every rank
+        agrees: they stop together)."""
         acc = self.evaluator.accept_length(self.draft, self.runtime)
         if self.runtime.ctx:
             self.runtime.ctx.metric("accept_length", acc, step=step)
         if saved:
             self.checkpointer.keep_best(step, self.draft, acc, self.evaluator.spec_steps)
+        flat = self.plateau.update(step, acc)
+        if self.plateau.patience:
+            flat = self.runtime.dist.any(flat, self.runtime.device)
         self.runtime.dist.barrier()
+        return flat
 
 
 class _null:
