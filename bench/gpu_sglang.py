@@ -724,6 +724,11 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline-bench", action="store_true")
+    ap.add_argument("--regen-prompts", type=int, default=2000, help="stages: prompts the regen stage answers")
+    ap.add_argument(
+        "--hf-prompts", type=int, default=256, help="stages: of those, through transformers generate"
+    )
+    ap.add_argument("--hf-batch", type=int, default=128)
     ap.add_argument("--target", choices=["random", "structured"], default="random")
     ap.add_argument(
         "--follow", type=float, default=0.85, help="structured: share of tokens that follow the map"
@@ -759,6 +764,14 @@ def main() -> int:
             phase_train(args)
         if "eagle3" in phases:
             phase_eagle3(args)
+        if "stages" in phases or "stages2" in phases:
+            from bench import gpu_sglang_stages
+
+            gpu_sglang_stages.g = sys.modules[__name__]  # this run's RESULTS, servers and log clock
+            if "stages" in phases:
+                gpu_sglang_stages.phase_stages(args)
+            if "stages2" in phases:
+                gpu_sglang_stages.phase_stages2(args)
     except Exception as e:  # noqa: BLE001 - report, keep what was measured
         RESULTS.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
         log(f"FAILED: {type(e).__name__}: {e}")

@@ -156,3 +156,21 @@ def test_engine_and_mode_that_disagree_are_named(tmp_path: Path) -> None:
     assert load_plan(
         write_plan(tmp_path / "plan.toml", MODEL, bench={"engine": "sglang"})
     ).settings.bench.online
+
+
+def test_a_bench_after_only_its_baseline_sends_the_baselines_prompts(tmp_path: Path) -> None:
+    """docs/eagle3.md's plan: bench-eagle3 runs ``after = ["bench-plain"]``, so its only input is the baseline's out
+    dir (no shards, no draft). It must send the prompts the baseline measured (found on the H200: it had none)."""
+    plain, eagle = FakeSGLang(accept=None, metrics=False), FakeSGLang(accept=2.0)
+    try:
+        _bench(tmp_path, "plain", plain.url, batches=[1], requests_per_stream=1)
+        out = tmp_path / "eagle3" / "out"
+        ctx = StageContext("eagle3", out, out / "events.jsonl", tmp_path / "plan.toml")
+        args = argparse.Namespace(label="eagle3", url=eagle.url, baseline="plain")
+        assert run_online(ctx, [tmp_path / "plain" / "out"], args) == 0
+    finally:
+        plain.close()
+        eagle.close()
+    sent = json.loads((out / "prompts.json").read_text())
+    assert sent and sent == json.loads((tmp_path / "plain" / "out" / "prompts.json").read_text())
+    assert json.loads((out / "results.json").read_text())["batches"][0]["speedup"] > 0

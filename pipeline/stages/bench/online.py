@@ -37,6 +37,7 @@ from pipeline.run.runtime import StageContext, fail
 
 GEN_TOKENS = "sglang:generation_tokens_total"  # SGLang's counters (--enable-metrics), as 0.5.x names them
 VERIFY_CALLS = "sglang:spec_verify_calls_total"
+PROMPTS_FILE = "prompts.json"  # the token ids a bench stage sent: a --baseline's are reused by the next stage
 
 
 def endpoint_url(ctx: StageContext, explicit: str | None) -> str:
@@ -109,15 +110,31 @@ def prompts_for(ctx: StageContext, inputs: list[Path], n: int) -> list[list[int]
         return out
 
 
-def baseline_results(ctx: StageContext, inputs: list[Path], stage: str) -> dict[str, Any]:
+def baseline_dir(ctx: StageContext, inputs: list[Path], stage: str) -> Path:
+    """The out dir of the baseline bench stage: among the inputs (``stages/<id>/out``), else in the run dir."""
     candidates = [d for d in inputs if d.parent.name == stage]
     if ctx.run_dir is not None:
         candidates.append(RunDir(ctx.run_dir).stage(stage).out)
     for d in candidates:
-        p = d / "results.json"
-        if p.is_file():
-            return json.loads(p.read_text())
+        if (d / "results.json").is_file():
+            return d
     raise ValueError(f"baseline {stage!r}: no results.json (is it in 'after' and finished?)")
+
+
+def baseline_results(ctx: StageContext, inputs: list[Path], stage: str) -> dict[str, Any]:
+    return dict(json.loads((baseline_dir(ctx, inputs, stage) / "results.json").read_text()))
+
+
+def baseline_prompts(ctx: StageContext, inputs: list[Path], stage: str) -> list[list[int]] | None:
+    """The prompts the baseline measured (its ``prompts.json``), so both sides of a speedup send the same ones —
+    and a bench stage whose only input is the baseline (``after = ["bench-plain"]``) has prompts at all."""
+    p = baseline_dir(ctx, inputs, stage) / PROMPTS_FILE
+    if not p.is_file():
+        return None
+    doc = json.loads(p.read_text())
+    if not isinstance(doc, list) or not all(isinstance(x, list) for x in doc):
+        raise ValueError(f"{p}: expected a list of token-id lists")
+    return [[int(t) for t in x] for x in doc]
 
 
 def read_counters(url: str, timeout_s: float) -> dict[str, float] | None:
@@ -220,7 +237,10 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
     sec = ctx.plan.settings.bench
     label = args.label or ctx.stage_id
     url = endpoint_url(ctx, args.url)
-    prompts = prompts_for(ctx, inputs, sec.prompt_count(online=True))
+    n = sec.prompt_count(online=True)
+    prompts = baseline_prompts(ctx, inputs, args.baseline) if args.baseline else None
+    if prompts is None:
+        prompts = prompts_for(ctx, inputs, n)
     if not prompts:
         fail(ctx, "no held-out prompts for the online benchmark; raise [bench] holdout")
     max_new = sec.new_tokens(online=True)
@@ -271,6 +291,7 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
         res["baseline"] = {"label": base.get("label"), "output_tok_s": base.get("output_tok_s")}
         if "speedup" in first:
             res["speedup"] = first["speedup"]
+    write_json(ctx.out / PROMPTS_FILE, prompts)
     write_json(ctx.out / "results.json", res)
     write_json(ctx.out / "manifest.json", {k: v for k, v in res.items() if k != "baseline"})
     for r in rows:
