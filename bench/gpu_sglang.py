@@ -36,6 +36,10 @@ The launch argv is ``pipeline.serving.sglang_args.sglang_argv`` (the serve and d
 bench's backend choices as ``extra_args``. While a server starts, its pid is watched with ``/health``: a dead server
 fails at once with its log tail; one still silent after ``--dump-after`` s gets a py-spy stack dump of every
 process. Results go to ``$OUT/gpu_sglang.json``, server logs to ``$OUT/server_<name>.log``.
+
+Over 450 lines: it is one device command, carried whole to a machine that keeps nothing between sessions; its
+phases share the server wrapper, the staging and the result file, and the target builder and the real-stage
+phases already live apart (``structured_target.py``, ``gpu_sglang_stages.py``).
 """
 
 from __future__ import annotations
