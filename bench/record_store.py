@@ -349,7 +349,7 @@ def table_md(
         lines.append(
             "Load average at the start → end of each run: "
             + "; ".join(f"{k}: {v}" for k, v in loads.items())
-            + " (above the core count, the benchmarks waited for a CPU)."
+            + " (a load above the core count means the benchmarks waited for a CPU)."
         )
     return "\n".join(lines) + "\n"
 
