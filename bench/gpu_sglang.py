@@ -617,21 +617,9 @@ def _stage_cli(module: str, plan: Path, out: Path, inputs: list[Path], *extra: s
     return dt
 
 
-def phase_train(args: argparse.Namespace) -> None:
-    work = work_dir(args)
-    if (work / "train" / "draft" / "config.json").exists():
-        return
-    model = BASE / "models" / target_name(args)
-    data = work / "self.jsonl"
-    n = sum(1 for _ in data.open())
-    plan = work / "plan.toml"
-    plan.write_text(f"""[run]
-name = "sglang-bench"
-dir = "{work / "run"}"
-[target]
-model = "{model}"
-max_length = 1024
-[prep]
+def training_sections(args: argparse.Namespace) -> str:
+    """The plan's [prep] … [train] tables the bench's training runs share (this phase and ``gpu_sglang_stages``)."""
+    return f"""[prep]
 reject_threshold = 0.5
 [extract]
 batch_tokens = 32768
@@ -649,7 +637,24 @@ checkpoint_every = {args.steps // 2}
 keep_checkpoints = 1
 log_every = 50
 eval_spec_steps = 3
-[bench]
+"""
+
+
+def phase_train(args: argparse.Namespace) -> None:
+    work = work_dir(args)
+    if (work / "train" / "draft" / "config.json").exists():
+        return
+    model = BASE / "models" / target_name(args)
+    data = work / "self.jsonl"
+    n = sum(1 for _ in data.open())
+    plan = work / "plan.toml"
+    plan.write_text(f"""[run]
+name = "sglang-bench"
+dir = "{work / "run"}"
+[target]
+model = "{model}"
+max_length = 1024
+{training_sections(args)}[bench]
 holdout = 0.05
 prompts = 8
 max_new_tokens = 128

@@ -53,25 +53,7 @@ port = 30011
 concurrency = 256
 temperature = 0.0
 max_tokens = {args.answer_tokens}
-[prep]
-reject_threshold = 0.5
-[extract]
-batch_tokens = 32768
-shard_tokens = 1048576
-eval_rows = 32
-[vocab]
-draft_vocab_size = 8192
-[train]
-steps = {args.steps}
-batch_size = {args.batch}
-micro_batch = {args.batch}
-ttt_steps = {args.ttt}
-lr = {args.lr}
-checkpoint_every = {args.steps // 2}
-keep_checkpoints = 1
-log_every = 50
-eval_spec_steps = 3
-[bench]
+{g.training_sections(args)}[bench]
 holdout = 0.05
 prompts = 32
 batches = [1, 8, 32]
