@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from pipeline.run.schema import PlanError, Section, check_text, setting
 
 STORAGE_MODES = ("offline", "online")
+ENGINES = ("transformers", "sglang")
 DTYPES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
 _NAME_BAD = set(" \t'\"`$;&|<>(){}\\*?!#")
 _SLURM_TIME_CHARS = set("0123456789-:")
@@ -45,6 +46,13 @@ class TargetSection(Section):
         False,
         "run Python code the target's own files ship (their auto_map: a custom config, model or tokenizer "
         "class); read it first. Off: such a target is a plan error, never a question on the terminal",
+    )
+    engine: str = setting(
+        "transformers",
+        'what runs the target for the extract stage\'s capture: "transformers" (hooks on the model, any device) '
+        'or "sglang" (SGLang\'s model runner in-process, its own tensor parallelism and quantized kernels: INT4 '
+        "experts stay packed; offline extraction on GPUs only)",
+        choices=ENGINES,
     )
 
     @property
@@ -620,6 +628,41 @@ class PlanSettings:
                 "extract.mode" if ex == "offline" else "train.mode",
                 'train.target = "online-tp" captures during training; mode = "offline" would store what it '
                 "never reads: drop it",
+            )
+
+        if self.target.engine == "sglang":
+            self._check_sglang_engine(file)
+
+    def _check_sglang_engine(self, file: Path | str) -> None:
+        """What capture through SGLang's model runner cannot do: say which key and what to do instead."""
+        dev = self.extract.device
+        if dev is not None and (dev == "cpu" or dev.startswith("cpu")):
+            raise PlanError(
+                file,
+                "extract.device",
+                'is "cpu" but target.engine = "sglang": SGLang\'s model runner needs a GPU; drop the device or '
+                'set target.engine = "transformers"',
+            )
+        if dev == "auto":
+            raise PlanError(
+                file,
+                "extract.device",
+                'is "auto" (layers spread over the GPUs by accelerate) but target.engine = "sglang" shards the '
+                'target itself: set extract.parallel = "tp" (with tp_size) instead',
+            )
+        if self.storage_mode == "online":
+            key = (
+                "train.target"
+                if self.train.online_tp
+                else "extract.mode"
+                if self.extract.mode
+                else "train.mode"
+            )
+            raise PlanError(
+                file,
+                key,
+                'online training captures inside the train stage, through transformers; target.engine = "sglang" '
+                'captures in the extract stage only: use mode = "offline" or target.engine = "transformers"',
             )
 
     @property
