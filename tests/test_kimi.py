@@ -442,12 +442,30 @@ def by_name(rep: dict) -> dict[str, dict]:
 
 
 @pytest.mark.slow
-def test_the_deep_check_tells_the_truth_about_holding_kimi_k25_on_8_h200(hf_cache: Path) -> None:
-    """transformers dequantizes the INT4 routed experts (3.56x) and cannot load them tensor-parallel: the
-    reference plan fails with the real per-rank figure and says what would hold it (issue 25)."""
-    rc, rep = deep(
-        ROOT / "examples" / "kimi-k2.5.toml", hf_cache, "--free-bytes", str(16 * 10**12)
-    )  # a 16 TB volume
+def test_the_reference_plan_captures_through_sglang_and_fits_8_h200(hf_cache: Path) -> None:
+    """The reference plan captures with target.engine = "sglang": its deep check counts SGLang's layout (the
+    INT4 routed experts packed) and passes on 8 H200s (issue 26)."""
+    rc, rep = deep(ROOT / "examples" / "kimi-k2.5.toml", hf_cache, "--free-bytes", str(16 * 10**12))
+    checks = by_name(rep)
+    assert rc == 0 and rep["ok"], [c for c in rep["checks"] if not c["ok"]]
+    n = rep["numbers"]
+    assert n["engine"] == "sglang" and n["tp_size"] == 8 and n["target_dequantized_bytes"] == 0
+    assert n["capture_bytes_per_rank"] == n["sglang_bytes_per_rank"] < 80 * 2**30
+    mem = checks["gpu memory"]["detail"]
+    assert "capture through SGLang" in mem and "quantized experts packed" in mem and "(TP 8:" in mem
+
+
+@pytest.mark.slow
+def test_the_deep_check_tells_the_truth_about_holding_kimi_k25_on_8_h200(
+    tmp_path: Path, hf_cache: Path
+) -> None:
+    """With target.engine = "transformers", which dequantizes the INT4 routed experts (3.56x) and cannot load
+    them tensor-parallel, the reference plan fails with the real per-rank figure and says what would hold it."""
+    text = (ROOT / "examples" / "kimi-k2.5.toml").read_text()
+    assert '\nengine = "sglang"' in text
+    plan = tmp_path / "kimi-k2.5.toml"
+    plan.write_text(text.replace('\nengine = "sglang"', '\nengine = "transformers"', 1))
+    rc, rep = deep(plan, hf_cache, "--free-bytes", str(16 * 10**12))  # a 16 TB volume
     checks = by_name(rep)
     assert rc == 1 and not rep["ok"]
     assert [c["name"] for c in rep["checks"] if not c["ok"]] == ["gpu memory"]  # everything else holds

@@ -76,10 +76,13 @@ def _alternatives(sg: Any, act: int, training: int, tp: int, gpu_gb: float | Non
             else "no number of such GPUs holds it with transformers"
         )
     s_rank = sg.per_rank(tp) + act
-    verdict = "fits" if max(s_rank, training) <= gpu_gb * 1e9 else "does not fit either"
+    if tf is None:  # the plan already captures through SGLang: how many GPUs it would take
+        n = sg.min_ranks(cap)
+        out.append(f"SGLang would need {n} GPUs of {gpu_gb:g} GB" if n else "no number of such GPUs holds it")
+    verdict = "fits" if max(s_rank, training) <= gpu_gb * 1e9 else "does not fit" + (" either" if tf else "")
     out.append(
-        f"SGLang keeps the INT4 experts packed: {budget.human_bytes(s_rank)} per rank on {tp} GPUs, {verdict} "
-        "(capture through SGLang: issue 26, not in this release)"
+        f"SGLang keeps the INT4 experts packed: {budget.human_bytes(s_rank)} per rank on {tp} GPUs, {verdict}"
+        + ("" if tf is None else ' (target.engine = "sglang" captures through it)')
     )
     return "; ".join(out)
 
@@ -314,23 +317,28 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
     online_tp = tr.online_tp
     # Ranks holding a shard of the target: training's under online-tp, else the extraction's.
     tp = tr.nproc if online_tp else (ext.tp_size or len(plan.gpus) or 1) if ext.parallel == "tp" else 1
-    from pipeline.eagle3.target_memory import sglang_layout, transformers_layout
+    from pipeline.eagle3.target_memory import quantization_of, sglang_layout, transformers_layout
 
+    engine = plan.target.engine
     try:
-        tf = transformers_layout(cfg, cls, tp)  # what the stages' engine (transformers) really holds
+        tf = transformers_layout(cfg, cls, tp)  # what the transformers engine really holds
     except ImportError as exc:
-        rep.add(
-            "gpu memory",
-            False,
-            f"{where}: target.model: {folder / 'config.json'}: quantization_config: the checkpoint's quantizer "
-            f"cannot be built here: {exc}",
-        )
-        return
+        if engine == "sglang":  # its quantizer is transformers' business; SGLang's layout is read below
+            tf = None
+        else:
+            rep.add(
+                "gpu memory",
+                False,
+                f"{where}: target.model: {folder / 'config.json'}: quantization_config: the checkpoint's "
+                f"quantizer cannot be built here: {exc}",
+            )
+            return
     sg = sglang_layout(meta, cfg)
+    held = sg if engine == "sglang" or tf is None else tf  # the layout of the engine the plan captures with
     batch_tokens = ext.batch_tokens
     act = batch_tokens * hidden * 2 * 8  # a few live (tokens x hidden) bf16 buffers per layer step
     act += batch_tokens * len(aux) * hidden * 2
-    capture = tf.per_rank(tp) + act
+    capture = held.per_rank(tp) + act
     mb, ttt = tr.micro_batch, tr.ttt_steps
     seq = tr.max_length or max_len
     draft_state = (
@@ -344,9 +352,10 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
         capture_bytes_per_rank=capture,
         training_bytes_per_rank=training,
         tp_size=tp,
-        target_sharded_bytes=tf.sharded,
-        target_replicated_bytes=tf.replicated,
-        target_dequantized_bytes=tf.dequantized,
+        engine=engine,
+        target_sharded_bytes=held.sharded,
+        target_replicated_bytes=held.replicated,
+        target_dequantized_bytes=held.dequantized,
         sglang_bytes_per_rank=sg.per_rank(tp) + act,
     )
     # The per-rank split above is read from the installed transformers' TP plan; a release Aerie was not
@@ -368,29 +377,33 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
         capture += training
         rep.numbers["online_tp_bytes_per_rank"] = capture
         detail = (
-            f"online-tp, per rank: target shard {budget.human_bytes(tf.sharded // tp)} + replicated "
-            f"{budget.human_bytes(tf.replicated)} + capture activations {budget.human_bytes(act)} + draft and "
+            f"online-tp, per rank: target shard {budget.human_bytes(held.sharded // tp)} + replicated "
+            f"{budget.human_bytes(held.replicated)} + capture activations {budget.human_bytes(act)} + draft and "
             f"AdamW {budget.human_bytes(draft_state)} + training activations {budget.human_bytes(train_act)} "
             f"(micro_batch {mb} x {seq} tokens) = {budget.human_bytes(capture)} (TP {tp})"
         )
         online_training, training = training, 0
     else:
         detail = (
-            f"capture {budget.human_bytes(capture)} per rank (TP {tp}: {budget.human_bytes(tf.sharded // tp)} "
-            f"sharded + {budget.human_bytes(tf.replicated)} replicated + activations); training "
+            f"capture{' through SGLang' if held is sg else ''} {budget.human_bytes(capture)} per rank "
+            f"(TP {tp}: {budget.human_bytes(held.sharded // tp)} sharded + "
+            f"{budget.human_bytes(held.replicated)} replicated + activations"
+            + ("; quantized experts packed" if held is sg and quantization_of(cfg) is not None else "")
+            + "); training "
             f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
             f"at micro_batch {mb} x {seq} tokens)"
         )
     dequantized = ""
-    if tf.dequantized:
+    if held is tf and tf.dequantized:
         dequantized += (
             f"; transformers holds the INT4 routed experts dequantized to bf16 "
             f"({budget.human_bytes(tf.dequantized)}, 3.56x their packed size)"
         )
     worst = max(capture, training)
     fits = gpu_gb is None or worst <= float(gpu_gb) * 1e9
-    if gpu_gb is not None or tf.problem:
-        ok = fits and not tf.problem
+    engine_problem = held.problem
+    if gpu_gb is not None or engine_problem:
+        ok = fits and not engine_problem
         rep.add(
             "gpu memory",
             ok,
@@ -399,8 +412,13 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
             + (f" vs {gpu_gb:g} GB per GPU (resources.gpu_memory_gb)" if gpu_gb is not None else "")
             + ("" if fits else f"; {budget.human_bytes(worst)} does not fit")
             + dequantized
-            + (f"; {tf.problem}" if tf.problem else "")
-            + ("" if ok else "; " + _alternatives(sg, act + online_training, training, tp, gpu_gb, tf)),
+            + (f"; {engine_problem}" if engine_problem else "")
+            + (
+                ""
+                if ok
+                else "; "
+                + _alternatives(sg, act + online_training, training, tp, gpu_gb, held if held is tf else None)
+            ),
         )
     else:
         rep.add(
