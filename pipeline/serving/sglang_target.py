@@ -134,6 +134,15 @@ def start_process_group(gpu_id: int) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
 
 
+def check_hooked(hooked: list[int], aux: list[int], config_ids: list[int]) -> None:
+    """SGLang captures the *inputs* of ``hooked``: they must be the outputs of the plan's aux layers."""
+    if hooked != [i + 1 for i in aux]:
+        raise TargetError(
+            f"SGLang hooks the inputs of layers {hooked} for config ids {config_ids}; the plan's aux layers "
+            f"{aux} need {[i + 1 for i in aux]} (pipeline.serving.sglang_capture's rule does not match this SGLang)"
+        )
+
+
 @dataclass
 class _Captured:
     """What the replaced logits processor returns to the runner (it reads nothing from it)."""
@@ -207,13 +216,10 @@ class SGLangTarget:
                 f"{type(runner.model).__name__}: SGLang cannot capture EAGLE-3 aux states of this model"
             )
         setter(list(config_ids))
-        hooked = getattr(getattr(runner.model, "model", None), "layers_to_capture", None)
-        if hooked is not None and list(hooked) != [i + 1 for i in self.aux_layer_ids]:
-            raise TargetError(
-                f"SGLang hooks the inputs of layers {list(hooked)} for config ids {list(config_ids)}; the plan's "
-                f"aux layers {self.aux_layer_ids} need {[i + 1 for i in self.aux_layer_ids]} "
-                "(pipeline.serving.sglang_capture's rule does not match this SGLang)"
-            )
+        text = getattr(runner.model, "language_model", runner.model)  # Kimi-K2.5: its DeepSeek-V3 inside
+        hooked = getattr(getattr(text, "model", None), "layers_to_capture", None)
+        if hooked is not None:
+            check_hooked(list(hooked), self.aux_layer_ids, list(config_ids))
         replace_logits_processors(runner.model, len(aux_layer_ids), vocab_size)
         self._tokens: torch.Tensor | None = None
 
