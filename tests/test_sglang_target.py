@@ -215,6 +215,7 @@ def test_the_installed_sglangs_server_args_accepts_the_capture_runners_settings(
     assert set(kw) <= st.server_args_fields(ServerArgs), set(kw) - st.server_args_fields(ServerArgs)
     a = ServerArgs(**kw)
     assert (a.model_path, a.tp_size, a.context_length, a.max_running_requests) == ("/models/t", 2, 1025, 2048)
+    assert a.max_total_tokens == 2 * 4096 + 1025  # the KV pool holds one batch, not a server's worth
     assert a.disable_cuda_graph and a.enable_return_hidden_states and a.chunked_prefill_size == -1
 
 

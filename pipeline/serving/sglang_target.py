@@ -76,6 +76,8 @@ def server_args_kwargs(spec: RunnerSpec) -> dict[str, Any]:
         "context_length": spec.context_length,
         # every row is one request; a batch of the shortest rows (2 tokens) is the most requests at once
         "max_running_requests": max(1, spec.batch_tokens // 2),
+        # the KV pool holds one batch (every forward starts from empty pools), not a server's worth
+        "max_total_tokens": 2 * spec.batch_tokens + spec.context_length,
         "skip_tokenizer_init": True,
         "random_seed": 0,
         "nccl_port": spec.port or None,
@@ -181,6 +183,8 @@ class CaptureHead(nn.Module):
         meta = logits_metadata
         if isinstance(meta, ForwardBatch):
             meta = LogitsMetadata.from_forward_batch(meta)
+        if getattr(meta, "next_token_logits_buffer", None) is not None:
+            meta.next_token_logits_buffer = None  # a buffer sized for one token per request, not our chunks
         aux = sglang_packing.concat_aux(aux_hidden_states, self.aux_count)
         tokens = torch.empty(hidden_states.shape[0], dtype=torch.int64, device=hidden_states.device)
         for a in range(0, hidden_states.shape[0], self.chunk):
