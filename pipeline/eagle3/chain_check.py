@@ -323,9 +323,8 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
     try:
         tf = transformers_layout(cfg, cls, tp)  # what the transformers engine really holds
     except ImportError as exc:
-        if engine == "sglang":  # its quantizer is transformers' business; SGLang's layout is read below
-            tf = None
-        else:
+        tf = None  # the quantizer is transformers' business: an SGLang plan reads SGLang's layout below
+        if engine != "sglang":
             rep.add(
                 "gpu memory",
                 False,
@@ -404,6 +403,7 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
     engine_problem = held.problem
     if gpu_gb is not None or engine_problem:
         ok = fits and not engine_problem
+        alt = _alternatives(sg, act + online_training, training, tp, gpu_gb, held if held is tf else None)
         rep.add(
             "gpu memory",
             ok,
@@ -413,12 +413,7 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
             + ("" if fits else f"; {budget.human_bytes(worst)} does not fit")
             + dequantized
             + (f"; {engine_problem}" if engine_problem else "")
-            + (
-                ""
-                if ok
-                else "; "
-                + _alternatives(sg, act + online_training, training, tp, gpu_gb, held if held is tf else None)
-            ),
+            + ("" if ok else f"; {alt}"),
         )
     else:
         rep.add(

@@ -336,3 +336,37 @@ def load_sglang_target(
     runner.init_attention_backends()
     runner.init_cuda_graphs()  # with CUDA graphs disabled: only the eager runner every forward goes through
     return SGLangTarget(runner, aux_layer_ids, config_ids, vocab_size)
+
+
+def load_for_plan(
+    plan: Any, aux: list[int], arch: str | None, vocab_size: int, longest: int, dist: Any
+) -> SGLangTarget:
+    """The extract stage's ``[target] engine = "sglang"``: this rank's runner (tensor-parallel over the torchrun
+    ranks with ``extract.parallel = "tp"``, else one GPU), told to capture the outputs of ``aux``."""
+    from pipeline.run.ranks import tp_device
+    from pipeline.serving.sglang_capture import config_layer_ids
+
+    sec = plan.settings.extract
+    if not torch.cuda.is_available():
+        raise ValueError(f'{plan.path}: target.engine = "sglang" needs a GPU and this stage sees none')
+    if dist is not None:
+        dev = tp_device(dist, sec.device)
+        dist.init(dev)  # the group exists before SGLang's runner (SpecForge's order); SGLang reuses it
+        tp, rank = dist.world, dist.rank
+    else:
+        dev, tp, rank = torch.device(sec.device or "cuda"), 1, 0
+    dtype = sec.dtype or "bfloat16"
+    spec = RunnerSpec(
+        model=str(plan.target.model),
+        dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype),
+        tp_size=tp,
+        tp_rank=rank,
+        gpu_id=dev.index or 0,
+        context_length=longest + 1,
+        batch_tokens=sec.batch_tokens,
+        trust_remote_code=plan.target.trust_remote_code,
+    )
+    try:
+        return load_sglang_target(spec, aux, config_layer_ids(aux, arch), vocab_size)
+    except TargetError as exc:
+        raise ValueError(f"{plan.path}: target.engine: {exc}") from None

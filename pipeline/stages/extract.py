@@ -180,48 +180,6 @@ def stage_batch(stager: HostStager, target: Any, batch: list[Row]) -> HostBatch:
     )
 
 
-def load_through_sglang(
-    ctx: StageContext, aux: list[int], arch: str | None, vocab_size: int, rows: list[Row], dist: Dist | None
-) -> Any:
-    """``[target] engine = "sglang"``: this rank's SGLang model runner (tensor-parallel over the torchrun
-    ranks with ``parallel = "tp"``, else one GPU), told to capture the outputs of ``aux``."""
-    from pipeline.serving.sglang_capture import config_layer_ids
-    from pipeline.serving.sglang_target import RunnerSpec, load_sglang_target
-
-    plan = ctx.plan
-    sec = plan.settings.extract
-    if not torch.cuda.is_available():
-        raise ValueError(f'{plan.path}: target.engine = "sglang" needs a GPU and this stage sees none')
-    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    if dist is not None:
-        dev = tp_device(dist, sec.device)
-        dist.init(dev)  # the group exists before SGLang's runner (SpecForge's order); SGLang reuses it
-        tp, rank = dist.world, dist.rank
-    else:
-        dev = torch.device(sec.device or "cuda")
-        tp, rank = 1, 0
-    spec = RunnerSpec(
-        model=str(plan.target.model),
-        dtype=names.get(sec.dtype or "bfloat16", sec.dtype or "bfloat16"),
-        tp_size=tp,
-        tp_rank=rank,
-        gpu_id=dev.index or 0,
-        context_length=max(r.num_tokens for r in rows) + 1,
-        batch_tokens=sec.batch_tokens,
-        trust_remote_code=plan.target.trust_remote_code,
-    )
-    from pipeline.eagle3.target_capture import TargetError
-
-    try:
-        target = load_sglang_target(spec, aux, config_layer_ids(aux, arch), vocab_size)
-    except TargetError as exc:
-        raise ValueError(f"{plan.path}: target.engine: {exc}") from None
-    ctx.message(
-        f"target loaded by SGLang's model runner (TP {tp}, GPU {spec.gpu_id}), capturing layers {aux}"
-    )
-    return target
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(
@@ -369,8 +327,16 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         + (f"; resuming with {len(done)} shards done" if done else "")
     )
     device, dtype = pick_device(sec)
+    target: Any  # target_capture.Target, or the SGLang runner answering the same calls
     if plan.target.engine == "sglang":
-        target = load_through_sglang(ctx, aux, arch, int(tcfg.vocab_size), rows + eval_rows, dist)
+        from pipeline.serving.sglang_target import load_for_plan
+
+        target = load_for_plan(
+            plan, aux, arch, int(tcfg.vocab_size), max(r.num_tokens for r in rows + eval_rows), dist
+        )
+        ctx.message(
+            f"target loaded by SGLang's model runner (TP {dist.world if dist else 1}), capturing layers {aux}"
+        )
     elif dist is not None:
         dev = tp_device(dist, sec.device)
         if dev.type == "cpu":
