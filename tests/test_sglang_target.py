@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3 import sglang_packing as sp
+from pipeline.eagle3 import sglang_target as st
 from pipeline.eagle3 import shard_sink as ss
 from pipeline.eagle3.target_capture import TargetError
 from pipeline.run import plan as plan_mod
 from pipeline.run.plan import PlanError
-from pipeline.serving import sglang_packing as sp
-from pipeline.serving import sglang_target as st
 from pipeline.serving.sglang_capture import config_layer_ids
 from tests.test_sglang_capture import _capture
 

@@ -24,7 +24,7 @@ that may wait for the writer thread; 0 writes in the stage's own thread, one bat
 ``io_threads`` (4: parallel ``pwrite`` calls for one batch's large tensors).
 
 **Capture through SGLang** (``[target] engine = "sglang"``, offline mode on GPUs): the target is loaded by
-SGLang's own model runner in this process (``pipeline.serving.sglang_target``: its kernels, its tensor
+SGLang's own model runner in this process (``pipeline.eagle3.sglang_target``: its kernels, its tensor
 parallelism over the torchrun ranks of ``parallel = "tp"``, quantized weights kept packed) and told to capture
 the same aux layers; its packed output is laid out as the transformers capture's, so the store is the same.
 
@@ -329,7 +329,7 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     device, dtype = pick_device(sec)
     target: Any  # target_capture.Target, or the SGLang runner answering the same calls
     if plan.target.engine == "sglang":
-        from pipeline.serving.sglang_target import load_for_plan
+        from pipeline.eagle3.sglang_target import load_for_plan
 
         target = load_for_plan(
             plan, aux, arch, int(tcfg.vocab_size), max(r.num_tokens for r in rows + eval_rows), dist

@@ -15,7 +15,7 @@ a free local port. SGLang's ``init_distributed_environment`` then reuses it and 
 
 :class:`SGLangTarget` answers what the extract stage asks of the transformers ``Target`` (``device``,
 ``capture``, ``argmax``, ``close``), so the stage's batching, staging and store are the same for both engines;
-the mapping of SGLang's packed output onto the padded batch is :mod:`pipeline.serving.sglang_packing`. The
+the mapping of SGLang's packed output onto the padded batch is :mod:`pipeline.eagle3.sglang_packing`. The
 greedy next token is computed inside the forward, in chunks, through SGLang's own LM-head path (vocabulary
 parallel: gathered across ranks), so logits for every token never exist at once.
 
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.eagle3 import sglang_packing
 from pipeline.eagle3.target_capture import Capture, TargetError
-from pipeline.serving import sglang_packing
 
 
 @dataclass(frozen=True)
