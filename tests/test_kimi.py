@@ -442,17 +442,20 @@ def by_name(rep: dict) -> dict[str, dict]:
 
 
 @pytest.mark.slow
-def test_the_reference_plan_captures_through_sglang_and_fits_8_h200(hf_cache: Path) -> None:
-    """The reference plan captures with target.engine = "sglang": its deep check counts SGLang's layout (the
-    INT4 routed experts packed) and passes on 8 H200s (issue 26)."""
-    rc, rep = deep(ROOT / "examples" / "kimi-k2.5.toml", hf_cache, "--free-bytes", str(16 * 10**12))
+@pytest.mark.parametrize("name, tp, gib", [("kimi-k2.5.toml", 8, 80), ("kimi-k2.5-slurm.toml", 16, 45)])
+def test_the_reference_plans_capture_through_sglang_and_fit_h200s(
+    hf_cache: Path, name: str, tp: int, gib: int
+) -> None:
+    """The reference plans capture with target.engine = "sglang": the deep check counts SGLang's layout (the
+    INT4 routed experts packed) and passes on 8 H200s (16 for the Slurm plan) (issue 26)."""
+    rc, rep = deep(ROOT / "examples" / name, hf_cache, "--free-bytes", str(16 * 10**12))
     checks = by_name(rep)
     assert rc == 0 and rep["ok"], [c for c in rep["checks"] if not c["ok"]]
     n = rep["numbers"]
-    assert n["engine"] == "sglang" and n["tp_size"] == 8 and n["target_dequantized_bytes"] == 0
-    assert n["capture_bytes_per_rank"] == n["sglang_bytes_per_rank"] < 80 * 2**30
+    assert n["engine"] == "sglang" and n["tp_size"] == tp and n["target_dequantized_bytes"] == 0
+    assert n["capture_bytes_per_rank"] == n["sglang_bytes_per_rank"] < gib * 2**30
     mem = checks["gpu memory"]["detail"]
-    assert "capture through SGLang" in mem and "quantized experts packed" in mem and "(TP 8:" in mem
+    assert "capture through SGLang" in mem and "quantized experts packed" in mem and f"(TP {tp}:" in mem
 
 
 @pytest.mark.slow
