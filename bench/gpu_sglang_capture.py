@@ -50,6 +50,7 @@ from bench import gpu_sglang as g  # noqa: E402
 OUT = Path(os.environ.get("OUT") or "/tmp/sgl/out")
 RESULTS: dict[str, Any] = {"bench": "gpu_sglang_capture"}
 TOL = {"rel_err": 0.05, "cos_mean": 0.999, "cos_min": 0.99}
+REF_SLACK = 1.5  # --reference fp32: SGLang's error against float32 may be this times transformers bf16's
 
 
 def save() -> None:
@@ -116,8 +117,11 @@ def _ids(x: Any) -> list[int]:
     return list(x["input_ids"] if hasattr(x, "keys") else x)
 
 
-def plan_text(work: Path, model: Path, engine: str, max_length: int, device: str | None) -> str:
+def plan_text(
+    work: Path, model: Path, engine: str, max_length: int, device: str | None, dtype: str | None = None
+) -> str:
     dev = f'device = "{device}"\n' if device else ""
+    dev += f'dtype = "{dtype}"\n' if dtype else ""
     return f"""[run]
 name = "capture-{engine}"
 dir = "{work / ("run-" + engine)}"
@@ -136,12 +140,14 @@ holdout = 0.0
 
 
 def run_extract(
-    work: Path, engine: str, model: Path, rows: Path, max_length: int, smoke: bool
+    work: Path, engine: str, model: Path, rows: Path, max_length: int, smoke: bool, dtype: str | None = None
 ) -> dict[str, Any]:
-    """The extract stage by its command line; its wall time and the tokens/s it reports."""
-    plan = work / f"plan-{engine}.toml"
-    plan.write_text(plan_text(work, model, engine, max_length, "cpu" if smoke else None))
-    out = work / f"ext-{engine}"
+    """The extract stage by its command line; its wall time and the tokens/s it reports (overall, and steady:
+    after the first batch, which pays for kernel compilation — SGLang's triton kernels JIT on first use)."""
+    label = engine + (f"-{dtype}" if dtype else "")
+    plan = work / f"plan-{label}.toml"
+    plan.write_text(plan_text(work, model, engine, max_length, "cpu" if smoke else None, dtype))
+    out = work / f"ext-{label}"
     env = dict(os.environ)
     paths = [str(g.BASE / "extra")] if (g.BASE / "extra").is_dir() else []
     if engine == "sglang":  # SGLang's own transformers (5.8.1) and packages first, as the server runs
@@ -154,21 +160,51 @@ def run_extract(
     t = time.monotonic()
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t
-    (OUT / f"extract_{model.name}_{engine}.log").write_text(
+    (OUT / f"extract_{model.name}_{label}.log").write_text(
         p.stdout[-20000:] + "\n--- stderr\n" + p.stderr[-20000:]
     )
     if p.returncode != 0:
-        raise RuntimeError(f"extract ({engine}) failed ({p.returncode}): {p.stderr[-1500:]}")
+        raise RuntimeError(f"extract ({label}) failed ({p.returncode}): {p.stderr[-1500:]}")
     ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
     overall = [
         e for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s" and e.get("overall")
     ]
-    g.log(f"extract {model.name} {engine}: {wall:.0f} s")
+    g.log(f"extract {model.name} {label}: {wall:.0f} s")
     return {
         "out": str(out),
         "wall_s": round(wall, 1),
         "tokens_per_s": overall[-1]["value"] if overall else None,
+        "tokens_per_s_steady": steady_rate(ev),
     }
+
+
+def steady_rate(events: list[dict[str, Any]]) -> float | None:
+    """Tokens/s from the first batch's end to the last one's: the rate a long capture runs at."""
+    prog = [e for e in events if e.get("type") == "progress" and e.get("unit") == "tokens" and e.get("done")]
+    if len(prog) < 2 or prog[-1]["t"] <= prog[0]["t"]:
+        return None
+    return (prog[-1]["done"] - prog[0]["done"]) / (prog[-1]["t"] - prog[0]["t"])
+
+
+def against_reference(ref: dict[str, Any], sg: dict[str, Any]) -> dict[str, Any]:
+    """SGLang is as close to the float32 answer as transformers' own bf16 is: per layer, its relative error
+    against the fp32 capture is at most ``REF_SLACK`` times transformers bf16's (plus a 0.005 floor)."""
+    out: dict[str, Any] = {"slack": REF_SLACK}
+    ok = True
+    for name, r in ref.items():
+        if not (isinstance(r, dict) and "rel_err" in r):
+            continue
+        bound = REF_SLACK * r["rel_err"] + 0.005
+        layer_ok = sg[name]["rel_err"] <= bound
+        ok &= layer_ok
+        out[name] = {
+            "transformers_bf16_vs_fp32": r["rel_err"],
+            "sglang_vs_fp32": sg[name]["rel_err"],
+            "bound": bound,
+            "pass": layer_ok,
+        }
+    out["pass"] = ok
+    return out
 
 
 def compare(a_dir: Path, b_dir: Path) -> dict[str, Any]:
@@ -263,6 +299,12 @@ def main() -> int:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers engine twice")
     ap.add_argument(
+        "--reference",
+        choices=("none", "fp32"),
+        default="none",
+        help="fp32: also capture with transformers in float32 and judge both bf16 engines against it",
+    )
+    ap.add_argument(
         "--tok-dir", type=Path, default=None, help="SmolLM2's tokenizer (default /tmp/sgl/smollm2)"
     )
     args = ap.parse_args()
@@ -293,6 +335,16 @@ def main() -> int:
                 save()
             res["compare"] = compare(Path(res["transformers"]["out"]), Path(res["sglang"]["out"]))
             save()
+            if args.reference == "fp32":  # the bf16 noise floor: how far transformers' own bf16 is from fp32
+                res["transformers_fp32"] = run_extract(
+                    work, "transformers", paths[name], rows, args.max_length, False, "float32"
+                )
+                ref = Path(res["transformers_fp32"]["out"])
+                res["bf16_vs_fp32"] = compare(ref, Path(res["transformers"]["out"]))
+                res["sglang_vs_fp32"] = compare(ref, Path(res["sglang"]["out"]))
+                res["against_fp32"] = against_reference(res["bf16_vs_fp32"], res["sglang_vs_fp32"])
+                save()
+                g.log(f"{name}: against fp32 pass={res['against_fp32']['pass']}")
             c = res["compare"]
             g.log(
                 f"{name}: pass={c['pass']} final rel {c['final']['rel_err']:.4f} cos_min {c['final']['cos_min']:.4f}; "
