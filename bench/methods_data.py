@@ -90,7 +90,7 @@ class Conversations:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def arrays(self, prefix: str = "") -> dict[str, np.ndarray]:
+    def arrays(self, prefix: str = "") -> dict[str, Any]:  # Any: numpy's stubs mistype savez(**arrays)
         lens = [len(p) + len(a) for p, a in zip(self.prompts, self.answers, strict=True)]
         flat = [t for p, a in zip(self.prompts, self.answers, strict=True) for t in (*p, *a)]
         top = max(flat, default=0)
