@@ -47,7 +47,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import methods_report as mr  # noqa: E402
-from bench.methods_data import KINDS, Conversations, interleave, load_prompts, pack, round_trip_share, unpack  # noqa: E402
+from bench.methods_data import (  # noqa: E402
+    KINDS,
+    Conversations,
+    interleave,
+    load_prompts,
+    pack,
+    round_trip_share,
+    sha256,
+    unpack,
+)
 
 MODEL = "builtin:smollm2-135m-instruct"
 EXTRA = Path("/tmp/sgl/extra")  # `datasets` for the stages, unpacked from .gpu-stage/c2 by gpu_sglang.stage
@@ -154,8 +163,15 @@ def phase_data(args: argparse.Namespace, work: Path) -> None:
     chunks = work / "chunks"
     chunks.mkdir(parents=True, exist_ok=True)
     n_chunks = -(-args.conversations // args.chunk)
-    if data_path(args, work).exists():
-        log(f"data: {data_path(args, work)} already there")
+    if data_path(args, work).exists():  # made by an earlier call, or carried back with --data
+        _, _, meta = unpack(data_path(args, work))
+        RES["data"] = {
+            **RES.get("data", {}),
+            **meta,
+            "complete": True,
+            "sha256": sha256(data_path(args, work)),
+        }
+        log(f"data: {data_path(args, work)} already there ({meta['conversations']:,} conversations)")
         return
     held_prompts = load_prompts(Path(args.prompts_file))
     t = time.monotonic()
