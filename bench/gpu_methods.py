@@ -27,7 +27,8 @@ under ``--work``) and split over back-to-back device calls of ≤ 300-500 s:
 Results go to ``$OUT/gpu_methods.json`` after every step (with every phase's seconds) and one table is printed.
 The bench stages read JSONL through ``datasets``, which the GPU image lacks: carry ``.gpu-stage/c2`` once
 (``--stage-from``; its ``extra`` folder goes on the stages' ``PYTHONPATH``, as ``gpu_sglang.py`` does).
-CPU smoke run (tiny sizes): see ``tests/test_gpu_methods.py`` and ``docs/performance.md``.
+Parts: ``methods_data`` (prompt file, packed ids), ``methods_gen`` (the data phase), ``methods_stages`` (plan,
+stage command lines), ``methods_report`` (recipes, table). CPU smoke run (tiny sizes): ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,27 +45,23 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import methods_gen as gen  # noqa: E402
 from bench import methods_report as mr  # noqa: E402
 from bench.methods_data import (  # noqa: E402
     KINDS,
-    Conversations,
     interleave,
     load_prompts,
-    pack,
     round_trip_share,
     sha256,
     unpack,
 )
+from bench.methods_gen import log  # noqa: E402
+from bench.methods_stages import EXTRA, plan_text, run_logged, stage  # noqa: E402
 
-MODEL = "builtin:smollm2-135m-instruct"
-EXTRA = Path("/tmp/sgl/extra")  # `datasets` for the stages, unpacked from .gpu-stage/c2 by gpu_sglang.stage
-T0 = time.monotonic()
+MODEL = gen.MODEL
+T0 = gen.T0
 RES: dict[str, Any] = {"bench": "gpu_methods"}
 PHASES = ("data", "extract", "train", "bench")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:5.0f}s] {msg}", flush=True)
 
 
 def save(work: Path) -> None:
@@ -87,186 +82,16 @@ def add_seconds(phase: str, dt: float) -> None:
 # ---- data ---------------------------------------------------------------------------------------------------
 
 
-class Target:
-    """The demo target under transformers ``generate``: sampled user turns, greedy answers, as token ids."""
-
-    def __init__(self) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from pipeline.data.model_assets import load_tokenizer, resolve, turn_tokens
-
-        self.torch = torch
-        self.tok = load_tokenizer(MODEL)
-        self.tok.padding_side = "left"
-        self.facts = turn_tokens(MODEL)
-        self.dev = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if self.dev == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(resolve(MODEL), dtype=dtype).to(self.dev).eval()
-        mark = "AERIE-PROMPT-MARK"
-        head = self.tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
-        self.head = head[
-            : head.index(mark)
-        ]  # system turn + "<|im_start|>user\n": the target writes the question
-
-    def _generate(self, texts: list[str], **kw: Any) -> list[list[int]]:
-        torch = self.torch
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.dev)
-        with torch.no_grad():
-            out = self.model.generate(
-                **enc, eos_token_id=self.facts.end_of_turn, pad_token_id=self.facts.pad, **kw
-            )
-        stop = set(self.facts.stop_ids) | {self.facts.pad}
-        rows = []
-        for row in out[:, enc["input_ids"].shape[1] :].tolist():
-            cut = next((i for i, t in enumerate(row) if t in stop), len(row))
-            rows.append(row[:cut])
-        return rows
-
-    def sample_prompts(self, n: int, batch: int, seed: int) -> list[list[int]]:
-        """``n`` distinct user turns the target wrote, as the ids of their stripped text (canonical)."""
-        self.torch.manual_seed(seed)
-        seen: set[str] = set()
-        out: list[list[int]] = []
-        while len(out) < n:
-            for row in self._generate(
-                [self.head] * batch, do_sample=True, temperature=1.0, top_p=0.95, max_new_tokens=64
-            ):
-                text = self.tok.decode(row, skip_special_tokens=True).strip()
-                if len(text) >= 12 and text not in seen:
-                    seen.add(text)
-                    out.append(self.tok.encode(text, add_special_tokens=False))
-        return out[:n]
-
-    def answer(self, prompts: list[list[int]], batch: int, max_new: int) -> list[list[int]]:
-        """Greedy answers (ids as generated, end of turn excluded), in ``prompts``' order."""
-        answers: list[list[int]] = [[] for _ in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: less padding
-        for a in range(0, len(order), batch):
-            idx = order[a : a + batch]
-            texts = [self.chat(self.tok.decode(prompts[i])) for i in idx]
-            for i, row in zip(
-                idx, self._generate(texts, do_sample=False, max_new_tokens=max_new), strict=True
-            ):
-                answers[i] = row
-        return answers
-
-    def chat(self, user: str) -> str:
-        return str(
-            self.tok.apply_chat_template(
-                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-            )
-        )
-
-
 def phase_data(args: argparse.Namespace, work: Path) -> None:
-    chunks = work / "chunks"
-    chunks.mkdir(parents=True, exist_ok=True)
-    n_chunks = -(-args.conversations // args.chunk)
-    if data_path(args, work).exists():  # made by an earlier call, or carried back with --data
-        _, _, meta = unpack(data_path(args, work))
-        RES["data"] = {
-            **RES.get("data", {}),
-            **meta,
-            "complete": True,
-            "sha256": sha256(data_path(args, work)),
-        }
-        log(f"data: {data_path(args, work)} already there ({meta['conversations']:,} conversations)")
-        return
-    held_prompts = load_prompts(Path(args.prompts_file))
-    t = time.monotonic()
-    target = Target()
-    log(f"data: target loaded on {target.dev} in {time.monotonic() - t:.0f} s")
-    held_file = chunks / "held.npz"
-    if not held_file.exists():
-        ids = [target.tok.encode(p.text, add_special_tokens=False) for p in held_prompts]
-        held = Conversations(ids, target.answer(ids, args.gen_batch, args.answer_tokens))
-        import numpy as np
-
-        np.savez(held_file, **held.arrays())
-    last = 0.0
-    for c in range(n_chunks):
-        f = chunks / f"chunk_{c:04d}.npz"
-        if f.exists():
-            continue
-        spent = time.monotonic() - T0
-        if spent + last > args.gen_budget_s:
-            log(
-                f"data: {spent:.0f} s spent; chunk {c}/{n_chunks} would pass --gen-budget-s: call again to go on"
-            )
-            RES["data"] = {"chunks_done": c, "chunks": n_chunks, "complete": False}
-            return
-        t = time.monotonic()
-        n = min(args.chunk, args.conversations - c * args.chunk)
-        prompts = target.sample_prompts(n, args.gen_batch, args.seed * 100_003 + c)
-        t_sample = time.monotonic() - t
-        conv = Conversations(prompts, target.answer(prompts, args.gen_batch, args.answer_tokens))
-        import numpy as np
-
-        np.savez(chunks / f"chunk_{c:04d}.partial.npz", **conv.arrays())
-        os.replace(chunks / f"chunk_{c:04d}.partial.npz", f)
-        last = time.monotonic() - t
-        toks = sum(len(a) for a in conv.answers)
-        log(
-            f"data: chunk {c + 1}/{n_chunks}: {n} prompts sampled in {t_sample:.0f} s, {toks:,} answer tokens "
-            f"in {last - t_sample:.0f} s ({toks / max(last - t_sample, 1e-9):,.0f} tok/s)"
-        )
-        RES.setdefault("data_chunks_s", {})[str(c)] = round(last, 1)
-        save(work)
-    _pack(args, work, n_chunks)
-
-
-def _pack(args: argparse.Namespace, work: Path, n_chunks: int) -> None:
-    import numpy as np
-
-    prompts: list[list[int]] = []
-    answers: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for c in range(n_chunks):
-        with np.load(work / "chunks" / f"chunk_{c:04d}.npz") as z:
-            conv = Conversations.from_arrays(z)
-        for p, a in zip(conv.prompts, conv.answers, strict=True):
-            if a and tuple(p) not in seen:  # across chunks a sampled question can repeat: keep it once
-                seen.add(tuple(p))
-                prompts.append(p)
-                answers.append(a)
-    with np.load(work / "chunks" / "held.npz") as z:
-        held = Conversations.from_arrays(z)
-    meta = {
-        "model": MODEL,
-        "answer_tokens": args.answer_tokens,
-        "seed": args.seed,
-        "made": time.strftime("%F %T"),
-    }
     dest = data_path(args, work)
-    digest = pack(dest, Conversations(prompts, answers), held, meta)
-    size = dest.stat().st_size
-    RES["data"] = {
-        "complete": True,
-        "conversations": len(prompts),
-        "answer_tokens_total": sum(map(len, answers)),
-        "tokens_total": sum(map(len, prompts)) + sum(map(len, answers)),
-        "npz_bytes": size,
-        "sha256": digest,
-    }
-    if os.environ.get("OUT"):
-        RES["data"]["out_files"] = to_out(dest, Path(os.environ["OUT"]))
-    log(f"data: {len(prompts):,} conversations packed in {size / 2**20:.1f} MiB (sha256 {digest[:16]}…)")
-
-
-def to_out(src: Path, out: Path, piece: int = 15 << 20) -> list[str]:
-    """Copy ``src`` to ``$OUT`` as ``methods_data.npz``, or in pieces ``methods_data.npz.00``, ``.01`` … of at most
-    15 MiB when larger (a device call returns files of at most 16 MiB): ``cat methods_data.npz.* > data.npz``."""
-    out.mkdir(parents=True, exist_ok=True)
-    data = src.read_bytes()
-    if len(data) <= piece:
-        shutil.copy2(src, out / "methods_data.npz")
-        return ["methods_data.npz"]
-    names = []
-    for i in range(0, len(data), piece):
-        names.append(f"methods_data.npz.{i // piece:02d}")
-        (out / names[-1]).write_bytes(data[i : i + piece])
-    return names
+    if dest.exists():  # made by an earlier call, or carried back with --data
+        _, _, meta = unpack(dest)
+        RES["data"] = {**RES.get("data", {}), **meta, "complete": True, "sha256": sha256(dest)}
+        log(f"data: {dest} already there ({meta['conversations']:,} conversations)")
+        return
+    RES["data"] = gen.make_data(args, work, dest, RES.setdefault("data_chunks_s", {}), lambda: save(work))
+    if RES["data"]["complete"] and os.environ.get("OUT"):
+        RES["data"]["out_files"] = gen.to_out(dest, Path(os.environ["OUT"]))
 
 
 def data_path(args: argparse.Namespace, work: Path) -> Path:
@@ -274,82 +99,6 @@ def data_path(args: argparse.Namespace, work: Path) -> Path:
 
 
 # ---- the stages ----------------------------------------------------------------------------------------------
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    return json.dumps(v)
-
-
-def plan_text(
-    args: argparse.Namespace, work: Path, train: dict[str, Any], bench_steps: int, quota: dict[str, int]
-) -> str:
-    """One plan for every stage; only ``[train]`` (the recipe) and ``[bench] steps`` (the spec) change."""
-    keys = {
-        "steps": args.steps,
-        "batch_size": args.batch,
-        "micro_batch": args.batch,
-        "ttt_steps": args.ttt,
-        "lr": args.lr,
-        "checkpoint_every": args.checkpoint_every,
-        "keep_checkpoints": 2,
-        "log_every": 20,
-        "eval_spec_steps": min(3, args.ttt),
-        **train,
-    }
-    train_lines = "\n".join(f"{k} = {toml_value(v)}" for k, v in keys.items())
-    datasets = "".join(
-        f'[[datasets]]\nname = "{name}"\nsource = "ultrachat"\nkind = "target-native"\npath = "{work / (name + ".jsonl")}"\nquota = {n}\n'
-        for name, n in quota.items()
-    )
-    return f"""[run]
-name = "methods"
-dir = "{work / "run"}"
-[target]
-model = "{MODEL}"
-max_length = 1024
-[prep]
-reject_threshold = 0.5
-[extract]
-batch_tokens = 65536
-shard_tokens = 1048576
-eval_rows = 64
-max_tokens = {args.max_tokens}
-[vocab]
-draft_vocab_size = {args.draft_vocab}
-[train]
-{train_lines}
-[bench]
-holdout = {args.holdout}
-prompts = {args.bench_prompts}
-max_new_tokens = {args.bench_tokens}
-steps = {bench_steps}
-check_lossless = {toml_value(args.check_lossless)}
-{datasets}"""
-
-
-def stage(module: str, plan: Path, out: Path, inputs: list[Path], *extra: str) -> float:
-    argv = [sys.executable, "-m", module, "--plan", str(plan), "--out", str(out), *extra]
-    for i in inputs:
-        argv += ["--input", str(i)]
-    return run_logged(argv, module)
-
-
-def run_logged(argv: list[str], what: str) -> float:
-    env = dict(os.environ)
-    if EXTRA.is_dir():
-        env["PYTHONPATH"] = os.pathsep.join([str(EXTRA), *filter(None, [env.get("PYTHONPATH")])])
-    t = time.monotonic()
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        print(p.stdout[-2000:], p.stderr[-4000:], sep="\n")
-        raise SystemExit(f"{what} failed ({p.returncode}): {shlex.join(argv)}")
-    dt = time.monotonic() - t
-    log(f"{what} {dt:.0f} s")
-    return dt
 
 
 def quotas(work: Path) -> dict[str, int]:
@@ -622,6 +371,8 @@ def main() -> int:
         from bench.gpu_sglang import stage as stage_chunks
 
         stage_chunks(args.stage_from)
+    if EXTRA.is_dir():  # this process reads prep's shards too (the round-trip check)
+        sys.path.append(str(EXTRA))
     for p in phases:
         t = time.monotonic()
         log(f"phase {p}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import gpu_methods
+from bench import methods_gen, methods_stages
 from bench import methods_report as mr
 from bench.methods_data import (
     KINDS,
@@ -135,7 +135,7 @@ def test_every_recipe_plan_passes_the_plan_check(tmp_path: Path) -> None:
         check_lossless=False,
     )
     for name, spec in mr.RECIPES.items():
-        text = gpu_methods.plan_text(ns, tmp_path, {**spec, "seed": 1}, 7, {"self": 10, "heldout": 64})
+        text = methods_stages.plan_text(ns, tmp_path, {**spec, "seed": 1}, 7, {"self": 10, "heldout": 64})
         (tmp_path / f"{name}.toml").write_text(text)
         p = plan_mod.load(tmp_path / f"{name}.toml")
         train = p.settings.train
@@ -148,7 +148,7 @@ def test_every_recipe_plan_passes_the_plan_check(tmp_path: Path) -> None:
 def test_a_data_file_over_a_returned_file_s_limit_goes_back_in_pieces(tmp_path: Path) -> None:
     src = tmp_path / "d.npz"
     src.write_bytes(bytes(range(256)) * 10)  # 2,560 bytes, pieces of 1,000
-    names = gpu_methods.to_out(src, tmp_path / "out", piece=1000)
+    names = methods_gen.to_out(src, tmp_path / "out", piece=1000)
     assert names == ["methods_data.npz.00", "methods_data.npz.01", "methods_data.npz.02"]
     assert b"".join((tmp_path / "out" / n).read_bytes() for n in names) == src.read_bytes()
-    assert gpu_methods.to_out(src, tmp_path / "out2") == ["methods_data.npz"]
+    assert methods_gen.to_out(src, tmp_path / "out2") == ["methods_data.npz"]
