@@ -340,7 +340,7 @@ def main() -> int:
     ap.add_argument(
         "--gen-budget-s", type=float, default=270.0, help="start no data chunk past this many seconds"
     )
-    ap.add_argument("--min-round-trip", type=float, default=0.9)
+    ap.add_argument("--min-round-trip", type=float, default=0.8, help="0: report only")
     ap.add_argument("--holdout", type=float, default=0.01)
     ap.add_argument(
         "--max-tokens", type=int, default=6_000_000, help="extraction budget (4.6 KB a token on disk)"
