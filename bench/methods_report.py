@@ -1,0 +1,109 @@
+"""The methods harness's recipes and its one table (no torch: the tests import it directly).
+
+A recipe is one line: a dict of ``[train]`` plan overrides trained by the real train stage, or
+``{"command": ...}`` for an external trainer (SpecForge's wrapper) whose ``{placeholders}`` are filled from
+:data:`COMMAND_FIELDS`; it must write an SGLang-format draft folder to ``{out}``, which is then benched the
+same way. ``--recipe NAME=JSON`` adds one without editing this file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+RECIPES: dict[str, dict[str, Any]] = {
+    "eagle3": {},  # plain EAGLE-3: soft-label KL per TTT step
+    "lk": {"loss": "lk"},  # -log acceptance (arXiv 2602.23881)
+    "lk_adaptive": {"loss": "lk_adaptive"},  # lambda*KL + (1-lambda)*TV, lambda falling as acceptance rises
+    "eagle31": {"draft_fc_norm": True, "draft_norm_output": True},  # EAGLE-3.1's two norms
+    # "dflash": {"draft": "dflash"},  # parallel drafter, once [train] draft exists
+    # "specforge": {"command": "python bench/specforge_train.py --store {store} --vocab {vocab} --steps {steps} "
+    #               "--batch {batch} --lr {lr} --seed {seed} --ttt {ttt} --out {out}"},
+}
+DEFAULT_RECIPES = ("eagle3", "lk", "lk_adaptive", "eagle31")
+# what an external trainer's command may name: the extract store, the vocab stage's dir, the run dir, the budget
+COMMAND_FIELDS = ("store", "vocab", "run", "steps", "batch", "lr", "seed", "ttt", "out", "python")
+SPECS = {"3/1/4": 3, "7/1/8": 7}  # SGLang's steps/topk/draft tokens -> the offline bench's [bench] steps
+
+
+def parse_recipes(names: str, extra: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+    """The recipes named in ``names`` (comma-separated), after adding each ``NAME=JSON`` of ``extra``."""
+    table = dict(RECIPES)
+    for item in extra:
+        name, sep, body = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f'--recipe {item!r}: expected NAME=JSON, e.g. lk2=\'{{"loss": "lk"}}\'')
+        try:
+            spec = json.loads(body)
+        except ValueError as exc:
+            raise ValueError(f"--recipe {name}: not JSON ({exc})") from exc
+        if not isinstance(spec, dict):
+            raise ValueError(f'--recipe {name}: expected a JSON object of [train] keys or {{"command": ...}}')
+        table[name.strip()] = spec
+    out = {}
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        if name not in table:
+            raise ValueError(f"unknown recipe {name!r} (known: {', '.join(table)})")
+        out[name] = table[name]
+    if not out:
+        raise ValueError("no recipe named")
+    return out
+
+
+def check_command(name: str, command: str) -> None:
+    """Fail early on a placeholder the harness does not fill."""
+    import string
+
+    for _, field, _, _ in string.Formatter().parse(command):
+        if field is not None and field not in COMMAND_FIELDS:
+            raise ValueError(
+                f"recipe {name}: unknown placeholder {{{field}}} (known: {', '.join(COMMAND_FIELDS)})"
+            )
+
+
+def accept_by_kind(per_prompt: list[dict[str, Any]], kind_of: dict[str, str]) -> dict[str, float | None]:
+    """Accept length (mean accepted drafts per verify step + 1) per prompt kind and ``all``, from the bench
+    stage's ``per_prompt`` rows; a kind with no verify step is ``None``."""
+    acc: dict[str, list[int]] = {}
+    for row in per_prompt:
+        kind = kind_of.get(str(row["id"]))
+        if kind is None:
+            raise ValueError(f"bench row {row['id']!r} is not one of the held-out prompts")
+        acc.setdefault(kind, []).extend(row["accepted"])
+        acc.setdefault("all", []).extend(row["accepted"])
+    return {k: (sum(v) / len(v) + 1 if v else None) for k, v in acc.items()}
+
+
+def table(rows: list[dict[str, Any]], kinds: Iterable[str]) -> str:
+    """One text table: recipe × seed × spec, accept length per kind and overall, verify steps, train/bench s."""
+    kinds = list(kinds)
+    head = ["recipe", "seed", "spec", *kinds, "all", "verify", "sim", "train s", "bench s"]
+    body = []
+    for r in sorted(rows, key=lambda r: (r["recipe"], r["seed"], r["spec"])):
+        al = r.get("accept_len", {})
+        body.append(
+            [
+                r["recipe"],
+                str(r["seed"]),
+                r["spec"],
+                *(_num(al.get(k)) for k in [*kinds, "all"]),
+                str(r.get("verify_steps", "")),
+                _num(r.get("sim_accept")),
+                _num(r.get("train_s"), 0),
+                _num(r.get("bench_s"), 0),
+            ]
+        )
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in [head, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _num(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
