@@ -90,7 +90,7 @@ def test_plan_keys_default_to_eagle3_and_bad_dflash_settings_name_file_and_key()
 
 
 def test_target_layers_outside_the_extraction_are_refused_with_the_fix() -> None:
-    from pipeline.stages.train.dflash_loss import feature_columns
+    from pipeline.eagle3.dflash_config import feature_columns
 
     assert feature_columns(AUX, AUX, 8) is None
     assert feature_columns(AUX, [1, 26], 2).tolist() == [0, 1, 4, 5]

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from pipeline.eagle3.draft_config import DraftModelError, _target_rope
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -164,3 +166,21 @@ class DFlashConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def feature_columns(
+    aux_layer_ids: list[int], target_layer_ids: list[int], hidden: int
+) -> torch.Tensor | None:
+    """Columns of the stored aux features (aux layers concatenated) that hold the draft's target layers;
+    ``None`` when they are all of them in order."""
+    if list(aux_layer_ids) == list(target_layer_ids):
+        return None
+    missing = [i for i in target_layer_ids if i not in aux_layer_ids]
+    if missing:
+        raise ValueError(
+            f"train.dflash_target_layers: layers {missing} were not captured by the extraction "
+            f"(it stored {aux_layer_ids}); set extract.aux_layers to include them and extract again"
+        )
+    return torch.cat(
+        [torch.arange(h * hidden, (h + 1) * hidden) for h in map(aux_layer_ids.index, target_layer_ids)]
+    )

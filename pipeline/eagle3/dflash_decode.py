@@ -79,8 +79,8 @@ def dflash_drafter(
 ) -> DFlashDrafter:
     """The saved DFlash draft at ``path`` beside ``target`` (its embedding and LM head), reading its target
     layers out of the ``aux_layer_ids`` features ``target`` captures."""
+    from pipeline.eagle3.dflash_config import feature_columns
     from pipeline.eagle3.dflash_model import load_dflash
-    from pipeline.stages.train.dflash_loss import feature_columns
 
     embed = target.embed_weight.detach().float()
     head = target.head.weight.detach().float()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.eagle3.dflash_config import DFlashConfig
+from pipeline.eagle3.dflash_config import DFlashConfig, feature_columns
 from pipeline.eagle3.dflash_model import DFlashDraft
 from pipeline.eagle3.draft_config import DraftModelError
 from pipeline.run.plan_sections import TrainSection
-from pipeline.stages.train.dflash_loss import feature_columns
 
 
 def build_dflash(

@@ -97,24 +97,6 @@ def draft_blocks(
     return hidden.view(*anchors.shape, cfg.block_size, -1), labels, weights
 
 
-def feature_columns(
-    aux_layer_ids: list[int], target_layer_ids: list[int], hidden: int
-) -> torch.Tensor | None:
-    """Columns of the stored aux features (aux layers concatenated) that hold the draft's target layers;
-    ``None`` when they are all of them in order."""
-    if list(aux_layer_ids) == list(target_layer_ids):
-        return None
-    missing = [i for i in target_layer_ids if i not in aux_layer_ids]
-    if missing:
-        raise ValueError(
-            f"train.dflash_target_layers: layers {missing} were not captured by the extraction "
-            f"(it stored {aux_layer_ids}); set extract.aux_layers to include them and extract again"
-        )
-    return torch.cat(
-        [torch.arange(h * hidden, (h + 1) * hidden) for h in map(aux_layer_ids.index, target_layer_ids)]
-    )
-
-
 @dataclass(frozen=True)
 class BlockLoss:
     """The trainer's loss part for DFlash (the interface of :class:`.components.TTTLoss`)."""
