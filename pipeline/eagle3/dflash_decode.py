@@ -1,10 +1,10 @@
 """Drafting with the DFlash draft in the offline speculative decode (:mod:`.spec_decode`): one block per verify step.
 
-Each round the block is the last emitted token followed by ``block_size - 1`` mask tokens, at the positions
-right after the verified context; one forward pass of the draft over it (attending to every context position's
-projected target features and to the whole block) gives all its drafts at once, and the first ``k`` are
-proposed — what SGLang's DFlash worker does with ``--speculative-num-draft-tokens block_size`` (``k =
-block_size - 1``). The context's per-layer keys and values are cached and grow by the verified positions of
+Each round the block is the last emitted token followed by ``k`` mask tokens, at the positions right after
+the verified context; one forward pass of the draft over it (attending to every context position's projected
+target features and to the whole block) gives all ``k`` drafts at once — what SGLang's DFlash worker does with
+``--speculative-num-draft-tokens k+1`` (``k + 1`` is its block; the draft's trained ``block_size`` is SGLang's
+default, so ``k = block_size - 1`` measures what it serves when the flag is left out). The context's per-layer keys and values are cached and grow by the verified positions of
 each round, as SGLang's draft KV cache does.
 """
 
@@ -59,12 +59,12 @@ class DFlashDrafter:
         bs = self.draft.cfg.block_size
         if not 1 <= k <= bs - 1:
             raise ValueError(
-                f"a DFlash block of {bs} drafts {bs - 1} tokens; [bench] steps is {k} "
-                f"(set it to {bs - 1}, what SGLang serves with --speculative-num-draft-tokens {bs})"
+                f"the DFlash draft was trained on blocks of {bs} ({bs - 1} drafts); [bench] steps is {k} "
+                f"(at most {bs - 1}; {bs - 1} is what SGLang serves by default, --speculative-num-draft-tokens {bs})"
             )
-        ids = torch.full((1, bs), self.draft.cfg.mask_token_id, dtype=torch.long, device=self.dev)
+        ids = torch.full((1, k + 1), self.draft.cfg.mask_token_id, dtype=torch.long, device=self.dev)
         ids[0, 0] = self.last
-        pos = torch.arange(self.ncols, self.ncols + bs, device=self.dev)[None]
+        pos = torch.arange(self.ncols, self.ncols + k + 1, device=self.dev)[None]
         hidden = self.draft.blocks(ids, pos, self.kv)
         return [int(t) for t in self.draft.logits(hidden[0, 1 : k + 1]).argmax(-1).tolist()]
 
