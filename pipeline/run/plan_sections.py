@@ -327,6 +327,33 @@ class TrainSection(Section):
     draft_norm_output: bool = setting(
         False, "EAGLE-3.1: feed the next draft step the final-normed hidden (config norm_output)"
     )
+    draft: str = setting(
+        "eagle3",
+        "the draft trained: eagle3 (chain drafter) or dflash (block-parallel drafter); docs/eagle3.md, Methods",
+        choices=("eagle3", "dflash"),
+    )
+    dflash_block_size: int = setting(
+        16,
+        "dflash: slots per drafted block (the last token + block_size-1 drafts; SGLang's draft tokens)",
+        lo=2,
+        hi=64,
+    )
+    dflash_layers: int = setting(1, "dflash: draft decoder layers", lo=1, hi=64)
+    dflash_target_layers: tuple[int, ...] | None = setting(
+        None,
+        "dflash: target layers it conditions on, among the extraction's aux layers (unset: all of them)",
+        lo=0,
+        hi=4096,
+    )
+    dflash_anchors: int = setting(64, "dflash: blocks (anchor positions) trained per row", lo=1, hi=65536)
+    dflash_loss_gamma: float = setting(
+        7.0, "dflash: slot k's loss weight is exp(-(k-1)/gamma) (0: all slots equal)", lo=0, hi=1e6
+    )
+    dflash_mask_token_id: int = setting(
+        -1,
+        "dflash: the token id whose embedding fills the drafted slots (-1: the target's last vocabulary id)",
+        lo=-1,
+    )
 
     def check(self, file: Path | str, name: str) -> None:
         if self.batch_size % self.nproc:
@@ -341,11 +368,39 @@ class TrainSection(Section):
                 f"{name}.stop_when_acceptance_flat",
                 f"needs evaluations, but {name}.eval_every is {self.eval_every} and {name}.eval_rows {self.eval_rows}",
             )
-        if self.eval_spec_steps > self.ttt_steps:
+        if self.draft == "dflash":
+            self._check_dflash(file, name)
+        elif self.eval_spec_steps > self.ttt_steps:
             self.bad(
                 file,
                 f"{name}.eval_spec_steps",
                 f"{self.eval_spec_steps} cannot exceed {name}.ttt_steps ({self.ttt_steps}): the draft is only trained that deep",
+            )
+
+    def _check_dflash(self, file: Path | str, name: str) -> None:
+        """Keys that mean nothing to (or contradict) the DFlash draft."""
+        if self.loss != "kl":
+            self.bad(
+                file,
+                f"{name}.loss",
+                f'"{self.loss}" trains EAGLE-3 only; DFlash trains block cross-entropy (leave it "kl")',
+            )
+        for key in ("draft_fc_norm", "draft_norm_output"):
+            if getattr(self, key):
+                self.bad(file, f"{name}.{key}", f'an EAGLE-3.1 switch; {name}.draft is "dflash"')
+        if self.eval_spec_steps > self.dflash_block_size - 1:
+            self.bad(
+                file,
+                f"{name}.eval_spec_steps",
+                f"{self.eval_spec_steps} cannot exceed {name}.dflash_block_size - 1 ({self.dflash_block_size - 1}): "
+                "a block drafts that many tokens",
+            )
+        ids = self.dflash_target_layers
+        if ids is not None and (not ids or list(ids) != sorted(set(ids))):
+            self.bad(
+                file,
+                f"{name}.dflash_target_layers",
+                f"{list(ids)} must be a non-empty list of distinct ascending layer ids (SGLang concatenates in layer order)",
             )
 
     @property
@@ -354,7 +409,9 @@ class TrainSection(Section):
 
     @property
     def spec_steps(self) -> int:
-        """Draft tokens per verification the acceptance evaluation simulates."""
+        """Draft tokens per verification the acceptance evaluation simulates (DFlash: a whole block's)."""
+        if self.draft == "dflash":
+            return self.eval_spec_steps or self.dflash_block_size - 1
         return self.eval_spec_steps or min(3, self.ttt_steps)
 
     @property

@@ -47,6 +47,7 @@ def draft_device(target: Any) -> torch.device:
 def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     """Speculative decoding on held-out prompts; with ``dist`` every rank holds a tensor-parallel
     shard of the target and runs the same decode (same tokens on every rank), rank 0 writes."""
+    from pipeline.eagle3.dflash_decode import dflash_drafter
     from pipeline.eagle3.draft_model import load_draft
     from pipeline.eagle3.spec_decode import (
         Drafter,
@@ -60,6 +61,11 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     plan = ctx.plan
     sec = plan.settings.bench
     man, train_dir = find_draft(inputs)
+    if man.get("draft") == "dflash" and dist is not None:
+        fail(
+            ctx,
+            'the offline bench of a DFlash draft runs the target on one device or spread (device = "auto"), not tensor-parallel',
+        )
     model_id = str(plan.target.model or man.get("target"))
     trc = plan.target.trust_remote_code
     steps = sec.steps
@@ -95,7 +101,17 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         fail(ctx, "no held-out prompts: every row was used for training; raise [bench] holdout")
     embed = target.embed_weight.detach().float()  # under TP a collective: every rank gathers it
     drafter: Drafter | None = None
-    if dist is None or dist.main:
+    if man.get("draft") == "dflash" and (dist is None or dist.main):
+        drafter = dflash_drafter(
+            train_dir / man.get("path", "draft"), target, list(man["aux_layer_ids"]), dev, dtype
+        )
+        block = int(man.get("block_size") or 0)
+        if steps > block - 1:
+            fail(
+                ctx,
+                f"[bench] steps is {steps} but the DFlash draft's blocks of {block} draft {block - 1}: set it to {block - 1}",
+            )
+    elif dist is None or dist.main:
         draft = load_draft(train_dir / man.get("path", "draft"), embed=embed, dtype=dtype).to(dev)
         drafter = Eagle3Drafter(draft)
     if dist is not None:  # rank 0 drafts; the others verify its tokens (never drafts of their own)
@@ -167,6 +183,7 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         "accepted_histogram": hist,
         "elapsed_s": elapsed,
         "draft": str(train_dir / man.get("path", "draft")),
+        "draft_kind": man.get("draft", "eagle3"),
         "lossless_checked": check,
         "lossless_mismatches": mismatches if check else None,
     }

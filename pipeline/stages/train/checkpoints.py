@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pipeline.eagle3.dflash_model import DFlashDraft, save_dflash
 from pipeline.eagle3.draft_model import Eagle3Draft, save_draft
 from pipeline.run.files import swap_dir, write_atomic
 from pipeline.run.plan_sections import TrainSection
@@ -19,6 +20,14 @@ STATE_FILE = "training_state.pt"
 FINAL_DIR = "draft"
 BEST_DIR = "best"  # the checkpointed draft with the best simulated accept length so far, and best.json
 STEPS_FILE = "steps.jsonl"
+
+
+def save_any(draft: Eagle3Draft | DFlashDraft, path: Path) -> None:
+    """The SGLang-loadable export of either draft: EAGLE-3's layout or DFlash's."""
+    if isinstance(draft, DFlashDraft):
+        save_dflash(draft, path)
+    else:
+        save_draft(draft, path)
 
 
 def checkpoints(out: Path) -> list[tuple[int, Path]]:
@@ -38,7 +47,7 @@ def checkpoints(out: Path) -> list[tuple[int, Path]]:
 def save_checkpoint(
     out: Path,
     step: int,
-    draft: Eagle3Draft,
+    draft: Eagle3Draft | DFlashDraft,
     opt: torch.optim.Optimizer,
     settings: TrainSection,
     extra: dict[str, Any],
@@ -46,7 +55,7 @@ def save_checkpoint(
     final = out / CKPT_DIR / f"step_{step:08d}"
     tmp = out / CKPT_DIR / f".step_{step:08d}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_draft(draft, tmp)
+    save_any(draft, tmp)
     state = {
         "step": step,
         "model": {k: v.detach().cpu() for k, v in draft.trainable_state().items()},
@@ -90,13 +99,13 @@ class StepLog:
             fh.write(json.dumps({"step": step, "rows": rows}) + "\n")
 
 
-def save_best(out: Path, draft: Eagle3Draft, best: dict[str, Any]) -> None:
+def save_best(out: Path, draft: Eagle3Draft | DFlashDraft, best: dict[str, Any]) -> None:
     """``best/``: the draft (SGLang-loadable) and ``best.json`` saying its step and accept length, atomically."""
     import json
 
     final, tmp = out / BEST_DIR, out / (BEST_DIR + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_draft(draft, tmp)
+    save_any(draft, tmp)
     (tmp / "best.json").write_text(json.dumps(best) + "\n")
     swap_dir(tmp, final)
 

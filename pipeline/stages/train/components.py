@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeline.eagle3.dflash_model import DFlashDraft
 from pipeline.eagle3.draft_model import Eagle3Draft
 from pipeline.run.plan_sections import TrainSection
 from pipeline.run.ranks import Dist
@@ -20,7 +21,8 @@ from pipeline.run.runtime import StageContext
 from pipeline.stages.train.acceptance import simulated_accept_length
 from pipeline.stages.train.batches import Batch
 from pipeline.stages.train.checkpoints import STATE_FILE, checkpoints, read_best, save_best, save_checkpoint
-from pipeline.stages.train.loss import ttt_sums
+from pipeline.stages.train.dflash_loss import BlockLoss, dflash_accept_length
+from pipeline.stages.train.loss import counts_of, ttt_sums
 from pipeline.stages.train.settings import lr_at
 
 
@@ -68,7 +70,7 @@ class TrainedDraft:
     """The draft under training, the module the step calls (DDP around it on several ranks), the rows of
     the target's LM head over the draft vocabulary (the soft labels' projection) and the trained params."""
 
-    draft: Eagle3Draft
+    draft: Eagle3Draft | DFlashDraft
     model: Any
     head_d: torch.Tensor
     params: list[torch.nn.Parameter]
@@ -106,8 +108,13 @@ class TTTLoss:
         """The LK losses need the target's whole ``lm_head`` (acceptance is over its whole vocabulary)."""
         return self.objective != "kl"
 
+    def counts(self, batches: list[Batch], device: torch.device) -> torch.Tensor:
+        """Per TTT step: the loss positions of these batches (each step's mean divides by it)."""
+        return counts_of(batches, self.ttt_steps, device)
+
     def sums(self, td: TrainedDraft, b: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per TTT step: the summed loss over loss positions, and the count of correct greedy tokens."""
+        assert isinstance(td.draft, Eagle3Draft)
         return ttt_sums(
             td.model,
             td.draft,
@@ -219,15 +226,17 @@ class Evaluator:
     micro_batch: int
     interval: int  # 0: never
     last_step: int
+    blocks: BlockLoss | None = None  # a DFlash draft: its anchors and feature columns
 
     @classmethod
-    def from_settings(cls, data: TrainData, s: TrainSection) -> Evaluator:
+    def from_settings(cls, data: TrainData, s: TrainSection, blocks: BlockLoss | None = None) -> Evaluator:
         return cls(
             data=data,
             spec_steps=s.spec_steps,
             micro_batch=s.micro_batch,
             interval=s.eval_interval,
             last_step=s.steps,
+            blocks=blocks,
         )
 
     def due(self, step: int) -> bool:
@@ -238,6 +247,20 @@ class Evaluator:
         )
 
     def accept_length(self, td: TrainedDraft, rt: Runtime) -> float:
+        if isinstance(td.draft, DFlashDraft):
+            assert self.blocks is not None
+            return dflash_accept_length(
+                td.draft,
+                self.data.eval_source,
+                self.data.eval_rows,
+                rt.device,
+                rt.dtype,
+                self.spec_steps,
+                self.micro_batch,
+                rt.autocast,
+                self.blocks.anchors,
+                self.blocks.aux_cols,
+            )
         return simulated_accept_length(
             td.draft,
             self.data.eval_source,

@@ -16,8 +16,9 @@ import pipeline.stages.train as train_pkg
 from pipeline.data.shards import find_manifests
 from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3.dflash_model import DFlashDraft
 from pipeline.eagle3.draft_config import DraftConfig
-from pipeline.eagle3.draft_model import Eagle3Draft, save_draft
+from pipeline.eagle3.draft_model import Eagle3Draft
 from pipeline.run.files import swap_dir
 from pipeline.run.plan_sections import TrainSection
 from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
@@ -29,6 +30,7 @@ from pipeline.stages.train.checkpoints import (
     FINAL_DIR,
     STEPS_FILE,
     StepLog,
+    save_any,
 )
 from pipeline.stages.train.components import (
     Checkpointer,
@@ -40,6 +42,8 @@ from pipeline.stages.train.components import (
     TrainedDraft,
     TTTLoss,
 )
+from pipeline.stages.train.dflash_build import build_dflash
+from pipeline.stages.train.dflash_loss import BlockLoss
 from pipeline.stages.train.feeder import Feeder, Inline
 from pipeline.stages.train.plateau import Plateau
 from pipeline.stages.train.settings import BatchSchedule
@@ -246,8 +250,16 @@ def train(
     )
     vm = draft_vocab.load(vocab_dir)
     trc = plan.target.trust_remote_code
-    draft, head_d, head_full = build_draft(model_id, aux, vm, s, trc)
-    loss = TTTLoss.from_settings(s, rt.autocast)
+    draft: Eagle3Draft | DFlashDraft
+    loss: TTTLoss | BlockLoss
+    blocks: BlockLoss | None = None
+    if s.draft == "dflash":
+        draft, cols = build_dflash(model_id, aux, s, trc)
+        head_d = head_full = torch.empty(0)  # the draft holds the target's head itself
+        loss = blocks = BlockLoss.from_settings(s, rt.autocast, None if cols is None else cols.to(device))
+    else:
+        draft, head_d, head_full = build_draft(model_id, aux, vm, s, trc)
+        loss = TTTLoss.from_settings(s, rt.autocast)
     draft.to(device)
     data = load_data(rt, s, man, ext_dir, model_id, aux, plan.target.max_length, trc)
     n = len(data.source)
@@ -292,7 +304,11 @@ def train(
             f"training {sum(p.numel() for p in params) / 1e6:.1f}M parameters on {n:,} sequences "
             f"({'online, target tensor-parallel over the ranks' if online_tp else data.mode} data), "
             f"{dist.world} process(es) on {device.type}, steps {start + 1}..{s.steps}, "
-            f"TTT {s.ttt_steps}, loss {s.loss}{eagle31_note(s)}"
+            + (
+                f"DFlash: {s.dflash_layers} layer(s), blocks of {s.dflash_block_size}, {s.dflash_anchors} anchors per row"
+                if blocks
+                else f"TTT {s.ttt_steps}, loss {s.loss}{eagle31_note(s)}"
+            )
         )
         ctx.progress(start, s.steps, unit="steps", force=True)
     last_saved = start
@@ -320,7 +336,7 @@ def train(
         loss=loss,
         optim=optim,
         checkpointer=checkpointer,
-        evaluator=Evaluator.from_settings(data, s),
+        evaluator=Evaluator.from_settings(data, s, blocks),
         metrics=MetricReporter(ctx=ctx, log_every=s.log_every, last_step=s.steps, first_step=start + 1),
         schedule=schedule,
         feeder=feeder,
@@ -362,7 +378,7 @@ def train(
             shutil.copytree(out / BEST_DIR, tmp)
             (tmp / "best.json").unlink(missing_ok=True)
         else:
-            save_draft(draft, tmp)
+            save_any(draft, tmp)
         swap_dir(tmp, final)
         write_json(
             out / "manifest.json",
@@ -379,8 +395,10 @@ def train(
                 "aux_layer_ids": aux,
                 "steps_log": STEPS_FILE,
                 "draft_vocab_size": vm.size,
+                "draft": s.draft,
+                "block_size": s.dflash_block_size if blocks else None,
                 "ttt_steps": s.ttt_steps,
-                "loss": s.loss,
+                "loss": "dflash" if blocks else s.loss,
                 "fc_norm": s.draft_fc_norm,
                 "norm_output": s.draft_norm_output,
                 "mode": mode_name,
@@ -398,8 +416,12 @@ def train(
                 if best
                 else f"step {last_saved}"
             )
+            serve = (
+                f"--speculative-algorithm DFLASH --speculative-num-draft-tokens {s.dflash_block_size}"
+                if blocks
+                else "--speculative-algorithm EAGLE3"
+            )
             ctx.message(
-                f"draft written to {final} ({which}; SGLang: --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {final})"
+                f"draft written to {final} ({which}; SGLang: {serve} --speculative-draft-model-path {final})"
             )
     return 0

@@ -23,7 +23,7 @@ from pipeline.stages.train.components import (
     TrainedDraft,
     TTTLoss,
 )
-from pipeline.stages.train.loss import counts_of
+from pipeline.stages.train.dflash_loss import BlockLoss
 from pipeline.stages.train.plateau import Plateau
 from pipeline.stages.train.settings import BatchSchedule
 
@@ -42,7 +42,7 @@ class Steps:
     runtime: Runtime
     data: TrainData
     draft: TrainedDraft
-    loss: TTTLoss
+    loss: TTTLoss | BlockLoss  # EAGLE-3's training-time test, or DFlash's block objective
     optim: Optimiser
     checkpointer: Checkpointer
     evaluator: Evaluator
@@ -75,7 +75,7 @@ class Steps:
         t0 = time.monotonic()
         all_idx = self.schedule.rows(step)
         batches = self.batches(step, all_idx)
-        counts = dist.sum(counts_of(batches, k, device))
+        counts = dist.sum(self.loss.counts(batches, device))
         denom = counts.clamp(min=1)
         lr = self.optim.begin(step)
         loss_sums = torch.zeros(k, dtype=torch.float64, device=device)

@@ -1,0 +1,39 @@
+"""The DFlash draft the train stage trains (``[train] draft = "dflash"``): sized from the target, its target
+layers chosen among the extraction's aux layers, the target's embedding and LM head loaded beside it."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.eagle3.dflash_config import DFlashConfig, feature_columns
+from pipeline.eagle3.dflash_model import DFlashDraft
+from pipeline.eagle3.draft_config import DraftModelError
+from pipeline.run.plan_sections import TrainSection
+
+
+def build_dflash(
+    model_id: str, aux: list[int], s: TrainSection, trust_remote_code: bool = False
+) -> tuple[DFlashDraft, torch.Tensor | None]:
+    """(the draft, the columns of the stored aux features it reads; ``None``: all of them)."""
+    from pipeline.eagle3.target_capture import load_target_tensors, target_config
+
+    tcfg = target_config(model_id, trust_remote_code=trust_remote_code)
+    text = getattr(tcfg, "text_config", None) or tcfg
+    layers = list(s.dflash_target_layers) if s.dflash_target_layers is not None else list(aux)
+    mask_id = s.dflash_mask_token_id if s.dflash_mask_token_id >= 0 else int(text.vocab_size) - 1
+    try:
+        cfg = DFlashConfig.from_target(
+            tcfg,
+            layers=s.dflash_layers,
+            target_layer_ids=layers,
+            block_size=s.dflash_block_size,
+            mask_token_id=mask_id,
+        )
+    except DraftModelError as exc:
+        raise ValueError(f"[train] dflash_*: {exc}") from None
+    cols = feature_columns(aux, cfg.target_layer_ids, cfg.hidden_size)
+    torch.manual_seed(s.seed)
+    draft = DFlashDraft(cfg)
+    t = load_target_tensors(model_id, trust_remote_code=trust_remote_code)
+    draft.set_target(t["embed"], t["head"])
+    return draft, cols
