@@ -38,7 +38,11 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,7 @@ MODEL = gen.MODEL
 T0 = gen.T0
 RES: dict[str, Any] = {"bench": "gpu_methods"}
 PHASES = ("data", "extract", "train", "bench")
+LOCK = threading.Lock()  # RES and its file, shared by --jobs threads
 
 
 def save(work: Path) -> None:
@@ -182,34 +187,56 @@ def runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
 
 
 def phase_train(args: argparse.Namespace, work: Path) -> None:
+    """Every recipe × seed, ``--jobs`` at once (a SmolLM2-sized draft step leaves most of an H200 idle)."""
+    todo = []
     for name, spec, seed in runs(args):
         out = work / "train" / f"{name}-s{seed}"
-        key = f"{name}|{seed}"
         if (out / "manifest.json").exists() or (out / "external.json").exists():
-            log(f"train {key}: already trained")
-            continue
-        if "command" in spec:
-            dt = train_external(args, work, name, spec["command"], seed, out)
-            RES.setdefault("train", {})[key] = {"train_s": round(dt, 1), "external": True}
+            log(f"train {name}|{seed}: already trained")
         else:
-            plan = work / "plans" / f"{name}-s{seed}.toml"
-            plan.parent.mkdir(parents=True, exist_ok=True)
-            plan.write_text(plan_text(args, work, {**spec, "seed": seed}, 3, quotas(work)))
-            dt = stage("pipeline.stages.train", plan, out, [work / "ext", work / "voc"])
-            man = json.loads((out / "manifest.json").read_text())
-            ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
-            tps = sorted(
-                e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s"
-            )
-            RES.setdefault("train", {})[key] = {
-                "train_s": round(dt, 1),
-                "kept_step": man.get("step"),
-                "sim_accept": man.get("accept_length"),
-                "tok_s_median": tps[len(tps) // 2] if tps else None,
-                "overrides": spec,
-            }
-        add_seconds("train", dt)
+            todo.append((name, spec, seed, out))
+    in_parallel(args.jobs, [partial(train_one, args, work, *t) for t in todo], work)
+
+
+def train_one(
+    args: argparse.Namespace, work: Path, name: str, spec: dict[str, Any], seed: int, out: Path
+) -> None:
+    key = f"{name}|{seed}"
+    if "command" in spec:
+        dt = train_external(args, work, name, spec["command"], seed, out)
+        rec: dict[str, Any] = {"train_s": round(dt, 1), "external": True}
+    else:
+        plan = work / "plans" / f"{name}-s{seed}.toml"
+        plan.parent.mkdir(parents=True, exist_ok=True)
+        plan.write_text(plan_text(args, work, {**mr.train_keys(spec), "seed": seed}, 3, quotas(work)))
+        dt = stage("pipeline.stages.train", plan, out, [work / "ext", work / "voc"])
+        man = json.loads((out / "manifest.json").read_text())
+        ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
+        tps = sorted(e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s")
+        rec = {
+            "train_s": round(dt, 1),
+            "kept_step": man.get("step"),
+            "sim_accept": man.get("accept_length"),
+            "tok_s_median": tps[len(tps) // 2] if tps else None,
+            "overrides": spec,
+        }
+    with LOCK:
+        RES.setdefault("train", {})[key] = {**rec, "jobs": args.jobs}
         save(work)
+
+
+def in_parallel(jobs: int, tasks: list[Callable[[], None]], work: Path) -> None:
+    """Run ``tasks`` ``jobs`` at a time; every one runs, and the first failure is raised after the rest end."""
+    if not tasks:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(t) for t in tasks]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    save(work)
+    if errors:
+        for e in errors[1:]:
+            log(f"also failed: {e}")
+        raise errors[0]  # type: ignore[misc]
 
 
 def train_external(
@@ -258,12 +285,17 @@ def bench_manifest(work: Path, train_dir: Path) -> dict[str, Any]:
 
 
 def phase_bench(args: argparse.Namespace, work: Path) -> None:
+    """Every trained draft at every spec, ``--jobs`` bench stages at once (each decodes at batch 1)."""
     kind_of = json.loads((work / "kinds.json").read_text())
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
     for s in specs:
         if s not in mr.SPECS:
             raise SystemExit(f"unknown spec {s!r} (known: {', '.join(mr.SPECS)})")
-    for name, _, seed in runs(args):
+        plan = work / "plans" / f"bench-{s.replace('/', '-')}.toml"
+        plan.parent.mkdir(parents=True, exist_ok=True)
+        plan.write_text(plan_text(args, work, {}, mr.SPECS[s], quotas(work)))
+    tasks: list[Callable[[], None]] = []
+    for name, recipe, seed in runs(args):
         train_dir = work / "train" / f"{name}-s{seed}"
         if not ((train_dir / "manifest.json").exists() or (train_dir / "external.json").exists()):
             log(f"bench {name} seed {seed}: not trained yet (run --phases train first)")
@@ -271,32 +303,45 @@ def phase_bench(args: argparse.Namespace, work: Path) -> None:
         src = work / "benchin" / f"{name}-s{seed}"
         src.mkdir(parents=True, exist_ok=True)
         (src / "manifest.json").write_text(json.dumps(bench_manifest(work, train_dir), indent=1))
-        for spec in specs:
-            key = f"{name}|{seed}|{spec}"
+        for spec in mr.recipe_specs(name, recipe, specs):
             out = work / "bench" / f"{name}-s{seed}-{spec.replace('/', '-')}"
-            if key in RES.get("rows", {}) and (out / "results.json").exists():
+            if f"{name}|{seed}|{spec}" in RES.get("rows", {}) and (out / "results.json").exists():
                 continue
-            plan = work / "plans" / f"bench-{spec.replace('/', '-')}.toml"
-            plan.parent.mkdir(parents=True, exist_ok=True)
-            plan.write_text(plan_text(args, work, {}, mr.SPECS[spec], quotas(work)))
-            dt = stage("pipeline.stages.bench", plan, out, [src])
-            add_seconds("bench", dt)
-            res = json.loads((out / "results.json").read_text())
-            tr = RES.get("train", {}).get(f"{name}|{seed}", {})
-            RES.setdefault("rows", {})[key] = {
-                "recipe": name,
-                "seed": seed,
-                "spec": spec,
-                "bench_s": round(dt, 1),
-                "accept_len": mr.accept_by_kind(res["per_prompt"], kind_of),
-                "verify_steps": res["verify_steps"],
-                "prompts": res["prompts"],
-                "lossless_mismatches": res.get("lossless_mismatches"),
-                "sim_accept": tr.get("sim_accept"),
-                "train_s": tr.get("train_s"),
-            }
-            log(f"bench {key}: accept length {res['accept_len']:.3f} over {res['verify_steps']} verify steps")
-            save(work)
+            tasks.append(partial(bench_one, args, work, kind_of, name, seed, spec, src, out))
+    in_parallel(args.jobs, tasks, work)
+
+
+def bench_one(
+    args: argparse.Namespace,
+    work: Path,
+    kind_of: dict[str, str],
+    name: str,
+    seed: int,
+    spec: str,
+    src: Path,
+    out: Path,
+) -> None:
+    plan = work / "plans" / f"bench-{spec.replace('/', '-')}.toml"
+    dt = stage("pipeline.stages.bench", plan, out, [src])
+    res = json.loads((out / "results.json").read_text())
+    key = f"{name}|{seed}|{spec}"
+    with LOCK:
+        tr = RES.get("train", {}).get(f"{name}|{seed}", {})
+        RES.setdefault("rows", {})[key] = {
+            "recipe": name,
+            "seed": seed,
+            "spec": spec,
+            "bench_s": round(dt, 1),
+            "jobs": args.jobs,
+            "accept_len": mr.accept_by_kind(res["per_prompt"], kind_of),
+            "verify_steps": res["verify_steps"],
+            "prompts": res["prompts"],
+            "lossless_mismatches": res.get("lossless_mismatches"),
+            "sim_accept": tr.get("sim_accept"),
+            "train_s": tr.get("train_s"),
+        }
+        save(work)
+    log(f"bench {key}: accept length {res['accept_len']:.3f} over {res['verify_steps']} verify steps")
 
 
 def check_plans(args: argparse.Namespace, work: Path) -> None:
@@ -310,7 +355,10 @@ def check_plans(args: argparse.Namespace, work: Path) -> None:
             continue
         f = work / "plans" / f"check-{name}.toml"
         f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(plan_text(args, work, {**spec, "seed": seed}, 7, {"self": 1, "heldout": 1}))
+        steps = max(mr.SPECS[s] for s in mr.recipe_specs(name, spec, list(mr.SPECS)))
+        f.write_text(
+            plan_text(args, work, {**mr.train_keys(spec), "seed": seed}, steps, {"self": 1, "heldout": 1})
+        )
         try:
             load(f)
         except PlanError as exc:
@@ -354,6 +402,7 @@ def main() -> int:
     ap.add_argument("--bench-prompts", type=int, default=32, help="the first N of the interleaved 64")
     ap.add_argument("--bench-tokens", type=int, default=64)
     ap.add_argument("--check-lossless", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1, help="train/bench stages run at once on the one GPU")
     args = ap.parse_args()
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     for p in phases:
@@ -379,8 +428,7 @@ def main() -> int:
         {"data": phase_data, "extract": phase_extract, "train": phase_train, "bench": phase_bench}[p](
             args, work
         )
-        if p in ("data", "extract"):
-            add_seconds(p, time.monotonic() - t)
+        add_seconds(p, time.monotonic() - t)  # wall time: with --jobs > 1 the per-job seconds overlap
         save(work)
         if p == "data" and not RES.get("data", {}).get("complete"):
             log("data incomplete: later phases wait for the next call")

@@ -17,9 +17,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     "lk": {"loss": "lk"},  # -log acceptance (arXiv 2602.23881)
     "lk_adaptive": {"loss": "lk_adaptive"},  # lambda*KL + (1-lambda)*TV, lambda falling as acceptance rises
     "eagle31": {"draft_fc_norm": True, "draft_norm_output": True},  # EAGLE-3.1's two norms
-    # "dflash": {"draft": "dflash"},  # parallel drafter, once [train] draft exists
-    # "specforge": {"command": "python bench/specforge_train.py --store {store} --vocab {vocab} --steps {steps} "
-    #               "--batch {batch} --lr {lr} --seed {seed} --ttt {ttt} --out {out}"},
+    # DFlash (a parallel drafter): a block of B slots drafted in one pass, so it is benched only at the spec whose
+    # draft tokens equal B ([bench] steps = B - 1, what SGLang serves by default); same size as EAGLE-3's draft
+    "dflash4": {"draft": "dflash", "dflash_block_size": 4, "specs": ["3/1/4"]},
+    "dflash8": {"draft": "dflash", "dflash_block_size": 8, "specs": ["7/1/8"]},
 }
 DEFAULT_RECIPES = ("eagle3", "lk", "lk_adaptive", "eagle31")
 # what an external trainer's command may name: the extract store, the vocab stage's dir, the run dir, the budget
@@ -49,6 +50,21 @@ def parse_recipes(names: str, extra: Iterable[str] = ()) -> dict[str, dict[str, 
     if not out:
         raise ValueError("no recipe named")
     return out
+
+
+def train_keys(spec: dict[str, Any]) -> dict[str, Any]:
+    """A recipe's ``[train]`` overrides: everything but the harness's own ``specs`` key."""
+    return {k: v for k, v in spec.items() if k != "specs"}
+
+
+def recipe_specs(name: str, spec: dict[str, Any], specs: list[str]) -> list[str]:
+    """The asked-for specs this recipe is benched at (a recipe's ``specs`` narrows them)."""
+    only = spec.get("specs")
+    if only is None:
+        return specs
+    if not isinstance(only, list) or any(s not in SPECS for s in only):
+        raise ValueError(f"recipe {name}: specs must be a list of {', '.join(SPECS)}")
+    return [s for s in specs if s in only]
 
 
 def check_command(name: str, command: str) -> None:
