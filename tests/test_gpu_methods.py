@@ -135,14 +135,25 @@ def test_every_recipe_plan_passes_the_plan_check(tmp_path: Path) -> None:
         check_lossless=False,
     )
     for name, spec in mr.RECIPES.items():
-        text = methods_stages.plan_text(ns, tmp_path, {**spec, "seed": 1}, 7, {"self": 10, "heldout": 64})
-        (tmp_path / f"{name}.toml").write_text(text)
-        p = plan_mod.load(tmp_path / f"{name}.toml")
-        train = p.settings.train
-        assert (train.steps, train.batch_size, train.ttt_steps, train.seed) == (640, 32, 7, 1), name
-        for key, value in spec.items():
-            assert getattr(train, key) == value, (name, key)
-        assert p.settings.bench.steps == 7
+        for run_spec in mr.recipe_specs(name, spec, list(mr.SPECS)):  # a DFlash block is benched at its spec
+            steps = mr.SPECS[run_spec]
+            keys = {**mr.train_keys(spec), "seed": 1}
+            text = methods_stages.plan_text(ns, tmp_path, keys, steps, {"self": 10, "heldout": 64})
+            (tmp_path / f"{name}.toml").write_text(text)
+            p = plan_mod.load(tmp_path / f"{name}.toml")
+            train = p.settings.train
+            assert (train.steps, train.batch_size, train.ttt_steps, train.seed) == (640, 32, 7, 1), name
+            for key, value in mr.train_keys(spec).items():
+                assert getattr(train, key) == value, (name, key)
+            assert p.settings.bench.steps == steps
+
+
+def test_a_recipe_s_specs_narrow_where_it_is_benched() -> None:
+    assert mr.recipe_specs("dflash4", mr.RECIPES["dflash4"], ["3/1/4", "7/1/8"]) == ["3/1/4"]
+    assert mr.recipe_specs("eagle3", mr.RECIPES["eagle3"], ["3/1/4", "7/1/8"]) == ["3/1/4", "7/1/8"]
+    assert "specs" not in mr.train_keys(mr.RECIPES["dflash8"])
+    with pytest.raises(ValueError, match="recipe bad: specs"):
+        mr.recipe_specs("bad", {"specs": ["9/9/9"]}, ["3/1/4"])
 
 
 def test_a_data_file_over_a_returned_file_s_limit_goes_back_in_pieces(tmp_path: Path) -> None:
