@@ -2,28 +2,31 @@
 
 ``python bench/specforge_train.py --run RUN_DIR --out DRAFT_DIR --steps N --batch B --lr LR --seed S
 [--ttt T] [--device cuda|cpu] [--micro-batch M] [--mask aerie|specforge] [--backend sdpa|flex_attention]``
+(or ``--store EXTRACT_OUT --vocab VOCAB_OUT [--plan PLAN]`` instead of ``--run``).
 
 ``RUN_DIR``: an Aerie run directory (``plan.toml`` and ``stages/*/out``) or a folder of stage out dirs beside a
-``plan.toml`` (``bench/gpu_quality.py``'s work dir), in which extract (offline: the hidden-state store) and
-vocab have run; the plan, store and vocabulary are found as the train stage finds them
-(:mod:`pipeline.eagle3.trainer_inputs`). What is the same as Aerie's train stage: the draft's initial weights
+``plan.toml`` (``bench/gpu_quality.py``'s and ``bench/gpu_methods.py``'s work dirs), in which extract (offline:
+the hidden-state store) and vocab have run; the plan, store and vocabulary are found as the train stage finds
+them (:mod:`pipeline.eagle3.trainer_inputs`). The same as Aerie's train stage: the draft's initial weights
 (``build_draft``, seeded by ``--seed``), the draft vocabulary, and each step's rows and micro-batches (its
-``BatchSchedule`` and ``rank_chunks`` for that seed, the plan's ``length_grouping`` and ``micro_batch``).
-What is SpecForge's own: its ``TargetHead`` (the target's ``lm_head`` over the stored final hidden state, after
-its ``preprocess`` shift), ``Eagle3TrainStrategy.forward_loss`` around ``OnlineEagle3Model`` (TTT unroll, soft
-labels, per-step loss as a mean over every position, ``0.8**j`` weights), the micro-batch loss divided by
-the accumulation count as its ``TrainerCore`` does, and its ``BF16Optimizer`` (bf16 draft with fp32 AdamW
-masters, betas (0.9, 0.999), no weight decay, clipping at 0.5, 1.5 % linear warm-up, cosine to 0).
-``--mask aerie`` (default) feeds SpecForge Aerie's loss mask shifted two left, so both score the same
-tokens (SpecForge's own data scores step ``j`` of column ``t`` by the mask of token ``t + j``; ``--mask
-specforge`` keeps that). See docs/eagle3.md, "SpecForge as an oracle".
+``BatchSchedule`` and ``rank_chunks`` for that seed, the plan's ``length_grouping`` and ``micro_batch``; on a GPU
+assembled ahead by its ``Feeder``). SpecForge's own: its ``TargetHead`` (the target's ``lm_head`` over the stored
+final hidden state, after its ``preprocess`` shift), ``Eagle3TrainStrategy.forward_loss`` around
+``OnlineEagle3Model`` (TTT unroll, soft labels, per-step loss as a mean over every position, ``0.8**j``
+weights), the micro-batch loss divided by the accumulation count as its ``TrainerCore`` does, and its
+``BF16Optimizer`` (bf16 draft with fp32 AdamW masters, betas (0.9, 0.999), no weight decay, clipping at 0.5,
+1.5 % linear warm-up, cosine to 0). ``--mask aerie`` (default) feeds SpecForge Aerie's loss mask shifted two
+left, so both score the same tokens (SpecForge's own data scores step ``j`` of column ``t`` by the mask of
+token ``t + j``; ``--mask specforge`` keeps that). See docs/eagle3.md, "SpecForge as an oracle".
 
-``DRAFT_DIR`` gets what the train stage's out dir holds for the bench stage: ``manifest.json`` (kind
-``draft``) and ``draft/`` (``config.json`` ``LlamaForCausalLMEagle3``, ``model.safetensors`` with d2t/t2d),
-written by Aerie's ``save_draft`` from SpecForge's trained weights (the last step), plus
-``specforge_train.json`` (the logged steps; also ``$OUT/specforge_train.json`` when ``OUT`` is set).
-On CUDA SpecForge runs in bf16 with its ``torch.compile`` and Triton paths; if a step fails there it is
-redone eagerly (printed). On the CPU it runs eagerly in fp32.
+``DRAFT_DIR`` becomes the draft folder the train stage exports (``config.json`` ``LlamaForCausalLMEagle3``,
+``model.safetensors`` with the same tensor names and d2t/t2d, written by Aerie's ``save_draft`` from SpecForge's
+last-step weights), which SGLang loads as ``--speculative-draft-model-path``, plus ``manifest.json`` (kind
+``draft``, path ``.``) so the bench stage takes it as ``--input`` as it takes a train stage's out dir, and
+``specforge_train.json`` (the logged steps; also ``$OUT/specforge_train.json`` when ``OUT`` is set). On CUDA
+SpecForge runs in bf16 with its ``torch.compile`` and Triton paths; if a step fails there it is redone
+eagerly (printed). On the CPU it runs eagerly in fp32. SpecForge is found installed, or in ``.gpu-stage/sf``
+(what ``bench/gpu_specforge.py --stage`` copies there to carry it to the GPU machine).
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+if (ROOT / ".gpu-stage" / "sf").is_dir():  # SpecForge carried to a machine where it is not installed
+    sys.path.insert(1, str(ROOT / ".gpu-stage" / "sf"))
 
 from bench.gpu_common import write_out  # noqa: E402
 from bench.specforge_peer import (  # noqa: E402
@@ -54,10 +60,10 @@ from pipeline.eagle3 import hidden_store as hs  # noqa: E402
 from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left  # noqa: E402
 from pipeline.eagle3.trainer_inputs import build_draft, find_inputs  # noqa: E402
 from pipeline.run import plan as plan_mod  # noqa: E402
-from pipeline.run.files import swap_dir  # noqa: E402
 from pipeline.run.plan_sections import TrainSection  # noqa: E402
 from pipeline.run.rundir import write_json  # noqa: E402
 from pipeline.stages.train.batches import Batch, OfflineData  # noqa: E402
+from pipeline.stages.train.feeder import Feeder, Inline  # noqa: E402
 from pipeline.stages.train.settings import BatchSchedule  # noqa: E402
 from pipeline.stages.train.steps import rank_chunks  # noqa: E402
 
@@ -74,7 +80,7 @@ def log(msg: str) -> None:
 
 @dataclasses.dataclass
 class RunInputs:
-    plan_path: Path
+    plan_path: Path | None
     model_id: str
     trust_remote_code: bool
     settings: TrainSection
@@ -83,19 +89,39 @@ class RunInputs:
     vocab: draft_vocab.VocabMap
 
 
-def load_run(run: Path, **overrides: Any) -> RunInputs:
-    """The plan's ``[train]`` (with ``overrides``), the offline store and the vocabulary of ``run``."""
-    plan_path = run / "plan.toml"
-    if not plan_path.is_file():
-        raise SetupError(f"{plan_path}: missing (not an Aerie run directory)")
-    stages = run / "stages"
-    dirs = sorted(p / "out" for p in stages.iterdir() if (p / "out").is_dir()) if stages.is_dir() else [run]
-    plan = plan_mod.load(plan_path, run_dir=run if stages.is_dir() else None)
+def load_run(
+    run: Path | None = None,
+    store: Path | None = None,
+    vocab: Path | None = None,
+    plan: Path | None = None,
+    **overrides: Any,
+) -> RunInputs:
+    """The plan's ``[train]`` (with ``overrides``), the offline store and the vocabulary: of the run dir ``run``
+    (its ``plan.toml``; the stage out dirs ``stages/*/out``, or the folders beside the plan), or of the out dirs
+    ``store`` and ``vocab`` with ``plan`` (default: the ``plan.toml`` beside the store, if any; else the
+    ``[train]`` defaults and the store's target)."""
+    if run is not None:
+        plan_path: Path | None = run / "plan.toml"
+        stages = run / "stages"
+        dirs = (
+            sorted(p / "out" for p in stages.iterdir() if (p / "out").is_dir()) if stages.is_dir() else [run]
+        )
+        where = stages / "*" / "out" / "manifest.json" if stages.is_dir() else run / "*" / "manifest.json"
+        if not plan_path.is_file():  # type: ignore[union-attr]
+            raise SetupError(f"{plan_path}: missing (not an Aerie run directory)")
+    elif store is not None and vocab is not None:
+        plan_path = plan or (store.parent / "plan.toml" if (store.parent / "plan.toml").is_file() else None)
+        dirs, stages = [store, vocab], None
+        where = Path("{" + f"{store},{vocab}" + "}") / "manifest.json"
+        for d in dirs:
+            if not (d / "manifest.json").is_file():
+                raise SetupError(f"{d / 'manifest.json'}: missing (not a stage's out dir)")
+    else:
+        raise SetupError("give --run RUN_DIR, or --store EXTRACT_OUT and --vocab VOCAB_OUT")
     try:
         man, ext_dir, vocab_dir = find_inputs(dirs)
     except ValueError as exc:
-        where = stages / "*" / "out" if stages.is_dir() else run / "*"
-        raise SetupError(f"{where / 'manifest.json'}: {exc}") from None
+        raise SetupError(f"{where}: {exc}") from None
     if man.get("mode") != "offline":
         raise SetupError(
             f"{ext_dir / 'manifest.json'}: the extraction is {man.get('mode')!r}, not offline: there is no "
@@ -105,9 +131,19 @@ def load_run(run: Path, **overrides: Any) -> RunInputs:
         vm = draft_vocab.load(vocab_dir)
     except draft_vocab.VocabError as exc:
         raise SetupError(str(exc)) from None
-    s = dataclasses.replace(plan.settings.train, **overrides)
-    model_id = str(plan.target.model or man.get("target") or "")
-    return RunInputs(plan_path, model_id, plan.target.trust_remote_code, s, man, ext_dir, vm)
+    if plan_path is not None:
+        p = plan_mod.load(plan_path, run_dir=run if stages is not None and stages.is_dir() else None)
+        train, model_id, trc = (
+            p.settings.train,
+            str(p.target.model or man.get("target") or ""),
+            p.target.trust_remote_code,
+        )
+    else:
+        train, model_id, trc = TrainSection(), str(man.get("target") or ""), False
+    if not model_id:
+        raise SetupError(f"{ext_dir / 'manifest.json'}: names no target model, and there is no plan")
+    s = dataclasses.replace(train, **overrides)
+    return RunInputs(plan_path, model_id, trc, s, man, ext_dir, vm)
 
 
 def specforge_tensors(b: Batch, mask: str = "aerie") -> dict[str, torch.Tensor]:
@@ -156,16 +192,24 @@ class SpecForgeTrainer:
     mask: str
     eager: bool
 
-    def step(self, step: int) -> dict[str, Any]:
+    def chunks(self, step: int) -> list[list[int]]:
+        """Step ``step``'s rows in micro-batches, as the train stage cuts them (one rank)."""
+        return rank_chunks(self.schedule.rows(step), 0, 1, self.data.length, self.micro_batch)
+
+    def feeder(self, steps: range, prefetch: int) -> Any:
+        """The train stage's batch assembly: a feeder thread ahead of the GPU, inline on the CPU."""
+        if self.device.type == "cuda" and prefetch:
+            return Feeder(self.data, steps, self.chunks, self.device, self.dtype, prefetch)
+        return Inline(self.data, self.chunks, self.device, self.dtype)
+
+    def step(self, step: int, batches: list[Batch]) -> dict[str, Any]:
         from specforge.runtime.contracts import TrainBatch
 
-        rows = self.schedule.rows(step)
-        chunks = rank_chunks(rows, 0, 1, self.data.length, self.micro_batch)
+        chunks = self.chunks(step)
         lr = self.optimizer.get_learning_rate()
         ttt = self.model.length
         loss, correct, denom, tokens = 0.0, [0.0] * ttt, [0.0] * ttt, 0
-        for c in chunks:
-            b = self.data.batch(c, self.device, self.dtype)
+        for c, b in zip(chunks, batches, strict=True):
             tb = TrainBatch(
                 sample_ids=[self.data.row_id(i) for i in c],
                 strategy="eagle3",
@@ -226,43 +270,32 @@ def build(
 
 
 def export(trainer: SpecForgeTrainer, draft: Eagle3Draft, inp: RunInputs, out: Path, steps: int) -> Path:
-    """SpecForge's trained weights into Aerie's draft, written as the train stage writes ``draft/`` and its manifest."""
+    """SpecForge's trained weights into Aerie's draft, written by the train stage's ``save_draft`` into ``out``
+    (the folder SGLang loads: ``config.json``, ``model.safetensors``), with a ``manifest.json`` (kind ``draft``,
+    path ``.``) so the bench stage takes ``out`` as its input as it takes a train stage's out dir."""
     sf_draft = trainer.model.draft_model
     names = param_map(draft, sf_draft)
     state = sf_draft.state_dict()
     draft.load_state_dict({k: state[names[k]].detach().float().cpu() for k in names}, strict=True)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "draft.partial"
-    save_draft(draft.cpu(), tmp)
-    swap_dir(tmp, out / "draft")
+    save_draft(draft.cpu(), out)
     man, s = inp.manifest, inp.settings
-    write_json(
-        out / "manifest.json",
-        {
-            "kind": "draft",
-            "path": "draft",
-            "step": steps,
-            "last_step": steps,
-            "stopped_early": None,
-            "chosen_by": "last step",
-            "accept_length": None,
-            "eval_spec_steps": None,
-            "target": inp.model_id,
-            "aux_layer_ids": list(man["aux_layer_ids"]),
-            "draft_vocab_size": inp.vocab.size,
-            "ttt_steps": s.ttt_steps,
-            "loss": "specforge",
-            "trainer": f"specforge {SPECFORGE_VERSION}",
-            "fc_norm": False,
-            "norm_output": False,
-            "mode": "offline",
-            "token_sources": list(man.get("sources", [])),
-            "holdout": man.get("holdout"),
-            "max_length": man.get("max_length"),
-            "world_size": 1,
-        },
+    doc: dict[str, Any] = {
+        "kind": "draft",
+        "path": ".",
+        "step": steps,
+        "last_step": steps,
+        "stopped_early": None,
+    }
+    doc.update(chosen_by="last step", accept_length=None, eval_spec_steps=None, target=inp.model_id)
+    doc.update(
+        aux_layer_ids=list(man["aux_layer_ids"]), draft_vocab_size=inp.vocab.size, ttt_steps=s.ttt_steps
     )
-    return out / "draft"
+    doc.update(loss="specforge", trainer=f"specforge {SPECFORGE_VERSION}", fc_norm=False, norm_output=False)
+    doc.update(mode="offline", token_sources=list(man.get("sources", [])), holdout=man.get("holdout"))
+    doc.update(max_length=man.get("max_length"), world_size=1)
+    write_json(out / "manifest.json", doc)  # the train stage's manifest keys, for the bench stage
+    return out
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,7 +309,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.ttt:
         overrides["ttt_steps"] = args.ttt
-    inp = load_run(Path(args.run), **overrides)
+    inp = load_run(
+        Path(args.run) if args.run else None,
+        Path(args.store) if args.store else None,
+        Path(args.vocab) if args.vocab else None,
+        Path(args.plan) if args.plan else None,
+        **overrides,
+    )
     s = inp.settings
     micro = min(args.micro_batch or s.micro_batch, s.batch_size)
     inp.settings = s = dataclasses.replace(s, micro_batch=micro)
@@ -286,20 +325,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "bench": "specforge_train",
         "specforge": SPECFORGE_VERSION,
-        "run": str(args.run),
         "store": str(inp.ext_dir),
-        "target": inp.model_id,
-        "device": str(device),
-        "steps": s.steps,
-        "batch": s.batch_size,
-        "micro_batch": micro,
-        "lr": s.lr,
-        "seed": s.seed,
-        "ttt": s.ttt_steps,
-        "mask": args.mask,
-        "backend": args.backend,
-        "log": [],
     }
+    res.update(target=inp.model_id, device=str(device), steps=s.steps, batch=s.batch_size, micro_batch=micro)
+    res.update(lr=s.lr, seed=s.seed, ttt=s.ttt_steps, mask=args.mask, backend=args.backend, log=[])
 
     def save() -> None:
         (out / RESULTS).write_text(json.dumps(res, indent=1) + "\n")
@@ -320,10 +349,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         if trainer.eager:
             stack.enter_context(specforge_eager())
+        feeder = trainer.feeder(range(1, s.steps + 1), s.prefetch)
+        stack.callback(feeder.close)
         for step in range(1, s.steps + 1):
             t_step = time.monotonic()
+            batches = feeder.next(step)
             try:
-                r = trainer.step(step)
+                r = trainer.step(step, batches)
             except (torch.cuda.OutOfMemoryError, SetupError):
                 raise
             except Exception as exc:  # noqa: BLE001 - its compiled / Triton paths on this machine
@@ -336,7 +368,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 trainer.zero_grad()
                 trainer.eager = True
                 stack.enter_context(specforge_eager())
-                r = trainer.step(step)
+                r = trainer.step(step, batches)
             tokens += r["tokens"]
             first_loss = r["loss"] if first_loss is None else first_loss
             if step % every == 0 or step in (1, s.steps):
@@ -361,7 +393,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     save()
     log(
         f"draft written to {path} (loss {first_loss:.4f} -> {res['last_loss']:.4f}, {res['train_s']:.0f} s, "
-        f"{res['train_tok_s']:,.0f} tok/s); bench it: python -m pipeline.stages.bench --plan {inp.plan_path} "
+        f"{res['train_tok_s']:,.0f} tok/s); bench it: python -m pipeline.stages.bench --plan {inp.plan_path or 'PLAN'} "
         f"--input {out} --out BENCH_DIR"
     )
     return res
@@ -369,9 +401,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--run", required=True, help="Aerie run dir where extract (offline) and vocab have run")
+    ap.add_argument("--run", help="Aerie run dir where extract (offline) and vocab have run")
+    ap.add_argument("--store", help="instead of --run: the extract stage's out dir (the hidden-state store)")
+    ap.add_argument("--vocab", help="with --store: the vocab stage's out dir")
+    ap.add_argument("--plan", help="with --store: the plan (default: plan.toml beside the store, if any)")
     ap.add_argument(
-        "--out", required=True, help="draft dir: manifest.json + draft/, as the train stage writes"
+        "--out", required=True, help="the draft folder: config.json, model.safetensors, manifest.json"
     )
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--batch", type=int, required=True, help="sequences per optimiser step")

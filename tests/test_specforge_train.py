@@ -66,6 +66,8 @@ def test_a_run_dir_without_a_store_or_vocab_is_named(tmp_path_factory, tmp_path)
     shutil.copytree(run / "ext", tmp_path / "ext")
     with pytest.raises(SetupError, match=r"manifest\.json: no draft vocabulary"):
         load_run(tmp_path)
+    with pytest.raises(SetupError, match=r"voc/manifest\.json: missing"):
+        load_run(store=tmp_path / "ext", vocab=tmp_path / "voc")
 
 
 def test_specforge_trains_a_draft_the_bench_stage_loads(tmp_path_factory, tmp_path) -> None:
@@ -93,7 +95,7 @@ def test_specforge_trains_a_draft_the_bench_stage_loads(tmp_path_factory, tmp_pa
     embed = load_target_tensors(inp.model_id)["embed"]
     trained = load_draft(train_dir / man["path"], embed=embed)
     assert (man["target"], man["aux_layer_ids"]) == (inp.model_id, inp.manifest["aux_layer_ids"])
-    config = json.loads((train_dir / man["path"] / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())  # the folder SGLang loads is --out itself
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert torch.equal(trained.d2t, inp.vocab.d2t) and torch.equal(trained.t2d, inp.vocab.t2d.bool())
     for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight"):
@@ -115,7 +117,8 @@ def test_specforge_first_step_loss_equals_aeries_on_a_store_batch(tmp_path_facto
 
     from bench.specforge_peer import specforge_eager
 
-    inp = load_run(run_dir(tmp_path_factory), **ARGS)
+    run = run_dir(tmp_path_factory)
+    inp = load_run(store=run / "ext", vocab=run / "voc", **ARGS)  # the plan beside the store is found
     trainer, draft = build(inp, torch.device("cpu"), "sdpa", "aerie")
     head_d = trainer.strategy.target_head.fc.weight[inp.vocab.draft_ids]
     first = rank_chunks(trainer.schedule.rows(1), 0, 1, trainer.data.length, 4)[0]  # step 1's batch
