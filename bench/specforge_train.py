@@ -233,9 +233,28 @@ class SpecForgeTrainer:
             "tokens": tokens,
         }
 
-    def zero_grad(self) -> None:
-        for p in self.model.parameters():
-            p.grad = None
+    def step_or_eager(
+        self, step: int, batches: list[Batch], stack: contextlib.ExitStack, res: dict[str, Any]
+    ) -> dict[str, Any]:
+        """:meth:`step`; where SpecForge's compiled or Triton path fails, the step again eagerly (and every
+        step after it, ``specforge_eager`` entered on ``stack``), with a printed note kept in ``res``."""
+        try:
+            return self.step(step, batches)
+        except (torch.cuda.OutOfMemoryError, SetupError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - its torch.compile / Triton paths on this machine
+            if self.eager:
+                raise
+            why = (
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            )
+            log(f"note: SpecForge's torch.compile/Triton path failed at step {step} ({why}); eager from here")
+            res["eager_fallback"] = f"step {step}: {why}"
+            for p in self.model.parameters():
+                p.grad = None
+            self.eager = True
+            stack.enter_context(specforge_eager())
+            return self.step(step, batches)
 
 
 def build(
@@ -354,21 +373,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for step in range(1, s.steps + 1):
             t_step = time.monotonic()
             batches = feeder.next(step)
-            try:
-                r = trainer.step(step, batches)
-            except (torch.cuda.OutOfMemoryError, SetupError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - its compiled / Triton paths on this machine
-                if trainer.eager:
-                    raise
-                log(
-                    f"note: SpecForge's torch.compile/Triton path failed ({type(exc).__name__}: {exc}); eager from here"
-                )
-                res["eager_fallback"] = f"step {step}: {type(exc).__name__}: {str(exc)[:300]}"
-                trainer.zero_grad()
-                trainer.eager = True
-                stack.enter_context(specforge_eager())
-                r = trainer.step(step, batches)
+            r = trainer.step_or_eager(step, batches, stack, res)
             tokens += r["tokens"]
             first_loss = r["loss"] if first_loss is None else first_loss
             if step % every == 0 or step in (1, s.steps):
