@@ -4,20 +4,14 @@
 [--ttt T] [--device cuda|cpu] [--micro-batch M] [--mask aerie|specforge] [--backend sdpa|flex_attention]``
 (or ``--store EXTRACT_OUT --vocab VOCAB_OUT [--plan PLAN]`` instead of ``--run``).
 
-``RUN_DIR``: an Aerie run directory (``plan.toml`` and ``stages/*/out``) or a folder of stage out dirs beside a
-``plan.toml`` (``bench/gpu_quality.py``'s and ``bench/gpu_methods.py``'s work dirs), in which extract (offline:
-the hidden-state store) and vocab have run; the plan, store and vocabulary are found as the train stage finds
-them (:mod:`pipeline.eagle3.trainer_inputs`). The same as Aerie's train stage: the draft's initial weights
-(``build_draft``, seeded by ``--seed``), the draft vocabulary, and each step's rows and micro-batches (its
-``BatchSchedule`` and ``rank_chunks`` for that seed, the plan's ``length_grouping`` and ``micro_batch``; on a GPU
-assembled ahead by its ``Feeder``). SpecForge's own: its ``TargetHead`` (the target's ``lm_head`` over the stored
-final hidden state, after its ``preprocess`` shift), ``Eagle3TrainStrategy.forward_loss`` around
-``OnlineEagle3Model`` (TTT unroll, soft labels, per-step loss as a mean over every position, ``0.8**j``
-weights), the micro-batch loss divided by the accumulation count as its ``TrainerCore`` does, and its
-``BF16Optimizer`` (bf16 draft with fp32 AdamW masters, betas (0.9, 0.999), no weight decay, clipping at 0.5,
-1.5 % linear warm-up, cosine to 0). ``--mask aerie`` (default) feeds SpecForge Aerie's loss mask shifted two
-left, so both score the same tokens (SpecForge's own data scores step ``j`` of column ``t`` by the mask of
-token ``t + j``; ``--mask specforge`` keeps that). See docs/eagle3.md, "SpecForge as an oracle".
+``RUN_DIR``: an Aerie run directory (``plan.toml``, ``stages/*/out``) or a folder of stage out dirs beside a
+``plan.toml`` (the ``bench/gpu_*.py`` work dirs) where extract (offline) and vocab have run, read as the train
+stage reads them (:mod:`pipeline.eagle3.trainer_inputs`). As Aerie's train stage: the seeded initial draft, the
+draft vocabulary, each step's rows and micro-batches (``BatchSchedule``, ``rank_chunks``; its ``Feeder`` on a
+GPU). SpecForge's own: ``TargetHead``, ``Eagle3TrainStrategy.forward_loss`` around ``OnlineEagle3Model`` (TTT
+unroll, soft labels, loss), the accumulation of its ``TrainerCore`` and its ``BF16Optimizer``. ``--mask aerie``
+(default) scores the same tokens as Aerie; ``--mask specforge`` keeps SpecForge's mask convention. What
+differs from each trainer: docs/eagle3.md, "SpecForge as an oracle".
 
 ``DRAFT_DIR`` becomes the draft folder the train stage exports (``config.json`` ``LlamaForCausalLMEagle3``,
 ``model.safetensors`` with the same tensor names and d2t/t2d, written by Aerie's ``save_draft`` from SpecForge's
@@ -203,12 +197,15 @@ class SpecForgeTrainer:
         return Inline(self.data, self.chunks, self.device, self.dtype)
 
     def step(self, step: int, batches: list[Batch]) -> dict[str, Any]:
+        """One optimiser step over ``batches`` (step ``step``'s micro-batches); its metrics stay on the device
+        (no host sync) until :func:`summary` reads them."""
         from specforge.runtime.contracts import TrainBatch
 
         chunks = self.chunks(step)
         lr = self.optimizer.get_learning_rate()
-        ttt = self.model.length
-        loss, correct, denom, tokens = 0.0, [0.0] * ttt, [0.0] * ttt, 0
+        loss: Any = 0.0
+        correct: Any = 0.0
+        denom: Any = 0.0
         for c, b in zip(chunks, batches, strict=True):
             tb = TrainBatch(
                 sample_ids=[self.data.row_id(i) for i in c],
@@ -218,20 +215,12 @@ class SpecForgeTrainer:
             )
             out = self.strategy.forward_loss(tb)
             (out.loss / len(chunks)).backward()  # TrainerCore: loss / accumulation_steps
-            loss += float(out.loss.detach()) / len(chunks)
-            for j in range(ttt):
-                correct[j] += float(out.metrics["acc_corrects"][j])
-                denom[j] += float(out.metrics["acc_denoms"][j])
-            tokens += int(b.lengths.sum())
-        grad_norm = float(self.optimizer.step())
-        return {
-            "step": step,
-            "loss": loss,
-            "acc": [c / max(d, 1.0) for c, d in zip(correct, denom, strict=True)],
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": tokens,
-        }
+            loss = loss + out.loss.detach() / len(chunks)
+            correct = correct + torch.stack([x.float() for x in out.metrics["acc_corrects"]])
+            denom = denom + torch.stack([x.float() for x in out.metrics["acc_denoms"]])
+        grad_norm = self.optimizer.step()
+        out_ = dict(step=step, loss=loss, correct=correct, denom=denom, lr=lr, grad_norm=grad_norm)
+        return out_ | {"tokens": sum(self.data.length(i) for c in chunks for i in c)}
 
     def step_or_eager(
         self, step: int, batches: list[Batch], stack: contextlib.ExitStack, res: dict[str, Any]
@@ -255,6 +244,13 @@ class SpecForgeTrainer:
             self.eager = True
             stack.enter_context(specforge_eager())
             return self.step(step, batches)
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics as numbers: loss, per-TTT-step accuracy (greedy hits / scored tokens), lr, grad norm."""
+    acc = (r["correct"] / r["denom"].clamp(min=1.0)).tolist()
+    out = dict(step=r["step"], loss=float(r["loss"]), acc=acc, lr=r["lr"], grad_norm=float(r["grad_norm"]))
+    return out | {"tokens": r["tokens"]}
 
 
 def build(
@@ -375,10 +371,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             batches = feeder.next(step)
             r = trainer.step_or_eager(step, batches, stack, res)
             tokens += r["tokens"]
-            first_loss = r["loss"] if first_loss is None else first_loss
             if step % every == 0 or step in (1, s.steps):
-                dt = time.monotonic() - t_step
-                r["tokens_per_s"] = round(r["tokens"] / max(dt, 1e-9), 1)
+                r = summary(r)
+                first_loss = r["loss"] if first_loss is None else first_loss
+                r["tokens_per_s"] = round(r["tokens"] / max(time.monotonic() - t_step, 1e-9), 1)
                 res["log"].append(r)
                 accs = "/".join(f"{a:.3f}" for a in r["acc"])
                 log(
