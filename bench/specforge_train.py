@@ -115,7 +115,9 @@ def load_run(
     try:
         man, ext_dir, vocab_dir = find_inputs(dirs)
     except ValueError as exc:
-        raise SetupError(f"{where}: {exc}") from None
+        what = "extraction (the hidden-state store)" if "extraction" in str(exc) else "draft vocabulary"
+        stage = "extract" if "extraction" in str(exc) else "vocab"
+        raise SetupError(f"{where}: no {what} found: run the {stage} stage first") from None
     if man.get("mode") != "offline":
         raise SetupError(
             f"{ext_dir / 'manifest.json'}: the extraction is {man.get('mode')!r}, not offline: there is no "

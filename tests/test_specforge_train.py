@@ -60,11 +60,11 @@ def test_a_run_dir_without_a_store_or_vocab_is_named(tmp_path_factory, tmp_path)
         load_run(tmp_path)
     shutil.copy(run / "plan.toml", tmp_path / "plan.toml")
     shutil.copytree(run / "voc", tmp_path / "voc")
-    with pytest.raises(SetupError, match=r"manifest\.json: no extraction"):
+    with pytest.raises(SetupError, match=r"manifest\.json: no extraction .*run the extract stage"):
         load_run(tmp_path)
     shutil.rmtree(tmp_path / "voc")
     shutil.copytree(run / "ext", tmp_path / "ext")
-    with pytest.raises(SetupError, match=r"manifest\.json: no draft vocabulary"):
+    with pytest.raises(SetupError, match=r"manifest\.json: no draft vocabulary .*run the vocab stage"):
         load_run(tmp_path)
     with pytest.raises(SetupError, match=r"voc/manifest\.json: missing"):
         load_run(store=tmp_path / "ext", vocab=tmp_path / "voc")
