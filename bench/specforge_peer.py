@@ -101,6 +101,14 @@ def specforge_runs_here(device: torch.device):
     if device.type == "cuda":
         yield
         return
+    with specforge_eager():
+        yield
+
+
+@contextlib.contextmanager
+def specforge_eager():
+    """SpecForge without its ``torch.compile`` and Triton paths: its compiled functions run eagerly
+    (``torch._dynamo.config.disable``) and its Triton loss kernel is ``_compute_loss``, its reference."""
     import specforge.algorithms.eagle3.model as sf_model
     import specforge.core.loss as sf_loss
     import torch._dynamo
@@ -137,9 +145,6 @@ def build_pair(
     ttt: int = 7,
 ) -> tuple[Eagle3Draft, Any]:
     """(Aerie's draft, SpecForge's ``OnlineEagle3Model`` around its draft), same random weights and vocab map."""
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
-
     torch.manual_seed(seed)
     aerie = Eagle3Draft(cfg)
     for name, p in aerie.named_parameters():
@@ -151,13 +156,24 @@ def build_pair(
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     aerie.set_vocab(ids - torch.arange(cfg.draft_vocab_size), t2d)
-    sf_draft = LlamaForCausalLMEagle3(specforge_config(cfg), attention_backend=attention_backend)
+    sf = wrap_specforge(aerie, ttt, attention_backend)
+    return aerie.to(device), sf.to(device)
+
+
+def wrap_specforge(aerie: Eagle3Draft, ttt: int, attention_backend: str = "sdpa") -> Any:
+    """SpecForge's ``OnlineEagle3Model`` (TTT ``ttt``) around its ``LlamaForCausalLMEagle3`` holding a copy
+    of ``aerie``'s weights, embedding (frozen, as SpecForge freezes it) and vocabulary map."""
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    if aerie.cfg.fc_norm or aerie.cfg.norm_output:
+        raise ValueError("SpecForge's LlamaForCausalLMEagle3 is plain EAGLE-3: no fc_norm / norm_output")
+    sf_draft = LlamaForCausalLMEagle3(specforge_config(aerie.cfg), attention_backend=attention_backend)
     names = param_map(aerie, sf_draft)
     src = aerie.state_dict()
-    sf_draft.load_state_dict({names[k]: v for k, v in src.items()}, strict=False)
+    sf_draft.load_state_dict({names[k]: v.detach().cpu() for k, v in src.items()}, strict=False)
     sf_draft.freeze_embedding()
-    sf = OnlineEagle3Model(sf_draft, length=ttt, attention_backend=attention_backend)
-    return aerie.to(device), sf.to(device)
+    return OnlineEagle3Model(sf_draft, length=ttt, attention_backend=attention_backend)
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -13,12 +12,11 @@ from typing import Any
 import torch
 
 import pipeline.stages.train as train_pkg
-from pipeline.data.shards import find_manifests
 from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.dflash_model import DFlashDraft
-from pipeline.eagle3.draft_config import DraftConfig
 from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.eagle3.trainer_inputs import build_draft, find_inputs
 from pipeline.run.files import swap_dir
 from pipeline.run.plan_sections import TrainSection
 from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
@@ -50,26 +48,6 @@ from pipeline.stages.train.settings import BatchSchedule
 from pipeline.stages.train.steps import Steps, rank_chunks
 
 
-def find_inputs(dirs: list[Path]) -> tuple[dict, Path, Path]:
-    """(extraction manifest, its dir, vocab dir) among the input dirs, by manifest kind."""
-    ext = vocab = None
-    for d in dirs:
-        for mpath, man in find_manifests(d):
-            if man.get("kind") == hs.KIND:
-                ext = (man, mpath.parent)
-            elif man.get("kind") == draft_vocab.MANIFEST_KIND:
-                vocab = mpath.parent
-    if ext is None:
-        raise ValueError(
-            f"no extraction among the inputs ({', '.join(map(str, dirs))}): put the extract stage in 'after'"
-        )
-    if vocab is None:
-        raise ValueError(
-            f"no draft vocabulary among the inputs ({', '.join(map(str, dirs))}): put the vocab stage in 'after'"
-        )
-    return ext[0], ext[1], vocab
-
-
 def pick_device(s: TrainSection, dist: Dist) -> torch.device:
     if s.device:
         dev = torch.device(s.device)
@@ -79,33 +57,6 @@ def pick_device(s: TrainSection, dist: Dist) -> torch.device:
         dev = torch.device("cuda", dist.local_rank)
         torch.cuda.set_device(dev)
     return dev
-
-
-def build_draft(
-    model_id: str,
-    aux: list[int],
-    vm: draft_vocab.VocabMap,
-    s: TrainSection,
-    trust_remote_code: bool = False,
-) -> tuple[Eagle3Draft, torch.Tensor, torch.Tensor]:
-    """The draft to train (EAGLE-3.1 switches from ``[train]``), the target's ``lm_head`` rows of the
-    draft vocabulary and its whole ``lm_head`` (the LK losses' acceptance is over the whole vocabulary)."""
-    from pipeline.eagle3.target_capture import load_target_tensors, target_config
-
-    tcfg = target_config(model_id, trust_remote_code=trust_remote_code)
-    cfg = dataclasses.replace(
-        DraftConfig.from_target(tcfg, vm.size, aux), fc_norm=s.draft_fc_norm, norm_output=s.draft_norm_output
-    )
-    torch.manual_seed(s.seed)
-    draft = Eagle3Draft(cfg)
-    t = load_target_tensors(model_id, trust_remote_code=trust_remote_code)
-    draft.embed_tokens.weight.data.copy_(t["embed"])
-    draft.set_vocab(vm.d2t, vm.t2d)
-    head_d = t["head"][vm.draft_ids].clone()
-    if s.init_lm_head == "target":
-        draft.lm_head.weight.data.copy_(head_d)
-        draft.norm.weight.data.copy_(t["norm"])
-    return draft, head_d, t["head"]
 
 
 def eagle31_note(s: TrainSection) -> str:
