@@ -146,7 +146,27 @@ def make_data(
         )
         chunk_s[str(c)] = round(last, 1)
         save()
-    return _pack(args, work, n_chunks, dest)
+    # Questions repeated across chunks and empty answers are dropped when packing: top up until the kept
+    # conversations reach --conversations (a few more chunks at most; each is the shortfall plus 10 %).
+    res = _pack(args, work, n_chunks, dest)
+    for extra in range(3):
+        short = args.conversations - res["conversations"]
+        if short <= 0:
+            break
+        c = n_chunks
+        n = short + short // 10 + 8
+        prompts = target.sample_prompts(n, args.gen_batch, args.seed * 100_003 + 7_919 * (extra + 1) + c)
+        conv = Conversations(prompts, target.answer(prompts, args.gen_batch, args.answer_tokens))
+        import numpy as np
+
+        np.savez(chunks / f"chunk_{c:04d}.partial.npz", **conv.arrays())
+        os.replace(chunks / f"chunk_{c:04d}.partial.npz", chunks / f"chunk_{c:04d}.npz")
+        log(
+            f"data: {short} short of {args.conversations:,} after dropping repeats and empty answers: topped up {n}"
+        )
+        n_chunks += 1
+        res = _pack(args, work, n_chunks, dest)
+    return res
 
 
 def _pack(args: argparse.Namespace, work: Path, n_chunks: int, dest: Path) -> dict[str, Any]:
