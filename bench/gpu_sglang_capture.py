@@ -463,6 +463,50 @@ def online_phase(model: Path, tok_dir: Path, work: Path, args: argparse.Namespac
     return bool(res["pass"])
 
 
+PYTEST_ARGS = [
+    "-p",
+    "no:cacheprovider",
+    "-o",
+    "addopts=",
+    "-ra",
+    "--slow",
+    "-m",
+    "gpu",
+    "tests/test_sglang_target.py",
+]
+
+
+def start_pytest() -> tuple[subprocess.Popen[str], float]:
+    """``--pytest``: the GPU test of ``tests/test_sglang_target.py`` in the background, SGLang found as the sglang
+    stage finds it (``stage_env``). It overlaps the online phase's first stages (a tiny model: little GPU)."""
+    argv = [sys.executable, "-m", "pytest", *PYTEST_ARGS]
+    log_f = (OUT / "pytest_gpu.log").open("w")
+    g.log("pytest (GPU test) started in the background: " + " ".join(argv[1:]))
+    p = subprocess.Popen(
+        argv, cwd=ROOT, stdout=log_f, stderr=subprocess.STDOUT, text=True, env=stage_env("sglang")
+    )
+    return p, time.monotonic()
+
+
+def finish_pytest(p: subprocess.Popen[str], t0: float) -> bool:
+    """Wait for it; ``pytest_gpu.pass`` only where the GPU test ran and passed (a skip is not a pass)."""
+    rc = p.wait()
+    text = (OUT / "pytest_gpu.log").read_text()
+    lines = [x for x in text.splitlines() if x.strip()]
+    summary = lines[-1] if lines else ""
+    ok = rc == 0 and " passed" in summary and "skipped" not in summary
+    RESULTS["pytest_gpu"] = {
+        "rc": rc,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "summary": summary,
+        "skips": [x for x in lines if x.startswith("SKIPPED")],
+        "pass": ok,
+    }
+    save()
+    g.log(f"pytest (GPU test): rc {rc}: {summary}")
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage-from", action="append", default=[], type=Path, help="a carried chunk folder")
@@ -478,6 +522,11 @@ def main() -> int:
     ap.add_argument("--online-steps", type=int, default=30)
     ap.add_argument("--online-rows", type=int, default=120)
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument(
+        "--pytest",
+        action="store_true",
+        help="also run tests/test_sglang_target.py's GPU test, in the background",
+    )
     ap.add_argument(
         "--reference",
         choices=("none", "fp32"),
@@ -502,8 +551,13 @@ def main() -> int:
 
         RESULTS.update(device=torch.cuda.get_device_name(0), torch=torch.__version__, tolerance=TOL)
         if args.online:
-            paths = g.build_models(["smollm2"])
-            return 0 if online_phase(paths["smollm2"], tok_dir, g.BASE / "online", args, False) else 1
+            bg = start_pytest() if args.pytest else None
+            try:
+                paths = g.build_models(["smollm2"])
+                ok = online_phase(paths["smollm2"], tok_dir, g.BASE / "online", args, False)
+            finally:  # the test's result is kept even where the online phase failed
+                tested = finish_pytest(*bg) if bg is not None else True
+            return 0 if ok and tested else 1
         models = [m for m in args.models.split(",") if m]
         paths = g.build_models(models)
         for name in models:
@@ -564,7 +618,12 @@ def smoke(args: argparse.Namespace, tok_dir: Path) -> int:
     g.log(f"smoke: {json.dumps(res['compare'])[:400]}")
     ok = res["compare"]["pass"] and res["compare"]["final"]["max_abs"] == 0
     if args.online:
-        ok &= online_phase(model, tok_dir, work / "online", args, True)
+        bg = start_pytest() if args.pytest else None  # here: the GPU test is skipped (no CUDA), not gated
+        try:
+            ok &= online_phase(model, tok_dir, work / "online", args, True)
+        finally:
+            if bg is not None:
+                finish_pytest(*bg)
     return 0 if ok else 1
 
 

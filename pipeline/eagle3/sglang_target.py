@@ -1,4 +1,5 @@
-"""The target run by SGLang's own model runner, in-process, for the extract stage (``[target] engine = "sglang"``).
+"""The target run by SGLang's own model runner, in-process (``[target] engine = "sglang"``), for the extract stage
+(:func:`load_for_plan`) and for online training on one rank (:func:`load_for_training`, in the train process).
 
 What SpecForge's offline SGLang capture backend does (``specforge/offline_capture/sglang_backend``, read for
 SGLang 0.5.14; facts carried over, not its code): build ``ServerArgs`` and a ``ModelConfig``, construct a
