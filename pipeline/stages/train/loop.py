@@ -74,9 +74,11 @@ def load_data(
     aux: list[int],
     target_max_length: int | None,
     trust_remote_code: bool = False,
+    engine: str = "transformers",
 ) -> TrainData:
     """The data source: the extraction's stored hidden states (offline), or its rows with the target run
-    over them as training goes (online; tensor-parallel over the ranks under ``online-tp``)."""
+    over them as training goes (online; tensor-parallel over the ranks under ``online-tp``; by SGLang's model
+    runner in this process with ``engine = "sglang"``)."""
     online_tp = s.online_tp
     mode = "online-tp" if online_tp else str(man["mode"])
     if man["mode"] == "offline":
@@ -103,7 +105,35 @@ def load_data(
                 f"{ext_dir / 'manifest.json'}: lists {len(wanted)} rows but the sources now hold "
                 f"{len(rows)} of them; rerun extraction with --fresh"
             )
-        if online_tp:
+        held: list[Any] = []
+        if s.eval_interval and float(man.get("holdout") or 0) > 0:
+            held = training_order(
+                list(
+                    iter_rows(
+                        [Path(p) for p in man["sources"]], float(man["holdout"]), "heldout", None, max_len
+                    )
+                )
+            )
+            held = [r for r in held if r.num_tokens >= 2 and r.loss_mask.any()][: s.eval_rows]
+        target: Any
+        if engine == "sglang":  # the plan refuses it with online-tp and with several ranks
+            from pipeline.eagle3.sglang_target import load_for_training
+
+            longest = max(r.num_tokens for r in rows + held) if rows or held else 1
+            target = load_for_training(
+                model_id,
+                aux,
+                rt.device,
+                longest,
+                s.micro_batch,
+                trust_remote_code,
+                str(rt.plan_ctx.plan.path),
+            )
+            if rt.ctx:
+                rt.ctx.message(
+                    f"target loaded by SGLang's model runner in this process, capturing layers {aux}"
+                )
+        elif online_tp:
             target = load_target(
                 model_id,
                 aux,
@@ -118,16 +148,7 @@ def load_data(
                 model_id, aux, dtype=rt.dtype, device=rt.device, trust_remote_code=trust_remote_code
             )
         data = TrainData(source=OnlineData(rows, target), mode=mode, online_tp=online_tp)
-        if s.eval_interval and float(man.get("holdout") or 0) > 0:
-            held = training_order(
-                list(
-                    iter_rows(
-                        [Path(p) for p in man["sources"]], float(man["holdout"]), "heldout", None, max_len
-                    )
-                )
-            )
-            held = [r for r in held if r.num_tokens >= 2 and r.loss_mask.any()][: s.eval_rows]
-            data.eval_source = OnlineData(held, target) if held else None
+        data.eval_source = OnlineData(held, target) if held else None  # the same target, whichever engine
     if data.eval_source is not None:
         data.eval_rows = list(range(min(s.eval_rows, len(data.eval_source))))
     return data
@@ -212,7 +233,7 @@ def train(
         draft, head_d, head_full = build_draft(model_id, aux, vm, s, trc)
         loss = TTTLoss.from_settings(s, rt.autocast)
     draft.to(device)
-    data = load_data(rt, s, man, ext_dir, model_id, aux, plan.target.max_length, trc)
+    data = load_data(rt, s, man, ext_dir, model_id, aux, plan.target.max_length, trc, plan.target.engine)
     n = len(data.source)
     if s.batch_size % dist.world:
         raise ValueError(
