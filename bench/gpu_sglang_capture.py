@@ -30,8 +30,9 @@ real stages by command line — extract with ``mode = "online"`` (rows only), vo
 ``--online-steps`` steps twice on the same extraction, seed and rows, ``[target] engine = "transformers"`` and
 ``"sglang"`` (SGLang's runner inside the train process). Reported under ``online``: each run's loss per logged
 step, first/last loss, median tokens/s, acceptance on the held-out rows (captured by the same target) and wall
-time; ``online.compare``: the per-step relative loss gap. Pass: both train (median loss of the last third of the
-steps below the first third's) and the gap stays ≤ ``ONLINE_TOL`` at every step (``compare_curves`` says why).
+time; ``online.compare``: the relative loss gaps. Pass: both train (median loss of the last third of the steps
+below the first third's), step 1's losses (identical drafts) within 2 % and every 10-step mean within 2 %
+(``compare_curves`` says why).
 
 ``--smoke`` (here, no GPU): a tiny Llama on the CPU, the transformers engine through the real stage twice and the
 comparison and report code on those; the SGLang plan is loaded and checked but not run (SGLang needs a GPU).
@@ -302,7 +303,9 @@ def tiny_model(dest: Path, tok_dir: Path) -> Path:
 
 # ---- --online: the train stage capturing as it trains, through either engine --------------------------------
 
-ONLINE_TOL = 0.05  # max |loss_sglang - loss_transformers| / loss_transformers at any logged step
+FIRST_STEP_TOL = 0.02  # |loss_sglang - loss_transformers| / loss_transformers at step 1 (identical drafts)
+WINDOW = 10  # steps per mean compared after that
+WINDOW_TOL = 0.02  # the same relative gap between WINDOW-step mean losses
 
 
 def online_plan_text(
@@ -397,28 +400,39 @@ def falls(loss: list[float]) -> bool:
 
 
 def compare_curves(a: list[float], b: list[float]) -> dict[str, Any]:
-    """Per logged step, the relative gap of ``b``'s loss to ``a``'s; ``pass``: both fall, gaps ≤ ONLINE_TOL.
+    """Transformers' loss curve ``a`` against SGLang's ``b``, same draft init and rows. ``pass``: both fall, the
+    first step's losses within ``FIRST_STEP_TOL`` and every ``WINDOW``-step mean within ``WINDOW_TOL``.
 
-    Why 5 %: both runs start from the same draft (seed, LM head from the same checkpoint) and read the same rows in
-    the same order; only the captured states differ, by the capture comparison's bf16 kernel noise (relative
-    error ~1e-2 on the final state, a few ulps per layer), and the soft labels computed from them by less. The
-    loss moves by about that relative amount at first and Adam's 30 steps do not amplify it much; a wrong layer,
-    a missing norm or misaligned rows change the inputs by O(1) and the loss by far more than 5 %."""
+    Why these: at step 1 the two drafts are identical and read the same rows, so the gap is the captures' alone
+    (bf16 kernel noise, ~1e-2 relative on the final state); a wrong layer, a missing norm or misaligned rows
+    change the inputs by O(1). After that the drafts' weights drift apart by that noise, and one step's loss
+    swings from 0.3 to 8 with its rows, so a single step's *relative* gap is dominated by the low-loss steps: the
+    first H200 run's rule, "≤ 5 % at every step", failed 10 of 30 steps on gaps up to 0.09 absolute on losses of
+    0.25-0.35, while its 10-step means agreed to 0.4 %. Means over windows judge the training, not the noise."""
     n = min(len(a), len(b))
     gaps = [abs(b[i] - a[i]) / max(abs(a[i]), 1e-9) for i in range(n)]
+    windows = []
+    for i in range(0, n - WINDOW + 1, WINDOW):
+        ma, mb = sum(a[i : i + WINDOW]) / WINDOW, sum(b[i : i + WINDOW]) / WINDOW
+        windows.append(abs(mb - ma) / max(abs(ma), 1e-9))
+    first_ok = bool(gaps) and gaps[0] <= FIRST_STEP_TOL
+    windows_ok = bool(windows) and max(windows) <= WINDOW_TOL
     return {
         "steps_compared": n,
+        "first_step_gap": gaps[0] if gaps else None,
+        "window_gaps": [round(x, 5) for x in windows],
         "max_rel_gap": max(gaps) if gaps else None,
+        "median_rel_gap": sorted(gaps)[len(gaps) // 2] if gaps else None,
         "rel_gaps": [round(x, 5) for x in gaps],
-        "tolerance": ONLINE_TOL,
+        "tolerance": {"first_step": FIRST_STEP_TOL, "window": WINDOW_TOL, "window_steps": WINDOW},
         "both_fall": falls(a) and falls(b),
-        "pass": bool(gaps) and n == len(a) == len(b) and falls(a) and falls(b) and max(gaps) <= ONLINE_TOL,
+        "pass": n == len(a) == len(b) and falls(a) and falls(b) and first_ok and windows_ok,
     }
 
 
 def online_phase(model: Path, tok_dir: Path, work: Path, args: argparse.Namespace, smoke: bool) -> bool:
     """Rows, extract (online: rows only), vocab, then the train stage online with each engine; both curves."""
-    res: dict[str, Any] = {"steps": args.online_steps, "tolerance": ONLINE_TOL}
+    res: dict[str, Any] = {"steps": args.online_steps}
     RESULTS["online"] = res
     work.mkdir(parents=True, exist_ok=True)
     rows = work / "rows"
@@ -493,8 +507,10 @@ def finish_pytest(p: subprocess.Popen[str], t0: float) -> bool:
     rc = p.wait()
     text = (OUT / "pytest_gpu.log").read_text()
     lines = [x for x in text.splitlines() if x.strip()]
-    summary = lines[-1] if lines else ""
-    ok = rc == 0 and " passed" in summary and "skipped" not in summary
+    # pytest's own result line ("=== 1 passed, 17 deselected … ==="), not the last line: NCCL may warn after it
+    tally = [x for x in lines if x.startswith("=") and (" passed" in x or " failed" in x or " skipped" in x)]
+    summary = tally[-1] if tally else (lines[-1] if lines else "")
+    ok = rc == 0 and " passed" in summary and "skipped" not in summary and " failed" not in summary
     RESULTS["pytest_gpu"] = {
         "rc": rc,
         "wall_s": round(time.monotonic() - t0, 1),
