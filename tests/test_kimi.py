@@ -456,6 +456,9 @@ def test_the_reference_plans_capture_through_sglang_and_fit_h200s(
     assert n["capture_bytes_per_rank"] == n["sglang_bytes_per_rank"] < gib * 2**30
     mem = checks["gpu memory"]["detail"]
     assert "capture through SGLang" in mem and "quantized experts packed" in mem and f"(TP {tp}:" in mem
+    assert (
+        "bench" not in checks
+    )  # their benches run online, through SGLang: nothing offline to hold the target
 
 
 @pytest.mark.slow
@@ -490,6 +493,25 @@ def test_the_deep_check_tells_the_truth_about_holding_kimi_k25_on_8_h200(
     assert (
         "cannot load this checkpoint tensor-parallel" in mem and "SGLang keeps the INT4 experts packed" in mem
     )
+
+
+@pytest.mark.slow
+def test_an_offline_bench_of_kimi_k25_is_refused_at_plan_time_not_on_day_four(
+    tmp_path: Path, hf_cache: Path
+) -> None:
+    """Capture through SGLang fits, but an offline bench stage would load Kimi-K2.5 through transformers,
+    dequantized: the deep check fails on that stage alone, names it and says to measure through SGLang."""
+    text = (ROOT / "examples" / "kimi-k2.5.toml").read_text()
+    engine_line = next(x for x in text.splitlines() if x.startswith('engine = "sglang"') and "measured" in x)
+    text = text.replace(engine_line, 'parallel = "tp"')  # [bench]: the offline bench, TP over the 8 GPUs
+    text += '\n[[stage]]\nid = "bench-offline"\nrun = "bench"\nafter = ["train"]\ngpus = "all"\ncpu = 1\n'
+    plan = tmp_path / "kimi-k2.5.toml"
+    plan.write_text(text)
+    rc, rep = deep(plan, hf_cache, "--free-bytes", str(16 * 10**12))
+    assert rc == 1 and [c["name"] for c in rep["checks"] if not c["ok"]] == ["bench"]
+    detail = by_name(rep)["bench"]["detail"]
+    assert "kimi-k2.5.toml" in detail and "stage bench-offline" in detail and "(TP 8)" in detail
+    assert 'engine = "sglang"' in detail and "serve stage" in detail
 
 
 def test_the_deep_check_says_when_transformers_is_a_release_it_was_not_tested_with(

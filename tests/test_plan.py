@@ -255,6 +255,14 @@ def test_reference_plan_settings_pass_each_stages_own_checks() -> None:
     spec = sglang_argv(settings_from_plan(plan, mode="eagle3", gpus=plan.stage("serve").gpus))
     assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
     assert spec[spec.index("--speculative-draft-model-path") + 1].endswith("stages/train/out/draft")
+    # The run ends with SGLang's own speedup table: the plain server, then the one with the draft once the
+    # plain one is down (both hold all 8 GPUs); no offline bench, which would load Kimi-K2.5 through transformers.
+    assert plan.settings.bench.online
+    eagle3, bench_plain, bench_eagle3 = (
+        plan.stage(x) for x in ("serve-eagle3", "bench-plain", "bench-eagle3")
+    )
+    assert "serve-plain" in eagle3.after and bench_eagle3.uses == ("serve-eagle3",)
+    assert "--baseline" in bench_eagle3.args and bench_plain.uses == ("serve-plain",)
 
 
 def test_reference_plan_train_settings_parse() -> None:

@@ -5,8 +5,8 @@
 folder or the local Hugging Face cache — never a download — builds the model on the meta device
 (no memory, no weights) and checks the chain: the architecture is one Aerie can capture, the aux
 layers are in range, the draft config it will build, the draft vocabulary fits the target's, the
-chat template renders a two-turn conversation, the offline hidden states fit the disk, and what
-each GPU rank holds for capture and for training. Every failure names the plan file and key.
+chat template renders a two-turn conversation, the offline hidden states fit the disk, what each GPU
+rank holds for capture and training, and whether offline bench stages hold the target (``bench_fit``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import tested_versions
+from pipeline.eagle3.bench_fit import check_offline_bench
 from pipeline.run import plan as plan_mod
 from pipeline.run.checks import CheckReport
 
@@ -419,7 +420,7 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
         rep.add(
             "gpu memory", True, detail + " (set resources.gpu_memory_gb to have it checked)", warning=True
         )
-    return
+    check_offline_bench(plan, cfg, cls, gpu_gb, rep, where)
 
 
 def main(argv: list[str] | None = None) -> int:
