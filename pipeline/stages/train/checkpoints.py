@@ -123,3 +123,44 @@ def read_best(out: Path) -> dict[str, Any] | None:
             os.replace(d, out / BEST_DIR)  # cut between the two renames: the previous best is whole
         return best
     return None
+
+
+# [train] keys that decide the draft's modules: a checkpoint made under other values is another model.
+DRAFT_SHAPE_KEYS = (
+    "draft",
+    "draft_fc_norm",
+    "draft_norm_output",
+    "dflash_block_size",
+    "dflash_layers",
+    "dflash_target_layers",
+    "dflash_mask_token_id",
+)
+
+
+def resume_problem(
+    path: Path, state: dict[str, Any], settings: TrainSection, trainable: set[str]
+) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed into the draft the plan builds now (None: it can).
+
+    The loader is not strict (the frozen embedding is not saved), so without this a changed switch would load
+    what matches, initialise the rest afresh and carry on as if nothing happened."""
+    saved = state.get("settings") or {}
+    for key in DRAFT_SHAPE_KEYS:
+        if key in saved and _plain(saved[key]) != _plain(getattr(settings, key)):
+            return (
+                f"{path}: trained with train.{key} = {_plain(saved[key])!r}, but the plan now says "
+                f"{_plain(getattr(settings, key))!r}: a resume cannot change the draft's shape. Set it back, or "
+                "retry the stage with --fresh to start this draft over (the checkpoints stay until then)"
+            )
+    have = set(state.get("model") or {})
+    if have != trainable:
+        missing, extra = sorted(trainable - have), sorted(have - trainable)
+        return (
+            f"{path}: holds another draft than the plan builds (missing {missing[:4]}, unexpected {extra[:4]}); "
+            "retry the stage with --fresh to start over, or restore the plan it was trained with"
+        )
+    return None
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple | list) else v

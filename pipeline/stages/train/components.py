@@ -20,7 +20,14 @@ from pipeline.run.ranks import Dist
 from pipeline.run.runtime import StageContext
 from pipeline.stages.train.acceptance import simulated_accept_length
 from pipeline.stages.train.batches import Batch
-from pipeline.stages.train.checkpoints import STATE_FILE, checkpoints, read_best, save_best, save_checkpoint
+from pipeline.stages.train.checkpoints import (
+    STATE_FILE,
+    checkpoints,
+    read_best,
+    resume_problem,
+    save_best,
+    save_checkpoint,
+)
 from pipeline.stages.train.dflash_loss import BlockLoss, dflash_accept_length
 from pipeline.stages.train.loss import counts_of, ttt_sums
 from pipeline.stages.train.settings import lr_at
@@ -178,6 +185,9 @@ class Checkpointer:
         if found:
             _step, path = found[-1]
             st = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+            problem = resume_problem(path, st, self.settings, set(td.draft.trainable_state()))
+            if problem:
+                raise ValueError(problem)
             td.draft.load_state_dict(st["model"], strict=False)
             optim.opt.load_state_dict(st["optimizer"])
             start = int(st["step"])
