@@ -269,3 +269,21 @@ def test_reference_plan_train_settings_parse() -> None:
     plan = plan_mod.load(ROOT / "examples" / "kimi-k2.5.toml")
     s = plan.settings.train
     assert s.nproc == 8 and s.ttt_steps == 7 and s.batch_size % s.nproc == 0
+
+
+def test_the_deep_check_finds_every_bench_stage_that_decodes_offline(tmp_path: Path) -> None:
+    """Which bench stages load the target through transformers (``pipeline.eagle3.bench_fit``): the mode in a
+    stage's args, in either of argparse's spellings, wins over ``[bench]``'s."""
+    from pipeline.eagle3.bench_fit import offline_bench_stages
+
+    text = (ROOT / "pipeline" / "plans" / "demo.toml").read_text()
+    for sid, args in (
+        ("b-online", '["--mode", "online"]'),
+        ("b-eq", '["--mode=online"]'),
+        ("b-off", '["--mode=offline"]'),
+    ):
+        text += f'\n[[stage]]\nid = "{sid}"\nrun = "bench"\nargs = {args}\nafter = ["train"]\n'
+    (tmp_path / "p.toml").write_text(text)
+    assert offline_bench_stages(plan_mod.load(tmp_path / "p.toml")) == ["bench", "b-off"]
+    (tmp_path / "q.toml").write_text(text.replace("[bench]\n", '[bench]\nengine = "sglang"\n', 1))
+    assert offline_bench_stages(plan_mod.load(tmp_path / "q.toml")) == ["b-off"]

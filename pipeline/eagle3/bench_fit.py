@@ -23,8 +23,12 @@ def offline_bench_stages(plan: plan_mod.Plan) -> list[str]:
     for st in plan.stages:
         if st.run != "bench":
             continue
-        args = list(st.args)
-        mode = args[args.index("--mode") + 1] if "--mode" in args[:-1] else default
+        mode = default
+        for i, a in enumerate(st.args):  # argparse's two spellings: --mode online, --mode=online
+            if a == "--mode" and i + 1 < len(st.args):
+                mode = st.args[i + 1]
+            elif a.startswith("--mode="):
+                mode = a.split("=", 1)[1]
         if mode == "offline":
             ids.append(st.id)
     return ids
