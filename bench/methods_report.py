@@ -52,6 +52,31 @@ def parse_recipes(names: str, extra: Iterable[str] = ()) -> dict[str, dict[str, 
     return out
 
 
+def parse_seeds(default: str, per_recipe: Iterable[str], names: Iterable[str]) -> dict[str, list[int]]:
+    """Each recipe's seeds: ``default`` (``--seeds``, comma-separated) unless a ``NAME=0,1,2`` of ``per_recipe``
+    (``--seeds-of``) names it, so a spread is paid for only where it is asked (e.g. plain EAGLE-3 and SpecForge)."""
+
+    def ints(flag: str, text: str) -> list[int]:
+        try:
+            out = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+        if not out or len(set(out)) != len(out):
+            raise ValueError(f"{flag} {text!r}: expected distinct seeds, e.g. 0,1,2")
+        return out
+
+    names = list(names)
+    seeds = {n: ints("--seeds", default) for n in names}
+    for item in per_recipe:
+        name, sep, body = item.partition("=")
+        if not sep or name.strip() not in seeds:
+            raise ValueError(
+                f"--seeds-of {item!r}: expected NAME=SEEDS with NAME one of the recipes run ({', '.join(names)})"
+            )
+        seeds[name.strip()] = ints(f"--seeds-of {name.strip()}=", body)
+    return seeds
+
+
 def train_keys(spec: dict[str, Any]) -> dict[str, Any]:
     """A recipe's ``[train]`` overrides: everything but the harness's own ``specs`` key."""
     return {k: v for k, v in spec.items() if k != "specs"}
@@ -114,6 +139,32 @@ def table(rows: list[dict[str, Any]], kinds: Iterable[str]) -> str:
     lines = [
         "  ".join(
             c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in [head, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def seed_summary(rows: list[dict[str, Any]], base: str = "eagle3") -> str:
+    """Per recipe and spec over its seeds: how many, the mean accept length (all prompts), the spread (min–max)
+    and the mean against ``base``'s mean at the same spec ("-" where ``base`` was not run at that spec)."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        v = r.get("accept_len", {}).get("all")
+        if v is not None:
+            groups.setdefault((r["recipe"], r["spec"]), []).append(v)
+    head = ["recipe", "spec", "seeds", "mean", "min-max", f"vs {base}"]
+    body = []
+    for (name, spec), vals in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        mean = sum(vals) / len(vals)
+        ref = groups.get((base, spec))
+        ratio = "-" if not ref else f"{mean / (sum(ref) / len(ref)):.3f}x"
+        body.append([name, spec, str(len(vals)), f"{mean:.3f}", f"{min(vals):.3f}-{max(vals):.3f}", ratio])
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
         )
         for row in [head, *body]
     ]

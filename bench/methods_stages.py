@@ -1,5 +1,6 @@
 """How the methods harness calls Aerie's real stages: the one plan (a recipe's ``[train]`` keys and a spec's
-``[bench] steps`` over shared sections) and each stage by its command line, ``datasets`` on its path.
+``[bench] steps`` over shared sections), each stage by its command line with ``datasets`` on its path, and
+the manifest through which the bench stage reads a draft (the train stage's or an external trainer's).
 """
 
 from __future__ import annotations
@@ -94,3 +95,22 @@ def run_logged(argv: list[str], what: str) -> float:
     dt = time.monotonic() - t
     log(f"{what} {dt:.0f} s")
     return dt
+
+
+def bench_manifest(work: Path, train_dir: Path) -> dict[str, Any]:
+    """The draft's manifest, its prompt source swapped for the held-out prompts (all held out)."""
+    if (train_dir / "manifest.json").exists():
+        man = json.loads((train_dir / "manifest.json").read_text())
+        man["path"] = str((train_dir / man.get("path", "draft")).resolve())
+    else:  # an external trainer's draft: what the bench needs from the store's manifest
+        ext = json.loads((work / "ext" / "manifest.json").read_text())
+        man = {
+            "kind": "draft",
+            "path": str((train_dir / "draft").resolve()),
+            "target": MODEL,
+            "aux_layer_ids": ext["aux_layer_ids"],
+            "max_length": ext.get("max_length"),
+        }
+    man["token_sources"] = [str(work / "tokh")]
+    man["holdout"] = 1.0
+    return man

@@ -163,3 +163,32 @@ def test_a_data_file_over_a_returned_file_s_limit_goes_back_in_pieces(tmp_path: 
     assert names == ["methods_data.npz.00", "methods_data.npz.01", "methods_data.npz.02"]
     assert b"".join((tmp_path / "out" / n).read_bytes() for n in names) == src.read_bytes()
     assert methods_gen.to_out(src, tmp_path / "out2") == ["methods_data.npz"]
+
+
+def test_seeds_of_gives_one_recipe_its_own_seeds_and_a_wrong_name_is_refused() -> None:
+    seeds = mr.parse_seeds("0", ["eagle3=0,1,2", "specforge=1,2"], ["eagle3", "lk", "specforge"])
+    assert seeds == {"eagle3": [0, 1, 2], "lk": [0], "specforge": [1, 2]}
+    # a recipe not being run: the message lists those that are
+    with pytest.raises(ValueError, match="eagle31"):
+        mr.parse_seeds("0", ["eagle31=1"], ["eagle3", "lk"])
+    with pytest.raises(ValueError, match="distinct"):
+        mr.parse_seeds("0,0", [], ["eagle3"])
+    with pytest.raises(ValueError, match="integers"):
+        mr.parse_seeds("0", ["eagle3=one"], ["eagle3"])
+
+
+def test_the_seed_summary_gives_mean_spread_and_ratio_to_plain_eagle3_per_spec() -> None:
+    def row(recipe: str, seed: int, spec: str, acc: float) -> dict[str, object]:
+        return {"recipe": recipe, "seed": seed, "spec": spec, "accept_len": {"all": acc}}
+
+    rows = [
+        row("eagle3", 0, "3/1/4", 1.50),
+        row("eagle3", 1, "3/1/4", 1.54),
+        row("specforge", 0, "3/1/4", 1.40),
+        row("specforge", 1, "3/1/4", 1.48),
+        row("eagle31", 0, "7/1/8", 1.60),  # no eagle3 at 7/1/8: no ratio
+    ]
+    lines = {ln.split()[0] + " " + ln.split()[1]: ln.split() for ln in mr.seed_summary(rows).splitlines()[2:]}
+    assert lines["eagle3 3/1/4"][2:] == ["2", "1.520", "1.500-1.540", "1.000x"]
+    assert lines["specforge 3/1/4"][2:] == ["2", "1.440", "1.400-1.480", f"{1.44 / 1.52:.3f}x"]
+    assert lines["eagle31 7/1/8"][-1] == "-"
