@@ -21,6 +21,7 @@ import torch
 from pipeline.eagle3.dflash_config import DFlashConfig
 from pipeline.eagle3.dflash_decode import DFlashDrafter
 from pipeline.eagle3.dflash_model import DFlashDraft, load_dflash, save_dflash
+from pipeline.eagle3.draft_config import DraftModelError
 from pipeline.run.plan_sections import TrainSection
 from pipeline.run.schema import PlanError
 from pipeline.stages.train.batches import Batch
@@ -204,6 +205,22 @@ def test_the_export_is_what_sglangs_dflash_loader_reads(target, tmp_path: Path) 
     assert all(filled[k] == v[0] for k, v in params.items()), filled
     back = load_dflash(tmp_path, draft.embed_tokens.weight, draft.lm_head.weight)
     assert back.cfg == draft.cfg
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda c: c.update(architectures=["LlamaForCausalLMEagle3"]), "architectures"),
+        (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+    ],
+)
+def test_a_bad_dflash_config_names_the_file_and_the_field(target, edit, named: str) -> None:
+    conf = tiny_draft(target).cfg.sglang_config()
+    edit(conf)
+    with pytest.raises(DraftModelError, match=named) as e:
+        DFlashConfig.from_sglang_config(conf, where="run/draft/config.json")
+    assert str(e.value).startswith("run/draft/config.json: ")
 
 
 # ------------------------------------------------------------------------------ training = decoding

@@ -422,3 +422,27 @@ def test_eagle31_ttt_equals_sglang_style_drafting(norm_output: bool) -> None:
         ttt = d.ttt(aux[None, : ids.shape[1]], ids, torch.tensor([ids.shape[1]]), k)
     got = [int(d.draft_to_target(ttt[j][0, s - 1].argmax())) for j in range(k)]
     assert got == proposal
+
+
+def test_the_exported_config_reads_back_as_the_same_draft_config() -> None:
+    for cfg in (tiny_config(), tiny_config(fc_norm=True, norm_output=True, rms_norm_eps=1e-6)):
+        assert DraftConfig.from_sglang_config(cfg.sglang_config()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
+        (lambda c: c.pop("draft_vocab_size"), "draft_vocab_size"),
+        (lambda c: c.update(hidden_size="32"), "hidden_size"),
+        (lambda c: c.update(num_hidden_layers=2), "num_hidden_layers"),
+        (lambda c: c.pop("eagle_config"), "eagle_aux_hidden_state_layer_ids is missing"),
+        (lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids="1,3"), "must be a list"),
+    ],
+)
+def test_a_bad_draft_config_names_the_file_and_the_field(edit, named: str) -> None:
+    conf = tiny_config().sglang_config()
+    edit(conf)
+    with pytest.raises(DraftModelError, match=named) as e:
+        DraftConfig.from_sglang_config(conf, where="run/draft/config.json")
+    assert str(e.value).startswith("run/draft/config.json: ")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pipeline.eagle3.draft_config import DraftModelError, _target_rope
+from pipeline.eagle3.draft_config import DraftModelError, _target_rope, parse_layer_shape
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE = "config.json"
@@ -128,40 +128,17 @@ class DFlashConfig:
 
     @classmethod
     def from_sglang_config(cls, d: dict[str, Any], where: str = CONFIG_FILE) -> DFlashConfig:
-        if ARCHITECTURE not in (d.get("architectures") or []):
-            raise DraftModelError(
-                f"{where}: architectures is {d.get('architectures')!r}, expected [{ARCHITECTURE!r}]"
-            )
+        shape = parse_layer_shape(d, ARCHITECTURE, ("num_hidden_layers",), where)
         dc = d.get("dflash_config") or {}
-        for key in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "vocab_size",
-            "num_hidden_layers",
-        ):
-            if not isinstance(d.get(key), int):
-                raise DraftModelError(f"{where}: {key} must be an integer, got {d.get(key)!r}")
         if not isinstance(dc.get("target_layer_ids"), list) or not isinstance(dc.get("mask_token_id"), int):
             raise DraftModelError(f"{where}: dflash_config needs target_layer_ids (a list) and mask_token_id")
-        heads = d["num_attention_heads"]
         return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            vocab_size=d["vocab_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            **shape,
             num_target_layers=int(d.get("num_target_layers") or max(dc["target_layer_ids"]) + 1),
             target_layer_ids=[int(i) for i in dc["target_layer_ids"]],
             block_size=int(dc.get("block_size", d.get("block_size", 16))),
             mask_token_id=int(dc["mask_token_id"]),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling"),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            hidden_act=d.get("hidden_act", "silu"),
         )
 
     def to_dict(self) -> dict[str, Any]:

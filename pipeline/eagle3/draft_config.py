@@ -23,6 +23,35 @@ class DraftModelError(ValueError):
     """A draft checkpoint or config that cannot be used; names the file and field."""
 
 
+def parse_layer_shape(
+    d: dict[str, Any], architecture: str, int_keys: tuple[str, ...], where: str
+) -> dict[str, Any]:
+    """What every draft ``config.json`` SGLang loads shares: the architecture check, the integer fields
+    ``int_keys`` (each named in the error when missing or not an integer) and one Llama-style layer's shape
+    and RoPE, with SGLang's defaults for what a config leaves out (kv heads = heads, head dim = hidden / heads)."""
+    if architecture not in (d.get("architectures") or []):
+        raise DraftModelError(
+            f"{where}: architectures is {d.get('architectures')!r}, expected [{architecture!r}]"
+        )
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", *int_keys):
+        if not isinstance(d.get(key), int):
+            raise DraftModelError(f"{where}: {key} must be an integer, got {d.get(key)!r}")
+    heads = d["num_attention_heads"]
+    return {
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(d.get("num_key_value_heads") or heads),
+        "head_dim": int(d.get("head_dim") or d["hidden_size"] // heads),
+        "vocab_size": d["vocab_size"],
+        "rope_theta": float(d.get("rope_theta", 10000.0)),
+        "rope_scaling": d.get("rope_scaling"),
+        "max_position_embeddings": int(d.get("max_position_embeddings", 4096)),
+        "hidden_act": d.get("hidden_act", "silu"),
+        **{k: d[k] for k in int_keys},
+    }
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """SpecForge's HF-backend default ``[1, L//2-1, L-4]``: the 0-based layers whose *output* is fused.
 
@@ -203,52 +232,25 @@ class DraftConfig:
 
     @classmethod
     def from_sglang_config(cls, d: dict[str, Any], where: str = CONFIG_FILE) -> DraftConfig:
-        if ARCHITECTURE not in (d.get("architectures") or []):
-            raise DraftModelError(
-                f"{where}: architectures is {d.get('architectures')!r}, expected [{ARCHITECTURE!r}]"
-            )
+        shape = parse_layer_shape(d, ARCHITECTURE, ("draft_vocab_size",), where)
         if int(d.get("num_hidden_layers", 1)) != 1:
             raise DraftModelError(
                 f"{where}: num_hidden_layers is {d.get('num_hidden_layers')}; only 1 is supported"
             )
-        try:
-            ids = d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        except (KeyError, TypeError):
-            raise DraftModelError(
-                f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing"
-            ) from None
-        arch = d["eagle_config"].get(
-            "target_architecture"
-        )  # absent in drafts of other trainers: plus-one rule
+        eagle = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            raise DraftModelError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing")
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise DraftModelError(
                 f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must be a list of ids"
             )
-        for key in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "vocab_size",
-            "draft_vocab_size",
-        ):
-            if not isinstance(d.get(key), int):
-                raise DraftModelError(f"{where}: {key} must be an integer, got {d.get(key)!r}")
-        heads = d["num_attention_heads"]
+        arch = eagle.get("target_architecture")  # absent in other trainers' drafts: plus-one rule
         return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            vocab_size=d["vocab_size"],
-            draft_vocab_size=d["draft_vocab_size"],
+            **shape,
             aux_layer_ids=sglang_capture.fed_outputs([int(i) for i in ids], arch),
             target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling"),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            hidden_act=d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
