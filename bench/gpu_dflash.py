@@ -291,6 +291,21 @@ quota = {n}
     save()
 
 
+def where_differs(i: int, got: str, want: str) -> dict[str, Any]:
+    """Where a speculative output leaves the plain one: the prompt, the character, 40 characters of each after it
+    (a late near-tie flip reads differently from an early wrong token)."""
+    at = next(
+        (k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+    )
+    return {
+        "prompt": i,
+        "at_char": at,
+        "of": len(want),
+        "served": got[at : at + 40],
+        "plain": want[at : at + 40],
+    }
+
+
 def phase_serve(args: argparse.Namespace) -> None:
     if not with_sglang():
         g.log("serve: skipped (needs SGLang staged and a GPU)")
@@ -312,6 +327,11 @@ def phase_serve(args: argparse.Namespace) -> None:
             "outputs_equal_plain": sum(same),
             "outputs": len(same),
             "first_differing": next((i for i, s in enumerate(same) if not s), None),
+            "differing": [
+                where_differs(i, a, b)
+                for i, (a, b) in enumerate(zip(outs, ref["outputs"], strict=True))
+                if a != b
+            ],
         }
         save()
         RES["serve"]["batch1"] = g.throughput(srv, ref["prompts"], 1, args.max_new, 2)
