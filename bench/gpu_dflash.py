@@ -1,8 +1,9 @@
 """Aerie's DFlash draft served by the pinned SGLang (issue 27, item 4): trained by the stages, then ``--speculative-algorithm DFLASH``.
 
 ``python3 bench/gpu_dflash.py [--stage-from .gpu-stage/c1 --stage-from .gpu-stage/c2] [--phases data,train,serve]
-[--block 8] [--steps 300] [--model builtin:smollm2-135m-instruct --draft DIR --heldout-file F --prompts 0]`` — on the device, after (or with) the SGLang staging of ``bench/gpu_sglang.py`` (this
-script imports its helpers: the staging, the random-weight SmolLM2-shaped target, the server wrapper).
+[--block 8] [--steps 300] [--model builtin:smollm2-135m-instruct --draft DIR --heldout-file F --prompts 0]``
+— on the device, after (or with) the SGLang staging of ``bench/gpu_sglang.py`` (this script imports its
+helpers: the staging, the random-weight SmolLM2-shaped target, the server wrapper).
 
 - ``data``: the target (SmolLM2-135M's shape, tokenizer and chat template, random weights: ``gpu_sglang``'s
   ``smollm2``; the real weights do not travel on this path) served plainly answers random-word user turns

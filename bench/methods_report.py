@@ -135,15 +135,7 @@ def table(rows: list[dict[str, Any]], kinds: Iterable[str]) -> str:
                 _num(r.get("bench_s"), 0),
             ]
         )
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [head, *body]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _layout(head, body, left=3)
 
 
 def seed_summary(rows: list[dict[str, Any]], base: str = "eagle3") -> str:
@@ -161,10 +153,15 @@ def seed_summary(rows: list[dict[str, Any]], base: str = "eagle3") -> str:
         ref = groups.get((base, spec))
         ratio = "-" if not ref else f"{mean / (sum(ref) / len(ref)):.3f}x"
         body.append([name, spec, str(len(vals)), f"{mean:.3f}", f"{min(vals):.3f}-{max(vals):.3f}", ratio])
+    return _layout(head, body, left=2)
+
+
+def _layout(head: list[str], body: list[list[str]], left: int) -> str:
+    """Columns as wide as their widest cell, the first ``left`` ones left-aligned (names), the rest right (numbers)."""
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     lines = [
         "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
         )
         for row in [head, *body]
     ]
