@@ -237,7 +237,9 @@ class DraftConfig:
             raise DraftModelError(
                 f"{where}: num_hidden_layers is {d.get('num_hidden_layers')}; only 1 is supported"
             )
-        eagle = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+        eagle = d.get("eagle_config")
+        if not isinstance(eagle, dict):
+            eagle = {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         if ids is None:
             raise DraftModelError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is missing")
