@@ -43,17 +43,29 @@ def ensure_supervisor(run: RunDir) -> bool:
     return True
 
 
+RESPAWN_S = 3.0  # while a request waits, how often to check that some supervisor will answer it
+
+
 def request(
     run: RunDir, action: str, stage: str, timeout_s: float = 15.0, **extra: object
 ) -> tuple[int, str]:
+    """Queue the request and wait for the supervisor's answer. A supervisor of a finished run exits once it
+    sees no request; one queued while it was exiting (it still held the lock, so none was started) would wait
+    for the next supervisor. So while the request is unanswered, a supervisor is started again every
+    ``RESPAWN_S`` when none holds the lock (a second one that finds the lock taken exits at once)."""
     path = run.submit_request(action, stage, **extra)
     ensure_supervisor(run)
     done = run.requests_dir / "done" / path.name
     deadline = time.monotonic() + timeout_s
+    recheck = time.monotonic() + RESPAWN_S
     while time.monotonic() < deadline:
         ans = read_json(done)
         if ans is not None:
             return (EXIT_OK if ans.get("ok") else EXIT_REFUSED), str(ans.get("message", ""))
+        if time.monotonic() >= recheck:
+            if path.exists():  # still queued (a supervisor unlinks it after writing the answer)
+                ensure_supervisor(run)
+            recheck = time.monotonic() + RESPAWN_S
         time.sleep(0.05)
     return (
         EXIT_TIMEOUT,
