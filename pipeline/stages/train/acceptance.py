@@ -13,6 +13,7 @@ real decode where the data is the target's own greedy output (what the regen sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,32 @@ def accept_sums(draft: Eagle3Draft, b: Batch, spec_steps: int, autocast: bool) -
     return float(accepted[start].sum()), int(start.sum())
 
 
+def mean_accept_length(
+    draft: torch.nn.Module,
+    data: Any,
+    rows: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    micro_batch: int,
+    sums: Callable[[Batch], tuple[float, int]],
+) -> float:
+    """The mean of ``sums`` (a draft kind's sum of accept lengths and count of positions in one batch) over
+    ``rows`` of ``data``, longest rows first, ``micro_batch`` at a time, with ``draft`` in eval mode."""
+    was_training = draft.training
+    draft.eval()
+    total, count = 0.0, 0
+    try:
+        order = sorted(rows, key=lambda i: (-data.length(i), i))
+        for a in range(0, len(order), micro_batch):
+            s, n = sums(data.batch(order[a : a + micro_batch], device, dtype))
+            total, count = total + s, count + n
+    finally:
+        draft.train(was_training)
+    if count == 0:
+        raise ValueError("the held-out rows have no assistant tokens to predict")
+    return total / count
+
+
 def simulated_accept_length(
     draft: Eagle3Draft,
     data: Any,
@@ -46,18 +73,6 @@ def simulated_accept_length(
     autocast: bool,
 ) -> float:
     """Mean simulated accept length of ``draft`` over ``rows`` of ``data`` (``batches.OfflineData``/``OnlineData``)."""
-    was_training = draft.training
-    draft.eval()
-    total, count = 0.0, 0
-    try:
-        order = sorted(rows, key=lambda i: (-data.length(i), i))
-        for a in range(0, len(order), micro_batch):
-            s, n = accept_sums(
-                draft, data.batch(order[a : a + micro_batch], device, dtype), spec_steps, autocast
-            )
-            total, count = total + s, count + n
-    finally:
-        draft.train(was_training)
-    if count == 0:
-        raise ValueError("the held-out rows have no assistant tokens to predict")
-    return total / count
+    return mean_accept_length(
+        draft, data, rows, device, dtype, micro_batch, lambda b: accept_sums(draft, b, spec_steps, autocast)
+    )

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pipeline.eagle3.dflash_config import DFlashConfig
 from pipeline.eagle3.dflash_model import DFlashDraft
 from pipeline.run.plan_sections import TrainSection
+from pipeline.stages.train.acceptance import mean_accept_length
 from pipeline.stages.train.batches import Batch
 
 
@@ -193,17 +194,12 @@ def dflash_accept_length(
     aux_cols: torch.Tensor | None,
 ) -> float:
     """Mean simulated accept length of ``draft`` over the anchors of ``rows`` of ``data``."""
-    was = draft.training
-    draft.eval()
-    total, count = 0.0, 0
-    try:
-        order = sorted(rows, key=lambda i: (-data.length(i), i))
-        for i in range(0, len(order), micro_batch):
-            b = data.batch(order[i : i + micro_batch], device, dtype)
-            t, n = accept_sums(draft, b, spec_steps, anchors, autocast, aux_cols)
-            total, count = total + t, count + n
-    finally:
-        draft.train(was)
-    if count == 0:
-        raise ValueError("the held-out rows have no assistant tokens to predict")
-    return total / count
+    return mean_accept_length(
+        draft,
+        data,
+        rows,
+        device,
+        dtype,
+        micro_batch,
+        lambda b: accept_sums(draft, b, spec_steps, anchors, autocast, aux_cols),
+    )
