@@ -254,8 +254,10 @@ class Server:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             SGLANG_DISABLE_REQUEST_LOGGING="1",
+            SGLANG_TORCH_PROFILER_DIR=str(BASE / "prof"),
         )
-        self.logf = (OUT / f"server_{name}.log").open("w")
+        self.log_path = OUT / f"server_{name}.log"
+        self.logf = self.log_path.open("w")
         log(f"{name}: {' '.join(argv)}")
         self.t0 = time.monotonic()
         self.p = subprocess.Popen(
@@ -341,10 +343,12 @@ def settings(
     args: argparse.Namespace,
     draft: Path | None = None,
     spec: tuple[int, int, int] = (3, 1, 4),
+    backend: str | None = None,
+    more: tuple[str, ...] = (),
 ) -> ServerSettings:
     extra = [
         "--attention-backend",
-        args.attention_backend,
+        backend or args.attention_backend,
         "--sampling-backend",
         "pytorch",
         "--grammar-backend",
@@ -359,6 +363,7 @@ def settings(
         extra.append("--disable-cuda-graph")
     if args.no_prefill_graph:  # the piecewise prefill graphs cost 34-84 s a start; decode graphs stay
         extra += ["--cuda-graph-backend-prefill", "disabled"]
+    extra += list(more)
     return ServerSettings(
         backend="sglang",
         model=str(model),
@@ -385,8 +390,68 @@ def chat_prompts(model_dir: Path, questions: list[str]) -> list[str]:
     ]
 
 
-def throughput(srv: Server, prompts: list[str], batch: int, max_new: int, per_stream: int) -> dict[str, Any]:
-    """``batch`` closed-loop streams, each sending ``per_stream`` greedy requests one after another."""
+def log_window(srv: Server, start: int) -> dict[str, Any]:
+    """The server's own decode lines written since byte ``start`` of its log: SGLang's ``gen throughput``
+    (a steady-state rate over its last log interval, no client or prefill time in it) and the running batch."""
+    from pipeline.serving.sglang_log import parse_line
+
+    srv.logf.flush()
+    with srv.log_path.open("rb") as f:
+        f.seek(start)
+        text = f.read()
+    gen: list[float] = []
+    running: list[float] = []
+    acc: list[float] = []
+    graph = {"True": 0, "False": 0}
+    for raw in text.splitlines():
+        rec = parse_line(raw)
+        if rec is None or rec.kind != "decode":
+            continue
+        if isinstance(rec.fields.get("cuda_graph"), bool):
+            graph[str(rec.fields["cuda_graph"])] += 1
+        m = rec.metrics()
+        if "gen_throughput" in m:
+            gen.append(m["gen_throughput"])
+            running.append(m.get("running_req", 0.0))
+            if "accept_len" in m:
+                acc.append(m["accept_len"])
+    out: dict[str, Any] = {"log_decode_lines": len(gen), "log_cuda_graph_lines": graph}
+    if gen:
+        top = max(running)
+        full = sorted(g for g, r in zip(gen, running, strict=True) if r == top)
+        out["log_gen_throughput_median"] = round(full[len(full) // 2], 1)  # lines with the full batch running
+        out["log_running_req_max"] = top
+        out["log_gen_throughput_all"] = gen
+    if acc:
+        out["log_accept_len_median"] = sorted(acc)[len(acc) // 2]
+    return out
+
+
+def throughput(
+    srv: Server, prompts: list[str], batch: int, max_new: int, per_stream: int, warmup: int = 0
+) -> dict[str, Any]:
+    """``batch`` closed-loop streams, each sending ``per_stream`` greedy requests one after another; first, with
+    ``warmup`` > 0, one unmeasured request a stream of ``warmup`` new tokens, so the first use of this batch size
+    (kernels compiled on first call, allocator growth) stays out of the measured window."""
+    if warmup:
+        with ThreadPoolExecutor(batch) as ex:
+            list(
+                ex.map(
+                    lambda k: srv.generate(
+                        {
+                            "text": prompts[(k + 7) % len(prompts)],
+                            "sampling_params": {
+                                "max_new_tokens": warmup,
+                                "temperature": 0.0,
+                                "ignore_eos": True,
+                            },
+                        }
+                    ),
+                    range(batch),
+                )
+            )
+    srv.logf.flush()
+    log_start = srv.log_path.stat().st_size
     n = batch * per_stream
     work = [prompts[i % len(prompts)] for i in range(n)]
     m0 = srv.metrics()
@@ -428,12 +493,15 @@ def throughput(srv: Server, prompts: list[str], batch: int, max_new: int, per_st
         "metrics_generation_tokens": d_gen,
         "metrics_spec_verify_calls": d_ver,
     }
+    res["warmup_new_tokens"] = warmup
+    res.update(log_window(srv, log_start))
     if d_ver:
         res["accept_length_metrics"] = round(d_gen / d_ver, 3)
     if agg["verify"]:
         res["accept_length_responses"] = round(agg["tokens"] / agg["verify"], 3)
     log(
-        f"{srv.name} batch {batch}: {res['tokens_per_s']:,.0f} tok/s ({res['per_stream_tokens_per_s']:,.0f} per stream)"
+        f"{srv.name} batch {batch}: {res['tokens_per_s']:,.0f} tok/s ({res['per_stream_tokens_per_s']:,.0f} per stream"
+        f"; server log {res.get('log_gen_throughput_median')})"
         + (
             f", accept length {res.get('accept_length_metrics')} (metrics) / {res.get('accept_length_responses')}"
             if d_ver
@@ -532,9 +600,18 @@ def phase_plain_and_data(args: argparse.Namespace, phases: list[str]) -> None:
             RESULTS[plain_key(args)] = {
                 "start_s": round(srv.start_s, 1),
                 "throughput": [
-                    throughput(srv, prompts, b, args.max_new_tokens, args.per_stream) for b in args.batches
+                    throughput(srv, prompts, b, args.max_new_tokens, args.per_stream, args.warmup)
+                    for b in args.batches
+                    for _ in range(args.repeats)
                 ],
             }
+            if args.profile_batch:
+                from bench import gpu_sglang_ab
+
+                gpu_sglang_ab.g = sys.modules[__name__]
+                RESULTS[plain_key(args)]["profile"] = gpu_sglang_ab.profile_rounds(
+                    srv, prompts, args.profile_batch, f"{name}_plain"
+                )
             save_results()
         if "data" in phases and not (work / "self.jsonl").exists():
             t = time.monotonic()
@@ -708,7 +785,8 @@ def phase_eagle3(args: argparse.Namespace) -> None:
             out[k] = {
                 "start_s": round(srv.start_s, 1),
                 "throughput": [
-                    throughput(srv, prompts, b, args.max_new_tokens, args.per_stream) for b in args.batches
+                    throughput(srv, prompts, b, args.max_new_tokens, args.per_stream, args.warmup)
+                    for b in args.batches
                 ],
             }
         finally:
@@ -746,6 +824,21 @@ def main() -> int:
     ap.add_argument("--no-prefill-graph", action="store_true", help="skip the piecewise prefill CUDA graphs")
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=64,
+        help="new tokens of one unmeasured request a stream before each batch (0: none)",
+    )
+    ap.add_argument(
+        "--variants",
+        default="plain:triton,eagle3:triton",
+        help="ab: MODE:BACKEND[:FLAG=VALUE...], comma-separated (bench/gpu_sglang_ab.py)",
+    )
+    ap.add_argument("--repeats", type=int, default=2, help="ab: measurements of each batch")
+    ap.add_argument(
+        "--profile-batch", type=int, default=8, help="ab: torch-profile decode rounds at this batch (0: off)"
+    )
     ap.add_argument("--mem-fraction", type=float, default=0.8)
     ap.add_argument("--context-length", type=int, default=2048)
     ap.add_argument("--start-timeout", type=float, default=300)
@@ -773,6 +866,11 @@ def main() -> int:
             phase_train(args)
         if "eagle3" in phases:
             phase_eagle3(args)
+        if "ab" in phases:
+            from bench import gpu_sglang_ab
+
+            gpu_sglang_ab.g = sys.modules[__name__]
+            gpu_sglang_ab.phase_ab(args)
         if "stages" in phases or "stages2" in phases:
             from bench import gpu_sglang_stages
 
