@@ -87,7 +87,7 @@ def summarise(events: list[dict[str, Any]], steps: int, gaps: int = 8) -> dict[s
     t0, t1 = busy[0][0], busy[-1][1]
     busy_us = sum(b - a for a, b in busy)
     by_kind: dict[str, float] = defaultdict(float)
-    top: Counter[str] = Counter()
+    top: dict[str, float] = defaultdict(float)
     for e in gpu:
         name = str(e.get("name", ""))
         d = float(e.get("dur", 0))
@@ -125,7 +125,7 @@ def summarise(events: list[dict[str, Any]], steps: int, gaps: int = 8) -> dict[s
         "eager_launches": eager,
         "host_sync_calls": syncs,
         "host_sync_ms": round(sync_us / 1e3, 2),
-        "top_kernels_ms": [(n, round(v / 1e3, 2)) for n, v in top.most_common(12)],
+        "top_kernels_ms": [(n, round(v / 1e3, 2)) for n, v in sorted(top.items(), key=lambda x: -x[1])[:12]],
         "largest_gaps": gap_rows,
     }
 
