@@ -456,7 +456,7 @@ def throughput(
     work = [prompts[i % len(prompts)] for i in range(n)]
     m0 = srv.metrics()
     lock = threading.Lock()
-    agg = {"tokens": 0, "verify": 0, "lat": []}
+    agg: dict[str, Any] = {"tokens": 0, "verify": 0, "lat": []}
 
     def stream(k: int) -> None:
         for j in range(per_stream):
