@@ -25,13 +25,18 @@ from dataclasses import dataclass, field
 
 from console.series import StageHistory
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
-from console.transport import Transport
-from pipeline.run.events import Event, parse_lines, split_complete
+from console.transport import ReadResult, Transport, read_whole
+from pipeline.run.events import Event, LineSkipper, parse_lines, split_complete
 from pipeline.run.stage_row import TERMINAL, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10
 BACKFILL_CHUNK = 2 << 20  # bytes of an events file's skipped head read per poll for the curves
+READ_WINDOW = 1 << 20  # bytes of each file read per poll; a line longer than this is skipped with a warning
+STATE_PROBLEM = (
+    "{path} is truncated or not valid JSON (written by a supervisor that died mid-write?): {doing}; "
+    "waiting for the supervisor's next snapshot (it rewrites the file every tick)"
+)
 RATE_WINDOW_S = 120.0
 
 
@@ -118,37 +123,37 @@ class _Stream:
     offset: int = 0
     ino: int = 0
     primed: bool = False  # False until the first read decided where to start
-    skip_partial: bool = False  # the next line is a fragment (we started mid-file)
+    skip: LineSkipper = field(default_factory=LineSkipper)  # a fragment to drop, an over-long line to skip
     skipped: int = 0  # bytes of the file's head jumped over on attach (the curves read them back later)
 
 
-def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int) -> list[bytes]:
-    """Advance ``stream`` over ``data`` (read at ``stream.offset``); return the complete new lines.
+def _consume(
+    stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int
+) -> tuple[list[bytes], list[str]]:
+    """Advance ``stream`` over ``data`` (read at ``stream.offset``); return the complete new lines, and a
+    note for each line longer than :data:`READ_WINDOW` that was skipped (so it never stalls the stream).
 
     A file that shrank or was replaced starts over. On the first read of a file longer than
     ``tail_bytes`` the stream jumps to its last ``tail_bytes`` (read on the next poll) and drops
     the first, partial line there, so attaching to a week-long run costs what an hour-long one does.
     """
     if size < 0:
-        return []
+        return [], []
     if (stream.ino and ino and ino != stream.ino) or size < stream.offset:
-        stream.offset, stream.primed, stream.skip_partial = 0, False, False
+        stream.offset, stream.primed, stream.skip = 0, False, LineSkipper()
         stream.ino = ino
-        return []
+        return [], []
     stream.ino = ino
     if not stream.primed:
         stream.primed = True
         if size - stream.offset > tail_bytes:
             stream.offset = size - tail_bytes
-            stream.skip_partial = True
+            stream.skip.start_mid_line()
             stream.skipped = stream.offset
-            return []
-    lines, used = split_complete(data)
+            return [], []
+    lines, used, notes = stream.skip.take(data, READ_WINDOW)
     stream.offset += used
-    if stream.skip_partial and lines:
-        lines = lines[1:]
-        stream.skip_partial = False
-    return lines
+    return lines, notes
 
 
 class RunModel:
@@ -168,6 +173,7 @@ class RunModel:
         self.done = False
         self.error: str | None = None
         self._state_raw = b""
+        self.state_problem: str | None = None  # state.json unreadable (STATE_PROBLEM), shown as the error
         self._events: dict[str, _Stream] = {}
         self._logs: dict[str, _Stream] = {}
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
@@ -218,14 +224,17 @@ class RunModel:
         if with_telemetry:
             reqs.append(self.telemetry.read_request())
         try:
-            results = await self.transport.read_many(reqs)
+            results = await self.transport.read_many(reqs, max_bytes=READ_WINDOW)
+            state: ReadResult | None = results[0]
+            if state is not None and state.size > len(state.data):  # a big plan's state: read all of it
+                state = await read_whole(self.transport, "state.json", state)
         except Exception as exc:  # a transport drop: keep what we have, say why
             self.error = f"cannot read the run: {exc}"
             return {"*"}
-        self.error = None
-        if results[0].size >= 0 and results[0].data != self._state_raw:
-            self._state_raw = results[0].data
-            changed |= self._apply_state(results[0].data)
+        if state is not None and state.size >= 0 and state.data != self._state_raw:
+            self._state_raw = state.data
+            changed |= self._apply_state(state.data)
+        self.error = self.state_problem
         for i, sid in enumerate(ev_ids, start=1):
             if self._apply_events(sid, self._events[sid], results[i].data, results[i].size, results[i].ino):
                 changed.add(sid)
@@ -293,8 +302,13 @@ class RunModel:
     def _apply_state(self, raw: bytes) -> set[str]:
         try:
             snap = json.loads(raw)
-        except ValueError:
-            return set()  # never torn (atomic rename), but be defensive
+            if not isinstance(snap, dict) or not isinstance(snap.get("stages", []), list):
+                raise ValueError("not a state snapshot")
+        except ValueError:  # never torn by the supervisor (atomic rename), but a disk, a copy or a hand can
+            doing = "showing the stages as last read" if self.order else "no stages to show yet"
+            self.state_problem = STATE_PROBLEM.format(path=f"{self.run_dir}/state.json", doing=doing)
+            return {"*"}
+        self.state_problem = None
         self.run_name = snap.get("run", self.run_name)
         self.executor = snap.get("executor", self.executor)
         sup = snap.get("supervisor") or {}
@@ -323,14 +337,18 @@ class RunModel:
         return changed
 
     def _apply_events(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines = _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
+        lines, notes = _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
         st = self.stages.get(sid)
-        if not lines or st is None:
+        if not (lines or notes) or st is None:
             return False
         events, _bad = parse_lines(lines)
+        for note in notes:  # an over-long line skipped: a warning in the stage's events, not a frozen stage
+            st.events.append(
+                Event("message", time.time(), {"level": "warning", "code": "skipped-line", "text": note})
+            )
         for ev in events:
             self._apply_event(st, ev)
-        return bool(events)
+        return bool(events or notes)
 
     def _apply_event(self, st: StageView, ev: Event) -> None:
         if ev.type == "progress":
@@ -357,12 +375,13 @@ class RunModel:
             listener(st, ev)
 
     def _apply_log(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines = _consume(stream, data, size, ino, LOG_TAIL_BYTES)
-        if not lines:
+        lines, notes = _consume(stream, data, size, ino, LOG_TAIL_BYTES)
+        if not (lines or notes):
             return False
         st = self.stages[sid]
-        st.log.extend(raw.decode(errors="replace") for raw in lines)
-        st.log_total += len(lines)
+        new = [f"[aerie: {note}]" for note in notes] + [raw.decode(errors="replace") for raw in lines]
+        st.log.extend(new)
+        st.log_total += len(new)
         return True
 
 

@@ -17,6 +17,17 @@ Event types:
 
 Readers use :class:`EventTail`, which reads from a byte offset and only ever returns complete
 lines, so an event is never seen half-written, never lost and never seen twice.
+
+Bounds (``docs/data-formats.md``, ``docs/reliability.md``), so one bad line never freezes a reader:
+
+* a serialized event is at most :data:`MAX_EVENT_BYTES`: :class:`EventWriter` cuts longer string fields
+  with a visible marker (``… [truncated N bytes]``) and sets ``"truncated": <original size>`` — still
+  valid JSON, still the same event type (:func:`bound`);
+* a line longer than a reader's window (written by something that bypassed the writer) is skipped,
+  reading forward to its newline in chunks, and reported as a bad line (:class:`LineSkipper`);
+* a writer that opens a file whose last byte is not ``\n`` (a writer killed mid-line) first ends that
+  torn line, so its fragment stays one bad line and never swallows the next event (:func:`end_torn_line`);
+  a reader also salvages an event that follows garbage on one line (:func:`salvage`).
 """
 
 from __future__ import annotations
@@ -24,12 +35,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.run.files import append_line
 
+MAX_EVENT_BYTES = 64 << 10  # a serialized event, newline excluded (EventWriter cuts longer string fields)
 EVENT_TYPES = ("started", "progress", "metric", "message", "health", "finished")
 LEVELS = ("info", "warning", "error")
 HEALTH_STATES = ("starting", "ready", "unhealthy", "stopped")
@@ -107,14 +120,16 @@ class EventWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # read: end_torn_line
+        end_torn_line(self._fd)
 
     def write(self, ev: Event) -> None:
         """Append one whole line, or nothing: a full disk must never leave a torn line behind.
 
-        A write that fails part-way (``ENOSPC`` after some bytes reached the file) is rolled back with
-        ``ftruncate`` to where the line started, then the error is raised."""
-        append_line(self._fd, (ev.to_json() + "\n").encode())
+        An event over :data:`MAX_EVENT_BYTES` is cut first (:func:`bound`). A write that fails part-way
+        (``ENOSPC`` after some bytes reached the file) is rolled back with ``ftruncate`` to where the line
+        started, then the error is raised."""
+        append_line(self._fd, (bound(ev).to_json() + "\n").encode())
 
     def emit(self, type_: str, **data: Any) -> Event:
         ev = make(type_, **data)
@@ -151,6 +166,10 @@ def split_complete(buf: bytes) -> tuple[list[bytes], int]:
 
 
 def parse_lines(lines: list[bytes]) -> tuple[list[Event], list[str]]:
+    """Decode complete lines: the events, and the lines that were not events (shortened for display).
+
+    A line that is not an event but ends with one (a torn fragment a writer appended onto) yields that
+    event too (:func:`salvage`)."""
     events: list[Event] = []
     bad: list[str] = []
     for raw in lines:
@@ -159,7 +178,10 @@ def parse_lines(lines: list[bytes]) -> tuple[list[Event], list[str]]:
         try:
             events.append(decode(raw))
         except EventError:
-            bad.append(raw.decode(errors="replace"))
+            ev = salvage(raw)
+            if ev is not None:
+                events.append(ev)
+            bad.append(_shown(raw))
     return events, bad
 
 
@@ -175,27 +197,197 @@ class EventTail:
         self.offset = offset
         self.max_bytes = max_bytes
         self._ino: int | None = None
+        self._skip = LineSkipper()
 
     def read(self) -> Chunk:
+        """What was appended since the last read, in whole lines. A line longer than ``max_bytes`` is
+        skipped (read forward to its newline, up to :data:`SKIP_CHUNKS` windows per call) and reported in
+        ``bad_lines``, so the lines after it are still read."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
             return Chunk([], [], self.offset)
         if (self._ino is not None and st.st_ino != self._ino) or st.st_size < self.offset:
             self.offset = 0
+            self._skip = LineSkipper()
         self._ino = st.st_ino
         if st.st_size == self.offset:
             return Chunk([], [], self.offset)
+        lines: list[bytes] = []
+        notes: list[str] = []
         with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
-            buf = fh.read(min(self.max_bytes, st.st_size - self.offset))
-        lines, used = split_complete(buf)
-        self.offset += used
+            for _ in range(SKIP_CHUNKS):
+                fh.seek(self.offset)
+                buf = fh.read(min(self.max_bytes, st.st_size - self.offset))
+                got, used, skipped = self._skip.take(buf, self.max_bytes)
+                self.offset += used
+                lines += got
+                notes += skipped
+                if got or not self._skip.skipping or self.offset >= st.st_size:
+                    break
         events, bad = parse_lines(lines)
-        return Chunk(events, bad, self.offset)
+        return Chunk(events, notes + bad, self.offset)
 
 
 def read_all(path: Path) -> list[Event]:
     """Every event in a file (tests and small tools; the console uses :class:`EventTail`)."""
     tail = EventTail(path, max_bytes=1 << 62)
     return tail.read().events
+
+
+# -- bounds: event size, over-long lines, torn lines ------------------------------------------------
+SKIP_CHUNKS = 16  # windows an EventTail reads forward in one call while skipping an over-long line
+_SHOWN_BYTES = 300  # of a bad line, what a warning quotes
+_REQUIRED = {"done", "total", "name", "value", "level", "text", "state", "status", "attempt", "pid"}
+
+
+def _shown(raw: bytes) -> str:
+    text = raw[:_SHOWN_BYTES].decode(errors="replace")
+    return text if len(raw) <= _SHOWN_BYTES else f"{text}… [{len(raw):,} bytes]"
+
+
+def truncation_marker(n: int) -> str:
+    """What replaces the end of a string field cut by :func:`bound`."""
+    return f"… [truncated {n:,} bytes]"
+
+
+def _json_len(obj: Any) -> int:
+    return len(json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def _string_leaves(obj: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], str]]:
+    if isinstance(obj, str):
+        return [(path, obj)]
+    if isinstance(obj, dict):
+        return [leaf for k, v in obj.items() for leaf in _string_leaves(v, (*path, k))]
+    if isinstance(obj, list):
+        return [leaf for i, v in enumerate(obj) for leaf in _string_leaves(v, (*path, i))]
+    return []
+
+
+def _set(obj: Any, path: tuple[Any, ...], value: Any) -> None:
+    for key in path[:-1]:
+        obj = obj[key]
+    obj[path[-1]] = value
+
+
+def bound(ev: Event, limit: int = MAX_EVENT_BYTES) -> Event:
+    """``ev`` if its line fits in ``limit`` bytes, else a copy whose longest string fields (nested ones too)
+    end in :func:`truncation_marker` and which carries ``"truncated": <original line size>``. Fields other
+    than the ones its type needs are replaced by a marker if cutting strings is not enough. Still valid
+    JSON, still the same type, still passing :func:`validate`."""
+    size = len(ev.to_json().encode())
+    if size <= limit:
+        return ev
+    original: dict[str, Any] = json.loads(ev.to_json())
+    del original["type"], original["t"]
+    data = json.loads(json.dumps(original))
+    data["truncated"] = size
+    overhead = _json_len({"type": ev.type, "t": round(ev.t, 3)})
+    # Every long string field is cut to one common length, the largest that fits (a binary search).
+    leaves = [(p, v.encode()) for p, v in _string_leaves(data) if len(v) > _SHOWN_BYTES]
+
+    def size_at(cap: int) -> int:
+        for path, raw in leaves:
+            cut = raw[:cap].decode(errors="ignore")
+            _set(
+                data,
+                path,
+                cut + truncation_marker(len(raw) - len(cut.encode())) if len(raw) > cap else raw.decode(),
+            )
+        return overhead + _json_len(data)
+
+    # Still too big with every long string cut to nothing (e.g. a huge list of numbers): replace optional
+    # fields by a marker, the largest first.
+    dropped: set[str] = set()
+    while size_at(0) > limit:
+        optional = [k for k in data if k not in _REQUIRED and k != "truncated" and k not in dropped]
+        if not optional:
+            break
+        k = max(optional, key=lambda key: _json_len(data[key]))
+        data[k] = f"[dropped: {_json_len(original[k]):,} bytes]"
+        dropped.add(k)
+        leaves = [(p, raw) for p, raw in leaves if p[0] != k]
+    lo, hi = 0, max((len(raw) for _, raw in leaves), default=0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if size_at(mid) <= limit else (lo, mid - 1)
+    size_at(lo)
+    out = Event(ev.type, ev.t, data)
+    validate(out)
+    return out
+
+
+def end_torn_line(fd: int) -> bool:
+    """If the file open on ``fd`` does not end with ``\n`` (a writer killed mid-line, a command that
+    wrote its own JSON without one), end that line, so the torn fragment stays a bad line of its own and
+    the next event is not appended onto it. Returns True when it wrote the newline."""
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return False
+    except OSError:  # opened write-only on a system without pread on it: nothing to repair then
+        return False
+    append_line(fd, b"\n")
+    return True
+
+
+_EVENT_START = b'{"type":"'
+
+
+def salvage(raw: bytes) -> Event | None:
+    """The event at the end of a line that is not one (``<torn fragment>{"type":"progress",…}``), if any:
+    cheap, it tries only the last place an event written by :class:`EventWriter` can start."""
+    at = raw.rfind(_EVENT_START)
+    if at <= 0:
+        return None
+    try:
+        return decode(raw[at:])
+    except EventError:
+        return None
+
+
+def skipped_note(n: int, window: int) -> str:
+    """The warning for an over-long line a reader skipped."""
+    return (
+        f"skipped a line of {n:,} bytes (longer than this reader's {window:,}-byte window; "
+        f"events are at most {MAX_EVENT_BYTES:,} bytes when written through the event writer)"
+    )
+
+
+@dataclass
+class LineSkipper:
+    """A reader's state about over-long lines: a line with no newline within a whole read window is
+    skipped, forward to its newline, however many reads that takes, so the lines after it are read.
+
+    ``skipping`` is how many bytes of the current over-long line were skipped so far (0: none). With
+    ``quiet`` the skip ends without a note (a reader that started mid-line on purpose)."""
+
+    skipping: int = 0
+    quiet: bool = False
+
+    def start_mid_line(self) -> None:
+        """The next bytes are the rest of a line we do not want (attaching near a file's end)."""
+        self.skipping, self.quiet = max(self.skipping, 1), True
+
+    def take(
+        self, buf: bytes, window: int, note: Callable[[int, int], str] = skipped_note
+    ) -> tuple[list[bytes], int, list[str]]:
+        """``buf`` was read at the reader's offset (at most ``window`` bytes): the complete lines in it,
+        how many bytes the reader advances, and a note for each over-long line that ended here."""
+        used, notes = 0, []
+        if self.skipping:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                self.skipping += len(buf)
+                return [], len(buf), []
+            used = nl + 1
+            if not self.quiet:
+                notes.append(note(self.skipping + used, window))
+            self.skipping, self.quiet = 0, False
+        lines, n = split_complete(buf[used:])
+        used += n
+        if not lines and len(buf) - used >= window:  # a whole window and no newline: an over-long line
+            self.skipping = len(buf) - used
+            used = len(buf)
+        return lines, used, notes

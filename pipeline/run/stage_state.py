@@ -54,6 +54,12 @@ class StateDeriver:
     def _read_events(self, sid: str) -> None:
         tr = self.memory[sid]
         chunk = tr.tail.read()
+        for bad in chunk.bad_lines[:5]:  # an over-long line skipped, a torn fragment: said once, then passed
+            self.log(f"{sid}: warning: events.jsonl: {bad}")
+        if len(chunk.bad_lines) > 5:
+            self.log(
+                f"{sid}: warning: events.jsonl: {len(chunk.bad_lines) - 5} more lines that are not events"
+            )
         for ev in chunk.events:
             if ev.type == "started":
                 tr.attempt_seen = int(ev.get("attempt", 0))
