@@ -64,8 +64,9 @@ from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
 from pipeline.run import audit
+from pipeline.run.force_text import force_message
 from pipeline.run.plan import Plan
-from pipeline.run.stage_row import StageState
+from pipeline.run.stage_row import SATISFIED, StageState
 from themes import load_themes
 
 # Theme variables a theme may set per state (``state-running`` ...); else these fall-backs.
@@ -591,10 +592,18 @@ class AerieApp(App[int]):
             if yes:
                 self.run_ctl("force", st.id)
 
+        # Say what it will do and when (pipeline/run/force_text.py, as the supervisor will answer).
+        waiting = [
+            (d, str(ds.state) if ds else "unknown")
+            for d in st.after
+            if (ds := self.model.stages.get(d)) is None or ds.state not in SATISFIED
+        ]
+        reason = "" if waiting or st.reason.startswith("after ") else st.reason
+        plan = force_message(st.id, st.attempt, waiting, reason, armed="will be armed")
         self.push_screen(
             ConfirmScreen(
-                f"Force {st.id}?\n\nIt starts once despite its admission check "
-                f"({st.reason or 'waiting'}); the override is recorded in its events."
+                f"Force {st.id}?\n\n{plan}.\n\nThe override is recorded in its events and the audit log; "
+                "an alert says when it starts."
             ),
             done,
         )

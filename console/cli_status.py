@@ -1,6 +1,7 @@
 """``aerie status``: every stage's row, then the run's projection, then the audit log's last entries (``--json``:
 a line per stage, then ``{"projection": …}``, then ``{"audit": …}``), made by ``ctl status`` on the executing host,
-locally or over SSH."""
+locally or over SSH. A truncated or corrupt ``state.json`` is one warning line naming it (``--json``: a first line
+``{"error": …}``) above the stages as their own files show them, never a traceback."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from console.cli_common import open_run, remote, run_ctl
 from pipeline.run import audit
 from pipeline.run.projection import RunProjection
 from pipeline.run.projection_text import status_lines
-from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.rundir import RunDir
+from pipeline.run.state_file import read_state
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -31,8 +33,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         state = _local_state(run)
         if "audit" not in state:  # ctl status could not run: read the log here
             state["audit"] = audit.status_section(run.root)
-    stages = state.get("stages", [])
+    stages = [st for st in state.get("stages", []) if isinstance(st, dict)]
     projection = state.get("projection")
+    problem = state.get("error")  # state.json unreadable: one line naming it (pipeline/run/state_file.py)
+    if isinstance(problem, str):
+        if args.json:
+            print(json.dumps({"error": problem}))  # the first line, before the stages
+        else:
+            print(f"aerie: warning: {problem}", file=sys.stderr)
     if args.json:
         for st in stages:
             print(
@@ -66,7 +74,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         prog = st.get("progress") or {}
         p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
         print(
-            f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip()
+            f"{st.get('id')!s:<30} {st.get('state')!s:<16} try {st.get('attempt')!s:<3} {p:<24} "
+            f"{st.get('reason') or ''}".rstrip()
         )
     if isinstance(projection, dict):
         print()
@@ -86,7 +95,7 @@ def _local_state(run: RunDir) -> dict:
                 return state
         except ValueError:
             pass
-    return read_json(run.state_path) or {"stages": []}
+    return read_state(run)[0]
 
 
 def projection_report(d: dict) -> list[str]:

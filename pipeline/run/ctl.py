@@ -5,7 +5,8 @@ subprocess, or through the SSH connection on the container). It validates the st
 request in the run dir, makes sure a supervisor is running, and waits for the supervisor's answer.
 
 Actions: ``status`` (prints state.json, with the run's ``projection``: :mod:`pipeline.run.run_projection`,
-and the audit log's last entries), ``ensure`` (start a supervisor if none holds the lock),
+and the audit log's last entries; a corrupt state.json gives rows from the stages' own files and an ``error``
+line, :mod:`pipeline.run.state_file`), ``ensure`` (start a supervisor if none holds the lock),
 ``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
 admission checks: disk budget, GPU guard; recorded in the stage's events).
 
@@ -30,6 +31,7 @@ from pipeline.run import audit
 from pipeline.run.run_projection import run_projection
 from pipeline.run.run_setup import spawn_detached, supervisor_alive
 from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.state_file import read_state
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 2, 3, 4
 ACTIONS = ("status", "ensure", "pause", "resume", "kill", "retry", "skip", "force")
@@ -95,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {run.root}: no such run (no plan.toml / stages/ there)", file=sys.stderr)
         return EXIT_USAGE
     if args.action == "status":
-        state = read_json(run.state_path) or {"stages": []}
+        state, problem = read_state(run)  # a corrupt state.json: rows from the stages' files and an "error"
         state["supervisor_alive"] = supervisor_alive(run)
-        state["projection"] = run_projection(run, state, time.time())
+        state["projection"] = (
+            {"error": "state.json unreadable"} if problem else run_projection(run, state, time.time())
+        )
         state["audit"] = audit.status_section(run.root)
         print(json.dumps(state))
         return EXIT_OK

@@ -36,6 +36,7 @@ from pipeline.run import audit, nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter
 from pipeline.run.executor import Executor, make_executor
+from pipeline.run.force_text import force_message
 from pipeline.run.plan import StageSpec
 from pipeline.run.procs import ProcIdentity
 from pipeline.run.run_setup import (
@@ -47,7 +48,7 @@ from pipeline.run.run_setup import (
     supervisor_alive,
 )
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_json
-from pipeline.run.stage_row import TERMINAL, StageState
+from pipeline.run.stage_row import SATISFIED, TERMINAL, StageState
 from pipeline.run.stage_state import StateDeriver
 from pipeline.run.stage_status import StageStatus
 
@@ -193,7 +194,17 @@ class Supervisor:
         if st.state not in (StageState.PENDING, StageState.READY):
             raise SupervisorError(f"{sid} is {st.state}: --force applies to a stage waiting to start")
         write_json(self.sd(sid).force_marker, {"attempt": st.attempt, "t": time.time()})
-        return f"{sid}: admission checks overridden for attempt {st.attempt}"
+        # Say what it will do and when: a forced stage still waits for its dependencies, services and slots.
+        spec = self.specs[sid]
+        waiting = [
+            (d, str(ds.state) if ds else "unknown")
+            for d in spec.after
+            if (ds := self.status.get(d)) is None or ds.state not in SATISFIED
+        ]
+        reason = st.reason or ""
+        if st.state == StageState.READY:  # forced now, so only CPU/GPU slots can still hold it
+            reason = self.why_not_admitted(spec) or self._refused.get(sid, "")
+        return force_message(sid, st.attempt, waiting, reason)
 
     def forced(self, sid: str) -> bool:
         sd = self.sd(sid)
@@ -275,6 +286,7 @@ class Supervisor:
                     "message",
                     level="warning",
                     code="forced",
+                    attempt=attempt,
                     text="started with --force: admission checks (disk budget, GPU guard) overridden",
                 )
 
