@@ -24,7 +24,7 @@ from console.screens.dialogs import ConfirmScreen
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from pipeline.run import plan as plan_mod
-from pipeline.run.events import MAX_EVENT_BYTES, EventTail, EventWriter, decode, make, read_all
+from pipeline.run.events import MAX_EVENT_BYTES, EventTail, EventWriter, decode, read_all
 from pipeline.run.rundir import RunDir, read_json, write_json
 from pipeline.run.stage_status import StageStatus
 from tests.runs import ROOT, ctl, kill_run_stages, make_run, start_supervisor, stop, wait_for

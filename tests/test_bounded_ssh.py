@@ -19,8 +19,8 @@ from console.ssh.connection import HostConnection
 from console.ssh.preflight import preflight
 from console.ssh.transport import SshTransport, start_remote_run
 from pipeline.run import plan as plan_mod
-from pipeline.run.rundir import RunDir
 from pipeline.run.run_setup import supervisor_alive
+from pipeline.run.rundir import RunDir
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
