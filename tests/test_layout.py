@@ -25,6 +25,8 @@ CONSOLE_ALLOWED = {
     "pipeline.run.projection",  # the run's finish, GPU-hours and disk at finish: one computation
     "pipeline.run.projection_text",  # … and its words, the same in the header and in aerie status
     "pipeline.run.audit",  # the audit log's entries: one format for the CLI and the console
+    "pipeline.run.force_text",  # what `force` will do and when: the supervisor's answer, the console's question
+    "pipeline.run.state_file",  # state.json or, when corrupt, one line and rows from the stages' files
     "pipeline.serving.sglang_log",
 }
 

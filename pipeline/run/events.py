@@ -326,9 +326,9 @@ def end_torn_line(fd: int) -> bool:
         size = os.fstat(fd).st_size
         if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
             return False
-    except OSError:  # opened write-only on a system without pread on it: nothing to repair then
+        append_line(fd, b"\n")
+    except OSError:  # a full disk: the next event may land on the fragment, where readers salvage it
         return False
-    append_line(fd, b"\n")
     return True
 
 

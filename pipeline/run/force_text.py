@@ -33,4 +33,7 @@ def force_message(
     if reason.startswith("waiting for "):  # a service it uses is not ready yet
         return f"{sid} is {reason}: {armed}; once it is ready {sid} will start without {CHECKS}"
     held = f" (held by: {reason})" if reason else ""
-    return f"{sid}: {armed}; it starts at the supervisor's next tick without {CHECKS}{held}"
+    return (
+        f"{sid}: admission checks overridden, {armed}: it starts at the supervisor's next tick without "
+        f"{CHECKS}{held}"
+    )
