@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from console.series import StageHistory
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import ReadResult, Transport, read_whole
-from pipeline.run.events import Event, LineSkipper, parse_lines, split_complete
+from pipeline.run.events import Event, LineSkipper, parse_lines
 from pipeline.run.stage_row import TERMINAL, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
@@ -280,7 +280,7 @@ class RunModel:
             b.done = True
             return set()
         data = res.data[: b.end - b.pos]
-        lines, used = split_complete(data)
+        lines, used, _notes = b.skip.take(data, BACKFILL_CHUNK)  # an over-long line: skipped, not waited on
         if b.pos + len(data) >= b.end:
             used = len(data)  # the last line before the tail may be cut: the tail skipped it too
         b.pos += used
@@ -394,6 +394,7 @@ class _Backfill:
     attempt: int | None = None
     done: bool = False
     history: StageHistory = field(default_factory=StageHistory)
+    skip: LineSkipper = field(default_factory=LineSkipper)
 
 
 def _add_metric(history: StageHistory, attempt: int, ev: Event) -> None:

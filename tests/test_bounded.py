@@ -24,7 +24,7 @@ from console.screens.dialogs import ConfirmScreen
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from pipeline.run import plan as plan_mod
-from pipeline.run.events import MAX_EVENT_BYTES, EventTail, EventWriter, decode, read_all
+from pipeline.run.events import MAX_EVENT_BYTES, EventTail, EventWriter, decode, make, read_all
 from pipeline.run.rundir import RunDir, read_json, write_json
 from pipeline.run.stage_status import StageStatus
 from tests.runs import ROOT, ctl, kill_run_stages, make_run, start_supervisor, stop, wait_for
@@ -417,3 +417,31 @@ async def test_the_console_asks_before_forcing_and_alerts_when_the_forced_stage_
     finally:
         stop(sup)
         kill_run_stages(run)
+
+
+async def test_the_curves_read_back_past_an_over_long_line_in_the_skipped_head(tmp_path: Path) -> None:
+    """Attaching reads the last 256 KiB of an events file; the curves then read its head back 2 MiB at a time.
+    A 5 MiB line in that head is skipped, not waited on: the curve still starts at step 0."""
+    from console.model import StageView
+
+    sd = tmp_path / "stages" / "train"
+    sd.mkdir(parents=True)
+    path = sd / "events.jsonl"
+    with EventWriter(path) as w:
+        w.write(make("started", t=1000.0, attempt=1, pid=1))
+        for step in range(100):
+            w.write(make("metric", t=1000.0 + step, name="loss", value=5.0 - step / 100, step=step))
+    with open(path, "ab") as fh:
+        fh.write(raw_line())
+    with EventWriter(path) as w:
+        for step in range(100, 6000):
+            w.write(make("metric", t=1000.0 + step, name="loss", value=4.0 - step / 10_000, step=step))
+    model = RunModel(LocalTransport(str(tmp_path)))
+    model.stages["train"] = StageView(id="train", family="train")
+    model.order = ["train"]
+    for _ in range(12):
+        await model.poll()
+    loss = model.stages["train"].history.get("loss")
+    assert loss.xs[0] < 10 and loss.xs[-1] > 5990
+    # Steps 100..~2800 lie between the long line and the attach tail: read back past the line, not dropped.
+    assert any(1000 < x < 2000 for x in loss.xs)
