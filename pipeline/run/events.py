@@ -129,7 +129,10 @@ class EventWriter:
         An event over :data:`MAX_EVENT_BYTES` is cut first (:func:`bound`). A write that fails part-way
         (``ENOSPC`` after some bytes reached the file) is rolled back with ``ftruncate`` to where the line
         started, then the error is raised."""
-        append_line(self._fd, (bound(ev).to_json() + "\n").encode())
+        raw = ev.to_json().encode()
+        if len(raw) > MAX_EVENT_BYTES:
+            raw = bound(ev).to_json().encode()
+        append_line(self._fd, raw + b"\n")
 
     def emit(self, type_: str, **data: Any) -> Event:
         ev = make(type_, **data)
