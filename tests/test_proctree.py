@@ -280,3 +280,46 @@ def test_what_an_ended_attempt_left_running_is_stopped_before_its_dependants_sta
     assert (tmp_path / "next.out").read_text().strip() == "alone"
     log = run.supervisor_log.read_text()
     assert "ended (exit 0) but left" in log and str(left_pid) in log and "SIGKILL" in log
+
+
+def _stopped(pid: int) -> bool:
+    st = read_stat(pid)
+    return st is not None and st.state in ("T", "t")
+
+
+@pytest.mark.parametrize("launcher", ["alive", "killed"])
+def test_pause_resume_and_kill_reach_the_process_that_left_the_group(
+    tmp_path: Path, pids: Pids, launcher: str
+) -> None:
+    """A stage with no safe point is frozen (SIGSTOP) after its pause grace: the setsid child too, whether
+    its launcher lives or was killed; resume lets both run; kill ends both."""
+    script = tmp_path / "tree.sh"
+    script.write_text(TREE)
+    run = make_run(
+        tmp_path,
+        f"""
+        [run]
+        dir = "run"
+        [[stage]]
+        id = "train"
+        command = "sh {script} {tmp_path}"
+        pause_grace_s = 0.3
+        kill_grace_s = 2
+        """,
+    )
+    sup = start_supervisor(run)
+    pids.runs.append((run, sup))
+    in_group = pids.read(tmp_path / "group.1.pid")
+    left_group = pids.read(tmp_path / "setsid.1.pid")
+    if launcher == "killed":
+        kill_launcher(run, pids)
+        wait_for(lambda: "launcher lost" in (stage_state(run, "train").get("reason") or ""), 10, "followed")
+    assert ctl(run, "pause", "train").returncode == 0
+    wait_for(lambda: states(run)["train"] == "paused", 10, "the stage to be paused")
+    assert _stopped(in_group) and _stopped(left_group)
+    assert ctl(run, "resume", "train").returncode == 0
+    wait_for(lambda: not _stopped(in_group) and not _stopped(left_group), 10, "both to run again")
+    wait_for(lambda: states(run)["train"] == "running", 10, "the stage to run again")
+    assert ctl(run, "kill", "train").returncode == 0
+    wait_for(lambda: not pid_alive(in_group) and not pid_alive(left_group), 10, "both to end")
+    assert wait_done(run) == {"train": "killed"}

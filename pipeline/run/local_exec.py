@@ -213,7 +213,9 @@ class LocalProcesses:
         """An attempt whose launcher is gone or has recorded its exit, while processes of it may live:
         the stage's state while they do, None once none is left (a fresh look confirms it first)."""
         left = [m for m in self.members(ident, since) if m.pid != ident.pid]
-        if not left:
+        if bool(left) == (ex is not None):
+            # What would be acted on (processes left behind, an exit recorded on the stage's behalf) is
+            # confirmed by a fresh look: the shared table may predate the stage's last exits or forks.
             left = [m for m in self.members(ident, since, fresh=True) if m.pid != ident.pid]
         if not left:
             return None
@@ -292,11 +294,15 @@ class LocalProcesses:
                     lo.termed = True
                     pids = signal_attempt(ident, signal.SIGTERM, self.table(fresh=True))
                     signal_attempt(ident, signal.SIGCONT, self.table())
-                    self.log(f"{sid}: SIGTERM to the {len(pids)} processes attempt {lo.attempt} left running")
+                    if pids:
+                        self.log(
+                            f"{sid}: SIGTERM to the {len(pids)} processes attempt {lo.attempt} left running"
+                        )
                 elif not lo.killed and time.monotonic() - lo.seen > grace:
                     lo.killed = True
                     pids = signal_attempt(ident, signal.SIGKILL, self.table(fresh=True))
-                    self.log(f"{sid}: still running after {grace:g}s: SIGKILL to {len(pids)} processes")
+                    if pids:
+                        self.log(f"{sid}: still running after {grace:g}s: SIGKILL to {len(pids)} processes")
             except StrangerError as exc:
                 self.log(f"{sid}: {exc}")
                 del self._leftovers[sid]
