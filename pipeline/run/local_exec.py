@@ -38,6 +38,7 @@ from pipeline.run.procs import (
     ProcStat,
     StrangerError,
     attempt_members,
+    boot_id,
     describe_members,
     env_with_pipeline,
     process_table,
@@ -50,6 +51,7 @@ from pipeline.run.stage_status import StageStatus, finish, record_lost
 LAUNCH_TIMEOUT_S = 30.0  # a launch intent whose launcher never wrote proc.json (no child to ask) is lost
 TABLE_TTL_S = 0.3  # one process table serves the stages derived within this long (one tick)
 LOST_LAUNCHER = "launcher was killed; the stage's processes ended, exit status unknown"
+REBOOTED = "the host restarted during the attempt (a new boot): exit status unknown"
 
 
 @dataclass
@@ -178,7 +180,8 @@ class LocalProcesses:
                 self._ended.add(key)
                 self._leftovers.pop(sd.id, None)
             if ex is None:
-                ex = record_lost(sd, attempt, LOST_LAUNCHER, self.log)
+                rebooted = ident.boot_id and ident.boot_id != boot_id()
+                ex = record_lost(sd, attempt, REBOOTED if rebooted else LOST_LAUNCHER, self.log)
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         launch = sd.record_for(sd.launch, attempt)
         if not launch:
