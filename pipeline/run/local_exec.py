@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pipeline.run.plan import StageSpec
 from pipeline.run.procs import (
     ENV_TOKEN,
-    ProcEntry,
     ProcIdentity,
     ProcStat,
+    ProcTable,
     StrangerError,
     attempt_members,
     boot_id,
@@ -83,7 +83,7 @@ class LocalProcesses:
         self.log = log
         self.python = python
         self.children: dict[str, subprocess.Popen] = {}  # launchers this supervisor started, until reaped
-        self._table: tuple[float, float, list[ProcEntry]] | None = None  # (monotonic, wall time, table)
+        self._table: tuple[float, float, ProcTable] | None = None  # (monotonic, wall time, table)
         self._ended: set[tuple[str, int, int, int]] = set()  # (sid, attempt, pid, start): no process left
         self._leftovers: dict[str, Leftovers] = {}
         self._adopted: set[tuple[str, int]] = set()  # attempts whose launcher was lost, said once in the log
@@ -94,7 +94,7 @@ class LocalProcesses:
         proc = sd.record_for(sd.proc, sd.attempt())
         return ProcIdentity.from_dict(proc) if proc else None
 
-    def table(self, fresh: bool = False) -> list[ProcEntry]:
+    def table(self, fresh: bool = False) -> ProcTable:
         """The host's process table, shared by the stages derived in one tick (one pass over /proc)."""
         now = time.monotonic()
         if fresh or self._table is None or now - self._table[0] > TABLE_TTL_S:
@@ -269,7 +269,7 @@ class LocalProcesses:
     def _outside(self, sid: str, reached: list[int]) -> str:
         """' and 2 processes that left it (pids …)' for the members reached outside the recorded group."""
         pgid = self._pgid(sid)
-        table = {e.stat.pid: e.stat for e in self.table()}
+        table = {st.pid: st for st, _ in self.table().procs}
         out = [p for p in reached if p in table and table[p].pgid != pgid]
         if not out:
             return ""

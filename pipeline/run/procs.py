@@ -185,15 +185,6 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-@dataclass(frozen=True, slots=True)
-class ProcEntry:
-    """One live process as :func:`process_table` saw it: its stat line and, for this account's own
-    processes, the attempt token in its environment (None when it has none or it cannot be read)."""
-
-    stat: ProcStat
-    token: str | None
-
-
 _TOKEN_PREFIX = ENV_TOKEN.encode() + b"="
 
 
@@ -208,28 +199,46 @@ def _token_of(pid: int) -> str | None:
     return None
 
 
-def process_table() -> list[ProcEntry]:
-    """Every live (non-zombie) process on this host, with the attempt token of this account's own ones.
+class ProcTable:
+    """Every live (non-zombie) process on this host at one moment (one pass over ``/proc``), shared by the
+    stages the supervisor looks at in a tick.
 
-    One pass over ``/proc``; the supervisor shares one table between the stages it looks at in a tick.
-    """
-    me, uid = os.getpid(), os.getuid()
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        if pid == me:
-            continue
-        st = read_stat(pid)
-        if st is None or st.state in ("Z", "X", "x"):
-            continue
-        try:
-            owner = entry.stat().st_uid
-        except OSError:
-            continue
-        out.append(ProcEntry(st, _token_of(pid) if owner == uid else None))
-    return out
+    A process's attempt token is read from its environment only when asked, and only for this account's
+    processes: an ``environ`` read takes the target's memory-map lock and can wait on a process stuck in
+    the kernel, so it is done for the few candidates (started after an attempt's launcher, outside its
+    group), never for the whole host."""
+
+    def __init__(self) -> None:
+        me, self.uid = os.getpid(), os.getuid()
+        self.procs: list[tuple[ProcStat, int]] = []  # (stat, owner uid)
+        self._tokens: dict[tuple[int, int], str | None] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            if pid == me:
+                continue
+            st = read_stat(pid)
+            if st is None or st.state in ("Z", "X", "x"):
+                continue
+            try:
+                owner = entry.stat().st_uid
+            except OSError:
+                continue
+            self.procs.append((st, owner))
+
+    def token(self, st: ProcStat, owner: int) -> str | None:
+        """The attempt token in the environment of this account's process ``st`` (None: none, or not ours)."""
+        if owner != self.uid:
+            return None
+        key = (st.pid, st.start_time)
+        if key not in self._tokens:
+            self._tokens[key] = _token_of(st.pid)
+        return self._tokens[key]
+
+
+def process_table() -> ProcTable:
+    return ProcTable()
 
 
 def _group_is_ours(ident: ProcIdentity) -> bool:
@@ -241,7 +250,7 @@ def _group_is_ours(ident: ProcIdentity) -> bool:
     return not (st is not None and ident.pid == ident.pgid and st.pgid == ident.pgid)
 
 
-def attempt_members(ident: ProcIdentity, table: list[ProcEntry] | None = None) -> list[ProcStat]:
+def attempt_members(ident: ProcIdentity, table: ProcTable | None = None) -> list[ProcStat]:
     """Every live process of the attempt ``ident`` recorded: its launcher, its process group and the
     processes carrying its token that left the group. Empty after a reboot (start times and tokens
     belong to the boot that recorded them). ``table``: a :func:`process_table` to reuse.
@@ -252,16 +261,16 @@ def attempt_members(ident: ProcIdentity, table: list[ProcEntry] | None = None) -
     if ident.boot_id and ident.boot_id != boot_id():
         return []
     group = _group_is_ours(ident)
+    tab = ProcTable() if table is None else table
     out = []
-    for e in process_table() if table is None else table:
-        st = e.stat
+    for st, owner in tab.procs:
         if st.pid == ident.pid:
             if st.start_time == ident.start_time:
                 out.append(st)  # the launcher itself
             continue
         if st.start_time < ident.start_time:
             continue  # older than the attempt: not one of its processes
-        if (group and st.pgid == ident.pgid) or (ident.token and e.token == ident.token):
+        if (group and st.pgid == ident.pgid) or (ident.token and tab.token(st, owner) == ident.token):
             out.append(st)
     return out
 
@@ -305,7 +314,7 @@ def _signal_one(st: ProcStat, sig: int) -> bool:
         return False
 
 
-def signal_attempt(ident: ProcIdentity, sig: int, table: list[ProcEntry] | None = None) -> list[int]:
+def signal_attempt(ident: ProcIdentity, sig: int, table: ProcTable | None = None) -> list[int]:
     """Send ``sig`` to every process of the attempt: ``killpg`` to the recorded group (with the identity
     checks of :func:`signal_group`), then each member that left the group, one by one. Returns the pids of
     the members reached (empty when none lives). Raises :class:`StrangerError` as :func:`signal_group` does
