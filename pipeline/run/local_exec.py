@@ -215,10 +215,15 @@ class LocalProcesses:
     ) -> StageStatus | None:
         """An attempt whose launcher is gone or has recorded its exit, while processes of it may live:
         the stage's state while they do, None once none is left (a fresh look confirms it first)."""
-        left = [m for m in self.members(ident, since) if m.pid != ident.pid]
-        if bool(left) == (ex is not None):
+        cached = self.members(ident, since)
+        if not cached:
+            return None  # no process of it at all, in a table taken after it started: none ever again
+        left = [m for m in cached if m.pid != ident.pid]
+        if ex is not None or not left:
             # What would be acted on (processes left behind, an exit recorded on the stage's behalf) is
-            # confirmed by a fresh look: the shared table may predate the stage's last exits or forks.
+            # confirmed by a fresh look, taken after the exit record or the launcher's death was seen: the
+            # shared table may predate the stage's last forks and exits. After either, only processes
+            # other than the launcher can start new ones.
             left = [m for m in self.members(ident, since, fresh=True) if m.pid != ident.pid]
         if not left:
             return None
