@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import read_all
-from pipeline.run.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.run.procs import ProcIdentity, StrangerError, signal_attempt
 from pipeline.run.run_setup import create_run
 from pipeline.run.rundir import RunDir, read_json
 
@@ -110,12 +110,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def kill_run_stages(run: RunDir) -> None:
-    """Cleanup after a test: SIGKILL the recorded groups of this run's stages (never by name)."""
+    """Cleanup after a test: SIGKILL the recorded attempts of this run's stages, their groups and the
+    processes that left them (never by name)."""
     for sid in run.stage_ids():
         rec = read_json(run.stage(sid).proc)
         if rec:
             with contextlib.suppress(StrangerError, PermissionError):
-                signal_group(ProcIdentity.from_dict(rec), signal.SIGKILL)
+                signal_attempt(ProcIdentity.from_dict(rec), signal.SIGKILL)
 
 
 def jsonl(path: Path) -> list[dict]:

@@ -3,16 +3,21 @@
 The supervisor starts this in a new session (so it leads a fresh process group), detached, with
 stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
 
-1. records its pid, pgid and kernel start time in ``proc.json`` (atomically),
+1. records its pid, pgid, kernel start time and a random attempt token in ``proc.json`` (atomically),
+   before the stage starts, so every process of the attempt can be found from that record,
 2. writes the ``started`` event and a banner line in the log,
 3. runs the stage (a built-in ``python -m pipeline.X`` or the operator's ``/bin/sh -c`` command)
-   as a child in the same process group, with the ``AERIE_*`` environment,
+   as a child in the same process group, with the ``AERIE_*`` environment; ``AERIE_ATTEMPT_TOKEN``
+   marks each process the stage starts, including one that leaves the group
+   (:func:`pipeline.run.procs.attempt_members`),
 4. writes ``exit.json`` and the ``finished`` event when the child ends; for a failure both carry
    ``error``, the log line that says why (the exception, or the last error / non-empty line).
 
 Under the Slurm executor (``AERIE_EXECUTOR=slurm``) it is the batch script's process and exits with
 the stage's status, so Slurm's accounting says FAILED for a failed stage. It survives SIGTERM (ignored here, so the child's death is still recorded); a SIGKILL to the
-group ends it too, and the supervisor then records the exit on its behalf.
+group ends it too. A launcher killed alone (``kill -9`` of its pid) leaves the stage running under init:
+the supervisor then follows the attempt's processes and records the exit when the last one has ended
+(:mod:`pipeline.run.local_exec`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pipeline.run import nospace, oom
 from pipeline.run.events import EventWriter
 from pipeline.run.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.plan import StageSpec, stage_module
-from pipeline.run.procs import ProcIdentity, env_with_pipeline
+from pipeline.run.procs import ENV_TOKEN, ProcIdentity, env_with_pipeline, new_token
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_json
 from pipeline.run.runtime import (
     ENV_ATTEMPT,
@@ -63,7 +68,7 @@ def under_slurm() -> bool:
     return os.environ.get("AERIE_EXECUTOR") == "slurm"
 
 
-def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
+def stage_env(spec: StageSpec, run: RunDir, attempt: int, token: str = "") -> dict[str, str]:
     sd = run.stage(spec.id)
     inputs = {dep: str(run.stage(dep).out) for dep in spec.after}
     env = dict(os.environ)
@@ -90,6 +95,8 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if token:
+        env[ENV_TOKEN] = token  # after the plan's env: a stage cannot unset the mark of its own attempt
     return env
 
 
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     run, stage_id, attempt = RunDir(argv[0]), argv[1], int(argv[2])
     sd = run.stage(stage_id)
     spec = StageSpec.from_dict(read_json(sd.spec))
-    ident = ProcIdentity.of_self()
+    ident = ProcIdentity.of_self(token=new_token())
     write_json(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()})
     sd.out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         child = subprocess.Popen(
             argv_child,
             stdin=subprocess.DEVNULL,
-            env=stage_env(spec, run, attempt),
+            env=stage_env(spec, run, attempt, ident.token),
             cwd=str(sd.out),
             preexec_fn=lambda: (
                 signal.signal(signal.SIGTERM, signal.SIG_DFL),

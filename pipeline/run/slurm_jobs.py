@@ -373,6 +373,17 @@ class SlurmJobs:
             self.log(self._cancel(sid))
             self._mark_cancelled(sid)
 
+    def survivors(self, sid: str) -> str | None:
+        """Slurm owns the job's cgroup, so an attempt runs exactly while its job is queued or active."""
+        rec = read_json(self.run.stage(sid).slurm_job)
+        if not rec or not rec.get("job_id") or rec.get("state") == "abandoned":
+            return None
+        job = str(rec["job_id"])
+        info = self.info(job)
+        if info is None or not (info.active or info.queued):
+            return None  # ended, or Slurm is not answering (an sbatch would not go through either)
+        return f"attempt {rec.get('attempt')} of {sid} is still Slurm job {job} ({info.state.lower()})"
+
     def pending_kills(self) -> list[str]:
         """Stages whose kill was asked before their job id was known (re-sent once it is)."""
         out = []

@@ -85,6 +85,9 @@ class Supervisor:
         self._identity_pending = False
         self._lock_fd: int | None = None
         self._refused: dict[str, str] = {}
+        self._beside_logged: dict[
+            str, str
+        ] = {}  # why a stage is not started beside its last attempt, logged once
 
     # ----------------------------------------------------------------------------------- utils
     def log(self, text: str) -> None:
@@ -160,11 +163,13 @@ class Supervisor:
             StageState.UPSTREAM_FAILED,
             StageState.SKIPPED,
         ):
-            raise SupervisorError(
-                f"{sid} is {st.state}: only failed, killed or skipped stages can be retried"
-            )
+            msg = f"{sid} is {st.state}: only failed, killed or skipped stages can be retried"
+            if st.state in (StageState.RUNNING, StageState.PAUSED) and st.reason:
+                msg += f" ({st.reason}); {self._kill_first(sid)}"
+            raise SupervisorError(msg)
         if st.state == StageState.UPSTREAM_FAILED:
             raise SupervisorError(f"{sid} is upstream-failed ({st.reason}): retry the failed upstream stage")
+        self._refuse_beside_survivors(sid, "retry")
         sd = self.sd(sid)
         if fresh:
             sd.clear_outputs(self.run)
@@ -182,11 +187,26 @@ class Supervisor:
             StageState.KILLED,
         ):
             raise SupervisorError(f"{sid} is {st.state}: only a stage that is not running can be skipped")
+        self._refuse_beside_survivors(sid, "skip")
         sd = self.sd(sid)
         att = st.attempt + (1 if st.state in (StageState.FAILED, StageState.KILLED) else 0)
         write_json(sd.attempt_file, {"attempt": att, "t": time.time()})
         write_json(sd.path / "skip.json", {"attempt": att, "t": time.time()})
         return f"{sid}: skipped"
+
+    def _log_once(self, sid: str, text: str) -> None:
+        if self._beside_logged.get(sid) != text:
+            self._beside_logged[sid] = text
+            self.log(f"{sid}: {text}")
+
+    def _kill_first(self, sid: str) -> str:
+        return f"kill it first (aerie kill {self.run.root} {sid})"
+
+    def _refuse_beside_survivors(self, sid: str, action: str) -> None:
+        """A stage never runs twice: no retry, skip or launch while a process of its last attempt lives."""
+        left = self.executor.survivors(sid)
+        if left:
+            raise SupervisorError(f"cannot {action} {sid}: {left}; {self._kill_first(sid)}")
 
     def do_force(self, sid: str) -> str:
         """Let a stage past the admission checks (disk budget, GPU guard) once, recorded in its events."""
@@ -274,9 +294,16 @@ class Supervisor:
                 return why
         return None
 
-    def launch(self, sid: str) -> None:
+    def launch(self, sid: str) -> str | None:
+        """Start the stage's current attempt; returns why not when processes of an earlier one still run
+        (defence in depth: retry and skip refuse then already)."""
         sd = self.sd(sid)
         attempt = sd.attempt()
+        try:
+            self._refuse_beside_survivors(sid, f"start attempt {attempt} of")
+        except SupervisorError as exc:
+            self._log_once(sid, str(exc))
+            return str(exc)
         sd.pause_flag.unlink(missing_ok=True)
         write_json(sd.launch, {"attempt": attempt, "t": time.time(), "supervisor": os.getpid()})
         self.executor.launch(sid, attempt)
@@ -289,6 +316,7 @@ class Supervisor:
                     attempt=attempt,
                     text="started with --force: admission checks (disk budget, GPU guard) overridden",
                 )
+        return None
 
     def schedule(self) -> int:
         now = time.time()
@@ -300,7 +328,11 @@ class Supervisor:
                 self.log(
                     f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})"
                 )
-                self.do_retry(sid)
+                try:
+                    self.do_retry(sid)
+                except SupervisorError as exc:  # processes of the failed attempt still run
+                    self._log_once(sid, f"automatic retry postponed: {exc}")
+                    continue
                 self.status[sid] = self.deriver.derive(sid, self.status)
                 st = self.status[sid]
             if st.state != StageState.READY:
@@ -310,7 +342,11 @@ class Supervisor:
                 st.state, st.reason = StageState.PENDING, why
                 self._refused[sid] = why
                 continue
-            self.launch(sid)
+            why = self.launch(sid)
+            if why:
+                st.state, st.reason = StageState.PENDING, why
+                self._refused[sid] = why
+                continue
             launched += 1
             self.status[sid] = self.deriver.derive(sid, self.status)
         return launched
