@@ -45,14 +45,23 @@ from pathlib import Path
 from typing import Any
 
 from console import serve_guard
-from console.serve_guard import READ_ONLY_KEY, TOKEN_ENV, VIEW_TOKEN_ENV, Guard, RedactingFilter
+from console.serve_guard import (
+    NO_TOKEN_RISK,
+    READ_ONLY_KEY,
+    TOKEN_ENV,
+    VIEW_TOKEN_ENV,
+    Guard,
+    GuardError,
+    RedactingFilter,
+    read_token,
+    view_token,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MAX_SESSIONS = 4
 
 
-class ServeError(ValueError):
-    pass
+ServeError = GuardError  # what makes `aerie serve` refuse to start: one line, exit 2
 
 
 def check_loopback(host: str) -> str:
@@ -78,29 +87,6 @@ def is_loopback(host: str) -> bool:
     except ServeError:
         return False
     return True
-
-
-def read_token(token_file: str | None, env: str = TOKEN_ENV, flag: str = "--token-file") -> str | None:
-    """The operator's token, from ``token_file``, else ``$env``; None when neither is given."""
-    if token_file:
-        try:
-            token = Path(token_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise ServeError(f"{flag} {token_file}: cannot read the token: {exc.strerror or exc}") from None
-        if len(token) < 16:
-            raise ServeError(f"{flag} {token_file}: the token must be at least 16 characters")
-        return token
-    if os.environ.get(env):
-        token = os.environ[env].strip()
-        if len(token) < 16:
-            raise ServeError(f"{env}: the token must be at least 16 characters")
-        return token
-    return None
-
-
-def view_token(view_token_file: str | None) -> str | None:
-    """The view-only token, when the operator gave one (``--view-token-file``, ``$AERIE_SERVE_VIEW_TOKEN``)."""
-    return read_token(view_token_file, VIEW_TOKEN_ENV, "--view-token-file")
 
 
 def console_command(run: str, theme: str | None, poll_s: float, read_only: bool = False) -> str:
@@ -228,7 +214,7 @@ def make_server(
             app.on_shutdown.append(lambda _app: asyncio.to_thread(groups.stop_all))
             return app
 
-        async def handle_index(self, request: web.Request) -> web.StreamResponse:  # type: ignore[override]
+        async def handle_index(self, request: web.Request) -> web.StreamResponse:
             if guard.full:
                 raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
             # The websocket URL as the browser reached us (Host checked by the guard): the page works
@@ -353,15 +339,6 @@ def bind(host: str, port: int) -> list[socket.socket]:
 
 def _say(text: str) -> None:
     print(f"aerie serve: {text}", file=sys.stderr, flush=True)
-
-
-NO_TOKEN_RISK = (
-    "WARNING: --no-token: anyone with an account on this machine can open this console and pause, kill, "
-    "retry or skip stages (a loopback port is open to every local user, and to anyone they forward it "
-    "to); the Origin and Host checks are then the only guard against web pages in your browser, and a "
-    "browser flaw or extension that gets round them has full control. Use it only on a machine that is "
-    "yours alone."
-)
 
 
 def serve(

@@ -322,3 +322,35 @@ def remove_token(path: Path, token: str) -> None:
     with contextlib.suppress(OSError):
         if path.read_text().strip() == token:
             path.unlink()
+
+
+def read_token(token_file: str | None, env: str = TOKEN_ENV, flag: str = "--token-file") -> str | None:
+    """The operator's token, from ``token_file``, else ``$env``; None when neither is given."""
+    if token_file:
+        try:
+            token = Path(token_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise GuardError(f"{flag} {token_file}: cannot read the token: {exc.strerror or exc}") from None
+        if len(token) < 16:
+            raise GuardError(f"{flag} {token_file}: the token must be at least 16 characters")
+        return token
+    if os.environ.get(env):
+        token = os.environ[env].strip()
+        if len(token) < 16:
+            raise GuardError(f"{env}: the token must be at least 16 characters")
+        return token
+    return None
+
+
+def view_token(view_token_file: str | None) -> str | None:
+    """The view-only token, when the operator gave one (``--view-token-file``, ``$AERIE_SERVE_VIEW_TOKEN``)."""
+    return read_token(view_token_file, VIEW_TOKEN_ENV, "--view-token-file")
+
+
+NO_TOKEN_RISK = (
+    "WARNING: --no-token: anyone with an account on this machine can open this console and pause, kill, "
+    "retry or skip stages (a loopback port is open to every local user, and to anyone they forward it "
+    "to); the Origin and Host checks are then the only guard against web pages in your browser, and a "
+    "browser flaw or extension that gets round them has full control. Use it only on a machine that is "
+    "yours alone."
+)
