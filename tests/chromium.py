@@ -90,7 +90,9 @@ class Chromium:
         await self.send("Page.navigate", url=url)
 
     async def eval(self, expression: str) -> Any:
-        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True)
+        result = await self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         return result.get("result", {}).get("value")
 
     async def wait_eval(self, expression: str, timeout: float, what: str) -> Any:

@@ -329,8 +329,12 @@ async def test_chromium_page_of_another_origin_cannot_drive_the_console(tmp_path
         # another port of the same host would carry (cookies ignore ports) — only the Origin check stops it.
         await browser.navigate(f"http://127.0.0.1:{port}/?token={TOKEN}")
         await browser.wait_eval(
-            "location.search === '' && document.readyState === 'complete'", 30, "the console"
+            f"location.href === 'http://127.0.0.1:{port}/' && document.readyState === 'complete'",
+            30,
+            "the operator's console page, without the token in its URL",
         )
+        # the browser now holds the cookie: the console's own page gets in with it alone
+        assert await browser.eval("fetch('/').then((r) => r.status)") == 200
         await browser.navigate(f"http://127.0.0.1:{evil_port}/")
         log = await browser.wait_eval(
             "(t => (t.match(/^(open|close) /gm) || []).length >= 2 && t)"
