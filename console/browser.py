@@ -219,7 +219,7 @@ def make_server(
                 raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
             # The websocket URL as the browser reached us (Host checked by the guard): the page works
             # at localhost or 127.0.0.1, and through a forward to another local port (--allow-origin).
-            scheme = "wss" if request.scheme == "https" else "ws"
+            scheme = "wss" if request.scheme == "https" or guard.behind_tls(request.host) else "ws"
             context = {
                 "font_size": _to_int(request.query.get("fontsize", "16"), 16),
                 "app_websocket_url": f"{scheme}://{request.host}/ws",

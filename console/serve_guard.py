@@ -123,12 +123,19 @@ class Guard:
             return "aerie serve: refused: the request has no valid Host header\n"
         if self.any_host or key in self.hosts:
             return None
+        if ":" not in (host or "").strip().rsplit("]", 1)[-1] and host_key(host or "", 443) in self.hosts:
+            return None  # no port: https's default (a TLS proxy named with --allow-origin https://...)
         return (
             f"aerie serve: refused: Host {key} is not this server's address "
             f"({', '.join(sorted(self.hosts))}); a page on another name that resolves here (DNS rebinding) "
             "is refused. If you forwarded another local port (ssh -L 9000:127.0.0.1:"
             f"{self.port}), start aerie serve with --allow-origin http://localhost:9000\n"
         )
+
+    def behind_tls(self, host: str) -> bool:
+        """Whether ``host`` is that of an ``https://`` origin the operator allowed (a TLS proxy in front)."""
+        keys = {host_key(host), host_key(host, 443)}
+        return any(o.split("://", 1)[1] in keys for o in self.allow_origins if o.startswith("https://"))
 
     def origin_problem(self, origin: str | None, host: str | None) -> str | None:
         if origin is None:

@@ -86,7 +86,11 @@ def test_a_foreign_host_or_origin_is_refused_on_every_route(tmp_path: Path) -> N
     run = finished_run(tmp_path / "r")
     port = free_port()
     server = start(
-        tmp_path, run.root, port, "--allow-origin", "http://localhost:9000", env={"AERIE_SERVE_TOKEN": TOKEN}
+        tmp_path,
+        run.root,
+        port,
+        *("--allow-origin", "http://localhost:9000", "--allow-origin", "https://aerie.example"),
+        env={"AERIE_SERVE_TOKEN": TOKEN},
     )
     try:
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -106,11 +110,13 @@ def test_a_foreign_host_or_origin_is_refused_on_every_route(tmp_path: Path) -> N
             (f"localhost:{port}", f"http://localhost:{port}"),
             (f"127.0.0.1:{port}", f"http://localhost:{port}"),
             ("localhost:9000", "http://localhost:9000"),
+            ("aerie.example", "https://aerie.example"),  # behind a TLS proxy the operator named
         ):
             status, headers, page = get(port, "/", Host=host, Origin=origin, **auth)
             assert status == 200, (host, origin, page)
             # the page's websocket goes where the browser reached us (a forwarded port included)
-            assert f'data-session-websocket-url="ws://{host}/ws"' in page
+            ws = "wss" if origin.startswith("https") else "ws"
+            assert f'data-session-websocket-url="{ws}://{host}/ws"' in page
             assert headers["x-frame-options"] == "DENY"  # no other page may frame (clickjack) the console
             assert "frame-ancestors 'none'" in headers["content-security-policy"]
         # a websocket without Origin is no browser: it still needs the token
@@ -260,6 +266,24 @@ def test_a_busy_port_is_one_line_naming_it(tmp_path: Path) -> None:
     ]
     assert r.stdout == ""  # no URL (it would be the other server's), no traceback
     assert not (Path(os.environ["AERIE_HOME"]) / "state" / "serve").exists()  # no token file written
+
+    # the port held by another aerie serve: that server's token file is left alone
+    port = free_port()
+    first = start(tmp_path, run.root, port)
+    try:
+        token_file = Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token"
+        token = token_file.read_text()
+        r = subprocess.run(
+            [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "http" not in r.stderr + r.stdout
+        assert token_file.read_text() == token and first.poll() is None
+    finally:
+        reap(first, {})
 
 
 # ---------------------------------------------------------------------------------- real Chromium
