@@ -384,6 +384,7 @@ def serve(
         raise ServeError("the view-only token must differ from the control token")
 
     socks = bind(host, port)  # a busy port ends here, before a URL is printed or a token file written
+    port = socks[0].getsockname()[1]  # --port 0: the one the kernel chose
     generated: Path | None = None
     try:
         if no_token:
