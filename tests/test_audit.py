@@ -292,7 +292,7 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
             for _ in range(200):
                 try:
                     async with http.get(f"{url}/") as resp:
@@ -301,8 +301,8 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
                 except aiohttp.ClientConnectionError:
                     assert server.poll() is None, server.stderr.read() if server.stderr else ""
                     await asyncio.sleep(0.2)
-            async with http.get(f"{url}/?token={view}") as resp:
-                assert resp.status == 200 and "/ws" in await resp.text()
+            async with http.get(f"{url}/?token={view}") as resp:  # a cookie, and the URL without the token
+                assert resp.status == 200 and "/ws" in await resp.text() and "token" not in str(resp.url)
 
             async with http.ws_connect(f"{url}/ws?width=120&height=36&token={view}") as ws:
                 await _screen_until(ws, "READ-ONLY")
