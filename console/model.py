@@ -9,6 +9,12 @@ ETA), the last events and the last log lines. On attach the model starts
 near the end of long event files instead of replaying days of history; the curves then read the
 skipped head back in the background, a chunk per poll (see :meth:`RunModel._backfill_step`).
 
+Events files rotate past a size limit (:mod:`pipeline.run.growth`): when a stage's ``events.jsonl``
+has a new inode the stream first reads the rest of the old generation (``events.1.jsonl``, or further:
+the one with the old inode), then the new file from its start, skipping its *carried* lines (copies of
+what it has already seen); none is lost or applied twice (:func:`_follow_rotation`). The curves' read-back
+covers the current generation only.
+
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
 :meth:`poll` reports that something changed. Listeners (``RunModel.listeners``, e.g. the anomaly rules of
 :mod:`console.anomalies`) see each event as it is applied, so they work incrementally.
@@ -26,7 +32,8 @@ from dataclasses import dataclass, field
 from console.series import StageHistory
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import Transport
-from pipeline.run.events import Event, parse_lines, split_complete
+from pipeline.run import growth
+from pipeline.run.events import CARRIED, Event, parse_lines, split_complete
 from pipeline.run.stage_row import TERMINAL, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
@@ -120,6 +127,14 @@ class _Stream:
     primed: bool = False  # False until the first read decided where to start
     skip_partial: bool = False  # the next line is a fragment (we started mid-file)
     skipped: int = 0  # bytes of the file's head jumped over on attach (the curves read them back later)
+    gen: int = 0  # >0: finishing rotated generation N (``events.N.jsonl``) before the current file
+    gen_ino: int = 0  # the inode of the generation being finished (0: take the one found)
+    skip_carried: bool = False  # the head of this generation repeats what was read: skip carried lines
+    next_skip: bool = False  # skip_carried for the generation after the one just finished
+
+    def rel(self, name: str) -> str:
+        """The run-relative file to read next: ``name`` or one of its rotated generations."""
+        return growth.generation_name(name, self.gen)
 
 
 def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int) -> list[bytes]:
@@ -149,6 +164,49 @@ def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int)
         lines = lines[1:]
         stream.skip_partial = False
     return lines
+
+
+def _follow_rotation(stream: _Stream, data: bytes, size: int, ino: int) -> list[bytes] | None:
+    """Rotation of an events file: the lines to apply from this answer, or None when it is an ordinary
+    read of the current file (for :func:`_consume`).
+
+    The current file with a new inode starts the finishing of the old generation (next poll reads
+    ``events.1.jsonl`` at the old offset). A generation whose inode is not the one we were reading sends
+    the next poll one generation further; none left: the current file from its start, carried lines and
+    all (so the state is whole again). At a generation's end the next newer one follows, from its start,
+    skipping its carried head."""
+    if stream.gen == 0:
+        if stream.ino and ino and size >= 0 and ino != stream.ino and stream.primed:
+            stream.gen, stream.gen_ino, stream.ino = 1, stream.ino, 0
+            return []
+        if stream.ino == 0 and stream.primed and size >= 0:
+            stream.ino = ino  # arrived in the current file from a rotated generation
+        return None
+    if size < 0 or (stream.gen_ino and ino != stream.gen_ino):
+        if size >= 0 and stream.gen_ino and stream.gen < growth.keep("events"):
+            stream.gen += 1  # rotated again meanwhile: it is one generation further
+            return []
+        # gone: the current file from its start
+        stream.gen, stream.gen_ino, stream.offset, stream.ino, stream.skip_carried = 0, 0, 0, 0, False
+        return []
+    stream.gen_ino = ino
+    lines, used = split_complete(data)
+    start = stream.offset
+    stream.offset += used
+    if start + len(data) >= size:  # read to its end: nothing is appended to a rotated generation
+        stream.gen, stream.gen_ino, stream.offset = stream.gen - 1, 0, 0
+        stream.next_skip = True
+    return lines
+
+
+def _drop_carried(stream: _Stream, events: list[Event]) -> list[Event]:
+    kept = []
+    for ev in events:
+        if stream.skip_carried and ev.get(CARRIED):
+            continue
+        stream.skip_carried = False  # carried lines are only at a generation's head
+        kept.append(ev)
+    return kept
 
 
 class RunModel:
@@ -210,7 +268,8 @@ class RunModel:
         reqs: list[tuple[str, int]] = [("state.json", 0)]
         ev_ids = list(self.order)
         for sid in ev_ids:
-            reqs.append((f"stages/{sid}/events.jsonl", self._events.setdefault(sid, _Stream()).offset))
+            stream = self._events.setdefault(sid, _Stream())
+            reqs.append((stream.rel(f"stages/{sid}/events.jsonl"), stream.offset))
         log_ids = [s for s in self.watched if s in self.stages]
         for sid in log_ids:
             reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, _Stream()).offset))
@@ -323,11 +382,18 @@ class RunModel:
         return changed
 
     def _apply_events(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines = _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
+        follow = _follow_rotation(stream, data, size, ino)
+        lines = follow if follow is not None else _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
         st = self.stages.get(sid)
         if not lines or st is None:
+            if stream.next_skip:
+                stream.skip_carried, stream.next_skip = True, False
             return False
         events, _bad = parse_lines(lines)
+        if stream.skip_carried:
+            events = _drop_carried(stream, events)
+        if stream.next_skip:
+            stream.skip_carried, stream.next_skip = True, False
         for ev in events:
             self._apply_event(st, ev)
         return bool(events)

@@ -17,6 +17,14 @@ Event types:
 
 Readers use :class:`EventTail`, which reads from a byte offset and only ever returns complete
 lines, so an event is never seen half-written, never lost and never seen twice.
+
+Rotation (:mod:`pipeline.run.growth`): past its limit (64 MiB) the writer renames the file to
+``events.1.jsonl`` (older ones shift to ``.2``, ``.3``; the oldest is dropped) and the new file starts
+with *carried* lines (:func:`carry_lines`): copies, marked ``"carried": true``, of what a reader needs
+to know the stage's state without the old generations — the attempt's ``started`` event, the latest
+progress per key, health, metric per name, paused/resumed and other coded messages, ``finished``. A
+reader that followed the old generation to its end skips them (it has seen the originals); one that
+starts with the new file (a new supervisor, a console attaching) applies them.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.files import append_line
+from pipeline.run import growth
+from pipeline.run.files import private_dir
 
 EVENT_TYPES = ("started", "progress", "metric", "message", "health", "finished")
 LEVELS = ("info", "warning", "error")
 HEALTH_STATES = ("starting", "ready", "unhealthy", "stopped")
+CARRIED = "carried"  # marks a copy carried into a new generation at rotation (see the module docstring)
 
 
 class EventError(ValueError):
@@ -104,17 +114,18 @@ def decode(line: str | bytes) -> Event:
 class EventWriter:
     """Appends events to one ``events.jsonl`` (one ``write`` per event, ``O_APPEND``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, rotate_bytes: int | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        private_dir(self.path.parent)
+        # 0600; follows and performs rotation (growth.SharedAppender, carry_lines)
+        self._out = growth.SharedAppender(self.path, "events", head=carry_lines, limit_bytes=rotate_bytes)
 
     def write(self, ev: Event) -> None:
         """Append one whole line, or nothing: a full disk must never leave a torn line behind.
 
         A write that fails part-way (``ENOSPC`` after some bytes reached the file) is rolled back with
         ``ftruncate`` to where the line started, then the error is raised."""
-        append_line(self._fd, (ev.to_json() + "\n").encode())
+        self._out.append((ev.to_json() + "\n").encode())
 
     def emit(self, type_: str, **data: Any) -> Event:
         ev = make(type_, **data)
@@ -122,9 +133,7 @@ class EventWriter:
         return ev
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._out.close()
 
     def __enter__(self) -> EventWriter:
         return self
@@ -166,8 +175,12 @@ def parse_lines(lines: list[bytes]) -> tuple[list[Event], list[str]]:
 class EventTail:
     """Incremental reader of a local ``events.jsonl`` from a byte offset.
 
-    ``read()`` returns only what was appended since the last call, and only whole lines. If the
-    file shrinks or is replaced (a ``--fresh`` retry), it restarts from the beginning.
+    ``read()`` returns only what was appended since the last call, and only whole lines. When the file
+    was rotated (its inode changed) it finishes the old generation (found by inode among
+    ``events.N.jsonl``) and goes on with the newer ones, skipping their carried lines: nothing is lost
+    or repeated. If the old generation is gone (dropped, or the file was replaced) it reads the current
+    file from its start, carried lines included, so its state is whole again; a file that shrank in
+    place is read again from its start.
     """
 
     def __init__(self, path: Path, offset: int = 0, max_bytes: int = 4 << 20) -> None:
@@ -175,24 +188,123 @@ class EventTail:
         self.offset = offset
         self.max_bytes = max_bytes
         self._ino: int | None = None
+        self._skip_carried = False  # we came from an older generation: its carried copies were seen
 
     def read(self) -> Chunk:
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return Chunk([], [], self.offset)
-        if (self._ino is not None and st.st_ino != self._ino) or st.st_size < self.offset:
-            self.offset = 0
-        self._ino = st.st_ino
-        if st.st_size == self.offset:
-            return Chunk([], [], self.offset)
-        with open(self.path, "rb") as fh:
+        out = Chunk([], [], self.offset)
+        for _ in range(growth.keep("events") + 2):  # at most every generation once per call
+            where = self._locate()
+            if where is None:
+                break
+            src, size, rotated = where
+            chunk, exhausted = self._read_from(src, size)
+            out.events.extend(chunk.events)
+            out.bad_lines.extend(chunk.bad_lines)
+            if not (rotated and exhausted):
+                break
+            self._next_generation()
+        out.offset = self.offset
+        return out
+
+    def _read_from(self, src: Path, size: int) -> tuple[Chunk, bool]:
+        """Whole lines of ``src`` from our offset; and whether its end was reached."""
+        if size <= self.offset:
+            return Chunk([], [], self.offset), True
+        with open(src, "rb") as fh:
+            if self._ino is not None and os.fstat(fh.fileno()).st_ino != self._ino:
+                return Chunk([], [], self.offset), False  # rotated again since we looked: next call
             fh.seek(self.offset)
-            buf = fh.read(min(self.max_bytes, st.st_size - self.offset))
+            buf = fh.read(min(self.max_bytes, size - self.offset))
         lines, used = split_complete(buf)
         self.offset += used
         events, bad = parse_lines(lines)
-        return Chunk(events, bad, self.offset)
+        if self._skip_carried:
+            events = self._drop_carried(events)
+        return Chunk(events, bad, self.offset), self.offset + (len(buf) - used) >= size
+
+    # -- rotation -------------------------------------------------------------------------------
+    def _locate(self) -> tuple[Path, int, bool] | None:
+        """Which file to read now: (path, its size, whether it is a rotated generation)."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            st = None
+        if self._ino is None or (st is not None and st.st_ino == self._ino):
+            if st is None:
+                return None
+            if st.st_size < self.offset:  # cut in place: read it again
+                self.offset, self._skip_carried = 0, False
+            self._ino = st.st_ino
+            return self.path, st.st_size, False
+        found = growth.find_generation(self.path, self._ino, growth.keep("events"))
+        if found is not None:
+            return found[1], found[2].st_size, True
+        if st is None:
+            return None
+        # our generation is gone: the current file from its start (its carried lines give the state)
+        self._ino, self.offset, self._skip_carried = st.st_ino, 0, False
+        return self.path, st.st_size, False
+
+    def _next_generation(self) -> None:
+        """Done with a rotated generation: on to the next newer one, after its carried lines."""
+        assert self._ino is not None
+        found = growth.find_generation(self.path, self._ino, growth.keep("events"))
+        n = found[0] if found else 1
+        try:
+            self._ino = growth.generation(self.path, n - 1).stat().st_ino
+        except FileNotFoundError:
+            self._ino = None
+        self.offset, self._skip_carried = 0, True
+
+    def _drop_carried(self, events: list[Event]) -> list[Event]:
+        kept = []
+        for ev in events:
+            if self._skip_carried and ev.get(CARRIED):
+                continue
+            self._skip_carried = False  # carried lines are only at a generation's head
+            kept.append(ev)
+        return kept
+
+
+def _carry_key(ev: Event) -> tuple[str, ...] | None:
+    """What a carried copy of ``ev`` stands for (the latest per key is carried); None: not carried."""
+    if ev.type in ("health", "finished"):
+        return (ev.type,)
+    if ev.type == "progress":
+        return ("progress", str(ev.get("key") or ""))
+    if ev.type == "metric":
+        return ("metric", str(ev.get("name")), str(ev.get("label") or ""))
+    code = ev.get("code")
+    if ev.type == "message" and isinstance(code, str) and code:
+        return ("message", "pause" if code in ("paused", "resumed") else code)
+    return None
+
+
+def carry_lines(path: Path) -> bytes:
+    """The lines a new generation starts with, from the generation at ``path`` being rotated: the latest
+    ``started`` event and, after it, the latest event per :func:`_carry_key`, each marked carried.
+
+    What a reader derives state from is never lost to rotation; what is carried is bounded by the
+    number of progress keys, metric names and message codes, not by the run's length."""
+    started: Event | None = None
+    latest: dict[tuple[str, ...], Event] = {}
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # a torn last line: not an event
+            try:
+                ev = decode(raw)
+            except EventError:
+                continue
+            if ev.type == "started":
+                started = ev
+                latest.clear()  # a new attempt: what came before is not its state
+                continue
+            key = _carry_key(ev)
+            if key is not None:
+                latest[key] = ev
+    out = ([started] if started else []) + sorted(latest.values(), key=lambda e: e.t)
+    return "".join(Event(e.type, e.t, {**e.data, CARRIED: True}).to_json() + "\n" for e in out).encode()
 
 
 def read_all(path: Path) -> list[Event]:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from pipeline.run.files import open_private_append
 from pipeline.run.plan import StageSpec
 from pipeline.run.procs import ProcIdentity, StrangerError, env_with_pipeline, signal_group
 from pipeline.run.rundir import RunDir, StageDir
@@ -66,7 +67,7 @@ class LocalProcesses:
     # -------------------------------------------------------------------------------- launch
     def launch(self, sid: str, attempt: int) -> None:
         sd = self.run.stage(sid)
-        logfh = open(sd.log, "ab")  # noqa: SIM115
+        logfh = open_private_append(sd.log)  # 0600 whatever the umask
         try:
             child = subprocess.Popen(
                 [self.python, "-m", "pipeline.run.launcher", str(self.run.root), sid, str(attempt)],
