@@ -189,6 +189,7 @@ class EventTail:
         self.max_bytes = max_bytes
         self._ino: int | None = None
         self._skip_carried = False  # we came from an older generation: its carried copies were seen
+        self._mark = b""  # the last bytes read: a rotated generation found by inode must end them there
 
     def read(self) -> Chunk:
         out = Chunk([], [], self.offset)
@@ -213,10 +214,15 @@ class EventTail:
         with open(src, "rb") as fh:
             if self._ino is not None and os.fstat(fh.fileno()).st_ino != self._ino:
                 return Chunk([], [], self.offset), False  # rotated again since we looked: next call
+            if not self._ends_mark(fh.fileno()):
+                # a new file that got our old file's inode number (ours was rotated away and dropped)
+                self.offset, self._skip_carried, self._mark = 0, False, b""
             fh.seek(self.offset)
             buf = fh.read(min(self.max_bytes, size - self.offset))
         lines, used = split_complete(buf)
         self.offset += used
+        if used:
+            self._mark = buf[max(0, used - 64) : used]
         events, bad = parse_lines(lines)
         if self._skip_carried:
             events = self._drop_carried(events)
@@ -233,17 +239,30 @@ class EventTail:
             if st is None:
                 return None
             if st.st_size < self.offset:  # cut in place: read it again
-                self.offset, self._skip_carried = 0, False
+                self.offset, self._skip_carried, self._mark = 0, False, b""
             self._ino = st.st_ino
             return self.path, st.st_size, False
         found = growth.find_generation(self.path, self._ino, growth.keep("events"))
-        if found is not None:
+        if found is not None and self._ends_mark(found[1]):
             return found[1], found[2].st_size, True
         if st is None:
             return None
         # our generation is gone: the current file from its start (its carried lines give the state)
-        self._ino, self.offset, self._skip_carried = st.st_ino, 0, False
+        self._ino, self.offset, self._skip_carried, self._mark = st.st_ino, 0, False, b""
         return self.path, st.st_size, False
+
+    def _ends_mark(self, where: Path | int) -> bool:
+        """Is ``where`` (a path or an open fd) the file we read, not one that reused its inode number
+        after ours was rotated away and dropped? Its bytes before our offset are the last ones we read."""
+        if not self._mark or self.offset < len(self._mark):
+            return True
+        try:
+            if isinstance(where, int):
+                return os.pread(where, len(self._mark), self.offset - len(self._mark)) == self._mark
+            with open(where, "rb") as fh:
+                return os.pread(fh.fileno(), len(self._mark), self.offset - len(self._mark)) == self._mark
+        except OSError:
+            return False
 
     def _next_generation(self) -> None:
         """Done with a rotated generation: on to the next newer one, after its carried lines."""
@@ -254,7 +273,7 @@ class EventTail:
             self._ino = growth.generation(self.path, n - 1).stat().st_ino
         except FileNotFoundError:
             self._ino = None
-        self.offset, self._skip_carried = 0, True
+        self.offset, self._skip_carried, self._mark = 0, True, b""
 
     def _drop_carried(self, events: list[Event]) -> list[Event]:
         kept = []

@@ -310,8 +310,8 @@ class LogRotator:
                 with open_private_append(path) as fh:
                     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                     fh.write(
-                        f"===== aerie: {path.name} rotated {stamp}: the {moved:,} bytes before are in "
-                        f"{generation(path, 1).name} =====\n".encode()
+                        f"----- aerie: {path.name} rotated {stamp}: the {moved:,} bytes before are in "
+                        f"{generation(path, 1).name} -----\n".encode()
                     )
             except OSError as exc:
                 self.log(f"{sid}: cannot rotate {path.name}: {exc}")
