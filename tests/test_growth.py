@@ -32,7 +32,9 @@ def _done(events: list[Event]) -> list[object]:
 
 
 # ------------------------------------------------------------------------------------- events
-def test_event_readers_follow_rotation_with_two_writers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_event_readers_follow_rotation_with_two_writers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two writers (the launcher's and the stage's fds) take turns; one rotates under the other, whose
     next event must land in the new file. A reader polling between writes sees every event once, in
     order; a reader that starts after the rotations still knows the attempt and the latest progress."""
@@ -70,7 +72,9 @@ def test_event_readers_follow_rotation_with_two_writers(tmp_path: Path, monkeypa
     assert "metric" in latest and [e for e in fresh if e.type == "metric"][-1].get("step") == 295
 
 
-def test_reader_far_behind_rotation_reads_current_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reader_far_behind_rotation_reads_current_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A reader whose generation was dropped (more rotations than are kept) starts the current file from
     its head: the carried lines give it the attempt and the latest progress, never an older state."""
     monkeypatch.setenv("AERIE_ROTATE_BYTES_EVENTS", "600")
@@ -270,3 +274,31 @@ def _assert_private(run: RunDir) -> None:
     assert run.root.stat().st_mode & 0o077 == 0
     assert (run.stage("work").out / "result.txt").exists()
     assert not loose, loose
+
+
+def test_supervisor_log_rotates_with_its_stdout(tmp_path: Path) -> None:
+    """The supervisor's log rotates past its limit, and the process's stdout/stderr (where a traceback
+    would go: spawn_detached points them at the log) follow it to the new file."""
+    code = (
+        "import os, sys\nfrom pathlib import Path\nfrom pipeline.run.growth import RotatingLog\n"
+        "p = Path(sys.argv[1])\nfd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)\n"
+        "os.dup2(fd, 1); os.dup2(fd, 2)\nlog = RotatingLog(p)\n"
+        "for i in range(40):\n    log.write(f'line {i} ' + 'x' * 40 + '\\n')\n"
+        "print('stdout after the rotations', flush=True)\n"
+        "print('stderr after the rotations', file=sys.stderr, flush=True)\n"
+    )
+    log = tmp_path / "supervisor.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_ROTATE_BYTES_SUPERVISOR="500")
+    subprocess.run([sys.executable, "-c", code, str(log)], env=env, check=True)
+    current = log.read_text()
+    assert "stdout after the rotations" in current and "stderr after the rotations" in current
+    assert "line 39 " in current
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "supervisor.1.log",
+        "supervisor.2.log",
+        "supervisor.log",
+    ]
+    kept = "".join(p.read_text() for p in (tmp_path / "supervisor.2.log", tmp_path / "supervisor.1.log", log))
+    numbers = [int(ln.split()[1]) for ln in kept.splitlines() if ln.startswith("line ")]
+    assert numbers == list(range(numbers[0], 40))  # the newest kept whole, in order
+    assert all(p.stat().st_mode & 0o077 == 0 for p in tmp_path.iterdir())

@@ -109,8 +109,11 @@ def append(run_root: Path | str, rec: dict[str, Any]) -> None:
         os.fsync(fd)
         limit = growth.limit("audit")
         if limit and os.fstat(fd).st_size >= limit:
-            growth.rotate_file(path, growth.keep("audit"))
-            created = True
+            try:
+                growth.rotate_file(path, growth.keep("audit"))
+                created = True
+            except OSError:
+                pass  # the entry is written; the rotation is tried again by the next append
     finally:
         os.close(fd)
     if created:

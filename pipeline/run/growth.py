@@ -55,6 +55,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "supervisor": (16 * MiB, 2),
 }
 ENV_PREFIX = "AERIE_ROTATE_BYTES_"
+RETRY_BYTES = 1 * MiB  # a rotation that failed is tried again after this much more was appended
 LOG_CHECK_S = 10.0  # how often the supervisor looks at the stage logs' sizes (AERIE_ROTATE_CHECK_S)
 
 
@@ -141,18 +142,23 @@ def rotate_file(path: Path, keep_n: int, head: bytes = b"") -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(first)  # keep_n == 1: the only generation is replaced
     tmp = path.with_name(f".{path.name}.rotating")
-    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
     try:
-        if head:
-            append_line(fd, head)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(path, first)
-    except OSError:
-        os.replace(path, first)
-    os.replace(tmp, path)
+        fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+        try:
+            if head:
+                append_line(fd, head)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(path, first)
+        except OSError:
+            os.replace(path, first)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _flock(fd: int, op: int) -> None:
@@ -196,28 +202,40 @@ class SharedAppender:
         self.limit = limit(kind) if limit_bytes is None else limit_bytes
         self.keep = keep(kind)
         self.head = head
+        self._retry_at = 0  # after a failed rotation: the size at which to try again
         self.fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
 
     def _reopen(self) -> None:
+        fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
         os.close(self.fd)
-        self.fd = -1
-        self.fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
+        self.fd = fd
 
     def append(self, data: bytes) -> None:
-        """Append one whole line to the file now at the path (following a rotation), then rotate if due."""
+        """Append one whole line to the file now at the path (following a rotation), then rotate if due.
+
+        Only the append's own error is raised: a rotation that fails (a full disk) leaves the file as it
+        is and is tried again once it has grown by another :data:`RETRY_BYTES`."""
         for _ in range(100):
             _flock(self.fd, fcntl.LOCK_SH)
             if _same_file(self.path, self.fd):
                 break
             _flock(self.fd, fcntl.LOCK_UN)
-            self._reopen()
+            try:
+                self._reopen()
+            except FileNotFoundError:  # its directory is gone: write on where we were, as before
+                _flock(self.fd, fcntl.LOCK_SH)
+                break
         try:
             append_line(self.fd, data)
             size = os.fstat(self.fd).st_size
         finally:
             _flock(self.fd, fcntl.LOCK_UN)
-        if self.limit and size >= self.limit:
-            self.rotate()
+        if self.limit and size >= max(self.limit, self._retry_at):
+            try:
+                self.rotate()
+                self._retry_at = 0
+            except OSError:
+                self._retry_at = size + RETRY_BYTES
 
     def rotate(self) -> None:
         _flock(self.fd, fcntl.LOCK_EX)
