@@ -193,6 +193,8 @@ def _follow_rotation(stream: _Stream, data: bytes, size: int, ino: int) -> list[
     lines, used = split_complete(data)
     start = stream.offset
     stream.offset += used
+    if stream.skip_partial and lines:  # attached mid-file just before the rotation: a fragment
+        lines, stream.skip_partial = lines[1:], False
     if start + len(data) >= size:  # read to its end: nothing is appended to a rotated generation
         stream.gen, stream.gen_ino, stream.offset = stream.gen - 1, 0, 0
         stream.next_skip = True
