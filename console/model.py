@@ -12,7 +12,7 @@ skipped head back in the background, a chunk per poll (see :meth:`RunModel._back
 Events files rotate past a size limit (:mod:`pipeline.run.growth`): when a stage's ``events.jsonl``
 has a new inode the stream first reads the rest of the old generation (``events.1.jsonl``, or further:
 the one with the old inode), then the new file from its start, skipping its *carried* lines (copies of
-what it has already seen); none is lost or applied twice (:func:`_follow_rotation`). The curves' read-back
+what it has already seen); none is lost or applied twice (:func:`console.streams.follow_rotation`). The curves' read-back
 covers the current generation only.
 
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from console.series import StageHistory
+from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import Transport
-from pipeline.run import growth
-from pipeline.run.events import CARRIED, Event, parse_lines, split_complete
+from pipeline.run.events import Event, parse_lines, split_complete
 from pipeline.run.stage_row import TERMINAL, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
@@ -118,99 +118,6 @@ class StageView(StageRow):
         return self.state
 
 
-@dataclass
-class _Stream:
-    """Read position in one growing file."""
-
-    offset: int = 0
-    ino: int = 0
-    primed: bool = False  # False until the first read decided where to start
-    skip_partial: bool = False  # the next line is a fragment (we started mid-file)
-    skipped: int = 0  # bytes of the file's head jumped over on attach (the curves read them back later)
-    gen: int = 0  # >0: finishing rotated generation N (``events.N.jsonl``) before the current file
-    gen_ino: int = 0  # the inode of the generation being finished (0: take the one found)
-    skip_carried: bool = False  # the head of this generation repeats what was read: skip carried lines
-    next_skip: bool = False  # skip_carried for the generation after the one just finished
-
-    def rel(self, name: str) -> str:
-        """The run-relative file to read next: ``name`` or one of its rotated generations."""
-        return growth.generation_name(name, self.gen)
-
-
-def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int) -> list[bytes]:
-    """Advance ``stream`` over ``data`` (read at ``stream.offset``); return the complete new lines.
-
-    A file that shrank or was replaced starts over. On the first read of a file longer than
-    ``tail_bytes`` the stream jumps to its last ``tail_bytes`` (read on the next poll) and drops
-    the first, partial line there, so attaching to a week-long run costs what an hour-long one does.
-    """
-    if size < 0:
-        return []
-    if (stream.ino and ino and ino != stream.ino) or size < stream.offset:
-        stream.offset, stream.primed, stream.skip_partial = 0, False, False
-        stream.ino = ino
-        return []
-    stream.ino = ino
-    if not stream.primed:
-        stream.primed = True
-        if size - stream.offset > tail_bytes:
-            stream.offset = size - tail_bytes
-            stream.skip_partial = True
-            stream.skipped = stream.offset
-            return []
-    lines, used = split_complete(data)
-    stream.offset += used
-    if stream.skip_partial and lines:
-        lines = lines[1:]
-        stream.skip_partial = False
-    return lines
-
-
-def _follow_rotation(stream: _Stream, data: bytes, size: int, ino: int) -> list[bytes] | None:
-    """Rotation of an events file: the lines to apply from this answer, or None when it is an ordinary
-    read of the current file (for :func:`_consume`).
-
-    The current file with a new inode starts the finishing of the old generation (next poll reads
-    ``events.1.jsonl`` at the old offset). A generation whose inode is not the one we were reading sends
-    the next poll one generation further; none left: the current file from its start, carried lines and
-    all (so the state is whole again). At a generation's end the next newer one follows, from its start,
-    skipping its carried head."""
-    if stream.gen == 0:
-        if stream.ino and ino and size >= 0 and ino != stream.ino and stream.primed:
-            stream.gen, stream.gen_ino, stream.ino = 1, stream.ino, 0
-            return []
-        if stream.ino == 0 and stream.primed and size >= 0:
-            stream.ino = ino  # arrived in the current file from a rotated generation
-        return None
-    if size < 0 or (stream.gen_ino and ino != stream.gen_ino):
-        if size >= 0 and stream.gen_ino and stream.gen < growth.keep("events"):
-            stream.gen += 1  # rotated again meanwhile: it is one generation further
-            return []
-        # gone: the current file from its start
-        stream.gen, stream.gen_ino, stream.offset, stream.ino, stream.skip_carried = 0, 0, 0, 0, False
-        return []
-    stream.gen_ino = ino
-    lines, used = split_complete(data)
-    start = stream.offset
-    stream.offset += used
-    if stream.skip_partial and lines:  # attached mid-file just before the rotation: a fragment
-        lines, stream.skip_partial = lines[1:], False
-    if start + len(data) >= size:  # read to its end: nothing is appended to a rotated generation
-        stream.gen, stream.gen_ino, stream.offset = stream.gen - 1, 0, 0
-        stream.next_skip = True
-    return lines
-
-
-def _drop_carried(stream: _Stream, events: list[Event]) -> list[Event]:
-    kept = []
-    for ev in events:
-        if stream.skip_carried and ev.get(CARRIED):
-            continue
-        stream.skip_carried = False  # carried lines are only at a generation's head
-        kept.append(ev)
-    return kept
-
-
 class RunModel:
     """The run as the console knows it. Call :meth:`poll` periodically (from a worker)."""
 
@@ -228,8 +135,8 @@ class RunModel:
         self.done = False
         self.error: str | None = None
         self._state_raw = b""
-        self._events: dict[str, _Stream] = {}
-        self._logs: dict[str, _Stream] = {}
+        self._events: dict[str, Stream] = {}
+        self._logs: dict[str, Stream] = {}
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
         self.telemetry = TelemetryModel()
         self.telemetry_stage: str | None = None
@@ -270,11 +177,11 @@ class RunModel:
         reqs: list[tuple[str, int]] = [("state.json", 0)]
         ev_ids = list(self.order)
         for sid in ev_ids:
-            stream = self._events.setdefault(sid, _Stream())
+            stream = self._events.setdefault(sid, Stream())
             reqs.append((stream.rel(f"stages/{sid}/events.jsonl"), stream.offset))
         log_ids = [s for s in self.watched if s in self.stages]
         for sid in log_ids:
-            reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, _Stream()).offset))
+            reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, Stream()).offset))
         with_telemetry = self.telemetry_stage is not None  # fixed now: state.json below may change it
         if with_telemetry:
             reqs.append(self.telemetry.read_request())
@@ -383,9 +290,9 @@ class RunModel:
             self.telemetry.path = telemetry_path(tel or "telemetry")
         return changed
 
-    def _apply_events(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        follow = _follow_rotation(stream, data, size, ino)
-        lines = follow if follow is not None else _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
+    def _apply_events(self, sid: str, stream: Stream, data: bytes, size: int, ino: int) -> bool:
+        follow = follow_rotation(stream, data, size, ino)
+        lines = follow if follow is not None else consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
         st = self.stages.get(sid)
         if not lines or st is None:
             if stream.next_skip:
@@ -393,7 +300,7 @@ class RunModel:
             return False
         events, _bad = parse_lines(lines)
         if stream.skip_carried:
-            events = _drop_carried(stream, events)
+            events = drop_carried(stream, events)
         if stream.next_skip:
             stream.skip_carried, stream.next_skip = True, False
         for ev in events:
@@ -424,8 +331,8 @@ class RunModel:
         for listener in self.listeners:
             listener(st, ev)
 
-    def _apply_log(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines = _consume(stream, data, size, ino, LOG_TAIL_BYTES)
+    def _apply_log(self, sid: str, stream: Stream, data: bytes, size: int, ino: int) -> bool:
+        lines = consume(stream, data, size, ino, LOG_TAIL_BYTES)
         if not lines:
             return False
         st = self.stages[sid]

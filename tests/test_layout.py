@@ -25,6 +25,7 @@ CONSOLE_ALLOWED = {
     "pipeline.run.projection",  # the run's finish, GPU-hours and disk at finish: one computation
     "pipeline.run.projection_text",  # … and its words, the same in the header and in aerie status
     "pipeline.run.audit",  # the audit log's entries: one format for the CLI and the console
+    "pipeline.run.growth",  # the rotated generations' names and how many are kept: one definition
     "pipeline.serving.sglang_log",
 }
 

@@ -5,6 +5,7 @@ console's transports; the supervisor itself (:mod:`.supervisor`) only runs the l
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -35,7 +36,8 @@ def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
             )
         return run
     private_dir(run.root)
-    os.chmod(run.root, PRIVATE_DIR)  # the run's logs and events are its operator's, whoever made the dir
+    with contextlib.suppress(PermissionError):  # not ours to change: its owner decides who may read it
+        os.chmod(run.root, PRIVATE_DIR)  # the run's logs and events are its operator's, whoever made the dir
     for spec in plan.stages:
         sd = run.stage(spec.id)
         private_dir(sd.path)
