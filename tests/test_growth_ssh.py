@@ -57,3 +57,18 @@ async def test_events_and_audit_across_rotation_over_ssh(
     assert [e.get("done") for e in applied if e.type == "progress"] == list(range(150))
     assert [e.type for e in applied].count("started") == 1
     assert [e.stage for e in trail.entries] == [f"s{i}" for i in range(0, 150, 5)]
+
+
+async def test_preflight_creates_the_remote_run_dir_private(ssh_plan) -> None:  # noqa: ANN001
+    """The SSH bootstrap makes the remote run dir and its ``.aerie`` 0700 and what it writes 0600, whatever
+    the sshd's umask, before any supervisor tightens it."""
+    from console.ssh.preflight import preflight
+    from pipeline.run import plan as plan_mod
+
+    plan = plan_mod.load(ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n'))
+    remote = Path(plan.executor.remote_dir)
+    rep = await preflight(plan)
+    assert rep.ok, rep.render()
+    assert remote.stat().st_mode & 0o777 == 0o700
+    assert (remote / ".aerie").stat().st_mode & 0o777 == 0o700
+    assert (remote / ".aerie" / "layout.json").stat().st_mode & 0o777 == 0o600
