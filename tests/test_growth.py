@@ -302,3 +302,64 @@ def test_supervisor_log_rotates_with_its_stdout(tmp_path: Path) -> None:
     numbers = [int(ln.split()[1]) for ln in kept.splitlines() if ln.startswith("line ")]
     assert numbers == list(range(numbers[0], 40))  # the newest kept whole, in order
     assert all(p.stat().st_mode & 0o077 == 0 for p in tmp_path.iterdir())
+
+
+def test_carried_head_is_the_latest_state_per_key(tmp_path: Path) -> None:
+    """The carried head (read from the file's end, decoding only unseen keys) is what a decode of every
+    line finds: the latest ``started`` and, after it, the latest event per progress key, metric name and
+    label, message code, health and finished — with keys that hold quotes and backslashes, a message whose
+    text looks like a key, garbage lines and a torn last line."""
+    import random
+
+    from pipeline.run.events import carry_lines, decode
+
+    def every_line(path: Path) -> list[tuple[str, dict]]:
+        started, latest, where = None, {}, {}
+        for n, raw in enumerate(path.read_bytes().split(b"\n")[:-1]):
+            try:
+                ev = decode(raw)
+            except ValueError:
+                continue
+            where[id(ev)] = n
+            if ev.type == "started":
+                started, latest = ev, {}
+            elif ev.type in ("health", "finished"):
+                latest[(ev.type,)] = ev
+            elif ev.type == "progress":
+                latest[("p", ev.get("key"))] = ev
+            elif ev.type == "metric":
+                latest[("m", ev.get("name"), ev.get("label"))] = ev
+            elif ev.type == "message" and ev.get("code"):
+                latest[("c", "pause" if ev.get("code") in ("paused", "resumed") else ev.get("code"))] = ev
+        out = ([started] if started else []) + sorted(latest.values(), key=lambda e: where[id(e)])
+        return [(e.type, e.data) for e in out]
+
+    rng = random.Random(37)
+    for trial in range(12):
+        path = tmp_path / f"events{trial}.jsonl"
+        with EventWriter(path, rotate_bytes=0) as w:
+            for i in range(rng.randint(0, 1500)):
+                r = rng.random()
+                if r < 0.01:
+                    w.emit("started", attempt=rng.randint(1, 3), pid=1)
+                elif r < 0.5:
+                    w.emit("progress", done=i, total=2000, key=rng.choice([None, "a", 'q"x']))
+                elif r < 0.9:
+                    w.emit(
+                        "metric",
+                        name=rng.choice(["loss", "n\\m"]),
+                        value=rng.random(),
+                        label=rng.choice([None, "x"]),
+                    )
+                elif r < 0.95:
+                    code = rng.choice([None, "paused", "resumed", "ready"])
+                    w.emit("message", text='says "name":"zz"', level="info", code=code)
+                else:
+                    w.emit("health", state=rng.choice(["ready", "starting"]))
+        with path.open("ab") as fh:
+            fh.write(b"garbage\n" if trial % 2 else b'{"type":"progress","t":1,')
+        carried = [decode(ln) for ln in carry_lines(path).splitlines()]
+        assert all(e.get(CARRIED) for e in carried)
+        assert [(e.type, {k: v for k, v in e.data.items() if k != CARRIED}) for e in carried] == every_line(
+            path
+        )

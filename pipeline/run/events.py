@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,29 +302,88 @@ def _carry_key(ev: Event) -> tuple[str, ...] | None:
 
 def carry_lines(path: Path) -> bytes:
     """The lines a new generation starts with, from the generation at ``path`` being rotated: the latest
-    ``started`` event and, after it, the latest event per :func:`_carry_key`, each marked carried.
+    ``started`` event and, after it, the latest event per :func:`_carry_key` in file order, each marked
+    carried.
 
     What a reader derives state from is never lost to rotation; what is carried is bounded by the
-    number of progress keys, metric names and message codes, not by the run's length."""
+    number of progress keys, metric names and message codes, not by the run's length. The file is read
+    from its end, decoding only a line whose key was not seen yet, back to the latest ``started``
+    (what came before it was another attempt's): a 64 MiB generation costs a pass over its bytes, not
+    a JSON decode of every line."""
     started: Event | None = None
     latest: dict[tuple[str, ...], Event] = {}
+    seen: set[bytes] = set()
     with open(path, "rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break  # a torn last line: not an event
+        for raw in _lines_from_end(fh):
+            quick = _quick_key(raw)
+            if quick is None or quick in seen:
+                continue
             try:
                 ev = decode(raw)
             except EventError:
                 continue
             if ev.type == "started":
                 started = ev
-                latest.clear()  # a new attempt: what came before is not its state
-                continue
+                break
             key = _carry_key(ev)
             if key is not None:
-                latest[key] = ev
-    out = ([started] if started else []) + sorted(latest.values(), key=lambda e: e.t)
+                seen.add(quick)
+                latest.setdefault(key, ev)  # found last first: dict order is newest first
+    out = ([started] if started else []) + list(reversed(latest.values()))  # in file order
     return "".join(Event(e.type, e.t, {**e.data, CARRIED: True}).to_json() + "\n" for e in out).encode()
+
+
+_TYPE_RE = re.compile(rb'"type":"(\w+)"')
+_FIELD_RE = {
+    f: re.compile(rb'"' + f + rb'":"((?:[^"\\]|\\.)*)"') for f in (b"key", b"name", b"label", b"code")
+}
+_QUICK_FIELDS = {b"progress": (b"key",), b"metric": (b"name", b"label"), b"message": (b"code",)}
+
+
+def _quick_key(raw: bytes) -> bytes | None:
+    """A line's :func:`_carry_key` from its bytes, without decoding it (None: never carried)."""
+    m = _TYPE_RE.search(raw)
+    if m is None:
+        return b"?" + raw  # not the usual layout: decoded to find out
+    kind = m.group(1)
+    if kind in (b"started", b"health", b"finished"):
+        return kind
+    fields = _QUICK_FIELDS.get(kind)
+    if fields is None:
+        return None
+    parts = [kind]
+    for f in fields:
+        fm = _FIELD_RE[f].search(raw)
+        parts.append(fm.group(1) if fm else b"")
+    if kind == b"message":
+        if not parts[1]:
+            return None  # an uncoded message is not carried
+        if parts[1] in (b"paused", b"resumed"):
+            parts[1] = b"pause"
+    return b"\0".join(parts)
+
+
+def _lines_from_end(fh: Any, block: int = 1 << 20) -> Any:
+    """The complete lines of a file, last first (a torn last line is skipped)."""
+    end = os.fstat(fh.fileno()).st_size
+    rest = b""
+    first = True
+    while end > 0:
+        start = max(0, end - block)
+        fh.seek(start)
+        buf = fh.read(end - start) + rest
+        end = start
+        lines = buf.split(b"\n")
+        rest = lines.pop(0) if start > 0 else b""
+        if first:
+            first = False
+            if lines and lines[-1] != b"":
+                lines.pop()  # a torn last line: not an event
+            if lines and lines[-1] == b"":
+                lines.pop()
+        yield from (ln for ln in reversed(lines) if ln.strip())
+    if rest.strip():
+        yield rest
 
 
 def read_all(path: Path) -> list[Event]:
