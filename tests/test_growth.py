@@ -363,3 +363,32 @@ def test_carried_head_is_the_latest_state_per_key(tmp_path: Path) -> None:
         assert [(e.type, {k: v for k, v in e.data.items() if k != CARRIED}) for e in carried] == every_line(
             path
         )
+
+
+async def test_log_screen_after_copy_truncate_shows_the_new_file(tmp_path: Path) -> None:
+    """The log screen, scrolled to the top of a long log (not following), when the supervisor
+    copy-truncates it: it shows the new file's lines, never the old content at the old line numbers."""
+    from console.app import AerieApp
+    from tests.runs import finished_run
+    from tests.test_console import until
+    from tests.test_logview import open_log, screen_text
+
+    run = finished_run(tmp_path / "r")
+    log = run.stage("prep.sharegpt").log
+    log.write_text("".join(f"old line {i}\n" for i in range(3000)))
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
+    async with app.run_test(size=(120, 30)) as pilot:
+        scr = await open_log(pilot, app)
+        view = scr.view
+        await until(pilot, lambda: view.total == 3000, what="the old log indexed")
+        await pilot.press("g")  # the top: not following
+        await until(pilot, lambda: "old line 0" in screen_text(view)[0], what="the top")
+        rotator = growth.LogRotator(lambda: [("prep.sharegpt", log)], lambda _t: None)
+        rotator.limit = 1000
+        assert rotator.tick(force=True) == 1
+        with open(log, "a") as fh:
+            fh.write("new line after the cut\n")
+        await until(pilot, lambda: view.total == 2, what="the cut file re-indexed")
+        await until(pilot, lambda: screen_text(view)[1].endswith("new line after the cut"), what="new lines")
+        shown = "\n".join(screen_text(view))
+        assert "old line" not in shown and "stage.1.log" in screen_text(view)[0]
