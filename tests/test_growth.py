@@ -392,3 +392,38 @@ async def test_log_screen_after_copy_truncate_shows_the_new_file(tmp_path: Path)
         await until(pilot, lambda: screen_text(view)[1].endswith("new line after the cut"), what="new lines")
         shown = "\n".join(screen_text(view))
         assert "old line" not in shown and "stage.1.log" in screen_text(view)[0]
+
+
+def test_a_frozen_lock_holder_never_blocks_a_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused stage is SIGSTOPped wherever it is — maybe holding the events file's lock. The
+    supervisor's own event write must not wait for its resume: past the lock wait it writes anyway, and
+    a rotation that cannot get the lock is put off, never fatal."""
+    import signal
+
+    monkeypatch.setattr(growth, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setenv("AERIE_ROTATE_BYTES_EVENTS", "300")
+    path = tmp_path / "events.jsonl"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl,sys,time\nf=open(sys.argv[1],'ab')\nfcntl.flock(f,fcntl.LOCK_SH)\n"
+            "print('held',flush=True)\ntime.sleep(60)",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        os.kill(holder.pid, signal.SIGSTOP)  # frozen while holding it
+        with EventWriter(path) as w:
+            for i in range(10):  # past the limit: each rotation attempt times out, the writes go on
+                w.emit("progress", done=i, total=10)
+        assert _done(read_all(path)) == list(range(10))
+        assert not (tmp_path / "events.1.jsonl").exists()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    with EventWriter(path) as w:  # the holder gone: the put-off rotation happens
+        w.emit("progress", done=10, total=10)
+    assert (tmp_path / "events.1.jsonl").exists()

@@ -55,6 +55,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "supervisor": (16 * MiB, 2),
 }
 ENV_PREFIX = "AERIE_ROTATE_BYTES_"
+LOCK_WAIT_S = 5.0  # the longest an appender waits for a rotation (or a rotator for appenders) to finish
 RETRY_BYTES = 1 * MiB  # a rotation that failed is tried again after this much more was appended
 LOG_CHECK_S = 10.0  # how often the supervisor looks at the stage logs' sizes (AERIE_ROTATE_CHECK_S)
 
@@ -161,9 +162,28 @@ def rotate_file(path: Path, keep_n: int, head: bytes = b"") -> None:
         raise
 
 
-def _flock(fd: int, op: int) -> None:
-    with contextlib.suppress(OSError):  # no flock on this filesystem: the tiny race described above
-        fcntl.flock(fd, op)
+def _flock(fd: int, op: int, wait_s: float | None = None) -> bool:
+    """``flock`` that waits at most ``wait_s``; False when it was not taken.
+
+    Bounded because a lock holder can be frozen: a paused stage is SIGSTOPped wherever it is, maybe
+    inside a write or a rotation, and the supervisor's own event writes must never wait for its resume.
+    Past the wait a writer writes unlocked (its line may then land at the end of the old generation,
+    the race the lock otherwise closes) and a rotation is put off. No flock on this filesystem: the same."""
+    if op == fcntl.LOCK_UN:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, op)
+        return True
+    deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        except OSError:
+            return False
 
 
 def _same_file(path: Path, fd: int) -> bool:
@@ -178,7 +198,7 @@ def open_locked(path: Path, flags: int) -> int:
     an appender that may rotate (the audit log) opens, so no rotation runs between its check and write."""
     for _ in range(100):
         fd = open_private(path, flags)
-        _flock(fd, fcntl.LOCK_EX)
+        _flock(fd, fcntl.LOCK_EX)  # not taken within LOCK_WAIT_S (a frozen holder): append unlocked
         if _same_file(path, fd):
             return fd
         os.close(fd)  # rotated while we waited: the new file
@@ -238,7 +258,8 @@ class SharedAppender:
                 self._retry_at = size + RETRY_BYTES
 
     def rotate(self) -> None:
-        _flock(self.fd, fcntl.LOCK_EX)
+        if not _flock(self.fd, fcntl.LOCK_EX):
+            raise OSError(f"{self.path}: a writer holds it (frozen?): rotation put off")
         try:
             # another appender may have rotated it while we waited for the lock
             if _same_file(self.path, self.fd) and os.fstat(self.fd).st_size >= self.limit:
