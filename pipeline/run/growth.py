@@ -31,7 +31,9 @@ fd while they check that it is still the file at the path and write; the rotator
 one on the old file while it renames. So once a rotation is done no byte lands in the old generation,
 and a reader that finishes the old generation and goes on with the new file loses and repeats nothing.
 On a filesystem without ``flock`` (some network mounts) the lock is skipped and an event written in the
-instant of a rotation may land at the end of the old generation instead.
+instant of a rotation may land at the end of the old generation instead; so it is when a holder does
+not let go within :data:`LOCK_WAIT_S` (a paused stage, SIGSTOPped inside a write): the writer writes
+unlocked rather than wait for the resume, and a rotation is put off.
 """
 
 from __future__ import annotations
