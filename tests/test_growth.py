@@ -256,8 +256,10 @@ def test_real_run_private_and_rotated(tmp_path: Path, monkeypatch: pytest.Monkey
     sd = run.stage("work")
     assert (sd.path / "events.1.jsonl").exists() and (sd.path / "stage.1.log").exists()
     assert (run.root / "supervisor.1.log").exists() and (run.root / "audit.1.jsonl").exists()
-    state = {s["id"]: s for s in read_json(run.state_path)["stages"]}
-    assert state["work"]["progress"]["done"] == 400
+    snap = read_json(run.state_path)
+    assert snap["supervisor"]["pid"] != sup.pid  # a supervisor that read the rotated events afresh ...
+    state = {s["id"]: s for s in snap["stages"]}
+    assert state["work"]["attempt"] == 1 and state["work"]["progress"]["done"] == 400  # ... lost nothing
     fresh = read_all(sd.events)
     assert fresh[0].type == "started" and fresh[0].get("attempt") == 1
     assert fresh[-1].type == "finished" and fresh[-1].get("status") == "succeeded"
