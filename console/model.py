@@ -9,6 +9,12 @@ ETA), the last events and the last log lines. On attach the model starts
 near the end of long event files instead of replaying days of history; the curves then read the
 skipped head back in the background, a chunk per poll (see :meth:`RunModel._backfill_step`).
 
+Events files rotate past a size limit (:mod:`pipeline.run.growth`): when a stage's ``events.jsonl``
+has a new inode the stream first reads the rest of the old generation (``events.1.jsonl``, or further:
+the one with the old inode), then the new file from its start, skipping its *carried* lines (copies of
+what it has already seen); none is lost or applied twice (:func:`console.streams.follow_rotation`). The curves' read-back
+covers the current generation only.
+
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
 :meth:`poll` reports that something changed. Listeners (``RunModel.listeners``, e.g. the anomaly rules of
 :mod:`console.anomalies`) see each event as it is applied, so they work incrementally.
@@ -24,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from console.series import StageHistory
+from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import ReadResult, Transport, read_whole
 from pipeline.run.events import Event, LineSkipper, parse_lines
@@ -116,46 +123,6 @@ class StageView(StageRow):
         return self.state
 
 
-@dataclass
-class _Stream:
-    """Read position in one growing file."""
-
-    offset: int = 0
-    ino: int = 0
-    primed: bool = False  # False until the first read decided where to start
-    skip: LineSkipper = field(default_factory=LineSkipper)  # a fragment to drop, an over-long line to skip
-    skipped: int = 0  # bytes of the file's head jumped over on attach (the curves read them back later)
-
-
-def _consume(
-    stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int
-) -> tuple[list[bytes], list[str]]:
-    """Advance ``stream`` over ``data`` (read at ``stream.offset``); return the complete new lines, and a
-    note for each line longer than :data:`READ_WINDOW` that was skipped (so it never stalls the stream).
-
-    A file that shrank or was replaced starts over. On the first read of a file longer than
-    ``tail_bytes`` the stream jumps to its last ``tail_bytes`` (read on the next poll) and drops
-    the first, partial line there, so attaching to a week-long run costs what an hour-long one does.
-    """
-    if size < 0:
-        return [], []
-    if (stream.ino and ino and ino != stream.ino) or size < stream.offset:
-        stream.offset, stream.primed, stream.skip = 0, False, LineSkipper()
-        stream.ino = ino
-        return [], []
-    stream.ino = ino
-    if not stream.primed:
-        stream.primed = True
-        if size - stream.offset > tail_bytes:
-            stream.offset = size - tail_bytes
-            stream.skip.start_mid_line()
-            stream.skipped = stream.offset
-            return [], []
-    lines, used, notes = stream.skip.take(data, READ_WINDOW)
-    stream.offset += used
-    return lines, notes
-
-
 class RunModel:
     """The run as the console knows it. Call :meth:`poll` periodically (from a worker)."""
 
@@ -174,8 +141,8 @@ class RunModel:
         self.error: str | None = None
         self._state_raw = b""
         self.state_problem: str | None = None  # state.json unreadable (STATE_PROBLEM), shown as the error
-        self._events: dict[str, _Stream] = {}
-        self._logs: dict[str, _Stream] = {}
+        self._events: dict[str, Stream] = {}
+        self._logs: dict[str, Stream] = {}
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
         self.telemetry = TelemetryModel()
         self.telemetry_stage: str | None = None
@@ -216,10 +183,11 @@ class RunModel:
         reqs: list[tuple[str, int]] = [("state.json", 0)]
         ev_ids = list(self.order)
         for sid in ev_ids:
-            reqs.append((f"stages/{sid}/events.jsonl", self._events.setdefault(sid, _Stream()).offset))
+            stream = self._events.setdefault(sid, Stream())
+            reqs.append((stream.rel(f"stages/{sid}/events.jsonl"), stream.offset))
         log_ids = [s for s in self.watched if s in self.stages]
         for sid in log_ids:
-            reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, _Stream()).offset))
+            reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, Stream()).offset))
         with_telemetry = self.telemetry_stage is not None  # fixed now: state.json below may change it
         if with_telemetry:
             reqs.append(self.telemetry.read_request())
@@ -336,12 +304,21 @@ class RunModel:
             self.telemetry.path = telemetry_path(tel or "telemetry")
         return changed
 
-    def _apply_events(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines, notes = _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
+    def _apply_events(self, sid: str, stream: Stream, data: bytes, size: int, ino: int) -> bool:
+        follow = follow_rotation(stream, data, size, ino, READ_WINDOW)
+        lines, notes = (
+            follow if follow is not None else consume(stream, data, size, ino, ATTACH_TAIL_BYTES, READ_WINDOW)
+        )
         st = self.stages.get(sid)
         if not (lines or notes) or st is None:
+            if stream.next_skip:
+                stream.skip_carried, stream.next_skip = True, False
             return False
         events, _bad = parse_lines(lines)
+        if stream.skip_carried:
+            events = drop_carried(stream, events)
+        if stream.next_skip:
+            stream.skip_carried, stream.next_skip = True, False
         for note in notes:  # an over-long line skipped: a warning in the stage's events, not a frozen stage
             st.events.append(
                 Event("message", time.time(), {"level": "warning", "code": "skipped-line", "text": note})
@@ -374,8 +351,8 @@ class RunModel:
         for listener in self.listeners:
             listener(st, ev)
 
-    def _apply_log(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines, notes = _consume(stream, data, size, ino, LOG_TAIL_BYTES)
+    def _apply_log(self, sid: str, stream: Stream, data: bytes, size: int, ino: int) -> bool:
+        lines, notes = consume(stream, data, size, ino, LOG_TAIL_BYTES, READ_WINDOW)
         if not (lines or notes):
             return False
         st = self.stages[sid]

@@ -183,7 +183,7 @@ async def _probe(
 
 async def _write_atomic(sftp: asyncssh.SFTPClient, path: str, data: bytes) -> None:
     tmp = f"{path}.partial-{secrets.token_hex(4)}"
-    async with sftp.open(tmp, "wb") as fh:
+    async with sftp.open(tmp, "wb", attrs=asyncssh.SFTPAttrs(permissions=0o600)) as fh:
         await fh.write(data)
     try:
         await sftp.posix_rename(tmp, path)
@@ -301,7 +301,10 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
         return
     async with conn.sftp() as sftp:
         try:
-            await sftp.makedirs(posixpath.join(root, ".aerie"), exist_ok=True)
+            # 0700 (the run dir, as the supervisor makes it): its logs and events are the operator's
+            await sftp.makedirs(
+                posixpath.join(root, ".aerie"), attrs=asyncssh.SFTPAttrs(permissions=0o700), exist_ok=True
+            )
         except asyncssh.SFTPError as exc:
             rep.add("run dir", False, f"cannot create {root}: {exc.reason}")
             return

@@ -28,24 +28,35 @@ Bounds (``docs/data-formats.md``, ``docs/reliability.md``), so one bad line neve
 * a writer that opens a file whose last byte is not ``\n`` (a writer killed mid-line) first ends that
   torn line, so its fragment stays one bad line and never swallows the next event (:func:`end_torn_line`);
   a reader also salvages an event that follows garbage on one line (:func:`salvage`).
+
+Rotation (:mod:`pipeline.run.growth`): past its limit (64 MiB) the writer renames the file to
+``events.1.jsonl`` (older ones shift to ``.2``, ``.3``; the oldest is dropped) and the new file starts
+with *carried* lines (:func:`carry_lines`): copies, marked ``"carried": true``, of what a reader needs
+to know the stage's state without the old generations — the attempt's ``started`` event, the latest
+progress per key, health, metric per name, paused/resumed and other coded messages, ``finished``. A
+reader that followed the old generation to its end skips them (it has seen the originals); one that
+starts with the new file (a new supervisor, a console attaching) applies them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.files import append_line
+from pipeline.run import growth
+from pipeline.run.files import append_line, private_dir
 
 MAX_EVENT_BYTES = 64 << 10  # a serialized event, newline excluded (EventWriter cuts longer string fields)
 EVENT_TYPES = ("started", "progress", "metric", "message", "health", "finished")
 LEVELS = ("info", "warning", "error")
 HEALTH_STATES = ("starting", "ready", "unhealthy", "stopped")
+CARRIED = "carried"  # marks a copy carried into a new generation at rotation (see the module docstring)
 
 
 class EventError(ValueError):
@@ -117,11 +128,14 @@ def decode(line: str | bytes) -> Event:
 class EventWriter:
     """Appends events to one ``events.jsonl`` (one ``write`` per event, ``O_APPEND``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, rotate_bytes: int | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # read: end_torn_line
-        end_torn_line(self._fd)
+        private_dir(self.path.parent)
+        # 0600; follows and performs rotation (growth.SharedAppender, carry_lines); a torn last line is
+        # ended first (end_torn_line), so its fragment never swallows the next event
+        self._out = growth.SharedAppender(
+            self.path, "events", head=carry_lines, limit_bytes=rotate_bytes, on_open=end_torn_line
+        )
 
     def write(self, ev: Event) -> None:
         """Append one whole line, or nothing: a full disk must never leave a torn line behind.
@@ -132,7 +146,7 @@ class EventWriter:
         raw = ev.to_json().encode()
         if len(raw) > MAX_EVENT_BYTES:
             raw = bound(ev).to_json().encode()
-        append_line(self._fd, raw + b"\n")
+        self._out.append(raw + b"\n")
 
     def emit(self, type_: str, **data: Any) -> Event:
         ev = make(type_, **data)
@@ -140,9 +154,7 @@ class EventWriter:
         return ev
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._out.close()
 
     def __enter__(self) -> EventWriter:
         return self
@@ -191,8 +203,12 @@ def parse_lines(lines: list[bytes]) -> tuple[list[Event], list[str]]:
 class EventTail:
     """Incremental reader of a local ``events.jsonl`` from a byte offset.
 
-    ``read()`` returns only what was appended since the last call, and only whole lines. If the
-    file shrinks or is replaced (a ``--fresh`` retry), it restarts from the beginning.
+    ``read()`` returns only what was appended since the last call, and only whole lines. When the file
+    was rotated (its inode changed) it finishes the old generation (found by inode among
+    ``events.N.jsonl``) and goes on with the newer ones, skipping their carried lines: nothing is lost
+    or repeated. If the old generation is gone (dropped, or the file was replaced) it reads the current
+    file from its start, carried lines included, so its state is whole again; a file that shrank in
+    place is read again from its start.
     """
 
     def __init__(self, path: Path, offset: int = 0, max_bytes: int = 4 << 20) -> None:
@@ -200,36 +216,215 @@ class EventTail:
         self.offset = offset
         self.max_bytes = max_bytes
         self._ino: int | None = None
-        self._skip = LineSkipper()
+        self._skip = LineSkipper()  # a line longer than max_bytes: skipped to its newline, reported
+        self._skip_carried = False  # we came from an older generation: its carried copies were seen
+        self._mark = b""  # the last bytes read: a rotated generation found by inode must end them there
 
     def read(self) -> Chunk:
-        """What was appended since the last read, in whole lines. A line longer than ``max_bytes`` is
-        skipped (read forward to its newline, up to :data:`SKIP_CHUNKS` windows per call) and reported in
-        ``bad_lines``, so the lines after it are still read."""
+        out = Chunk([], [], self.offset)
+        for _ in range(growth.keep("events") + 2):  # at most every generation once per call
+            where = self._locate()
+            if where is None:
+                break
+            src, size, rotated = where
+            chunk, exhausted = self._read_from(src, size)
+            out.events.extend(chunk.events)
+            out.bad_lines.extend(chunk.bad_lines)
+            if not (rotated and exhausted):
+                break
+            self._next_generation()
+        out.offset = self.offset
+        return out
+
+    def _read_from(self, src: Path, size: int) -> tuple[Chunk, bool]:
+        """Whole lines of ``src`` from our offset; and whether its end was reached."""
+        if size <= self.offset:
+            return Chunk([], [], self.offset), True
+        with open(src, "rb") as fh:
+            if self._ino is not None and os.fstat(fh.fileno()).st_ino != self._ino:
+                return Chunk([], [], self.offset), False  # rotated again since we looked: next call
+            if not self._ends_mark(fh.fileno()):
+                # a new file that got our old file's inode number (ours was rotated away and dropped)
+                self.offset, self._skip_carried, self._mark, self._skip = 0, False, b"", LineSkipper()
+            lines: list[bytes] = []
+            notes: list[str] = []
+            for _ in range(SKIP_CHUNKS):  # an over-long line: read forward to its newline, a window a step
+                fh.seek(self.offset)
+                buf = fh.read(min(self.max_bytes, size - self.offset))
+                got, used, skipped = self._skip.take(buf, self.max_bytes)
+                self.offset += used
+                if used:
+                    self._mark = buf[max(0, used - 64) : used]
+                lines += got
+                notes += skipped
+                if got or not self._skip.skipping or self.offset >= size:
+                    break
+        events, bad = parse_lines(lines)
+        if self._skip_carried:
+            events = self._drop_carried(events)
+        return Chunk(events, notes + bad, self.offset), self.offset + (len(buf) - used) >= size
+
+    # -- rotation -------------------------------------------------------------------------------
+    def _locate(self) -> tuple[Path, int, bool] | None:
+        """Which file to read now: (path, its size, whether it is a rotated generation)."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            return Chunk([], [], self.offset)
-        if (self._ino is not None and st.st_ino != self._ino) or st.st_size < self.offset:
-            self.offset = 0
-            self._skip = LineSkipper()
-        self._ino = st.st_ino
-        if st.st_size == self.offset:
-            return Chunk([], [], self.offset)
-        lines: list[bytes] = []
-        notes: list[str] = []
-        with open(self.path, "rb") as fh:
-            for _ in range(SKIP_CHUNKS):
-                fh.seek(self.offset)
-                buf = fh.read(min(self.max_bytes, st.st_size - self.offset))
-                got, used, skipped = self._skip.take(buf, self.max_bytes)
-                self.offset += used
-                lines += got
-                notes += skipped
-                if got or not self._skip.skipping or self.offset >= st.st_size:
-                    break
-        events, bad = parse_lines(lines)
-        return Chunk(events, notes + bad, self.offset)
+            st = None
+        if self._ino is None or (st is not None and st.st_ino == self._ino):
+            if st is None:
+                return None
+            if st.st_size < self.offset:  # cut in place: read it again
+                self.offset, self._skip_carried, self._mark, self._skip = 0, False, b"", LineSkipper()
+            self._ino = st.st_ino
+            return self.path, st.st_size, False
+        found = growth.find_generation(self.path, self._ino, growth.keep("events"))
+        if found is not None and self._ends_mark(found[1]):
+            return found[1], found[2].st_size, True
+        if st is None:
+            return None
+        # our generation is gone: the current file from its start (its carried lines give the state)
+        self._ino, self.offset, self._skip_carried, self._mark, self._skip = (
+            st.st_ino,
+            0,
+            False,
+            b"",
+            LineSkipper(),
+        )
+        return self.path, st.st_size, False
+
+    def _ends_mark(self, where: Path | int) -> bool:
+        """Is ``where`` (a path or an open fd) the file we read, not one that reused its inode number
+        after ours was rotated away and dropped? Its bytes before our offset are the last ones we read."""
+        if not self._mark or self.offset < len(self._mark):
+            return True
+        try:
+            if isinstance(where, int):
+                return os.pread(where, len(self._mark), self.offset - len(self._mark)) == self._mark
+            with open(where, "rb") as fh:
+                return os.pread(fh.fileno(), len(self._mark), self.offset - len(self._mark)) == self._mark
+        except OSError:
+            return False
+
+    def _next_generation(self) -> None:
+        """Done with a rotated generation: on to the next newer one, after its carried lines."""
+        assert self._ino is not None
+        found = growth.find_generation(self.path, self._ino, growth.keep("events"))
+        n = found[0] if found else 1
+        try:
+            self._ino = growth.generation(self.path, n - 1).stat().st_ino
+        except FileNotFoundError:
+            self._ino = None
+        self.offset, self._skip_carried, self._mark, self._skip = 0, True, b"", LineSkipper()
+
+    def _drop_carried(self, events: list[Event]) -> list[Event]:
+        kept = []
+        for ev in events:
+            if self._skip_carried and ev.get(CARRIED):
+                continue
+            self._skip_carried = False  # carried lines are only at a generation's head
+            kept.append(ev)
+        return kept
+
+
+def _carry_key(ev: Event) -> tuple[str, ...] | None:
+    """What a carried copy of ``ev`` stands for (the latest per key is carried); None: not carried."""
+    if ev.type in ("health", "finished"):
+        return (ev.type,)
+    if ev.type == "progress":
+        return ("progress", str(ev.get("key") or ""))
+    if ev.type == "metric":
+        return ("metric", str(ev.get("name")), str(ev.get("label") or ""))
+    code = ev.get("code")
+    if ev.type == "message" and isinstance(code, str) and code:
+        return ("message", "pause" if code in ("paused", "resumed") else code)
+    return None
+
+
+def carry_lines(path: Path) -> bytes:
+    """The lines a new generation starts with, from the generation at ``path`` being rotated: the latest
+    ``started`` event and, after it, the latest event per :func:`_carry_key` in file order, each marked
+    carried.
+
+    What a reader derives state from is never lost to rotation; what is carried is bounded by the
+    number of progress keys, metric names and message codes, not by the run's length. The file is read
+    from its end, decoding only a line whose key was not seen yet, back to the latest ``started``
+    (what came before it was another attempt's): a 64 MiB generation costs a pass over its bytes, not
+    a JSON decode of every line."""
+    started: Event | None = None
+    latest: dict[tuple[str, ...], Event] = {}
+    seen: set[bytes] = set()
+    with open(path, "rb") as fh:
+        for raw in _lines_from_end(fh):
+            quick = _quick_key(raw)
+            if quick is None or quick in seen:
+                continue
+            try:
+                ev = decode(raw)
+            except EventError:
+                continue
+            if ev.type == "started":
+                started = ev
+                break
+            key = _carry_key(ev)
+            if key is not None:
+                seen.add(quick)
+                latest.setdefault(key, ev)  # found last first: dict order is newest first
+    out = ([started] if started else []) + list(reversed(latest.values()))  # in file order
+    return "".join(Event(e.type, e.t, {**e.data, CARRIED: True}).to_json() + "\n" for e in out).encode()
+
+
+_TYPE_RE = re.compile(rb'"type":"(\w+)"')
+_FIELD_RE = {
+    f: re.compile(rb'"' + f + rb'":"((?:[^"\\]|\\.)*)"') for f in (b"key", b"name", b"label", b"code")
+}
+_QUICK_FIELDS = {b"progress": (b"key",), b"metric": (b"name", b"label"), b"message": (b"code",)}
+
+
+def _quick_key(raw: bytes) -> bytes | None:
+    """A line's :func:`_carry_key` from its bytes, without decoding it (None: never carried)."""
+    m = _TYPE_RE.search(raw)
+    if m is None:
+        return b"?" + raw  # not the usual layout: decoded to find out
+    kind = m.group(1)
+    if kind in (b"started", b"health", b"finished"):
+        return kind
+    fields = _QUICK_FIELDS.get(kind)
+    if fields is None:
+        return None
+    parts = [kind]
+    for f in fields:
+        fm = _FIELD_RE[f].search(raw)
+        parts.append(fm.group(1) if fm else b"")
+    if kind == b"message":
+        if not parts[1]:
+            return None  # an uncoded message is not carried
+        if parts[1] in (b"paused", b"resumed"):
+            parts[1] = b"pause"
+    return b"\0".join(parts)
+
+
+def _lines_from_end(fh: Any, block: int = 1 << 20) -> Any:
+    """The complete lines of a file, last first (a torn last line is skipped)."""
+    end = os.fstat(fh.fileno()).st_size
+    rest = b""
+    first = True
+    while end > 0:
+        start = max(0, end - block)
+        fh.seek(start)
+        buf = fh.read(end - start) + rest
+        end = start
+        lines = buf.split(b"\n")
+        rest = lines.pop(0) if start > 0 else b""
+        if first:
+            first = False
+            if lines and lines[-1] != b"":
+                lines.pop()  # a torn last line: not an event
+            if lines and lines[-1] == b"":
+                lines.pop()
+        yield from (ln for ln in reversed(lines) if ln.strip())
+    if rest.strip():
+        yield rest
 
 
 def read_all(path: Path) -> list[Event]:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from pipeline.run import nospace, oom
 from pipeline.run.events import EventWriter
+from pipeline.run.files import private_dir
+from pipeline.run.growth import read_tail
 from pipeline.run.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.plan import StageSpec, stage_module
 from pipeline.run.procs import ENV_TOKEN, ProcIdentity, env_with_pipeline, new_token
@@ -104,9 +106,8 @@ def failure_line(log: os.PathLike[str] | str) -> str:
     """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
     sys.stdout.flush()
     try:
-        with open(log, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - ERROR_TAIL_BYTES))
-            return last_error_line(fh.read().decode(errors="replace"))
+        # across a rotation: the line may be in stage.1.log when the supervisor just truncated the log
+        return last_error_line(read_tail(Path(log), ERROR_TAIL_BYTES).decode(errors="replace"))
     except OSError:
         return ""
 
@@ -119,12 +120,7 @@ def _ran_out_of_space(sd: StageDir) -> bool:
             return True
     except OSError:
         pass
-    try:
-        with open(sd.log, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 16384))
-            tail = fh.read().decode(errors="replace")
-    except OSError:
-        return False
+    tail = read_tail(sd.log, 16384).decode(errors="replace")
     tail = tail.rsplit(f"===== aerie: {sd.id} attempt ", 1)[-1].lower()  # this attempt's lines only
     return any(t.lower() in tail for t in nospace.NOSPACE_TEXT)
 
@@ -148,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 3:
         print("usage: python -m pipeline.run.launcher RUN STAGE ATTEMPT", file=sys.stderr)
         return 2
+    os.umask(0o077)  # what the stage and its libraries create (out/, checkpoints) is private too
     run, stage_id, attempt = RunDir(argv[0]), argv[1], int(argv[2])
     sd = run.stage(stage_id)
     spec = StageSpec.from_dict(read_json(sd.spec))
     ident = ProcIdentity.of_self(token=new_token())
     write_json(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()})
-    sd.out.mkdir(parents=True, exist_ok=True)
+    private_dir(sd.out)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     events = EventWriter(sd.events)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipeline.run.files import open_private_append
 from pipeline.run.plan import StageSpec
 from pipeline.run.procs import (
     ENV_TOKEN,
@@ -146,7 +147,7 @@ class LocalProcesses:
         sd = self.run.stage(sid)
         env = env_with_pipeline()
         env.pop(ENV_TOKEN, None)  # the launcher marks its own attempt; it belongs to no other
-        logfh = open(sd.log, "ab")  # noqa: SIM115
+        logfh = open_private_append(sd.log)  # 0600 whatever the umask
         try:
             child = subprocess.Popen(
                 [self.python, "-m", "pipeline.run.launcher", str(self.run.root), sid, str(attempt)],

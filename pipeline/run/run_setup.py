@@ -5,6 +5,7 @@ console's transports; the supervisor itself (:mod:`.supervisor`) only runs the l
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 from pipeline.run import plan as plan_mod
+from pipeline.run.files import PRIVATE_DIR, open_private_append, private_dir
 from pipeline.run.plan import Plan
 from pipeline.run.procs import env_with_pipeline
 from pipeline.run.rundir import RunDir, write_atomic, write_json
@@ -33,10 +35,12 @@ def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
                 "or choose a new run directory"
             )
         return run
-    run.root.mkdir(parents=True, exist_ok=True)
+    private_dir(run.root)
+    with contextlib.suppress(PermissionError):  # not ours to change: its owner decides who may read it
+        os.chmod(run.root, PRIVATE_DIR)  # the run's logs and events are its operator's, whoever made the dir
     for spec in plan.stages:
         sd = run.stage(spec.id)
-        sd.path.mkdir(parents=True, exist_ok=True)
+        private_dir(sd.path)
         write_json(sd.spec, spec.to_dict())
         if not sd.attempt_file.exists():
             write_json(sd.attempt_file, {"attempt": 1, "t": time.time()})
@@ -53,7 +57,7 @@ def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
 def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
     """Start ``python -m pipeline.run.supervisor RUN`` in its own session; returns its pid."""
     run = RunDir(run_root)
-    with open(run.supervisor_log, "ab") as logfh:
+    with open_private_append(run.supervisor_log) as logfh:
         p = subprocess.Popen(
             [python, "-m", "pipeline.run.supervisor", str(run.root)],
             stdin=subprocess.DEVNULL,

@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.run import audit, nospace
+from pipeline.run import audit, growth, nospace
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import EventWriter
 from pipeline.run.executor import Executor, make_executor
@@ -73,7 +73,7 @@ class Supervisor:
         for sid in run.stage_ids():
             self.specs[sid] = StageSpec.from_dict(read_json(run.stage(sid).spec))
         self.order = list(self.specs)
-        self.log_fh = open(run.supervisor_log, "a", buffering=1)  # noqa: SIM115
+        self.log_fh = growth.RotatingLog(run.supervisor_log)  # 0600, reopened past its size limit
         # Where attempts run: local process groups, or Slurm jobs (pipeline.run.executor).
         self.executor: Executor = make_executor(self.plan, run, self.specs, self.log, python)
         self.deriver = StateDeriver(run, self.specs, self.log, self.executor)
@@ -88,6 +88,8 @@ class Supervisor:
         self._beside_logged: dict[
             str, str
         ] = {}  # why a stage is not started beside its last attempt, logged once
+        # copy-truncate any stage.log past its limit (pipeline.run.growth)
+        self.log_rotator = growth.LogRotator(lambda: ((s, self.sd(s).log) for s in self.order), self.log)
 
     # ----------------------------------------------------------------------------------- utils
     def log(self, text: str) -> None:
@@ -451,6 +453,7 @@ class Supervisor:
                 if self.status[sid].state == StageState.READY:  # keep showing why it is not admitted
                     self.status[sid].state, self.status[sid].reason = StageState.PENDING, why
         self.write_state()
+        self.log_rotator.tick()
 
     def run_forever(self, exit_when_done: bool = True) -> int:
         if not self.acquire_lock():
@@ -505,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detach", action="store_true", help="start in the background and return")
     ap.add_argument("--poll", type=float, default=0.5)
     args = ap.parse_args(argv)
+    os.umask(0o077)  # everything the supervisor creates (lock, state, requests/done) is 0600/0700
     try:
         if args.create:
             plan = plan_mod.load(args.create, run_dir=args.run)
