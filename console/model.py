@@ -33,7 +33,8 @@ from console.series import StageHistory
 from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import ReadResult, Transport, read_whole
-from pipeline.run.events import Event, LineSkipper, parse_lines
+from pipeline.run.event_lines import LineSkipper
+from pipeline.run.events import Event, parse_lines
 from pipeline.run.stage_row import TERMINAL, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.run import growth
-from pipeline.run.events import CARRIED, Event, LineSkipper
+from pipeline.run.event_lines import LineSkipper
+from pipeline.run.events import CARRIED, Event
 
 
 @dataclass

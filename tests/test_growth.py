@@ -313,7 +313,8 @@ def test_carried_head_is_the_latest_state_per_key(tmp_path: Path) -> None:
     text looks like a key, garbage lines and a torn last line."""
     import random
 
-    from pipeline.run.events import carry_lines, decode
+    from pipeline.run.event_carry import carry_lines
+    from pipeline.run.events import decode
 
     def every_line(path: Path) -> list[tuple[str, dict]]:
         started, latest, where = None, {}, {}

@@ -27,7 +27,8 @@ CONSOLE_ALLOWED = {
     "pipeline.run.audit",  # the audit log's entries: one format for the CLI and the console
     "pipeline.run.force_text",  # what `force` will do and when: the supervisor's answer, the console's question
     "pipeline.run.state_file",  # state.json or, when corrupt, one line and rows from the stages' files
-    "pipeline.run.growth",  # the rotated generations' names and how many are kept: one definition
+    "pipeline.run.growth",
+    "pipeline.run.event_lines",  # whole lines, over-long and torn lines: the same rules as the supervisor's reader  # the rotated generations' names and how many are kept: one definition
     "pipeline.serving.sglang_log",
 }
 

@@ -42,21 +42,27 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.run import growth
-from pipeline.run.files import append_line, private_dir
+from pipeline.run.event_carry import carry_lines
+from pipeline.run.event_lines import (
+    _SHOWN_BYTES,
+    CARRIED,
+    MAX_EVENT_BYTES,
+    SKIP_CHUNKS,
+    LineSkipper,
+    end_torn_line,
+    shown,
+)
+from pipeline.run.files import private_dir
 
-MAX_EVENT_BYTES = 64 << 10  # a serialized event, newline excluded (EventWriter cuts longer string fields)
 EVENT_TYPES = ("started", "progress", "metric", "message", "health", "finished")
 LEVELS = ("info", "warning", "error")
 HEALTH_STATES = ("starting", "ready", "unhealthy", "stopped")
-CARRIED = "carried"  # marks a copy carried into a new generation at rotation (see the module docstring)
 
 
 class EventError(ValueError):
@@ -172,14 +178,6 @@ class Chunk:
     offset: int
 
 
-def split_complete(buf: bytes) -> tuple[list[bytes], int]:
-    """Split ``buf`` into complete lines; return them and how many bytes they used."""
-    end = buf.rfind(b"\n")
-    if end < 0:
-        return [], 0
-    return buf[: end + 1].splitlines(), end + 1
-
-
 def parse_lines(lines: list[bytes]) -> tuple[list[Event], list[str]]:
     """Decode complete lines: the events, and the lines that were not events (shortened for display).
 
@@ -196,7 +194,7 @@ def parse_lines(lines: list[bytes]) -> tuple[list[Event], list[str]]:
             ev = salvage(raw)
             if ev is not None:
                 events.append(ev)
-            bad.append(_shown(raw))
+            bad.append(shown(raw))
     return events, bad
 
 
@@ -327,106 +325,6 @@ class EventTail:
         return kept
 
 
-def _carry_key(ev: Event) -> tuple[str, ...] | None:
-    """What a carried copy of ``ev`` stands for (the latest per key is carried); None: not carried."""
-    if ev.type in ("health", "finished"):
-        return (ev.type,)
-    if ev.type == "progress":
-        return ("progress", str(ev.get("key") or ""))
-    if ev.type == "metric":
-        return ("metric", str(ev.get("name")), str(ev.get("label") or ""))
-    code = ev.get("code")
-    if ev.type == "message" and isinstance(code, str) and code:
-        return ("message", "pause" if code in ("paused", "resumed") else code)
-    return None
-
-
-def carry_lines(path: Path) -> bytes:
-    """The lines a new generation starts with, from the generation at ``path`` being rotated: the latest
-    ``started`` event and, after it, the latest event per :func:`_carry_key` in file order, each marked
-    carried.
-
-    What a reader derives state from is never lost to rotation; what is carried is bounded by the
-    number of progress keys, metric names and message codes, not by the run's length. The file is read
-    from its end, decoding only a line whose key was not seen yet, back to the latest ``started``
-    (what came before it was another attempt's): a 64 MiB generation costs a pass over its bytes, not
-    a JSON decode of every line."""
-    started: Event | None = None
-    latest: dict[tuple[str, ...], Event] = {}
-    seen: set[bytes] = set()
-    with open(path, "rb") as fh:
-        for raw in _lines_from_end(fh):
-            quick = _quick_key(raw)
-            if quick is None or quick in seen:
-                continue
-            try:
-                ev = decode(raw)
-            except EventError:
-                continue
-            if ev.type == "started":
-                started = ev
-                break
-            key = _carry_key(ev)
-            if key is not None:
-                seen.add(quick)
-                latest.setdefault(key, ev)  # found last first: dict order is newest first
-    out = ([started] if started else []) + list(reversed(latest.values()))  # in file order
-    return "".join(Event(e.type, e.t, {**e.data, CARRIED: True}).to_json() + "\n" for e in out).encode()
-
-
-_TYPE_RE = re.compile(rb'"type":"(\w+)"')
-_FIELD_RE = {
-    f: re.compile(rb'"' + f + rb'":"((?:[^"\\]|\\.)*)"') for f in (b"key", b"name", b"label", b"code")
-}
-_QUICK_FIELDS = {b"progress": (b"key",), b"metric": (b"name", b"label"), b"message": (b"code",)}
-
-
-def _quick_key(raw: bytes) -> bytes | None:
-    """A line's :func:`_carry_key` from its bytes, without decoding it (None: never carried)."""
-    m = _TYPE_RE.search(raw)
-    if m is None:
-        return b"?" + raw  # not the usual layout: decoded to find out
-    kind = m.group(1)
-    if kind in (b"started", b"health", b"finished"):
-        return kind
-    fields = _QUICK_FIELDS.get(kind)
-    if fields is None:
-        return None
-    parts = [kind]
-    for f in fields:
-        fm = _FIELD_RE[f].search(raw)
-        parts.append(fm.group(1) if fm else b"")
-    if kind == b"message":
-        if not parts[1]:
-            return None  # an uncoded message is not carried
-        if parts[1] in (b"paused", b"resumed"):
-            parts[1] = b"pause"
-    return b"\0".join(parts)
-
-
-def _lines_from_end(fh: Any, block: int = 1 << 20) -> Any:
-    """The complete lines of a file, last first (a torn last line is skipped)."""
-    end = os.fstat(fh.fileno()).st_size
-    rest = b""
-    first = True
-    while end > 0:
-        start = max(0, end - block)
-        fh.seek(start)
-        buf = fh.read(end - start) + rest
-        end = start
-        lines = buf.split(b"\n")
-        rest = lines.pop(0) if start > 0 else b""
-        if first:
-            first = False
-            if lines and lines[-1] != b"":
-                lines.pop()  # a torn last line: not an event
-            if lines and lines[-1] == b"":
-                lines.pop()
-        yield from (ln for ln in reversed(lines) if ln.strip())
-    if rest.strip():
-        yield rest
-
-
 def read_all(path: Path) -> list[Event]:
     """Every event in a file (tests and small tools; the console uses :class:`EventTail`)."""
     tail = EventTail(path, max_bytes=1 << 62)
@@ -434,14 +332,7 @@ def read_all(path: Path) -> list[Event]:
 
 
 # -- bounds: event size, over-long lines, torn lines ------------------------------------------------
-SKIP_CHUNKS = 16  # windows an EventTail reads forward in one call while skipping an over-long line
-_SHOWN_BYTES = 300  # of a bad line, what a warning quotes
 _REQUIRED = {"done", "total", "name", "value", "level", "text", "state", "status", "attempt", "pid"}
-
-
-def _shown(raw: bytes) -> str:
-    text = raw[:_SHOWN_BYTES].decode(errors="replace")
-    return text if len(raw) <= _SHOWN_BYTES else f"{text}… [{len(raw):,} bytes]"
 
 
 def truncation_marker(n: int) -> str:
@@ -516,20 +407,6 @@ def bound(ev: Event, limit: int = MAX_EVENT_BYTES) -> Event:
     return out
 
 
-def end_torn_line(fd: int) -> bool:
-    """If the file open on ``fd`` does not end with ``\n`` (a writer killed mid-line, a command that
-    wrote its own JSON without one), end that line, so the torn fragment stays a bad line of its own and
-    the next event is not appended onto it. Returns True when it wrote the newline."""
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
-            return False
-        append_line(fd, b"\n")
-    except OSError:  # a full disk: the next event may land on the fragment, where readers salvage it
-        return False
-    return True
-
-
 _EVENT_START = b'{"type":"'
 
 
@@ -543,49 +420,3 @@ def salvage(raw: bytes) -> Event | None:
         return decode(raw[at:])
     except EventError:
         return None
-
-
-def skipped_note(n: int, window: int) -> str:
-    """The warning for an over-long line a reader skipped."""
-    return (
-        f"skipped a line of {n:,} bytes (longer than this reader's {window:,}-byte window; "
-        f"events are at most {MAX_EVENT_BYTES:,} bytes when written through the event writer)"
-    )
-
-
-@dataclass
-class LineSkipper:
-    """A reader's state about over-long lines: a line with no newline within a whole read window is
-    skipped, forward to its newline, however many reads that takes, so the lines after it are read.
-
-    ``skipping`` is how many bytes of the current over-long line were skipped so far (0: none). With
-    ``quiet`` the skip ends without a note (a reader that started mid-line on purpose)."""
-
-    skipping: int = 0
-    quiet: bool = False
-
-    def start_mid_line(self) -> None:
-        """The next bytes are the rest of a line we do not want (attaching near a file's end)."""
-        self.skipping, self.quiet = max(self.skipping, 1), True
-
-    def take(
-        self, buf: bytes, window: int, note: Callable[[int, int], str] = skipped_note
-    ) -> tuple[list[bytes], int, list[str]]:
-        """``buf`` was read at the reader's offset (at most ``window`` bytes): the complete lines in it,
-        how many bytes the reader advances, and a note for each over-long line that ended here."""
-        used, notes = 0, []
-        if self.skipping:
-            nl = buf.find(b"\n")
-            if nl < 0:
-                self.skipping += len(buf)
-                return [], len(buf), []
-            used = nl + 1
-            if not self.quiet:
-                notes.append(note(self.skipping + used, window))
-            self.skipping, self.quiet = 0, False
-        lines, n = split_complete(buf[used:])
-        used += n
-        if not lines and len(buf) - used >= window:  # a whole window and no newline: an over-long line
-            self.skipping = len(buf) - used
-            used = len(buf)
-        return lines, used, notes
