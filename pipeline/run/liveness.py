@@ -167,11 +167,13 @@ def liveness(run: RunDir, state: dict[str, Any] | None, now: float | None = None
     state = state if isinstance(state, dict) else {}
     sup = state.get("supervisor") if isinstance(state.get("supervisor"), dict) else {}
     assert isinstance(sup, dict)
+    rec = _recorded(run)
     seen = sup.get("t") if isinstance(sup.get("t"), int | float) else None
+    if seen is None and isinstance(rec.get("t"), int | float):  # no snapshot yet: since it started
+        seen = rec["t"]
     age = None if seen is None else max(0.0, now - float(seen))
     held = lock_held(run.root)
     holders = lock_holders(run.root) if held else []
-    rec = _recorded(run)
     pid = holders[0] if holders else rec.get("pid", sup.get("pid"))
     alive = bool(holders) or _pid_alive(rec)
     problem = write_problem(run.root) if held and (age is None or age > STALE_S) else None
