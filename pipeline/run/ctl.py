@@ -63,11 +63,11 @@ def ensure_report(run: RunDir) -> dict[str, Any]:
     rep = liveness(run, read_state(run))
     rep["started"] = ensure_supervisor(run) if rep["verdict"] in ("dead", "finished") else False
     if rep["started"]:
-        rep["text"] = f"supervisor started; the last one: {rep['text']}"
-    elif rep["verdict"] in ("dead", "finished"):  # it came back between the two looks
-        rep["text"] = "supervisor already running"
+        rep["line"] = f"supervisor started; the last one: {rep['text']}"
+    elif rep["verdict"] in ("dead", "finished"):  # another came up between the two looks
+        rep["line"] = "supervisor already running"
     else:
-        rep["text"] = f"supervisor already running ({rep['text']})"
+        rep["line"] = f"supervisor already running ({rep['text']})"
     return rep
 
 
@@ -149,7 +149,7 @@ def _main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     if args.action == "ensure":
         rep = ensure_report(run)
-        print(json.dumps(rep) if args.json else rep["text"])
+        print(json.dumps(rep) if args.json else rep["line"])
         return EXIT_OK
     if not args.stage:
         print(f"error: {args.action} needs a stage id", file=sys.stderr)
