@@ -167,8 +167,9 @@ class Supervisor:
     # -------------------------------------------------------------------------------- faults
     def write_failed(self, exc: OSError, path: Path | str | None = None, stage: str | None = None) -> None:
         """A write that failed: an alert (one per directory), retried by whoever wrote."""
-        where = Path(exc.filename) if isinstance(exc.filename, str) else (Path(path) if path else None)
-        where = where or self.run.root
+        where = Path(path) if path else Path(exc.filename) if isinstance(exc.filename, str) else self.run.root
+        if where.name.startswith(".") and where.name.endswith(".partial"):  # write_atomic's temp file
+            where = where.with_name(where.name[1:].rsplit(".", 2)[0])
         key = f"write:{where if where.is_dir() else where.parent}"
         self.faults.report(
             "write_failed",
