@@ -314,3 +314,42 @@ def test_a_sigkilled_supervisor_is_noticed_and_restarted_by_the_front_end(
     )
     assert states(run)["a"] == "running", "the stage kept running under the restarted supervisor"
     assert ctl(run, "kill", "a").returncode == 0
+
+
+@pytest.mark.slow
+async def test_the_console_restarts_a_supervisor_that_dies_while_it_is_attached(
+    tmp_path: Path, cleanup: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from textual.widgets import Static
+
+    from console.app import AerieApp
+
+    monkeypatch.setattr(sup_watch, "STALE_S", 7.0)  # as above: ask the host sooner than the default
+    run = make_run(tmp_path, TWO_STEPS.format(sleep=60))
+    cleanup.append(run)
+    sup = start_supervisor(run)
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2)
+
+    async def until(pred: object, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():  # type: ignore[operator]
+                return
+            await pilot.pause(0.1)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+    def status_line() -> str:
+        return str(app.query_one("#status-line", Static).content)
+
+    async with app.run_test(size=(140, 36)) as pilot:
+        await until(lambda: app.model.stages.get("a") and app.model.stages["a"].state == "running", 20, "a")
+        os.killpg(sup.pid, signal.SIGKILL)
+        sup.wait()
+        await until(lambda: "supervisor dead (last seen" in status_line(), 30, "the status line to say so")
+        assert "restarting it" in status_line()
+        await until(lambda: lock_holders(run.root) not in ([], [sup.pid]), 20, "a new supervisor")
+        new = lock_holders(run.root)
+        await until(lambda: app.model.supervisor_pid == new[0], 20, "the new supervisor's snapshot")
+        await until(lambda: status_line().startswith(f"supervisor pid {new[0]}"), 10, "the all-clear")
+    assert supervisor_processes(run) == new
+    assert ctl(run, "kill", "a").returncode == 0
