@@ -22,7 +22,7 @@ import pytest
 from console import headless, sup_watch
 from console.transport import LocalTransport
 from pipeline.run.liveness import STALE_S, liveness, lock_holders
-from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.rundir import RunDir, read_json, write_json
 from tests.runs import (
     ROOT,
     ctl,
@@ -227,6 +227,41 @@ def test_a_damaged_stage_file_holds_only_that_stage_and_is_named(tmp_path: Path,
     assert wait_done(run, 40) == dict.fromkeys("abcd", "succeeded")
     assert all(a["resolved"] for a in alerts(run)), alerts(run)
     assert "Traceback" not in run.supervisor_log.read_text()
+
+
+def test_each_damaged_record_is_named_and_nothing_is_overwritten(tmp_path: Path) -> None:
+    """In process: a damaged spec.json (the stage is followed by the plan's definition, started once the file
+    is deleted and written again from the plan), a proc.json whose pid is not a number and an exit.json that
+    is not JSON (their stages held), each named; no damaged file is rewritten."""
+    from pipeline.run.supervisor import Supervisor
+
+    run = make_run(tmp_path, CORRUPT)
+    run.stage("a").spec.write_text('{"id": ')
+    write_json(run.stage("b").launch, {"attempt": 1, "t": time.time()})
+    write_json(run.stage("b").proc, {"attempt": 1, "pid": "x", "pgid": 1, "start_time": 1, "t": 1.0})
+    write_json(run.stage("d").launch, {"attempt": 1, "t": time.time()})
+    run.stage("d").exit.write_text('{"attempt": 1, "returncode": 0')
+    before = {p: p.read_bytes() for p in run.stages_dir.rglob("*") if p.is_file()}
+    sup = Supervisor(run)
+    sup.refresh()
+    assert sup.write_state(force=True)
+    rows = {st["id"]: st for st in read_json(run.state_path)["stages"]}
+    assert rows["a"]["state"] == "ready" and sup.specs["a"].command == "true"
+    assert "stages/b/proc.json has no whole pid" in rows["b"]["reason"], rows["b"]
+    assert "stages/d/exit.json is not valid JSON" in rows["d"]["reason"], rows["d"]
+    assert "held at its last known state" in rows["d"]["reason"]
+    texts = {a["stage"]: a["text"] for a in alerts(run)}
+    assert "stages/a/spec.json is unreadable" in texts["a"] and "not started" in texts["a"]
+    assert set(texts) == {"a", "b", "d"}
+    assert sup.schedule() == 0  # a waits for its spec.json (its launcher reads it); b and d are held
+    assert {p: p.read_bytes() for p in before} == before, "a damaged file was rewritten"
+    run.stage("a").spec.unlink()  # deleted: written again from the plan, and a starts
+    sup.refresh()
+    assert read_json(run.stage("a").spec)["command"] == "true"
+    assert sup.schedule() == 1
+    wait_for(lambda: read_json(run.stage("a").exit), 20, "a to finish")
+    assert read_json(run.stage("a").exit)["returncode"] == 0
+    assert [a["resolved"] is not None for a in sup.faults.section()] == [True, False, False]
 
 
 def test_deleting_the_lock_files_never_makes_a_second_supervisor(tmp_path: Path, cleanup: list) -> None:

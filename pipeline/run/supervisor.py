@@ -119,9 +119,10 @@ class Supervisor:
         self.faults = Faults(self.log)
         self.plan = plan_mod.load(run.plan_path, run_dir=run.root)
         self.specs: dict[str, StageSpec] = {}
-        planned = {s.id: s for s in self.plan.stages}
+        self._planned = {s.id: s for s in self.plan.stages}
+        self._spec_damaged: set[str] = set()  # followed with the plan's definition, not started
         for sid in run.stage_ids():
-            self.specs[sid] = self._spec(sid, planned)
+            self.specs[sid] = self._spec(sid)
         self.order = list(self.specs)
         # Where attempts run: local process groups, or Slurm jobs (pipeline.run.executor).
         self.executor: Executor = make_executor(self.plan, run, self.specs, self.log, python)
@@ -180,25 +181,41 @@ class Supervisor:
             stage,
         )
 
-    def _spec(self, sid: str, planned: dict[str, StageSpec]) -> StageSpec:
-        """A stage's spec.json; a damaged one is replaced by the plan's definition of that stage (said)."""
+    def _spec(self, sid: str) -> StageSpec:
+        """A stage's spec.json. A deleted one is written again from the plan (it was made from it); a damaged
+        one is left as it is, the plan's definition is used to follow the stage, and the stage is not started
+        (its launcher reads spec.json) until the file is fixed or deleted."""
         path = self.run.stage(sid).spec
         try:
-            return StageSpec.from_dict(read_json(path))
+            raw = read_json(path)
+            if raw is None and sid in self._planned:
+                write_json(path, self._planned[sid].to_dict())
+                return self._planned[sid]
+            return StageSpec.from_dict(raw)
         except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
-            if sid not in planned:
+            if sid not in self._planned:
                 raise SupervisorError(
                     f"{path}: unreadable ({exc}) and the plan has no stage {sid!r}"
                 ) from None
+            self._spec_damaged.add(sid)
             self.faults.report(
                 "corrupt_file",
                 f"file:{sid}:spec.json",
-                f"stages/{sid}/spec.json is unreadable ({exc}): using the plan's definition of {sid} "
-                "(plan.toml); fix or delete the file",
+                f"stages/{sid}/spec.json is unreadable ({exc}): {sid} is followed with the plan's definition "
+                "but not started; fix the file, or delete it and Aerie writes it again from plan.toml",
                 path,
                 sid,
             )
-            return planned[sid]
+            return self._planned[sid]
+
+    def _recheck_specs(self) -> None:
+        """A damaged spec.json that was fixed or deleted (then written again) frees its stage."""
+        for sid in list(self._spec_damaged):
+            self._spec_damaged.discard(sid)
+            spec = self._spec(sid)
+            if sid not in self._spec_damaged:
+                self.specs[sid] = spec
+                self.faults.resolve(f"file:{sid}:spec.json")
 
     def _attempt_fallback(self, sid: str, exc: Exception) -> int:
         """attempt.json is damaged: the attempt last known, else the highest any record of the stage names."""
@@ -269,6 +286,7 @@ class Supervisor:
         # Plan order is dependency-consistent, so each stage sees its deps' fresh state.
         self._held_stages.clear()
         self._guessed.clear()
+        self._recheck_specs()
         for sid in self.order:
             try:
                 self.status[sid] = self.deriver.derive(sid, self.status)
@@ -287,7 +305,7 @@ class Supervisor:
 
     def _blocked(self, sid: str) -> bool:
         """A stage with a damaged file is followed, but nothing is started or signalled for it."""
-        return sid in self._held_stages or sid in self._guessed
+        return sid in self._held_stages or sid in self._guessed or sid in self._spec_damaged
 
     # ------------------------------------------------------------------------------- actions
     def do_pause(self, sid: str) -> str:
