@@ -111,7 +111,7 @@ def supervisor_lines(state: dict) -> list[str]:
     text = str(sec.get("text", ""))
     if sec.get("verdict") == "dead":
         text += " — not running: any control action or `aerie attach` starts it"
-    out = [f"supervisor: {text}"]
+    out = [text if text.startswith("supervisor") else f"supervisor: {text}"]
     alerts = sorted(sec["alerts"], key=lambda a: (bool(a.get("resolved")), a.get("since") or 0))
     for a in alerts:
         when = f"since {_hms(a.get('since'))}"

@@ -302,6 +302,9 @@ class Supervisor:
             else:
                 for key in keys:
                     self.faults.resolve(key)
+        for sid in self.order:  # not "ready" while a damaged file keeps it from starting
+            if self._blocked(sid) and self.status[sid].state == StageState.READY:
+                self.status[sid].state = StageState.PENDING
 
     def _blocked(self, sid: str) -> bool:
         """A stage with a damaged file is followed, but nothing is started or signalled for it."""
