@@ -9,6 +9,7 @@ as a write succeeds again, and kept there :data:`KEEP_RESOLVED_S` after it ended
 later still sees what happened. :class:`Backoff` spaces the retries of a failing write (0.5 s doubling to
 30 s) so a dead disk is not hammered; reading and signalling go on at the normal poll.
 
+:class:`GuardedRunDir` reads a damaged ``attempt.json`` as the attempt the supervisor last knew (and says so).
 :func:`describe_os_error` and :func:`stage_file_problem` give the words: the errno and what it means, the
 file (relative to the run directory) and what is wrong with it.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 from pipeline.run import nospace
 from pipeline.run.files import CorruptFileError, read_json
+from pipeline.run.rundir import RunDir, StageDir
 
 LOG_EVERY_S = 60.0  # a lasting fault is logged again at most this often
 KEEP_RESOLVED_S = 600.0  # an ended fault stays in state.json this long
@@ -118,6 +120,33 @@ class Backoff:
 
     def ok(self) -> None:
         self.delay, self.next_t = 0.0, 0.0
+
+
+class GuardedStageDir(StageDir):
+    """A stage dir whose unreadable ``attempt.json`` is read as the attempt the supervisor last knew."""
+
+    def __init__(self, path: Path, stage_id: str, fallback: Callable[[str, Exception], int]) -> None:
+        super().__init__(path, stage_id)
+        self._fallback = fallback
+
+    def attempt(self) -> int:
+        try:
+            n = super().attempt()
+        except (ValueError, TypeError, AttributeError) as exc:
+            return self._fallback(self.id, exc)
+        return n if n >= 1 else self._fallback(self.id, ValueError(f"attempt {n} < 1"))
+
+
+class GuardedRunDir(RunDir):
+    """A run dir whose stage dirs are :class:`GuardedStageDir` (the supervisor's view of it)."""
+
+    def __init__(self, root: Path, fallback: Callable[[str, Exception], int]) -> None:
+        super().__init__(root)
+        self._fallback = fallback
+
+    def stage(self, stage_id: str) -> StageDir:
+        sd = super().stage(stage_id)
+        return GuardedStageDir(sd.path, sd.id, self._fallback)
 
 
 def _hms(t: float) -> str:

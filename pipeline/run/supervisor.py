@@ -20,8 +20,8 @@ in one tick ends the loop.
 How each stage's state is read from its files is :mod:`pipeline.run.stage_state`; this module
 acts on those states.
 
-Over 450 lines because it is one loop's decisions — admission, pause/kill grace, services, retries —
-which share its state; setting a run up is :mod:`.run_setup`, reading states is :mod:`.stage_state`.
+Over 450 lines because it is one loop's decisions — admission, pause/kill grace, services, retries, and
+what each of its faults holds back (a stage, a request, a write) — which share its state; setting a run up is :mod:`.run_setup`, reading states is :mod:`.stage_state`.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from pipeline.run.sup_faults import (
     STAGE_RECORDS,
     Backoff,
     Faults,
+    GuardedRunDir,
     describe_os_error,
     rel,
     stage_file_problem,
@@ -70,31 +71,6 @@ from pipeline.run.sup_faults import (
 AdmissionCheck = Callable[[StageSpec, "Supervisor"], "str | None"]
 # What a damaged per-stage file raises while a stage is derived or acted on: it holds that stage only.
 STAGE_FAULTS = (OSError, ValueError, TypeError, KeyError, AttributeError)
-
-
-class _GuardedStageDir(StageDir):
-    """A stage dir whose unreadable ``attempt.json`` is read as the attempt the supervisor last knew."""
-
-    def __init__(self, path: Path, stage_id: str, fallback: Callable[[str, Exception], int]) -> None:
-        super().__init__(path, stage_id)
-        self._fallback = fallback
-
-    def attempt(self) -> int:
-        try:
-            n = super().attempt()
-        except (ValueError, TypeError, AttributeError) as exc:
-            return self._fallback(self.id, exc)
-        return n if n >= 1 else self._fallback(self.id, ValueError(f"attempt {n} < 1"))
-
-
-class _GuardedRunDir(RunDir):
-    def __init__(self, root: Path, fallback: Callable[[str, Exception], int]) -> None:
-        super().__init__(root)
-        self._fallback = fallback
-
-    def stage(self, stage_id: str) -> StageDir:
-        sd = super().stage(stage_id)
-        return _GuardedStageDir(sd.path, sd.id, self._fallback)
 
 
 class Supervisor:
@@ -107,7 +83,7 @@ class Supervisor:
     ) -> None:
         if not run.exists():
             raise SupervisorError(f"{run.root}: not a run directory (no plan.toml / stages/)")
-        self.run: RunDir = _GuardedRunDir(run.root, self._attempt_fallback)
+        self.run: RunDir = GuardedRunDir(run.root, self._attempt_fallback)
         run = self.run
         self.python = python
         self.poll_s = poll_s
@@ -390,6 +366,15 @@ class Supervisor:
         return sd.record_for(sd.force_marker, sd.attempt()) is not None
 
     def handle_requests(self) -> int:
+        """Act on queued control requests. A write that fails leaves the request queued (its action is not
+        repeated when only its answer could not be written); the rest of the tick goes on."""
+        try:
+            return self._handle_requests()
+        except OSError as exc:  # the requests directory itself cannot be read
+            self.write_failed(exc, self.run.requests_dir)
+            return 0
+
+    def _handle_requests(self) -> int:
         done_dir = self.run.requests_dir / "done"
         handled = 0
         for path, req in self.run.pending_requests():
