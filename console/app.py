@@ -18,7 +18,12 @@ Every action is sent with the front end (``via``: console, or browser under ``ae
 operator (``user@host``) for the run's audit log (``A`` shows it; :mod:`pipeline.run.audit`). A
 read-only console (``aerie attach --read-only``, a view token of ``aerie serve``) shows everything,
 hides the control keys from the footer and answers each of them with a "read-only: ..."
-notification; nothing is sent (it does not even start a missing supervisor).
+notification; nothing is sent (it does not even start a missing supervisor: it says so).
+
+The supervisor's liveness (:mod:`console.sup_watch`): when its snapshot stops moving the app asks the host
+through the transport (``ctl ensure``, which restarts a dead supervisor, at any time and not only on attach)
+and the status line says whether it is silent (alive, cannot write) or dead and being restarted; its open
+alerts (a write that fails, a damaged stage file) are shown there too and notified once.
 
 Over 450 lines because it is the App itself: its bindings, one short action per key, and the palette's
 list of them; what has a job of its own lives beside it (header text: ``console.header``; alerts:
@@ -59,6 +64,7 @@ from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
 from console.screens.logview import LogScreen
 from console.screens.metrics import MetricsScreen
 from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
+from console.sup_watch import SupervisorWatch, open_alerts
 from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
@@ -259,6 +265,9 @@ class AerieApp(App[int]):
             self.alerts.attach(self.model)
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
+        self.sup_watch = SupervisorWatch(read_only)
+        self._sup_line: tuple[str, str] | None = None
+        self._sup_alerts_seen: set[tuple[str, float]] = set()
         self.plan: Plan | str | None = None  # the run's frozen plan, for the projection line (or why not)
         self._board_cap = 0  # the board's most rows (see _meters_layout)
         self._size: Size | None = None
@@ -391,6 +400,7 @@ class AerieApp(App[int]):
     @work(exclusive=True, group="poll")
     async def poll_model(self) -> None:
         changed = await self.model.poll()
+        changed |= self._watch_supervisor()
         with self.batch_update():  # one screen update per poll, not one per widget that changed
             self.refresh_view(changed)
 
@@ -433,7 +443,7 @@ class AerieApp(App[int]):
         if self.read_only:
             header = Text.assemble(("READ-ONLY ", "bold reverse"), header)
         self._set_text("#header", header)
-        self._set_text("#status-line", status_text(self.model, self.poll_s, style))
+        self._set_text("#status-line", status_text(self.model, self.poll_s, style, watch=self.sup_watch))
 
     def _set_text(self, selector: str, text: Text) -> None:
         """Update a one-line Static only when its text changed."""
@@ -504,7 +514,33 @@ class AerieApp(App[int]):
     @work(group="ctl")
     async def ensure_supervisor(self) -> None:
         if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
-            await self.transport.ctl("ensure")
+            await self.sup_watch.check(self.transport)
+
+    def _watch_supervisor(self) -> set[str]:
+        """After each poll: a stale snapshot makes the host be asked (and a dead supervisor restarted);
+        returns {"supervisor"} when the status line's words about it changed."""
+        watch = self.sup_watch
+        watch.observe(self.model.supervisor_t)
+        if watch.due(self.model.done):
+            watch.checking = True  # until the worker has asked
+            self.check_supervisor()
+        for a in open_alerts(self.model.supervisor_alerts):
+            key = (str(a.get("code")), float(a.get("since") or 0))
+            if key not in self._sup_alerts_seen:
+                self._sup_alerts_seen.add(key)
+                self.notify(str(a.get("text", "")), title="supervisor alert", severity="warning", timeout=10)
+        line = watch.line(self.model.done)
+        if line != self._sup_line:
+            self._sup_line = line
+            return {"supervisor"}
+        return set()
+
+    @work(group="liveness")
+    async def check_supervisor(self) -> None:
+        rep = await self.sup_watch.check(self.transport)
+        if rep.get("started"):
+            self.notify(f"{rep.get('text')}: started a new one", title="supervisor", severity="warning")
+        self.poll_model()
 
     def action_pause(self) -> None:
         if self.refuse_read_only("pause"):

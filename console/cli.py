@@ -16,7 +16,8 @@
 
 Exit codes: 0 ok (headless: every stage succeeded); 1 the run finished with stages not succeeded;
 2 usage error, bad plan, unknown run or stage; 3 the action was refused (e.g. pausing a stage
-that is not running); 4 the supervisor did not answer in time; 130 interrupted (stages keep running).
+that is not running); 4 the supervisor did not answer in time; 5 the run directory cannot be written or read
+on the host (the action was not queued); 130 interrupted (stages keep running).
 """
 
 from __future__ import annotations

@@ -1,13 +1,20 @@
-"""``aerie status``: every stage's row, then the run's projection, then the audit log's last entries (``--json``:
-a line per stage, then ``{"projection": …}``, then ``{"audit": …}``), made by ``ctl status`` on the executing host,
-locally or over SSH. A truncated or corrupt ``state.json`` is one warning line naming it (``--json``: a first line
-``{"error": …}``) above the stages as their own files show them, never a traceback."""
+"""``aerie status``: every stage's row, the supervisor's liveness and alerts, then the run's projection, then the
+audit log's last entries (``--json``: a line per stage, then ``{"projection": …, "supervisor": …}``, then
+``{"audit": …}``), made by ``ctl status`` on the executing host, locally or over SSH. A truncated or corrupt
+``state.json`` is one warning line naming it (``--json``: a first line ``{"error": …}``) above the stages as their
+own files show them, never a traceback.
+
+The supervisor line is the host's verdict (:mod:`pipeline.run.liveness`, judged by the run's lock and the
+snapshot's age): running, silent (alive but not writing, and why) or dead (and when it was last seen); its alerts
+(a write that fails, a damaged stage file) follow, open ones first."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
+from typing import Any
 
 from console.cli_common import open_run, remote, run_ctl
 from pipeline.run import audit
@@ -66,8 +73,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                     }
                 )
             )  # a Slurm stage's job id
-        if isinstance(projection, dict):
-            print(json.dumps({"projection": projection}))  # after the stages: the run as a whole
+        run_line: dict[str, Any] = {"projection": projection} if isinstance(projection, dict) else {}
+        sup = supervisor_section(state)
+        if sup is not None:
+            run_line["supervisor"] = sup
+        if run_line:
+            print(json.dumps(run_line))  # after the stages: the run as a whole
         _print_audit(state.get("audit"), as_json=True)
         return EXIT_OK
     for st in stages:
@@ -77,11 +88,47 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{st.get('id')!s:<30} {st.get('state')!s:<16} try {st.get('attempt')!s:<3} {p:<24} "
             f"{st.get('reason') or ''}".rstrip()
         )
+    sup_lines = supervisor_lines(state)
+    if sup_lines:
+        print("\n".join(sup_lines))
     if isinstance(projection, dict):
         print()
         print("\n".join(projection_report(projection)))
     _print_audit(state.get("audit"))
     return EXIT_OK
+
+
+def _hms(t: object) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(float(t))) if isinstance(t, int | float) else "?"
+
+
+def supervisor_section(state: dict) -> dict | None:
+    """``--json``'s ``supervisor``: the host's liveness report and the supervisor's alerts."""
+    live = state.get("liveness")
+    sup = state.get("supervisor")
+    if not isinstance(sup, dict):
+        sup = {}
+    if not isinstance(live, dict):
+        return None
+    return {**live, "alerts": [a for a in sup.get("alerts") or [] if isinstance(a, dict)]}
+
+
+def supervisor_lines(state: dict) -> list[str]:
+    """``supervisor: …`` (what is wrong when it is silent or dead), then its alerts: open, then ended."""
+    sec = supervisor_section(state)
+    if sec is None:
+        return []
+    text = str(sec.get("text", ""))
+    if sec.get("verdict") == "dead":
+        text += " — not running: any control action or `aerie attach` starts it"
+    out = [text if text.startswith("supervisor") else f"supervisor: {text}"]
+    alerts = sorted(sec["alerts"], key=lambda a: (bool(a.get("resolved")), a.get("since") or 0))
+    for a in alerts:
+        when = f"since {_hms(a.get('since'))}"
+        if a.get("resolved"):
+            when = f"{_hms(a.get('since'))}–{_hms(a.get('resolved'))}, ended"
+        out.append(f"supervisor alert ({when}): {a.get('text', '')}")
+    return out
 
 
 def _local_state(run: RunDir) -> dict:

@@ -138,6 +138,7 @@ class RunModel:
         self.order: list[str] = []
         self.supervisor_pid: int | None = None
         self.supervisor_t: float | None = None
+        self.supervisor_alerts: list[dict] = []  # the supervisor's own faults (state.json)
         self.done = False
         self.error: str | None = None
         self._state_raw = b""
@@ -282,6 +283,7 @@ class RunModel:
         self.executor = snap.get("executor", self.executor)
         sup = snap.get("supervisor") or {}
         self.supervisor_pid, self.supervisor_t = sup.get("pid"), sup.get("t")
+        self.supervisor_alerts = [a for a in sup.get("alerts") or [] if isinstance(a, dict)]
         self.done = bool(snap.get("done"))
         changed = {"*"}
         order = []

@@ -116,14 +116,24 @@ def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
+class CorruptFileError(ValueError):
+    """A state file that is not valid JSON (or not text); ``path`` names it, ``detail`` says what is wrong."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(f"{path}: corrupt state file: {detail}")
+        self.path = Path(path)
+        self.detail = detail
+
+
 def read_json(path: Path, default: Any = None) -> Any:
-    """The JSON in ``path``; ``default`` when there is no such file; a corrupt file is an error naming it."""
+    """The JSON in ``path``; ``default`` when there is no such file; a corrupt file is a
+    :class:`CorruptFileError` (a ``ValueError``) naming it."""
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         return default
-    except ValueError as exc:
-        raise ValueError(f"{path}: corrupt state file: {exc}") from None
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise CorruptFileError(Path(path), str(exc)) from None
 
 
 def swap_dir(tmp: Path, final: Path) -> None:

@@ -1,12 +1,11 @@
 """Setting a run up: its run directory created from the plan (or re-opened), the built-in target model checked,
-and its supervisor started detached or found alive (by its lock). Used by the supervisor's CLI, ``ctl`` and the
+and its supervisor started detached or found alive (by its lock: :mod:`.liveness`). Used by the supervisor's CLI, ``ctl`` and the
 console's transports; the supervisor itself (:mod:`.supervisor`) only runs the loop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from pipeline.run import plan as plan_mod
 from pipeline.run.files import PRIVATE_DIR, open_private_append, private_dir
+from pipeline.run.liveness import lock_held
 from pipeline.run.plan import Plan
 from pipeline.run.procs import env_with_pipeline
 from pipeline.run.rundir import RunDir, write_atomic, write_json
@@ -57,7 +57,11 @@ def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
 def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
     """Start ``python -m pipeline.run.supervisor RUN`` in its own session; returns its pid."""
     run = RunDir(run_root)
-    with open_private_append(run.supervisor_log) as logfh:
+    try:
+        logfh = open_private_append(run.supervisor_log)
+    except OSError:  # a run dir that cannot be written still gets its supervisor (it says why in state)
+        logfh = open(os.devnull, "ab")  # noqa: SIM115
+    with logfh:
         p = subprocess.Popen(
             [python, "-m", "pipeline.run.supervisor", str(run.root)],
             stdin=subprocess.DEVNULL,
@@ -71,17 +75,10 @@ def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
 
 
 def supervisor_alive(run: RunDir) -> bool:
-    """True when some process holds the run's supervisor lock."""
-    if not run.lock_path.exists():
-        return False
-    fd = os.open(run.lock_path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    """True when a supervisor holds the run's lock (an flock on the run directory; deleting
+    ``supervisor.lock`` or ``supervisor.json`` changes nothing). :func:`.liveness.liveness` says more:
+    its pid, whether it still writes its snapshot."""
+    return lock_held(run.root)
 
 
 class ModelMissing(RuntimeError):
