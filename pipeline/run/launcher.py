@@ -125,18 +125,49 @@ def _ran_out_of_space(sd: StageDir) -> bool:
     return any(t.lower() in tail for t in nospace.NOSPACE_TEXT)
 
 
-def _write_exit(path: Path, record: dict) -> None:
-    """exit.json, retried for a while when the disk is full (the stage's failure usually frees its temp files);
-    if it still cannot be written the supervisor records the exit itself."""
-    deadline = time.monotonic() + 30
+PROC_WRITE_S = (
+    20.0  # proc.json: under the supervisor's LAUNCH_TIMEOUT_S, after which it counts the launch lost
+)
+EXIT_WRITE_S = 3600.0  # exit.json: a run dir read-only (a remount, an immutable flag) for up to an hour
+
+
+def _write_record(path: Path, record: dict, within_s: float) -> None:
+    """A record the supervisor derives state from, retried with backoff (0.5 s doubling to 30 s) on any write
+    error — a full disk (the stage's failure usually frees its temp files), a run dir remounted read-only or
+    made immutable for a while, EIO — until ``within_s``; then the error is raised. While the launcher retries
+    ``exit.json`` it is alive, so the stage shows running, never a false 'launcher died'; if the record
+    still cannot be written the supervisor records the exit itself."""
+    deadline = time.monotonic() + within_s
+    wait = 0.5
     while True:
         try:
             write_json(path, record)
             return
         except OSError as exc:
-            if not nospace.is_nospace(exc) or time.monotonic() > deadline:
+            if time.monotonic() + wait > deadline:
                 raise
-            time.sleep(1)
+            with contextlib.suppress(OSError):
+                print(f"aerie: cannot write {path.name} ({exc}); retrying in {wait:g}s", flush=True)
+            time.sleep(wait)
+            wait = min(wait * 2, 30.0)
+
+
+class _Events:
+    """The launcher's events, best effort: a write error (a read-only run dir, a full disk) loses an event
+    line, never the stage — proc.json and exit.json are what the supervisor derives state from."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: EventWriter | None = None
+
+    def emit(self, type_: str, **data: object) -> None:
+        try:
+            if self._writer is None:
+                self._writer = EventWriter(self.path)
+            self._writer.emit(type_, **data)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                print(f"aerie: cannot write the {type_} event ({exc})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,15 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     sd = run.stage(stage_id)
     spec = StageSpec.from_dict(read_json(sd.spec))
     ident = ProcIdentity.of_self(token=new_token())
-    write_json(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()})
+    _write_record(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()}, PROC_WRITE_S)
     private_dir(sd.out)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    events = EventWriter(sd.events)
+    events = _Events(sd.events)
     argv_child = stage_argv(spec, run, sys.executable)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
-    print(f"===== $ {' '.join(argv_child)}", flush=True)
+    with contextlib.suppress(OSError):  # the log's banner, best effort like the events
+        print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
+        print(f"===== $ {' '.join(argv_child)}", flush=True)
     events.emit("started", attempt=attempt, pid=ident.pid, pgid=ident.pgid)
     oom_before = oom.reading()  # to tell an OOM kill from any other SIGKILL when the child dies
     try:
@@ -173,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except OSError as exc:
         print(f"aerie: cannot start stage: {exc}", flush=True)
-        write_json(
+        _write_record(
             sd.exit,
             {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)},
+            EXIT_WRITE_S,
         )
         events.emit("finished", status="failed", returncode=127, detail=str(exc))
         return 127
@@ -213,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"aerie: {stage_id} {record['detail']}", flush=True)
         if not killed:
             events.emit("message", level="error", code="signal", signal=sig, text=record["detail"])
-    _write_exit(sd.exit, record)
+    _write_record(sd.exit, record, EXIT_WRITE_S)
     with contextlib.suppress(OSError):  # a full disk: the exit record above is what counts
         events.emit(
             "finished",
