@@ -93,6 +93,23 @@ def server_args_fields(cls: Any) -> set[str]:
     return set(getattr(cls, "__struct_fields__", ()))
 
 
+# Every ModelRunner keyword Aerie knows how to fill (0.5.14 takes them all; 0.5.23 dropped the rank ones).
+RUNNER_PARAMS = (
+    "model_config",
+    "mem_fraction_static",
+    "gpu_id",
+    "tp_rank",
+    "tp_size",
+    "moe_ep_rank",
+    "moe_ep_size",
+    "pp_rank",
+    "pp_size",
+    "nccl_port",
+    "server_args",
+    "is_draft_worker",
+)
+
+
 def runner_kwargs(
     spec: RunnerSpec, server_args: Any, model_config: Any, params: Iterable[str], required: Iterable[str]
 ) -> dict[str, Any]:
@@ -112,6 +129,7 @@ def runner_kwargs(
         "server_args": server_args,
         "is_draft_worker": False,
     }
+    assert tuple(every) == RUNNER_PARAMS
     names = set(params)
     missing = sorted(set(required) - every.keys())
     if missing:
