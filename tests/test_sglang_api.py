@@ -407,3 +407,21 @@ def test_each_release_knows_every_flag_of_our_launch_argv(version: str, tmp_path
     }
     declared = source(version).server_flags()
     assert len(flags) >= 10 and flags <= declared, sorted(flags - declared)
+
+
+def test_every_release_hooks_the_aux_layers_by_one_rule() -> None:
+    """``pipeline/serving/sglang_capture.py``'s table is run against the installed sglang's own
+    ``set_eagle3_layers_to_capture`` (tests/test_sglang_capture.py); it holds for every release of the table
+    only if their methods are the same code. Compared as syntax trees, per model family."""
+    from tests.test_sglang_capture import FAMILIES
+
+    for file, cls, _ in FAMILIES:
+        dumps = {}
+        for version in VERSIONS:
+            c = source(version).cls(f"sglang.srt.models.{file[:-3]}", cls)
+            f = method(c, "set_eagle3_layers_to_capture") if c is not None else None
+            assert f is not None, f"sglang {version}: {file} {cls} has no set_eagle3_layers_to_capture"
+            dumps[version] = ast.dump(f, include_attributes=False)
+        assert len(set(dumps.values())) == 1, (
+            f"{file} {cls}: the capture rule differs between {sorted(dumps)}"
+        )

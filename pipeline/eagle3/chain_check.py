@@ -1,7 +1,8 @@
 """The deep plan check: what the EAGLE-3 stages will do with this plan's target, before hours are spent.
 
 ``python -m pipeline.eagle3.chain_check PLAN [--json]`` (run by ``aerie plan check --deep`` and by
-``aerie preflight`` on the host). Reads the target's ``config.json`` and tokenizer from a local
+``aerie preflight`` on the host). A plan that runs SGLang also gets the installed SGLang against the
+tested-versions table (``sglang``: :mod:`pipeline.tested_versions`). Reads the target's ``config.json`` and tokenizer from a local
 folder or the local Hugging Face cache — never a download — builds the model on the meta device
 (no memory, no weights) and checks the chain: the architecture is one Aerie can capture, the aux
 layers are in range, the draft config it will build, the draft vocabulary fits the target's, the
@@ -94,6 +95,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     Never raises: whatever a malformed target makes fail is a FAIL line naming the plan and the config file
     (:mod:`pipeline.eagle3.target_config_check` names the field for every malformation it knows)."""
     rep = Report.of(str(plan.path))
+    sglang_line(plan, rep)
     try:
         _check(plan, free_bytes, rep)
     except Exception as exc:  # noqa: BLE001 - the report is the answer, never a traceback
@@ -106,6 +108,19 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             f"{type(exc).__name__}: {exc} (a malformed target this check does not name field by field yet)",
         )
     return rep
+
+
+def sglang_line(plan: plan_mod.Plan, rep: Report) -> None:
+    """The installed SGLang against the tested-versions table, for a plan that runs SGLang (serve or capture):
+    tested passes, untested warns, known broken for what the plan uses fails (``pipeline/tested_versions.py``)."""
+    uses = tested_versions.sglang_uses(plan)
+    if not uses:
+        return
+    v = tested_versions.classify_sglang(uses)
+    detail = v.detail
+    if v.level == "absent":
+        detail += "; the host that runs the stages needs it (aerie preflight checks it there)"
+    rep.add("sglang", v.ok, detail if v.ok else f"{plan.path}: {detail}", warning=v.warning)
 
 
 def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
