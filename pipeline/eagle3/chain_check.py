@@ -249,11 +249,18 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
 
     ct: Any = None
     try:
+        from pipeline.data import split_pattern
         from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
 
         tok = load_hf_tokenizer(str(folder), trust_remote_code=trc)
-        for problem in tokenizer_problems(cfg_file, text_prefix, vocab, tok):
+        problems = tokenizer_problems(cfg_file, text_prefix, vocab, tok)
+        for problem in problems:
             rep.add("tokenizer", False, f"{where}: target.model: {problem}")
+        if (
+            not problems
+        ):  # which tokenizer, and how it cuts text (Kimi: its own split pattern, read from its code)
+            said, warn = split_pattern.describe(tok)
+            rep.add("tokenizer", True, said, warning=warn)
         ct = ChatTokenizer(tok, plan.target.row_length, tokenizer_id=model)
         conv = [
             {"role": "user", "content": "What is 2 + 2?"},
