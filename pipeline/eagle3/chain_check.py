@@ -23,6 +23,7 @@ from typing import Any
 
 from pipeline import tested_versions
 from pipeline.eagle3.bench_fit import check_offline_bench
+from pipeline.eagle3.provenance import local_model_dir
 from pipeline.run import plan as plan_mod
 from pipeline.run.checks import CheckReport
 
@@ -42,24 +43,6 @@ class Report(CheckReport):
     def render(self) -> str:
         tail = "ok: the chain can run" if self.ok else "not ok: fix the FAIL lines above"
         return "\n".join([*self.lines(), tail])
-
-
-def local_model_dir(model: str) -> Path | None:
-    """The folder holding the target's files: a local path, a built-in model, or the local HF cache."""
-    from pipeline.data import model_assets
-
-    if model.startswith(model_assets.BUILTIN_PREFIX):
-        return Path(model_assets.resolve(model))
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        hit = try_to_load_from_cache(model, "config.json")
-    except Exception:  # noqa: BLE001 - an odd cache means "not found", reported below
-        hit = None
-    return Path(hit).parent if isinstance(hit, str) else None
 
 
 def _alternatives(sg: Any, act: int, training: int, tp: int, gpu_gb: float | None, tf: Any = None) -> str:
@@ -96,6 +79,7 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     (:mod:`pipeline.eagle3.target_config_check` names the field for every malformation it knows)."""
     rep = Report.of(str(plan.path))
     sglang_line(plan, rep)
+    draft_line(plan, rep)
     try:
         _check(plan, free_bytes, rep)
     except Exception as exc:  # noqa: BLE001 - the report is the answer, never a traceback
@@ -121,6 +105,24 @@ def sglang_line(plan: plan_mod.Plan, rep: Report) -> None:
     if v.level == "absent":
         detail += "; the host that runs the stages needs it (aerie preflight checks it there)"
     rep.add("sglang", v.ok, detail if v.ok else f"{plan.path}: {detail}", warning=v.warning)
+
+
+def draft_line(plan: plan_mod.Plan, rep: Report) -> None:
+    """``[deploy] draft_model_path``, when it is already on disk, against the target the plan serves: the draft's
+    provenance must name this target's config and tokenizer (:mod:`pipeline.eagle3.provenance`)."""
+    from pipeline.eagle3 import provenance
+
+    path = plan.settings.deploy.draft_model_path
+    if not path or not Path(path).expanduser().is_dir():
+        return  # written by this run's train stage later (or not a local path): the serve stage checks it then
+    served = str(plan.settings.serve.model or plan.target.model or "")
+    v = provenance.check(Path(path).expanduser(), served)
+    rep.add(
+        "draft provenance",
+        v.ok,
+        v.detail if v.ok else f"{plan.path}: deploy.draft_model_path: {v.detail}",
+        warning=v.level == "warn",
+    )
 
 
 def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
