@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import tested_versions
+from pipeline.eagle3 import serving_checks
 from pipeline.eagle3.bench_fit import check_offline_bench
 from pipeline.eagle3.provenance import local_model_dir
 from pipeline.run import plan as plan_mod
@@ -78,8 +79,8 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     Never raises: whatever a malformed target makes fail is a FAIL line naming the plan and the config file
     (:mod:`pipeline.eagle3.target_config_check` names the field for every malformation it knows)."""
     rep = Report.of(str(plan.path))
-    sglang_line(plan, rep)
-    draft_line(plan, rep)
+    serving_checks.sglang_line(plan, rep)
+    serving_checks.draft_line(plan, rep)
     try:
         _check(plan, free_bytes, rep)
     except Exception as exc:  # noqa: BLE001 - the report is the answer, never a traceback
@@ -92,37 +93,6 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
             f"{type(exc).__name__}: {exc} (a malformed target this check does not name field by field yet)",
         )
     return rep
-
-
-def sglang_line(plan: plan_mod.Plan, rep: Report) -> None:
-    """The installed SGLang against the tested-versions table, for a plan that runs SGLang (serve or capture):
-    tested passes, untested warns, known broken for what the plan uses fails (``pipeline/tested_versions.py``)."""
-    uses = tested_versions.sglang_uses(plan)
-    if not uses:
-        return
-    v = tested_versions.classify_sglang(uses)
-    detail = v.detail
-    if v.level == "absent":
-        detail += "; the host that runs the stages needs it (aerie preflight checks it there)"
-    rep.add("sglang", v.ok, detail if v.ok else f"{plan.path}: {detail}", warning=v.warning)
-
-
-def draft_line(plan: plan_mod.Plan, rep: Report) -> None:
-    """``[deploy] draft_model_path``, when it is already on disk, against the target the plan serves: the draft's
-    provenance must name this target's config and tokenizer (:mod:`pipeline.eagle3.provenance`)."""
-    from pipeline.eagle3 import provenance
-
-    path = plan.settings.deploy.draft_model_path
-    if not path or not Path(path).expanduser().is_dir():
-        return  # written by this run's train stage later (or not a local path): the serve stage checks it then
-    served = str(plan.settings.serve.model or plan.target.model or "")
-    v = provenance.check(Path(path).expanduser(), served)
-    rep.add(
-        "draft provenance",
-        v.ok,
-        v.detail if v.ok else f"{plan.path}: deploy.draft_model_path: {v.detail}",
-        warning=v.level == "warn",
-    )
 
 
 def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
