@@ -327,8 +327,8 @@ def load_sglang_target(
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:
         raise TargetError(
-            f'target.engine = "sglang" but SGLang cannot be imported here ({exc}); install the gpu extra '
-            '(sglang) or set target.engine = "transformers"'
+            f'target.engine = "sglang" but SGLang cannot be imported here ({exc}); install the GPU stack '
+            "(pip install -c constraints-gpu.txt '.[pipeline,gpu]') or set target.engine = \"transformers\""
         ) from None
     import inspect
 
