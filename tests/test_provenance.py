@@ -100,6 +100,23 @@ def test_the_guard_refuses_another_target_or_tokenizer_naming_both(
         )
 
 
+def test_the_same_network_in_another_precision_or_quantization_passes(draft: Path, tmp_path: Path) -> None:
+    """A bf16-trained draft serves the FP8/INT4 checkpoint of its target: dtype, quantization and bookkeeping
+    keys are not part of the fingerprint (a fine-tune of the same architecture is not told apart either)."""
+    same = other_target(tmp_path, "tokenizer")
+    shutil.copy(
+        Path(tiny_llama()) / "tokenizer.json", same / "tokenizer.json"
+    )  # back to the trained tokenizer
+    cfg = json.loads((same / "config.json").read_text())
+    cfg.update(
+        transformers_version="9.9.9",
+        torch_dtype="float8_e4m3fn",
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+    )
+    (same / "config.json").write_text(json.dumps(cfg, indent=4))
+    assert provenance.check(draft, str(same)).level == "ok"
+
+
 def test_an_export_without_provenance_is_served_with_a_warning(draft: Path, tmp_path: Path) -> None:
     old = tmp_path / "old-draft"
     shutil.copytree(draft, old)

@@ -8,7 +8,10 @@ SGLang's ``config.json`` and weights; SGLang ignores it), and the serve stage (`
 ``aerie plan check --deep`` compare it with the target about to be served:
 
 * **target fingerprint**: sha256 of the target's ``config.json`` as JSON (key order and whitespace do not
-  count), and its architecture, layer count, hidden size, vocabulary, for the message;
+  count, nor bookkeeping, dtype and quantization: the same network served in FP8 or INT4 passes), and its
+  architecture, layer count, hidden size, vocabulary, for the message. It is the config's, not the weights':
+  a fine-tune of the same architecture is not told apart (hashing ~600 GB of weights at every deploy is not
+  done);
 * **tokenizer fingerprint**: sha256 over the tokenizer files present (``tokenizer.json``,
   ``tokenizer_config.json``, ``tiktoken.model``, …) and, for a tiktoken checkpoint, the split pattern Aerie
   uses (:mod:`pipeline.data.split_pattern`);
@@ -69,12 +72,36 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# Config keys that do not change what a draft learnt from the target: bookkeeping, and the precision or
+# quantization the same network is stored or served in (a bf16-trained draft serves an FP8/INT4 target).
+IGNORED_CONFIG_KEYS = frozenset(
+    {
+        "transformers_version",
+        "_name_or_path",
+        "_commit_hash",
+        "torch_dtype",
+        "dtype",
+        "quantization_config",
+        "use_cache",
+    }
+)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items() if k not in IGNORED_CONFIG_KEYS}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
 def target_fingerprint(folder: Path) -> dict[str, Any]:
-    """The target's config as a fingerprint: sha256 of its ``config.json`` as canonical JSON, and its shape."""
+    """The target's config as a fingerprint: sha256 of its ``config.json`` as canonical JSON (sorted keys, without
+    :data:`IGNORED_CONFIG_KEYS`, nested configs too), and its shape for the messages."""
     cfile = folder / "config.json"
     cfg = json.loads(cfile.read_text())
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    canon = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+    canon = json.dumps(_canonical(cfg), sort_keys=True, separators=(",", ":"))
     return {
         "config_file": str(cfile),
         "config_sha256": hashlib.sha256(canon.encode()).hexdigest(),
