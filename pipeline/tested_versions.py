@@ -1,7 +1,8 @@
 """The releases Aerie is tested with, and what to say when another one is installed.
 
-Two sets are tested: the CPU lock (``constraints.txt``, what CI and the README install) and the lent GPU
-image (torch 2.11, transformers 5.17). Other releases may work, but some change behaviour Aerie relies on
+Three sets are tested: the CPU lock (``constraints.txt``, what CI and the README install), the lent GPU
+image (torch 2.11, transformers 5.17), and the GPU lock (``constraints-gpu.txt``: torch 2.11 with SGLang
+0.5.14's transformers 5.8.1, which the capture through SGLang ran with; the other stages ran on 5.17 there). Other releases may work, but some change behaviour Aerie relies on
 without an error: transformers 5.25 moved DeepSeek-V3's routed experts from the tensor-parallel plan to an
 expert-parallel plan, so the same ``tp_plan="auto"`` load holds 6x the bytes per rank. Where that matters
 (the deep check's memory figures, a tensor-parallel capture) Aerie says which release it is running on and
@@ -27,7 +28,11 @@ from dataclasses import dataclass
 # package -> {major.minor: where it is tested}
 TESTED: dict[str, dict[str, str]] = {
     "torch": {"2.13": "the CPU lock", "2.11": "the GPU image"},
-    "transformers": {"5.24": "the CPU lock", "5.17": "the GPU image"},
+    "transformers": {
+        "5.24": "the CPU lock",
+        "5.17": "the GPU image",
+        "5.8": "the GPU lock: SGLang 0.5.14's pin, with which the extract stage captured through SGLang on the H200",
+    },
 }
 
 
