@@ -130,7 +130,8 @@ class StageDetail(Horizontal):
             facts.update(t, layout=lines_now != self._facts_lines)
         self._facts_lines = lines_now
         self._plot(st)
-        evs = [ev for ev in st.events if ev.type != "progress"][-6:]
+        room = self.query_one("#events").size.height  # a tall pane lists more of them (never fewer than 6)
+        evs = [ev for ev in st.events if ev.type != "progress"][-max(6, room) :]
         lines = Text()
         for ev in evs:
             stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))
@@ -142,4 +143,6 @@ class StageDetail(Horizontal):
         fresh = st.log_total - self._log_count
         if fresh > 0:
             log.write_lines(list(st.log)[-min(fresh, len(st.log)) :])
+            if self._log_count == 0:  # a stage just selected: its tail (the traceback) in view once laid out
+                self.call_after_refresh(log.scroll_end, animate=False, x_axis=False)
         self._log_count = st.log_total
