@@ -445,6 +445,10 @@ class AerieApp(App[int]):
             return  # a poll that finished while the app is closing (or before it composed): nothing to draw
 
         board.sync(self.model)
+        note = "" if self.model.loaded else self.model.waiting_for
+        if note != board.empty_note:
+            board.empty_note = note
+            board.refresh()
         if not self._first_selection and self.model.loaded:
             self._first_selection = True
             sid = most_relevant(self.model)

@@ -1,14 +1,19 @@
-"""``aerie status``: every stage's row, then the run's projection, then the audit log's last entries (``--json``:
-a line per stage, then ``{"projection": …}``, then ``{"audit": …}``), made by ``ctl status`` on the executing host,
-locally or over SSH."""
+"""``aerie status``: every stage's row, then the run's projection, the anomalies going on now with their evidence
+(:mod:`console.anomaly_scan`), then the audit log's last entries (``--json``: a line per stage, then
+``{"projection": …}``, ``{"anomalies": […]}``, ``{"audit": …}``), made by ``ctl status`` on the executing host,
+locally or over SSH (the anomalies: read here, through the console's transport)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 
+from console.alerts import Alert
+from console.anomaly_scan import active_anomalies, alert_json, alert_lines
 from console.cli_common import open_run, remote, run_ctl
+from console.transport import LocalTransport, Transport
 from pipeline.run import audit
 from pipeline.run.projection import RunProjection
 from pipeline.run.projection_text import status_lines
@@ -33,6 +38,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             state["audit"] = audit.status_section(run.root)
     stages = state.get("stages", [])
     projection = state.get("projection")
+    anomalies = _anomalies(args.run)
     if args.json:
         for st in stages:
             print(
@@ -60,6 +66,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             )  # a Slurm stage's job id
         if isinstance(projection, dict):
             print(json.dumps({"projection": projection}))  # after the stages: the run as a whole
+        if anomalies is not None:
+            print(json.dumps({"anomalies": [alert_json(a) for a in anomalies]}))
         _print_audit(state.get("audit"), as_json=True)
         return EXIT_OK
     for st in stages:
@@ -71,8 +79,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     if isinstance(projection, dict):
         print()
         print("\n".join(projection_report(projection)))
+    if anomalies is not None:
+        print()
+        print("\n".join(alert_lines(anomalies)))
     _print_audit(state.get("audit"))
     return EXIT_OK
+
+
+def _anomalies(arg: str) -> list[Alert] | None:
+    """The anomalies going on in the run now (None, with a warning, when its files cannot be read)."""
+    if remote(arg):
+        from console.ssh.commands import attach_transport
+
+        t = attach_transport(arg)
+        if isinstance(t, int):
+            return None
+        transport: Transport = t
+    else:
+        run = open_run(arg)
+        if run is None:
+            return None
+        transport = LocalTransport(str(run.root))
+
+    async def scan() -> list[Alert]:
+        try:
+            return await active_anomalies(transport)
+        finally:
+            await transport.close()
+
+    try:
+        return asyncio.run(scan())
+    except Exception as exc:  # noqa: BLE001 - the stages' rows are printed anyway
+        print(f"aerie: warning: anomalies not checked: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def _local_state(run: RunDir) -> dict:

@@ -49,7 +49,7 @@ def status_text(
     if model.error:
         line.append(model.error, style=style("failed"))
     elif not model.loaded:
-        line.append("waiting for the supervisor's first snapshot…")
+        line.append(model.waiting_for, style=style("paused") if model.state_problem else "")
     elif model.done:
         ok = model.all_succeeded()
         line.append(

@@ -167,6 +167,7 @@ class RunModel:
         self.supervisor_t: float | None = None
         self.done = False
         self.error: str | None = None
+        self.state_problem: str | None = None  # why the last state.json read could not be used
         self._state_raw = b""
         self._events: dict[str, _Stream] = {}
         self._logs: dict[str, _Stream] = {}
@@ -183,6 +184,13 @@ class RunModel:
     @property
     def loaded(self) -> bool:
         return bool(self.order)
+
+    @property
+    def waiting_for(self) -> str:
+        """What a console with no stages yet waits for, and why (a corrupt ``state.json`` says so)."""
+        if self.state_problem:
+            return f"{self.state_problem}: waiting for the supervisor's next snapshot"
+        return "waiting for the supervisor's first snapshot…"
 
     def families(self) -> list[tuple[str, list[StageView]]]:
         """Stages grouped by plan family, in plan order (the 10 preps read as one block)."""
@@ -293,8 +301,14 @@ class RunModel:
     def _apply_state(self, raw: bytes) -> set[str]:
         try:
             snap = json.loads(raw)
-        except ValueError:
-            return set()  # never torn (atomic rename), but be defensive
+        except ValueError as exc:
+            # Never torn (atomic rename), but a disk error or a hand edit can leave it so: say why we wait.
+            self.state_problem = f"state.json unreadable (not valid JSON at byte {exc.pos})"
+            return {"*"}
+        if not isinstance(snap, dict):
+            self.state_problem = "state.json unreadable (not a JSON object)"
+            return {"*"}
+        self.state_problem = None
         self.run_name = snap.get("run", self.run_name)
         self.executor = snap.get("executor", self.executor)
         sup = snap.get("supervisor") or {}

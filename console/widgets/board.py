@@ -123,6 +123,7 @@ class StageBoard(ScrollView, can_focus=True):
         self._content_sig: int = 0
         self._width_cache: tuple[tuple, list[int]] = ((), [])
         self._frame_style: Style | None = None  # the widget's own style, looked up once per frame
+        self.empty_note = ""  # shown while there is no stage (the app: what it waits for)
         self.room = 0  # stage rows the board may show (0: no limit); the app sets it from the terminal
         self.folds: dict[str, bool] = {}  # families the operator folded (True) or unfolded (False)
         self.auto_folded: set[str] = set()  # families folded because the rows did not fit the room
@@ -360,6 +361,8 @@ class StageBoard(ScrollView, can_focus=True):
         idx = y - 1 + int(self.scroll_offset.y)
         base = self._frame_style or self.rich_style
         if idx >= len(self._rows):
+            if idx == 0 and self.empty_note:  # no stage yet: what the console waits for, and why
+                return Strip([Segment(_fit(self.empty_note, width), base)]).crop_extend(0, width, base)
             return Strip.blank(width, base)
         row = self._rows[idx]
         selected = idx == self.cursor_row
