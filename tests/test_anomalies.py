@@ -19,8 +19,8 @@ from console.alerts import Alert
 from console.anomalies import AnomalyWatcher
 from console.app import AerieApp
 from console.model import RunModel
-from console.settings import resolve
 from console.screens.alerts import AlertsScreen
+from console.settings import resolve
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from pipeline.run.gpus import FakeNvmlReplay

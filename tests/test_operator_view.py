@@ -206,3 +206,51 @@ def test_the_agent_and_aerie_status_name_the_run_dirs_filesystem(tmp_path: Path)
     total, _used, avail = budget.disk_free(run.root)
     assert proj["disk_mount"] == mount and proj["disk_total"] == total
     assert proj["disk_at_finish"] >= total - avail - (1 << 20), "counted as the meter counts (total - avail)"
+
+
+NAN_STAGE = (
+    "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "for i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
+    "ctx.metric('loss', float('nan'), step=8)\ntime.sleep(60)\n"
+)
+
+
+def test_aerie_status_lists_the_anomalies_going_on_with_evidence(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A real supervisor runs a training whose loss turns NaN; ``aerie status`` (text and --json) names it."""
+    import sys
+
+    from console.cli import main
+    from tests.runs import kill_run_stages, start_supervisor, states, stop, wait_for
+
+    (tmp_path / "nan.py").write_text(NAN_STAGE)
+    run = make_run(
+        tmp_path,
+        f"""
+        [run]
+        name = "odd"
+        dir = "run"
+        [[stage]]
+        id = "trainer"
+        command = "{sys.executable} {tmp_path / "nan.py"}"
+        kill_grace_s = 1
+        """,
+    )
+    sup = start_supervisor(run)
+    try:
+        ev = run.stage("trainer").events
+        wait_for(
+            lambda: ev.exists() and ev.read_bytes().count(b'"metric"') >= 9, what="the NaN loss in the events"
+        )
+        wait_for(lambda: states(run).get("trainer") == "running", what="trainer running")
+        assert main(["status", str(run.root)]) == 0
+        out = capsys.readouterr().out
+        assert "anomalies: 1 now" in out, out
+        assert "loss-nonfinite" in out and "loss = nan at step 8" in out
+        assert main(["status", str(run.root), "--json"]) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        (found,) = [d["anomalies"] for d in lines if "anomalies" in d]
+        assert [(a["kind"], a["stage"]) for a in found] == [("loss-nonfinite", "trainer")]
+        assert any("loss = nan at step 8" in e for e in found[0]["evidence"])
+    finally:
+        stop(sup)
+        kill_run_stages(run)
