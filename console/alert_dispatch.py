@@ -50,7 +50,8 @@ class AlertDispatcher:
         self.anomalies = AnomalyWatcher(host.settings.rules)
         self.hooks_run = 0  # hook commands completed (tests wait on it)
         self.last_stage: str | None = None  # the stage of the latest alert announced
-        self.history: deque[tuple[float, Alert]] = deque(maxlen=HISTORY)  # (when, alert): the list ``a`` shows
+        # (when, alert) of every alert announced: the list ``a`` shows
+        self.history: deque[tuple[float, Alert]] = deque(maxlen=HISTORY)
 
     def attach(self, model: RunModel) -> None:
         """Let the anomaly rules see each event the model applies."""

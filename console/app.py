@@ -118,7 +118,9 @@ def most_relevant(model: RunModel) -> str | None:
     """The stage to show first on attach (lazygit opens on a selection): the latest failure, else a running
     stage (a work stage before a service), else the stage that finished last."""
     stages = [model.stages[sid] for sid in model.order if sid in model.stages]
-    broken = [s for s in stages if s.state in (StageState.FAILED, StageState.KILLED) or s.health == "unhealthy"]
+    broken = [
+        s for s in stages if s.state in (StageState.FAILED, StageState.KILLED) or s.health == "unhealthy"
+    ]
     if broken:
         return max(broken, key=lambda s: s.finished_at or 0.0).id
     live = [s for s in stages if s.state in (StageState.RUNNING, StageState.PAUSED) or s.pausing]
@@ -778,7 +780,11 @@ class AerieApp(App[int]):
             ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
             ("Audit log", "who did what to which stage, from where, and the outcome", self.action_audit),
             ("Filter stages", "filter the board by id or state", self.action_filter),
-            ("Alerts", "the alerts of this console, with evidence; Enter selects the stage", self.action_alert_stage),
+            (
+                "Alerts",
+                "the alerts of this console, with evidence; Enter selects the stage",
+                self.action_alert_stage,
+            ),
             ("Help", "every key of this screen", self.action_help),
             ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),
         ]

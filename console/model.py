@@ -303,7 +303,8 @@ class RunModel:
             snap = json.loads(raw)
         except ValueError as exc:
             # Never torn (atomic rename), but a disk error or a hand edit can leave it so: say why we wait.
-            self.state_problem = f"state.json unreadable (not valid JSON at byte {exc.pos})"
+            at = f" at byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""  # else: not UTF-8
+            self.state_problem = f"state.json unreadable (not valid JSON{at})"
             return {"*"}
         if not isinstance(snap, dict):
             self.state_problem = "state.json unreadable (not a JSON object)"

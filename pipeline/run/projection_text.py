@@ -59,7 +59,9 @@ def finish_text(p: RunProjection) -> str:
     if p.finished:
         return "ended" + (f", took {duration(p.finish_at - p.started_at)}" if p.started_at else "")
     if p.unknown_open:
-        return f"finish unknown: {_more(p.unknown_open)} report{'' if len(p.unknown_open) > 1 else 's'} no size"
+        return (
+            f"finish unknown: {_more(p.unknown_open)} report{'' if len(p.unknown_open) > 1 else 's'} no size"
+        )
     if p.remaining_s < 1:
         return "finishing: the last stages are ending"
     when = f"finish {clock(p.finish_at, p.now)} ({duration(p.remaining_s)} left)"
