@@ -710,6 +710,13 @@ class AerieApp(App[int]):
             if not board.select_key(sid):
                 self.notify(f"{sid} is not on the board", severity="warning")
 
+    def fold_family(self) -> None:
+        """The palette's fold (the board's ``z``): on the board's screen, whichever screen is on top."""
+        self.screen_stack[0].query_one(StageBoard).action_fold()
+
+    def fold_all_families(self) -> None:
+        self.screen_stack[0].query_one(StageBoard).action_fold_all()
+
     def action_audit(self) -> None:
         if isinstance(self.screen, AuditScreen):
             self.screen.dismiss(None)
@@ -780,6 +787,16 @@ class AerieApp(App[int]):
             ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
             ("Audit log", "who did what to which stage, from where, and the outcome", self.action_audit),
             ("Filter stages", "filter the board by id or state", self.action_filter),
+            (
+                "Fold / unfold family",
+                "the selected family: its running and failed stages stay listed",
+                self.fold_family,
+            ),
+            (
+                "Fold / unfold all families",
+                "every family of the board",
+                self.fold_all_families,
+            ),
             (
                 "Alerts",
                 "the alerts of this console, with evidence; Enter selects the stage",

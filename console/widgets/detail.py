@@ -15,12 +15,28 @@ import time
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.events import Resize
 from textual.widgets import Log, Static
 
 from console import fmt
 from console.model import StageView, describe_event
 from console.widgets.board import server_line
 from console.widgets.curves import CurvePlot, mini_curves
+
+
+class TailLog(Log):
+    """The log tail: while it shows the end (the latest lines, a traceback) it keeps showing it when the pane
+    is laid out again (the first layout after a stage is selected, a resize); scrolled up, it stays put."""
+
+    follow = True
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        self.follow = self.is_vertical_scroll_end
+
+    def on_resize(self, _event: Resize) -> None:
+        if self.follow:
+            self.call_after_refresh(self.scroll_end, animate=False, x_axis=False)
 
 
 class StageDetail(Horizontal):
@@ -49,7 +65,7 @@ class StageDetail(Horizontal):
             yield Static("", id="events")
             yield CurvePlot(id="plot-in")
         yield CurvePlot(id="plot-col")
-        yield Log(max_lines=1000, auto_scroll=True, id="stage-log")
+        yield TailLog(max_lines=1000, auto_scroll=True, id="stage-log")
 
     def _plot(self, st: StageView) -> None:
         """The compact loss / acc_0 plot, where the width puts it (or none for a stage without a loss)."""
@@ -139,10 +155,11 @@ class StageDetail(Horizontal):
             lines.append(f"{stamp} {describe_event(ev)}\n", style=style("failed") if lvl == "error" else "")
         if self._changed("events", lines):
             self.query_one("#events", Static).update(lines, layout=False)
-        log = self.query_one(Log)
+        log = self.query_one(TailLog)
         fresh = st.log_total - self._log_count
         if fresh > 0:
             log.write_lines(list(st.log)[-min(fresh, len(st.log)) :])
             if self._log_count == 0:  # a stage just selected: its tail (the traceback) in view once laid out
+                log.follow = True
                 self.call_after_refresh(log.scroll_end, animate=False, x_axis=False)
         self._log_count = st.log_total
