@@ -22,7 +22,7 @@ from console.widgets.meters import MetersPanel
 from pipeline.run import budget
 from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run
 from tests.screen_text import svg_rows
-from tests.test_console import until
+from tests.test_console import live_run, until  # noqa: F401 (a fixture: a real supervisor, a command)
 
 SIZES = [(80, 24), (120, 40), (200, 60)]
 RUNNING = ["prep.sharegpt", "prep.kimi-2000x", "prep.codefeedback"]
@@ -254,3 +254,43 @@ def test_aerie_status_lists_the_anomalies_going_on_with_evidence(tmp_path: Path,
     finally:
         stop(sup)
         kill_run_stages(run)
+
+
+async def test_a_live_run_of_shell_commands_never_says_finish_now(live_run) -> None:  # noqa: ANN001, F811
+    """The issue's case: operator commands, one reporting progress (StageContext from its AERIE_* environment):
+    the header's projection measures that one and says the finish is unknown while the other has no size."""
+    app = AerieApp(LocalTransport(str(live_run.root)), poll_s=0.2, alerts=False, user_config={})
+    async with app.run_test(size=(140, 36)) as pilot:
+        await until(
+            pilot,
+            lambda: app.model.stages.get("work") is not None and app.model.stages["work"].progress.t > 0,
+            what="work reporting progress",
+        )
+        app.projection.every_s = 0  # recompute on every poll (the 5 s cache is not what is tested)
+
+        def line() -> str:
+            return str(app.query_one("#projection").content)
+
+        await until(pilot, lambda: "after-work reports no size" in line(), what="work measured, after-work not")
+        text = line()
+        assert text.startswith("0/2 stages · finish unknown: after-work reports no size"), text
+        assert "finish now" not in text and "100%" not in text
+
+
+def test_families_fold_quiet_ones_first_and_keep_the_operators_choice() -> None:
+    from console.widgets.board_cells import auto_folds
+
+    def fam(name: str, *states: str) -> tuple[str, list[StageView]]:
+        return name, [StageView(id=f"{name}.{i}", family=name, state=s) for i, s in enumerate(states)]
+
+    families = [
+        fam("prep", *["succeeded"] * 8, "running"),
+        fam("regen", *["pending"] * 4),
+        fam("train", "pending"),
+    ]
+    # Rows unfolded: 10 + 5 + 1 = 16.
+    assert auto_folds(families, {}, 0) == set(), "no room given: nothing folds"
+    assert auto_folds(families, {}, 16) == set()
+    assert auto_folds(families, {}, 12) == {"regen"}, "the family with nothing to look at folds first"
+    assert auto_folds(families, {}, 6) == {"regen", "prep"}, "then all (prep keeps its running member)"
+    assert auto_folds(families, {"prep": False}, 6) == {"regen"}, "a family the operator unfolded stays open"
