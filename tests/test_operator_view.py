@@ -271,7 +271,9 @@ async def test_a_live_run_of_shell_commands_never_says_finish_now(live_run) -> N
         def line() -> str:
             return str(app.query_one("#projection").content)
 
-        await until(pilot, lambda: "after-work reports no size" in line(), what="work measured, after-work not")
+        await until(
+            pilot, lambda: "after-work reports no size" in line(), what="work measured, after-work not"
+        )
         text = line()
         assert text.startswith("0/2 stages · finish unknown: after-work reports no size"), text
         assert "finish now" not in text and "100%" not in text
