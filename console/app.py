@@ -496,7 +496,10 @@ class AerieApp(App[int]):
 
     @on(StageBoard.Highlighted)
     def _row_changed(self, _event: StageBoard.Highlighted) -> None:
-        st = self.query_one(StageBoard).selected_stage(self.model)
+        try:
+            st = self.query_one(StageBoard).selected_stage(self.model)
+        except NoMatches:
+            return  # the console is closing: its board is gone
         self.model.watch_log(st.id if st else None)
         self.query_one(StageDetail).show(st)
         if st is not None:
