@@ -314,7 +314,7 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
             async with http.ws_connect(f"{url}/ws?width=120&height=36&token={control}") as ws:
                 screen = await _screen_until(ws, "prep.sharegpt")
                 assert "READ-ONLY" not in screen
-                await ws.send_json(["stdin", "\x1b[B"])
+                await ws.send_json(["stdin", "\x1b[H\x1b[B"])  # Home (attach selected a stage), then Down
                 await ws.send_json(
                     ["stdin", "r"]
                 )  # retry a succeeded stage: sent, and refused by the supervisor
