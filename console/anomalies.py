@@ -414,6 +414,27 @@ class AnomalyWatcher:
         if alert is not None and len(self.pending) < MAX_PENDING:
             self.pending.append(alert)
 
+    def still_on(self, alert: Alert) -> bool:
+        """Whether ``alert``'s episode is still going on (its rule has not re-armed since)."""
+        sw = self.stages.get(alert.stage)
+        if sw is None or sw.attempt != alert.attempt:
+            return False
+        flags = {
+            "loss-nonfinite": sw.loss.nonfinite,
+            "loss-diverging": sw.loss.diverging,
+            "accept-falling": sw.accept.falling,
+            "server-throughput": sw.server.collapsed,
+            "server-unhealthy": sw.server.unhealthy,
+        }
+        return flags.get(alert.kind, True)  # stalled, gpu-idle: check() finds them from the present
+
+    def active(self, model: RunModel, now: float | None = None) -> list[Alert]:
+        """The anomalies going on now, each with its evidence (``aerie status``: a watcher that has just read
+        the events' tail). Unlike :meth:`check`, an episode already over is left out."""
+        pending = [a for a in self.pending if self.still_on(a)]
+        self.pending = pending
+        return self.check(model, now)
+
     def check(self, model: RunModel, now: float | None = None) -> list[Alert]:
         """The anomalies found since the last check, for running stages only (a failure alerts anyway)."""
         now = time.time() if now is None else now

@@ -11,7 +11,7 @@ viewer, the per-dataset progress screen (``d``), the metrics' curves (``m``; a c
 plot in the detail pane of a training stage), themes from ``themes/`` (``--theme``, the user's
 config, the plan's ``[ui]``, or the command palette), failure alerts (notification, bell, the
 plan's ``[alerts] command``; see :mod:`console.alerts`) and anomaly alerts (:mod:`console.anomalies`;
-``a`` selects the alerted stage), every action in the command palette
+``a`` lists them, Enter selects the alerted stage), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
 Every action is sent with the front end (``via``: console, or browser under ``aerie serve``) and the
@@ -49,6 +49,7 @@ from textual.geometry import Size
 from textual.screen import Screen
 from textual.theme import BUILTIN_THEMES
 from textual.widgets import Footer, Input, Static
+from textual.widgets._footer import FooterKey
 
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
@@ -58,6 +59,7 @@ from console.header import ProjectionLine, header_text, plan_of, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.palette import screen_commands
+from console.screens.alerts import AlertsScreen
 from console.screens.audit import AuditScreen
 from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
@@ -106,6 +108,35 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+class KeyFooter(Footer):
+    """The footer, with ``?`` (help) and ``q`` (quit) first: a narrow terminal cuts the footer's end, and
+    those two are the keys an operator must always find (k9s, htop keep them in view the same way)."""
+
+    FIRST = ("help", "quit_console")
+
+    def compose(self) -> ComposeResult:
+        items = list(super().compose())
+        first = [w for w in items if isinstance(w, FooterKey) and w.action in self.FIRST]
+        first.sort(key=lambda w: self.FIRST.index(w.action))
+        yield from first + [w for w in items if w not in first]
+
+
+def most_relevant(model: RunModel) -> str | None:
+    """The stage to show first on attach (lazygit opens on a selection): the latest failure, else a running
+    stage (a work stage before a service), else the stage that finished last."""
+    stages = [model.stages[sid] for sid in model.order if sid in model.stages]
+    broken = [
+        s for s in stages if s.state in (StageState.FAILED, StageState.KILLED) or s.health == "unhealthy"
+    ]
+    if broken:
+        return max(broken, key=lambda s: s.finished_at or 0.0).id
+    live = [s for s in stages if s.state in (StageState.RUNNING, StageState.PAUSED) or s.pausing]
+    if live:
+        return next((s.id for s in live if not s.service), live[0].id)
+    ended = [s for s in stages if s.finished_at]
+    return max(ended, key=lambda s: s.finished_at or 0.0).id if ended else None
+
+
 class AerieApp(App[int]):
     TITLE = "Aerie"
     CSS = """
@@ -127,7 +158,7 @@ class AerieApp(App[int]):
     AerieApp.-narrow.-short StageDetail Log { display: none; }
     AerieApp.-narrow.-short StageDetail #info { height: 1fr; max-height: 100%; }
     AerieApp.-narrow.-short StageDetail #events { height: 1fr; max-height: 100%; }
-    ToastRack { dock: top; align: right top; margin-bottom: 0; max-height: 45%; }
+    ToastRack { dock: bottom; align: right bottom; margin-bottom: 2; max-height: 45%; }
     MetricsScreen ToastRack { dock: bottom; align: left bottom; margin-bottom: 2; max-height: 100%; }
     MetricsScreen ToastHolder { align-horizontal: left; }
     MetricsScreen Toast { width: 29; max-width: 29; }
@@ -135,10 +166,12 @@ class AerieApp(App[int]):
     # Layout by terminal size (see docs/operating.md, "Layout"): the board is as tall as its rows (up to
     # what leaves the meters and the detail pane their room), the meters always span the full width
     # under it (a GPU row never shares its line) and the detail pane takes the rest. Toasts sit at the
-    # top right, over the header and the board, never over a plot (the metrics view keeps them over its
-    # metric list).
+    # bottom right, over the detail pane's log tail, above the status line: never over the board, whose
+    # note column holds the failure's cause (alerts last seconds there; ``a`` lists them all). The metrics
+    # view keeps them over its metric list.
     WIDE_COLS = 170  # the detail's plot gets a column of its own (narrower, it sits under the facts)
     NARROW_COLS = 100  # the detail's log goes under the facts (or, on a short terminal, behind `l`)
+    TINY_ROWS = 30  # smallest detail pane, the meters in 3 lines: the board's rows first (80x24)
     SHORT_ROWS = 36  # smaller detail pane
     TALL_ROWS = 50  # larger detail pane
     BOARD_MIN_ROWS = 12  # GPUs become cells of a grid (several per line) when a row each would leave fewer
@@ -208,9 +241,10 @@ class AerieApp(App[int]):
         Binding(
             "a",
             "alert_stage",
-            "Alerted stage",
+            "Alerts",
             show=False,
-            tooltip="select the stage of the latest alert (a stalled stage, a NaN loss, idle GPUs ...)",
+            tooltip="the alerts of this console with their evidence (failures, disk, a stalled stage, a NaN "
+            "loss, idle GPUs ...); Enter selects the alert's stage",
         ),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
         Binding(
@@ -272,6 +306,7 @@ class AerieApp(App[int]):
         self._board_cap = 0  # the board's most rows (see _meters_layout)
         self._size: Size | None = None
         self.projection = ProjectionLine()
+        self._first_selection = False  # the most relevant stage was selected once the run loaded
 
     @property
     def hooks_run(self) -> int:
@@ -299,7 +334,7 @@ class AerieApp(App[int]):
             with Horizontal(id="bottom"):
                 yield StageDetail(id="detail")
         yield Static("", id="status-line")
-        yield Footer()
+        yield KeyFooter()
 
     def on_resize(self, event: events.Resize) -> None:
         self._size = event.size  # self.size still has the old one here
@@ -326,8 +361,11 @@ class AerieApp(App[int]):
                 detail.sync(st)
 
     def bottom_min(self) -> int:
-        """The detail pane's least height: 10 rows under 36 rows of terminal, 14, or 18 from 50 rows."""
+        """The detail pane's least height: 6 rows under 30 rows of terminal (the board's rows come first),
+        10 under 36, 14, or 18 from 50 rows."""
         h = self.layout_size.height
+        if h < self.TINY_ROWS:
+            return 6
         return 10 if h < self.SHORT_ROWS else (18 if h >= self.TALL_ROWS else 14)
 
     def _meters_layout(self) -> None:
@@ -336,15 +374,21 @@ class AerieApp(App[int]):
         rows_each = len(self.model.telemetry.gpus) + 4  # title, a row per GPU, disk, host, border
         meters = self.query_one(MetersPanel)
         compact = h - 3 - bottom - rows_each < self.BOARD_MIN_ROWS
-        meters.set_compact(compact)
+        tiny = h < self.TINY_ROWS  # the GPUs as one summary line in the title, no host line
+        meters.set_compact(compact, tiny)
         # The board grows with its rows up to what leaves the meters and the detail pane their room.
         per_line = max(1, (w - 2) // 30)  # the grid's cells (GpuGrid.CELL_W) on a line
         gpu_lines = -(-len(self.model.telemetry.gpus) // per_line) if compact else rows_each - 4
-        meters_h = gpu_lines + 4 if meters.display else 0
+        meters_h = (3 if tiny else gpu_lines + 4) if meters.display else 0
         cap = max(self.BOARD_FLOOR, h - 4 - meters_h - bottom)
+        board = self.query_one(StageBoard)
         if cap != self._board_cap:
             self._board_cap = cap
-            self.query_one(StageBoard).styles.max_height = cap
+            board.styles.max_height = cap
+        if board.room != cap - 1:  # families fold by themselves when their rows would not fit
+            board.room = cap - 1
+            if self.model.loaded:
+                board.sync(self.model)
 
     def on_mount(self) -> None:
         self._apply_layout()
@@ -414,6 +458,15 @@ class AerieApp(App[int]):
             return  # a poll that finished while the app is closing (or before it composed): nothing to draw
 
         board.sync(self.model)
+        note = "" if self.model.loaded else self.model.waiting_for
+        if note != board.empty_note:
+            board.empty_note = note
+            board.refresh()
+        if not self._first_selection and self.model.loaded:
+            self._first_selection = True
+            sid = most_relevant(self.model)
+            if sid is not None:
+                board.select_key(sid)
         self._update_header()
         meters = self.query_one(MetersPanel)
         if meters.display != (self.model.telemetry_stage is not None):
@@ -454,7 +507,10 @@ class AerieApp(App[int]):
 
     @on(StageBoard.Highlighted)
     def _row_changed(self, _event: StageBoard.Highlighted) -> None:
-        st = self.query_one(StageBoard).selected_stage(self.model)
+        try:
+            st = self.query_one(StageBoard).selected_stage(self.model)
+        except NoMatches:
+            return  # the console is closing: its board is gone
         self.model.watch_log(st.id if st else None)
         self.query_one(StageDetail).show(st)
         if st is not None:
@@ -683,10 +739,16 @@ class AerieApp(App[int]):
             self.push_screen(MetricsScreen(self.model, st.id, self.compare_runs))
 
     def action_alert_stage(self) -> None:
-        sid = self.alerts.last_stage
-        if sid is None:
-            self.notify("no alert with a stage yet", severity="warning")
-            return
+        """The alert list; the chosen alert's stage is selected on the board."""
+
+        def chosen(sid: str | None) -> None:
+            if sid is not None:
+                self.go_to_stage(sid)
+
+        self.push_screen(AlertsScreen(list(self.alerts.history)), chosen)
+
+    def go_to_stage(self, sid: str) -> None:
+        """Back to the board with ``sid`` selected (the filter cleared if it hid it)."""
         if isinstance(self.screen, DatasetsScreen | MetricsScreen | LogScreen):
             self.screen.dismiss(None)
         board = self.query_one(StageBoard)
@@ -695,6 +757,13 @@ class AerieApp(App[int]):
             board.sync(self.model)
             if not board.select_key(sid):
                 self.notify(f"{sid} is not on the board", severity="warning")
+
+    def fold_family(self) -> None:
+        """The palette's fold (the board's ``z``): on the board's screen, whichever screen is on top."""
+        self.screen_stack[0].query_one(StageBoard).action_fold()
+
+    def fold_all_families(self) -> None:
+        self.screen_stack[0].query_one(StageBoard).action_fold_all()
 
     def action_audit(self) -> None:
         if isinstance(self.screen, AuditScreen):
@@ -766,7 +835,21 @@ class AerieApp(App[int]):
             ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
             ("Audit log", "who did what to which stage, from where, and the outcome", self.action_audit),
             ("Filter stages", "filter the board by id or state", self.action_filter),
-            ("Go to alerted stage", "select the stage of the latest alert", self.action_alert_stage),
+            (
+                "Fold / unfold family",
+                "the selected family: its running and failed stages stay listed",
+                self.fold_family,
+            ),
+            (
+                "Fold / unfold all families",
+                "every family of the board",
+                self.fold_all_families,
+            ),
+            (
+                "Alerts",
+                "the alerts of this console, with evidence; Enter selects the stage",
+                self.action_alert_stage,
+            ),
             ("Help", "every key of this screen", self.action_help),
             ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),
         ]

@@ -1,8 +1,9 @@
-"""``aerie status``: every stage's row, the supervisor's liveness and alerts, then the run's projection, then the
-audit log's last entries (``--json``: a line per stage, then ``{"projection": …, "supervisor": …}``, then
-``{"audit": …}``), made by ``ctl status`` on the executing host, locally or over SSH. A truncated or corrupt
-``state.json`` is one warning line naming it (``--json``: a first line ``{"error": …}``) above the stages as their
-own files show them, never a traceback.
+"""``aerie status``: every stage's row, the supervisor's liveness and alerts, then the run's projection, the
+anomalies going on now with their evidence (:mod:`console.anomaly_scan`), then the audit log's last entries
+(``--json``: a line per stage, then ``{"projection": …, "supervisor": …}``, ``{"anomalies": […]}``,
+``{"audit": …}``), made by ``ctl status`` on the executing host, locally or over SSH (the anomalies: read here,
+through the console's transport). A truncated or corrupt ``state.json`` is one warning line naming it
+(``--json``: a first line ``{"error": …}``) above the stages as their own files show them, never a traceback.
 
 The supervisor line is the host's verdict (:mod:`pipeline.run.liveness`, judged by the run's lock and the
 snapshot's age): running, silent (alive but not writing, and why) or dead (and when it was last seen); its alerts
@@ -11,12 +12,16 @@ snapshot's age): running, silent (alive but not writing, and why) or dead (and w
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
 from typing import Any
 
+from console.alerts import Alert
+from console.anomaly_scan import active_anomalies, alert_json, alert_lines
 from console.cli_common import open_run, remote, run_ctl
+from console.transport import LocalTransport, Transport
 from pipeline.run import audit
 from pipeline.run.projection import RunProjection
 from pipeline.run.projection_text import status_lines
@@ -48,6 +53,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps({"error": problem}))  # the first line, before the stages
         else:
             print(f"aerie: warning: {problem}", file=sys.stderr)
+    anomalies = _anomalies(args.run)
     if args.json:
         for st in stages:
             print(
@@ -79,6 +85,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             run_line["supervisor"] = sup
         if run_line:
             print(json.dumps(run_line))  # after the stages: the run as a whole
+        if anomalies is not None:
+            print(json.dumps({"anomalies": [alert_json(a) for a in anomalies]}))
         _print_audit(state.get("audit"), as_json=True)
         return EXIT_OK
     for st in stages:
@@ -94,6 +102,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if isinstance(projection, dict):
         print()
         print("\n".join(projection_report(projection)))
+    if anomalies is not None:
+        print()
+        print("\n".join(alert_lines(anomalies)))
     _print_audit(state.get("audit"))
     return EXIT_OK
 
@@ -129,6 +140,34 @@ def supervisor_lines(state: dict) -> list[str]:
             when = f"{_hms(a.get('since'))}–{_hms(a.get('resolved'))}, ended"
         out.append(f"supervisor alert ({when}): {a.get('text', '')}")
     return out
+
+
+def _anomalies(arg: str) -> list[Alert] | None:
+    """The anomalies going on in the run now (None, with a warning, when its files cannot be read)."""
+    if remote(arg):
+        from console.ssh.commands import attach_transport
+
+        t = attach_transport(arg)
+        if isinstance(t, int):
+            return None
+        transport: Transport = t
+    else:
+        run = open_run(arg)
+        if run is None:
+            return None
+        transport = LocalTransport(str(run.root))
+
+    async def scan() -> list[Alert]:
+        try:
+            return await active_anomalies(transport)
+        finally:
+            await transport.close()
+
+    try:
+        return asyncio.run(scan())
+    except Exception as exc:  # noqa: BLE001 - the stages' rows are printed anyway
+        print(f"aerie: warning: anomalies not checked: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def _local_state(run: RunDir) -> dict:

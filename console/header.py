@@ -60,7 +60,7 @@ def status_text(
     elif silent is not None:
         line.append(silent[0], style=style("failed" if silent[1] == "error" else "paused"))
     elif not model.loaded:
-        line.append("waiting for the supervisor's first snapshot…")
+        line.append(model.waiting_for, style=style("paused") if model.state_problem else "")
     elif alert is not None and not model.done:
         line.append(alert, style=style("paused"))
     elif model.done:
@@ -110,8 +110,8 @@ def projection_text(
         return Text(f"no projection: {plan}", style="dim")
     d = model.telemetry.disk
     disk = None
-    if d is not None and d.used is not None and d.total is not None:
-        disk = DiskNow(d.used, d.total, d.projected_remaining or 0)
+    if d is not None and d.taken is not None and d.total is not None:  # the meter's figures, the meter's disk
+        disk = DiskNow(d.taken, d.total, d.projected_remaining or 0, d.where)
     progress = {sid: stage_progress(st) for sid, st in model.stages.items()}
     try:
         p = project(plan, progress, time.time() if now is None else now, disk)

@@ -42,7 +42,7 @@ LOG_TAIL_BYTES = 64 << 10
 BACKFILL_CHUNK = 2 << 20  # bytes of an events file's skipped head read per poll for the curves
 READ_WINDOW = 1 << 20  # bytes of each file read per poll; a line longer than this is skipped with a warning
 STATE_PROBLEM = (
-    "{path} is truncated or not valid JSON (written by a supervisor that died mid-write?): {doing}; "
+    "{path} is truncated or not valid JSON{at} (written by a supervisor that died mid-write?): {doing}; "
     "waiting for the supervisor's next snapshot (it rewrites the file every tick)"
 )
 RATE_WINDOW_S = 120.0
@@ -159,6 +159,13 @@ class RunModel:
     def loaded(self) -> bool:
         return bool(self.order)
 
+    @property
+    def waiting_for(self) -> str:
+        """What a console with no stages yet waits for, and why (a corrupt ``state.json`` says so)."""
+        if self.state_problem:
+            return self.state_problem  # it says it waits for the next snapshot
+        return "waiting for the supervisor's first snapshot…"
+
     def families(self) -> list[tuple[str, list[StageView]]]:
         """Stages grouped by plan family, in plan order (the 10 preps read as one block)."""
         out: dict[str, list[StageView]] = {}
@@ -274,9 +281,12 @@ class RunModel:
             snap = json.loads(raw)
             if not isinstance(snap, dict) or not isinstance(snap.get("stages", []), list):
                 raise ValueError("not a state snapshot")
-        except ValueError:  # never torn by the supervisor (atomic rename), but a disk, a copy or a hand can
+        except (
+            ValueError
+        ) as exc:  # never torn by the supervisor (atomic rename), but a disk, a copy or a hand can
+            at = f" at byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
             doing = "showing the stages as last read" if self.order else "no stages to show yet"
-            self.state_problem = STATE_PROBLEM.format(path=f"{self.run_dir}/state.json", doing=doing)
+            self.state_problem = STATE_PROBLEM.format(path=f"{self.run_dir}/state.json", at=at, doing=doing)
             return {"*"}
         self.state_problem = None
         self.run_name = snap.get("run", self.run_name)

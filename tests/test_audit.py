@@ -205,7 +205,7 @@ async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(t
     app = AerieApp(transport, poll_s=0.2, alerts=False, user_config={}, read_only=True)
     async with app.run_test(size=(140, 36)) as pilot:
         await until(pilot, lambda: app.model.loaded, what="loaded")
-        await pilot.press("down", "down")  # prep.deepswe-kimi: a killed stage, retry-able
+        await pilot.press("home", "down", "down")  # prep.deepswe-kimi: a killed stage, retry-able
         header = str(app.query_one("#header").content)
         assert header.startswith("READ-ONLY ")
         footer_actions = {b.binding.action for b in app.screen.active_bindings.values() if b.binding.show}
@@ -314,7 +314,7 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
             async with http.ws_connect(f"{url}/ws?width=120&height=36&token={control}") as ws:
                 screen = await _screen_until(ws, "prep.sharegpt")
                 assert "READ-ONLY" not in screen
-                await ws.send_json(["stdin", "\x1b[B"])
+                await ws.send_json(["stdin", "\x1b[H\x1b[B"])  # Home (attach selected a stage), then Down
                 await ws.send_json(
                     ["stdin", "r"]
                 )  # retry a succeeded stage: sent, and refused by the supervisor
