@@ -41,9 +41,9 @@ ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events 
 LOG_TAIL_BYTES = 64 << 10
 BACKFILL_CHUNK = 2 << 20  # bytes of an events file's skipped head read per poll for the curves
 READ_WINDOW = 1 << 20  # bytes of each file read per poll; a line longer than this is skipped with a warning
-STATE_PROBLEM = (
-    "{path} is truncated or not valid JSON{at} (written by a supervisor that died mid-write?): {doing}; "
-    "waiting for the supervisor's next snapshot (it rewrites the file every tick)"
+STATE_PROBLEM = (  # short: it must fit the status line at 80 columns; `aerie status` names the whole path
+    "state.json is truncated or not valid JSON{at}: waiting for the supervisor's next snapshot "
+    "({doing}; it rewrites the file every tick)"
 )
 RATE_WINDOW_S = 120.0
 
@@ -286,7 +286,7 @@ class RunModel:
         ) as exc:  # never torn by the supervisor (atomic rename), but a disk, a copy or a hand can
             at = f" at byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
             doing = "showing the stages as last read" if self.order else "no stages to show yet"
-            self.state_problem = STATE_PROBLEM.format(path=f"{self.run_dir}/state.json", at=at, doing=doing)
+            self.state_problem = STATE_PROBLEM.format(at=at, doing=doing)
             return {"*"}
         self.state_problem = None
         self.run_name = snap.get("run", self.run_name)
