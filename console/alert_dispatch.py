@@ -1,12 +1,16 @@
 """From the model to the operator: new failures, disk projections and anomalies (:mod:`console.anomalies`)
 become alerts, each claimed once across consoles (:class:`~console.alerts.AlertBook`), then announced — a toast,
 the terminal bell, the hook commands — as the settings say. An anomaly's toast carries its evidence and names
-its stage; ``a`` on the board selects that stage (:attr:`AlertDispatcher.last_stage`), and the hook gets it in
-``AERIE_ALERT_STAGE``. Runs in workers of the app; never blocks the UI loop."""
+its stage; ``a`` on the board lists every alert announced (:attr:`AlertDispatcher.history`; Enter selects the
+alert's stage), and the hook gets it in ``AERIE_ALERT_STAGE``. A toast lasts :data:`TOAST_S` seconds, over the
+detail pane (never the board's note column): the list keeps it. Runs in workers of the app; never blocks the
+UI loop."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from typing import Any, Protocol
 
 from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
@@ -35,13 +39,19 @@ class AlertHost(Protocol):
     def run_worker(self, work: Any, *, group: str = ...) -> Any: ...
 
 
+TOAST_S = 10  # an alert's toast: long enough to read its first lines; the list (``a``) keeps it all
+HISTORY = 200  # alerts the list keeps
+
+
 class AlertDispatcher:
     def __init__(self, host: AlertHost, book: AlertBook, where: str) -> None:
         self.host, self.book, self.where = host, book, where
         self.watcher = AlertWatcher()
         self.anomalies = AnomalyWatcher(host.settings.rules)
         self.hooks_run = 0  # hook commands completed (tests wait on it)
-        self.last_stage: str | None = None  # the stage of the latest alert announced (``a`` goes there)
+        self.last_stage: str | None = None  # the stage of the latest alert announced
+        # (when, alert) of every alert announced: the list ``a`` shows
+        self.history: deque[tuple[float, Alert]] = deque(maxlen=HISTORY)
 
     def attach(self, model: RunModel) -> None:
         """Let the anomaly rules see each event the model applies."""
@@ -68,15 +78,16 @@ class AlertDispatcher:
 
     def announce(self, alert: Alert) -> None:
         settings = self.host.settings
+        self.history.append((time.time(), alert))
         if alert.stage:
             self.last_stage = alert.stage
         if settings.notify:
             text = "\n".join((alert.text, *alert.evidence))
             if alert.evidence and alert.stage:
-                text += f"\n[a: go to {alert.stage}]"
+                text += f"\n[a: alerts, Enter: go to {alert.stage}]"
             severity = "error" if alert.kind in ("stage-failed", "disk") else "warning"
             # No markup: evidence quotes log lines, whose "[...]" must show as printed.
-            self.host.notify(text, title=alert.title, severity=severity, timeout=20, markup=False)
+            self.host.notify(text, title=alert.title, severity=severity, timeout=TOAST_S, markup=False)
         if settings.bell:
             self.host.bell()
         for cmd in settings.hooks:

@@ -20,6 +20,8 @@ thresholds are the plan's ``[alerts]`` keys (:class:`~pipeline.run.plan_sections
   ``gen_throughput`` below that fraction of its median over the last ``throughput_window`` samples,
   :data:`CONFIRM` samples in a row, while requests run (at least half as many as the median, so a
   lighter load is not a collapse). **server-unhealthy**: a running server whose health turned unhealthy.
+* **forced-start**: a stage started with ``aerie force`` (the supervisor's ``forced`` message): its disk-budget
+  and GPU-guard checks were skipped — said when it happens, which may be long after the force was armed.
 
 Cheap and incremental, because the console polls: the model hands each event it applies to
 :meth:`AnomalyWatcher.on_event` (constant work per event; a median of at most ``throughput_window``
@@ -349,6 +351,24 @@ def gpu_idle(st: StageView, sw: StageWatch, tel: TelemetryModel, rules: AlertsSe
     )
 
 
+FORCED = "forced-start"
+
+
+def forced_alert(st: StageView, ev: Event) -> Alert:
+    """A stage started with ``--force`` (``Supervisor.launch``'s ``forced`` message)."""
+    raw = ev.get("attempt")
+    attempt = raw if isinstance(raw, int) and not isinstance(raw, bool) else (st.ev_attempt or st.attempt)
+    return Alert(
+        f"{FORCED}:{st.id}:{attempt}",
+        FORCED,
+        f"{st.id} started with --force",
+        f"{st.id} attempt {attempt} started without the disk-budget and GPU-guard checks (aerie force)",
+        st.id,
+        attempt,
+        (str(ev.get("text", "")),),
+    )
+
+
 class AnomalyWatcher:
     """Feeds the rules from the model: :meth:`on_event` per applied event, :meth:`check` after a poll."""
 
@@ -366,6 +386,10 @@ class AnomalyWatcher:
 
     def on_event(self, st: StageView, ev: Event) -> None:
         """One event the model applied to ``st`` (a listener of :class:`~console.model.RunModel`)."""
+        if ev.type == "message" and ev.get("code") == "forced":
+            if len(self.pending) < MAX_PENDING:
+                self.pending.append(forced_alert(st, ev))
+            return
         if ev.type not in ("metric", "health", "started"):
             return
         sw = self._watch(st)
@@ -390,6 +414,27 @@ class AnomalyWatcher:
         if alert is not None and len(self.pending) < MAX_PENDING:
             self.pending.append(alert)
 
+    def still_on(self, alert: Alert) -> bool:
+        """Whether ``alert``'s episode is still going on (its rule has not re-armed since)."""
+        sw = self.stages.get(alert.stage)
+        if sw is None or sw.attempt != alert.attempt:
+            return False
+        flags = {
+            "loss-nonfinite": sw.loss.nonfinite,
+            "loss-diverging": sw.loss.diverging,
+            "accept-falling": sw.accept.falling,
+            "server-throughput": sw.server.collapsed,
+            "server-unhealthy": sw.server.unhealthy,
+        }
+        return flags.get(alert.kind, True)  # stalled, gpu-idle: check() finds them from the present
+
+    def active(self, model: RunModel, now: float | None = None) -> list[Alert]:
+        """The anomalies going on now, each with its evidence (``aerie status``: a watcher that has just read
+        the events' tail). Unlike :meth:`check`, an episode already over is left out."""
+        pending = [a for a in self.pending if self.still_on(a)]
+        self.pending = pending
+        return self.check(model, now)
+
     def check(self, model: RunModel, now: float | None = None) -> list[Alert]:
         """The anomalies found since the last check, for running stages only (a failure alerts anyway)."""
         now = time.time() if now is None else now
@@ -400,7 +445,9 @@ class AnomalyWatcher:
             a
             for a in latest.values()
             if (st := model.stages.get(a.stage)) is not None
-            and st.state == StageState.RUNNING
+            and (
+                st.state == StageState.RUNNING or a.kind == FORCED
+            )  # a forced start is news even if it ended
             and st.attempt == a.attempt
         ]
         self.pending = []

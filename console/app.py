@@ -11,14 +11,19 @@ viewer, the per-dataset progress screen (``d``), the metrics' curves (``m``; a c
 plot in the detail pane of a training stage), themes from ``themes/`` (``--theme``, the user's
 config, the plan's ``[ui]``, or the command palette), failure alerts (notification, bell, the
 plan's ``[alerts] command``; see :mod:`console.alerts`) and anomaly alerts (:mod:`console.anomalies`;
-``a`` selects the alerted stage), every action in the command palette
+``a`` lists them, Enter selects the alerted stage), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
 Every action is sent with the front end (``via``: console, or browser under ``aerie serve``) and the
 operator (``user@host``) for the run's audit log (``A`` shows it; :mod:`pipeline.run.audit`). A
 read-only console (``aerie attach --read-only``, a view token of ``aerie serve``) shows everything,
 hides the control keys from the footer and answers each of them with a "read-only: ..."
-notification; nothing is sent (it does not even start a missing supervisor).
+notification; nothing is sent (it does not even start a missing supervisor: it says so).
+
+The supervisor's liveness (:mod:`console.sup_watch`): when its snapshot stops moving the app asks the host
+through the transport (``ctl ensure``, which restarts a dead supervisor, at any time and not only on attach)
+and the status line says whether it is silent (alive, cannot write) or dead and being restarted; its open
+alerts (a write that fails, a damaged stage file) are shown there too and notified once.
 
 Over 450 lines because it is the App itself: its bindings, one short action per key, and the palette's
 list of them; what has a job of its own lives beside it (header text: ``console.header``; alerts:
@@ -44,6 +49,7 @@ from textual.geometry import Size
 from textual.screen import Screen
 from textual.theme import BUILTIN_THEMES
 from textual.widgets import Footer, Input, Static
+from textual.widgets._footer import FooterKey
 
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
@@ -53,19 +59,22 @@ from console.header import ProjectionLine, header_text, plan_of, status_text
 from console.logindex import LogIndex
 from console.model import RunModel, StageView
 from console.palette import screen_commands
+from console.screens.alerts import AlertsScreen
 from console.screens.audit import AuditScreen
 from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
 from console.screens.logview import LogScreen
 from console.screens.metrics import MetricsScreen
 from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
+from console.sup_watch import SupervisorWatch, open_alerts
 from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
 from pipeline.run import audit
+from pipeline.run.force_text import force_message
 from pipeline.run.plan import Plan
-from pipeline.run.stage_row import StageState
+from pipeline.run.stage_row import SATISFIED, StageState
 from themes import load_themes
 
 # Theme variables a theme may set per state (``state-running`` ...); else these fall-backs.
@@ -99,6 +108,35 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+class KeyFooter(Footer):
+    """The footer, with ``?`` (help) and ``q`` (quit) first: a narrow terminal cuts the footer's end, and
+    those two are the keys an operator must always find (k9s, htop keep them in view the same way)."""
+
+    FIRST = ("help", "quit_console")
+
+    def compose(self) -> ComposeResult:
+        items = list(super().compose())
+        first = [w for w in items if isinstance(w, FooterKey) and w.action in self.FIRST]
+        first.sort(key=lambda w: self.FIRST.index(w.action))
+        yield from first + [w for w in items if w not in first]
+
+
+def most_relevant(model: RunModel) -> str | None:
+    """The stage to show first on attach (lazygit opens on a selection): the latest failure, else a running
+    stage (a work stage before a service), else the stage that finished last."""
+    stages = [model.stages[sid] for sid in model.order if sid in model.stages]
+    broken = [
+        s for s in stages if s.state in (StageState.FAILED, StageState.KILLED) or s.health == "unhealthy"
+    ]
+    if broken:
+        return max(broken, key=lambda s: s.finished_at or 0.0).id
+    live = [s for s in stages if s.state in (StageState.RUNNING, StageState.PAUSED) or s.pausing]
+    if live:
+        return next((s.id for s in live if not s.service), live[0].id)
+    ended = [s for s in stages if s.finished_at]
+    return max(ended, key=lambda s: s.finished_at or 0.0).id if ended else None
+
+
 class AerieApp(App[int]):
     TITLE = "Aerie"
     CSS = """
@@ -120,7 +158,7 @@ class AerieApp(App[int]):
     AerieApp.-narrow.-short StageDetail Log { display: none; }
     AerieApp.-narrow.-short StageDetail #info { height: 1fr; max-height: 100%; }
     AerieApp.-narrow.-short StageDetail #events { height: 1fr; max-height: 100%; }
-    ToastRack { dock: top; align: right top; margin-bottom: 0; max-height: 45%; }
+    ToastRack { dock: bottom; align: right bottom; margin-bottom: 2; max-height: 45%; }
     MetricsScreen ToastRack { dock: bottom; align: left bottom; margin-bottom: 2; max-height: 100%; }
     MetricsScreen ToastHolder { align-horizontal: left; }
     MetricsScreen Toast { width: 29; max-width: 29; }
@@ -128,10 +166,12 @@ class AerieApp(App[int]):
     # Layout by terminal size (see docs/operating.md, "Layout"): the board is as tall as its rows (up to
     # what leaves the meters and the detail pane their room), the meters always span the full width
     # under it (a GPU row never shares its line) and the detail pane takes the rest. Toasts sit at the
-    # top right, over the header and the board, never over a plot (the metrics view keeps them over its
-    # metric list).
+    # bottom right, over the detail pane's log tail, above the status line: never over the board, whose
+    # note column holds the failure's cause (alerts last seconds there; ``a`` lists them all). The metrics
+    # view keeps them over its metric list.
     WIDE_COLS = 170  # the detail's plot gets a column of its own (narrower, it sits under the facts)
     NARROW_COLS = 100  # the detail's log goes under the facts (or, on a short terminal, behind `l`)
+    TINY_ROWS = 30  # smallest detail pane, the meters in 3 lines: the board's rows first (80x24)
     SHORT_ROWS = 36  # smaller detail pane
     TALL_ROWS = 50  # larger detail pane
     BOARD_MIN_ROWS = 12  # GPUs become cells of a grid (several per line) when a row each would leave fewer
@@ -201,9 +241,10 @@ class AerieApp(App[int]):
         Binding(
             "a",
             "alert_stage",
-            "Alerted stage",
+            "Alerts",
             show=False,
-            tooltip="select the stage of the latest alert (a stalled stage, a NaN loss, idle GPUs ...)",
+            tooltip="the alerts of this console with their evidence (failures, disk, a stalled stage, a NaN "
+            "loss, idle GPUs ...); Enter selects the alert's stage",
         ),
         Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
         Binding(
@@ -258,10 +299,14 @@ class AerieApp(App[int]):
             self.alerts.attach(self.model)
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
+        self.sup_watch = SupervisorWatch(read_only)
+        self._sup_line: tuple[str, str] | None = None
+        self._sup_alerts_seen: set[tuple[str, float]] = set()
         self.plan: Plan | str | None = None  # the run's frozen plan, for the projection line (or why not)
         self._board_cap = 0  # the board's most rows (see _meters_layout)
         self._size: Size | None = None
         self.projection = ProjectionLine()
+        self._first_selection = False  # the most relevant stage was selected once the run loaded
 
     @property
     def hooks_run(self) -> int:
@@ -289,7 +334,7 @@ class AerieApp(App[int]):
             with Horizontal(id="bottom"):
                 yield StageDetail(id="detail")
         yield Static("", id="status-line")
-        yield Footer()
+        yield KeyFooter()
 
     def on_resize(self, event: events.Resize) -> None:
         self._size = event.size  # self.size still has the old one here
@@ -316,8 +361,11 @@ class AerieApp(App[int]):
                 detail.sync(st)
 
     def bottom_min(self) -> int:
-        """The detail pane's least height: 10 rows under 36 rows of terminal, 14, or 18 from 50 rows."""
+        """The detail pane's least height: 6 rows under 30 rows of terminal (the board's rows come first),
+        10 under 36, 14, or 18 from 50 rows."""
         h = self.layout_size.height
+        if h < self.TINY_ROWS:
+            return 6
         return 10 if h < self.SHORT_ROWS else (18 if h >= self.TALL_ROWS else 14)
 
     def _meters_layout(self) -> None:
@@ -326,15 +374,21 @@ class AerieApp(App[int]):
         rows_each = len(self.model.telemetry.gpus) + 4  # title, a row per GPU, disk, host, border
         meters = self.query_one(MetersPanel)
         compact = h - 3 - bottom - rows_each < self.BOARD_MIN_ROWS
-        meters.set_compact(compact)
+        tiny = h < self.TINY_ROWS  # the GPUs as one summary line in the title, no host line
+        meters.set_compact(compact, tiny)
         # The board grows with its rows up to what leaves the meters and the detail pane their room.
         per_line = max(1, (w - 2) // 30)  # the grid's cells (GpuGrid.CELL_W) on a line
         gpu_lines = -(-len(self.model.telemetry.gpus) // per_line) if compact else rows_each - 4
-        meters_h = gpu_lines + 4 if meters.display else 0
+        meters_h = (3 if tiny else gpu_lines + 4) if meters.display else 0
         cap = max(self.BOARD_FLOOR, h - 4 - meters_h - bottom)
+        board = self.query_one(StageBoard)
         if cap != self._board_cap:
             self._board_cap = cap
-            self.query_one(StageBoard).styles.max_height = cap
+            board.styles.max_height = cap
+        if board.room != cap - 1:  # families fold by themselves when their rows would not fit
+            board.room = cap - 1
+            if self.model.loaded:
+                board.sync(self.model)
 
     def on_mount(self) -> None:
         self._apply_layout()
@@ -390,6 +444,7 @@ class AerieApp(App[int]):
     @work(exclusive=True, group="poll")
     async def poll_model(self) -> None:
         changed = await self.model.poll()
+        changed |= self._watch_supervisor()
         with self.batch_update():  # one screen update per poll, not one per widget that changed
             self.refresh_view(changed)
 
@@ -403,6 +458,15 @@ class AerieApp(App[int]):
             return  # a poll that finished while the app is closing (or before it composed): nothing to draw
 
         board.sync(self.model)
+        note = "" if self.model.loaded else self.model.waiting_for
+        if note != board.empty_note:
+            board.empty_note = note
+            board.refresh()
+        if not self._first_selection and self.model.loaded:
+            self._first_selection = True
+            sid = most_relevant(self.model)
+            if sid is not None:
+                board.select_key(sid)
         self._update_header()
         meters = self.query_one(MetersPanel)
         if meters.display != (self.model.telemetry_stage is not None):
@@ -432,7 +496,7 @@ class AerieApp(App[int]):
         if self.read_only:
             header = Text.assemble(("READ-ONLY ", "bold reverse"), header)
         self._set_text("#header", header)
-        self._set_text("#status-line", status_text(self.model, self.poll_s, style))
+        self._set_text("#status-line", status_text(self.model, self.poll_s, style, watch=self.sup_watch))
 
     def _set_text(self, selector: str, text: Text) -> None:
         """Update a one-line Static only when its text changed."""
@@ -443,7 +507,10 @@ class AerieApp(App[int]):
 
     @on(StageBoard.Highlighted)
     def _row_changed(self, _event: StageBoard.Highlighted) -> None:
-        st = self.query_one(StageBoard).selected_stage(self.model)
+        try:
+            st = self.query_one(StageBoard).selected_stage(self.model)
+        except NoMatches:
+            return  # the console is closing: its board is gone
         self.model.watch_log(st.id if st else None)
         self.query_one(StageDetail).show(st)
         if st is not None:
@@ -503,7 +570,33 @@ class AerieApp(App[int]):
     @work(group="ctl")
     async def ensure_supervisor(self) -> None:
         if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
-            await self.transport.ctl("ensure")
+            await self.sup_watch.check(self.transport)
+
+    def _watch_supervisor(self) -> set[str]:
+        """After each poll: a stale snapshot makes the host be asked (and a dead supervisor restarted);
+        returns {"supervisor"} when the status line's words about it changed."""
+        watch = self.sup_watch
+        watch.observe(self.model.supervisor_t)
+        if watch.due(self.model.done):
+            watch.checking = True  # until the worker has asked
+            self.check_supervisor()
+        for a in open_alerts(self.model.supervisor_alerts):
+            key = (str(a.get("code")), float(a.get("since") or 0))
+            if key not in self._sup_alerts_seen:
+                self._sup_alerts_seen.add(key)
+                self.notify(str(a.get("text", "")), title="supervisor alert", severity="warning", timeout=10)
+        line = watch.line(self.model.done)
+        if line != self._sup_line:
+            self._sup_line = line
+            return {"supervisor"}
+        return set()
+
+    @work(group="liveness")
+    async def check_supervisor(self) -> None:
+        rep = await self.sup_watch.check(self.transport)
+        if rep.get("started"):
+            self.notify(f"{rep.get('text')}: started a new one", title="supervisor", severity="warning")
+        self.poll_model()
 
     def action_pause(self) -> None:
         if self.refuse_read_only("pause"):
@@ -591,10 +684,18 @@ class AerieApp(App[int]):
             if yes:
                 self.run_ctl("force", st.id)
 
+        # Say what it will do and when (pipeline/run/force_text.py, as the supervisor will answer).
+        waiting = [
+            (d, str(ds.state) if ds else "unknown")
+            for d in st.after
+            if (ds := self.model.stages.get(d)) is None or ds.state not in SATISFIED
+        ]
+        reason = "" if waiting or st.reason.startswith("after ") else st.reason
+        plan = force_message(st.id, st.attempt, waiting, reason, armed="will be armed")
         self.push_screen(
             ConfirmScreen(
-                f"Force {st.id}?\n\nIt starts once despite its admission check "
-                f"({st.reason or 'waiting'}); the override is recorded in its events."
+                f"Force {st.id}?\n\n{plan}.\n\nThe override is recorded in its events and the audit log; "
+                "an alert says when it starts."
             ),
             done,
         )
@@ -638,10 +739,16 @@ class AerieApp(App[int]):
             self.push_screen(MetricsScreen(self.model, st.id, self.compare_runs))
 
     def action_alert_stage(self) -> None:
-        sid = self.alerts.last_stage
-        if sid is None:
-            self.notify("no alert with a stage yet", severity="warning")
-            return
+        """The alert list; the chosen alert's stage is selected on the board."""
+
+        def chosen(sid: str | None) -> None:
+            if sid is not None:
+                self.go_to_stage(sid)
+
+        self.push_screen(AlertsScreen(list(self.alerts.history)), chosen)
+
+    def go_to_stage(self, sid: str) -> None:
+        """Back to the board with ``sid`` selected (the filter cleared if it hid it)."""
         if isinstance(self.screen, DatasetsScreen | MetricsScreen | LogScreen):
             self.screen.dismiss(None)
         board = self.query_one(StageBoard)
@@ -650,6 +757,13 @@ class AerieApp(App[int]):
             board.sync(self.model)
             if not board.select_key(sid):
                 self.notify(f"{sid} is not on the board", severity="warning")
+
+    def fold_family(self) -> None:
+        """The palette's fold (the board's ``z``): on the board's screen, whichever screen is on top."""
+        self.screen_stack[0].query_one(StageBoard).action_fold()
+
+    def fold_all_families(self) -> None:
+        self.screen_stack[0].query_one(StageBoard).action_fold_all()
 
     def action_audit(self) -> None:
         if isinstance(self.screen, AuditScreen):
@@ -721,7 +835,21 @@ class AerieApp(App[int]):
             ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
             ("Audit log", "who did what to which stage, from where, and the outcome", self.action_audit),
             ("Filter stages", "filter the board by id or state", self.action_filter),
-            ("Go to alerted stage", "select the stage of the latest alert", self.action_alert_stage),
+            (
+                "Fold / unfold family",
+                "the selected family: its running and failed stages stay listed",
+                self.fold_family,
+            ),
+            (
+                "Fold / unfold all families",
+                "every family of the board",
+                self.fold_all_families,
+            ),
+            (
+                "Alerts",
+                "the alerts of this console, with evidence; Enter selects the stage",
+                self.action_alert_stage,
+            ),
             ("Help", "every key of this screen", self.action_help),
             ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),
         ]

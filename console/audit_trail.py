@@ -6,6 +6,11 @@ log's length; attaching to a long run starts at the log's last 256 KiB. An unrea
 :attr:`AuditTrail.problems`; an unterminated last line — a write a crash cut short — in
 :attr:`AuditTrail.torn` (never shown as an entry). Parsing is :func:`pipeline.run.audit.parse`, the one
 the CLI uses.
+
+When the log is rotated (``audit.jsonl`` renamed to ``audit.1.jsonl`` past its size limit, see
+:mod:`pipeline.run.growth`) the trail notices the new inode, reads the rest of the old generation
+(found by its inode among ``audit.N.jsonl``) and goes on with the new file from its start: the
+entries shown stay, and none is lost or shown twice.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from console.transport import Transport
+from pipeline.run import growth
 from pipeline.run.audit import AUDIT_FILE, TAIL_BYTES, AuditEntry, parse
 
 
@@ -43,8 +49,14 @@ class AuditTrail:
             self.exists = False
             return first
         self.exists = True
-        if res.size < self._offset or (self._ino and res.ino and res.ino != self._ino):
-            self._reset()  # replaced or cut (someone rotated it): read it again, from its start
+        if self._ino and res.ino and res.ino != self._ino:
+            # rotated: finish the old generation, then the new file from its start (entries stay)
+            await self._finish_rotated()
+            self._offset, self._line, self._ino = 0, 1, res.ino
+            await self.poll()
+            return True
+        if res.size < self._offset:
+            self._reset()  # cut in place: read it again, from its start
             await self.poll()
             return True
         self._ino = res.ino or self._ino
@@ -73,6 +85,28 @@ class AuditTrail:
             self._line += complete.count(b"\n")
             self._offset += len(complete)
         return changed or first
+
+    async def _finish_rotated(self) -> None:
+        """Read what is left of the generation we were reading, now ``audit.N.jsonl`` (found by inode)."""
+        for n in range(1, growth.keep("audit") + 1):
+            rel = growth.generation_name(AUDIT_FILE, n)
+            offset, line = self._offset, self._line
+            while True:
+                res = (await self.transport.read_many([(rel, offset)], max_bytes=self.CHUNK))[0]
+                if res.size < 0 or res.ino != self._ino:
+                    break  # not ours: look one generation further
+                end = res.data.rfind(b"\n") + 1
+                if end:
+                    read = parse(res.data[:end], first_line=line, where=rel)
+                    self.entries.extend(read.entries)
+                    self.problems.extend(read.problems)
+                    self.total += len(read.entries)
+                    line += res.data[:end].count(b"\n")
+                    offset += end
+                if not end or offset + (len(res.data) - end) >= res.size:
+                    return  # its end (a rotated file gets nothing more)
+            if res.size >= 0 and res.ino == self._ino:
+                return
 
     @property
     def _where(self) -> str:

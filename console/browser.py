@@ -3,17 +3,22 @@
 Each browser tab gets its own console process (``aerie attach RUN``, run by textual-serve with its
 web driver), so it is the same console — board, log viewer, actions — attached like any other; the
 stages never depend on it. The server binds to the loopback interface only: the console can kill
-stages and has no login, so it is reached through an SSH port-forward
-(``ssh -L 8000:127.0.0.1:8000 login-node``, see docs/operating.md), never exposed on a network —
-unless the operator says so explicitly (``--allow-remote``), and then every request must carry a
-token (``?token=`` once, then an HttpOnly cookie).
+stages, so it is reached through an SSH port-forward (``ssh -L 8000:127.0.0.1:8000 login-node``, see
+docs/operating.md), never exposed on a network — unless the operator says so explicitly
+(``--allow-remote``).
+
+Who may use it is ``console/serve_guard.py``'s job: every request is checked for its Host (DNS
+rebinding), its Origin (other web pages) and a token, which is required by default, on loopback too
+(generated into a 0600 file when the operator gives none; ``--no-token`` opts out, loopback only); no
+token reaches a log. At most ``--max-sessions`` consoles run at once (a console is a process, ~50 MB):
+past that, ``/`` and ``/ws`` answer 503 and no process is started.
 
 Watchers: ``--read-only`` makes every browser console a read-only one (``aerie attach --read-only``:
 everything shown, every control key refused, nothing sent). With a second, view-only token
-(``--view-token-file`` or ``$AERIE_SERVE_VIEW_TOKEN``) one server serves both: every request needs a
-token (on loopback too), and the token a session presents picks its console — the control token a
-full one, the view token a read-only one. There is no HTTP control endpoint to guard: control is keys
-typed into the session's console process, so a view token's console is started read-only.
+(``--view-token-file`` or ``$AERIE_SERVE_VIEW_TOKEN``) one server serves both: the token a session
+presents picks its console — the control token a full one, the view token a read-only one. There is no
+HTTP control endpoint to guard: control is keys typed into the session's console process, so a view
+token's console is started read-only.
 
 No console outlives the server, however the server ends and however the browser went away: each
 console runs in its own process group, recorded when it is started; the server sends that group
@@ -26,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import hmac
 import ipaddress
+import logging
 import os
-import secrets
 import shlex
 import signal
 import socket
@@ -38,11 +44,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from console import serve_guard
+from console.serve_guard import (
+    NO_TOKEN_RISK,
+    READ_ONLY_KEY,
+    TOKEN_ENV,
+    VIEW_TOKEN_ENV,
+    Guard,
+    GuardError,
+    RedactingFilter,
+    read_token,
+    view_token,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MAX_SESSIONS = 4
 
 
-class ServeError(ValueError):
-    pass
+ServeError = GuardError  # what makes `aerie serve` refuse to start: one line, exit 2
 
 
 def check_loopback(host: str) -> str:
@@ -70,34 +89,6 @@ def is_loopback(host: str) -> bool:
     return True
 
 
-def read_token(
-    token_file: str | None, env: str = "AERIE_SERVE_TOKEN", flag: str = "--token-file"
-) -> tuple[str, bool]:
-    """The access token and whether it was generated here: from ``token_file``, else ``$env``,
-    else a fresh random one (printed once, with the URL, to the operator's terminal)."""
-    if token_file:
-        try:
-            token = Path(token_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise ServeError(f"{flag} {token_file}: cannot read the token: {exc.strerror or exc}") from None
-        if len(token) < 16:
-            raise ServeError(f"{flag} {token_file}: the token must be at least 16 characters")
-        return token, False
-    if os.environ.get(env):
-        token = os.environ[env].strip()
-        if len(token) < 16:
-            raise ServeError(f"{env}: the token must be at least 16 characters")
-        return token, False
-    return secrets.token_urlsafe(24), True
-
-
-def view_token(view_token_file: str | None) -> str | None:
-    """The view-only token, when the operator gave one (``--view-token-file``, ``$AERIE_SERVE_VIEW_TOKEN``)."""
-    if not view_token_file and not os.environ.get("AERIE_SERVE_VIEW_TOKEN"):
-        return None
-    return read_token(view_token_file, "AERIE_SERVE_VIEW_TOKEN", "--view-token-file")[0]
-
-
 def console_command(run: str, theme: str | None, poll_s: float, read_only: bool = False) -> str:
     """The shell command textual-serve runs for each browser session (its actions audited as ``browser``)."""
     argv = [sys.executable, "-m", "console.cli", "attach", run, "--poll", f"{poll_s:g}", "--via", "browser"]
@@ -109,8 +100,6 @@ def console_command(run: str, theme: str | None, poll_s: float, read_only: bool 
 
 
 _PR_SET_PDEATHSIG = 1
-COOKIE = "aerie_token"
-READ_ONLY_KEY = "aerie_read_only"  # the request's role, set by the token gate
 
 
 def _child_setup(parent: int) -> None:
@@ -172,23 +161,25 @@ def _group_alive(pgid: int) -> bool:
 
 def make_server(
     command: str,
-    host: str,
-    port: int,
     title: str,
-    tokens: dict[str, bool] | None,
+    guard: Guard,
     groups: ConsoleGroups,
     view_command: str | None = None,
 ) -> Any:
-    """A textual-serve Server whose consoles are recorded, own their group, die with it, and (with
-    ``tokens``: token -> read-only) that answers only requests carrying one of them. A session whose
-    token is read-only runs ``view_command`` (the read-only console) instead of ``command``."""
+    """A textual-serve Server behind ``guard`` (serve_guard.py) whose consoles are recorded, own their
+    group, die with it, and number at most ``guard.max_sessions``. A session whose token is read-only runs
+    ``view_command`` (the read-only console) instead of ``command``."""
+    import aiohttp_jinja2
     from aiohttp import web
+    from rich.console import Console
     from textual_serve.app_service import AppService
     from textual_serve.server import Server
 
     class _AppService(AppService):
         async def _open_app_process(self, width: int = 80, height: int = 24) -> asyncio.subprocess.Process:
             env = self._build_environment(width=width, height=height)
+            for name in (TOKEN_ENV, VIEW_TOKEN_ENV):  # a console (and its alert hooks) never sees a token
+                env.pop(name, None)
             parent = os.getpid()
             # exec: the shell becomes the console, so the recorded pid is the console itself.
             self._process = process = await asyncio.create_subprocess_shell(
@@ -206,15 +197,48 @@ def make_server(
             return process
 
     class _Server(Server):
+        def initialize_logging(self) -> None:
+            # Plain lines on stderr, each through the token filter; no rich tracebacks (they show locals).
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("aerie serve: %(name)s: %(message)s"))
+            handler.addFilter(RedactingFilter(guard.tokens))
+            logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+        async def on_startup(self, app: web.Application) -> None:
+            pass  # textual-serve's banner names a URL and the command; serve() says what the operator needs
+
         async def _make_app(self) -> web.Application:
             app = await super()._make_app()
-            if tokens:
-                app.middlewares.append(_token_gate(tokens))
+            app.middlewares.append(serve_guard.middleware(guard))
+            app.on_response_prepare.append(serve_guard.safe_headers)
             app.on_shutdown.append(lambda _app: asyncio.to_thread(groups.stop_all))
             return app
 
+        async def handle_index(self, request: web.Request) -> web.StreamResponse:
+            if guard.full:
+                raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
+            # The websocket URL as the browser reached us (Host checked by the guard): the page works
+            # at localhost or 127.0.0.1, and through a forward to another local port (--allow-origin).
+            scheme = "wss" if request.scheme == "https" or guard.behind_tls(request.host) else "ws"
+            context = {
+                "font_size": _to_int(request.query.get("fontsize", "16"), 16),
+                "app_websocket_url": f"{scheme}://{request.host}/ws",
+                "config": {"static": {"url": "/static/"}},
+                "application": {"name": self.title},
+            }
+            return aiohttp_jinja2.render_template("app_index.html", request, context)
+
         async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
-            # textual-serve's handler, with our AppService (recorded group, death signal).
+            # textual-serve's handler, with our AppService (recorded group, death signal) and the cap.
+            if guard.full:  # refused before the upgrade: no console process is started for it
+                raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
+            guard.sessions += 1
+            try:
+                return await self._session(request)
+            finally:
+                guard.sessions -= 1
+
+        async def _session(self, request: web.Request) -> web.WebSocketResponse:
             websocket = web.WebSocketResponse(heartbeat=15)
             width = _to_int(request.query.get("width", "80"), 80)
             height = _to_int(request.query.get("height", "24"), 24)
@@ -242,13 +266,39 @@ def make_server(
             except asyncio.CancelledError:
                 await websocket.close()
             except Exception as error:  # noqa: BLE001 - as textual-serve: log, never crash the server
-                print(f"aerie serve: a session failed: {error!r}", file=sys.stderr, flush=True)
+                print(
+                    f"aerie serve: a session failed: {guard.redact(repr(error))}", file=sys.stderr, flush=True
+                )
             finally:
                 if app_service is not None:
                     await app_service.stop()
             return websocket
 
-    return _Server(command, host=host, port=port, title=title)
+        def serve_on(self, socks: list[socket.socket]) -> None:
+            """textual-serve's ``serve``, on sockets already bound, with the redacting access log."""
+            from aiohttp.web_runner import GracefulExit
+
+            self.initialize_logging()
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+
+            def request_exit() -> None:
+                raise GracefulExit()
+
+            loop.add_signal_handler(signal.SIGINT, request_exit)
+            loop.add_signal_handler(signal.SIGTERM, request_exit)
+            web.run_app(
+                self._make_app(),
+                sock=socks,
+                handle_signals=False,
+                loop=loop,
+                print=None,
+                access_log_class=serve_guard.access_logger_class(guard.tokens),
+            )
+
+    server = _Server(command, host=guard.bound, port=guard.port, title=title)
+    server.console = Console(stderr=True)
+    return server
 
 
 def _to_int(value: str, default: int) -> int:
@@ -258,35 +308,37 @@ def _to_int(value: str, default: int) -> int:
         return default
 
 
-def _token_gate(tokens: dict[str, bool]) -> Any:
-    """Middleware: a request needs one of ``tokens`` (query, cookie or bearer); its role (read-only or
-    not) is put on the request for the websocket handler."""
-    from aiohttp import web
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` names, before anything is printed or written: a busy
+    port is one line (:class:`ServeError`), and a second server never touches the first one's token file."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServeError(f"--host {host}: cannot resolve it: {exc}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _name, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp: TIME_WAIT is no obstacle
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(128)
+            sock.setblocking(False)
+    except OSError as exc:
+        for sock in socks:
+            sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ServeError(
+                f"port {port} on {host} is already in use: is another aerie serve running? pick --port"
+            ) from None
+        raise ServeError(f"cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+    return socks
 
-    known = [(t.encode(), ro) for t, ro in tokens.items()]
 
-    @web.middleware
-    async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
-        given = request.query.get("token") or request.cookies.get(COOKIE) or ""
-        auth = request.headers.get("Authorization", "")
-        if not given and auth.startswith("Bearer "):
-            given = auth[7:]
-        role = None
-        for expected, ro in known:  # every token compared, in constant time each
-            if hmac.compare_digest(given.encode(), expected):
-                role = ro
-        if role is None:
-            raise web.HTTPUnauthorized(
-                text="aerie serve: this console needs its token (open the URL with "
-                "?token=... that aerie serve printed)\n"
-            )
-        request[READ_ONLY_KEY] = role
-        resp = await handler(request)
-        if request.query.get("token") and not resp.prepared:
-            resp.set_cookie(COOKIE, given, httponly=True, samesite="Strict")
-        return resp
-
-    return gate
+def _say(text: str) -> None:
+    print(f"aerie serve: {text}", file=sys.stderr, flush=True)
 
 
 def serve(
@@ -299,65 +351,91 @@ def serve(
     token_file: str | None = None,
     read_only: bool = False,
     view_token_file: str | None = None,
+    no_token: bool = False,
+    allow_origins: tuple[str, ...] = (),
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
 ) -> int:
     """Serve until interrupted (Ctrl-C or SIGTERM); returns the exit code."""
     if not allow_remote:
         check_loopback(host)
+    if max_sessions < 1:
+        raise ServeError(f"--max-sessions {max_sessions}: must be at least 1")
+    try:
+        origins = tuple(serve_guard.normalize_origin(o) for o in allow_origins)
+    except serve_guard.GuardError as exc:
+        raise ServeError(f"--allow-origin {exc}") from None
     view = view_token(view_token_file)
     if view is not None and read_only:
         raise ServeError(
             "--view-token-file with --read-only: every console is read-only already; give the token with "
             "--token-file (or $AERIE_SERVE_TOKEN)"
         )
-    tokens: dict[str, bool] = {}
-    generated = False
-    control: str | None = None
-    if view is not None or not is_loopback(host):
-        control, generated = read_token(token_file)
-        if view is not None and hmac.compare_digest(control.encode(), view.encode()):
-            raise ServeError("the view-only token must differ from the control token")
-        tokens[control] = read_only
+    control = read_token(token_file)
+    if no_token:
+        if not is_loopback(host):
+            raise ServeError(
+                "--no-token is only allowed on a loopback address: off loopback the token is the guard"
+            )
+        if control is not None or view is not None:
+            raise ServeError(
+                "--no-token with a token (--token-file, --view-token-file or $AERIE_SERVE_*TOKEN)"
+            )
+    elif control is not None and view is not None and hmac.compare_digest(control.encode(), view.encode()):
+        raise ServeError("the view-only token must differ from the control token")
+
+    socks = bind(host, port)  # a busy port ends here, before a URL is printed or a token file written
+    port = socks[0].getsockname()[1]  # --port 0: the one the kernel chose
+    generated: Path | None = None
+    try:
+        if no_token:
+            hint = ""
+        elif control is not None:
+            hint = f"its token: the one in {token_file}" if token_file else f"its token: ${TOKEN_ENV}"
+        else:
+            generated = serve_guard.token_path(host, port)
+            control = serve_guard.write_token(generated)
+            hint = f"its token: cat {generated}"
+        tokens: dict[str, bool] = {}
+        if control is not None:
+            tokens[control] = read_only
         if view is not None:
             tokens[view] = True
-    # The per-session console imports `console` from this checkout, whatever the browser's cwd.
-    os.environ["PYTHONPATH"] = str(ROOT) + (
-        os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
-    )
-    groups = ConsoleGroups()
-    server = make_server(
-        console_command(run, theme, poll_s, read_only),
-        host,
-        port,
-        f"Aerie — {run}" + (" (read-only)" if read_only else ""),
-        tokens or None,
-        groups,
-        view_command=console_command(run, theme, poll_s, read_only=True),
-    )
-    where = f"http://{host}:{port}/"
-    kind = "read-only console" if read_only else "console"
-    if control is not None:
-        if not read_only and not is_loopback(host):
-            print(
-                f"aerie serve: WARNING: serving on {host}, not loopback: anyone who has the control token "
-                "can kill stages",
-                file=sys.stderr,
-                flush=True,
-            )
-        where += f"?token={control}" if generated else "?token=<the token from your token file>"
-    print(
-        f"aerie serve: the {kind} for {run} at {where} (Ctrl-C stops serving; the run keeps going)",
-        file=sys.stderr,
-        flush=True,
-    )
-    if view is not None:
-        print(
-            f"aerie serve: view-only: http://{host}:{port}/?token=<the token from your view token file> "
-            "gets a read-only console",
-            file=sys.stderr,
-            flush=True,
+        wildcard = ipaddress.ip_address(socks[0].getsockname()[0]).is_unspecified
+        guard = Guard(port, host, origins, tokens, allow_remote and wildcard, max_sessions, hint)
+        # The per-session console imports `console` from this checkout, whatever the browser's cwd.
+        os.environ["PYTHONPATH"] = str(ROOT) + (
+            os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
         )
-    try:
-        server.serve()
+        groups = ConsoleGroups()
+        server = make_server(
+            console_command(run, theme, poll_s, read_only),
+            f"Aerie — {run}" + (" (read-only)" if read_only else ""),
+            guard,
+            groups,
+            view_command=console_command(run, theme, poll_s, read_only=True),
+        )
+        kind = "read-only console" if read_only else "console"
+        where = f"http://{serve_guard.url_host(host)}:{port}/"
+        _say(f"the {kind} for {run} at {where} (Ctrl-C stops serving; the run keeps going)")
+        if no_token:
+            _say(NO_TOKEN_RISK)
+        else:
+            _say(f"{hint} (the page asks for it once, or add ?token=...; a cookie keeps it)")
+        if view is not None:
+            _say(
+                f"view-only: the token in {view_token_file or '$' + VIEW_TOKEN_ENV} gets a read-only console"
+            )
+        if not is_loopback(host) and not read_only:
+            _say(
+                f"WARNING: serving on {host}, not loopback: anyone who has the control token can kill stages"
+            )
+        try:
+            server.serve_on(socks)
+        finally:
+            groups.stop_all()  # whatever ended the server: no console outlives it
     finally:
-        groups.stop_all()  # whatever ended the server: no console outlives it
+        for sock in socks:
+            sock.close()
+        if generated is not None and control is not None:
+            serve_guard.remove_token(generated, control)
     return 0

@@ -16,7 +16,8 @@
 
 Exit codes: 0 ok (headless: every stage succeeded); 1 the run finished with stages not succeeded;
 2 usage error, bad plan, unknown run or stage; 3 the action was refused (e.g. pausing a stage
-that is not running); 4 the supervisor did not answer in time; 130 interrupted (stages keep running).
+that is not running); 4 the supervisor did not answer in time; 5 the run directory cannot be written or read
+on the host (the action was not queued); 130 interrupted (stages keep running).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             token_file=args.token_file,
             read_only=args.read_only,
             view_token_file=args.view_token_file,
+            no_token=args.no_token,
+            allow_origins=tuple(args.allow_origin),
+            max_sessions=args.max_sessions,
         )
     except ServeError as exc:
         err(str(exc))
@@ -300,7 +304,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--token-file",
         default=None,
-        help="with --allow-remote: file holding the token (else $AERIE_SERVE_TOKEN, else a random one)",
+        help="file holding the token every request needs (else $AERIE_SERVE_TOKEN, else a random one, "
+        "written to a 0600 file whose path is printed)",
+    )
+    p.add_argument(
+        "--no-token",
+        action="store_true",
+        help="loopback only: no token; every local account can then drive the console (says what it risks)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also accept pages and Host of this origin, e.g. http://localhost:9000 for an SSH forward "
+        "to another local port (repeatable)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=4,
+        metavar="N",
+        help="browser consoles at once (each a process); past it a clear refusal (default 4)",
     )
     p.add_argument(
         "--read-only",

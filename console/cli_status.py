@@ -1,18 +1,32 @@
-"""``aerie status``: every stage's row, then the run's projection, then the audit log's last entries (``--json``:
-a line per stage, then ``{"projection": …}``, then ``{"audit": …}``), made by ``ctl status`` on the executing host,
-locally or over SSH."""
+"""``aerie status``: every stage's row, the supervisor's liveness and alerts, then the run's projection, the
+anomalies going on now with their evidence (:mod:`console.anomaly_scan`), then the audit log's last entries
+(``--json``: a line per stage, then ``{"projection": …, "supervisor": …}``, ``{"anomalies": […]}``,
+``{"audit": …}``), made by ``ctl status`` on the executing host, locally or over SSH (the anomalies: read here,
+through the console's transport). A truncated or corrupt ``state.json`` is one warning line naming it
+(``--json``: a first line ``{"error": …}``) above the stages as their own files show them, never a traceback.
+
+The supervisor line is the host's verdict (:mod:`pipeline.run.liveness`, judged by the run's lock and the
+snapshot's age): running, silent (alive but not writing, and why) or dead (and when it was last seen); its alerts
+(a write that fails, a damaged stage file) follow, open ones first."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+import time
+from typing import Any
 
+from console.alerts import Alert
+from console.anomaly_scan import active_anomalies, alert_json, alert_lines
 from console.cli_common import open_run, remote, run_ctl
+from console.transport import LocalTransport, Transport
 from pipeline.run import audit
 from pipeline.run.projection import RunProjection
 from pipeline.run.projection_text import status_lines
-from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.rundir import RunDir
+from pipeline.run.state_file import read_state
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -31,8 +45,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         state = _local_state(run)
         if "audit" not in state:  # ctl status could not run: read the log here
             state["audit"] = audit.status_section(run.root)
-    stages = state.get("stages", [])
+    stages = [st for st in state.get("stages", []) if isinstance(st, dict)]
     projection = state.get("projection")
+    problem = state.get("error")  # state.json unreadable: one line naming it (pipeline/run/state_file.py)
+    if isinstance(problem, str):
+        if args.json:
+            print(json.dumps({"error": problem}))  # the first line, before the stages
+        else:
+            print(f"aerie: warning: {problem}", file=sys.stderr)
+    anomalies = _anomalies(args.run)
     if args.json:
         for st in stages:
             print(
@@ -58,21 +79,95 @@ def cmd_status(args: argparse.Namespace) -> int:
                     }
                 )
             )  # a Slurm stage's job id
-        if isinstance(projection, dict):
-            print(json.dumps({"projection": projection}))  # after the stages: the run as a whole
+        run_line: dict[str, Any] = {"projection": projection} if isinstance(projection, dict) else {}
+        sup = supervisor_section(state)
+        if sup is not None:
+            run_line["supervisor"] = sup
+        if run_line:
+            print(json.dumps(run_line))  # after the stages: the run as a whole
+        if anomalies is not None:
+            print(json.dumps({"anomalies": [alert_json(a) for a in anomalies]}))
         _print_audit(state.get("audit"), as_json=True)
         return EXIT_OK
     for st in stages:
         prog = st.get("progress") or {}
         p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
         print(
-            f"{st['id']:<30} {st['state']:<16} try {st['attempt']:<3} {p:<24} {st.get('reason') or ''}".rstrip()
+            f"{st.get('id')!s:<30} {st.get('state')!s:<16} try {st.get('attempt')!s:<3} {p:<24} "
+            f"{st.get('reason') or ''}".rstrip()
         )
+    sup_lines = supervisor_lines(state)
+    if sup_lines:
+        print("\n".join(sup_lines))
     if isinstance(projection, dict):
         print()
         print("\n".join(projection_report(projection)))
+    if anomalies is not None:
+        print()
+        print("\n".join(alert_lines(anomalies)))
     _print_audit(state.get("audit"))
     return EXIT_OK
+
+
+def _hms(t: object) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(float(t))) if isinstance(t, int | float) else "?"
+
+
+def supervisor_section(state: dict) -> dict | None:
+    """``--json``'s ``supervisor``: the host's liveness report and the supervisor's alerts."""
+    live = state.get("liveness")
+    sup = state.get("supervisor")
+    if not isinstance(sup, dict):
+        sup = {}
+    if not isinstance(live, dict):
+        return None
+    return {**live, "alerts": [a for a in sup.get("alerts") or [] if isinstance(a, dict)]}
+
+
+def supervisor_lines(state: dict) -> list[str]:
+    """``supervisor: …`` (what is wrong when it is silent or dead), then its alerts: open, then ended."""
+    sec = supervisor_section(state)
+    if sec is None:
+        return []
+    text = str(sec.get("text", ""))
+    if sec.get("verdict") == "dead":
+        text += " — not running: any control action or `aerie attach` starts it"
+    out = [text if text.startswith("supervisor") else f"supervisor: {text}"]
+    alerts = sorted(sec["alerts"], key=lambda a: (bool(a.get("resolved")), a.get("since") or 0))
+    for a in alerts:
+        when = f"since {_hms(a.get('since'))}"
+        if a.get("resolved"):
+            when = f"{_hms(a.get('since'))}–{_hms(a.get('resolved'))}, ended"
+        out.append(f"supervisor alert ({when}): {a.get('text', '')}")
+    return out
+
+
+def _anomalies(arg: str) -> list[Alert] | None:
+    """The anomalies going on in the run now (None, with a warning, when its files cannot be read)."""
+    if remote(arg):
+        from console.ssh.commands import attach_transport
+
+        t = attach_transport(arg)
+        if isinstance(t, int):
+            return None
+        transport: Transport = t
+    else:
+        run = open_run(arg)
+        if run is None:
+            return None
+        transport = LocalTransport(str(run.root))
+
+    async def scan() -> list[Alert]:
+        try:
+            return await active_anomalies(transport)
+        finally:
+            await transport.close()
+
+    try:
+        return asyncio.run(scan())
+    except Exception as exc:  # noqa: BLE001 - the stages' rows are printed anyway
+        print(f"aerie: warning: anomalies not checked: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def _local_state(run: RunDir) -> dict:
@@ -86,7 +181,7 @@ def _local_state(run: RunDir) -> dict:
                 return state
         except ValueError:
             pass
-    return read_json(run.state_path) or {"stages": []}
+    return read_state(run)[0]
 
 
 def projection_report(d: dict) -> list[str]:

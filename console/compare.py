@@ -4,10 +4,13 @@ Each other run is a :class:`~console.model.RunModel` over its own run directory,
 readers as the console's own run (local run directories), so the metrics view can draw the same metric
 of the same stage from several runs in one panel, a curve per run — two training recipes side by side,
 as TensorBoard shows runs. A run directory that is not one is refused with its path in the message.
+Either run may be remote: ``--compare ssh://host/path/to/run`` reads the other run over SSH, through the
+same transport as ``aerie attach ssh://…`` (:func:`console.ssh.commands.attach_transport`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +68,23 @@ class OtherRun:
 
 
 def open_other(path: str) -> OtherRun:
-    """The run in ``path`` to compare with; :class:`CompareError` naming the path if it is not a run."""
+    """The run in ``path`` (a directory, or ``ssh://host/dir``) to compare with; :class:`CompareError` naming
+    the path if it is not a run (or, over SSH, why it cannot be reached)."""
+    if path.startswith("ssh://"):
+        import asyncio
+
+        from console.ssh.commands import attach_transport
+
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop()  # inside the console: connecting here would block its screen
+            raise CompareError(
+                f"{path}: an ssh:// run is compared from the command line: aerie attach RUN --compare {path}"
+            )
+
+        t = attach_transport(path)  # says on stderr why not (unreachable host, no run there …)
+        if isinstance(t, int):
+            raise CompareError(f"{path}: cannot open that run over SSH (the reason is above)")
+        return OtherRun(path, RunModel(t))
     p = Path(path).expanduser()
     if not p.is_dir():
         raise CompareError(f"{path}: no such directory (compare with a run directory)")

@@ -1,6 +1,6 @@
 """The console's header lines as text: the header (run, connection, run dir, state counts), the projection
 line under it (progress, finish, GPU-hours, disk at finish: :mod:`pipeline.run.projection`) and the status
-line at the bottom (the run's outcome, or the supervisor's liveness). Pure functions of the model: the app
+line at the bottom (the run's outcome, or the supervisor's liveness and alerts: :mod:`console.sup_watch`). Pure functions of the model: the app
 sets them; :class:`ProjectionLine` spares it recomputing the projection on every poll."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from typing import Any
 from rich.text import Text
 
 from console.model import RunModel, StageView
+from console.sup_watch import STALE_S, SupervisorWatch, alerts_line
 from pipeline.run import plan as plan_mod
 from pipeline.run.projection import DiskNow, StageProgress, project
 from pipeline.run.projection_text import compact_line
 
 PROJECTION_EVERY_S = 5.0  # the projection line is recomputed at least this often (sooner on a state change)
-STALE_SUPERVISOR_S = 15.0  # no snapshot for this long: the console restarts the supervisor
+STALE_SUPERVISOR_S = STALE_S  # no new snapshot for this long: the console asks the host (restarts a dead one)
 
 
 def header_text(model: RunModel, connection: str, width: int, style: Callable[[str], str]) -> Text:
@@ -41,26 +42,35 @@ def header_text(model: RunModel, connection: str, width: int, style: Callable[[s
 
 
 def status_text(
-    model: RunModel, poll_s: float, style: Callable[[str], str], now: float | None = None
+    model: RunModel,
+    poll_s: float,
+    style: Callable[[str], str],
+    now: float | None = None,
+    watch: SupervisorWatch | None = None,
 ) -> Text:
-    """The run's error or outcome, else whether the supervisor still answers."""
+    """The link's error; else a silent or dead supervisor (``watch``: what the host said, and whether it is
+    being restarted); else the supervisor's open alert (a write that fails, a damaged stage file); else the
+    run's outcome, or the supervisor's pid."""
     now = time.time() if now is None else now
     line = Text()
+    silent = watch.line(model.done) if watch is not None else None
+    alert = alerts_line(model.supervisor_alerts)
     if model.error:
         line.append(model.error, style=style("failed"))
+    elif silent is not None:
+        line.append(silent[0], style=style("failed" if silent[1] == "error" else "paused"))
     elif not model.loaded:
-        line.append("waiting for the supervisor's first snapshot…")
+        line.append(model.waiting_for, style=style("paused") if model.state_problem else "")
+    elif alert is not None and not model.done:
+        line.append(alert, style=style("paused"))
     elif model.done:
         ok = model.all_succeeded()
         line.append(
             "run finished: " + ("every stage succeeded" if ok else "some stages did not succeed"),
             style=style("succeeded" if ok else "failed"),
         )
-    elif model.supervisor_t and now - model.supervisor_t > STALE_SUPERVISOR_S:
-        line.append(
-            f"supervisor silent for {now - model.supervisor_t:.0f}s — restarting it",
-            style=style("paused"),
-        )
+    elif watch is None and model.supervisor_t and now - model.supervisor_t > STALE_SUPERVISOR_S:
+        line.append(f"supervisor silent for {now - model.supervisor_t:.0f}s", style=style("paused"))
     else:
         line.append(f"supervisor pid {model.supervisor_pid} · polling every {poll_s:g}s")
     return line
@@ -100,8 +110,8 @@ def projection_text(
         return Text(f"no projection: {plan}", style="dim")
     d = model.telemetry.disk
     disk = None
-    if d is not None and d.used is not None and d.total is not None:
-        disk = DiskNow(d.used, d.total, d.projected_remaining or 0)
+    if d is not None and d.taken is not None and d.total is not None:  # the meter's figures, the meter's disk
+        disk = DiskNow(d.taken, d.total, d.projected_remaining or 0, d.where)
     progress = {sid: stage_progress(st) for sid, st in model.stages.items()}
     try:
         p = project(plan, progress, time.time() if now is None else now, disk)

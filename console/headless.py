@@ -3,6 +3,9 @@
 Prints one line per state change and a progress line per running stage every ``every_s``
 seconds; returns 0 only when the run finished with every stage succeeded (or skipped).
 Ctrl-C detaches: the stages keep running under their supervisor.
+
+It watches the supervisor as the console does (:mod:`console.sup_watch`): a line when it falls silent, dies
+and is restarted (a read-only watcher restarts nothing and says so), and a line for each alert it raises.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TextIO
 
 from console import fmt
 from console.model import RunModel, describe_event
+from console.sup_watch import SupervisorWatch, open_alerts
 from console.transport import Transport
 from pipeline.run.stage_row import StageState
 
@@ -33,8 +37,11 @@ async def follow(
     seen_events: dict[str, float] = {}
     last_progress: dict[str, float] = {}
     warned: dict[tuple[str, int], int] = {}
+    watch = SupervisorWatch(read_only)
     if not read_only:  # a read-only watcher does not even restart a dead supervisor
-        await transport.ctl("ensure")
+        await watch.check(transport)
+    said: str | None = None
+    alerts_seen: set[tuple[str, float]] = set()
     start = time.monotonic()
 
     def emit(text: str) -> None:
@@ -44,6 +51,23 @@ async def follow(
     while True:
         await model.poll()
         now = time.time()
+        watch.observe(model.supervisor_t)
+        if watch.due(model.done):
+            rep = await watch.check(transport)
+            if rep.get("started"):
+                emit(f"supervisor: {rep.get('text')} — started a new one")
+        line = watch.line(model.done)
+        kind = None if line is None else str((watch.report or {}).get("verdict", "checking"))
+        if line is not None and kind != said:  # once per change of verdict, not per changing count
+            emit(line[0])
+        elif line is None and said is not None:
+            emit("supervisor: writing its snapshot again")
+        said = kind
+        for a in open_alerts(model.supervisor_alerts):
+            key = (str(a.get("code")), float(a.get("since") or 0))
+            if key not in alerts_seen:
+                alerts_seen.add(key)
+                emit(f"supervisor alert: {a.get('text')}")
         for sid in model.order:
             st = model.stages[sid]
             key = (st.display_state, st.attempt)

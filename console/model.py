@@ -9,6 +9,12 @@ ETA), the last events and the last log lines. On attach the model starts
 near the end of long event files instead of replaying days of history; the curves then read the
 skipped head back in the background, a chunk per poll (see :meth:`RunModel._backfill_step`).
 
+Events files rotate past a size limit (:mod:`pipeline.run.growth`): when a stage's ``events.jsonl``
+has a new inode the stream first reads the rest of the old generation (``events.1.jsonl``, or further:
+the one with the old inode), then the new file from its start, skipping its *carried* lines (copies of
+what it has already seen); none is lost or applied twice (:func:`console.streams.follow_rotation`). The curves' read-back
+covers the current generation only.
+
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
 :meth:`poll` reports that something changed. Listeners (``RunModel.listeners``, e.g. the anomaly rules of
 :mod:`console.anomalies`) see each event as it is applied, so they work incrementally.
@@ -24,14 +30,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from console.series import StageHistory
+from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
-from console.transport import Transport
-from pipeline.run.events import Event, parse_lines, split_complete
+from console.transport import ReadResult, Transport, read_whole
+from pipeline.run.event_lines import LineSkipper
+from pipeline.run.events import Event, parse_lines
 from pipeline.run.stage_row import TERMINAL, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10
 BACKFILL_CHUNK = 2 << 20  # bytes of an events file's skipped head read per poll for the curves
+READ_WINDOW = 1 << 20  # bytes of each file read per poll; a line longer than this is skipped with a warning
+STATE_PROBLEM = (  # short: it must fit the status line at 80 columns; `aerie status` names the whole path
+    "state.json is truncated or not valid JSON{at}: waiting for the supervisor's next snapshot "
+    "({doing}; it rewrites the file every tick)"
+)
 RATE_WINDOW_S = 120.0
 
 
@@ -111,46 +124,6 @@ class StageView(StageRow):
         return self.state
 
 
-@dataclass
-class _Stream:
-    """Read position in one growing file."""
-
-    offset: int = 0
-    ino: int = 0
-    primed: bool = False  # False until the first read decided where to start
-    skip_partial: bool = False  # the next line is a fragment (we started mid-file)
-    skipped: int = 0  # bytes of the file's head jumped over on attach (the curves read them back later)
-
-
-def _consume(stream: _Stream, data: bytes, size: int, ino: int, tail_bytes: int) -> list[bytes]:
-    """Advance ``stream`` over ``data`` (read at ``stream.offset``); return the complete new lines.
-
-    A file that shrank or was replaced starts over. On the first read of a file longer than
-    ``tail_bytes`` the stream jumps to its last ``tail_bytes`` (read on the next poll) and drops
-    the first, partial line there, so attaching to a week-long run costs what an hour-long one does.
-    """
-    if size < 0:
-        return []
-    if (stream.ino and ino and ino != stream.ino) or size < stream.offset:
-        stream.offset, stream.primed, stream.skip_partial = 0, False, False
-        stream.ino = ino
-        return []
-    stream.ino = ino
-    if not stream.primed:
-        stream.primed = True
-        if size - stream.offset > tail_bytes:
-            stream.offset = size - tail_bytes
-            stream.skip_partial = True
-            stream.skipped = stream.offset
-            return []
-    lines, used = split_complete(data)
-    stream.offset += used
-    if stream.skip_partial and lines:
-        lines = lines[1:]
-        stream.skip_partial = False
-    return lines
-
-
 class RunModel:
     """The run as the console knows it. Call :meth:`poll` periodically (from a worker)."""
 
@@ -165,11 +138,13 @@ class RunModel:
         self.order: list[str] = []
         self.supervisor_pid: int | None = None
         self.supervisor_t: float | None = None
+        self.supervisor_alerts: list[dict] = []  # the supervisor's own faults (state.json)
         self.done = False
         self.error: str | None = None
         self._state_raw = b""
-        self._events: dict[str, _Stream] = {}
-        self._logs: dict[str, _Stream] = {}
+        self.state_problem: str | None = None  # state.json unreadable (STATE_PROBLEM), shown as the error
+        self._events: dict[str, Stream] = {}
+        self._logs: dict[str, Stream] = {}
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
         self.telemetry = TelemetryModel()
         self.telemetry_stage: str | None = None
@@ -183,6 +158,13 @@ class RunModel:
     @property
     def loaded(self) -> bool:
         return bool(self.order)
+
+    @property
+    def waiting_for(self) -> str:
+        """What a console with no stages yet waits for, and why (a corrupt ``state.json`` says so)."""
+        if self.state_problem:
+            return self.state_problem  # it says it waits for the next snapshot
+        return "waiting for the supervisor's first snapshot…"
 
     def families(self) -> list[tuple[str, list[StageView]]]:
         """Stages grouped by plan family, in plan order (the 10 preps read as one block)."""
@@ -210,22 +192,26 @@ class RunModel:
         reqs: list[tuple[str, int]] = [("state.json", 0)]
         ev_ids = list(self.order)
         for sid in ev_ids:
-            reqs.append((f"stages/{sid}/events.jsonl", self._events.setdefault(sid, _Stream()).offset))
+            stream = self._events.setdefault(sid, Stream())
+            reqs.append((stream.rel(f"stages/{sid}/events.jsonl"), stream.offset))
         log_ids = [s for s in self.watched if s in self.stages]
         for sid in log_ids:
-            reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, _Stream()).offset))
+            reqs.append((f"stages/{sid}/stage.log", self._logs.setdefault(sid, Stream()).offset))
         with_telemetry = self.telemetry_stage is not None  # fixed now: state.json below may change it
         if with_telemetry:
             reqs.append(self.telemetry.read_request())
         try:
-            results = await self.transport.read_many(reqs)
+            results = await self.transport.read_many(reqs, max_bytes=READ_WINDOW)
+            state: ReadResult | None = results[0]
+            if state is not None and state.size > len(state.data):  # a big plan's state: read all of it
+                state = await read_whole(self.transport, "state.json", state)
         except Exception as exc:  # a transport drop: keep what we have, say why
             self.error = f"cannot read the run: {exc}"
             return {"*"}
-        self.error = None
-        if results[0].size >= 0 and results[0].data != self._state_raw:
-            self._state_raw = results[0].data
-            changed |= self._apply_state(results[0].data)
+        if state is not None and state.size >= 0 and state.data != self._state_raw:
+            self._state_raw = state.data
+            changed |= self._apply_state(state.data)
+        self.error = self.state_problem
         for i, sid in enumerate(ev_ids, start=1):
             if self._apply_events(sid, self._events[sid], results[i].data, results[i].size, results[i].ino):
                 changed.add(sid)
@@ -271,7 +257,7 @@ class RunModel:
             b.done = True
             return set()
         data = res.data[: b.end - b.pos]
-        lines, used = split_complete(data)
+        lines, used, _notes = b.skip.take(data, BACKFILL_CHUNK)  # an over-long line: skipped, not waited on
         if b.pos + len(data) >= b.end:
             used = len(data)  # the last line before the tail may be cut: the tail skipped it too
         b.pos += used
@@ -293,12 +279,21 @@ class RunModel:
     def _apply_state(self, raw: bytes) -> set[str]:
         try:
             snap = json.loads(raw)
-        except ValueError:
-            return set()  # never torn (atomic rename), but be defensive
+            if not isinstance(snap, dict) or not isinstance(snap.get("stages", []), list):
+                raise ValueError("not a state snapshot")
+        except (
+            ValueError
+        ) as exc:  # never torn by the supervisor (atomic rename), but a disk, a copy or a hand can
+            at = f" at byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
+            doing = "showing the stages as last read" if self.order else "no stages to show yet"
+            self.state_problem = STATE_PROBLEM.format(at=at, doing=doing)
+            return {"*"}
+        self.state_problem = None
         self.run_name = snap.get("run", self.run_name)
         self.executor = snap.get("executor", self.executor)
         sup = snap.get("supervisor") or {}
         self.supervisor_pid, self.supervisor_t = sup.get("pid"), sup.get("t")
+        self.supervisor_alerts = [a for a in sup.get("alerts") or [] if isinstance(a, dict)]
         self.done = bool(snap.get("done"))
         changed = {"*"}
         order = []
@@ -322,15 +317,28 @@ class RunModel:
             self.telemetry.path = telemetry_path(tel or "telemetry")
         return changed
 
-    def _apply_events(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines = _consume(stream, data, size, ino, ATTACH_TAIL_BYTES)
+    def _apply_events(self, sid: str, stream: Stream, data: bytes, size: int, ino: int) -> bool:
+        follow = follow_rotation(stream, data, size, ino, READ_WINDOW)
+        lines, notes = (
+            follow if follow is not None else consume(stream, data, size, ino, ATTACH_TAIL_BYTES, READ_WINDOW)
+        )
         st = self.stages.get(sid)
-        if not lines or st is None:
+        if not (lines or notes) or st is None:
+            if stream.next_skip:
+                stream.skip_carried, stream.next_skip = True, False
             return False
         events, _bad = parse_lines(lines)
+        if stream.skip_carried:
+            events = drop_carried(stream, events)
+        if stream.next_skip:
+            stream.skip_carried, stream.next_skip = True, False
+        for note in notes:  # an over-long line skipped: a warning in the stage's events, not a frozen stage
+            st.events.append(
+                Event("message", time.time(), {"level": "warning", "code": "skipped-line", "text": note})
+            )
         for ev in events:
             self._apply_event(st, ev)
-        return bool(events)
+        return bool(events or notes)
 
     def _apply_event(self, st: StageView, ev: Event) -> None:
         if ev.type == "progress":
@@ -356,13 +364,14 @@ class RunModel:
         for listener in self.listeners:
             listener(st, ev)
 
-    def _apply_log(self, sid: str, stream: _Stream, data: bytes, size: int, ino: int) -> bool:
-        lines = _consume(stream, data, size, ino, LOG_TAIL_BYTES)
-        if not lines:
+    def _apply_log(self, sid: str, stream: Stream, data: bytes, size: int, ino: int) -> bool:
+        lines, notes = consume(stream, data, size, ino, LOG_TAIL_BYTES, READ_WINDOW)
+        if not (lines or notes):
             return False
         st = self.stages[sid]
-        st.log.extend(raw.decode(errors="replace") for raw in lines)
-        st.log_total += len(lines)
+        new = [f"[aerie: {note}]" for note in notes] + [raw.decode(errors="replace") for raw in lines]
+        st.log.extend(new)
+        st.log_total += len(new)
         return True
 
 
@@ -375,6 +384,7 @@ class _Backfill:
     attempt: int | None = None
     done: bool = False
     history: StageHistory = field(default_factory=StageHistory)
+    skip: LineSkipper = field(default_factory=LineSkipper)
 
 
 def _add_metric(history: StageHistory, attempt: int, ev: Event) -> None:

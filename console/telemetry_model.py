@@ -100,6 +100,7 @@ class GpuView:
 class DiskView:
     rate_window_s: float
     path: str = ""
+    mount: str = ""  # the filesystem measured: its mount point (and device), from the agent
     t: float = 0.0
     total: int | None = None
     used: int | None = None
@@ -111,6 +112,7 @@ class DiskView:
     def apply(self, r: dict[str, Any]) -> None:
         self.t = float(r.get("t") or 0.0)
         self.path = str(r.get("path") or self.path)
+        self.mount = str(r.get("mount") or self.mount)
         self.total, self.used, self.avail = _int(r.get("total")), _int(r.get("used")), _int(r.get("avail"))
         self.reserve = _int(r.get("reserve"))
         if "projected_remaining" in r:
@@ -119,6 +121,19 @@ class DiskView:
             self.points.append((self.t, self.used))
             while len(self.points) > 2 and self.t - self.points[0][0] > self.rate_window_s:
                 self.points.popleft()
+
+    @property
+    def where(self) -> str:
+        """The filesystem measured, as the meter and the projection name it (an older agent: the run dir)."""
+        return self.mount or self.path or "?"
+
+    @property
+    def taken(self) -> int | None:
+        """Bytes of the filesystem not available to the run (used, and root's reserved blocks), as ``df`` and
+        the meter's percentage count them; the projection's disk at finish adds to this same figure."""
+        if self.total is None or self.avail is None:
+            return None
+        return self.total - self.avail
 
     @property
     def used_fraction(self) -> float | None:
@@ -153,7 +168,7 @@ class DiskView:
     def status(self) -> tuple[str, str]:
         """(text, level) for the disk meter: level is ``ok``, ``warning`` or ``error``."""
         parts, level = self.status_parts()
-        return " · ".join(parts), level
+        return f"{self.where}: " + " · ".join(parts), level
 
     def status_parts(self) -> tuple[list[str], str]:
         """The disk meter's facts, most important first (a narrow meter shows the first that fit)."""

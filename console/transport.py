@@ -3,7 +3,8 @@
 The console's model never opens files or processes itself; it asks a transport for
 (1) byte ranges of run-dir files from an offset (event streams, logs, state.json), and for the
     log viewer newline counts per block and regex matches by line (``pipeline.run.logscan``), so a
-    multi-GB log is indexed and searched where it lives,
+    multi-GB log is indexed and searched where it lives; :func:`read_whole` builds a whole file of any
+    size (``state.json`` of a 10,000-stage plan) from bounded reads, the same on every transport,
 (2) control commands (``python -m pipeline.run.ctl RUN ACTION STAGE``) executed on the host,
 (3) creating a run and starting its supervisor there.
 
@@ -103,6 +104,37 @@ class Transport(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+WHOLE_CHUNK = 8 << 20  # bytes per read while :func:`read_whole` completes a big file
+WHOLE_TRIES = 3  # a file replaced while it was being read is read again, this many times in all
+
+
+async def read_whole(transport: Transport, rel: str, first: ReadResult | None = None) -> ReadResult | None:
+    """The whole of the run-dir file ``rel``, however big, read :data:`WHOLE_CHUNK` bytes at a time
+    through ``transport.read_many`` (so local and SSH alike; the remote agent bounds each answer).
+
+    ``first`` is a read at offset 0 already made (the console's batched poll): when it holds the whole
+    file it is the answer, else the rest is read from where it stopped. The file must stay the same
+    file (inode and size) between reads — ``state.json`` is replaced atomically, so a rewrite in between
+    starts over. ``None`` when it kept being replaced (:data:`WHOLE_TRIES`): the caller keeps what it had."""
+    for _ in range(WHOLE_TRIES):
+        res = (
+            first if first is not None else (await transport.read_many([(rel, 0)], max_bytes=WHOLE_CHUNK))[0]
+        )
+        first = None
+        if res.size < 0 or len(res.data) >= res.size:
+            return res
+        parts, got = [res.data], len(res.data)
+        while got < res.size:
+            nxt = (await transport.read_many([(rel, got)], max_bytes=WHOLE_CHUNK))[0]
+            if nxt.ino != res.ino or nxt.size != res.size or not nxt.data:
+                break  # replaced meanwhile: read the new one from its start
+            parts.append(nxt.data)
+            got += len(nxt.data)
+        if got >= res.size:
+            return ReadResult(b"".join(parts)[: res.size], res.size, res.ino)
+    return None
 
 
 def _read_one(root: Path, rel: str, offset: int, max_bytes: int) -> ReadResult:

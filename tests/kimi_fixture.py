@@ -404,16 +404,56 @@ def tiktoken_special_tokens(n_ranks: int) -> dict[int, str]:
     return {n_ranks + i - KIMI_FIRST_SPECIAL: name for i, name in KIMI_SPECIAL_IDS.items()}
 
 
-def write_tiktoken_fixture(folder: Path = TIKTOKEN_DIR) -> Path:
-    """Write ``tiktoken.model`` and ``tokenizer_config.json`` in Kimi-K2.5's format (the committed fixture)."""
+# Kimi-K2/K2.5's own split pattern: ``TikTokenTokenizer.pat_str`` of the checkpoint's ``tokenization_kimi.py``
+# (public copies of moonshotai's file agree on it). Han runs apart, CamelCase split, contractions on the word.
+KIMI_PAT_PARTS = [
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+]
+KIMI_PAT_STR = "|".join(KIMI_PAT_PARTS)
+
+# The checkpoint's tokenizer code as Aerie meets it: read for its pat_str, never run. Executing it would
+# leave CODE_RAN beside it (tests assert it never appears).
+KIMI_TOKENIZER_CODE = (
+    '''"""Kimi's tokenizer class, as the checkpoint ships it (fixture: only its shape and pat_str)."""
+import pathlib
+
+pathlib.Path(__file__).with_name("CODE_RAN").write_text("tokenization_kimi.py was executed")
+
+
+class TikTokenTokenizer:
+    vocab_files_names = {"vocab_file": "tiktoken.model"}
+    num_reserved_special_tokens = 256
+
+    pat_str = "|".join(
+        [
+'''
+    + "".join(f'            r"""{p}""",\n' for p in KIMI_PAT_PARTS)
+    + "        ]\n    )\n"
+)
+
+
+def tiktoken_model_text(ranks: dict[bytes, int]) -> str:
     import base64
 
-    folder.mkdir(parents=True, exist_ok=True)
-    ranks = tiktoken_ranks()
     lines = [
         f"{base64.b64encode(tok).decode()} {rank}" for tok, rank in sorted(ranks.items(), key=lambda t: t[1])
     ]
-    (folder / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def write_tiktoken_fixture(folder: Path = TIKTOKEN_DIR, ranks: dict[bytes, int] | None = None) -> Path:
+    """Write ``tiktoken.model`` and ``tokenizer_config.json`` in Kimi-K2.5's format (the committed fixture;
+    ``ranks`` replaces the fixture's, the special tokens moving after them as in the real file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ranks = ranks or tiktoken_ranks()
+    (folder / "tiktoken.model").write_text(tiktoken_model_text(ranks))
     specials = tiktoken_special_tokens(len(ranks))
     names = dict(zip(KIMI_SPECIAL_IDS.values(), specials, strict=True))
     config = {
@@ -473,4 +513,5 @@ def build_tiktoken_kimi(folder: Path) -> Path:
     for f in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copy(TIKTOKEN_DIR / f, folder / f)
     shutil.copy(TEMPLATE, folder / "chat_template.jinja")
+    (folder / "tokenization_kimi.py").write_text(KIMI_TOKENIZER_CODE)
     return folder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import read_all
-from pipeline.run.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.run.procs import ProcIdentity, StrangerError, signal_attempt
 from pipeline.run.run_setup import create_run
 from pipeline.run.rundir import RunDir, read_json
 
@@ -110,12 +110,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def kill_run_stages(run: RunDir) -> None:
-    """Cleanup after a test: SIGKILL the recorded groups of this run's stages (never by name)."""
+    """Cleanup after a test: SIGKILL the recorded attempts of this run's stages, their groups and the
+    processes that left them (never by name)."""
     for sid in run.stage_ids():
         rec = read_json(run.stage(sid).proc)
         if rec:
             with contextlib.suppress(StrangerError, PermissionError):
-                signal_group(ProcIdentity.from_dict(rec), signal.SIGKILL)
+                signal_attempt(ProcIdentity.from_dict(rec), signal.SIGKILL)
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -428,4 +429,135 @@ def console_run(root: Path) -> RunDir:
         w.write(make("finished", t=t0 + 8600, status="succeeded", returncode=0))
     bench.log.write_text("===== aerie: bench attempt 1 started =====\naccept length 2.91 over 80 prompts\n")
     finish("bench", 1, t0 + 8200, t0 + 8600, 0)
+    return run
+
+
+MIXED_NOW = 1_796_219_540.0  # "now" for mixed_run's snapshots: just after its telemetry's last sample
+
+
+def mixed_run(root: Path, now: float = MIXED_NOW) -> RunDir:
+    """A live run as an operator finds it at 3 a.m.: 10 preps (6 succeeded, 1 failed with its reason, 3
+    running with progress), the telemetry agent (8 GPUs), and train and bench waiting. Its ``state.json``
+    is written here as the supervisor would (fixed pids and times, a supervisor that just wrote): a test
+    runs the console without one (nothing then rewrites the file) and with ``time.time`` frozen at ``now``,
+    so the screen is the same on every machine."""
+    import shutil
+
+    from pipeline.run.events import EventWriter, make
+    from pipeline.run.rundir import write_json
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    datasets = "".join(
+        f'[[datasets]]\nname = "{d}"\nsource = "x"\nkind = "target-native"\nquota = 120000\n'
+        for d in DATASETS
+    )
+    plan_path = root / "plan.src.toml"
+    plan_path.write_text(CONSOLE_PLAN.format(datasets=datasets))
+    run = create_run(plan_mod.load(plan_path, run_dir=root / "run"), root / "run")
+    t0 = now - 3600
+    rows: list[dict] = []
+    fate = ["succeeded"] * 6 + ["failed"] + ["running"] * 3
+    for i, ds in enumerate(DATASETS):
+        sid, state = f"prep.{ds}", fate[i]
+        start = t0 + i * 60
+        end = start + 900 + i * 30 if state != "running" else None
+        pid = 4_200_000 + i
+        done = 120_000 if state == "succeeded" else (48_211 if state == "failed" else 20_000 * (i - 6))
+        last_t = end or now - 5
+        reason = f"KeyError: 'conversations' (row 48212 of {ds}.jsonl)" if state == "failed" else ""
+        with EventWriter(run.stage(sid).events) as w:
+            w.write(make("started", t=start, attempt=1, pid=pid))
+            for k in range(1, 6):
+                w.write(
+                    make(
+                        "progress",
+                        t=start + k * (last_t - start) / 5,
+                        done=done * k // 5,
+                        total=120_000,
+                        unit="rows",
+                        key=ds,
+                    )
+                )
+            if end is not None:
+                extra = {"error": reason} if reason else {}
+                w.write(make("finished", t=end, status=state, returncode=0 if not reason else 1, **extra))
+        run.stage(sid).log.write_text(
+            f"===== aerie: {sid} attempt 1 started =====\nreading {ds}: 120,000 rows wanted\n"
+            + "".join(
+                f"{ds}: {n:,} rows kept, {n // 400} rejected\n"
+                for n in range(1000, done + 1, max(1, done // 40))
+            )
+            + (
+                'Traceback (most recent call last):\n  File "prep/rows.py", line 41, in rows\n'
+                f"    turns = row['conversations']\n{reason}\n"
+                if reason
+                else ""
+            )
+        )
+        rows.append(
+            {
+                "id": sid,
+                "family": "prep",
+                "dataset": ds,
+                "state": state,
+                "attempt": 1,
+                "pid": pid,
+                "pgid": pid,
+                "started_at": start,
+                "finished_at": end,
+                "returncode": None if end is None else (1 if reason else 0),
+                "reason": reason,
+                "run": "prep",
+                "progress": {"t": last_t, "done": done, "total": 120_000, "unit": "rows"},
+            }
+        )
+    tel = run.stage("telemetry")
+    tel.out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for line in TELEMETRY_FIXTURE.read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "gpu":
+            lines += [json.dumps(dict(r, index=g, util=0, mem_used=1 << 30, procs=[])) for g in range(8)]
+        elif r["kind"] == "disk":  # the filesystem measured, named as the agent names it
+            lines.append(json.dumps(dict(r, path=str(run.root), mount="/data (/dev/nvme1n1)")))
+        else:
+            lines.append(line)
+    (tel.out / "telemetry.jsonl").write_text("\n".join(lines) + "\n")
+    with EventWriter(tel.events) as w:
+        w.write(make("started", t=t0, attempt=1, pid=4_200_100))
+    rows.append(
+        {
+            "id": "telemetry",
+            "family": "telemetry",
+            "state": "running",
+            "attempt": 1,
+            "pid": 4_200_100,
+            "pgid": 4_200_100,
+            "started_at": t0,
+            "service": True,
+            "run": "telemetry",
+        }
+    )
+    rows.append(
+        {
+            "id": "train",
+            "family": "train",
+            "state": "pending",
+            "reason": "waiting for prep.ultrachat (failed)",
+            "gpus": list(range(8)),
+        }
+    )
+    rows.append({"id": "bench", "family": "bench", "state": "pending", "after": ["train"]})
+    write_json(
+        run.state_path,
+        {
+            "run": "kimi-eagle3",
+            "run_dir": str(run.root),
+            "executor": "local",
+            "supervisor": {"pid": 4_200_200, "t": now},
+            "stages": rows,
+            "done": False,
+        },
+    )
     return run

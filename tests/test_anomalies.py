@@ -19,6 +19,7 @@ from console.alerts import Alert
 from console.anomalies import AnomalyWatcher
 from console.app import AerieApp
 from console.model import RunModel
+from console.screens.alerts import AlertsScreen
 from console.settings import resolve
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
@@ -29,6 +30,7 @@ from pipeline.serving.sglang_log import ServerStats
 from pipeline.stages.serve import stage as serve_stage
 from pipeline.stages.telemetry import Agent
 from tests.runs import kill_run_stages, make_run, start_supervisor, stop
+from tests.screen_text import svg_rows
 from tests.test_console import until
 
 T0 = float(int(time.time()) - 3600)  # stages start an hour ago (metric events carry the real time)
@@ -301,12 +303,17 @@ async def test_an_anomaly_reaches_the_toast_the_bell_and_the_hook_with_its_stage
         async with app.run_test(size=(120, 30)) as pilot:
             await until(pilot, lambda: app.hooks_run >= 1, what="the alert hook")
             note = next(n for n in notes if "loss became nan" in n)
-            assert "loss = nan at step 8" in note and "[a: go to trainer]" in note
+            assert "loss = nan at step 8" in note and "[a: alerts, Enter: go to trainer]" in note
             assert bells == [1]
-            assert app.query_one(StageBoard).selected_key == "first"
-            await pilot.press("a")
-            await pilot.pause(0.2)
-            assert app.query_one(StageBoard).selected_key == "trainer"
+            board = app.query_one(StageBoard)
+            await pilot.press("home")  # away from the stage the console selected on attach (the running one)
+            await until(pilot, lambda: board.selected_key == "first", what="first selected")
+            await pilot.press("a")  # the alert list keeps the alert after its toast is gone
+            await until(pilot, lambda: isinstance(app.screen, AlertsScreen), what="the alert list")
+            text = "\n".join(svg_rows(app.export_screenshot()))
+            assert "trainer: loss is nan" in text or "loss = nan at step 8" in text, text
+            await pilot.press("enter")
+            await until(pilot, lambda: board.selected_key == "trainer", what="the alerted stage selected")
         kind, stage, evidence = hook_log.read_text().split("|", 2)
         assert (kind, stage) == ("loss-nonfinite", "trainer") and "loss = nan at step 8" in evidence
     finally:

@@ -205,7 +205,7 @@ async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(t
     app = AerieApp(transport, poll_s=0.2, alerts=False, user_config={}, read_only=True)
     async with app.run_test(size=(140, 36)) as pilot:
         await until(pilot, lambda: app.model.loaded, what="loaded")
-        await pilot.press("down", "down")  # prep.deepswe-kimi: a killed stage, retry-able
+        await pilot.press("home", "down", "down")  # prep.deepswe-kimi: a killed stage, retry-able
         header = str(app.query_one("#header").content)
         assert header.startswith("READ-ONLY ")
         footer_actions = {b.binding.action for b in app.screen.active_bindings.values() if b.binding.show}
@@ -292,7 +292,7 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
             for _ in range(200):
                 try:
                     async with http.get(f"{url}/") as resp:
@@ -301,8 +301,8 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
                 except aiohttp.ClientConnectionError:
                     assert server.poll() is None, server.stderr.read() if server.stderr else ""
                     await asyncio.sleep(0.2)
-            async with http.get(f"{url}/?token={view}") as resp:
-                assert resp.status == 200 and "/ws" in await resp.text()
+            async with http.get(f"{url}/?token={view}") as resp:  # a cookie, and the URL without the token
+                assert resp.status == 200 and "/ws" in await resp.text() and "token" not in str(resp.url)
 
             async with http.ws_connect(f"{url}/ws?width=120&height=36&token={view}") as ws:
                 await _screen_until(ws, "READ-ONLY")
@@ -314,7 +314,7 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
             async with http.ws_connect(f"{url}/ws?width=120&height=36&token={control}") as ws:
                 screen = await _screen_until(ws, "prep.sharegpt")
                 assert "READ-ONLY" not in screen
-                await ws.send_json(["stdin", "\x1b[B"])
+                await ws.send_json(["stdin", "\x1b[H\x1b[B"])  # Home (attach selected a stage), then Down
                 await ws.send_json(
                     ["stdin", "r"]
                 )  # retry a succeeded stage: sent, and refused by the supervisor

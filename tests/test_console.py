@@ -140,7 +140,8 @@ def test_board_snapshot(snap_compare) -> None:  # noqa: ANN001
 
     async def loaded(pilot) -> None:  # noqa: ANN001
         await until(pilot, lambda: app.model.loaded and app.model.done, what="the finished run")
-        await pilot.press("down", "down")
+        # Attaching selected the latest failure (the killed prep.codefeedback) and its detail shows it.
+        await until(pilot, lambda: app.query_one("#detail").stage_id == "prep.codefeedback", what="selection")
         await pilot.pause(0.3)
 
     assert snap_compare(app, terminal_size=(150, 34), run_before=loaded)

@@ -44,7 +44,8 @@ def test_theme_snapshot(snap_compare, theme: str) -> None:  # noqa: ANN001
 
     async def loaded(pilot) -> None:  # noqa: ANN001
         await until(pilot, lambda: app.model.loaded and app.model.done, what="the finished run")
-        await pilot.press("down", "down")
+        # Attaching selected the latest failure (the killed prep.codefeedback) and its detail shows it.
+        await until(pilot, lambda: app.query_one("#detail").stage_id == "prep.codefeedback", what="selection")
         await pilot.pause(0.3)
 
     assert snap_compare(app, terminal_size=(150, 34), run_before=loaded)
@@ -420,7 +421,10 @@ async def test_browser_mode_serves_the_console_on_loopback(tmp_path: Path) -> No
     run = finished_run(tmp_path / "r")
     assert cli_main(["serve", str(run.root), "--host", "0.0.0.0"]) == 2  # never on a network interface
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
+    token = "t0ken-of-the-browser-test"
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"), AERIE_SERVE_TOKEN=token
+    )
     server = subprocess.Popen(
         [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
         env=env,
@@ -429,11 +433,12 @@ async def test_browser_mode_serves_the_console_on_loopback(tmp_path: Path) -> No
         start_new_session=True,
     )
     try:
+        bearer = {"Authorization": f"Bearer {token}"}  # a token is required on loopback too
         async with aiohttp.ClientSession() as http:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    async with http.get(f"http://127.0.0.1:{port}/") as resp:
+                    async with http.get(f"http://127.0.0.1:{port}/", headers=bearer) as resp:
                         page = await resp.text()
                         break
                 except aiohttp.ClientConnectionError:
@@ -442,7 +447,9 @@ async def test_browser_mode_serves_the_console_on_loopback(tmp_path: Path) -> No
                     await asyncio.sleep(0.3)
             assert resp.status == 200 and "/ws" in page
             screen = ""
-            async with http.ws_connect(f"http://127.0.0.1:{port}/ws?width=120&height=36") as ws:
+            async with http.ws_connect(
+                f"http://127.0.0.1:{port}/ws?width=120&height=36", headers=bearer
+            ) as ws:
                 deadline = time.monotonic() + 90
                 while time.monotonic() < deadline and not (
                     "prep.sharegpt" in screen and "snapshot" in screen

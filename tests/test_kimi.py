@@ -441,6 +441,17 @@ def by_name(rep: dict) -> dict[str, dict]:
     return {c["name"]: c for c in rep["checks"]}
 
 
+def failed_but_sglang(rep: dict) -> list[str]:
+    """The failing checks but the ``sglang`` line, which judges this machine's SGLang, not the plan (CI's parser
+    install, 0.5.23, is known broken for capture: tests/test_tested_versions.py)."""
+    from pipeline import tested_versions
+
+    line = by_name(rep).get("sglang")
+    if line is not None:  # it says what the table says of the installed release, for this plan's uses
+        assert line["ok"] == tested_versions.classify_sglang(("serve", "capture")).ok, line
+    return [c["name"] for c in rep["checks"] if not c["ok"] and c["name"] != "sglang"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, tp, gib", [("kimi-k2.5.toml", 8, 80), ("kimi-k2.5-slurm.toml", 16, 45)])
 def test_the_reference_plans_capture_through_sglang_and_fit_h200s(
@@ -450,7 +461,7 @@ def test_the_reference_plans_capture_through_sglang_and_fit_h200s(
     INT4 routed experts packed) and passes on 8 H200s (16 for the Slurm plan) (issue 26)."""
     rc, rep = deep(ROOT / "examples" / name, hf_cache, "--free-bytes", str(16 * 10**12))
     checks = by_name(rep)
-    assert rc == 0 and rep["ok"], [c for c in rep["checks"] if not c["ok"]]
+    assert failed_but_sglang(rep) == [] and rc == (0 if rep["ok"] else 1), rep["checks"]
     n = rep["numbers"]
     assert n["engine"] == "sglang" and n["tp_size"] == tp and n["target_dequantized_bytes"] == 0
     assert n["capture_bytes_per_rank"] == n["sglang_bytes_per_rank"] < gib * 2**30
@@ -508,7 +519,7 @@ def test_an_offline_bench_of_kimi_k25_is_refused_at_plan_time_not_on_day_four(
     plan = tmp_path / "kimi-k2.5.toml"
     plan.write_text(text)
     rc, rep = deep(plan, hf_cache, "--free-bytes", str(16 * 10**12))
-    assert rc == 1 and [c["name"] for c in rep["checks"] if not c["ok"]] == ["bench"]
+    assert rc == 1 and failed_but_sglang(rep) == ["bench"]
     detail = by_name(rep)["bench"]["detail"]
     assert "kimi-k2.5.toml" in detail and "stage bench-offline" in detail and "(TP 8)" in detail
     assert 'engine = "sglang"' in detail and "serve stage" in detail

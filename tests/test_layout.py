@@ -25,6 +25,10 @@ CONSOLE_ALLOWED = {
     "pipeline.run.projection",  # the run's finish, GPU-hours and disk at finish: one computation
     "pipeline.run.projection_text",  # … and its words, the same in the header and in aerie status
     "pipeline.run.audit",  # the audit log's entries: one format for the CLI and the console
+    "pipeline.run.force_text",  # what `force` will do and when: the supervisor's answer, the console's question
+    "pipeline.run.state_file",  # state.json or, when corrupt, one line and rows from the stages' files
+    "pipeline.run.growth",
+    "pipeline.run.event_lines",  # whole lines, over-long and torn lines: the same rules as the supervisor's reader  # the rotated generations' names and how many are kept: one definition
     "pipeline.serving.sglang_log",
 }
 

@@ -251,7 +251,7 @@ def test_reference_plan_settings_pass_each_stages_own_checks() -> None:
         PrepSettings.from_plan(plan, ds)
     assert regen_settings(plan).concurrency == 64
     plain = sglang_argv(settings_from_plan(plan, mode="plain", gpus=plan.stage("serve").gpus))
-    assert plain[plain.index("--tp") + 1] == "8" and "--trust-remote-code" in plain
+    assert plain[plain.index("--tp-size") + 1] == "8" and "--trust-remote-code" in plain
     spec = sglang_argv(settings_from_plan(plan, mode="eagle3", gpus=plan.stage("serve").gpus))
     assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
     assert spec[spec.index("--speculative-draft-model-path") + 1].endswith("stages/train/out/draft")

@@ -239,7 +239,8 @@ def test_aerie_status_json_carries_the_projection(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in out]  # a line per stage, then the projection, then the audit log
     stages = [d for d in lines if "id" in d]
     (proj,) = [d["projection"] for d in lines if "projection" in d]
-    assert list(lines[-1]) == ["audit"] and "projection" in lines[-2]
+    assert list(lines[-1]) == ["audit"] and "projection" in lines[-3]
+    assert lines[-2] == {"anomalies": []}, "a finished run has no anomaly going on"
     assert len(stages) == 12
     assert proj["blocked"] == ["prep.sharegpt", "prep.codefeedback"] and proj["will_finish"] is False
     assert proj["stages_done"] == 8 and proj["stages_total"] == 12 and proj["disk_at_finish"] > 0
@@ -250,3 +251,71 @@ def test_aerie_status_json_carries_the_projection(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert "will not finish without a retry of prep.sharegpt, prep.codefeedback" in text
+
+
+COMMANDS = """
+[run]
+name = "shell"
+dir = "run"
+[[stage]]
+id = "fetch"
+command = "true"
+[[stage]]
+id = "convert"
+command = "true"
+after = ["fetch"]
+[[stage]]
+id = "upload"
+command = "true"
+after = ["convert"]
+"""
+
+
+def test_stages_of_unknown_size_make_the_finish_unknown_never_finish_now(tmp_path: Path) -> None:
+    """Operator shell commands: the plan gives no size. Before the fix: "100% 0/3 · finish now (0s left)"."""
+    path = tmp_path / "plan.toml"
+    path.write_text(COMMANDS)
+    plan = plan_mod.load(path)
+    fetch_running = {"fetch": StageProgress("running", NOW - 60)}
+    p = project(plan, fetch_running, NOW)
+    assert p.progress is None and p.unknown_open == ["fetch", "convert", "upload"] and not p.finish_known
+    line = compact_line(p, 200)
+    assert line.startswith("0/3 stages · finish unknown: fetch +2 report no size"), line
+    assert "finish now" not in line and "100%" not in line
+    text = "\n".join(status_lines(p))
+    assert "run: progress unknown (fetch, convert, upload: no size known), 0/3 stages done" in text
+    assert "finish: unknown" in text
+
+    # A command that reports progress with a total (StageContext.progress): measured by its own rate; the
+    # windowed rate of a stage silent for a while is 0, and then the average since its start is used.
+    prog = {"fetch": StageProgress("running", NOW - 60, None, 1, 10, "files", NOW - 30, rate=0.0)}
+    p = project(plan, prog, NOW)
+    fetch = by_id(p, "fetch")
+    assert fetch.basis == "measured" and fetch.rate == pytest.approx(1 / 30)
+    assert fetch.remaining_s == pytest.approx(9 * 30)
+    assert p.unknown_open == ["convert", "upload"] and p.progress is None, "the others still say nothing"
+
+    # All done but one that reports: a finish from its own rate.
+    done = StageProgress("succeeded", NOW - 600, NOW - 300)
+    prog = {
+        "fetch": done,
+        "convert": done,
+        "upload": StageProgress("running", NOW - 60, None, 5, 10, "x", NOW),
+    }
+    p = project(plan, prog, NOW)
+    assert p.finish_known and p.progress is not None and 0 < p.progress < 1
+    assert p.remaining_s == pytest.approx(60) and "finish " in compact_line(p) and "left)" in compact_line(p)
+
+
+def test_the_disk_at_finish_names_its_filesystem(plan: plan_mod.Plan) -> None:
+    p = project(
+        plan, {}, NOW, DiskNow(used=1 << 40, total=8 << 40, to_write=2 << 40, mount="/data (/dev/sdb1)")
+    )
+    assert p.disk_mount == "/data (/dev/sdb1)"
+    assert "disk 3.0 TiB/8.0 TiB at end on /data" in compact_line(p, 200)
+    assert "disk at finish: 3.0 TiB used of 8.0 TiB on /data (/dev/sdb1)" in status_lines(p)
+    from pipeline.run.projection import RunProjection
+
+    old = p.to_dict()
+    del old["disk_mount"], old["unknown_open"]  # from a host whose Aerie predates them
+    assert RunProjection.from_dict(old).disk_mount is None

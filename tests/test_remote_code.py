@@ -272,4 +272,10 @@ def test_deep_check_renders_the_chat_template_through_the_tiktoken_tokenizer(tmp
     assert checks["architecture"]["ok"], checks["architecture"]
     tmpl = checks["chat template"]
     assert tmpl["ok"], tmpl
-    assert "Traceback" not in err
+    tok = checks["tokenizer"]  # which tokenizer the run uses and how it cuts text
+    assert tok["ok"] and not tok["warning"], tok
+    assert (
+        "tiktoken.model" in tok["detail"]
+        and "tokenization_kimi.py: TikTokenTokenizer.pat_str" in tok["detail"]
+    )
+    assert "Traceback" not in err and not (folder / "CODE_RAN").exists()

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -76,9 +77,12 @@ def still_alive(procs: dict[int, int]) -> dict[int, int]:
     return out
 
 
+TOKEN = "t0ken-for-the-serve-fault-tests"
+
+
 def start_serve(tmp: Path, port: int, *extra: str, netns: str | None = None) -> subprocess.Popen:
     run = finished_run(tmp / "r")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp / "none.toml"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp / "none.toml"), AERIE_SERVE_TOKEN=TOKEN)
     argv = [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port), *extra]
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
@@ -92,7 +96,7 @@ def start_serve(tmp: Path, port: int, *extra: str, netns: str | None = None) -> 
 
 
 def ws_open(
-    host: str, port: int, path: str = "/ws?width=100&height=30", cookie: str | None = None
+    host: str, port: int, path: str = f"/ws?width=100&height=30&token={TOKEN}", cookie: str | None = None
 ) -> socket.socket:
     """A raw websocket client: the HTTP upgrade by hand, then the socket is ours to abandon."""
     sock = socket.create_connection((host, port), timeout=10)
@@ -268,12 +272,13 @@ def netns() -> str:
 
 
 def _http(netns: str, url: str, cookie: str | None = None) -> tuple[int, str, str]:
-    """GET ``url`` from inside the namespace: (status, Set-Cookie, body head)."""
+    """GET ``url`` from inside the namespace, following no redirect: (status, Set-Cookie, body head)."""
     code = (
-        "import sys, urllib.request, urllib.error\n"
-        "req = urllib.request.Request(sys.argv[1], headers={'Cookie': sys.argv[2]} if sys.argv[2] else {})\n"
-        "try:\n    r = urllib.request.urlopen(req, timeout=10); st, h, b = r.status, r.headers, r.read()\n"
-        "except urllib.error.HTTPError as e:\n    st, h, b = e.code, e.headers, e.read()\n"
+        "import sys, http.client, urllib.parse\n"
+        "u = urllib.parse.urlsplit(sys.argv[1]); c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)\n"
+        "c.request('GET', u.path + ('?' + u.query if u.query else ''), "
+        "headers={'Cookie': sys.argv[2]} if sys.argv[2] else {})\n"
+        "r = c.getresponse(); st, h, b = r.status, r.headers, r.read()\n"
         "print(st); print(h.get('Set-Cookie') or ''); print(b[:200].decode(errors='replace'))\n"
     )
     r = subprocess.run(
@@ -303,24 +308,31 @@ def test_allow_remote_requires_the_token(tmp_path: Path, netns: str) -> None:
         assert _http(netns, f"{base}/static/css/xterm.css")[0] == 401
         assert _http(netns, f"{base}/ws")[0] == 401
         status, set_cookie, body = _http(netns, f"{base}/?token=s3cret-token-for-the-test")
-        assert status == 200 and "aerie_token=" in set_cookie and "HttpOnly" in set_cookie
+        assert status == 303 and f"aerie_token_{port}=" in set_cookie and "HttpOnly" in set_cookie
         cookie = set_cookie.split(";", 1)[0]
         assert (
             _http(netns, f"{base}/", cookie=cookie)[0] == 200
         )  # the browser's later requests carry the cookie
-        assert _http(netns, f"{base}/", cookie="aerie_token=nope")[0] == 401
+        assert _http(netns, f"{base}/", cookie=f"aerie_token_{port}=nope")[0] == 401
     finally:
         reap(server, {})
     err = (tmp_path / "serve.err").read_text()
     assert "s3cret-token-for-the-test" not in err  # a token from a file is never echoed
 
 
-def test_loopback_needs_no_token(tmp_path: Path) -> None:
+def test_loopback_needs_the_token_too(tmp_path: Path) -> None:
+    """Every account on the machine can reach a loopback port: the token is required there by default."""
     port = free_port()
     server = start_serve(tmp_path, port)
     try:
         wait_listening("127.0.0.1", port, server)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
+        assert refused.value.code == 401
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200
     finally:
         reap(server, {})

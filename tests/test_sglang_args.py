@@ -54,7 +54,7 @@ def test_plain_argv_from_plan(tmp_path):
         "sglang.launch_server",
         "--model-path",
         "/models/Kimi-K2.5",
-        "--tp",
+        "--tp-size",
         "8",
         "--host",
         "127.0.0.1",
@@ -95,7 +95,7 @@ def test_eagle3_argv_from_plan(tmp_path):
         "sglang.launch_server",
         "--model-path",
         "/models/target",
-        "--tp",
+        "--tp-size",
         "4",
         "--host",
         "127.0.0.1",
@@ -132,7 +132,7 @@ def test_eagle3_defaults_and_relative_draft_path(tmp_path):
     assert argv[argv.index("--speculative-num-steps") + 1] == "3"
     assert argv[argv.index("--speculative-eagle-topk") + 1] == "1"
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "4"
-    assert argv[argv.index("--tp") + 1] == "1"  # no GPUs given: tp 1
+    assert argv[argv.index("--tp-size") + 1] == "1"  # no GPUs given: tp 1
 
 
 @pytest.mark.parametrize(
@@ -181,8 +181,11 @@ def test_sglang_own_parser_accepts_our_argv(tmp_path):
     prepare_server_args = _sglang_parser()
     import sglang
 
-    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
-    assert f'"sglang=={sglang.__version__}"' in pyproject, "the tested sglang is not the gpu extra's pin"
+    from pipeline.tested_versions import stack_of
+
+    req = (Path(__file__).resolve().parent.parent / ".ci" / "sglang-parser-requirements.txt").read_text()
+    assert f"sglang=={sglang.__version__}\n" in req, "the installed sglang is not the parser install's pin"
+    assert stack_of(sglang.__version__) is not None, "the parser's sglang is not in the tested-versions table"
     plan = load(
         tmp_path,
         """

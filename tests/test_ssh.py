@@ -383,3 +383,40 @@ async def test_preflight_runs_the_deep_chain_check_on_the_host(ssh_plan, tmp_pat
     assert not rep.ok
     bad = [c for c in rep.checks if not c.ok]
     assert [c.name for c in bad] == ["chain: draft vocab"] and "vocab.draft_vocab_size" in bad[0].detail
+
+
+async def test_preflight_weighs_the_hosts_sglang_against_the_tested_versions(ssh_plan, tmp_path):
+    """The host's real SGLang (the parser install: 0.5.23, known broken for the capture through its runner):
+    a plan that only serves gets a warning naming the release; a plan that captures through it is refused
+    before anything else runs on the host (no chain check)."""
+    import importlib.metadata
+
+    from pipeline import tested_versions
+
+    try:
+        installed = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("sglang is not installed: pip install --no-deps -r .ci/sglang-parser-requirements.txt")
+    row = tested_versions.stack_of(installed)
+    assert row is not None and row.broken_for == ("capture",), "this test needs a release broken for capture"
+    serve = '[[stage]]\nid = "serve"\nrun = "serve"\nservice = true\n'
+    rep = await preflight(plan_mod.load(ssh_plan(serve, options='pipeline = "upload"')))
+    line = {c.name: c for c in rep.checks}["sglang"]
+    assert rep.ok and line.ok and line.warning, rep.render()
+    assert f"SGLang {installed} is untested for serve" in line.detail
+
+    capture = (
+        '[target]\nmodel = "/nowhere/kimi"\nengine = "sglang"\n[[stage]]\nid = "extract"\nrun = "extract"\n'
+    )
+    rep = await preflight(
+        plan_mod.load(
+            ssh_plan(
+                capture, name="cap.toml", remote_dir=tmp_path / "r2" / "run", options='pipeline = "upload"'
+            )
+        )
+    )
+    assert not rep.ok and rep.failed == ["sglang"], rep.render()
+    detail = rep.checks[-1].detail
+    assert f"SGLang {installed} is known broken for capture" in detail and "fill_len" in detail
+    assert "0.5.14" in detail and "constraints-gpu.txt" in detail
+    assert not any(c.name.startswith("chain") for c in rep.checks)

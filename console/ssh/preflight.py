@@ -13,9 +13,12 @@ Over the one connection, in order, each step a named check in the report:
 5. **plan** — the plan is uploaded (atomically) and validated *on the host*, with the host's
    ``pipeline``; every built-in stage module the plan uses must import there (a missing
    ``torch`` is reported now, not an hour into the run);
-6. **disk** — free space at the run directory, refused when below the plan's declared outputs.
-7. **chain** — the EAGLE-3 chain against the host's copy of the target, when the plan trains;
-8. **slurm** — for ``[executor] kind = "slurm"`` with a host (the login node): ``sinfo`` and a probe
+6. **sglang** — for a plan that runs SGLang (a serve stage, ``[target] engine = "sglang"``): the host's SGLang
+   against the tested-versions table (:mod:`pipeline.tested_versions`): untested warns, known broken for what
+   the plan uses or missing refuses;
+7. **disk** — free space at the run directory, refused when below the plan's declared outputs.
+8. **chain** — the EAGLE-3 chain against the host's copy of the target, when the plan trains;
+9. **slurm** — for ``[executor] kind = "slurm"`` with a host (the login node): ``sinfo`` and a probe
    job on a compute node (``python -m pipeline.run.slurm_preflight`` on the login node).
 
 Nothing is started when a check fails; :meth:`PreflightReport.render` lists every check with
@@ -80,9 +83,19 @@ if a.get("verify"):
     try:
         import pipeline.run.ctl, pipeline.run.launcher, pipeline.run.supervisor
         from pipeline.run import plan as plan_mod
-        plan_mod.load(a["plan"], run_dir=root)
+        loaded = plan_mod.load(a["plan"], run_dir=root)
     except Exception as e:
         r["plan_error"] = "%s: %s" % (type(e).__name__, e)
+    else:
+        try:
+            from pipeline import tested_versions as tv
+            uses = sorted(tv.sglang_uses(loaded))
+            if uses:
+                v = tv.classify_sglang(uses)
+                r["sglang"] = {"level": v.level, "detail": v.detail, "uses": uses}
+        except Exception as e:
+            r["sglang"] = {"level": "warn", "detail": "the host's pipeline cannot classify its SGLang (%s: %s)"
+                           % (type(e).__name__, e)}
     errs = {}
     for m in a.get("modules", []):
         try:
@@ -117,12 +130,23 @@ async def _chain(
         )
         return
     for c in doc.get("checks", []):
+        if c["name"] == "sglang":
+            continue  # the probe's sglang line said it already
         if c["name"] == "target" and not c["ok"]:
             rep.add(
                 "chain", True, c["detail"] + " — the deep check is skipped until it is there", warning=True
             )
             return
         rep.add(f"chain: {c['name']}", bool(c["ok"]), c["detail"], warning=bool(c.get("warning")))
+
+
+def _sglang(rep: PreflightReport, sg: dict) -> bool:
+    """The probe's SGLang verdict as the ``sglang`` line: a known-broken release for what the plan uses, or
+    none at all on the host that runs its SGLang stages, refuses; an untested one warns."""
+    level, detail = str(sg.get("level")), str(sg.get("detail"))
+    if level == "absent":
+        return rep.add("sglang", False, f"{detail} — the plan runs SGLang ({', '.join(sg.get('uses', []))})")
+    return rep.add("sglang", level != "refuse", detail, warning=level == "warn")
 
 
 @dataclass
@@ -183,7 +207,7 @@ async def _probe(
 
 async def _write_atomic(sftp: asyncssh.SFTPClient, path: str, data: bytes) -> None:
     tmp = f"{path}.partial-{secrets.token_hex(4)}"
-    async with sftp.open(tmp, "wb") as fh:
+    async with sftp.open(tmp, "wb", attrs=asyncssh.SFTPAttrs(permissions=0o600)) as fh:
         await fh.write(data)
     try:
         await sftp.posix_rename(tmp, path)
@@ -301,7 +325,10 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
         return
     async with conn.sftp() as sftp:
         try:
-            await sftp.makedirs(posixpath.join(root, ".aerie"), exist_ok=True)
+            # 0700 (the run dir, as the supervisor makes it): its logs and events are the operator's
+            await sftp.makedirs(
+                posixpath.join(root, ".aerie"), attrs=asyncssh.SFTPAttrs(permissions=0o700), exist_ok=True
+            )
         except asyncssh.SFTPError as exc:
             rep.add("run dir", False, f"cannot create {root}: {exc.reason}")
             return
@@ -375,7 +402,11 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             + (f", modules {', '.join(modules)} import" if modules else "")
             + ")",
         )
-        # 6. disk
+        # 6. SGLang: the host's release against the tested-versions table (pipeline/tested_versions.py)
+        sg = checked.get("sglang")
+        if sg and not _sglang(rep, sg):
+            return
+        # 7. disk
         declared = sum(s.output_bytes for s in plan.stages)
         free = info.get("free_bytes")
         if free is None:
@@ -393,12 +424,12 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             True,
             f"{_gib(free)} free at {root}" + (f" (stages declare {_gib(declared)})" if declared else ""),
         )
-        # 7. the EAGLE-3 chain, checked on the host against the host's copy of the target
+        # 8. the EAGLE-3 chain, checked on the host against the host's copy of the target
         if any(st.run in EAGLE3_STAGES for st in plan.stages):
             await _chain(rep, conn, python, pythonpath, remote_plan)
             if not rep.ok:
                 return
-        # 8. a Slurm plan: the login node's sinfo and a probe job on a compute node (pipeline.run.slurm_preflight)
+        # 9. a Slurm plan: the login node's sinfo and a probe job on a compute node (pipeline.run.slurm_preflight)
         if ex.kind == "slurm":
             r = await conn.run(
                 remote_python(

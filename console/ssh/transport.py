@@ -82,23 +82,38 @@ class _Agent:
         self.err_reader = loop.create_task(self._read_err())
 
     async def _read(self) -> None:
+        # Answers are split into lines here, not by asyncssh's readline: that gives up on a line longer than
+        # the channel's receive window (2 MiB), and a read answer may be up to READ_BUDGET (16 MiB) of data.
+        buf = bytearray()
+        scanned = 0  # bytes of buf already searched for a newline
         try:
             while True:
-                line = await self.proc.stdout.readline()
-                if not line:
+                data = await self.proc.stdout.read(1 << 20)
+                if not data:
                     break
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    self.stderr_tail.append(line.decode(errors="replace").rstrip())
-                    continue
-                fut = self.pending.pop(msg.get("id"), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+                buf += data
+                while (nl := buf.find(b"\n", scanned)) >= 0:
+                    line = bytes(buf[:nl])
+                    del buf[: nl + 1]
+                    scanned = 0
+                    self._answer(line)
+                scanned = len(buf)
         except (asyncssh.Error, OSError, asyncio.IncompleteReadError):
             pass
         finally:
             self._closed()
+
+    def _answer(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            self.stderr_tail.append(line[:300].decode(errors="replace").rstrip())
+            return
+        fut = self.pending.pop(msg.get("id"), None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
 
     async def _read_err(self) -> None:
         with contextlib.suppress(asyncssh.Error, OSError):

@@ -7,6 +7,13 @@ and the note keeps room. A family with several members (the 10 preps) gets a hea
 aggregate progress and state counts, then its members indented below it. State colours come from
 the app's theme (``App.state_style``), never from this widget.
 
+A family folds to its header row (``z`` on any of its rows, ``Z`` every family): its members that need the
+operator (running, paused, failed, killed, unhealthy — :data:`ATTENTION`) stay listed under it, the rest
+hide. When the rows do not fit the board's room (:attr:`StageBoard.room`, set by the app from the terminal
+height) families fold by themselves — first those with no member needing attention, then all — so at 80×24
+the running and failed stages stay on screen, and the selected row is always scrolled into view. A family
+the operator folded or unfolded keeps that choice; a filter shows every match, folded or not.
+
 It renders through Textual's line API with one cached strip per row, so a board at rest costs
 nothing and a tick repaints only the lines of the rows whose text changed (a DataTable re-renders
 every cell of every row on any update: measured 3x the CPU, see docs/performance.md).
@@ -15,14 +22,12 @@ every cell of every row on any update: measured 3x the CPU, see docs/performance
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
-from textual.events import Click
+from textual.events import Click, Resize
 from textual.geometry import Region, Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
@@ -30,8 +35,23 @@ from textual.strip import Strip
 
 from console import fmt
 from console.model import RunModel, StageView
+from console.widgets.board_cells import (
+    ATTENTION,
+    BAR_NARROW,
+    BAR_WIDE,
+    Cell,
+    _Bar,
+    _bar,
+    _fit,
+    _plain_len,
+    _Row,
+    auto_folds,
+    note_for,
+    server_line,
+)
 from pipeline.run.stage_row import StageState
-from pipeline.serving.sglang_log import ServerStats
+
+__all__ = ["StageBoard", "note_for", "server_line"]
 
 COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA", "Note")
 # Every column but the note is as wide as its widest value (so no value is ever cut); when the note
@@ -39,7 +59,6 @@ COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA"
 # columns go, in this order. The note, a sentence, is abbreviated with "…" at its end.
 DROP_ORDER = ("Rate", "ETA", "Try", "Elapsed", "Done")
 NOTE_MIN = 30
-BAR_WIDE, BAR_NARROW = 12, 6
 GROUP_PREFIX = "group:"
 # A family row shows the state that most needs the operator's eye.
 FAMILY_PRECEDENCE = (
@@ -58,82 +77,6 @@ FAMILY_PRECEDENCE = (
 )
 
 
-class _Bar(str):
-    """A progress cell: the fraction, drawn at the width the board can afford (see :func:`_bar`)."""
-
-    fraction: float | None
-
-    def __new__(cls, fraction: float | None) -> _Bar:
-        obj = super().__new__(cls, _bar(fraction))
-        obj.fraction = fraction
-        return obj
-
-
-Cell = str | Text
-
-
-def server_line(st: StageView) -> str | None:
-    """The inference server's live line (tok/s, running, queued, token usage, accept length)."""
-    m = st.metrics
-    if not st.service or not any(k in m for k in ("gen_throughput", "running_req", "queue_req")):
-        return None
-    stats = ServerStats(
-        gen_throughput=m.get("gen_throughput"),
-        running_req=m.get("running_req"),
-        queue_req=m.get("queue_req"),
-        token_usage=m.get("token_usage"),
-        accept_len=m.get("accept_len"),
-        requests=int(m.get("requests", 0)),
-    )
-    return stats.line()
-
-
-def note_for(st: StageView) -> str:
-    if st.queued:  # "queued: Slurm job 12 pending (Resources)"
-        return st.reason
-    live = server_line(st) if st.state in (StageState.RUNNING, StageState.PAUSED) else None
-    if live:
-        return live
-    if st.state == StageState.SUCCEEDED and "accept_len" in st.metrics:
-        return f"accept len {st.metrics['accept_len']:.2f}"
-    if (
-        st.state in (StageState.PENDING, StageState.FAILED, StageState.KILLED, StageState.UPSTREAM_FAILED)
-        and st.reason
-    ):
-        extra = ""
-        if st.retry_at:
-            extra = f" · auto-retry in {fmt.duration(max(0, st.retry_at - time.time()))}"
-        return st.reason + extra
-    if st.rejects:
-        return f"{st.rejects} rejects"
-    for key in ("loss", "tok_s", "accept_len"):
-        if key in st.metrics:
-            return f"{key} {st.metrics[key]:.4g}"
-    if st.gpus and st.state in (StageState.RUNNING, StageState.PAUSED):
-        return "GPUs " + ",".join(map(str, st.gpus))
-    return ""
-
-
-def _sig(cells: tuple[Cell, ...]) -> tuple:
-    """A hashable signature of a row's content (Rich Text is not hashable)."""
-    return tuple(
-        (c.plain, str(c.style), tuple((sp.start, sp.end, str(sp.style)) for sp in c.spans))
-        if isinstance(c, Text)
-        else c
-        for c in cells
-    )
-
-
-@dataclass
-class _Row:
-    key: str
-    cells: tuple[Cell, ...]
-    sig: tuple = ()
-
-    def __post_init__(self) -> None:
-        self.sig = _sig(self.cells)
-
-
 class StageBoard(ScrollView, can_focus=True):
     """The board. Call :meth:`sync` with the model after each poll."""
 
@@ -144,6 +87,14 @@ class StageBoard(ScrollView, can_focus=True):
         Binding("pagedown", "cursor(10)", show=False, tooltip="ten stages up / down"),
         Binding("home", "cursor_to(0)", show=False, tooltip="first / last stage"),
         Binding("end", "cursor_to(-1)", show=False, tooltip="first / last stage"),
+        Binding(
+            "z",
+            "fold",
+            "Fold",
+            show=False,
+            tooltip="fold / unfold the selected family (its running and failed stages stay listed)",
+        ),
+        Binding("Z", "fold_all", "Fold all", show=False, tooltip="fold / unfold every family"),
     ]
     DEFAULT_CSS = """
     StageBoard { height: 1fr; }
@@ -172,6 +123,11 @@ class StageBoard(ScrollView, can_focus=True):
         self._content_sig: int = 0
         self._width_cache: tuple[tuple, list[int]] = ((), [])
         self._frame_style: Style | None = None  # the widget's own style, looked up once per frame
+        self.empty_note = ""  # shown while there is no stage (the app: what it waits for)
+        self.room = 0  # stage rows the board may show (0: no limit); the app sets it from the terminal
+        self.folds: dict[str, bool] = {}  # families the operator folded (True) or unfolded (False)
+        self.auto_folded: set[str] = set()  # families folded because the rows did not fit the room
+        self._families: list[tuple[str, list[StageView]]] = []
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -194,21 +150,43 @@ class StageBoard(ScrollView, can_focus=True):
         return model.stages.get(key)
 
     # ------------------------------------------------------------------------------ model -> rows
+    def is_folded(self, fam: str) -> bool:
+        """Whether ``fam`` shows only its header and its members needing attention."""
+        if self.filter_text:
+            return False  # a filter lists every match
+        return self.folds.get(fam, fam in self.auto_folded)
+
+    def _auto_fold(self, families: list[tuple[str, list[StageView]]]) -> None:
+        self.auto_folded = set() if self.filter_text else auto_folds(families, self.folds, self.room)
+
     def _visible(self, model: RunModel) -> list[tuple[str, StageView | None, list[StageView]]]:
         rows: list[tuple[str, StageView | None, list[StageView]]] = []
         self._last_members = set()
         f = self.filter_text.lower()
-        for fam, members in model.families():
+        self._families = model.families()
+        self._auto_fold(self._families)
+        for fam, members in self._families:
             shown = [m for m in members if not f or f in m.id.lower() or f in m.display_state]
             if not shown:
                 continue
             if len(members) > 1:
-                rows.append((GROUP_PREFIX + fam, None, shown))
+                rows.append((GROUP_PREFIX + fam, None, members if self.is_folded(fam) else shown))
+                if self.is_folded(fam):
+                    shown = [m for m in shown if m.display_state in ATTENTION]
                 rows.extend((m.id, m, []) for m in shown)
-                self._last_members.add(shown[-1].id)
+                if shown:
+                    self._last_members.add(shown[-1].id)
             else:
                 rows.append((shown[0].id, shown[0], []))
         return rows
+
+    def family_of(self, key: str | None) -> str | None:
+        """The family of a row (a family header's, or a member's of a family of several)."""
+        if key is None:
+            return None
+        if key.startswith(GROUP_PREFIX):
+            return key[len(GROUP_PREFIX) :]
+        return next((fam for fam, ms in self._families if len(ms) > 1 and any(m.id == key for m in ms)), None)
 
     def sync(self, model: RunModel) -> None:
         now = time.time()
@@ -227,11 +205,14 @@ class StageBoard(ScrollView, can_focus=True):
         columns_changed = (self._widths(width), self._bar_w) != before  # then every line moves
         if structure_changed:
             self.virtual_size = Size(self.size.width, len(new) + 1)
-            self.cursor_row = (
-                self._index.get(selected, min(self.cursor_row, max(0, len(new) - 1))) if selected else 0
-            )
+            row = self._index.get(selected) if selected else 0
+            if row is None:  # folded away: its family's row, else where the cursor was
+                fam = self.family_of(selected)
+                row = self._index.get(GROUP_PREFIX + fam if fam else "", min(self.cursor_row, len(new) - 1))
+            self.cursor_row = max(0, row)
             if self.selected_key != selected:
                 self.post_message(self.Highlighted(self.selected_key))
+            self.scroll_to_cursor()
         if structure_changed or columns_changed:
             self.refresh()
             return
@@ -273,7 +254,7 @@ class StageBoard(ScrollView, can_focus=True):
             elapsed = max(e for _, e in spans) - min(b for b, _ in spans) if spans else None
             overall = next((s for s in FAMILY_PRECEDENCE if s in counts), "pending")
             return (
-                Text(f"▾ {fam} ({len(members)})", style="bold"),
+                Text(f"{'▸' if self.is_folded(fam) else '▾'} {fam} ({len(members)})", style="bold"),
                 Text(overall, style=self._style(overall)),
                 "",
                 fmt.duration(elapsed),
@@ -380,6 +361,8 @@ class StageBoard(ScrollView, can_focus=True):
         idx = y - 1 + int(self.scroll_offset.y)
         base = self._frame_style or self.rich_style
         if idx >= len(self._rows):
+            if idx == 0 and self.empty_note:  # no stage yet: what the console waits for, and why
+                return Strip([Segment(_fit(self.empty_note, width), base)]).crop_extend(0, width, base)
             return Strip.blank(width, base)
         row = self._rows[idx]
         selected = idx == self.cursor_row
@@ -405,11 +388,41 @@ class StageBoard(ScrollView, can_focus=True):
             self.cursor_row = row
             self.refresh()
             self.post_message(self.Highlighted(self.selected_key))
+        self.scroll_to_cursor()
+
+    def scroll_to_cursor(self) -> None:
+        """Scroll so that the selected row is on screen (under the column header)."""
+        row = self.cursor_row
         height = max(1, self.size.height - 1)
         if row < self.scroll_offset.y:
             self.scroll_to(y=row, animate=False)
         elif row >= self.scroll_offset.y + height:
             self.scroll_to(y=row - height + 1, animate=False)
+
+    def on_resize(self, _event: Resize) -> None:
+        self.call_after_refresh(self.scroll_to_cursor)  # once the new height is laid out
+
+    def _refold(self) -> None:
+        """Rebuild the rows after a fold changed (the app's next poll would too; the operator sees it now)."""
+        model = getattr(self.app, "model", None)
+        if model is not None:
+            self.sync(model)
+
+    def action_fold(self) -> None:
+        """Fold or unfold the selected row's family."""
+        fam = self.family_of(self.selected_key)
+        if fam is None:
+            self.notify("a single stage: nothing to fold (z folds a family such as prep)", severity="warning")
+            return
+        self.folds[fam] = not self.is_folded(fam)
+        self._refold()
+
+    def action_fold_all(self) -> None:
+        """Fold every family, or unfold every family when all are folded."""
+        groups = [fam for fam, ms in self._families if len(ms) > 1]
+        fold = not all(self.is_folded(fam) for fam in groups)
+        self.folds = dict.fromkeys(groups, fold)
+        self._refold()
 
     def action_cursor(self, delta: int) -> None:
         self._move_to(self.cursor_row + delta)
@@ -423,6 +436,10 @@ class StageBoard(ScrollView, can_focus=True):
     def select_key(self, key: str) -> bool:
         """Put the cursor on the row of ``key``; False if it has none (unknown, or filtered out)."""
         row = self._index.get(key)
+        if row is None and (fam := self.family_of(key)) is not None and self.is_folded(fam):
+            self.folds[fam] = False  # folded away: unfold its family to show it
+            self._refold()
+            row = self._index.get(key)
         if row is None:
             return False
         self._move_to(row)
@@ -431,20 +448,3 @@ class StageBoard(ScrollView, can_focus=True):
     def on_click(self, event: Click) -> None:
         if event.y >= 1:
             self._move_to(int(self.scroll_offset.y) + event.y - 1)
-
-
-def _bar(frac: float | None, width: int = BAR_WIDE) -> str:
-    if frac is None:
-        return ""
-    return f"{fmt.bar(frac, width)} {frac * 100:3.0f}%"
-
-
-def _fit(s: str, w: int) -> str:
-    """``s`` in ``w`` cells as Rich would lay the cell out: cut to ``w - 1`` cells with "…", then padded."""
-    if cell_len(s) > w - 1:
-        s = set_cell_size(s, w - 2) + "…"
-    return s + " " * (w - cell_len(s))
-
-
-def _plain_len(cell: Cell) -> int:
-    return cell.cell_len if isinstance(cell, Text) else len(cell)

@@ -15,12 +15,56 @@ import time
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.events import Resize
+from textual.geometry import Size
+from textual.widget import Widget
 from textual.widgets import Log, Static
 
 from console import fmt
 from console.model import StageView, describe_event
 from console.widgets.board import server_line
 from console.widgets.curves import CurvePlot, mini_curves
+
+
+class EventTail(Widget):
+    """The stage's last events, as many as fit: the newest at the bottom, whatever height the pane gets (the
+    lines are wrapped and cut at draw time, so a pane that grows shows more and the latest is never cut)."""
+
+    MAX = 50
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.lines: list[Text] = []
+
+    def set_lines(self, lines: list[Text]) -> None:
+        grew = len(lines) != len(self.lines)
+        self.lines = lines[-self.MAX :]
+        self.refresh(layout=grew)  # its auto height (a narrow pane) follows the count
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(self.lines)
+
+    def render(self) -> Text:
+        h, w = self.size.height, self.size.width
+        if not self.lines or h <= 0 or w <= 0:
+            return Text("")
+        wrapped = Text("\n").join(self.lines).wrap(self.app.console, w)
+        return Text("\n").join(list(wrapped)[-h:])
+
+
+class TailLog(Log):
+    """The log tail: while it shows the end (the latest lines, a traceback) it keeps showing it when the pane
+    is laid out again (the first layout after a stage is selected, a resize); scrolled up, it stays put."""
+
+    follow = True
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        self.follow = self.is_vertical_scroll_end
+
+    def on_resize(self, _event: Resize) -> None:
+        if self.follow:
+            self.call_after_refresh(self.scroll_end, animate=False, x_axis=False)
 
 
 class StageDetail(Horizontal):
@@ -46,10 +90,10 @@ class StageDetail(Horizontal):
     def compose(self) -> ComposeResult:
         with Vertical(id="info"):
             yield Static("Select a stage", id="facts")
-            yield Static("", id="events")
+            yield EventTail(id="events")
             yield CurvePlot(id="plot-in")
         yield CurvePlot(id="plot-col")
-        yield Log(max_lines=1000, auto_scroll=True, id="stage-log")
+        yield TailLog(max_lines=1000, auto_scroll=True, id="stage-log")
 
     def _plot(self, st: StageView) -> None:
         """The compact loss / acc_0 plot, where the width puts it (or none for a stage without a loss)."""
@@ -87,7 +131,7 @@ class StageDetail(Horizontal):
         if st is None:
             self._drawn.clear()
             facts.update("Select a stage (↑/↓)")
-            self.query_one("#events", Static).update("")
+            self.query_one(EventTail).set_lines([])
             for plot in self.query(CurvePlot):
                 plot.display = False
             self.query_one("#events").display = True
@@ -130,16 +174,21 @@ class StageDetail(Horizontal):
             facts.update(t, layout=lines_now != self._facts_lines)
         self._facts_lines = lines_now
         self._plot(st)
-        evs = [ev for ev in st.events if ev.type != "progress"][-6:]
-        lines = Text()
-        for ev in evs:
-            stamp = time.strftime("%H:%M:%S", time.localtime(ev.t))
-            lvl = ev.get("level")
-            lines.append(f"{stamp} {describe_event(ev)}\n", style=style("failed") if lvl == "error" else "")
-        if self._changed("events", lines):
-            self.query_one("#events", Static).update(lines, layout=False)
-        log = self.query_one(Log)
+        evs = [ev for ev in st.events if ev.type != "progress"][-EventTail.MAX :]
+        lines = [
+            Text(
+                f"{time.strftime('%H:%M:%S', time.localtime(ev.t))} {describe_event(ev)}",
+                style=style("failed") if ev.get("level") == "error" else "",
+            )
+            for ev in evs
+        ]
+        if self._changed("events", Text("\n").join(lines)):
+            self.query_one(EventTail).set_lines(lines)
+        log = self.query_one(TailLog)
         fresh = st.log_total - self._log_count
         if fresh > 0:
             log.write_lines(list(st.log)[-min(fresh, len(st.log)) :])
+            if self._log_count == 0:  # a stage just selected: its tail (the traceback) in view once laid out
+                log.follow = True
+                self.call_after_refresh(log.scroll_end, animate=False, x_axis=False)
         self._log_count = st.log_total

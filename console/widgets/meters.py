@@ -65,6 +65,24 @@ def short_gpu_name(name: str) -> str:
     return name
 
 
+def gpu_summary(gpus: list[GpuView]) -> str:
+    """Every GPU in a few words (the meters of a tiny terminal): mean and lowest utilisation, memory, hottest."""
+    utils = [g.util for g in gpus if g.util is not None]
+    used = sum(g.mem_used or 0 for g in gpus)
+    total = sum(g.mem_total or 0 for g in gpus)
+    temps = [g.temp_c for g in gpus if g.temp_c is not None]
+    out = []
+    if utils:
+        out.append(f"util {sum(utils) / len(utils):.0f}% (min {min(utils):.0f}%)")
+    if total:
+        out.append(f"mem {used / (1 << 30):.0f}/{total / (1 << 30):.0f}G")
+    if temps:
+        out.append(f"max {max(temps):.0f}°C")
+    if any(g.has_foreign or g.ecc_uncorrected or g.xid_total for g in gpus):
+        out.append("! see the GPUs (taller terminal)")
+    return " · ".join(out) or "no GPU reading yet"
+
+
 class MeterLine(Widget):
     """A one-line meter rendered as styled text; the styles are theme-driven component classes."""
 
@@ -197,10 +215,11 @@ class DiskMeter(MeterLine):
             "error" if level == "error" else ("warning" if level == "warning" else "bar"),
             width=6 if narrow else BAR_W,
         )
-        t.append(f" {100 * frac:>3.0f}%  " if frac is not None else "   —  ")
+        t.append(f" {100 * frac:>3.0f}%" if frac is not None else "   —")
+        where = d.where if len(d.where) <= 32 else "…" + d.where[-31:]
+        t.append(f" {where}  ", self.st("muted"))  # which filesystem: the projection line names the same
         style = self.st(level) if level != "ok" else ""
         self.fit(t, [(("" if i == 0 else " · ") + p, style) for i, p in enumerate(parts)])
-        self.fit(t, [(f"  {d.path}", self.st("muted"))])
         return t
 
 
@@ -339,6 +358,7 @@ class MetersPanel(Vertical):
         self._seen = -1
         self._title_text = ""
         self._ticker: Timer | None = None
+        self.tiny = False
 
     def compose(self) -> ComposeResult:
         yield Static("", classes="meters-title")
@@ -377,6 +397,8 @@ class MetersPanel(Vertical):
         n = len(m.gpus)
         host = m.meta.get("host")
         parts = [f"telemetry{' · ' + str(host) if host else ''} · {n} GPU{'s' if n != 1 else ''}"]
+        if self.tiny and n:
+            parts.append(gpu_summary(m.gpu_rows()))
         stale = m.stale(now)
         if stale:
             parts.append(f"last sample {duration(m.age_s(now))} ago")
@@ -387,11 +409,15 @@ class MetersPanel(Vertical):
             title.update(text, layout=False)
         title.set_class(stale, "-stale")
 
-    def set_compact(self, compact: bool) -> None:
-        """GPUs as a grid of cells (short terminals) or a row each."""
+    def set_compact(self, compact: bool, tiny: bool = False) -> None:
+        """GPUs as a grid of cells (short terminals) or a row each; ``tiny`` (under 30 rows): no GPU lines and
+        no host line, the GPUs summed up in the title, so the board keeps its rows (80x24)."""
         panel = self.query_one(GpuPanel)
-        if panel.compact != compact:
+        if panel.compact != compact or self.tiny != tiny:
             panel.compact = compact
+            self.tiny = tiny
+            panel.display = not tiny
+            self.query_one(HostMeter).display = not tiny
             self.sync()
 
     def sync(self) -> None:

@@ -174,8 +174,16 @@ def load_tokenizer(
 ) -> Any:  # a transformers tokenizer (imported lazily)
     from transformers import AutoTokenizer
 
+    from pipeline.data import split_pattern
+
+    path = resolve(model)
     with explained(model, trust_remote_code):
-        return AutoTokenizer.from_pretrained(resolve(model), trust_remote_code=trust_remote_code, **kw)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kw)
+    if Path(
+        path
+    ).is_dir():  # a tiktoken checkpoint splits text with its own pattern, not transformers' generic one
+        split_pattern.apply(tok, path)
+    return tok
 
 
 def model_config(model: str, *, trust_remote_code: bool = False) -> Any:

@@ -1,7 +1,8 @@
 """The deep plan check: what the EAGLE-3 stages will do with this plan's target, before hours are spent.
 
 ``python -m pipeline.eagle3.chain_check PLAN [--json]`` (run by ``aerie plan check --deep`` and by
-``aerie preflight`` on the host). Reads the target's ``config.json`` and tokenizer from a local
+``aerie preflight`` on the host). A plan that runs SGLang also gets the installed SGLang against the
+tested-versions table (``sglang``: :mod:`pipeline.tested_versions`). Reads the target's ``config.json`` and tokenizer from a local
 folder or the local Hugging Face cache — never a download — builds the model on the meta device
 (no memory, no weights) and checks the chain: the architecture is one Aerie can capture, the aux
 layers are in range, the draft config it will build, the draft vocabulary fits the target's, the
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import tested_versions
+from pipeline.eagle3 import serving_checks
 from pipeline.eagle3.bench_fit import check_offline_bench
+from pipeline.eagle3.provenance import local_model_dir
 from pipeline.run import plan as plan_mod
 from pipeline.run.checks import CheckReport
 
@@ -41,24 +44,6 @@ class Report(CheckReport):
     def render(self) -> str:
         tail = "ok: the chain can run" if self.ok else "not ok: fix the FAIL lines above"
         return "\n".join([*self.lines(), tail])
-
-
-def local_model_dir(model: str) -> Path | None:
-    """The folder holding the target's files: a local path, a built-in model, or the local HF cache."""
-    from pipeline.data import model_assets
-
-    if model.startswith(model_assets.BUILTIN_PREFIX):
-        return Path(model_assets.resolve(model))
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        hit = try_to_load_from_cache(model, "config.json")
-    except Exception:  # noqa: BLE001 - an odd cache means "not found", reported below
-        hit = None
-    return Path(hit).parent if isinstance(hit, str) else None
 
 
 def _alternatives(sg: Any, act: int, training: int, tp: int, gpu_gb: float | None, tf: Any = None) -> str:
@@ -94,6 +79,8 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
     Never raises: whatever a malformed target makes fail is a FAIL line naming the plan and the config file
     (:mod:`pipeline.eagle3.target_config_check` names the field for every malformation it knows)."""
     rep = Report.of(str(plan.path))
+    serving_checks.sglang_line(plan, rep)
+    serving_checks.draft_line(plan, rep)
     try:
         _check(plan, free_bytes, rep)
     except Exception as exc:  # noqa: BLE001 - the report is the answer, never a traceback
@@ -234,11 +221,18 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
 
     ct: Any = None
     try:
+        from pipeline.data import split_pattern
         from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
 
         tok = load_hf_tokenizer(str(folder), trust_remote_code=trc)
-        for problem in tokenizer_problems(cfg_file, text_prefix, vocab, tok):
+        problems = tokenizer_problems(cfg_file, text_prefix, vocab, tok)
+        for problem in problems:
             rep.add("tokenizer", False, f"{where}: target.model: {problem}")
+        if (
+            not problems
+        ):  # which tokenizer, and how it cuts text (Kimi: its own split pattern, read from its code)
+            said, warn = split_pattern.describe(tok)
+            rep.add("tokenizer", True, said, warning=warn)
         ct = ChatTokenizer(tok, plan.target.row_length, tokenizer_id=model)
         conv = [
             {"role": "user", "content": "What is 2 + 2?"},

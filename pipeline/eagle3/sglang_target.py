@@ -20,11 +20,10 @@ the mapping of SGLang's packed output onto the padded batch is :mod:`pipeline.ea
 greedy next token is computed inside the forward, in chunks, through SGLang's own LM-head path (vocabulary
 parallel: gathered across ranks), so logits for every token never exist at once.
 
-Differences between the SGLang releases (0.5.14 on the lent H200, 0.5.23 in CI's parser install): 0.5.23's
-``ModelRunner`` no longer takes ``tp_rank``/``tp_size``/``pp_*``/``moe_ep_*`` (it reads them elsewhere) and
-``ServerArgs`` became a ``msgspec.Struct``; :func:`runner_kwargs` passes only what the installed signature
-names and fails naming a required parameter it cannot fill. The batch construction (``Req``,
-``ScheduleBatch.init_new``, ``prepare_for_extend``) is written against 0.5.14, the release that runs it.
+Releases (``pipeline/tested_versions.py``): the batch construction (``Req``, ``ScheduleBatch.init_new``,
+``prepare_for_extend``) is written against 0.5.14, the GPU lock's, which ran it; 0.5.23 changed it (known broken
+for capture). ``ModelRunner``'s rank parameters and ``ServerArgs``' type differ too: :func:`runner_kwargs` passes
+only what the installed signature names. ``tests/test_sglang_api.py`` checks every name used here in each release.
 """
 
 from __future__ import annotations
@@ -93,6 +92,11 @@ def server_args_fields(cls: Any) -> set[str]:
     return set(getattr(cls, "__struct_fields__", ()))
 
 
+# Every ModelRunner keyword Aerie knows how to fill (0.5.14 takes them all; 0.5.23 dropped the rank ones).
+RUNNER_PARAMS = ("model_config", "mem_fraction_static", "gpu_id", "tp_rank", "tp_size", "moe_ep_rank",
+                 "moe_ep_size", "pp_rank", "pp_size", "nccl_port", "server_args", "is_draft_worker")  # fmt: skip
+
+
 def runner_kwargs(
     spec: RunnerSpec, server_args: Any, model_config: Any, params: Iterable[str], required: Iterable[str]
 ) -> dict[str, Any]:
@@ -112,6 +116,7 @@ def runner_kwargs(
         "server_args": server_args,
         "is_draft_worker": False,
     }
+    assert tuple(every) == RUNNER_PARAMS
     names = set(params)
     missing = sorted(set(required) - every.keys())
     if missing:
@@ -322,8 +327,8 @@ def load_sglang_target(
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:
         raise TargetError(
-            f'target.engine = "sglang" but SGLang cannot be imported here ({exc}); install the gpu extra '
-            '(sglang) or set target.engine = "transformers"'
+            f'target.engine = "sglang" but SGLang cannot be imported here ({exc}); install the GPU stack '
+            "(pip install -c constraints-gpu.txt '.[pipeline,gpu]') or set target.engine = \"transformers\""
         ) from None
     import inspect
 

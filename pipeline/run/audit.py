@@ -21,6 +21,11 @@ only when it differs from ``who``. Lines are appended with one ``write`` to the 
 interleave and a line that was reported written survives a crash or a power cut. A crash *during* a
 write can leave a torn last line: readers skip it and report it, and the next append starts on a new
 line, so it never corrupts the entry after it. Standard library only (the console reads it too).
+
+The file is 0600. Past 16 MiB (:mod:`pipeline.run.growth`; ~60,000 entries) the appender that passed
+the limit renames it to ``audit.1.jsonl`` (older ones shift to ``.2`` … ``.4``, the oldest is dropped),
+holding an exclusive ``flock`` on it as every appender does, so no entry lands in a generation after it
+was renamed. :func:`read_tail` and the console's audit view read the newest entries across that boundary.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.run import growth
 from pipeline.run.files import append_line, fsync_dir
 
 AUDIT_FILE = "audit.jsonl"
@@ -89,17 +95,25 @@ def entry(
 
 
 def append(run_root: Path | str, rec: dict[str, Any]) -> None:
-    """Append one entry to ``RUN/audit.jsonl``: one ``write``, then fsync (see the module docstring)."""
+    """Append one entry to ``RUN/audit.jsonl``: one ``write``, then fsync (see the module docstring);
+    rotate it when it passed its limit."""
     path = Path(run_root) / AUDIT_FILE
     data = json.dumps(rec, ensure_ascii=True) + "\n"
     created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = growth.open_locked(path, os.O_RDWR | os.O_APPEND)  # 0600; no rotation until we close it
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = "\n" + data  # a torn last line (a crash mid-write): ours starts on a line of its own
         append_line(fd, data.encode())
         os.fsync(fd)
+        limit = growth.limit("audit")
+        if limit and os.fstat(fd).st_size >= limit:
+            try:
+                growth.rotate_file(path, growth.keep("audit"))
+                created = True
+            except OSError:
+                pass  # the entry is written; the rotation is tried again by the next append
     finally:
         os.close(fd)
     if created:
@@ -221,11 +235,33 @@ def _clip(raw: bytes, n: int = 80) -> str:
 
 
 def read_tail(run_root: Path | str, n: int = 10, max_bytes: int = TAIL_BYTES) -> tuple[AuditRead, int]:
-    """The last ``n`` entries of ``RUN/audit.jsonl`` (reading at most ``max_bytes`` of its end) and how
-    many lines the file holds in all. No file: nothing, 0."""
+    """The last ``n`` entries of ``RUN/audit.jsonl`` and its rotated generations (reading at most
+    ``max_bytes`` of each one's end) and how many lines they hold in all. No file: nothing, 0."""
     path = Path(run_root) / AUDIT_FILE
-    if not path.exists():
-        return AuditRead(), 0
+    out, total = AuditRead(), 0
+    for p in [path, *growth.generations(path, growth.keep("audit"))]:
+        try:
+            if len(out.entries) < n:
+                read, lines = _file_tail(p, max_bytes)
+                out.entries[:0] = read.entries
+                out.problems[:0] = read.problems
+                out.lines += read.lines
+            else:
+                lines = _count_lines(p)
+        except FileNotFoundError:
+            continue
+        total += lines
+    out.entries = out.entries[-n:] if n else []
+    return out, total
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as fh:
+        return sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 20), b""))
+
+
+def _file_tail(path: Path, max_bytes: int) -> tuple[AuditRead, int]:
+    """The entries of the last ``max_bytes`` of one file, and how many lines it holds."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         start = max(0, size - max_bytes)
@@ -243,9 +279,7 @@ def read_tail(run_root: Path | str, n: int = 10, max_bytes: int = TAIL_BYTES) ->
                 left -= len(block)
         fh.seek(start)
         read = parse(fh.read(size - start), first_line=head_lines + 1, where=str(path))
-    total = head_lines + read.lines
-    read.entries = read.entries[-n:] if n else []
-    return read, total
+    return read, head_lines + read.lines
 
 
 def status_section(run_root: Path | str, n: int = 10) -> dict[str, Any]:

@@ -236,6 +236,25 @@ def disk_free(path: Path) -> tuple[int, int, int]:
     return total, used, st.f_bavail * st.f_frsize
 
 
+def mount_of(path: Path) -> str:
+    """The filesystem holding ``path``, named as an operator reads it: its mount point, and the device or
+    source mounted there when ``/proc/self/mounts`` says (``/data (/dev/nvme1n1)``). The disk meter and
+    the run projection both name it, so two figures about "the disk" are seen to be about the same one."""
+    p = os.path.realpath(path)
+    while not os.path.ismount(p) and p != os.path.dirname(p):
+        p = os.path.dirname(p)
+    source = ""
+    try:
+        with open("/proc/self/mounts") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) > 1 and fields[1].replace("\\040", " ") == p:
+                    source = fields[0]  # the last mount at a point is the one in effect
+    except OSError:
+        pass
+    return f"{p} ({source})" if source and source.startswith("/") else p
+
+
 def reserve_bytes(plan: Plan) -> int:
     return int(plan.resources.disk_reserve_gb * GB)
 

@@ -5,7 +5,10 @@ subprocess, or through the SSH connection on the container). It validates the st
 request in the run dir, makes sure a supervisor is running, and waits for the supervisor's answer.
 
 Actions: ``status`` (prints state.json, with the run's ``projection``: :mod:`pipeline.run.run_projection`,
-and the audit log's last entries), ``ensure`` (start a supervisor if none holds the lock),
+the audit log's last entries and the supervisor's ``liveness``: :mod:`pipeline.run.liveness`; a corrupt
+state.json gives rows from the stages' own files and an ``error`` line, :mod:`pipeline.run.state_file`),
+``liveness`` (that report alone, as JSON; starts nothing: what a read-only watcher asks), ``ensure`` (start a
+supervisor if none holds the lock; one line, or with ``--json`` the liveness report and ``started``),
 ``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
 admission checks: disk budget, GPU guard; recorded in the stage's events).
 
@@ -15,7 +18,9 @@ the account running this); the supervisor records the outcome when it acts, this
 refused before it was queued and one that timed out.
 
 Exit codes: 0 done; 2 usage error, unknown run or unknown stage; 3 refused by the supervisor
-(e.g. pausing a stage that is not running); 4 no answer from the supervisor in time.
+(e.g. pausing a stage that is not running); 4 no answer from the supervisor in time; 5 the run directory
+could not be read or written here (e.g. it is read-only: the request was not queued). Every error is one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,14 +30,17 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from pipeline.run import audit
+from pipeline.run.liveness import liveness
 from pipeline.run.run_projection import run_projection
 from pipeline.run.run_setup import spawn_detached, supervisor_alive
 from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.state_file import read_state
 
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 2, 3, 4
-ACTIONS = ("status", "ensure", "pause", "resume", "kill", "retry", "skip", "force")
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT, EXIT_HOST = 0, 2, 3, 4, 5
+ACTIONS = ("status", "liveness", "ensure", "pause", "resume", "kill", "retry", "skip", "force")
 
 
 def ensure_supervisor(run: RunDir) -> bool:
@@ -41,6 +49,20 @@ def ensure_supervisor(run: RunDir) -> bool:
         return False
     spawn_detached(run.root)
     return True
+
+
+def ensure_report(run: RunDir) -> dict[str, Any]:
+    """``ensure``: the liveness report before, and whether a supervisor was started (the dead one's
+    successor; a silent one holds its lock, so none is started beside it)."""
+    rep = liveness(run, read_state(run)[0])
+    rep["started"] = ensure_supervisor(run) if rep["verdict"] in ("dead", "finished") else False
+    if rep["started"]:
+        rep["line"] = f"supervisor started; the last one: {rep['text']}"
+    elif rep["verdict"] in ("dead", "finished"):  # another came up between the two looks
+        rep["line"] = "supervisor already running"
+    else:
+        rep["line"] = f"supervisor already running ({rep['text']})"
+    return rep
 
 
 RESPAWN_S = 3.0  # while a request waits, how often to check that some supervisor will answer it
@@ -67,19 +89,33 @@ def request(
                 ensure_supervisor(run)
             recheck = time.monotonic() + RESPAWN_S
         time.sleep(0.05)
+    live = liveness(run, read_state(run)[0])
     return (
         EXIT_TIMEOUT,
-        f"no answer from the supervisor of {run.root} within {timeout_s:g}s (request left queued)",
+        f"no answer from the supervisor of {run.root} within {timeout_s:g}s (request left queued): {live['text']}",
     )
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except OSError as exc:  # the run dir cannot be written or read here: one line, never a traceback
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: cannot use the run directory: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_HOST
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a damaged run file
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_HOST
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.run.ctl")
     ap.add_argument("run", type=Path)
     ap.add_argument("action", choices=ACTIONS)
     ap.add_argument("stage", nargs="?")
     ap.add_argument("--fresh", action="store_true", help="retry: clear the stage's outputs first")
     ap.add_argument("--timeout", type=float, default=15.0)
+    ap.add_argument("--json", action="store_true", help="ensure: print the liveness report as JSON")
     ap.add_argument(
         "--via",
         choices=audit.FRONT_ENDS,
@@ -95,15 +131,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {run.root}: no such run (no plan.toml / stages/ there)", file=sys.stderr)
         return EXIT_USAGE
     if args.action == "status":
-        state = read_json(run.state_path) or {"stages": []}
-        state["supervisor_alive"] = supervisor_alive(run)
-        state["projection"] = run_projection(run, state, time.time())
+        state, problem = read_state(run)  # a corrupt state.json: rows from the stages' files and an "error"
+        state["liveness"] = liveness(run, state)
+        state["supervisor_alive"] = state["liveness"]["lock_held"]
+        state["projection"] = (
+            {"error": "state.json unreadable"} if problem else run_projection(run, state, time.time())
+        )
         state["audit"] = audit.status_section(run.root)
         print(json.dumps(state))
         return EXIT_OK
+    if args.action == "liveness":
+        print(json.dumps(liveness(run, read_state(run)[0])))
+        return EXIT_OK
     if args.action == "ensure":
-        started = ensure_supervisor(run)
-        print("supervisor started" if started else "supervisor already running")
+        rep = ensure_report(run)
+        print(json.dumps(rep) if args.json else rep["line"])
         return EXIT_OK
     if not args.stage:
         print(f"error: {args.action} needs a stage id", file=sys.stderr)

@@ -4,7 +4,8 @@ The supervisor decides *what* happens (which stage starts, when a pause becomes 
 becomes a hard kill); an :class:`Executor` carries it out for one kind of place an attempt runs:
 
 * :class:`pipeline.run.local_exec.LocalProcesses` — a launcher process group on this host (``[executor]
-  kind = "local"``): signals to the group Aerie started and recorded;
+  kind = "local"``): signals to the group Aerie started and recorded, and to the processes carrying
+  the attempt's token that left it;
 * :class:`pipeline.run.slurm_jobs.SlurmJobs` — a Slurm job per attempt (``kind = "slurm"``): ``scancel``,
   ``scontrol suspend``/``resume``, the job's state from ``squeue``/``sacct``.
 
@@ -54,6 +55,11 @@ class Executor(Protocol):
 
     def poll(self) -> None:
         """Housekeeping once a tick (reap finished children, re-send what could not be sent before)."""
+
+    def survivors(self, sid: str) -> str | None:
+        """What still runs of the stage's last started attempt, for the operator (its processes, its job);
+        None when nothing does. The supervisor starts no attempt, and retries or skips none, while it says
+        something: a stage never runs twice."""
 
 
 def make_executor(

@@ -9,7 +9,13 @@ The one place these are done (standard library only), for the run machinery and 
 * :func:`swap_dir` — a finished directory (a checkpoint, the best draft) replaces the old one;
 * :func:`append_line` — one whole line appended to an ``O_APPEND`` file with a single ``write``, or
   nothing (a write cut short by a full disk is rolled back);
-* :func:`sha256_file` — a file's sha256, read in 1 MiB blocks.
+* :func:`sha256_file` — a file's sha256, read in 1 MiB blocks;
+* :func:`private_dir` / :func:`open_private` — every directory and file Aerie creates in a run directory
+  is 0700/0600 whatever the umask: the mode is passed to ``mkdir``/``open`` *and* set again with
+  ``chmod``/``fchmod`` after (a umask can only remove bits, and a file left by an older version or a
+  looser umask is tightened when opened again). Logs, events and the audit trail hold prompts, paths
+  and who did what: on a shared login node they are nobody else's business (Jupyter's runtime files,
+  ``~/.ssh``). :func:`write_atomic`'s temp file is ``mkstemp``'s, 0600 already.
 """
 
 from __future__ import annotations
@@ -21,7 +27,52 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+
+
+def private_dir(path: Path | str) -> Path:
+    """Create ``path`` (and any missing parent) as 0700 whatever the umask; an existing one is left as is."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    if path.parent != path:
+        private_dir(path.parent)
+    try:
+        os.mkdir(path, PRIVATE_DIR)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        return path
+    os.chmod(path, PRIVATE_DIR)  # the umask may have removed bits we asked for; it never adds any
+    return path
+
+
+def tighten(fd: int, mode: int = PRIVATE_FILE) -> None:
+    """``fchmod`` an open file of ours to ``mode`` when it allows more (group/other bits)."""
+    st = os.fstat(fd)
+    if st.st_mode & 0o777 != mode and st.st_uid == os.geteuid():
+        with contextlib.suppress(OSError):  # a filesystem without modes (some FUSE, vfat): nothing to do
+            os.fchmod(fd, mode)
+
+
+def open_private(path: Path | str, flags: int, mode: int = PRIVATE_FILE) -> int:
+    """``os.open(path, flags | O_CREAT, mode)``, then :func:`tighten`: a file only its owner can read."""
+    fd = os.open(path, flags | os.O_CREAT, mode)
+    try:
+        tighten(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_private_append(path: Path | str, text: bool = False) -> IO[Any]:
+    """A private file opened for appending (``"ab"``, or line-buffered ``"a"`` with ``text``)."""
+    fd = open_private(path, os.O_WRONLY | os.O_APPEND)
+    return os.fdopen(fd, "a", buffering=1) if text else os.fdopen(fd, "ab")
 
 
 def fsync_dir(path: Path) -> None:
@@ -46,7 +97,7 @@ def publish(tmp: Path, path: Path, sync_dir: bool = False) -> None:
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write ``data`` to ``path`` so readers see the old or the new file, never a torn one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     raw = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
@@ -65,14 +116,24 @@ def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
+class CorruptFileError(ValueError):
+    """A state file that is not valid JSON (or not text); ``path`` names it, ``detail`` says what is wrong."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(f"{path}: corrupt state file: {detail}")
+        self.path = Path(path)
+        self.detail = detail
+
+
 def read_json(path: Path, default: Any = None) -> Any:
-    """The JSON in ``path``; ``default`` when there is no such file; a corrupt file is an error naming it."""
+    """The JSON in ``path``; ``default`` when there is no such file; a corrupt file is a
+    :class:`CorruptFileError` (a ``ValueError``) naming it."""
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         return default
-    except ValueError as exc:
-        raise ValueError(f"{path}: corrupt state file: {exc}") from None
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise CorruptFileError(Path(path), str(exc)) from None
 
 
 def swap_dir(tmp: Path, final: Path) -> None:

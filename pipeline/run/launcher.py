@@ -3,16 +3,21 @@
 The supervisor starts this in a new session (so it leads a fresh process group), detached, with
 stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
 
-1. records its pid, pgid and kernel start time in ``proc.json`` (atomically),
+1. records its pid, pgid, kernel start time and a random attempt token in ``proc.json`` (atomically),
+   before the stage starts, so every process of the attempt can be found from that record,
 2. writes the ``started`` event and a banner line in the log,
 3. runs the stage (a built-in ``python -m pipeline.X`` or the operator's ``/bin/sh -c`` command)
-   as a child in the same process group, with the ``AERIE_*`` environment,
+   as a child in the same process group, with the ``AERIE_*`` environment; ``AERIE_ATTEMPT_TOKEN``
+   marks each process the stage starts, including one that leaves the group
+   (:func:`pipeline.run.procs.attempt_members`),
 4. writes ``exit.json`` and the ``finished`` event when the child ends; for a failure both carry
    ``error``, the log line that says why (the exception, or the last error / non-empty line).
 
 Under the Slurm executor (``AERIE_EXECUTOR=slurm``) it is the batch script's process and exits with
 the stage's status, so Slurm's accounting says FAILED for a failed stage. It survives SIGTERM (ignored here, so the child's death is still recorded); a SIGKILL to the
-group ends it too, and the supervisor then records the exit on its behalf.
+group ends it too. A launcher killed alone (``kill -9`` of its pid) leaves the stage running under init:
+the supervisor then follows the attempt's processes and records the exit when the last one has ended
+(:mod:`pipeline.run.local_exec`).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from pathlib import Path
 
 from pipeline.run import nospace, oom
 from pipeline.run.events import EventWriter
+from pipeline.run.files import private_dir
+from pipeline.run.growth import read_tail
 from pipeline.run.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.plan import StageSpec, stage_module
-from pipeline.run.procs import ProcIdentity, env_with_pipeline
+from pipeline.run.procs import ENV_TOKEN, ProcIdentity, env_with_pipeline, new_token
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_json
 from pipeline.run.runtime import (
     ENV_ATTEMPT,
@@ -63,7 +70,7 @@ def under_slurm() -> bool:
     return os.environ.get("AERIE_EXECUTOR") == "slurm"
 
 
-def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
+def stage_env(spec: StageSpec, run: RunDir, attempt: int, token: str = "") -> dict[str, str]:
     sd = run.stage(spec.id)
     inputs = {dep: str(run.stage(dep).out) for dep in spec.after}
     env = dict(os.environ)
@@ -90,6 +97,8 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if token:
+        env[ENV_TOKEN] = token  # after the plan's env: a stage cannot unset the mark of its own attempt
     return env
 
 
@@ -97,9 +106,8 @@ def failure_line(log: os.PathLike[str] | str) -> str:
     """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
     sys.stdout.flush()
     try:
-        with open(log, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - ERROR_TAIL_BYTES))
-            return last_error_line(fh.read().decode(errors="replace"))
+        # across a rotation: the line may be in stage.1.log when the supervisor just truncated the log
+        return last_error_line(read_tail(Path(log), ERROR_TAIL_BYTES).decode(errors="replace"))
     except OSError:
         return ""
 
@@ -112,28 +120,54 @@ def _ran_out_of_space(sd: StageDir) -> bool:
             return True
     except OSError:
         pass
-    try:
-        with open(sd.log, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 16384))
-            tail = fh.read().decode(errors="replace")
-    except OSError:
-        return False
+    tail = read_tail(sd.log, 16384).decode(errors="replace")
     tail = tail.rsplit(f"===== aerie: {sd.id} attempt ", 1)[-1].lower()  # this attempt's lines only
     return any(t.lower() in tail for t in nospace.NOSPACE_TEXT)
 
 
-def _write_exit(path: Path, record: dict) -> None:
-    """exit.json, retried for a while when the disk is full (the stage's failure usually frees its temp files);
-    if it still cannot be written the supervisor records the exit itself."""
-    deadline = time.monotonic() + 30
+PROC_WRITE_S = (
+    20.0  # proc.json: under the supervisor's LAUNCH_TIMEOUT_S, after which it counts the launch lost
+)
+EXIT_WRITE_S = 3600.0  # exit.json: a run dir read-only (a remount, an immutable flag) for up to an hour
+
+
+def _write_record(path: Path, record: dict, within_s: float) -> None:
+    """A record the supervisor derives state from, retried with backoff (0.5 s doubling to 30 s) on any write
+    error — a full disk (the stage's failure usually frees its temp files), a run dir remounted read-only or
+    made immutable for a while, EIO — until ``within_s``; then the error is raised. While the launcher retries
+    ``exit.json`` it is alive, so the stage shows running, never a false 'launcher died'; if the record
+    still cannot be written the supervisor records the exit itself."""
+    deadline = time.monotonic() + within_s
+    wait = 0.5
     while True:
         try:
             write_json(path, record)
             return
         except OSError as exc:
-            if not nospace.is_nospace(exc) or time.monotonic() > deadline:
+            if time.monotonic() + wait > deadline:
                 raise
-            time.sleep(1)
+            with contextlib.suppress(OSError):
+                print(f"aerie: cannot write {path.name} ({exc}); retrying in {wait:g}s", flush=True)
+            time.sleep(wait)
+            wait = min(wait * 2, 30.0)
+
+
+class _Events:
+    """The launcher's events, best effort: a write error (a read-only run dir, a full disk) loses an event
+    line, never the stage — proc.json and exit.json are what the supervisor derives state from."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: EventWriter | None = None
+
+    def emit(self, type_: str, **data: object) -> None:
+        try:
+            if self._writer is None:
+                self._writer = EventWriter(self.path)
+            self._writer.emit(type_, **data)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                print(f"aerie: cannot write the {type_} event ({exc})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,26 +175,28 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 3:
         print("usage: python -m pipeline.run.launcher RUN STAGE ATTEMPT", file=sys.stderr)
         return 2
+    os.umask(0o077)  # what the stage and its libraries create (out/, checkpoints) is private too
     run, stage_id, attempt = RunDir(argv[0]), argv[1], int(argv[2])
     sd = run.stage(stage_id)
     spec = StageSpec.from_dict(read_json(sd.spec))
-    ident = ProcIdentity.of_self()
-    write_json(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()})
-    sd.out.mkdir(parents=True, exist_ok=True)
+    ident = ProcIdentity.of_self(token=new_token())
+    _write_record(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()}, PROC_WRITE_S)
+    private_dir(sd.out)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    events = EventWriter(sd.events)
+    events = _Events(sd.events)
     argv_child = stage_argv(spec, run, sys.executable)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
-    print(f"===== $ {' '.join(argv_child)}", flush=True)
+    with contextlib.suppress(OSError):  # the log's banner, best effort like the events
+        print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
+        print(f"===== $ {' '.join(argv_child)}", flush=True)
     events.emit("started", attempt=attempt, pid=ident.pid, pgid=ident.pgid)
     oom_before = oom.reading()  # to tell an OOM kill from any other SIGKILL when the child dies
     try:
         child = subprocess.Popen(
             argv_child,
             stdin=subprocess.DEVNULL,
-            env=stage_env(spec, run, attempt),
+            env=stage_env(spec, run, attempt, ident.token),
             cwd=str(sd.out),
             preexec_fn=lambda: (
                 signal.signal(signal.SIGTERM, signal.SIG_DFL),
@@ -169,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except OSError as exc:
         print(f"aerie: cannot start stage: {exc}", flush=True)
-        write_json(
+        _write_record(
             sd.exit,
             {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)},
+            EXIT_WRITE_S,
         )
         events.emit("finished", status="failed", returncode=127, detail=str(exc))
         return 127
@@ -209,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"aerie: {stage_id} {record['detail']}", flush=True)
         if not killed:
             events.emit("message", level="error", code="signal", signal=sig, text=record["detail"])
-    _write_exit(sd.exit, record)
+    _write_record(sd.exit, record, EXIT_WRITE_S)
     with contextlib.suppress(OSError):  # a full disk: the exit record above is what counts
         events.emit(
             "finished",

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from pipeline.run.files import private_dir
 from pipeline.run.plan_sections import WandbSection
 
 FLUSH_S = 10
@@ -57,7 +58,7 @@ class TensorBoardSink:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        logdir.mkdir(parents=True, exist_ok=True)
+        private_dir(logdir)  # 0700 (its event files are 0600: the stage runs under umask 077)
         self.logdir = logdir
         self._event, self._summary = Event, Summary
         self._writer = EventFileWriter(str(logdir), max_queue_size=100, flush_secs=FLUSH_S)
@@ -78,7 +79,7 @@ class WandbSink:
 
         self._wandb = wandb
         name = stage_id if attempt <= 1 else f"{stage_id}-attempt-{attempt}"
-        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        private_dir(run_dir / "wandb")
         self.run = wandb.init(
             project=str(cfg.project),
             entity=cfg.entity,

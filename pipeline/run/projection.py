@@ -12,7 +12,11 @@ How each stage is estimated (its :attr:`StageEstimate.basis`):
   reported a rate yet) whose kind (``run = "prep"`` …) has a measured rate in this run — an earlier or
   parallel stage of the same kind, same unit — is its planned size at that rate: also ``measured``.
 * ``assumed``   no rate of its kind measured yet: its planned size at :data:`DEFAULT_RATES`.
-* ``unknown``   no size to go by (an operator ``command``): counted as taking no time, and said so.
+* ``unknown``   no size to go by (an operator ``command`` that reports no progress with a total): while
+  such a stage has still to run (pending or running) the run's progress and finish are unknown
+  (:attr:`RunProjection.progress` is ``None``, :attr:`RunProjection.unknown_open` names them), never
+  "100 %, finish now". A command that reports ``done``/``total`` progress (``StageContext.progress``, or
+  ``progress`` events it appends to ``$AERIE_EVENTS``) is ``measured`` by its own rate like any stage.
 * ``service``   a server runs until the last stage that uses it ends (a service nothing uses — the
   telemetry agent — until the run ends).
 
@@ -89,8 +93,9 @@ class StageProgress:
 
     def measured_rate(self, now: float) -> float | None:
         """Units per second: the windowed rate if given, else the average over the attempt so far."""
-        if self.rate is not None:
-            return self.rate if self.rate > 0 else None
+        if self.rate is not None and self.rate > 0:
+            return self.rate
+        # No rate over the recent window (a stage that reports rarely): the average since it started.
         if self.done is None or self.done <= 0 or self.started_at is None:
             return None
         end = self.finished_at if self.state in DONE and self.finished_at else (self.t or now)
@@ -99,11 +104,16 @@ class StageProgress:
 
 @dataclass(frozen=True)
 class DiskNow:
-    """The run directory's filesystem now and what the stages still have to write (``pipeline.run.budget``)."""
+    """The run directory's filesystem now and what the stages still have to write (``pipeline.run.budget``).
+
+    ``used`` is what is not available to the run (``total - avail``: used blocks and root's reserved ones, as
+    ``df`` and the console's disk meter count them), so the projection and the meter agree; ``mount`` names
+    the filesystem (its mount point, and device: :func:`pipeline.run.budget.mount_of`)."""
 
     used: int
     total: int
     to_write: int
+    mount: str = ""
 
 
 @dataclass
@@ -124,7 +134,7 @@ class StageEstimate:
 @dataclass
 class RunProjection:
     now: float
-    progress: float  # 0..1 of the estimated wall time of the work stages
+    progress: float | None  # 0..1 of the estimated wall time of the work stages; None: unknown (unknown_open)
     stages_done: int
     stages_total: int
     started_at: float | None
@@ -137,13 +147,20 @@ class RunProjection:
     gpu_hours_projected: float
     disk_at_finish: int | None  # bytes used on the run dir's filesystem at the finish
     disk_total: int | None
+    disk_mount: str | None  # the filesystem the disk figures are about (its mount point, device)
     assumed: list[str]  # stages estimated from assumed rates
     unknown: list[str]  # stages with no estimate
     stages: list[StageEstimate] = field(default_factory=list)
+    unknown_open: list[str] = field(default_factory=list)  # unknown stages still to run: finish unknown
 
     @property
     def will_finish(self) -> bool:
         return not self.blocked
+
+    @property
+    def finish_known(self) -> bool:
+        """False while a stage with no size to go by has still to run: its end (and the run's) is a guess."""
+        return not self.unknown_open
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -156,6 +173,7 @@ class RunProjection:
         """Read :meth:`to_dict`'s object back (``aerie status`` gets it from the host as JSON)."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known and k != "stages"}
+        kw.setdefault("disk_mount", None)  # a host whose Aerie predates it
         est = {f.name for f in fields(StageEstimate)}
         stages = [StageEstimate(**{k: v for k, v in e.items() if k in est}) for e in d.get("stages", [])]
         return cls(**kw, stages=stages)
@@ -308,13 +326,19 @@ def project(
     complete = finished and not blocked  # over: nothing more will run, and nothing needs to
     if complete:
         finish = max((p.finished_at or 0.0 for p in progress.values()), default=now)
+    open_states = (StageState.PENDING, StageState.RUNNING, StageState.PAUSED)
+    unknown_open = [e.id for e in work if e.basis == "unknown" and e.state in open_states]
     used = sum(_elapsed(progress.get(sid), now) * gpus_held(specs[sid]) for sid in specs) / 3600
     to_come = sum(e.remaining_s * e.gpus for e in est.values()) / 3600
     took = sum(_elapsed(progress.get(e.id), now) for e in work if e.state != StageState.SKIPPED)
     left = sum(e.remaining_s for e in work)
     return RunProjection(
         now=now,
-        progress=1.0 if complete else (took / (took + left) if took + left > 0 else 0.0),
+        progress=1.0
+        if complete
+        else None
+        if unknown_open
+        else (took / (took + left) if took + left > 0 else 0.0),
         stages_done=sum(1 for st in states.values() if st in DONE),
         stages_total=len(specs),
         started_at=min(started) if started else None,
@@ -327,9 +351,11 @@ def project(
         gpu_hours_projected=used + (0.0 if complete else to_come),
         disk_at_finish=disk.used + disk.to_write if disk else None,
         disk_total=disk.total if disk else None,
+        disk_mount=(disk.mount or None) if disk else None,
         assumed=[e.id for e in est.values() if e.basis == "assumed"],
         unknown=[e.id for e in est.values() if e.basis == "unknown"],
         stages=[est[sid] for sid in plan.order()],
+        unknown_open=[] if complete else unknown_open,
     )
 
 

@@ -58,13 +58,24 @@ def finish_text(p: RunProjection) -> str:
         return f"won't finish: retry {_more(p.blocked)}"
     if p.finished:
         return "ended" + (f", took {duration(p.finish_at - p.started_at)}" if p.started_at else "")
+    if p.unknown_open:
+        return (
+            f"finish unknown: {_more(p.unknown_open)} report{'' if len(p.unknown_open) > 1 else 's'} no size"
+        )
+    if p.remaining_s < 1:
+        return "finishing: the last stages are ending"
     when = f"finish {clock(p.finish_at, p.now)} ({duration(p.remaining_s)} left)"
     return f"{when}, later while {_more(p.paused)} paused" if p.paused else when
 
 
 def parts(p: RunProjection) -> list[str]:
     """The compact line's facts, most important first."""
-    out = [f"{p.progress:.0%} {p.stages_done}/{p.stages_total}", finish_text(p)]
+    head = (
+        f"{p.progress:.0%} {p.stages_done}/{p.stages_total}"
+        if p.progress is not None
+        else f"{p.stages_done}/{p.stages_total} stages"  # no per cent to give: a stage's size is unknown
+    )
+    out = [head, finish_text(p)]
     if p.gpu_hours_projected > 0:
         done = p.finished and not p.blocked
         out.append(
@@ -74,7 +85,8 @@ def parts(p: RunProjection) -> list[str]:
         )
     if p.disk_at_finish is not None:
         of = f"/{size(p.disk_total)}" if p.disk_total else ""
-        out.append(f"disk {size(p.disk_at_finish)}{of} at end")
+        on = f" on {p.disk_mount.split(' ')[0]}" if p.disk_mount else ""  # the mount point, as the meter
+        out.append(f"disk {size(p.disk_at_finish)}{of} at end{on}")
     if p.blocked:
         out.append(f"{duration(p.remaining_s)} more if retried now")
     if p.assumed and not p.finished:
@@ -95,7 +107,12 @@ def compact_line(p: RunProjection, width: int = 80) -> str:
 
 def status_lines(p: RunProjection) -> list[str]:
     """``aerie status``: the projection, then how each estimate was made."""
-    lines = [f"run: {p.progress:.0%} of the estimated work, {p.stages_done}/{p.stages_total} stages done"]
+    done = f"{p.stages_done}/{p.stages_total} stages done"
+    lines = [
+        f"run: {p.progress:.0%} of the estimated work, {done}"
+        if p.progress is not None
+        else f"run: progress unknown ({', '.join(p.unknown_open)}: no size known), {done}"
+    ]
     if p.blocked:
         lines.append(
             f"finish: will not finish without a retry of {', '.join(p.blocked)}; retried now: "
@@ -103,6 +120,11 @@ def status_lines(p: RunProjection) -> list[str]:
         )
     elif p.finished:
         lines.append(f"finish: {finish_text(p)}")
+    elif p.unknown_open:
+        lines.append(
+            f"finish: unknown — {', '.join(p.unknown_open)} report no progress with a total (an operator "
+            f"command can: StageContext.progress); the rest alone would take {duration(p.remaining_s)}"
+        )
     else:
         lines.append(
             f"finish: {clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now (critical path)"
@@ -116,6 +138,7 @@ def status_lines(p: RunProjection) -> list[str]:
         lines.append(
             f"disk at finish: {size(p.disk_at_finish)} used"
             + (f" of {size(p.disk_total)}" if p.disk_total else "")
+            + (f" on {p.disk_mount}" if p.disk_mount else "")
         )
     if not p.finished or p.blocked:
         for e in p.stages:
@@ -124,5 +147,5 @@ def status_lines(p: RunProjection) -> list[str]:
                 what = f"{e.size:,.0f} {e.unit}" if e.size is not None else ""
                 lines.append(f"  {e.id:<28} {e.basis:<8} {duration(e.remaining_s):>7} left  {what} at {rate}")
         if p.unknown:
-            lines.append(f"  no estimate (counted as no time): {', '.join(p.unknown)}")
+            lines.append(f"  no estimate (no size known): {', '.join(p.unknown)}")
     return lines

@@ -21,7 +21,9 @@ Requests (one JSON object per line, ``id`` echoed in the answer)::
 
 Every answer carries ``"ok": true`` or ``"ok": false, "error": "..."``. ``size`` is -1 for a
 missing file. ``read`` answers are bounded in total (:data:`READ_BUDGET`): a file whose share did
-not fit comes back short, and the reader simply continues from its new offset next time.
+not fit comes back short, and the reader simply continues from its new offset next time (a file that
+must be read whole, ``state.json``, in further requests: ``console.transport.read_whole``). The console
+splits answers into lines itself, so an answer may be longer than the SSH channel's window.
 ``lines`` and ``find`` (the console's log viewer) scan bounded amounts per request, in a thread,
 so a multi-GB log is indexed and searched on the host while reads keep being answered.
 Only the standard library and ``pipeline`` are used: this runs on the container.

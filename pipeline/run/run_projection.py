@@ -22,9 +22,10 @@ def run_projection(run: RunDir, state: dict[str, Any], now: float) -> dict[str, 
     progress = {r["id"]: StageProgress.from_row(r) for r in rows}
     disk = None
     try:
-        _total, used, _avail = budget.disk_free(run.root)
+        total, _used, avail = budget.disk_free(run.root)
         states = {sid: p.state for sid, p in progress.items()}
-        disk = DiskNow(used, _total, budget.remaining_projected_output(plan, run, states))
+        to_write = budget.remaining_projected_output(plan, run, states)
+        disk = DiskNow(total - avail, total, to_write, budget.mount_of(run.root))  # as the disk meter counts
     except OSError:
         disk = None  # no reading of the filesystem: the projection says nothing of the disk
     return project(plan, progress, now, disk).to_dict()

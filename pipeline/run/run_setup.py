@@ -1,11 +1,11 @@
 """Setting a run up: its run directory created from the plan (or re-opened), the built-in target model checked,
-and its supervisor started detached or found alive (by its lock). Used by the supervisor's CLI, ``ctl`` and the
+and its supervisor started detached or found alive (by its lock: :mod:`.liveness`). Used by the supervisor's CLI, ``ctl`` and the
 console's transports; the supervisor itself (:mod:`.supervisor`) only runs the loop.
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 from pipeline.run import plan as plan_mod
+from pipeline.run.files import PRIVATE_DIR, open_private_append, private_dir
+from pipeline.run.liveness import lock_held
 from pipeline.run.plan import Plan
 from pipeline.run.procs import env_with_pipeline
 from pipeline.run.rundir import RunDir, write_atomic, write_json
@@ -33,10 +35,12 @@ def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
                 "or choose a new run directory"
             )
         return run
-    run.root.mkdir(parents=True, exist_ok=True)
+    private_dir(run.root)
+    with contextlib.suppress(PermissionError):  # not ours to change: its owner decides who may read it
+        os.chmod(run.root, PRIVATE_DIR)  # the run's logs and events are its operator's, whoever made the dir
     for spec in plan.stages:
         sd = run.stage(spec.id)
-        sd.path.mkdir(parents=True, exist_ok=True)
+        private_dir(sd.path)
         write_json(sd.spec, spec.to_dict())
         if not sd.attempt_file.exists():
             write_json(sd.attempt_file, {"attempt": 1, "t": time.time()})
@@ -53,7 +57,11 @@ def create_run(plan: Plan, run_dir: Path | None = None) -> RunDir:
 def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
     """Start ``python -m pipeline.run.supervisor RUN`` in its own session; returns its pid."""
     run = RunDir(run_root)
-    with open(run.supervisor_log, "ab") as logfh:
+    try:
+        logfh = open_private_append(run.supervisor_log)
+    except OSError:  # a run dir that cannot be written still gets its supervisor (it says why in state)
+        logfh = open(os.devnull, "ab")  # noqa: SIM115
+    with logfh:
         p = subprocess.Popen(
             [python, "-m", "pipeline.run.supervisor", str(run.root)],
             stdin=subprocess.DEVNULL,
@@ -67,17 +75,10 @@ def spawn_detached(run_root: Path, python: str = sys.executable) -> int:
 
 
 def supervisor_alive(run: RunDir) -> bool:
-    """True when some process holds the run's supervisor lock."""
-    if not run.lock_path.exists():
-        return False
-    fd = os.open(run.lock_path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    """True when a supervisor holds the run's lock (an flock on the run directory; deleting
+    ``supervisor.lock`` or ``supervisor.json`` changes nothing). :func:`.liveness.liveness` says more:
+    its pid, whether it still writes its snapshot."""
+    return lock_held(run.root)
 
 
 class ModelMissing(RuntimeError):

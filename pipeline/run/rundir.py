@@ -24,6 +24,12 @@ The run directory on the executing host is the single source of truth. Layout::
         job-<N>.sh              Slurm executor: the batch script of attempt N
         out/                    the stage's outputs (``--fresh`` clears this, nothing else)
 
+Everything Aerie creates here is private to the run's account whatever the umask: directories 0700,
+files 0600 (:func:`pipeline.run.files.private_dir`, :func:`~pipeline.run.files.open_private`; stages run
+under umask 077, so what their libraries write is too). Events, logs and the audit log rotate by size
+into numbered generations (``events.1.jsonl``, ``stage.1.log``, ``audit.1.jsonl``, ``supervisor.1.log``):
+:mod:`pipeline.run.growth` has the limits.
+
 Every JSON state file is written atomically (temp file in the same directory, fsync, rename), by
 :mod:`pipeline.run.files`; ``write_atomic``, ``write_json`` and ``read_json`` are imported from here too.
 """
@@ -38,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.files import read_json, write_atomic, write_json
+from pipeline.run.files import private_dir, read_json, write_atomic, write_json
 
 __all__ = ["RunDir", "RunDirError", "StageDir", "read_json", "write_atomic", "write_json"]
 
@@ -112,7 +118,7 @@ class RunDir:
     # -- control requests -------------------------------------------------------------------
     def submit_request(self, action: str, stage_id: str, **extra: Any) -> Path:
         """Queue a control request for the supervisor (atomic; names sort in arrival order)."""
-        self.requests_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.requests_dir)
         name = f"{time.time_ns():020d}-{os.getpid()}-{action}.json"
         path = self.requests_dir / name
         write_json(path, {"action": action, "stage": stage_id, "t": time.time(), **extra})
@@ -166,4 +172,4 @@ class StageDir:
             self.out.unlink()
         elif self.out.exists():
             shutil.rmtree(self.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        private_dir(self.out)

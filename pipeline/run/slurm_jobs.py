@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pipeline.run import slurm
 from pipeline.run.events import EventWriter
+from pipeline.run.files import open_private_append, private_dir
 from pipeline.run.plan import StageSpec
 from pipeline.run.plan_sections import SlurmSection
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
@@ -99,7 +100,7 @@ class SlurmJobs:
         name = job_name(sid, attempt, token)
         script = sd.path / f"job-{attempt}.sh"
         write_atomic(script, batch_script(self.run, sid, attempt, self.python))
-        sd.out.mkdir(parents=True, exist_ok=True)
+        private_dir(sd.out)
         rec = {"attempt": attempt, "name": name, "token": token, "state": "submitting", "t": time.time()}
         write_json(sd.slurm_job, rec)
         options = slurm.sbatch_options(self.section, spec)
@@ -132,8 +133,8 @@ class SlurmJobs:
                 "recorded_by": "supervisor",
             },
         )
-        with contextlib.suppress(OSError), open(sd.log, "a") as fh:
-            fh.write(f"===== aerie: {sd.id} attempt {attempt}: {detail} =====\n")
+        with contextlib.suppress(OSError), open_private_append(sd.log) as fh:
+            fh.write(f"===== aerie: {sd.id} attempt {attempt}: {detail} =====\n".encode())
         with EventWriter(sd.events) as w:
             w.emit("message", level="error", code="slurm_rejected", text=detail)
             w.emit("finished", status="failed", detail=detail)
@@ -372,6 +373,17 @@ class SlurmJobs:
         for sid in self.pending_kills():
             self.log(self._cancel(sid))
             self._mark_cancelled(sid)
+
+    def survivors(self, sid: str) -> str | None:
+        """Slurm owns the job's cgroup, so an attempt runs exactly while its job is queued or active."""
+        rec = read_json(self.run.stage(sid).slurm_job)
+        if not rec or not rec.get("job_id") or rec.get("state") == "abandoned":
+            return None
+        job = str(rec["job_id"])
+        info = self.info(job)
+        if info is None or not (info.active or info.queued):
+            return None  # ended, or Slurm is not answering (an sbatch would not go through either)
+        return f"attempt {rec.get('attempt')} of {sid} is still Slurm job {job} ({info.state.lower()})"
 
     def pending_kills(self) -> list[str]:
         """Stages whose kill was asked before their job id was known (re-sent once it is)."""

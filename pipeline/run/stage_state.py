@@ -1,12 +1,14 @@
 """A stage's state, derived from the files in its run directory (never from memory alone).
 
-Each stage's launcher writes ``launch.json`` (intent), ``proc.json`` (pid, pgid, start time),
+Each stage's launcher writes ``launch.json`` (intent), ``proc.json`` (pid, pgid, start time, attempt token),
 ``exit.json`` and ``events.jsonl``; control writes ``kill.json``, ``skip.json`` and the pause flag.
 :class:`StateDeriver` reads them for the current attempt and says what the stage is doing now, so
 a new supervisor on an old run dir sees exactly what the last one saw.
 
 States: pending -> ready -> running <-> paused -> succeeded | failed | killed; upstream-failed and
-skipped. Services (``service = true``) are running until stopped; they report ``health``.
+skipped. Services (``service = true``) are running until stopped; they report ``health``. An attempt is
+running while any of its processes lives, its launcher or not (a launcher killed alone: the executor follows
+the stage's own processes, :mod:`pipeline.run.local_exec`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class StateDeriver:
     def _read_events(self, sid: str) -> None:
         tr = self.memory[sid]
         chunk = tr.tail.read()
+        for bad in chunk.bad_lines[:5]:  # an over-long line skipped, a torn fragment: said once, then passed
+            self.log(f"{sid}: warning: events.jsonl: {bad}")
+        if len(chunk.bad_lines) > 5:
+            self.log(
+                f"{sid}: warning: events.jsonl: {len(chunk.bad_lines) - 5} more lines that are not events"
+            )
         for ev in chunk.events:
             if ev.type == "started":
                 tr.attempt_seen = int(ev.get("attempt", 0))

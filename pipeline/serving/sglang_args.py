@@ -131,7 +131,7 @@ def sglang_argv(s: ServerSettings, python: str = "python3") -> list[str]:
         "sglang.launch_server",
         "--model-path",
         s.model,
-        "--tp",
+        "--tp-size",  # its declared name: "--tp" parses only as an argparse abbreviation
         str(s.tp),
         "--host",
         s.host,

@@ -2,7 +2,7 @@
 
 A draft is trained on the *outputs* of target layers ``aux`` (0-based). SGLang feeds the draft the
 *inputs* of the layers in ``layers_to_capture``, which each model class derives from the draft config's
-``eagle_config.eagle_aux_hidden_state_layer_ids`` in its ``set_eagle3_layers_to_capture``. In SGLang 0.5.23:
+``eagle_config.eagle_aux_hidden_state_layer_ids`` in its ``set_eagle3_layers_to_capture``. In SGLang 0.5.14 and 0.5.23:
 
 * most families (Llama, Qwen2/3, Qwen3-MoE, GPT-OSS, GLM-4-MoE, MiniMax, Gemma 3/4 ...) capture
   ``id + 1`` for every id: the output of layer ``id``;
@@ -18,7 +18,7 @@ all (``[1, ...]`` would be shifted again) and is refused. ``tests/test_sglang_ca
 
 from __future__ import annotations
 
-SGLANG_RELEASE = "0.5.23"  # the release these rules were read from (pyproject's gpu extra pins it)
+SGLANG_RELEASE = "0.5.14"  # the GPU lock's release; 0.5.23's rule is the same code (tests/test_sglang_api.py)
 # Architectures whose set_eagle3_layers_to_capture adds 1 only when the first id is 1.
 FIRST_ID_ONE = frozenset(
     {

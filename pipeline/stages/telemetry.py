@@ -9,7 +9,7 @@ host. Records share the sample's ``seq`` and ``t``::
     {"kind":"gpu", "seq", "t", "index", "name", "uuid", "util", "mem_util", "mem_used", "mem_total",
      "temp_c", "power_w", "power_cap_w", "sm_clock_mhz", "sm_clock_max_mhz", "pstate",
      "ecc_uncorrected", "ecc_corrected", "xid", "procs":[{"pid", "mem", "type", "owner", "name"}]}
-    {"kind":"disk", "seq", "t", "path", "total", "used", "avail", "rate_bps", "reserve",
+    {"kind":"disk", "seq", "t", "path", "mount", "total", "used", "avail", "rate_bps", "reserve",
      "projected_remaining"}
     {"kind":"host", "seq", "t", "cpu_pct", "ncpu", "load1", "mem_total", "mem_available",
      "swap_total", "swap_free", "agent_cpu_s"}
@@ -167,6 +167,7 @@ class Agent:
         self.run = run
         self.plan = plan
         self.disk_path = run.root if run is not None else out
+        self._mount: str | None = None
         self.interval_s = interval_s
         self.projection_every_s = projection_every_s
         self.message = message or (lambda text, **kw: print(f"telemetry: {text}", file=sys.stderr))
@@ -267,8 +268,11 @@ class Agent:
                 reserve = budget.reserve_bytes(self.plan)
             except budget.BudgetError:
                 reserve = None
+        if self._mount is None:
+            self._mount = budget.mount_of(self.disk_path)
         return {
             "path": str(self.disk_path),
+            "mount": self._mount,  # the filesystem measured (mount point, device): the meter names it
             "total": total,
             "used": used,
             "avail": avail,

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import IO, NoReturn
 
+from pipeline.eagle3 import provenance
 from pipeline.run.plan import PlanError
 from pipeline.run.procs import ProcIdentity, read_stat
 from pipeline.run.rundir import RunDir, write_json
@@ -340,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as exc:
         ctx.health("unhealthy", detail="bad plan")
         fail(ctx, str(exc), 2)
+    if settings.speculative is not None:  # the draft must be one trained for the target served here
+        verdict = provenance.check(settings.speculative.draft_model_path, settings.model)
+        if not verdict.ok:
+            ctx.health("unhealthy", detail="draft trained for another target")
+            fail(ctx, verdict.detail, 2)
+        ctx.message(
+            verdict.detail, level="warning" if verdict.level == "warn" else "info", code="draft_provenance"
+        )
     stage = ServeStage(ctx, settings, kill_grace)
     stage.install_signals()
     become_subreaper()

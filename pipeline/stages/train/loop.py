@@ -6,13 +6,14 @@ import argparse
 import os
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import pipeline.stages.train as train_pkg
-from pipeline.eagle3 import draft_vocab
+from pipeline.eagle3 import draft_vocab, provenance
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.dflash_model import DFlashDraft
 from pipeline.eagle3.draft_model import Eagle3Draft
@@ -351,6 +352,21 @@ def train(
             (tmp / "best.json").unlink(missing_ok=True)
         else:
             save_any(draft, tmp)
+        provenance.write(  # which target, tokenizer, data and recipe this draft is for: the serve stage checks it
+            tmp,
+            model=model_id,
+            aux_layer_ids=aux,
+            vocab_dir=vocab_dir,
+            manifests={"extract": ext_dir / "manifest.json", "vocab": vocab_dir / "manifest.json"},
+            sources=list(man.get("sources", [])),
+            recipe={"draft": s.draft, "mode": mode_name, "world_size": dist.world, "train": asdict(s)},
+            accept_length={
+                "held_out": best["accept_length"] if best else None,
+                "step": best["step"] if best else None,
+                "spec_steps": s.spec_steps if best else None,
+                "by_category": None,  # not measured per category in training; the bench stage's results.json
+            },
+        )
         swap_dir(tmp, final)
         write_json(
             out / "manifest.json",
@@ -378,6 +394,7 @@ def train(
                 "holdout": man.get("holdout"),
                 "max_length": man.get("max_length"),
                 "world_size": dist.world,
+                "provenance": f"{FINAL_DIR}/{provenance.PROVENANCE_FILE}",
             },
         )
         if ctx:

@@ -1,0 +1,141 @@
+"""The stage board's cells: what each column says of a stage (the note: why it waits, why it failed, the
+inference server's live line) and how a cell is drawn at a width (a progress bar, a value cut with "…").
+Pure text; :mod:`console.widgets.board` lays the rows out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.cells import cell_len, set_cell_size
+from rich.text import Text
+
+from console import fmt
+from console.model import StageView
+from pipeline.run.stage_row import StageState
+from pipeline.serving.sglang_log import ServerStats
+
+BAR_WIDE, BAR_NARROW = 12, 6
+# Members of a folded family that stay listed: the ones the operator has to see.
+ATTENTION = frozenset({"running", "starting", "paused", "pausing", "failed", "killed", "unhealthy"})
+
+
+class _Bar(str):
+    """A progress cell: the fraction, drawn at the width the board can afford (see :func:`_bar`)."""
+
+    fraction: float | None
+
+    def __new__(cls, fraction: float | None) -> _Bar:
+        obj = super().__new__(cls, _bar(fraction))
+        obj.fraction = fraction
+        return obj
+
+
+Cell = str | Text
+
+
+def server_line(st: StageView) -> str | None:
+    """The inference server's live line (tok/s, running, queued, token usage, accept length)."""
+    m = st.metrics
+    if not st.service or not any(k in m for k in ("gen_throughput", "running_req", "queue_req")):
+        return None
+    stats = ServerStats(
+        gen_throughput=m.get("gen_throughput"),
+        running_req=m.get("running_req"),
+        queue_req=m.get("queue_req"),
+        token_usage=m.get("token_usage"),
+        accept_len=m.get("accept_len"),
+        requests=int(m.get("requests", 0)),
+    )
+    return stats.line()
+
+
+def note_for(st: StageView) -> str:
+    if st.queued:  # "queued: Slurm job 12 pending (Resources)"
+        return st.reason
+    live = server_line(st) if st.state in (StageState.RUNNING, StageState.PAUSED) else None
+    if live:
+        return live
+    if st.state == StageState.SUCCEEDED and "accept_len" in st.metrics:
+        return f"accept len {st.metrics['accept_len']:.2f}"
+    if (
+        st.state in (StageState.PENDING, StageState.FAILED, StageState.KILLED, StageState.UPSTREAM_FAILED)
+        and st.reason
+    ):
+        extra = ""
+        if st.retry_at:
+            extra = f" · auto-retry in {fmt.duration(max(0, st.retry_at - time.time()))}"
+        return st.reason + extra
+    if st.rejects:
+        return f"{st.rejects} rejects"
+    for key in ("loss", "tok_s", "accept_len"):
+        if key in st.metrics:
+            return f"{key} {st.metrics[key]:.4g}"
+    if st.gpus and st.state in (StageState.RUNNING, StageState.PAUSED):
+        return "GPUs " + ",".join(map(str, st.gpus))
+    return ""
+
+
+def _sig(cells: tuple[Cell, ...]) -> tuple:
+    """A hashable signature of a row's content (Rich Text is not hashable)."""
+    return tuple(
+        (c.plain, str(c.style), tuple((sp.start, sp.end, str(sp.style)) for sp in c.spans))
+        if isinstance(c, Text)
+        else c
+        for c in cells
+    )
+
+
+@dataclass
+class _Row:
+    key: str
+    cells: tuple[Cell, ...]
+    sig: tuple = ()
+
+    def __post_init__(self) -> None:
+        self.sig = _sig(self.cells)
+
+
+def _bar(frac: float | None, width: int = BAR_WIDE) -> str:
+    if frac is None:
+        return ""
+    return f"{fmt.bar(frac, width)} {frac * 100:3.0f}%"
+
+
+def _fit(s: str, w: int) -> str:
+    """``s`` in ``w`` cells as Rich would lay the cell out: cut to ``w - 1`` cells with "…", then padded."""
+    if cell_len(s) > w - 1:
+        s = set_cell_size(s, w - 2) + "…"
+    return s + " " * (w - cell_len(s))
+
+
+def _plain_len(cell: Cell) -> int:
+    return cell.cell_len if isinstance(cell, Text) else len(cell)
+
+
+def auto_folds(families: list[tuple[str, list[StageView]]], folds: dict[str, bool], room: int) -> set[str]:
+    """The families to fold so that the board's rows fit ``room`` (0: no limit), leaving alone those the
+    operator folded or unfolded (``folds``): first the ones with no member needing attention, then all.
+    A folded family is its header row and its members in :data:`ATTENTION`."""
+    out: set[str] = set()
+    if not room:
+        return out
+    groups = [(fam, ms) for fam, ms in families if len(ms) > 1 and fam not in folds]
+
+    def rows() -> int:
+        n = 0
+        for fam, ms in families:
+            if len(ms) == 1:
+                n += 1
+            elif folds.get(fam, fam in out):
+                n += 1 + sum(1 for m in ms if m.display_state in ATTENTION)
+            else:
+                n += 1 + len(ms)
+        return n
+
+    quiet = [fam for fam, ms in groups if not any(m.display_state in ATTENTION for m in ms)]
+    for batch in (quiet, [fam for fam, _ms in groups]):
+        if rows() <= room:
+            break
+        out |= set(batch)
+    return out

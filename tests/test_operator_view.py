@@ -1,0 +1,298 @@
+"""What the operator sees at 3 a.m. (issue 40): the board at 80x24 keeps the running and failed stages on screen
+(families fold, by themselves or with z / Z), the footer keeps ? and q, attaching selects the most relevant stage,
+toasts never cover the board, a corrupt state.json says why the console waits, and the disk is named alike by
+the meter and the projection. One run (tests/runs.py ``mixed_run``: running, failed, finished and waiting
+stages, fixed pids and times, ``time.time`` frozen) drawn at 80x24, 120x40 and 200x60 as snapshots."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from textual.widgets._toast import Toast
+
+from console.app import AerieApp, most_relevant
+from console.model import RunModel, StageView
+from console.transport import LocalTransport
+from console.widgets.board import StageBoard
+from console.widgets.detail import StageDetail
+from console.widgets.meters import MetersPanel
+from pipeline.run import budget
+from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run
+from tests.screen_text import svg_rows
+from tests.test_console import live_run, until  # noqa: F401 (a fixture: a real supervisor, a command)
+
+SIZES = [(80, 24), (120, 40), (200, 60)]
+RUNNING = ["prep.sharegpt", "prep.kimi-2000x", "prep.codefeedback"]
+FAILED = "prep.ultrachat"
+
+
+@pytest.fixture
+def frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's "now", and no supervisor (nothing rewrites the run's state.json): the same screen every time."""
+    monkeypatch.setattr(time, "time", lambda: MIXED_NOW)
+    monkeypatch.setattr(MetersPanel, "clock", staticmethod(lambda: MIXED_NOW))
+    monkeypatch.setattr(AerieApp, "ensure_supervisor", lambda self: None)
+
+
+def app_for(root: Path) -> AerieApp:
+    run = mixed_run(root)
+    return AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
+
+
+async def settled(app: AerieApp, pilot) -> None:  # noqa: ANN001
+    """Loaded, the telemetry drawn, the failed stage selected with its log tail, and two screenshots alike."""
+    meters = app.query_one(MetersPanel)
+    await until(
+        pilot,
+        lambda: (
+            app.model.loaded
+            and len(app.model.telemetry.gpus) == 8
+            and app.model.telemetry.disk is not None
+            and app.model.telemetry.host is not None
+            and meters._seen == app.model.telemetry.version
+            and app.query_one(StageDetail).stage_id == FAILED
+            and app.model.stages[FAILED].log_total > 10
+        ),
+        what="the run, its telemetry and the failed stage's detail",
+    )
+    last = None
+    for _ in range(40):
+        shot = app.export_screenshot()
+        if shot == last:
+            return
+        last = shot
+        await pilot.pause(0.3)
+
+
+def screen(app: AerieApp) -> list[str]:
+    return svg_rows(app.export_screenshot())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
+def test_operator_view_snapshot(snap_compare, size: tuple[int, int], frozen: None) -> None:  # noqa: ANN001
+    app = app_for(Path(f"/tmp/aerie-opsview-{size[0]}x{size[1]}"))
+    assert snap_compare(app, terminal_size=size, run_before=lambda pilot: settled(app, pilot))
+
+
+async def test_at_80x24_running_and_failed_stages_stay_on_screen(tmp_path: Path, frozen: None) -> None:
+    app = app_for(tmp_path / "r")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settled(app, pilot)
+        board = app.query_one(StageBoard)
+        rows = screen(app)
+        shown = "\n".join(rows[board.region.y : board.region.bottom])
+        for sid in [*RUNNING, FAILED, "train", "bench"]:
+            assert sid in shown, f"{sid} is on the board at 80x24:\n{shown}"
+        assert "prep.swe-agent" not in shown, "the finished preps folded away by themselves"
+        assert "▸ prep (10)" in shown and "6 succeeded · 3 running · 1 failed" in shown
+        assert rows[-1].lstrip().startswith("? Help  q Quit"), f"the footer keeps ? and q first: {rows[-1]!r}"
+        assert app.query_one(StageDetail).stage_id == FAILED, "attach selects the failed stage"
+        assert "KeyError: 'conversations'" in "\n".join(rows[board.region.bottom :]), "and shows why"
+
+        await pilot.press("Z")  # every family unfolded: more rows than room
+        await until(pilot, lambda: board.row_count == 14, what="all 13 stages and the family row")
+        assert board.is_folded("prep") is False
+        await pilot.press("end")  # the last stage: scrolled into view
+        await until(pilot, lambda: board.selected_key == "bench", what="bench selected")
+        await pilot.pause(0.2)
+        rows = screen(app)
+        assert "bench" in "\n".join(rows[board.region.y : board.region.bottom]), "the selection is on screen"
+        await pilot.press("home")
+        await until(pilot, lambda: board.selected_key == "group:prep", what="the family row")
+        await pilot.press("z")  # the selected family folds again; its failed and running members stay
+        await until(pilot, lambda: board.row_count == 8, what="prep folded")
+        assert [k for k in board._index if k.startswith("prep.")] == [FAILED, *RUNNING]
+        await pilot.press("z")
+        await until(pilot, lambda: board.row_count == 14, what="prep unfolded: the operator's choice holds")
+
+
+async def test_toasts_never_cover_the_board(tmp_path: Path, frozen: None) -> None:
+    app = app_for(tmp_path / "r")
+    async with app.run_test(size=(80, 24), notifications=True) as pilot:
+        await settled(app, pilot)
+        board = app.query_one(StageBoard)
+        for size in SIZES:
+            await pilot.resize_terminal(*size)
+            app.notify(
+                "prep.ultrachat failed: KeyError 'conversations' (row 48212 of ultrachat.jsonl)", timeout=60
+            )
+            await until(pilot, lambda: app.screen.query(Toast), what="the toast")
+            await pilot.pause(0.3)
+            toasts = [t.region for t in app.screen.query(Toast)]
+            assert toasts and all(t.area for t in toasts)
+            for t in toasts:
+                assert not t.overlaps(board.region), (size, t, board.region)
+            app.clear_notifications()
+            await pilot.pause(0.1)
+
+
+def test_the_most_relevant_stage_is_the_failed_then_running_then_last_finished() -> None:
+    model = RunModel(LocalTransport("/nonexistent"))
+
+    def put(sid: str, state: str, finished: float | None = None, service: bool = False) -> None:
+        model.stages[sid] = StageView(id=sid, family=sid, state=state, finished_at=finished, service=service)
+        model.order.append(sid)
+
+    assert most_relevant(model) is None
+    put("a", "succeeded", 10.0)
+    put("b", "succeeded", 30.0)
+    put("c", "succeeded", 20.0)
+    put("pending", "pending")
+    assert most_relevant(model) == "b", "nothing running or failed: the stage that finished last"
+    put("server", "running", service=True)
+    assert most_relevant(model) == "server"
+    put("work", "running")
+    assert most_relevant(model) == "work", "a work stage before a service"
+    put("old-failure", "failed", 40.0)
+    put("new-failure", "killed", 50.0)
+    assert most_relevant(model) == "new-failure", "the latest failure first"
+
+
+async def test_a_read_only_watcher_on_a_corrupt_state_says_why_it_waits(tmp_path: Path) -> None:
+    run = make_run(tmp_path, '[run]\nname = "c"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
+    run.state_path.write_text('{"run": "c", "stages": [{"id": "x", "sta')  # cut short: not valid JSON
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await until(pilot, lambda: app.model.state_problem is not None, what="the state read")
+        await pilot.pause(0.3)
+        text = "\n".join(screen(app))
+        assert "state.json is truncated or not valid JSON at byte" in text, text
+        assert "waiting for the supervisor's next snapshot" in text
+        assert "first snapshot" not in text
+        # The supervisor writes a good snapshot: the console loads it, the note goes.
+        run.state_path.write_text(
+            json.dumps({"run": "c", "stages": [{"id": "x", "family": "x", "state": "pending"}]})
+        )
+        await until(pilot, lambda: app.model.loaded, what="the good snapshot")
+        assert app.model.state_problem is None
+        await pilot.pause(0.3)
+        assert "not valid JSON" not in "\n".join(screen(app))
+
+
+async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
+    tmp_path: Path, frozen: None
+) -> None:
+    app = app_for(tmp_path / "r")
+    async with app.run_test(size=(200, 60)) as pilot:
+        await settled(app, pilot)
+        rows = screen(app)
+        disk = app.model.telemetry.disk
+        assert disk is not None and disk.mount == "/data (/dev/nvme1n1)"
+        meter = next(r for r in rows if r.lstrip().startswith("disk "))
+        assert "/data (/dev/nvme1n1)" in meter and "75%" in meter, meter
+        # The projection counts what the meter counts: not available to the run (total - avail) + to write.
+        at_end = (disk.total - disk.avail) / (1 << 30)
+        assert f"disk {at_end:.1f} GiB/{disk.total / (1 << 30):.1f} GiB at end on /data" in rows[1], rows[1]
+
+
+def test_the_agent_and_aerie_status_name_the_run_dirs_filesystem(tmp_path: Path) -> None:
+    from pipeline.run.gpus import FakeNvmlReplay  # no GPU here: a recorded NVML session (named as a fake)
+    from pipeline.run.run_projection import run_projection
+    from pipeline.stages.telemetry import Agent
+
+    run = make_run(tmp_path, '[run]\nname = "d"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
+    mount = budget.mount_of(run.root)
+    point = mount.split(" (")[0]
+    assert Path(point).is_mount() and str(run.root.resolve()).startswith(point)
+    agent = Agent(
+        FakeNvmlReplay(TELEMETRY_FIXTURE), tmp_path / "tel", run=run, message=lambda text, **kw: None
+    )
+    rec = agent._disk(time.time())
+    assert rec["mount"] == mount
+    proj = run_projection(run, {"stages": []}, time.time())
+    total, _used, avail = budget.disk_free(run.root)
+    assert proj["disk_mount"] == mount and proj["disk_total"] == total
+    assert proj["disk_at_finish"] >= total - avail - (1 << 20), "counted as the meter counts (total - avail)"
+
+
+NAN_STAGE = (
+    "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "for i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
+    "ctx.metric('loss', float('nan'), step=8)\ntime.sleep(60)\n"
+)
+
+
+def test_aerie_status_lists_the_anomalies_going_on_with_evidence(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A real supervisor runs a training whose loss turns NaN; ``aerie status`` (text and --json) names it."""
+    import sys
+
+    from console.cli import main
+    from tests.runs import kill_run_stages, start_supervisor, states, stop, wait_for
+
+    (tmp_path / "nan.py").write_text(NAN_STAGE)
+    run = make_run(
+        tmp_path,
+        f"""
+        [run]
+        name = "odd"
+        dir = "run"
+        [[stage]]
+        id = "trainer"
+        command = "{sys.executable} {tmp_path / "nan.py"}"
+        kill_grace_s = 1
+        """,
+    )
+    sup = start_supervisor(run)
+    try:
+        ev = run.stage("trainer").events
+        wait_for(
+            lambda: ev.exists() and ev.read_bytes().count(b'"metric"') >= 9, what="the NaN loss in the events"
+        )
+        wait_for(lambda: states(run).get("trainer") == "running", what="trainer running")
+        assert main(["status", str(run.root)]) == 0
+        out = capsys.readouterr().out
+        assert "anomalies: 1 now" in out, out
+        assert "loss-nonfinite" in out and "loss = nan at step 8" in out
+        assert main(["status", str(run.root), "--json"]) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        (found,) = [d["anomalies"] for d in lines if "anomalies" in d]
+        assert [(a["kind"], a["stage"]) for a in found] == [("loss-nonfinite", "trainer")]
+        assert any("loss = nan at step 8" in e for e in found[0]["evidence"])
+    finally:
+        stop(sup)
+        kill_run_stages(run)
+
+
+async def test_a_live_run_of_shell_commands_never_says_finish_now(live_run) -> None:  # noqa: ANN001, F811
+    """The issue's case: operator commands, one reporting progress (StageContext from its AERIE_* environment):
+    the header's projection measures that one and says the finish is unknown while the other has no size."""
+    app = AerieApp(LocalTransport(str(live_run.root)), poll_s=0.2, alerts=False, user_config={})
+    async with app.run_test(size=(140, 36)) as pilot:
+        await until(
+            pilot,
+            lambda: app.model.stages.get("work") is not None and app.model.stages["work"].progress.t > 0,
+            what="work reporting progress",
+        )
+        app.projection.every_s = 0  # recompute on every poll (the 5 s cache is not what is tested)
+
+        def line() -> str:
+            return str(app.query_one("#projection").content)
+
+        await until(
+            pilot, lambda: "after-work reports no size" in line(), what="work measured, after-work not"
+        )
+        text = line()
+        assert text.startswith("0/2 stages · finish unknown: after-work reports no size"), text
+        assert "finish now" not in text and "100%" not in text
+
+
+def test_families_fold_quiet_ones_first_and_keep_the_operators_choice() -> None:
+    from console.widgets.board_cells import auto_folds
+
+    def fam(name: str, *states: str) -> tuple[str, list[StageView]]:
+        return name, [StageView(id=f"{name}.{i}", family=name, state=s) for i, s in enumerate(states)]
+
+    families = [
+        fam("prep", *["succeeded"] * 8, "running"),
+        fam("regen", *["pending"] * 4),
+        fam("train", "pending"),
+    ]
+    # Rows unfolded: 10 + 5 + 1 = 16.
+    assert auto_folds(families, {}, 0) == set(), "no room given: nothing folds"
+    assert auto_folds(families, {}, 16) == set()
+    assert auto_folds(families, {}, 12) == {"regen"}, "the family with nothing to look at folds first"
+    assert auto_folds(families, {}, 6) == {"regen", "prep"}, "then all (prep keeps its running member)"
+    assert auto_folds(families, {"prep": False}, 6) == {"regen"}, "a family the operator unfolded stays open"

@@ -1,0 +1,425 @@
+"""``aerie serve`` that no web page can drive (issue 37, item 1): the real server, real requests.
+
+Plain HTTP (raw requests with the headers a browser or an attacker would send): a foreign ``Host`` (DNS
+rebinding) and a foreign ``Origin`` are refused on every route; a token is required by default on loopback,
+generated into a 0600 file in a 0700 directory and shown only as ``cat PATH``; the first ``?token=`` visit
+sets the cookie and redirects the token out of the URL; no token reaches the server's log; sessions are
+capped with a clear refusal and no process started; ``--no-token`` says what it risks; a busy port is one
+line. Then a real headless Chromium (tests/chromium.py): a page of another origin opens the websocket and
+sends "down, k, y" to a live run — refused, nothing happens to the run — and the operator's own page loads
+the console and shows the board.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from pipeline.run import audit
+from tests.chromium import Chromium, chromium_path
+from tests.runs import ROOT, finished_run, kill_run_stages, make_run, start_supervisor, states, stop, wait_for
+from tests.test_serve_faults import _stat, descendants, free_port, reap, wait_listening, ws_open
+
+TOKEN = "s3cret-serve-token-0123456789"
+
+
+def start(
+    tmp: Path, run: Path, port: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """``aerie serve`` in its own session; its stdout and stderr (where its log goes) kept in files."""
+    full = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp / "none.toml"), **(env or {}))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "serve", str(run), "--port", str(port), *extra],
+        env=full,
+        stdout=open(tmp / "serve.out", "wb"),  # noqa: SIM115
+        stderr=open(tmp / "serve.err", "wb"),  # noqa: SIM115
+        start_new_session=True,
+    )
+    wait_listening("127.0.0.1", port, server)
+    # it listens before it speaks (a busy port must end before any URL is printed): wait for its lines
+    wait_for(
+        lambda: "a cookie keeps it" in logs(tmp) or "WARNING" in logs(tmp), 30, "aerie serve's first lines"
+    )
+    return server
+
+
+def get(port: int, path: str, **headers: str) -> tuple[int, dict[str, str], str]:
+    """One raw GET to the server (headers exactly as given; Host defaults to the bound address)."""
+    headers.setdefault("Host", f"127.0.0.1:{port}")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path, headers={k.replace("_", "-"): v for k, v in headers.items()})
+        resp = conn.getresponse()
+        body = resp.read().decode(errors="replace") if resp.status != 101 else ""
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+    finally:
+        conn.close()
+
+
+UPGRADE = {
+    "Upgrade": "websocket",
+    "Connection": "Upgrade",
+    "Sec_WebSocket_Key": "dGhlIHNhbXBsZSBub25jZQ==",
+    "Sec_WebSocket_Version": "13",
+}
+
+
+def logs(tmp: Path) -> str:
+    return (tmp / "serve.out").read_text(errors="replace") + (tmp / "serve.err").read_text(errors="replace")
+
+
+# ---------------------------------------------------------------------------------- Host and Origin
+def test_a_foreign_host_or_origin_is_refused_on_every_route(tmp_path: Path) -> None:
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    server = start(
+        tmp_path,
+        run.root,
+        port,
+        *("--allow-origin", "http://localhost:9000", "--allow-origin", "https://aerie.example"),
+        env={"AERIE_SERVE_TOKEN": TOKEN},
+    )
+    try:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for path in ("/", "/ws", "/static/css/xterm.css"):
+            # DNS rebinding: a name the attacker controls, resolved to 127.0.0.1, with our port
+            status, _, body = get(port, path, Host=f"attacker.example:{port}", **auth)
+            assert status == 403 and "is not this server's address" in body, (path, status, body)
+            # a page of another origin (another port of localhost is "same-site": it would carry our cookie)
+            for origin in (f"http://127.0.0.1:{port + 1}", "http://attacker.example", "null"):
+                status, _, body = get(port, path, Origin=origin, **auth)
+                assert status == 403 and "may not use this console" in body, (path, origin, status, body)
+        status, _, body = get(port, "/ws", Origin="http://localhost:18800", **UPGRADE, **auth)
+        assert status == 403 and "--allow-origin" in body
+        # our own origin, in each loopback spelling of our port, and the forwarded one the operator allowed
+        for host, origin in (
+            (f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"),
+            (f"localhost:{port}", f"http://localhost:{port}"),
+            (f"127.0.0.1:{port}", f"http://localhost:{port}"),
+            ("localhost:9000", "http://localhost:9000"),
+            ("aerie.example", "https://aerie.example"),  # behind a TLS proxy the operator named
+        ):
+            status, headers, page = get(port, "/", Host=host, Origin=origin, **auth)
+            assert status == 200, (host, origin, page)
+            # the page's websocket goes where the browser reached us (a forwarded port included)
+            ws = "wss" if origin.startswith("https") else "ws"
+            assert f'data-session-websocket-url="{ws}://{host}/ws"' in page
+            assert headers["x-frame-options"] == "DENY"  # no other page may frame (clickjack) the console
+            assert "frame-ancestors 'none'" in headers["content-security-policy"]
+        # a websocket without Origin is no browser: it still needs the token
+        assert get(port, "/ws", **UPGRADE)[0] == 401
+        assert get(port, "/ws", **UPGRADE, **auth)[0] == 101
+    finally:
+        reap(server, {})
+    assert "refused" in logs(tmp_path) and "attacker.example" in logs(tmp_path)  # the refusals are logged
+
+
+# ------------------------------------------------------------------------------------------- token
+def test_a_token_is_required_by_default_and_never_shown_or_logged(tmp_path: Path) -> None:
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    server = start(tmp_path, run.root, port)
+    try:
+        err = (tmp_path / "serve.err").read_text()
+        folder = Path(os.environ["AERIE_HOME"]) / "state" / "serve"
+        path = folder / f"127.0.0.1-{port}.token"
+        assert f"cat {path}" in err and f"http://127.0.0.1:{port}/ " in err  # the URL, without a token
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(folder.stat().st_mode) == 0o700
+        token = path.read_text().strip()
+        assert len(token) >= 32
+
+        status, _, page = get(port, "/")  # on loopback too
+        assert status == 401 and "<form" in page and f"cat {path}" in page  # the page asks for it
+        assert get(port, "/ws", **UPGRADE)[0] == 401
+        assert get(port, "/static/css/xterm.css")[0] == 401
+        assert get(port, "/?token=not-the-token")[0] == 401
+
+        # the first visit with ?token= keeps it in a cookie and sends the browser to the URL without it
+        status, headers, _ = get(port, f"/?fontsize=14&token={token}")
+        assert status == 303 and headers["location"] == "/?fontsize=14"
+        cookie = headers["set-cookie"]
+        assert cookie.startswith(f"aerie_token_{port}={token};")
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        assert get(port, "/", Cookie=f"aerie_token_{port}={token}")[0] == 200
+        assert get(port, f"/ws?token={token}", **UPGRADE)[0] == 101
+        assert get(port, "/", Authorization=f"Bearer {token}", Referer=f"http://x/?token={token}")[0] == 200
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+    out = logs(tmp_path)
+    assert '"GET /?fontsize=14&token=[redacted]" 303' in out  # the access log is written, redacted
+    assert token not in out and TOKEN not in out
+    assert not path.exists()  # the token dies with its server
+
+
+def test_a_token_from_the_environment_never_reaches_a_console_process(tmp_path: Path) -> None:
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    server = start(tmp_path, run.root, port, env={"AERIE_SERVE_TOKEN": TOKEN})
+    procs: dict[int, int] = {}
+    try:
+        assert "its token: $AERIE_SERVE_TOKEN" in (tmp_path / "serve.err").read_text()
+        sock = ws_open("127.0.0.1", port, f"/ws?width=80&height=24&token={TOKEN}")
+        sock.settimeout(60)
+        got = b""
+        while len(got) < 2000:  # the console drew: it is past its exec (before it, /proc shows our env)
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the websocket before the console drew anything"
+            got += chunk
+        procs = descendants(server.pid)
+        assert procs
+        for pid in procs:
+            with contextlib.suppress(FileNotFoundError):
+                assert b"AERIE_SERVE_TOKEN" not in Path(f"/proc/{pid}/environ").read_bytes()
+        sock.close()
+    finally:
+        reap(server, procs)
+    assert TOKEN not in logs(tmp_path)
+
+
+# ------------------------------------------------------------------------------------- session cap
+def consoles(server: int) -> set[int]:
+    """The server's own children: one console process per session (their own children are theirs)."""
+    return {pid for pid in descendants(server) if (_stat(pid) or (0, 0))[0] == server}
+
+
+def test_sessions_past_the_cap_are_refused_and_start_no_console(tmp_path: Path) -> None:
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    server = start(tmp_path, run.root, port, "--max-sessions", "1", env={"AERIE_SERVE_TOKEN": TOKEN})
+    procs: dict[int, int] = {}
+    try:
+        first = ws_open("127.0.0.1", port, f"/ws?token={TOKEN}")
+        wait_for(lambda: consoles(server.pid), 30, "the first console process")
+        first_console = consoles(server.pid)
+        status, headers, body = get(port, f"/ws?token={TOKEN}", **UPGRADE)
+        assert status == 503 and "(--max-sessions 1)" in body and "Close one" in body
+        assert headers["retry-after"]
+        status, _, page = get(port, "/", Authorization=f"Bearer {TOKEN}")  # a new tab says so at once
+        assert status == 503 and "(--max-sessions 1)" in page
+        time.sleep(1)
+        assert consoles(server.pid) == first_console  # no console was started for the refused one
+        procs = descendants(server.pid)
+        first.close()  # the slot frees when its browser goes away
+        wait_for(
+            lambda: get(port, "/", Authorization=f"Bearer {TOKEN}")[0] == 200, 30, "the session slot to free"
+        )
+    finally:
+        reap(server, procs)
+
+
+# ---------------------------------------------------------------------------------------- opt-outs
+def test_no_token_says_what_it_risks_and_is_loopback_only(tmp_path: Path) -> None:
+    run = finished_run(tmp_path / "r")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
+    r = subprocess.run(
+        [sys.executable, "-m", "console.cli", "serve", str(run.root), "--no-token"]
+        + ["--host", "0.0.0.0", "--allow-remote"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--no-token is only allowed on a loopback address" in r.stderr
+    port = free_port()
+    server = start(tmp_path, run.root, port, "--no-token")
+    try:
+        err = (tmp_path / "serve.err").read_text()
+        assert "WARNING: --no-token: anyone with an account on this machine" in err
+        assert "cat " not in err and not (Path(os.environ["AERIE_HOME"]) / "state" / "serve").exists()
+        assert get(port, "/")[0] == 200
+        assert get(port, "/ws", Origin=f"http://localhost:{port + 1}", **UPGRADE)[0] == 403  # pages still not
+    finally:
+        reap(server, {})
+
+
+def test_a_busy_port_is_one_line_naming_it(tmp_path: Path) -> None:
+    run = finished_run(tmp_path / "r")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
+    with socket.socket() as other:  # another server holds the port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"aerie: error: port {port} on 127.0.0.1 is already in use: is another aerie serve running? pick --port"
+    ]
+    assert r.stdout == ""  # no URL (it would be the other server's), no traceback
+    assert not (Path(os.environ["AERIE_HOME"]) / "state" / "serve").exists()  # no token file written
+
+    # the port held by another aerie serve: that server's token file is left alone
+    port = free_port()
+    first = start(tmp_path, run.root, port)
+    try:
+        token_file = Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token"
+        token = token_file.read_text()
+        r = subprocess.run(
+            [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "http" not in r.stderr + r.stdout
+        assert token_file.read_text() == token and first.poll() is None
+    finally:
+        reap(first, {})
+
+
+# ---------------------------------------------------------------------------------- real Chromium
+ATTACK_PAGE = """<!DOCTYPE html><html><body><pre id="log"></pre><script>
+const log = (m) => { document.getElementById("log").textContent += m + "\\n"; };
+for (const url of URLS) {
+  const ws = new WebSocket(url);
+  let typed = false;
+  ws.onopen = () => log("open " + url);
+  ws.onmessage = () => {  // the console drew: type as the operator would, a key at a time
+    if (typed) return;
+    typed = true;
+    log("message " + url);
+    setTimeout(async () => {
+      for (const key of ["\\u001b[B", "k", "y"]) {  // down, kill, yes
+        ws.send(JSON.stringify(["stdin", key]));
+        await new Promise((r) => setTimeout(r, 1000));
+      }
+      log("typed " + url);
+    }, 3000);
+  };
+  ws.onclose = (e) => log("close " + url + " " + e.code);
+}
+</script><iframe id="frame" src="CONSOLE"></iframe></body></html>"""
+
+
+@pytest.fixture
+def live_run(tmp_path: Path):  # noqa: ANN201
+    run = make_run(
+        tmp_path,
+        """
+        [run]
+        name = "target"
+        dir = "run"
+        [[stage]]
+        id = "work"
+        command = "sleep 600"
+        """,
+    )
+    sup = start_supervisor(run)
+    wait_for(lambda: states(run).get("work") == "running", 60, "the stage to run")
+    yield run
+    stop(sup)
+    kill_run_stages(run)
+
+
+@pytest.mark.slow  # a browser, a server and a console, each started cold
+async def test_chromium_page_of_another_origin_cannot_drive_the_console(tmp_path: Path, live_run) -> None:  # noqa: ANN001
+    chromium_path()
+    port, evil_port = free_port(), free_port()
+    server = start(tmp_path, live_run.root, port, env={"AERIE_SERVE_TOKEN": TOKEN})
+    # The attacker's page, served from another origin on this machine (another loopback port).
+    targets = [f"ws://127.0.0.1:{port}/ws?width=80&height=24", f"ws://localhost:{port}/ws?width=80&height=24"]
+    page = ATTACK_PAGE.replace("URLS", json.dumps(targets)).replace("CONSOLE", f"http://127.0.0.1:{port}/")
+
+    async def attack(_request: web.Request) -> web.Response:
+        return web.Response(text=page, content_type="text/html")
+
+    evil = web.Application()
+    evil.router.add_get("/", attack)
+    runner = web.AppRunner(evil)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", evil_port).start()
+    browser = await Chromium(tmp_path / "profile").start()
+    try:
+        # The operator opened the console in this browser before: it holds the cookie, which a page on
+        # another port of the same host would carry (cookies ignore ports) — only the Origin check stops it.
+        await browser.navigate(f"http://127.0.0.1:{port}/?token={TOKEN}")
+        await browser.wait_eval(
+            f"location.href === 'http://127.0.0.1:{port}/' && document.readyState === 'complete'",
+            30,
+            "the operator's console page, without the token in its URL",
+        )
+        # the browser now holds the cookie: the console's own page gets in with it alone
+        assert await browser.eval("fetch('/').then((r) => r.status)") == 200
+        await browser.navigate(f"http://127.0.0.1:{evil_port}/")
+        log = await browser.wait_eval(
+            "(t => (t.match(/^(open|close) /gm) || []).length >= 2 && t)"
+            "((document.getElementById('log') || {}).textContent || '')",
+            60,
+            "both websockets of the attacker's page to open or close",
+        )
+        assert "open" not in log and "message" not in log, log  # never connected, nothing typed
+        frames = (await browser.send("Page.getFrameTree"))["frameTree"].get("childFrames", [])
+        assert frames and all(
+            f["frame"].get("unreachableUrl") or "chrome-error" in f["frame"]["url"] for f in frames
+        )
+        await asyncio.sleep(2)  # (with the Origin check off, this page kills `work` within ~10 s)
+        assert states(live_run)["work"] == "running"
+        assert not (live_run.root / audit.AUDIT_FILE).exists()  # no action, not even a refused one
+        out = logs(tmp_path)
+        assert out.count('"GET /ws?width=80&height=24" 403') == 2, out
+        assert f"a page from http://127.0.0.1:{evil_port} may not use this console" in out
+        assert TOKEN not in out
+    finally:
+        await browser.close()
+        await runner.cleanup()
+        reap(server, {})
+
+
+RECORD_WEBSOCKETS = """
+window.__rx = "";
+const Native = window.WebSocket;
+window.WebSocket = class extends Native {
+  constructor(...args) {
+    super(...args);
+    this.addEventListener("message", (e) => {
+      if (typeof e.data !== "string") window.__rx += new TextDecoder().decode(e.data);
+    });
+  }
+};
+"""
+
+
+@pytest.mark.slow  # a browser, a server and a console, each started cold
+async def test_chromium_operator_page_loads_the_console_and_shows_the_board(tmp_path: Path) -> None:
+    chromium_path()
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    server = start(tmp_path, run.root, port)
+    token = (
+        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
+    )
+    browser = await Chromium(tmp_path / "profile").start()
+    try:
+        # What the terminal receives, recorded as the page's own xterm gets it (it draws on a canvas).
+        await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
+        await browser.navigate(f"http://localhost:{port}/?token={token}")  # the forwarded-port spelling
+        await browser.wait_eval(
+            "window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board in the browser's terminal"
+        )
+        assert await browser.eval("location.href") == f"http://localhost:{port}/"  # the token left the URL
+        assert await browser.eval("document.cookie") == ""  # HttpOnly: no script reads it
+        assert await browser.eval("document.body.classList.contains('-first-byte')")  # the terminal shows
+        assert not await browser.eval("document.body.classList.contains('-closed')")
+    finally:
+        await browser.close()
+        reap(server, {})
+    assert token not in logs(tmp_path)
