@@ -1,5 +1,8 @@
 """Anomalies: a stage that is alive but wrong, found in what the console's model already reads.
 
+Over 450 lines because it is one rule table: the rules share the episode bookkeeping (fire once, re-arm),
+the thresholds and the evidence format, and ``aerie status`` runs the same table (:mod:`console.anomaly_scan`).
+
 One small rule per anomaly; each fires once per episode with its evidence and re-arms when its
 condition clears (``docs/operating.md``, "On day four", says what each means and what to do). The
 thresholds are the plan's ``[alerts]`` keys (:class:`~pipeline.run.plan_sections.AlertsSection`):

