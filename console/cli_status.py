@@ -97,7 +97,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{st.get('reason') or ''}".rstrip()
         )
     sup_lines = supervisor_lines(state)
-    if sup_lines:
+    if sup_lines:  # its own block: the stage table above stays a table
+        print()
         print("\n".join(sup_lines))
     if isinstance(projection, dict):
         print()
