@@ -194,7 +194,11 @@ class LogScreen(Screen[None]):
 
     # ------------------------------------------------------------------------------ status
     def _status(self) -> None:
-        ix, view = self.index, self.view
+        try:
+            view = self.view
+        except NoMatches:  # a refresh that lands while the screen is being dismissed: nothing left to show
+            return
+        ix = self.index
         t = Text()
         if self.error:
             t.append(self.error + "  ", style="bold")
