@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pipeline.run import growth
 from pipeline.run.event_lines import LineSkipper
-from pipeline.run.events import CARRIED, Event
+from pipeline.run.events import Event, drop_carried_head
 
 
 @dataclass
@@ -102,10 +102,6 @@ def follow_rotation(
 
 
 def drop_carried(stream: Stream, events: list[Event]) -> list[Event]:
-    kept = []
-    for ev in events:
-        if stream.skip_carried and ev.get(CARRIED):
-            continue
-        stream.skip_carried = False  # carried lines are only at a generation's head
-        kept.append(ev)
+    """:func:`pipeline.run.events.drop_carried_head` for a stream that is skipping a generation's head."""
+    kept, stream.skip_carried = drop_carried_head(events)
     return kept

@@ -12,6 +12,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeline.run import plan as plan_mod
 from pipeline.run.events import read_all
@@ -281,6 +282,16 @@ def train_metrics(step: int) -> dict[str, float]:
     }
 
 
+def _prep_progress(w: Any, ds: str, start: float, last_t: float, done: int, pid: int) -> None:
+    """A prep stage's ``started`` event and five progress events evenly from ``start`` to ``last_t``."""
+    from pipeline.run.events import make
+
+    w.write(make("started", t=start, attempt=1, pid=pid))
+    for k in range(1, 6):
+        t = start + k * (last_t - start) / 5
+        w.write(make("progress", t=t, done=done * k // 5, total=120_000, unit="rows", key=ds))
+
+
 def console_run(root: Path) -> RunDir:
     """A finished run as an operator sees it after two days: 10 preps (one failed, its log saying why), 8 GPUs of
     telemetry, a training that failed once (OOM) and resumed, its curves, and a benchmark. Fixed times."""
@@ -327,18 +338,7 @@ def console_run(root: Path) -> RunDir:
         done = 120_000 if ok else 48_211
         error = "" if ok else "KeyError: 'conversations' (row 48212 of sharegpt_V3_filtered.json)"
         with EventWriter(run.stage(sid).events) as w:
-            w.write(make("started", t=start, attempt=1, pid=pid))
-            for k in range(1, 6):
-                w.write(
-                    make(
-                        "progress",
-                        t=start + k * (end - start) / 5,
-                        done=done * k // 5,
-                        total=120_000,
-                        unit="rows",
-                        key=ds,
-                    )
-                )
+            _prep_progress(w, ds, start, end, done, pid)
             w.write(
                 make(
                     "finished",
@@ -467,18 +467,7 @@ def mixed_run(root: Path, now: float = MIXED_NOW) -> RunDir:
         last_t = end or now - 5
         reason = f"KeyError: 'conversations' (row 48212 of {ds}.jsonl)" if state == "failed" else ""
         with EventWriter(run.stage(sid).events) as w:
-            w.write(make("started", t=start, attempt=1, pid=pid))
-            for k in range(1, 6):
-                w.write(
-                    make(
-                        "progress",
-                        t=start + k * (last_t - start) / 5,
-                        done=done * k // 5,
-                        total=120_000,
-                        unit="rows",
-                        key=ds,
-                    )
-                )
+            _prep_progress(w, ds, start, last_t, done, pid)
             if end is not None:
                 extra = {"error": reason} if reason else {}
                 w.write(make("finished", t=end, status=state, returncode=0 if not reason else 1, **extra))

@@ -259,7 +259,7 @@ class EventTail:
                     break
         events, bad = parse_lines(lines)
         if self._skip_carried:
-            events = self._drop_carried(events)
+            events, self._skip_carried = drop_carried_head(events)
         return Chunk(events, notes + bad, self.offset), self.offset + (len(buf) - used) >= size
 
     # -- rotation -------------------------------------------------------------------------------
@@ -315,14 +315,15 @@ class EventTail:
             self._ino = None
         self.offset, self._skip_carried, self._mark, self._skip = 0, True, b"", LineSkipper()
 
-    def _drop_carried(self, events: list[Event]) -> list[Event]:
-        kept = []
-        for ev in events:
-            if self._skip_carried and ev.get(CARRIED):
-                continue
-            self._skip_carried = False  # carried lines are only at a generation's head
-            kept.append(ev)
-        return kept
+
+def drop_carried_head(events: list[Event]) -> tuple[list[Event], bool]:
+    """The events of a new generation read from its start, less its carried head (copies of what the reader
+    saw in the generation before); and whether the head may still go on in the next read (every event here
+    was carried). Carried lines stand only at a generation's head (:func:`pipeline.run.event_carry.carry_lines`)."""
+    n = 0
+    while n < len(events) and events[n].get(CARRIED):
+        n += 1
+    return events[n:], n == len(events)
 
 
 def read_all(path: Path) -> list[Event]:
