@@ -187,6 +187,47 @@ async def test_a_5mib_event_line_freezes_neither_state_nor_status_nor_the_consol
         kill_run_stages(run)
 
 
+BACKLOG_STAGE = """
+import json, os, sys
+from pipeline.run.runtime import StageContext
+ctx = StageContext.from_env()
+ctx.progress(1, {n}, unit="steps", force=True)
+lines = b"".join(
+    json.dumps({{"type": "progress", "t": 1.0, "done": i, "total": {n}, "unit": "steps"}}).encode() + b"\\n"
+    for i in range(2, {n} + 1)
+)
+fd = os.open(ctx.events_path, os.O_WRONLY | os.O_APPEND)
+while lines:  # more than a reader's window of events, written in a burst just before the stage exits
+    lines = lines[os.write(fd, lines):]
+"""
+
+
+def test_a_stage_that_ends_right_after_a_burst_of_events_is_shown_with_its_last_one(tmp_path: Path) -> None:
+    """The supervisor read the events, then saw the stage end (the same tick): what the stage wrote in between,
+    more than one read window of it, must still reach the snapshot the finished run's supervisor exits on."""
+    n = 120_000  # ~7 MiB of progress events: more than the supervisor's 4 MiB read window
+    (tmp_path / "stage.py").write_text(BACKLOG_STAGE.format(n=n))
+    run = make_run(
+        tmp_path,
+        f"""
+        [run]
+        dir = "run"
+        [[stage]]
+        id = "burst"
+        command = "{PY} {tmp_path / "stage.py"}"
+        """,
+    )
+    sup = start_supervisor(run)
+    try:
+        assert sup.wait(timeout=120) == 0  # every stage finished: the supervisor exited by itself
+        row = next(r for r in read_json(run.state_path)["stages"] if r["id"] == "burst")
+        assert row["state"] == "succeeded"
+        assert (row["progress"] or {}).get("done") == n, row["progress"]
+    finally:
+        stop(sup)
+        kill_run_stages(run)
+
+
 # ------------------------------------------------------------------------------------------ 10,000 stages
 N_BIG = 10_000
 

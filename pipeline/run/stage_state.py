@@ -26,6 +26,9 @@ from pipeline.run.stage_status import StageStatus
 if TYPE_CHECKING:
     from pipeline.run.executor import Executor
 
+# reads of an ended attempt's events in one tick (each at most a window; the rest next tick)
+READ_TO_END_CALLS = 64
+
 
 @dataclass
 class EventMemory:
@@ -36,6 +39,7 @@ class EventMemory:
     health: str | None = None
     progress: dict[str, Any] | None = None
     paused_ack_t: float = 0.0
+    drained_attempt: int = 0  # an ended attempt whose events were read to their end
 
 
 class StateDeriver:
@@ -80,6 +84,15 @@ class StateDeriver:
             elif ev.type == "message" and ev.get("code") == "resumed":
                 tr.paused_ack_t = 0.0
 
+    def _read_to_end(self, sid: str) -> None:
+        """Every event of an attempt that has ended (it writes no more): reads until the offset stops."""
+        tail = self.memory[sid].tail
+        for _ in range(READ_TO_END_CALLS):
+            before = tail.offset
+            self._read_events(sid)
+            if tail.offset == before:
+                return
+
     def derive(self, sid: str, status: dict[str, StageStatus]) -> StageStatus:
         """The state of ``sid`` now; ``status`` holds its upstream stages' fresh states."""
         spec = self.specs[sid]
@@ -102,6 +115,15 @@ class StateDeriver:
         st.health = tr.health if current else None
         st.progress = tr.progress if current else None
         done = self.executor.derive(st, sd, attempt, acked=current and tr.paused_ack_t > 0)
+        if done is not None and done.state in TERMINAL and tr.drained_attempt != attempt:
+            # The events were read before the executor saw the attempt end: what it wrote in between
+            # (its last progress, read slowly past an over-long line) is read now, all of it, so the
+            # final snapshot (the one a finished run's supervisor exits on) is its last word.
+            self._read_to_end(sid)
+            tr.drained_attempt = attempt
+            current = tr.attempt_seen == attempt
+            done.health = tr.health if current else None
+            done.progress = tr.progress if current else None
         if done is not None:
             return done
         # Not started in this attempt.
