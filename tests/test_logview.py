@@ -83,6 +83,32 @@ async def test_follow_pauses_on_scroll_up_and_resumes_with_end(tmp_path: Path) -
         await until(pilot, lambda: screen_text(view)[-1].endswith("latest"), what="f follows again")
 
 
+async def test_a_failed_read_of_the_rows_asked_for_is_asked_again(tmp_path: Path) -> None:
+    """Home on a long log while the read of those rows fails once (an SSH link that blipped): the pane is not
+    left blank, the rows are read again on the next tick and the first line shows."""
+    app, _log = log_app(tmp_path, "".join(f"old line {i}\n" for i in range(3000)))
+    async with app.run_test(size=(120, 30)) as pilot:
+        scr = await open_log(pilot, app)
+        view = scr.view
+        await until(pilot, lambda: view.total == 3000 and scr.index.caught_up, what="the log indexed")
+        read_lines = scr.index.read_lines
+        failed: list[int] = []
+
+        async def flaky(first: int, count: int):  # noqa: ANN202
+            if first == 0 and not failed:
+                failed.append(first)
+                raise OSError("Connection lost")
+            return await read_lines(first, count)
+
+        scr.index.read_lines = flaky  # type: ignore[method-assign]
+        await pilot.press("g")
+        await until(pilot, lambda: bool(failed), what="the failed read")
+        await until(
+            pilot, lambda: screen_text(view)[0].endswith("old line 0"), what="the first line, read again"
+        )
+        assert not view.following
+
+
 async def test_search_filter_first_error_wrap_and_timestamps(tmp_path: Path) -> None:
     app, _log = log_app(tmp_path)
     async with app.run_test(size=(120, 30)) as pilot:

@@ -88,6 +88,7 @@ class LogScreen(Screen[None]):
         self._last_growth = time.monotonic()
         self._last_check = 0.0
         self._tail_mode = False
+        self._fetching = False  # a fetch of rows for the view is in flight
         self.updates = 0  # completed index updates (tests and benchmarks wait on it)
         self._status_shown = ""
 
@@ -111,6 +112,8 @@ class LogScreen(Screen[None]):
     # ------------------------------------------------------------------------------ updating
     def _tick(self, force: bool = False) -> None:
         now = time.monotonic()
+        if not self._tail_mode and not self._fetching:
+            self.view.ask_again()  # a request for the visible rows that was dropped or cancelled: asked again
         if self._updating:
             return
         if not force and now - self._last_growth > IDLE_AFTER_S and now - self._last_check < IDLE_POLL_S:
@@ -179,12 +182,15 @@ class LogScreen(Screen[None]):
 
     @work(exclusive=True, group="log-fetch")
     async def fetch(self, first: int, count: int) -> None:
+        self._fetching = True
         try:
             rows = await self._rows(first, count)
         except Exception as exc:
             self.error = f"cannot read the log: {exc}"
             self._status()
             return
+        finally:
+            self._fetching = False
         self.view.set_window(first, rows)
 
     @on(LogView.FollowChanged)

@@ -160,19 +160,28 @@ class LogView(ScrollView, can_focus=True):
             return max(0, self.total - self.page)
         return int(self.scroll_y)
 
-    def check_window(self) -> None:
-        """Ask for the visible rows if the window does not hold them."""
-        if not self.total:
-            return
+    def holds_visible(self) -> bool:
+        """Does the window hold every visible row?"""
         first = self.visible_first()
         last = min(self.total, first + self.page)
-        have_first, have_last = self.window_first, self.window_first + len(self.window)
-        if have_first <= first and last <= have_last:
+        return self.window_first <= first and last <= self.window_first + len(self.window)
+
+    def check_window(self) -> None:
+        """Ask for the visible rows if the window does not hold them (once per distinct request)."""
+        if not self.total or self.holds_visible():
             return
+        first = self.visible_first()
         want = (max(0, first - self.page), 3 * self.page)
         if want != self._wanted:
             self._wanted = want
             self.post_message(self.Wanted(*want))
+
+    def ask_again(self) -> None:
+        """The owner has no request in flight, yet the visible rows are missing (a request was dropped while
+        the owner showed the file's tail, or cancelled by a newer one that then failed): ask once more."""
+        if self.total and not self.holds_visible():
+            self._wanted = None
+            self.check_window()
 
     def follow(self) -> None:
         """Resume following: show the last rows and keep them in view."""
