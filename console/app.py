@@ -570,7 +570,16 @@ class AerieApp(App[int]):
     @work(group="ctl")
     async def ensure_supervisor(self) -> None:
         if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
-            await self.sup_watch.check(self.transport)
+            rep = await self.sup_watch.check(self.transport)
+            # It died after we saw it alive: this check, on attach, is the one that restarted it.
+            if self.sup_watch.moves >= 2:
+                self._said_restart(rep)
+
+    def _said_restart(self, rep: dict) -> None:
+        """A check of the host that started a supervisor says so, whichever check it was (the one on attach
+        may land after the supervisor died: it is then the one that restarts it)."""
+        if rep.get("started"):
+            self.notify(f"{rep.get('text')}: started a new one", title="supervisor", severity="warning")
 
     def _watch_supervisor(self) -> set[str]:
         """After each poll: a stale snapshot makes the host be asked (and a dead supervisor restarted);
@@ -593,9 +602,7 @@ class AerieApp(App[int]):
 
     @work(group="liveness")
     async def check_supervisor(self) -> None:
-        rep = await self.sup_watch.check(self.transport)
-        if rep.get("started"):
-            self.notify(f"{rep.get('text')}: started a new one", title="supervisor", severity="warning")
+        self._said_restart(await self.sup_watch.check(self.transport))
         self.poll_model()
 
     def action_pause(self) -> None:
