@@ -37,6 +37,7 @@ import functools
 import gc
 import tomllib
 from collections.abc import Iterable
+from typing import Any
 
 from rich.text import Text
 from textual import events, on, work
@@ -572,10 +573,10 @@ class AerieApp(App[int]):
         if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
             rep = await self.sup_watch.check(self.transport)
             # It died after we saw it alive: this check, on attach, is the one that restarted it.
-            if self.sup_watch.moves >= 2:
+            if self.sup_watch.seen_alive:
                 self._said_restart(rep)
 
-    def _said_restart(self, rep: dict) -> None:
+    def _said_restart(self, rep: dict[str, Any]) -> None:
         """A check of the host that started a supervisor says so, whichever check it was (the one on attach
         may land after the supervisor died: it is then the one that restarts it)."""
         if rep.get("started"):
