@@ -572,8 +572,10 @@ class AerieApp(App[int]):
     async def ensure_supervisor(self) -> None:
         if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
             rep = await self.sup_watch.check(self.transport)
-            # It died after we saw it alive: this check, on attach, is the one that restarted it.
-            if self.sup_watch.seen_alive:
+            # A supervisor that died mid-run (before we attached, or between attaching and this answer: under
+            # load the check lands late) is news; starting one for a finished run, or a run whose supervisor
+            # never wrote a snapshot, is not.
+            if rep.get("verdict") == "dead" and rep.get("last_seen") is not None:
                 self._said_restart(rep)
 
     def _said_restart(self, rep: dict[str, Any]) -> None:

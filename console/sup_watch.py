@@ -40,12 +40,10 @@ class SupervisorWatch:
         self.checking = False
         self.next_check = 0.0
         self.restarts = 0
-        self.seen_alive = False  # a snapshot's ``t`` moved after the first one read: alive since attaching
 
     def observe(self, supervisor_t: float | None) -> None:
         """A snapshot was read; a moved ``t`` is a live supervisor (any old verdict is dropped)."""
         if supervisor_t is not None and supervisor_t != self.seen_t:
-            self.seen_alive = self.seen_alive or self.seen_t is not None
             self.seen_t, self.moved_at = supervisor_t, self.clock()
             self.report = None
 

@@ -411,3 +411,51 @@ async def test_the_console_restarts_a_supervisor_that_dies_while_it_is_attached(
     assert any("supervisor dead" in n and "started a new one" in n for n in notes), notes
     assert supervisor_processes(run) == new
     assert ctl(run, "kill", "a").returncode == 0
+
+
+async def _attach_and_collect_notes(run: RunDir, seconds: float) -> list[str]:
+    """Open the console on ``run`` for ``seconds`` and return every notification it showed."""
+    from console.app import AerieApp
+
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2)
+    notes: list[str] = []
+    shown = app.notify
+
+    def notify(message: str, **kw: Any) -> None:
+        notes.append(str(message))
+        shown(message, **kw)
+
+    app.notify = notify  # type: ignore[method-assign]
+    async with app.run_test(size=(140, 36)) as pilot:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not lock_holders(run.root):
+            await pilot.pause(0.1)
+        await pilot.pause(1.0)  # the check's answer reaches the app after the supervisor took the lock
+    return notes
+
+
+@pytest.mark.slow
+async def test_attaching_to_a_run_whose_supervisor_died_says_the_console_restarted_it(
+    tmp_path: Path, cleanup: list
+) -> None:
+    """Under load the attach-time check can be the one that finds the supervisor dead: it says so, whether
+    the console saw that supervisor alive or not; a finished run's restart on attach stays quiet."""
+    run = make_run(tmp_path, TWO_STEPS.format(sleep=60))
+    cleanup.append(run)
+    sup = start_supervisor(run)
+    wait_for(lambda: states(run).get("a") == "running", 20, "a running")
+    os.killpg(sup.pid, signal.SIGKILL)
+    sup.wait()
+    notes = await _attach_and_collect_notes(run, 30)
+    assert len(lock_holders(run.root)) == 1, "the console restarted the supervisor on attach"
+    assert any("supervisor dead" in n and "started a new one" in n for n in notes), notes
+    assert ctl(run, "kill", "a").returncode == 0
+
+    (tmp_path / "done").mkdir()
+    done = make_run(tmp_path / "done", TWO_STEPS.format(sleep=0))
+    cleanup.append(done)
+    sup2 = start_supervisor(done)
+    wait_done(done)
+    sup2.wait(20)  # a supervisor exits once every stage has finished
+    quiet = await _attach_and_collect_notes(done, 30)
+    assert not any("started a new one" in n for n in quiet), quiet
