@@ -280,9 +280,22 @@ def measure(bench: Bench, repeats: int) -> list[rs.Figure]:
     return [rs.figure_from_samples(s.name, s.unit, s.better, samples[s.name], s.floor) for s in bench.figures]
 
 
+def reproduce_command(figure: str) -> str | None:
+    """The one command that measures ``figure`` again (and records it): its benchmark alone."""
+    for b in BENCHES:
+        if any(s.name == figure for s in b.figures):
+            return f"python bench/record.py --only {b.name}"
+    return None
+
+
 def table_md_main(args: argparse.Namespace) -> int:
     block = rs.table_md(
-        rs.read_records(args.record), datetime.now(UTC), commits_since, args.stale_commits, args.stale_days
+        rs.read_records(args.record),
+        datetime.now(UTC),
+        commits_since,
+        args.stale_commits,
+        args.stale_days,
+        reproduce_command,
     )
     if not args.write_docs:
         print(block, end="")

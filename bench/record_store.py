@@ -311,13 +311,16 @@ def table_md(
     commits_since: Callable[[str], int | None],
     max_commits: int = 50,
     max_days: float = 14,
+    reproduce: Callable[[str], str | None] | None = None,
 ) -> str:
-    """The markdown table of each figure's latest recorded value, marking the stale ones."""
+    """The markdown table of each figure's latest recorded value, marking the stale ones; with ``reproduce``
+    (a figure's name to the one command that measures it again) a column with that command."""
     if not records:
         return "_No record yet: run `python bench/record.py`._\n"
+    how = "reproduce | " if reproduce else ""
     lines = [
-        "| figure | value | ± spread | unit | better | best (same machine) | commit | date (UTC) | |",
-        "| --- | ---: | ---: | --- | --- | ---: | --- | --- | --- |",
+        f"| figure | value | ± spread | unit | better | best (same machine) | commit | date (UTC) | {how}|",
+        "| --- | ---: | ---: | --- | --- | ---: | --- | --- | " + ("--- | " if reproduce else "") + "--- |",
     ]
     machines: list[str] = []
     loads: dict[str, str] = {}
@@ -339,7 +342,8 @@ def table_md(
         lines.append(
             f"| {fig.name} | {fmt(fig.value)} | {fmt_spread(fig.spread, fig.value)} | {fig.unit} | {fig.better} | "
             f"{fmt(best.value) if best else '-'} | `{rec.commit.removesuffix('+dirty')[:10]}{'+dirty' if rec.commit.endswith('+dirty') else ''}` | "
-            f"{rec.date[:16].replace('T', ' ')} | {'**stale**: ' + stale if stale else ''} |"
+            f"{rec.date[:16].replace('T', ' ')} | {reproduce_cell(reproduce, fig.name)}"
+            f"{'**stale**: ' + stale if stale else ''} |"
         )
     lines.append("")
     lines.append(
@@ -352,6 +356,14 @@ def table_md(
             + " (a load above the core count means the benchmarks waited for a CPU)."
         )
     return "\n".join(lines) + "\n"
+
+
+def reproduce_cell(reproduce: Callable[[str], str | None] | None, name: str) -> str:
+    """The table's reproduce cell for figure ``name`` (with its separator), or nothing without the column."""
+    if reproduce is None:
+        return ""
+    cmd = reproduce(name)
+    return f"`{cmd}` | " if cmd else "- | "
 
 
 def replace_between(text: str, block: str, begin: str, end: str, where: str) -> str:
