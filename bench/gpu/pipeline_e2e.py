@@ -1,6 +1,6 @@
 """The EAGLE-3 stages end to end on a GPU, through their real command lines.
 
-``python bench/gpu_pipeline.py [--shape llama8b] [--layers 4] [--rows 64] [--seq 1024] [--steps 40]``
+``python -m bench.gpu.pipeline_e2e [--shape llama8b] [--layers 4] [--rows 64] [--seq 1024] [--steps 40]``
 
 Builds a Llama-3.1-8B-shaped target with ``--layers`` layers and random bf16 weights in a local
 folder, a tokenized dataset of random tokens in the prep contract (Parquet + manifest), then runs
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_common import llama_config, write_out  # noqa: E402
+from bench.gpu.common import llama_config
+from bench.gpu.results import write_out
+from bench.gpu.runner import ROOT
 
 
 def make_model(path: Path, shape: str, layers: int) -> None:

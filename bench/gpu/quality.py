@@ -1,6 +1,6 @@
 """Does the draft speed its target up? Accept length vs training steps, on a real small target, in one GPU call.
 
-``python bench/gpu_quality.py [--prompts 6144] [--answer-tokens 256] [--steps 2400] [--work /tmp/gpu_quality]``
+``python -m bench.gpu.quality [--prompts 6144] [--answer-tokens 256] [--steps 2400] [--work /tmp/gpu_quality]``
 
 The target is the real SmolLM2-135M-Instruct (``builtin:smollm2-135m-instruct``, the demo model). Its training
 data is its own, made here as the regen stage would make it: the target invents user prompts (sampled from
@@ -27,10 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_common import write_out  # noqa: E402
+from bench.gpu.results import write_out
+from bench.gpu.runner import ROOT
 
 MODEL = "builtin:smollm2-135m-instruct"
 

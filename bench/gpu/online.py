@@ -1,8 +1,8 @@
 """Online-TP training vs offline extract + train, on one GPU (TP = 1), through the real stages.
 
-``python bench/gpu_online.py [--shape llama8b] [--layers 8] [--rows 128] [--seq 1024] [--steps 30]``
+``python -m bench.gpu.online [--shape llama8b] [--layers 8] [--rows 128] [--seq 1024] [--steps 30]``
 
-The same Llama-3.1-8B-shaped random bf16 target and random tokenized rows (``bench/gpu_pipeline.py``'s
+The same Llama-3.1-8B-shaped random bf16 target and random tokenized rows (``bench/gpu/pipeline_e2e.py``'s
 builders) trained two ways: **offline** (``pipeline.stages.extract`` stores the hidden states, then
 ``pipeline.stages.train`` reads them) and **online-TP** (``[train] target = "online-tp"``: the train stage
 runs the target, tensor-parallel over its ranks — here 1 — and captures each step's global batch).
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_common import llama_config, write_out  # noqa: E402
-from bench.gpu_pipeline import make_data, make_model, metric, stage  # noqa: E402
+from bench.gpu.common import llama_config
+from bench.gpu.pipeline_e2e import make_data, make_model, metric, stage
+from bench.gpu.results import write_out
 
 
 def plan_text(work: Path, args: argparse.Namespace, online: bool) -> str:

@@ -1,9 +1,9 @@
 """Capture through SGLang vs transformers on the lent H200 (issue 26, item 4): the same rows, the same store, both engines.
 
-``python bench/gpu_sglang_capture.py [--stage-from .gpu-stage/c1 --stage-from .gpu-stage/c2] [--models smollm2,llama8b]
-[--rows 300]`` — on the device, after (or instead of) ``bench/gpu_sglang.py``'s staging: SGLang 0.5.14's site folder
+``python -m bench.gpu.sglang_capture [--stage-from .gpu-stage/c1 --stage-from .gpu-stage/c2] [--models smollm2,llama8b]
+[--rows 300]`` — on the device, after (or instead of) ``bench/gpu/sglang_serve.py``'s staging: SGLang 0.5.14's site folder
 unpacked under /tmp/sgl/site (a warm machine keeps it; a fresh one needs both chunk folders carried, as
-``gpu_sglang.py`` describes). For each model (random bf16 weights, built by ``gpu_sglang.build_models``: the demo
+``sglang_serve.py`` describes). For each model (random bf16 weights, built by ``sglang_models.build_models``: the demo
 target's shape ``smollm2`` and a Llama-3.1-8B-shaped ``llama8b``, both with SmolLM2's tokenizer), the rows are
 ``--rows`` two-turn chats cut from this repository's own docs (real English, real token ids through SmolLM2's chat
 template, assistant tokens masked for loss), written as a ``tokenized`` shard; then the **real extract stage** runs
@@ -52,10 +52,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench import gpu_sglang as g  # noqa: E402
+from bench.gpu.runner import BASE, ROOT, SITE, log
+from bench.gpu.sglang_models import build_models
+from bench.gpu.staging import stage
 
 OUT = Path(os.environ.get("OUT") or "/tmp/sgl/out")
 RESULTS: dict[str, Any] = {"bench": "gpu_sglang_capture"}
@@ -159,9 +158,9 @@ def run_extract(
     plan.write_text(plan_text(work, model, engine, max_length, "cpu" if smoke else None, dtype))
     out = work / f"ext-{label}"
     env = dict(os.environ)
-    paths = [str(g.BASE / "extra")] if (g.BASE / "extra").is_dir() else []
+    paths = [str(BASE / "extra")] if (BASE / "extra").is_dir() else []
     if engine == "sglang":  # SGLang's own transformers (5.8.1) and packages first, as the server runs
-        paths.insert(0, str(g.SITE))
+        paths.insert(0, str(SITE))
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     argv = [sys.executable, "-m", "pipeline.stages.extract", "--plan", str(plan), "--out", str(out)]
@@ -179,7 +178,7 @@ def run_extract(
     overall = [
         e for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s" and e.get("overall")
     ]
-    g.log(f"extract {model.name} {label}: {wall:.0f} s")
+    log(f"extract {model.name} {label}: {wall:.0f} s")
     return {
         "out": str(out),
         "wall_s": round(wall, 1),
@@ -343,9 +342,9 @@ holdout = 0.1
 def stage_env(engine: str) -> dict[str, str]:
     """The stage's ``PYTHONPATH`` as ``run_extract`` sets it: SGLang's site folder first for ``sglang``."""
     env = dict(os.environ)
-    paths = [str(g.BASE / "extra")] if (g.BASE / "extra").is_dir() else []
+    paths = [str(BASE / "extra")] if (BASE / "extra").is_dir() else []
     if engine == "sglang":
-        paths.insert(0, str(g.SITE))
+        paths.insert(0, str(SITE))
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
@@ -363,7 +362,7 @@ def run_stage(module: str, plan: Path, out: Path, inputs: list[Path], engine: st
     (OUT / f"{log_name}.log").write_text(p.stdout[-20000:] + "\n--- stderr\n" + p.stderr[-20000:])
     if p.returncode != 0:
         raise RuntimeError(f"{module} ({log_name}) failed ({p.returncode}): {p.stderr[-1500:]}")
-    g.log(f"{log_name}: {wall:.0f} s")
+    log(f"{log_name}: {wall:.0f} s")
     return wall
 
 
@@ -464,16 +463,14 @@ def online_phase(model: Path, tok_dir: Path, work: Path, args: argparse.Namespac
         res[engine] = {"wall_s": round(wall, 1), **train_curve(out)}
         save()
         c = res[engine]
-        g.log(
-            f"online {engine}: loss {c['first_loss']} -> {c['last_loss']}, {c['tokens_per_s_median']} tok/s"
-        )
+        log(f"online {engine}: loss {c['first_loss']} -> {c['last_loss']}, {c['tokens_per_s_median']} tok/s")
     if smoke:
         res["pass"] = falls(res["transformers"]["loss"])
     else:
         res["compare"] = compare_curves(res["transformers"]["loss"], res["sglang"]["loss"])
         res["pass"] = res["compare"]["pass"]
     save()
-    g.log(f"online: pass={res['pass']}")
+    log(f"online: pass={res['pass']}")
     return bool(res["pass"])
 
 
@@ -495,7 +492,7 @@ def start_pytest() -> tuple[subprocess.Popen[str], float]:
     stage finds it (``stage_env``). It overlaps the online phase's first stages (a tiny model: little GPU)."""
     argv = [sys.executable, "-m", "pytest", *PYTEST_ARGS]
     log_f = (OUT / "pytest_gpu.log").open("w")
-    g.log("pytest (GPU test) started in the background: " + " ".join(argv[1:]))
+    log("pytest (GPU test) started in the background: " + " ".join(argv[1:]))
     p = subprocess.Popen(
         argv, cwd=ROOT, stdout=log_f, stderr=subprocess.STDOUT, text=True, env=stage_env("sglang")
     )
@@ -519,7 +516,7 @@ def finish_pytest(p: subprocess.Popen[str], t0: float) -> bool:
         "pass": ok,
     }
     save()
-    g.log(f"pytest (GPU test): rc {rc}: {summary}")
+    log(f"pytest (GPU test): rc {rc}: {summary}")
     return ok
 
 
@@ -554,12 +551,12 @@ def main() -> int:
     )
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    tok_dir = args.tok_dir or g.BASE / "smollm2"
+    tok_dir = args.tok_dir or BASE / "smollm2"
     try:
         if args.smoke:
             return smoke(args, tok_dir)
-        g.stage(args.stage_from)
-        if not (g.SITE / ".complete").exists():
+        stage(args.stage_from)
+        if not (SITE / ".complete").exists():
             raise RuntimeError(
                 "SGLang's site folder is not unpacked: carry .gpu-stage/c1 and c2 (--stage-from)"
             )
@@ -569,15 +566,15 @@ def main() -> int:
         if args.online:
             bg = start_pytest() if args.pytest else None
             try:
-                paths = g.build_models(["smollm2"])
-                ok = online_phase(paths["smollm2"], tok_dir, g.BASE / "online", args, False)
+                paths = build_models(["smollm2"])
+                ok = online_phase(paths["smollm2"], tok_dir, BASE / "online", args, False)
             finally:  # the test's result is kept even where the online phase failed
                 tested = finish_pytest(*bg) if bg is not None else True
             return 0 if ok and tested else 1
         models = [m for m in args.models.split(",") if m]
-        paths = g.build_models(models)
+        paths = build_models(models)
         for name in models:
-            work = g.BASE / "capture" / name
+            work = BASE / "capture" / name
             work.mkdir(parents=True, exist_ok=True)
             rows = work / "rows"
             n = write_rows(tok_dir, rows, args.rows, args.max_length)
@@ -597,16 +594,16 @@ def main() -> int:
                 res["sglang_vs_fp32"] = compare(ref, Path(res["sglang"]["out"]))
                 res["against_fp32"] = against_reference(res["bf16_vs_fp32"], res["sglang_vs_fp32"])
                 save()
-                g.log(f"{name}: against fp32 pass={res['against_fp32']['pass']}")
+                log(f"{name}: against fp32 pass={res['against_fp32']['pass']}")
             c = res["compare"]
-            g.log(
+            log(
                 f"{name}: pass={c['pass']} final rel {c['final']['rel_err']:.4f} cos_min {c['final']['cos_min']:.4f}; "
                 f"greedy agree {c['greedy_agreement']:.3f}; tok/s transformers {res['transformers']['tokens_per_s']} "
                 f"sglang {res['sglang']['tokens_per_s']}"
             )
     except Exception as e:  # noqa: BLE001 - report, keep what was measured
         RESULTS.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
-        g.log(f"FAILED: {type(e).__name__}: {e}")
+        log(f"FAILED: {type(e).__name__}: {e}")
         save()
         return 1
     save()
@@ -631,7 +628,7 @@ def smoke(args: argparse.Namespace, tok_dir: Path) -> int:
     res["again"] = run_extract(second, "transformers", model, rows, args.max_length, True)
     res["compare"] = compare(Path(res["transformers"]["out"]), Path(res["again"]["out"]))
     save()
-    g.log(f"smoke: {json.dumps(res['compare'])[:400]}")
+    log(f"smoke: {json.dumps(res['compare'])[:400]}")
     ok = res["compare"]["pass"] and res["compare"]["final"]["max_abs"] == 0
     if args.online:
         bg = start_pytest() if args.pytest else None  # here: the GPU test is skipped (no CUDA), not gated

@@ -1,6 +1,6 @@
 """Extraction throughput on a GPU: tokens/s and MFU of ``pipeline.eagle3.target_capture`` (what the extract stage runs).
 
-``python bench/gpu_extract.py [--shape llama8b] [--layers 8] [--batch 8] [--seq 2048] [--e2e-batches 16]
+``python -m bench.gpu.extract [--shape llama8b] [--layers 8] [--batch 8] [--seq 2048] [--e2e-batches 16]
 [--shard-batches 4] [--write-queue 2] [--io-threads 4] [--out-dir DIR]``
 
 A Llama-3.1-8B-shaped target with ``--layers`` decoder layers and random bf16 weights (throughput
@@ -16,7 +16,7 @@ directory; point it at the disk runs use) and are deleted afterwards. MFU counts
 (linear layers + causal attention + LM head) over the bf16 matmul ceiling measured in the same run.
 ``--shape tiny --device cpu`` is a smoke run.
 
-``python bench/gpu_extract.py --kimi [--kimi-mode one|auto|tp]`` times the MoE path instead: a
+``python -m bench.gpu.extract --kimi [--kimi-mode one|auto|tp]`` times the MoE path instead: a
 tiny-but-wide Kimi-K2.5-architecture target (``tests/kimi_fixture.py``: the real ``kimi_k25`` /
 ``deepseek_v3`` classes, MLA, YaRN, sigmoid-routed experts with a shared expert; hidden 2048, 8
 layers, 64 experts top-8) loaded the three ways the extract stage can: on one device, spread by
@@ -37,13 +37,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, sync, time_ms, write_out  # noqa: E402
-from pipeline.eagle3 import hidden_store as hs  # noqa: E402
-from pipeline.eagle3.draft_config import default_aux_layers  # noqa: E402
-from pipeline.eagle3.shard_sink import HostStager, ShardSink  # noqa: E402
-from pipeline.eagle3.target_capture import Target  # noqa: E402
+from bench.gpu.common import device_info, llama_config, matmul_ceiling_tflops, sync, time_ms
+from bench.gpu.results import write_out
+from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3.draft_config import default_aux_layers
+from pipeline.eagle3.shard_sink import HostStager, ShardSink
+from pipeline.eagle3.target_capture import Target
 
 
 def flops_per_token(cfg, seq: int) -> tuple[float, float]:
@@ -171,14 +170,14 @@ def kimi_compare(args: argparse.Namespace) -> int:
     import os
     import subprocess
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.kimi_fixture import build_tiny_kimi
 
     folder = Path(tempfile.mkdtemp(prefix="kimi_wide_"))
     build_tiny_kimi(folder, dtype="bfloat16", **KIMI_WIDE)
     base = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        "bench.gpu.extract",
         "--kimi",
         "--kimi-dir",
         str(folder),

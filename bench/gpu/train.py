@@ -1,6 +1,6 @@
 """Draft-training throughput on a GPU: tokens/s and MFU of one ``pipeline.stages.train`` step.
 
-``python bench/gpu_train.py [--shape llama8b] [--configs 4x2048x7,2x4096x7,...] [--steps 8]``
+``python -m bench.gpu.train [--shape llama8b] [--configs 4x2048x7,2x4096x7,...] [--steps 8]``
 
 The EAGLE-3 draft of a Llama-3.1-8B-shaped target (hidden 4096, 32000-token draft vocabulary) with
 random weights, trained by the stage's own step (``pipeline.stages.train.loss.ttt_sums``: TTT unrolled, soft
@@ -17,14 +17,13 @@ issue 15 (causal step-0 scores plus one sink key per query for the chain's diago
 from it through the stage's data path — ``OfflineData`` on mapped shards, pinned batches, the ``Feeder``
 thread with its copy stream — and, for comparison, with the rows read on the step's thread as before;
 each printed as a share of the synthetic tokens/s (goal: ≥ 85 %). ``--baseline specforge`` times
-SpecForge 0.2.0's draft forward+backward (``bench/specforge_peer.py``) on the same config and batch.
+SpecForge 0.2.0's draft forward+backward (``bench/gpu/specforge_peer.py``) on the same config and batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu_common import (  # noqa: E402
+from bench.gpu.common import (
     device_info,
     llama_config,
     matmul_ceiling_tflops,
@@ -42,12 +39,12 @@ from bench.gpu_common import (  # noqa: E402
     sync,
     synthetic_batch,
     time_ms,
-    write_out,
 )
+from bench.gpu.results import write_out
 from pipeline.eagle3.draft_config import DraftConfig
-from pipeline.eagle3.draft_model import Eagle3Draft  # noqa: E402
-from pipeline.stages.train.batches import Batch  # noqa: E402
-from pipeline.stages.train.loss import ttt_sums  # noqa: E402
+from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.stages.train.batches import Batch
+from pipeline.stages.train.loss import ttt_sums
 
 
 def flops(cfg: DraftConfig, seq: int, ttt: int) -> dict[str, float]:
@@ -304,7 +301,7 @@ def main() -> int:
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
         if args.baseline == "specforge" and "error" not in r:
-            from bench.specforge_peer import time_specforge_vs_aerie
+            from bench.gpu.specforge_peer import time_specforge_vs_aerie
 
             r["specforge"] = time_specforge_vs_aerie(
                 dev, cfg, b, s, t, reps=args.steps, profile_rows=args.profile

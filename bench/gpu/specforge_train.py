@@ -1,6 +1,6 @@
 """SpecForge 0.2.0 trains an EAGLE-3 draft on the store Aerie's extract stage wrote; Aerie's bench stage benches it.
 
-``python bench/specforge_train.py --run RUN_DIR --out DRAFT_DIR --steps N --batch B --lr LR --seed S
+``python -m bench.gpu.specforge_train --run RUN_DIR --out DRAFT_DIR --steps N --batch B --lr LR --seed S
 [--ttt T] [--device cuda|cpu] [--micro-batch M] [--mask aerie|specforge] [--backend sdpa|flex_attention]``
 (or ``--store EXTRACT_OUT --vocab VOCAB_OUT [--plan PLAN]`` instead of ``--run``).
 
@@ -20,7 +20,7 @@ last-step weights), which SGLang loads as ``--speculative-draft-model-path``, pl
 ``specforge_train.json`` (the logged steps; also ``$OUT/specforge_train.json`` when ``OUT`` is set). On CUDA
 SpecForge runs in bf16 with its ``torch.compile`` and Triton paths; if a step fails there it is redone
 eagerly (printed). On the CPU it runs eagerly in fp32. SpecForge is found installed, or in ``.gpu-stage/sf``
-(what ``bench/gpu_specforge.py --stage`` copies there to carry it to the GPU machine).
+(what ``bench/gpu/specforge_accept.py --stage`` copies there to carry it to the GPU machine).
 """
 
 from __future__ import annotations
@@ -36,30 +36,30 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.gpu.runner import ROOT
+
 if (ROOT / ".gpu-stage" / "sf").is_dir():  # SpecForge carried to a machine where it is not installed
     sys.path.insert(1, str(ROOT / ".gpu-stage" / "sf"))
 
-from bench.gpu_common import write_out  # noqa: E402
-from bench.specforge_peer import (  # noqa: E402
+from bench.gpu.results import write_out
+from bench.gpu.specforge_peer import (
     SPECFORGE_VERSION,
     param_map,
     specforge_available,
     specforge_eager,
     wrap_specforge,
 )
-from pipeline.eagle3 import draft_vocab  # noqa: E402
-from pipeline.eagle3 import hidden_store as hs  # noqa: E402
-from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left  # noqa: E402
-from pipeline.eagle3.trainer_inputs import build_draft, find_inputs  # noqa: E402
-from pipeline.run import plan as plan_mod  # noqa: E402
-from pipeline.run.plan_sections import TrainSection  # noqa: E402
-from pipeline.run.rundir import write_json  # noqa: E402
-from pipeline.stages.train.batches import Batch, OfflineData  # noqa: E402
-from pipeline.stages.train.feeder import Feeder, Inline  # noqa: E402
-from pipeline.stages.train.settings import BatchSchedule  # noqa: E402
-from pipeline.stages.train.steps import rank_chunks  # noqa: E402
+from pipeline.eagle3 import draft_vocab
+from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left
+from pipeline.eagle3.trainer_inputs import build_draft, find_inputs
+from pipeline.run import plan as plan_mod
+from pipeline.run.plan_sections import TrainSection
+from pipeline.run.rundir import write_json
+from pipeline.stages.train.batches import Batch, OfflineData
+from pipeline.stages.train.feeder import Feeder, Inline
+from pipeline.stages.train.settings import BatchSchedule
+from pipeline.stages.train.steps import rank_chunks
 
 RESULTS = "specforge_train.json"
 
