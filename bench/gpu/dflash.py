@@ -197,18 +197,9 @@ def draft_dir(args: argparse.Namespace) -> Path:
     return Path(args.draft) if args.draft else work(args) / "train" / "draft"
 
 
-def phase_train(args: argparse.Namespace) -> None:
-    w = work(args)
-    if args.draft:
-        log(f"train: skipped, serving --draft {args.draft}")
-        return
-    if (w / "train" / "draft" / "config.json").exists():
-        return
-    model = target(args)
-    data = w / "self.jsonl"
-    n = sum(1 for _ in data.open())
-    plan = w / "plan.toml"
-    plan.write_text(f"""[run]
+def train_plan(args: argparse.Namespace, model: Path, w: Path, data: Path, n: int) -> str:
+    """The plan the DFlash run's stages share: ``[train] draft = "dflash"``, the bench checking losslessness."""
+    return f"""[run]
 name = "dflash"
 dir = "{w / "run"}"
 [target]
@@ -246,7 +237,21 @@ source = "ultrachat"
 kind = "target-native"
 path = "{data}"
 quota = {n}
-""")
+"""
+
+
+def phase_train(args: argparse.Namespace) -> None:
+    w = work(args)
+    if args.draft:
+        log(f"train: skipped, serving --draft {args.draft}")
+        return
+    if (w / "train" / "draft" / "config.json").exists():
+        return
+    model = target(args)
+    data = w / "self.jsonl"
+    n = sum(1 for _ in data.open())
+    plan = w / "plan.toml"
+    plan.write_text(train_plan(args, model, w, data, n))
     t: dict[str, Any] = {}
     RES["train"] = t
     for name, module, out, inputs, extra in (

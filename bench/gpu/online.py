@@ -53,7 +53,7 @@ def median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else 0.0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama8b")
     ap.add_argument("--layers", type=int, default=8)
@@ -64,7 +64,11 @@ def main() -> int:
     ap.add_argument("--ref-tokens", type=int, default=1_500, help="mean tokens per reference row")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--work", default="/tmp/gpu_online")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     make_model(work / "model", args.shape, args.layers)
@@ -101,6 +105,14 @@ def main() -> int:
         res[f"train_{mode}_tok_s"] = median([e["value"] for e in metric(d, "tokens_per_s")][1:])
         peak = metric(d, "peak_memory_gib")
         res[f"train_{mode}_peak_gib"] = peak[-1]["value"] if peak else None
+    res["projection"] = projection(args, res, ext)
+    write_out("gpu_online.json", res)
+    print_summary(res, args, t, ext)
+    return 0
+
+
+def projection(args: argparse.Namespace, res: dict, ext: dict) -> dict:
+    """The reference run's disk and hours, offline vs online, from this GPU's measured rates."""
     # The reference run: tokens per epoch, on 8 GPUs (rates scaled linearly from this one GPU: not measured)
     ref_tokens = args.ref_rows * args.ref_tokens
     bpt = ext["bytes"] / max(1, ext["tokens"])
@@ -108,7 +120,7 @@ def main() -> int:
     extract_h = ref_tokens / max(1.0, res["extract_tok_s"] or 1.0) / gpus / 3600
     off_train_h = ref_tokens * args.epochs / max(1.0, res["train_off_tok_s"]) / gpus / 3600
     on_train_h = ref_tokens * args.epochs / max(1.0, res["train_on_tok_s"]) / gpus / 3600
-    res["projection"] = {
+    return {
         "ref_tokens": ref_tokens,
         "epochs": args.epochs,
         "gpus": gpus,
@@ -118,7 +130,10 @@ def main() -> int:
         "offline_hours": extract_h + off_train_h,
         "online_hours": on_train_h,
     }
-    write_out("gpu_online.json", res)
+
+
+def print_summary(res: dict, args: argparse.Namespace, t: dict, ext: dict) -> None:
+    gpus = res["projection"]["gpus"]
     print(
         f"\ngpu_online: {args.shape} x{args.layers} layers, {args.rows} rows x {args.seq} tokens, {args.steps} steps"
     )
@@ -137,7 +152,6 @@ def main() -> int:
         f"this shape): offline {pr['offline_disk_bytes'] / 1e12:.2f} TB, {pr['offline_hours']:.1f} h; "
         f"online-tp 0 TB, {pr['online_hours']:.1f} h"
     )
-    return 0
 
 
 if __name__ == "__main__":

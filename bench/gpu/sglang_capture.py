@@ -520,7 +520,39 @@ def finish_pytest(p: subprocess.Popen[str], t0: float) -> bool:
     return ok
 
 
-def main() -> int:
+def capture_both(name: str, model: Path, tok_dir: Path, args: argparse.Namespace) -> None:
+    """One model's rows captured by transformers and by SGLang (and, with ``--reference fp32``, by transformers in
+    float32), compared; into ``RESULTS[name]``."""
+    work = BASE / "capture" / name
+    work.mkdir(parents=True, exist_ok=True)
+    rows = work / "rows"
+    n = write_rows(tok_dir, rows, args.rows, args.max_length)
+    res: dict[str, Any] = {"row_tokens": n}
+    RESULTS[name] = res
+    for engine in ("transformers", "sglang"):
+        res[engine] = run_extract(work, engine, model, rows, args.max_length, False)
+        save()
+    res["compare"] = compare(Path(res["transformers"]["out"]), Path(res["sglang"]["out"]))
+    save()
+    if args.reference == "fp32":  # the bf16 noise floor: how far transformers' own bf16 is from fp32
+        res["transformers_fp32"] = run_extract(
+            work, "transformers", model, rows, args.max_length, False, "float32"
+        )
+        ref = Path(res["transformers_fp32"]["out"])
+        res["bf16_vs_fp32"] = compare(ref, Path(res["transformers"]["out"]))
+        res["sglang_vs_fp32"] = compare(ref, Path(res["sglang"]["out"]))
+        res["against_fp32"] = against_reference(res["bf16_vs_fp32"], res["sglang_vs_fp32"])
+        save()
+        log(f"{name}: against fp32 pass={res['against_fp32']['pass']}")
+    c = res["compare"]
+    log(
+        f"{name}: pass={c['pass']} final rel {c['final']['rel_err']:.4f} cos_min {c['final']['cos_min']:.4f}; "
+        f"greedy agree {c['greedy_agreement']:.3f}; tok/s transformers {res['transformers']['tokens_per_s']} "
+        f"sglang {res['sglang']['tokens_per_s']}"
+    )
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage-from", action="append", default=[], type=Path, help="a carried chunk folder")
     ap.add_argument("--models", default="smollm2,llama8b")
@@ -549,7 +581,11 @@ def main() -> int:
     ap.add_argument(
         "--tok-dir", type=Path, default=None, help="SmolLM2's tokenizer (default /tmp/sgl/smollm2)"
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     tok_dir = args.tok_dir or BASE / "smollm2"
     try:
@@ -574,33 +610,7 @@ def main() -> int:
         models = [m for m in args.models.split(",") if m]
         paths = build_models(models)
         for name in models:
-            work = BASE / "capture" / name
-            work.mkdir(parents=True, exist_ok=True)
-            rows = work / "rows"
-            n = write_rows(tok_dir, rows, args.rows, args.max_length)
-            res: dict[str, Any] = {"row_tokens": n}
-            RESULTS[name] = res
-            for engine in ("transformers", "sglang"):
-                res[engine] = run_extract(work, engine, paths[name], rows, args.max_length, False)
-                save()
-            res["compare"] = compare(Path(res["transformers"]["out"]), Path(res["sglang"]["out"]))
-            save()
-            if args.reference == "fp32":  # the bf16 noise floor: how far transformers' own bf16 is from fp32
-                res["transformers_fp32"] = run_extract(
-                    work, "transformers", paths[name], rows, args.max_length, False, "float32"
-                )
-                ref = Path(res["transformers_fp32"]["out"])
-                res["bf16_vs_fp32"] = compare(ref, Path(res["transformers"]["out"]))
-                res["sglang_vs_fp32"] = compare(ref, Path(res["sglang"]["out"]))
-                res["against_fp32"] = against_reference(res["bf16_vs_fp32"], res["sglang_vs_fp32"])
-                save()
-                log(f"{name}: against fp32 pass={res['against_fp32']['pass']}")
-            c = res["compare"]
-            log(
-                f"{name}: pass={c['pass']} final rel {c['final']['rel_err']:.4f} cos_min {c['final']['cos_min']:.4f}; "
-                f"greedy agree {c['greedy_agreement']:.3f}; tok/s transformers {res['transformers']['tokens_per_s']} "
-                f"sglang {res['sglang']['tokens_per_s']}"
-            )
+            capture_both(name, paths[name], tok_dir, args)
     except Exception as e:  # noqa: BLE001 - report, keep what was measured
         RESULTS.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
         log(f"FAILED: {type(e).__name__}: {e}")

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -315,7 +316,8 @@ def export(trainer: SpecForgeTrainer, draft: Eagle3Draft, inp: RunInputs, out: P
     return out
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
+def load_inputs(args: argparse.Namespace) -> tuple[Any, int]:
+    """The run's (or store's) inputs with the command line's ``[train]`` overrides; the micro-batch it uses."""
     overrides: dict[str, Any] = {
         "steps": args.steps,
         "batch_size": args.batch,
@@ -336,6 +338,42 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     s = inp.settings
     micro = min(args.micro_batch or s.micro_batch, s.batch_size)
     inp.settings = s = dataclasses.replace(s, micro_batch=micro)
+    return inp, micro
+
+
+def run_steps(
+    trainer: Any, s: Any, every: int, res: dict[str, Any], save: Callable[[], None]
+) -> tuple[float | None, int]:
+    """SpecForge's steps, a summary logged every ``every`` (and saved); (the first logged loss, tokens trained)."""
+    first_loss: float | None = None
+    tokens = 0
+    with contextlib.ExitStack() as stack:
+        if trainer.eager:
+            stack.enter_context(specforge_eager())
+        feeder = trainer.feeder(range(1, s.steps + 1), s.prefetch)
+        stack.callback(feeder.close)
+        for step in range(1, s.steps + 1):
+            t_step = time.monotonic()
+            batches = feeder.next(step)
+            r = trainer.step_or_eager(step, batches, stack, res)
+            tokens += r["tokens"]
+            if step % every == 0 or step in (1, s.steps):
+                r = summary(r)
+                first_loss = r["loss"] if first_loss is None else first_loss
+                r["tokens_per_s"] = round(r["tokens"] / max(time.monotonic() - t_step, 1e-9), 1)
+                res["log"].append(r)
+                accs = "/".join(f"{a:.3f}" for a in r["acc"])
+                log(
+                    f"step {step}/{s.steps} loss {r['loss']:.4f} acc {accs} lr {r['lr']:.2e} "
+                    f"grad-norm {r['grad_norm']:.3f} {r['tokens_per_s']:,.0f} tok/s"
+                )
+                save()
+    return first_loss, tokens
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    inp, micro = load_inputs(args)
+    s = inp.settings
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,30 +398,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         f"draft vocab {inp.vocab.size}"
     )
     every = args.log_every or max(1, s.steps // 20)
-    first_loss: float | None = None
     t_train = time.monotonic()
-    tokens = 0
-    with contextlib.ExitStack() as stack:
-        if trainer.eager:
-            stack.enter_context(specforge_eager())
-        feeder = trainer.feeder(range(1, s.steps + 1), s.prefetch)
-        stack.callback(feeder.close)
-        for step in range(1, s.steps + 1):
-            t_step = time.monotonic()
-            batches = feeder.next(step)
-            r = trainer.step_or_eager(step, batches, stack, res)
-            tokens += r["tokens"]
-            if step % every == 0 or step in (1, s.steps):
-                r = summary(r)
-                first_loss = r["loss"] if first_loss is None else first_loss
-                r["tokens_per_s"] = round(r["tokens"] / max(time.monotonic() - t_step, 1e-9), 1)
-                res["log"].append(r)
-                accs = "/".join(f"{a:.3f}" for a in r["acc"])
-                log(
-                    f"step {step}/{s.steps} loss {r['loss']:.4f} acc {accs} lr {r['lr']:.2e} "
-                    f"grad-norm {r['grad_norm']:.3f} {r['tokens_per_s']:,.0f} tok/s"
-                )
-                save()
+    first_loss, tokens = run_steps(trainer, s, every, res, save)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         res["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
