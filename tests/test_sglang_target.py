@@ -289,7 +289,7 @@ def test_sglang_capture_equals_transformers_on_a_tiny_llama(tmp_path: Path) -> N
         cos = torch.nn.functional.cosine_similarity(x[valid].float(), y[valid].float(), dim=-1)
         assert cos.min() > 0.99, cos.min()
     same = (ref.argmax(a.last_hidden) == sg.argmax(b.last_hidden))[valid].float().mean()
-    # Random weights: the top two of 1024 logits are often within bf16 kernel noise (bench/gpu/sglang_capture.py
+    # Random weights: the top two of 1024 logits are often within bf16 kernel noise (bench/gpu/sglang_capture_online.py
     # reports, never gates, this agreement); a wrong head or misplaced row agrees at ~1/1024, not 0.8.
     assert same > 0.8, same
 
@@ -297,7 +297,7 @@ def test_sglang_capture_equals_transformers_on_a_tiny_llama(tmp_path: Path) -> N
 def test_the_online_check_judges_training_not_one_low_loss_step() -> None:
     """``gpu_sglang_capture --online``'s verdict: a curve within bf16 noise passes even where one step's loss is
     tiny and its relative gap large (the H200 run's losses), a wrong first step or a drifting curve fails."""
-    from bench.gpu.sglang_capture import compare_curves
+    from bench.gpu.sglang_capture_online import compare_curves
 
     base = [3.61, 0.55, 1.12, 1.28, 5.71, 0.50, 1.74, 5.88, 3.11, 2.72] * 3
     a = [x * (1 - 0.02 * i) for i, x in enumerate(base)]  # one step's rows swing it; the trend falls
