@@ -5,7 +5,7 @@
 (or ``--store EXTRACT_OUT --vocab VOCAB_OUT [--plan PLAN]`` instead of ``--run``).
 
 ``RUN_DIR``: an Aerie run directory (``plan.toml``, ``stages/*/out``) or a folder of stage out dirs beside a
-``plan.toml`` (the ``bench/gpu_*.py`` work dirs) where extract (offline) and vocab have run, read as the train
+``plan.toml`` (the ``bench/gpu/*.py`` work dirs) where extract (offline) and vocab have run, read as the train
 stage reads them (:mod:`pipeline.eagle3.trainer_inputs`). As Aerie's train stage: the seeded initial draft, the
 draft vocabulary, each step's rows and micro-batches (``BatchSchedule``, ``rank_chunks``; its ``Feeder`` on a
 GPU). SpecForge's own: ``TargetHead``, ``Eagle3TrainStrategy.forward_loss`` around ``OnlineEagle3Model`` (TTT
