@@ -9,7 +9,7 @@ bf16, greedy token, ids, mask: 32,777 B a token at hidden 4096) through
 ``os.pwrite`` (file sized up front, 32 MiB writes, one fsync per file): the rate the directory's
 filesystem gives a single writer. Prints GB/s of each and the sink's share of the raw rate. This is
 the host half of issue 15's extraction goal: what a GPU run's end-to-end rate is capped by whatever
-the model does (``bench/gpu_extract.py`` times the whole path on a GPU). ``--json`` prints one JSON
+the model does (``bench/gpu/extract.py`` times the whole path on a GPU). ``--json`` prints one JSON
 object instead of the text (what ``bench/record.py`` reads).
 """
 

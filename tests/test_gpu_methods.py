@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import methods_gen, methods_stages
-from bench import methods_report as mr
-from bench.methods_data import (
+from bench.gpu import methods_gen, methods_stages
+from bench.gpu import methods_report as mr
+from bench.gpu.methods_data import (
     KINDS,
     Conversations,
     PromptFileError,

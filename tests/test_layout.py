@@ -251,3 +251,76 @@ def test_a_module_over_450_lines_says_why_at_its_top() -> None:
         if lines > 450 and "Over 450 lines" not in doc:
             silent.append(f"{name} ({lines} lines)")
     assert not silent, f"split these, or say why they stay whole: {silent}"
+
+
+# bench/ is a harness over the project: it may import pipeline/ and console/, they never import it, its modules
+# form no cycle, and bench/gpu's harness (the device runner every GPU experiment shares) imports no experiment.
+BENCH_GPU_HARNESS = {
+    "bench.gpu",
+    "bench.gpu.runner",
+    "bench.gpu.staging",
+    "bench.gpu.server",
+    "bench.gpu.results",
+}
+BENCH_GPU_HARNESS |= {"bench.gpu.common"}
+
+
+def bench_import_graph() -> dict[str, set[str]]:
+    """Every module of bench/, pipeline/ and console/ -> the project modules it imports (function-level included),
+    with a package's ``__init__`` as an implicit edge of its submodules."""
+    known: dict[str, Path] = {}
+    for top in ("bench", "pipeline", "console"):
+        for p in (ROOT / top).rglob("*.py"):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            known[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def resolve(name: str) -> str:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    g: dict[str, set[str]] = {}
+    for m, path in known.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found |= {
+                r for n in names if n.split(".")[0] in ("bench", "pipeline", "console") and (r := resolve(n))
+            }
+        parent = m.rpartition(".")[0]
+        g[m] = (found | ({parent} if parent in known and parent.count(".") else set())) - {m}
+    return g
+
+
+def test_bench_has_no_import_cycle_and_nothing_imports_bench() -> None:
+    g = bench_import_graph()
+    assert "bench.gpu.runner" in g and "bench.record" in g, "the graph must see bench/ (and bench/gpu/)"
+    in_bench = {
+        m: {d for d in deps if d.startswith("bench")} for m, deps in g.items() if m.startswith("bench")
+    }
+    cycle = find_cycle(in_bench)
+    assert cycle is None, "import cycle in bench/: " + " -> ".join(cycle or [])
+    upward = sorted(
+        f"{m} imports {d}"
+        for m, deps in g.items()
+        if not m.startswith("bench")
+        for d in deps
+        if d.startswith("bench")
+    )
+    assert not upward, upward
+
+
+def test_the_gpu_harness_imports_no_experiment() -> None:
+    g = bench_import_graph()
+    bad = sorted(
+        f"{m} imports {d}"
+        for m in BENCH_GPU_HARNESS
+        for d in g[m]
+        if d.startswith("bench") and d not in BENCH_GPU_HARNESS
+    )
+    assert not bad, bad

@@ -1,7 +1,7 @@
 """Capture through SGLang (``[target] engine = "sglang"``) without a GPU: the plan key, the layers SGLang is told
 to capture, SGLang's packed output laid out as the transformers capture's store, and the runner's construction
 against the installed SGLang's own classes. The capture itself is ``test_sglang_capture_equals_transformers``
-(GPU) and ``bench/gpu_sglang_capture.py`` on the lent H200."""
+(GPU) and ``bench/gpu/sglang_capture.py`` on the lent H200."""
 
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def test_the_installed_sglangs_server_args_accepts_the_capture_runners_settings(
 @pytest.mark.slow
 def test_sglang_capture_equals_transformers_on_a_tiny_llama(tmp_path: Path) -> None:
     """On a GPU with SGLang importable: the same rows through both engines, within bf16 kernel differences.
-    On the lent H200: ``bench/gpu_sglang_capture.py --online --pytest`` runs it with SGLang's site folder first
+    On the lent H200: ``python -m bench.gpu.sglang_capture --online --pytest`` runs it with SGLang's site folder first
     on ``PYTHONPATH``, as the sglang stages run (docs/performance.md)."""
     pytest.importorskip("sglang.srt.model_executor.model_runner", reason="SGLang's runtime is not installed")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -289,7 +289,7 @@ def test_sglang_capture_equals_transformers_on_a_tiny_llama(tmp_path: Path) -> N
         cos = torch.nn.functional.cosine_similarity(x[valid].float(), y[valid].float(), dim=-1)
         assert cos.min() > 0.99, cos.min()
     same = (ref.argmax(a.last_hidden) == sg.argmax(b.last_hidden))[valid].float().mean()
-    # Random weights: the top two of 1024 logits are often within bf16 kernel noise (bench/gpu_sglang_capture.py
+    # Random weights: the top two of 1024 logits are often within bf16 kernel noise (bench/gpu/sglang_capture_online.py
     # reports, never gates, this agreement); a wrong head or misplaced row agrees at ~1/1024, not 0.8.
     assert same > 0.8, same
 
@@ -297,7 +297,7 @@ def test_sglang_capture_equals_transformers_on_a_tiny_llama(tmp_path: Path) -> N
 def test_the_online_check_judges_training_not_one_low_loss_step() -> None:
     """``gpu_sglang_capture --online``'s verdict: a curve within bf16 noise passes even where one step's loss is
     tiny and its relative gap large (the H200 run's losses), a wrong first step or a drifting curve fails."""
-    from bench.gpu_sglang_capture import compare_curves
+    from bench.gpu.sglang_capture_online import compare_curves
 
     base = [3.61, 0.55, 1.12, 1.28, 5.71, 0.50, 1.74, 5.88, 3.11, 2.72] * 3
     a = [x * (1 - 0.02 * i) for i, x in enumerate(base)]  # one step's rows swing it; the trend falls

@@ -3,7 +3,7 @@ compute the same per-step logits, losses, accuracy and gradients as Aerie's draf
 
 SpecForge 0.2.0 is installed in CI without its dependencies (.ci/specforge-requirements.txt); where it
 is missing this skips, unless ``AERIE_REQUIRE_SPECFORGE=1`` (CI sets it) makes that a failure. The
-construction and the convention mapping live in bench/specforge_peer.py.
+construction and the convention mapping live in bench/gpu/specforge_peer.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from bench.specforge_peer import (
+from bench.gpu.specforge_peer import (
     DECAY,
     aerie_ttt,
     build_pair,

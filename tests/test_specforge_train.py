@@ -1,4 +1,4 @@
-"""SpecForge's own trainer on Aerie's store (issue 27, item 2): ``bench/specforge_train.py`` trains a draft the
+"""SpecForge's own trainer on Aerie's store (issue 27, item 2): ``bench/gpu/specforge_train.py`` trains a draft the
 bench stage loads, and SpecForge's first-step loss on a real store batch equals Aerie's with the same weights.
 
 Skips without SpecForge 0.2.0 (fails instead under ``AERIE_REQUIRE_SPECFORGE=1``, as CI sets), like
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.specforge_peer import specforge_available
+from bench.gpu.specforge_peer import specforge_available
 
 WHY = specforge_available()
 if WHY and os.environ.get("AERIE_REQUIRE_SPECFORGE") == "1":
     raise RuntimeError(f"AERIE_REQUIRE_SPECFORGE=1 but {WHY}")
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
-from bench.specforge_train import (  # noqa: E402
+from bench.gpu.specforge_train import (  # noqa: E402
     SetupError,
     build,
     load_run,
@@ -115,7 +115,7 @@ def test_specforge_trains_a_draft_the_bench_stage_loads(tmp_path_factory, tmp_pa
 def test_specforge_first_step_loss_equals_aeries_on_a_store_batch(tmp_path_factory) -> None:
     from specforge.runtime.contracts import TrainBatch
 
-    from bench.specforge_peer import specforge_eager
+    from bench.gpu.specforge_peer import specforge_eager
 
     run = run_dir(tmp_path_factory)
     inp = load_run(store=run / "ext", vocab=run / "voc", **ARGS)  # the plan beside the store is found

@@ -1,4 +1,4 @@
-"""The structured synthetic target of the SGLang speedup bench (``bench/structured_target.py``), on a tiny Llama."""
+"""The structured synthetic target of the SGLang speedup bench (``bench/gpu/structured_target.py``), on a tiny Llama."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import string
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench import structured_target as st
+from bench.gpu import structured_target as st
 
 
 class _Vocab:

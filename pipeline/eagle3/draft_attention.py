@@ -111,7 +111,7 @@ def chain_attention_reference(
     """The same attention written plainly: every key concatenated, one ``(Sq, (1+j)·Skv)`` boolean mask.
 
     What Aerie ran before :func:`chain_attention` learnt the sink form; kept as the reference the
-    tests and ``bench/ttt_memory.py`` compare against (it scores ``(1+j)×`` the keys a query needs).
+    tests and ``bench/gpu/ttt_memory.py`` compare against (it scores ``(1+j)×`` the keys a query needs).
     """
     chain = chain or []
     b, _, sq, _ = q.shape

@@ -1,6 +1,6 @@
 """Writing hidden-state shards behind the target: pinned host buffers, a writer thread, one fsync per shard.
 
-What ``pipeline.stages.extract`` (and ``bench/gpu_extract.py``) run between the target's capture and
+What ``pipeline.stages.extract`` (and ``bench/gpu/extract.py``) run between the target's capture and
 the disk, so that the host copy and the write overlap the next batch instead of following it:
 
 * :class:`HostStager` packs one captured batch (padded ``(B, S, ·)`` device tensors) into its rows'

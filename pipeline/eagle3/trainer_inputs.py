@@ -1,6 +1,6 @@
 """What any EAGLE-3 trainer reads from a run: the extraction and the draft vocabulary among its inputs (by
 manifest kind), and the draft initialised from the target (seeded). Shared by the train stage and
-``bench/specforge_train.py`` (SpecForge's trainer on the same store), so both start from the same draft."""
+``bench/gpu/specforge_train.py`` (SpecForge's trainer on the same store), so both start from the same draft."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ rows of each batch were read, padded and copied to the GPU on the training threa
 pinned host memory on its own thread, ``depth`` steps ahead, and copies them to the GPU on a separate
 CUDA stream, so the copy overlaps the previous step's compute; the training thread only waits on an
 event. The stage uses it on a GPU only: on a CPU the step itself is the bottleneck and the thread only
-competes with it for the cores (``bench/gpu_train.py --store --device cpu``: 74 % of the synthetic rate
+competes with it for the cores (``bench/gpu/train.py --store --device cpu``: 74 % of the synthetic rate
 with the feeder, 100 % without, on 2 cores). It works there too, without pinning or streams (the tests).
 
 The thread does only reads and copies (torch releases the GIL in both); an error there (an unreadable

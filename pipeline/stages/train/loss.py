@@ -8,7 +8,7 @@ at once, and nothing is recomputed in backward. The target's logits over the dra
 computed once per batch (bf16 under autocast, as the target itself would give them; fp32 otherwise)
 and shared by every step and chunk, which only gather their rows. ``chunk_tokens=0`` keeps the
 plain form (every step's full logits alive until backward), which the tests and
-``bench/ttt_memory.py`` compare against.
+``bench/gpu/ttt_memory.py`` compare against.
 
 ``objective`` other than ``kl`` (``[train] loss``) scores the same positions with the same weights through
 :func:`pipeline.stages.train.lk_loss.linear_lk` instead: the LK losses, which also need the target's

@@ -1,6 +1,6 @@
 """Extraction throughput on a GPU: tokens/s and MFU of ``pipeline.eagle3.target_capture`` (what the extract stage runs).
 
-``python bench/gpu_extract.py [--shape llama8b] [--layers 8] [--batch 8] [--seq 2048] [--e2e-batches 16]
+``python -m bench.gpu.extract [--shape llama8b] [--layers 8] [--batch 8] [--seq 2048] [--e2e-batches 16]
 [--shard-batches 4] [--write-queue 2] [--io-threads 4] [--out-dir DIR]``
 
 A Llama-3.1-8B-shaped target with ``--layers`` decoder layers and random bf16 weights (throughput
@@ -16,7 +16,7 @@ directory; point it at the disk runs use) and are deleted afterwards. MFU counts
 (linear layers + causal attention + LM head) over the bf16 matmul ceiling measured in the same run.
 ``--shape tiny --device cpu`` is a smoke run.
 
-``python bench/gpu_extract.py --kimi [--kimi-mode one|auto|tp]`` times the MoE path instead: a
+``python -m bench.gpu.extract --kimi [--kimi-mode one|auto|tp]`` times the MoE path instead: a
 tiny-but-wide Kimi-K2.5-architecture target (``tests/kimi_fixture.py``: the real ``kimi_k25`` /
 ``deepseek_v3`` classes, MLA, YaRN, sigmoid-routed experts with a shared expert; hidden 2048, 8
 layers, 64 experts top-8) loaded the three ways the extract stage can: on one device, spread by
@@ -34,16 +34,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu_common import device_info, llama_config, matmul_ceiling_tflops, sync, time_ms, write_out  # noqa: E402
-from pipeline.eagle3 import hidden_store as hs  # noqa: E402
-from pipeline.eagle3.draft_config import default_aux_layers  # noqa: E402
-from pipeline.eagle3.shard_sink import HostStager, ShardSink  # noqa: E402
-from pipeline.eagle3.target_capture import Target  # noqa: E402
+from bench.gpu.common import device_info, llama_config, matmul_ceiling_tflops, sync, time_ms
+from bench.gpu.results import write_out
+from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3.draft_config import default_aux_layers
+from pipeline.eagle3.shard_sink import HostStager, ShardSink
+from pipeline.eagle3.target_capture import Target
 
 
 def flops_per_token(cfg, seq: int) -> tuple[float, float]:
@@ -171,14 +171,14 @@ def kimi_compare(args: argparse.Namespace) -> int:
     import os
     import subprocess
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.kimi_fixture import build_tiny_kimi
 
     folder = Path(tempfile.mkdtemp(prefix="kimi_wide_"))
     build_tiny_kimi(folder, dtype="bfloat16", **KIMI_WIDE)
     base = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        "bench.gpu.extract",
         "--kimi",
         "--kimi-dir",
         str(folder),
@@ -237,7 +237,7 @@ def kimi_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kimi", action="store_true", help="the Kimi-K2.5-architecture MoE target, three ways")
     ap.add_argument("--kimi-mode", choices=("one", "auto", "tp"), default=None)
@@ -255,12 +255,13 @@ def main() -> int:
     )
     ap.add_argument("--io-threads", type=int, default=4, help="parallel pwrite calls per batch")
     ap.add_argument("--out-dir", default=None, help="where the end-to-end shards go (default: a temp dir)")
-    args = ap.parse_args()
-    if args.kimi:
-        return kimi_capture(args) if args.kimi_mode else kimi_compare(args)
-    dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ceiling = matmul_ceiling_tflops(dev)
+    return ap.parse_args()
+
+
+def build_target(
+    args: argparse.Namespace, dev: torch.device, dtype: torch.dtype
+) -> tuple[Any, Target, list[int]]:
+    """A random-weight Llama of ``--shape`` x ``--layers`` on ``dev``, wrapped as the stage's capture ``Target``."""
     from transformers import LlamaForCausalLM
 
     cfg = llama_config(args.shape, args.layers)
@@ -272,11 +273,19 @@ def main() -> int:
     torch.set_default_dtype(prev)
     model.eval()
     aux = default_aux_layers(args.layers)
-    target = Target(model, aux)
-    b, s = args.batch, args.seq
-    ids = torch.randint(0, cfg.vocab_size, (b, s), device=dev)
-    mask = torch.ones(b, s, dtype=torch.long, device=dev)
-    tokens = b * s
+    return cfg, Target(model, aux), aux
+
+
+def time_capture(
+    args: argparse.Namespace,
+    target: Target,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    dev: torch.device,
+    tmp: Path,
+) -> tuple[float, float, float, int, int]:
+    """Median forward and LM-head times (ms), then the stage's write path end to end: (forward, head, seconds,
+    shard bytes, shards)."""
     cap_holder = {}
 
     def forward() -> None:
@@ -285,42 +294,58 @@ def main() -> int:
     def head() -> None:
         target.argmax(cap_holder["c"].last_hidden)
 
+    with torch.no_grad():
+        t_fwd = statistics.median(time_ms(forward, dev, reps=args.reps))
+        forward()
+        t_head = statistics.median(time_ms(head, dev, reps=args.reps))
+        cap_holder.clear()
+        # Warm-up through the same stager: its pinned buffers are allocated once per extraction (the
+        # stage keeps one for the whole run), so the timed batches find them as a long run does.
+        stager = HostStager(dev, slots=args.write_queue + 2)
+        write_path(
+            target,
+            ids,
+            mask,
+            tmp / "warm",
+            args.write_queue + 2,
+            args.shard_batches,
+            args.write_queue,
+            args.io_threads,
+            stager,
+        )
+        shutil.rmtree(tmp / "warm")
+        e2e_s, shard_bytes, n_shards = write_path(
+            target,
+            ids,
+            mask,
+            tmp / "run",
+            args.e2e_batches,
+            args.shard_batches,
+            args.write_queue,
+            args.io_threads,
+            stager,
+        )
+    return t_fwd, t_head, e2e_s, shard_bytes, n_shards
+
+
+def main() -> int:
+    args = parse_args()
+    if args.kimi:
+        return kimi_capture(args) if args.kimi_mode else kimi_compare(args)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    ceiling = matmul_ceiling_tflops(dev)
+    cfg, target, aux = build_target(args, dev, dtype)
+    b, s = args.batch, args.seq
+    ids = torch.randint(0, cfg.vocab_size, (b, s), device=dev)
+    mask = torch.ones(b, s, dtype=torch.long, device=dev)
+    tokens = b * s
     base = Path(args.out_dir) if args.out_dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_extract_", dir=base))
     e2e = {"write_queue": args.write_queue, "io_threads": args.io_threads}
     try:
-        with torch.no_grad():
-            t_fwd = statistics.median(time_ms(forward, dev, reps=args.reps))
-            forward()
-            t_head = statistics.median(time_ms(head, dev, reps=args.reps))
-            cap_holder.clear()
-            # Warm-up through the same stager: its pinned buffers are allocated once per extraction (the
-            # stage keeps one for the whole run), so the timed batches find them as a long run does.
-            stager = HostStager(dev, slots=args.write_queue + 2)
-            write_path(
-                target,
-                ids,
-                mask,
-                tmp / "warm",
-                args.write_queue + 2,
-                args.shard_batches,
-                args.write_queue,
-                args.io_threads,
-                stager,
-            )
-            shutil.rmtree(tmp / "warm")
-            e2e_s, shard_bytes, n_shards = write_path(
-                target,
-                ids,
-                mask,
-                tmp / "run",
-                args.e2e_batches,
-                args.shard_batches,
-                args.write_queue,
-                args.io_threads,
-                stager,
-            )
+        t_fwd, t_head, e2e_s, shard_bytes, n_shards = time_capture(args, target, ids, mask, dev, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     e2e_tokens = tokens * args.e2e_batches
@@ -360,6 +385,14 @@ def main() -> int:
         "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
     }
     write_out("gpu_extract.json", res)
+    print_summary(res, args, dev, base, n_shards)
+    return 0
+
+
+def print_summary(
+    res: dict[str, Any], args: argparse.Namespace, dev: torch.device, base: Path, n_shards: int
+) -> None:
+    b, s, ceiling = res["batch"], res["seq"], res["matmul_ceiling_tflops"]
     print(f"\ngpu_extract on {res.get('name', dev)}: {args.shape} x{args.layers} layers, batch {b}x{s}")
     print(f"  bf16 matmul ceiling          {ceiling:8.1f} TFLOP/s")
     print(
@@ -379,7 +412,6 @@ def main() -> int:
     print(
         f"  stored {res['bytes_per_token']:.0f} B/token; peak GPU memory {res['peak_mem_gib'] or 0:.1f} GiB"
     )
-    return 0
 
 
 if __name__ == "__main__":

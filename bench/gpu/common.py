@@ -6,10 +6,7 @@ data, median of CUDA-event timings after a warm-up), so MFU is always against th
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,12 +113,6 @@ def device_info(dev: torch.device) -> dict[str, Any]:
     except ImportError:
         pass
     return info
-
-
-def write_out(name: str, doc: dict[str, Any]) -> None:
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, name).write_text(json.dumps(doc, indent=1))
 
 
 def random_draft(cfg: Any, dev: torch.device) -> tuple[Any, torch.Tensor]:

@@ -1,13 +1,13 @@
 """Plain vs EAGLE-3 server variants on the structured 8B target, and a torch-profiler trace of decode rounds (issue 38).
 
-Phase ``ab`` of ``bench/gpu_sglang.py`` (which sets ``g`` to itself: its servers, settings, throughput and result
-file). It needs the structured target and its draft from ``--phases plain,data,train`` on the same warm machine.
+Phase ``ab`` of ``python -m bench.gpu.sglang_serve`` (its servers, settings, throughput and result file come
+from the harness and ``sglang_setup``/``sglang_client``). It needs the structured target and its draft from ``--phases plain,data,train`` on the same warm machine.
 Each variant of ``--variants`` is ``MODE:BACKEND[:FLAG=VALUE...]``, e.g. ``eagle3:flashinfer`` or
 ``eagle3:triton:disable-overlap-schedule`` (a flag without ``=`` is passed bare): one server start, then each batch
 measured ``--repeats`` times after a warm-up (``throughput``: client tok/s, the counters' accept length and the
 server log's own ``gen throughput``), then — with ``--profile-batch`` — SGLang's ``/start_profile`` over a few
 decode rounds at that batch, the trace copied to ``$OUT/trace_<variant>.json.gz``. A variant that fails (a
-backend that does not start) is recorded with its error and the next one runs. ``bench/sglang_trace.py`` reads
+backend that does not start) is recorded with its error and the next one runs. ``bench/gpu/sglang_trace.py`` reads
 the traces.
 """
 
@@ -21,7 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-g: Any = None  # the bench.gpu_sglang module (set by its main)
+from bench.gpu.results import RESULTS, save_results
+from bench.gpu.runner import BASE, OUT, log
+from bench.gpu.server import Server, http_post
+from bench.gpu.sglang_client import chat_prompts, throughput
+from bench.gpu.sglang_setup import key, settings, target_name, work_dir
 
 PROFILE_STEPS = 12
 
@@ -42,7 +46,7 @@ def parse_variant(text: str) -> tuple[str, str, str, tuple[str, ...]]:
 def profile_rounds(srv: Any, prompts: list[str], batch: int, name: str) -> dict[str, Any]:
     """``batch`` long greedy requests; once they decode, ``/start_profile`` for ``PROFILE_STEPS`` scheduler steps
     (CPU + GPU activities, no stacks); returns where the trace went and the wall time of the profiled load."""
-    d = g.BASE / "prof" / name
+    d = BASE / "prof" / name
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     done: list[Any] = []
@@ -63,7 +67,7 @@ def profile_rounds(srv: Any, prompts: list[str], batch: int, name: str) -> dict[
     time.sleep(1.0)  # past the prefills: the profiled steps are decode rounds
     r: dict[str, Any] = {"batch": batch, "steps": PROFILE_STEPS}
     try:
-        g._post(
+        http_post(
             f"{srv.s.url}/start_profile",
             {
                 "output_dir": str(d),
@@ -87,10 +91,10 @@ def profile_rounds(srv: Any, prompts: list[str], batch: int, name: str) -> dict[
         time.sleep(1)
     r["files"] = [str(p.relative_to(d)) for p in files]
     for i, p in enumerate(files):
-        dest = g.OUT / (f"trace_{name}" + (f"_{i}" if i else "") + "".join(p.suffixes))
+        dest = OUT / (f"trace_{name}" + (f"_{i}" if i else "") + "".join(p.suffixes))
         shutil.copy2(p, dest)
         r.setdefault("copied", []).append(dest.name)
-    g.log(f"{name}: profile {r.get('files')} {r.get('error', '')}")
+    log(f"{name}: profile {r.get('files')} {r.get('error', '')}")
     return r
 
 
@@ -101,19 +105,19 @@ def _stable(p: Path) -> bool:
 
 
 def phase_ab(args: argparse.Namespace) -> None:
-    name = g.target_name(args)
-    model = g.BASE / "models" / name
-    draft = g.work_dir(args) / "train" / "draft"
-    prompts = g.chat_prompts(model, json.loads((g.work_dir(args) / "heldout.json").read_text()))
-    out = g.RESULTS.setdefault(g.key(args, "ab"), {})
+    name = target_name(args)
+    model = BASE / "models" / name
+    draft = work_dir(args) / "train" / "draft"
+    prompts = chat_prompts(model, json.loads((work_dir(args) / "heldout.json").read_text()))
+    out = RESULTS.setdefault(key(args, "ab"), {})
     for text in args.variants.split(","):
         vname, mode, backend, flags = parse_variant(text)
         t0 = time.monotonic()
         res: dict[str, Any] = {"mode": mode, "backend": backend, "flags": list(flags)}
         try:
-            srv = g.Server(
+            srv = Server(
                 f"ab_{vname}",
-                g.settings(
+                settings(
                     model,
                     30004,
                     args,
@@ -128,13 +132,13 @@ def phase_ab(args: argparse.Namespace) -> None:
         except Exception as e:  # noqa: BLE001 - record, go on with the next variant
             res["error"] = f"{type(e).__name__}: {e}"
             out[vname] = res
-            g.log(f"{vname}: FAILED to start: {e}")
-            g.save_results()
+            log(f"{vname}: FAILED to start: {e}")
+            save_results()
             continue
         try:
             res["start_s"] = round(srv.start_s, 1)
             res["throughput"] = [
-                g.throughput(srv, prompts, b, args.max_new_tokens, args.per_stream, args.warmup)
+                throughput(srv, prompts, b, args.max_new_tokens, args.per_stream, args.warmup)
                 for b in args.batches
                 for _ in range(args.repeats)
             ]
@@ -142,9 +146,9 @@ def phase_ab(args: argparse.Namespace) -> None:
                 res["profile"] = profile_rounds(srv, prompts, args.profile_batch, vname)
         except Exception as e:  # noqa: BLE001
             res["error"] = f"{type(e).__name__}: {e}"
-            g.log(f"{vname}: FAILED: {e}")
+            log(f"{vname}: FAILED: {e}")
         finally:
             srv.stop()
             res["held_s"] = round(time.monotonic() - t0, 1)
             out[vname] = res
-            g.save_results()
+            save_results()

@@ -1,6 +1,6 @@
 """A GPU load for recording telemetry on a lent GPU: holds memory, optionally keeps the SMs busy.
 
-``python bench/gpu_load.py --hold-gib 8 --seconds 15`` (busy matmuls) or ``--idle`` (only holds
+``python -m bench.gpu.load --hold-gib 8 --seconds 15`` (busy matmuls) or ``--idle`` (only holds
 memory, like a forgotten process would). ``--device cpu`` runs the same code without a GPU, so
 the recording plan can be tried on a machine without one.
 """

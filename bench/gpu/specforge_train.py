@@ -1,11 +1,11 @@
 """SpecForge 0.2.0 trains an EAGLE-3 draft on the store Aerie's extract stage wrote; Aerie's bench stage benches it.
 
-``python bench/specforge_train.py --run RUN_DIR --out DRAFT_DIR --steps N --batch B --lr LR --seed S
+``python -m bench.gpu.specforge_train --run RUN_DIR --out DRAFT_DIR --steps N --batch B --lr LR --seed S
 [--ttt T] [--device cuda|cpu] [--micro-batch M] [--mask aerie|specforge] [--backend sdpa|flex_attention]``
 (or ``--store EXTRACT_OUT --vocab VOCAB_OUT [--plan PLAN]`` instead of ``--run``).
 
 ``RUN_DIR``: an Aerie run directory (``plan.toml``, ``stages/*/out``) or a folder of stage out dirs beside a
-``plan.toml`` (the ``bench/gpu_*.py`` work dirs) where extract (offline) and vocab have run, read as the train
+``plan.toml`` (the ``bench/gpu/*.py`` work dirs) where extract (offline) and vocab have run, read as the train
 stage reads them (:mod:`pipeline.eagle3.trainer_inputs`). As Aerie's train stage: the seeded initial draft, the
 draft vocabulary, each step's rows and micro-batches (``BatchSchedule``, ``rank_chunks``; its ``Feeder`` on a
 GPU). SpecForge's own: ``TargetHead``, ``Eagle3TrainStrategy.forward_loss`` around ``OnlineEagle3Model`` (TTT
@@ -20,7 +20,7 @@ last-step weights), which SGLang loads as ``--speculative-draft-model-path``, pl
 ``specforge_train.json`` (the logged steps; also ``$OUT/specforge_train.json`` when ``OUT`` is set). On CUDA
 SpecForge runs in bf16 with its ``torch.compile`` and Triton paths; if a step fails there it is redone
 eagerly (printed). On the CPU it runs eagerly in fp32. SpecForge is found installed, or in ``.gpu-stage/sf``
-(what ``bench/gpu_specforge.py --stage`` copies there to carry it to the GPU machine).
+(what ``bench/gpu/specforge_accept.py --stage`` copies there to carry it to the GPU machine).
 """
 
 from __future__ import annotations
@@ -31,35 +31,36 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.gpu.runner import ROOT
+
 if (ROOT / ".gpu-stage" / "sf").is_dir():  # SpecForge carried to a machine where it is not installed
     sys.path.insert(1, str(ROOT / ".gpu-stage" / "sf"))
 
-from bench.gpu_common import write_out  # noqa: E402
-from bench.specforge_peer import (  # noqa: E402
+from bench.gpu.results import write_out
+from bench.gpu.specforge_peer import (
     SPECFORGE_VERSION,
     param_map,
     specforge_available,
     specforge_eager,
     wrap_specforge,
 )
-from pipeline.eagle3 import draft_vocab  # noqa: E402
-from pipeline.eagle3 import hidden_store as hs  # noqa: E402
-from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left  # noqa: E402
-from pipeline.eagle3.trainer_inputs import build_draft, find_inputs  # noqa: E402
-from pipeline.run import plan as plan_mod  # noqa: E402
-from pipeline.run.plan_sections import TrainSection  # noqa: E402
-from pipeline.run.rundir import write_json  # noqa: E402
-from pipeline.stages.train.batches import Batch, OfflineData  # noqa: E402
-from pipeline.stages.train.feeder import Feeder, Inline  # noqa: E402
-from pipeline.stages.train.settings import BatchSchedule  # noqa: E402
-from pipeline.stages.train.steps import rank_chunks  # noqa: E402
+from pipeline.eagle3 import draft_vocab
+from pipeline.eagle3 import hidden_store as hs
+from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left
+from pipeline.eagle3.trainer_inputs import build_draft, find_inputs
+from pipeline.run import plan as plan_mod
+from pipeline.run.plan_sections import TrainSection
+from pipeline.run.rundir import write_json
+from pipeline.stages.train.batches import Batch, OfflineData
+from pipeline.stages.train.feeder import Feeder, Inline
+from pipeline.stages.train.settings import BatchSchedule
+from pipeline.stages.train.steps import rank_chunks
 
 RESULTS = "specforge_train.json"
 
@@ -315,7 +316,8 @@ def export(trainer: SpecForgeTrainer, draft: Eagle3Draft, inp: RunInputs, out: P
     return out
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
+def load_inputs(args: argparse.Namespace) -> tuple[Any, int]:
+    """The run's (or store's) inputs with the command line's ``[train]`` overrides; the micro-batch it uses."""
     overrides: dict[str, Any] = {
         "steps": args.steps,
         "batch_size": args.batch,
@@ -336,6 +338,42 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     s = inp.settings
     micro = min(args.micro_batch or s.micro_batch, s.batch_size)
     inp.settings = s = dataclasses.replace(s, micro_batch=micro)
+    return inp, micro
+
+
+def run_steps(
+    trainer: Any, s: Any, every: int, res: dict[str, Any], save: Callable[[], None]
+) -> tuple[float | None, int]:
+    """SpecForge's steps, a summary logged every ``every`` (and saved); (the first logged loss, tokens trained)."""
+    first_loss: float | None = None
+    tokens = 0
+    with contextlib.ExitStack() as stack:
+        if trainer.eager:
+            stack.enter_context(specforge_eager())
+        feeder = trainer.feeder(range(1, s.steps + 1), s.prefetch)
+        stack.callback(feeder.close)
+        for step in range(1, s.steps + 1):
+            t_step = time.monotonic()
+            batches = feeder.next(step)
+            r = trainer.step_or_eager(step, batches, stack, res)
+            tokens += r["tokens"]
+            if step % every == 0 or step in (1, s.steps):
+                r = summary(r)
+                first_loss = r["loss"] if first_loss is None else first_loss
+                r["tokens_per_s"] = round(r["tokens"] / max(time.monotonic() - t_step, 1e-9), 1)
+                res["log"].append(r)
+                accs = "/".join(f"{a:.3f}" for a in r["acc"])
+                log(
+                    f"step {step}/{s.steps} loss {r['loss']:.4f} acc {accs} lr {r['lr']:.2e} "
+                    f"grad-norm {r['grad_norm']:.3f} {r['tokens_per_s']:,.0f} tok/s"
+                )
+                save()
+    return first_loss, tokens
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    inp, micro = load_inputs(args)
+    s = inp.settings
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,30 +398,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         f"draft vocab {inp.vocab.size}"
     )
     every = args.log_every or max(1, s.steps // 20)
-    first_loss: float | None = None
     t_train = time.monotonic()
-    tokens = 0
-    with contextlib.ExitStack() as stack:
-        if trainer.eager:
-            stack.enter_context(specforge_eager())
-        feeder = trainer.feeder(range(1, s.steps + 1), s.prefetch)
-        stack.callback(feeder.close)
-        for step in range(1, s.steps + 1):
-            t_step = time.monotonic()
-            batches = feeder.next(step)
-            r = trainer.step_or_eager(step, batches, stack, res)
-            tokens += r["tokens"]
-            if step % every == 0 or step in (1, s.steps):
-                r = summary(r)
-                first_loss = r["loss"] if first_loss is None else first_loss
-                r["tokens_per_s"] = round(r["tokens"] / max(time.monotonic() - t_step, 1e-9), 1)
-                res["log"].append(r)
-                accs = "/".join(f"{a:.3f}" for a in r["acc"])
-                log(
-                    f"step {step}/{s.steps} loss {r['loss']:.4f} acc {accs} lr {r['lr']:.2e} "
-                    f"grad-norm {r['grad_norm']:.3f} {r['tokens_per_s']:,.0f} tok/s"
-                )
-                save()
+    first_loss, tokens = run_steps(trainer, s, every, res, save)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         res["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

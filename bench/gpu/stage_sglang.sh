@@ -2,14 +2,14 @@
 # Assemble SGLang for the lent H200 (issue 26): download the py3.12 wheels it needs beside the GPU image's own
 # packages (torch 2.11+cu130 is there), unpack them into one site folder, trim what a triton-attention server never
 # loads, and pack it into chunk folders of <= 56 MiB that `run` calls carry one at a time (64 MiB a call, the
-# repo's own ~4 MB included). `bench/gpu_sglang.py` documents how the chunks are sent and joined on the machine.
+# repo's own ~4 MB included). `bench/gpu/sglang_serve.py` and `bench/gpu/staging.py` document how the chunks are sent and joined on the machine.
 #
-#   bash bench/gpu_sglang_stage.sh            # -> .gpu-stage/c1 .. cN  (gitignored)
+#   bash bench/gpu/stage_sglang.sh            # -> .gpu-stage/c1 .. cN  (gitignored)
 #
 # Needs: pip (registry access), a CPython 3.12 here only for unpacking (pip refuses cp312 wheels under 3.11):
 # PY312 defaults to pyenv's. Idempotent: wheels already downloaded are kept.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STAGE=.gpu-stage
 PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python}
 mkdir -p $STAGE/wheels

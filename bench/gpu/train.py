@@ -1,6 +1,6 @@
 """Draft-training throughput on a GPU: tokens/s and MFU of one ``pipeline.stages.train`` step.
 
-``python bench/gpu_train.py [--shape llama8b] [--configs 4x2048x7,2x4096x7,...] [--steps 8]``
+``python -m bench.gpu.train [--shape llama8b] [--configs 4x2048x7,2x4096x7,...] [--steps 8]``
 
 The EAGLE-3 draft of a Llama-3.1-8B-shaped target (hidden 4096, 32000-token draft vocabulary) with
 random weights, trained by the stage's own step (``pipeline.stages.train.loss.ttt_sums``: TTT unrolled, soft
@@ -17,14 +17,13 @@ issue 15 (causal step-0 scores plus one sink key per query for the chain's diago
 from it through the stage's data path — ``OfflineData`` on mapped shards, pinned batches, the ``Feeder``
 thread with its copy stream — and, for comparison, with the rows read on the step's thread as before;
 each printed as a share of the synthetic tokens/s (goal: ≥ 85 %). ``--baseline specforge`` times
-SpecForge 0.2.0's draft forward+backward (``bench/specforge_peer.py``) on the same config and batch.
+SpecForge 0.2.0's draft forward+backward (``bench/gpu/specforge_peer.py``) on the same config and batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu_common import (  # noqa: E402
+from bench.gpu.common import (
     device_info,
     llama_config,
     matmul_ceiling_tflops,
@@ -42,12 +39,12 @@ from bench.gpu_common import (  # noqa: E402
     sync,
     synthetic_batch,
     time_ms,
-    write_out,
 )
+from bench.gpu.results import write_out
 from pipeline.eagle3.draft_config import DraftConfig
-from pipeline.eagle3.draft_model import Eagle3Draft  # noqa: E402
-from pipeline.stages.train.batches import Batch  # noqa: E402
-from pipeline.stages.train.loss import ttt_sums  # noqa: E402
+from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.stages.train.batches import Batch
+from pipeline.stages.train.loss import ttt_sums
 
 
 def flops(cfg: DraftConfig, seq: int, ttt: int) -> dict[str, float]:
@@ -243,7 +240,7 @@ def check_against_cpu(
     return {"fp32_rel_err": rel(fp32), "bf16_rel_err": rel(bf16)}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama8b")
     ap.add_argument("--draft-vocab", type=int, default=32000)
@@ -269,7 +266,51 @@ def main() -> int:
         metavar="ROWS",
         help="with --baseline: print each side's top ROWS operators by device time",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure_config(
+    args: argparse.Namespace, cfg: DraftConfig, spec: str, dev: torch.device, ceiling: float
+) -> dict:
+    """One ``BxSxT`` config: the synthetic step, then (``--store``) the stage's data path and (``--baseline``)
+    SpecForge's draft on the same shapes."""
+    b, s, t = (int(x) for x in spec.split("x"))
+    try:
+        r = run_config(cfg, b, s, t, args.steps, dev)
+        r["mfu"] = r["useful_tflop_s"] / ceiling
+    except torch.OutOfMemoryError:
+        r = {"batch": b, "seq": s, "ttt": t, "error": "out of memory"}
+        torch.cuda.empty_cache()
+    if args.store and "error" not in r:
+        with tempfile.TemporaryDirectory(prefix="aerie-bench-store-") as d:
+            write_store(
+                Path(d),
+                cfg,
+                b * (args.steps + 2),
+                s,
+                torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values.to(torch.int32),
+                rows_per_shard=max(1, b),
+            )
+            for prefetch in (2, 0):
+                rs = run_store(cfg, b, s, t, args.steps, dev, Path(d), prefetch)
+                r[f"store_prefetch{prefetch}_tok_s"] = rs["tok_s"]
+                r[f"store_prefetch{prefetch}_step_ms_max"] = rs["step_ms_max"]
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    if args.baseline == "specforge" and "error" not in r:
+        from bench.gpu.specforge_peer import time_specforge_vs_aerie
+
+        r["specforge"] = time_specforge_vs_aerie(
+            dev, cfg, b, s, t, reps=args.steps, profile_rows=args.profile
+        )
+        for side in ("aerie", "specforge") if args.profile else ():
+            print(f"--- {side}, {b}x{s}x{t}: top operators by device time (two steps)")
+            print(r["specforge"].pop(f"{side}_profile"))
+    return r
+
+
+def main() -> int:
+    args = parse_args()
     dev = torch.device(args.device)
     ceiling = matmul_ceiling_tflops(dev)
     tcfg = llama_config(args.shape, 32)
@@ -280,39 +321,7 @@ def main() -> int:
         return 1
     rows = []
     for spec in args.configs.split(","):
-        b, s, t = (int(x) for x in spec.split("x"))
-        try:
-            r = run_config(cfg, b, s, t, args.steps, dev)
-            r["mfu"] = r["useful_tflop_s"] / ceiling
-        except torch.OutOfMemoryError:
-            r = {"batch": b, "seq": s, "ttt": t, "error": "out of memory"}
-            torch.cuda.empty_cache()
-        if args.store and "error" not in r:
-            with tempfile.TemporaryDirectory(prefix="aerie-bench-store-") as d:
-                write_store(
-                    Path(d),
-                    cfg,
-                    b * (args.steps + 2),
-                    s,
-                    torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values.to(torch.int32),
-                    rows_per_shard=max(1, b),
-                )
-                for prefetch in (2, 0):
-                    rs = run_store(cfg, b, s, t, args.steps, dev, Path(d), prefetch)
-                    r[f"store_prefetch{prefetch}_tok_s"] = rs["tok_s"]
-                    r[f"store_prefetch{prefetch}_step_ms_max"] = rs["step_ms_max"]
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-        if args.baseline == "specforge" and "error" not in r:
-            from bench.specforge_peer import time_specforge_vs_aerie
-
-            r["specforge"] = time_specforge_vs_aerie(
-                dev, cfg, b, s, t, reps=args.steps, profile_rows=args.profile
-            )
-            for side in ("aerie", "specforge") if args.profile else ():
-                print(f"--- {side}, {b}x{s}x{t}: top operators by device time (two steps)")
-                print(r["specforge"].pop(f"{side}_profile"))
-        rows.append(r)
+        rows.append(measure_config(args, cfg, spec, dev, ceiling))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     res = {
@@ -326,6 +335,12 @@ def main() -> int:
         "configs": rows,
     }
     write_out("gpu_train.json", res)
+    print_summary(res, args, cfg, dev)
+    return 0
+
+
+def print_summary(res: dict, args: argparse.Namespace, cfg: DraftConfig, dev: torch.device) -> None:
+    ceiling, check, rows = res["matmul_ceiling_tflops"], res["check"], res["configs"]
     print(
         f"\ngpu_train on {res.get('name', dev)}: {args.shape} draft, {res['draft_params_m']:.0f}M trainable, "
         f"draft vocab {cfg.draft_vocab_size}; bf16 matmul ceiling {ceiling:.1f} TFLOP/s"
@@ -362,7 +377,6 @@ def main() -> int:
                 f"{sf['specforge_tokens_per_s']:,.0f} tok/s, Aerie "
                 f"{sf['aerie_tokens_per_s']:,.0f} tok/s: Aerie/SpecForge = {sf['ratio']:.2f}x"
             )
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ training wrapper ``OnlineEagle3Model`` (specforge/algorithms/eagle3/model.py: th
 soft labels of ``_compute_target_p``, the loss and accuracy), and Aerie's :class:`Eagle3Draft`
 trained by ``pipeline.stages.train.loss.ttt_sums``, with identical weights and one synthetic batch
 fed to both in each one's own convention. ``tests/test_specforge_oracle.py`` asserts they agree;
-:func:`time_specforge_vs_aerie` times their forward+backward (``python bench/specforge_peer.py``
+:func:`time_specforge_vs_aerie` times their forward+backward (``python -m bench.gpu.specforge_peer``
 runs a tiny CPU config; pass ``--device cuda --shape llama8b`` on a GPU).
 
 SpecForge is installed without its dependencies (``pip install --no-deps -r
@@ -35,18 +35,15 @@ import json
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu_common import time_ms  # noqa: E402
+from bench.gpu.common import time_ms
 from pipeline.eagle3.draft_config import DraftConfig
-from pipeline.eagle3.draft_model import Eagle3Draft, shift_left  # noqa: E402
-from pipeline.stages.train.batches import Batch  # noqa: E402
-from pipeline.stages.train.loss import ttt_sums  # noqa: E402
+from pipeline.eagle3.draft_model import Eagle3Draft, shift_left
+from pipeline.stages.train.batches import Batch
+from pipeline.stages.train.loss import ttt_sums
 
 SPECFORGE_VERSION = "0.2.0"
 DECAY = 0.8  # per-step loss weight of both trainers' defaults
@@ -365,7 +362,7 @@ def tiny_config(draft_vocab: int = 64, vocab: int = 256) -> DraftConfig:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--shape", default="tiny", help="tiny, or a bench.gpu_common SHAPES name (e.g. llama8b)")
+    ap.add_argument("--shape", default="tiny", help="tiny, or a bench.gpu.common SHAPES name (e.g. llama8b)")
     ap.add_argument("--draft-vocab", type=int, default=None)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
@@ -380,12 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape == "tiny":
         cfg = tiny_config(args.draft_vocab or 64)
     else:
-        from bench.ttt_memory import draft_config
+        from bench.gpu.ttt_memory import draft_config
 
         cfg = draft_config(args.shape, args.draft_vocab or 32000)
     r = time_specforge_vs_aerie(args.device, cfg, args.batch, args.seq, args.ttt, args.reps, args.backend)
     print(json.dumps(r))
-    from bench.gpu_common import write_out
+    from bench.gpu.results import write_out
 
     write_out("specforge_peer.json", r)
     return 0

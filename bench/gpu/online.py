@@ -1,8 +1,8 @@
 """Online-TP training vs offline extract + train, on one GPU (TP = 1), through the real stages.
 
-``python bench/gpu_online.py [--shape llama8b] [--layers 8] [--rows 128] [--seq 1024] [--steps 30]``
+``python -m bench.gpu.online [--shape llama8b] [--layers 8] [--rows 128] [--seq 1024] [--steps 30]``
 
-The same Llama-3.1-8B-shaped random bf16 target and random tokenized rows (``bench/gpu_pipeline.py``'s
+The same Llama-3.1-8B-shaped random bf16 target and random tokenized rows (``bench/gpu/pipeline_e2e.py``'s
 builders) trained two ways: **offline** (``pipeline.stages.extract`` stores the hidden states, then
 ``pipeline.stages.train`` reads them) and **online-TP** (``[train] target = "online-tp"``: the train stage
 runs the target, tensor-parallel over its ranks — here 1 — and captures each step's global batch).
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_common import llama_config, write_out  # noqa: E402
-from bench.gpu_pipeline import make_data, make_model, metric, stage  # noqa: E402
+from bench.gpu.common import llama_config
+from bench.gpu.pipeline_e2e import make_data, make_model, metric, stage
+from bench.gpu.results import write_out
 
 
 def plan_text(work: Path, args: argparse.Namespace, online: bool) -> str:
@@ -56,7 +53,7 @@ def median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else 0.0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama8b")
     ap.add_argument("--layers", type=int, default=8)
@@ -67,7 +64,11 @@ def main() -> int:
     ap.add_argument("--ref-tokens", type=int, default=1_500, help="mean tokens per reference row")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--work", default="/tmp/gpu_online")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     make_model(work / "model", args.shape, args.layers)
@@ -104,6 +105,14 @@ def main() -> int:
         res[f"train_{mode}_tok_s"] = median([e["value"] for e in metric(d, "tokens_per_s")][1:])
         peak = metric(d, "peak_memory_gib")
         res[f"train_{mode}_peak_gib"] = peak[-1]["value"] if peak else None
+    res["projection"] = projection(args, res, ext)
+    write_out("gpu_online.json", res)
+    print_summary(res, args, t, ext)
+    return 0
+
+
+def projection(args: argparse.Namespace, res: dict, ext: dict) -> dict:
+    """The reference run's disk and hours, offline vs online, from this GPU's measured rates."""
     # The reference run: tokens per epoch, on 8 GPUs (rates scaled linearly from this one GPU: not measured)
     ref_tokens = args.ref_rows * args.ref_tokens
     bpt = ext["bytes"] / max(1, ext["tokens"])
@@ -111,7 +120,7 @@ def main() -> int:
     extract_h = ref_tokens / max(1.0, res["extract_tok_s"] or 1.0) / gpus / 3600
     off_train_h = ref_tokens * args.epochs / max(1.0, res["train_off_tok_s"]) / gpus / 3600
     on_train_h = ref_tokens * args.epochs / max(1.0, res["train_on_tok_s"]) / gpus / 3600
-    res["projection"] = {
+    return {
         "ref_tokens": ref_tokens,
         "epochs": args.epochs,
         "gpus": gpus,
@@ -121,7 +130,10 @@ def main() -> int:
         "offline_hours": extract_h + off_train_h,
         "online_hours": on_train_h,
     }
-    write_out("gpu_online.json", res)
+
+
+def print_summary(res: dict, args: argparse.Namespace, t: dict, ext: dict) -> None:
+    gpus = res["projection"]["gpus"]
     print(
         f"\ngpu_online: {args.shape} x{args.layers} layers, {args.rows} rows x {args.seq} tokens, {args.steps} steps"
     )
@@ -140,7 +152,6 @@ def main() -> int:
         f"this shape): offline {pr['offline_disk_bytes'] / 1e12:.2f} TB, {pr['offline_hours']:.1f} h; "
         f"online-tp 0 TB, {pr['online_hours']:.1f} h"
     )
-    return 0
 
 
 if __name__ == "__main__":

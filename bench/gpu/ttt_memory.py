@@ -1,6 +1,6 @@
 """Peak memory and time of one draft-training forward+backward: the old TTT form against the new (issue 15).
 
-``python bench/ttt_memory.py [--device cpu|cuda] [--shape tiny|llama8b] [--batch 2] [--seq 512] [--ttt 7]
+``python -m bench.gpu.ttt_memory [--device cpu|cuda] [--shape tiny|llama8b] [--batch 2] [--seq 512] [--ttt 7]
 [--draft-vocab 8192] [--chunk 4096] [--reps 3]``
 
 Variants, each in a fresh process (so one's peak cannot hide another's):
@@ -24,17 +24,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu_common import SHAPES, random_draft, sync, synthetic_batch, time_ms  # noqa: E402
-from pipeline.eagle3 import draft_model as dm  # noqa: E402
-from pipeline.eagle3.draft_config import DraftConfig  # noqa: E402
-from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked  # noqa: E402
+from bench.gpu.common import SHAPES, random_draft, sync, synthetic_batch, time_ms
+from bench.gpu.runner import ROOT
+from pipeline.eagle3 import draft_model as dm
+from pipeline.eagle3.draft_config import DraftConfig
+from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked
 
 VARIANTS = ("old", "attn", "new")
 
@@ -176,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     base = [a for a in (argv if argv is not None else sys.argv[1:])]
     for variant in args.variants.split(","):
         p = subprocess.run(
-            [sys.executable, __file__, *base, "--child", variant], capture_output=True, text=True
+            [sys.executable, "-m", "bench.gpu.ttt_memory", *base, "--child", variant],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
         )
         if p.returncode != 0:
             tail = (p.stderr.strip().splitlines() or ["?"])[-1]
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['variant']:>8}  error: {r['error']}")
         else:
             print(f"{r['variant']:>8} {r['peak_mib']:>10.1f} {r['step_ms']:>10.1f} {r['tokens_per_s']:>10,}")
-    from bench.gpu_common import write_out
+    from bench.gpu.results import write_out
 
     write_out("ttt_memory.json", {"rows": rows})
     return 0

@@ -1,10 +1,10 @@
 """The methods harness's data phase: the demo target writes conversations, in resumable chunks, then packs them.
 
-The target (SmolLM2-135M-Instruct under transformers ``generate``, as ``bench/gpu_quality.py`` uses it) samples
+The target (SmolLM2-135M-Instruct under transformers ``generate``, as ``bench/gpu/quality.py`` uses it) samples
 user turns from its chat template's user turn and answers them greedily; each chunk of ``--chunk`` conversations
 is written under ``WORK/chunks`` as it finishes, and a call starts no chunk that would pass ``--gen-budget-s``, so
 the next call goes on where it stopped. The held-out prompts are answered too (prep needs whole turns). When every
-chunk is there they are packed into one ``.npz`` of token ids (:mod:`bench.methods_data`).
+chunk is there they are packed into one ``.npz`` of token ids (:mod:`bench.gpu.methods_data`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.methods_data import Conversations, load_prompts, pack
+from bench.gpu.methods_data import Conversations, load_prompts, pack
 
 MODEL = "builtin:smollm2-135m-instruct"
 T0 = time.monotonic()  # the budget counts from the process's start (this module is imported at once)

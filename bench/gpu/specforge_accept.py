@@ -1,18 +1,18 @@
-"""SpecForge's EAGLE-3 draft side by side with Aerie's on acceptance: one GPU call, on what ``bench/gpu_quality.py`` left.
+"""SpecForge's EAGLE-3 draft side by side with Aerie's on acceptance: one GPU call, on what ``bench/gpu/quality.py`` left.
 
-``python bench/gpu_specforge.py [--work /tmp/gpu_quality] [--seed 0] [--sides specforge|aerie|aerie,specforge]``
+``python -m bench.gpu.specforge_accept [--work /tmp/gpu_quality] [--seed 0] [--sides specforge|aerie|aerie,specforge]``
 
-Run after ``bench/gpu_quality.py`` on the same warm machine: its work dir holds the plan, the hidden-state store
+Run after ``bench/gpu/quality.py`` on the same warm machine: its work dir holds the plan, the hidden-state store
 (``ext/``) and the draft vocabulary (``voc/``) made from the real SmolLM2-135M target, and Aerie's draft
 (``train/``) benched by the bench stage (``bench/``). Side ``specforge`` trains SpecForge 0.2.0's draft with its
-own trainer on that store (``bench/specforge_train.py``: the same steps, batch, learning rate, TTT and seed as
+own trainer on that store (``bench/gpu/specforge_train.py``: the same steps, batch, learning rate, TTT and seed as
 the plan's ``[train]``, Aerie's data order and draft init) and benches it with the same bench stage and plan
 (same held-out prompts, 3/1/4). Side ``aerie`` trains and benches Aerie's draft again with ``[train] seed``
 set to ``--seed`` (seed 0 is gpu_quality's own run). Each side is about 130-250 s on an H200, so a second
 seed is two more calls; a call cut after SpecForge's training only benches when repeated. Every result is kept in ``WORK/side_by_side.json`` (calls add to it) and written to
 ``$OUT/gpu_specforge.json`` as it comes; the table of every side and seed so far is printed at the end.
 
-SpecForge is not installed on the device: ``python bench/gpu_specforge.py --stage`` (here) copies the
+SpecForge is not installed on the device: ``python -m bench.gpu.specforge_accept --stage`` (here) copies the
 installed pure-Python package (``pip install --no-deps -r .ci/specforge-requirements.txt``) into
 ``.gpu-stage/sf`` (~2 MB), which the call carries and this script puts on the path.
 """
@@ -31,11 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_common import write_out  # noqa: E402
-from bench.gpu_quality import events, log, stage  # noqa: E402
+from bench.gpu.quality import events, log, stage
+from bench.gpu.results import write_out
+from bench.gpu.runner import ROOT
 
 SF_SITE = ROOT / ".gpu-stage" / "sf"
 
@@ -83,7 +81,7 @@ def bench_result(d: Path) -> dict[str, Any]:
 def aerie_side(work: Path, seed: int) -> dict[str, Any]:
     if seed == 0 and (work / "bench" / "results.json").is_file():
         train, bench = work / "train", work / "bench"  # gpu_quality's own run ([train] seed defaults to 0)
-        res: dict[str, Any] = {"source": "bench/gpu_quality.py's run"}
+        res: dict[str, Any] = {"source": "bench/gpu/quality.py's run"}
     else:
         plan = seeded_plan(work / "plan.toml", seed)
         train, bench = work / f"train_seed{seed}", work / f"bench_seed{seed}"
@@ -101,7 +99,7 @@ def aerie_side(work: Path, seed: int) -> dict[str, Any]:
 
 def specforge_side(work: Path, seed: int, s: Any) -> dict[str, Any]:
     out = work / f"specforge_seed{seed}"
-    argv = [sys.executable, str(ROOT / "bench" / "specforge_train.py"), "--run", str(work), "--out", str(out)]
+    argv = [sys.executable, "-m", "bench.gpu.specforge_train", "--run", str(work), "--out", str(out)]
     argv += ["--steps", str(s.steps), "--batch", str(s.batch_size), "--lr", str(s.lr), "--seed", str(seed)]
     argv += [
         "--ttt",
@@ -121,7 +119,7 @@ def specforge_side(work: Path, seed: int, s: Any) -> dict[str, Any]:
     else:
         p = subprocess.run(argv, cwd=ROOT, env=env)  # its progress lines go straight to this call's output
         if p.returncode != 0:
-            raise SystemExit(f"bench/specforge_train.py failed ({p.returncode})")
+            raise SystemExit(f"bench/gpu/specforge_train.py failed ({p.returncode})")
     call_s = time.monotonic() - t  # with the process start, the target's and SpecForge's loading
     tr = json.loads(done.read_text())
     res: dict[str, Any] = {"train_s": tr["train_s"], "train_call_s": call_s, "train_tok_s": tr["train_tok_s"]}
@@ -157,7 +155,7 @@ def table(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--work", default="/tmp/gpu_quality", help="bench/gpu_quality.py's work dir")
+    ap.add_argument("--work", default="/tmp/gpu_quality", help="bench/gpu/quality.py's work dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sides", default="specforge", help="comma-separated: specforge, aerie")
     ap.add_argument(
@@ -170,17 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     for need in ("plan.toml", "ext/manifest.json", "voc/manifest.json"):
         if not (work / need).is_file():
             raise SystemExit(
-                f"{work / need}: missing: run bench/gpu_quality.py --work {work} first (same machine)"
+                f"{work / need}: missing: run bench/gpu/quality.py --work {work} first (same machine)"
             )
     if SF_SITE.is_dir():
         sys.path.insert(0, str(SF_SITE))
-    from bench.specforge_peer import specforge_available
+    from bench.gpu.specforge_peer import specforge_available
     from pipeline.run import plan as plan_mod
 
     why = specforge_available()
     if why:
         raise SystemExit(
-            f"{why}; stage it here with python bench/gpu_specforge.py --stage and carry .gpu-stage/sf"
+            f"{why}; stage it here with python -m bench.gpu.specforge_accept --stage and carry .gpu-stage/sf"
         )
     s = plan_mod.load(work / "plan.toml").settings.train
     path = work / "side_by_side.json"

@@ -1,6 +1,6 @@
 """The EAGLE-3 stages end to end on a GPU, through their real command lines.
 
-``python bench/gpu_pipeline.py [--shape llama8b] [--layers 4] [--rows 64] [--seq 1024] [--steps 40]``
+``python -m bench.gpu.pipeline_e2e [--shape llama8b] [--layers 4] [--rows 64] [--seq 1024] [--steps 40]``
 
 Builds a Llama-3.1-8B-shaped target with ``--layers`` layers and random bf16 weights in a local
 folder, a tokenized dataset of random tokens in the prep contract (Parquet + manifest), then runs
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.gpu_common import llama_config, write_out  # noqa: E402
+from bench.gpu.common import llama_config
+from bench.gpu.results import write_out
+from bench.gpu.runner import ROOT
 
 
 def make_model(path: Path, shape: str, layers: int) -> None:
@@ -94,7 +93,7 @@ def metric(out: Path, name: str) -> list[dict]:
     return [e for e in events(out) if e.get("type") == "metric" and e.get("name") == name]
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama8b")
     ap.add_argument("--layers", type=int, default=4)
@@ -103,16 +102,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--work", default="/tmp/gpu_pipeline")
-    args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    make_model(work / "model", args.shape, args.layers)
-    t_model = time.monotonic() - t0
-    vocab = llama_config(args.shape, 1).vocab_size
-    make_data(work / "tok", args.rows, args.seq, vocab)
-    plan = work / "plan.toml"
-    plan.write_text(f"""[run]
+    return ap.parse_args()
+
+
+def plan_text(args: argparse.Namespace, work: Path) -> str:
+    """The run's plan: extract, vocab, train (``--nproc`` ranks) and a lossless-checked bench."""
+    return f"""[run]
 name = "gpu"
 dir = "{work / "run"}"
 [target]
@@ -137,7 +132,20 @@ prompts = 4
 max_new_tokens = 64
 steps = 3
 check_lossless = true
-""")
+"""
+
+
+def main() -> int:
+    args = parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    make_model(work / "model", args.shape, args.layers)
+    t_model = time.monotonic() - t0
+    vocab = llama_config(args.shape, 1).vocab_size
+    make_data(work / "tok", args.rows, args.seq, vocab)
+    plan = work / "plan.toml"
+    plan.write_text(plan_text(args, work))
     times = {"model_build_s": t_model}
     times["extract_s"] = stage("pipeline.stages.extract", plan, work / "ext", [work / "tok"])
     times["vocab_s"] = stage("pipeline.stages.vocab", plan, work / "voc", [work / "tok"])
@@ -173,21 +181,25 @@ check_lossless = true
         "draft_files": sorted(p.name for p in (work / "train" / "draft").iterdir()),
     }
     write_out("gpu_pipeline.json", res)
+    print_summary(res, args)
+    os.sync()
+    return 0
+
+
+def print_summary(res: dict, args: argparse.Namespace) -> None:
     print(
         f"\ngpu_pipeline: {args.shape} x{args.layers} layers, {args.rows} rows x {args.seq} tokens, torchrun x{args.nproc}"
     )
     for k in ("model_build_s", "extract_s", "vocab_s", "train_s", "bench_s"):
-        print(f"  {k:<14} {times[k]:7.1f} s")
+        print(f"  {k:<14} {res[k]:7.1f} s")
     print(
-        f"  extract {res['extract_tok_s'] or 0:,.0f} tok/s ({man['bytes'] / 1e9:.2f} GB for {man['tokens']:,} tokens); "
+        f"  extract {res['extract_tok_s'] or 0:,.0f} tok/s ({res['extract_bytes'] / 1e9:.2f} GB for {res['extract_tokens']:,} tokens); "
         f"train {res['train_tok_s_median'] or 0:,.0f} tok/s (median step); loss {res['train_loss_first_last']}"
     )
     print(
         f"  bench accept_len {res['accept_len']:.2f} over {res['verify_steps']} verify steps; "
         f"lossless warnings: {len(res['lossless_warnings'])}; checkpoints {res['checkpoints']}"
     )
-    os.sync()
-    return 0
 
 
 if __name__ == "__main__":

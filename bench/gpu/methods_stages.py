@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.methods_gen import MODEL, log
+from bench.gpu.methods_gen import MODEL, log
+from bench.gpu.runner import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-EXTRA = Path("/tmp/sgl/extra")  # `datasets` for the stages, unpacked from .gpu-stage/c2 by gpu_sglang.stage
+EXTRA = Path(
+    "/tmp/sgl/extra"
+)  # `datasets` for the stages, unpacked from .gpu-stage/c2 by bench.gpu.staging.stage
 
 
 def toml_value(v: Any) -> str:

@@ -2,7 +2,7 @@
 
 Two things live here, both without torch so the tests stay fast:
 
-- :func:`load_prompts` reads ``bench/methods_prompts.jsonl``: one held-out prompt a line, UltraChat-style
+- :func:`load_prompts` reads ``bench/gpu/methods_prompts.jsonl``: one held-out prompt a line, UltraChat-style
   (``{"prompt_id", "kind", "messages": [{"role": "user", "content": ...}]}``), written by hand and *not* from
   the training distribution. A malformed line fails with the file, the line and the field.
 - :func:`pack` / :func:`unpack` keep the target's conversations as token ids in one compressed ``.npz``:

@@ -33,14 +33,14 @@ print(f"NVML sample + owners x{n}: cpu {1e3 * cpu:.3f} ms/sample, wall {1e3 * wa
 s.close()
 PY
 cat "$OUT/nvml-cost.txt"
-python3 bench/gpu_load.py --hold-gib 2 --seconds 20 --idle &
+python3 -m bench.gpu.load --hold-gib 2 --seconds 20 --idle &
 FOREIGN=$!
 for _ in $(seq 40); do
   nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | grep -q . && break
   sleep 0.5
 done
 echo "foreign pid $FOREIGN; nvidia-smi apps: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | tr '\n' ' ')"
-python3 -m pipeline.supervisor "$RUN" --create bench/telemetry_device.toml --poll 0.5 &
+python3 -m pipeline.supervisor "$RUN" --create bench/gpu/telemetry_device.toml --poll 0.5 &
 SUP=$!
 while kill -0 "$SUP" 2>/dev/null; do
   python3 - "$RUN" >>"$OUT/board.log" 2>/dev/null <<'PY'
