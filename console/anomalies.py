@@ -48,7 +48,7 @@ from console.model import RunModel, StageView
 from console.telemetry_model import TelemetryModel
 from pipeline.run.events import Event
 from pipeline.run.plan_sections import AlertsSection
-from pipeline.run.stage_row import StageState
+from pipeline.run.stage_row import HealthState, StageState
 
 # The train stage's metric names (pipeline/stages/train), the serve stage's (pipeline/serving/sglang_log.py).
 LOSS, ACCEPT = "loss", "accept_length"
@@ -234,7 +234,7 @@ class ServerRule:
 
     def health(self, ev: Event, sid: str, attempt: int) -> Alert | None:
         state = str(ev.get("state"))
-        if state != "unhealthy":
+        if state != HealthState.UNHEALTHY:
             self.unhealthy = False
             return None
         if self.unhealthy:

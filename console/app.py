@@ -67,6 +67,7 @@ from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
 from console.screens.logview import LogScreen
 from console.screens.metrics import MetricsScreen
 from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
+from console.states import look
 from console.sup_watch import SupervisorWatch, open_alerts
 from console.transport import Transport
 from console.widgets.board import StageBoard
@@ -75,25 +76,8 @@ from console.widgets.meters import MetersPanel
 from pipeline.run import audit
 from pipeline.run.force_text import force_message
 from pipeline.run.plan import Plan
-from pipeline.run.stage_row import SATISFIED, StageState
+from pipeline.run.stage_row import SATISFIED, HealthState, StageState
 from themes import load_themes
-
-# Theme variables a theme may set per state (``state-running`` ...); else these fall-backs.
-STATE_FALLBACK = {
-    "running": "primary",
-    "starting": "primary",
-    "ready": "success",
-    "pausing": "warning",
-    "paused": "warning",
-    "succeeded": "success",
-    "failed": "error",
-    "killed": "error",
-    "upstream-failed": "error",
-    "unhealthy": "error",
-    "pending": "foreground-muted",
-    "skipped": "foreground-muted",
-}
-
 
 CONTROL_KEYS = {"pause": "p", "kill": "k", "retry": "r", "retry_fresh": "R", "skip": "s", "force": "F"}
 READ_ONLY_NOTE = "read-only console: the control keys (p k r R s F) are refused and nothing is sent"
@@ -127,7 +111,9 @@ def most_relevant(model: RunModel) -> str | None:
     stage (a work stage before a service), else the stage that finished last."""
     stages = [model.stages[sid] for sid in model.order if sid in model.stages]
     broken = [
-        s for s in stages if s.state in (StageState.FAILED, StageState.KILLED) or s.health == "unhealthy"
+        s
+        for s in stages
+        if s.state in (StageState.FAILED, StageState.KILLED) or s.health == HealthState.UNHEALTHY
     ]
     if broken:
         return max(broken, key=lambda s: s.finished_at or 0.0).id
@@ -430,14 +416,15 @@ class AerieApp(App[int]):
     def state_style(self, state: str) -> str:
         if state not in self._styles:
             v = self.get_css_variables()
-            raw = v.get(f"state-{state}") or v.get(STATE_FALLBACK.get(state, "foreground"), "")
+            # A theme may set state-<name> (``state-running`` ...); else the state's fall-back colour.
+            raw = v.get(f"state-{state}") or v.get(look(state).colour, "")
             try:
                 color = Color.parse(raw)
             except ColorParseError:
                 color = Color.parse(v.get("foreground", "white"))
             if color.a < 1:  # Rich has no alpha: blend onto the background as the terminal would show it
                 color = Color.parse(v.get("background", "black")).blend(color.with_alpha(1), color.a)
-            bold = state in ("failed", "killed", "upstream-failed", "unhealthy")
+            bold = look(state).bold
             self._styles[state] = f"{'bold ' if bold else ''}{color.hex6}"
         return self._styles[state]
 

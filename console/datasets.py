@@ -12,22 +12,8 @@ import math
 from dataclasses import dataclass
 
 from console.model import RunModel, StageView
+from console.states import look
 from pipeline.run.stage_row import StageState
-
-STATE_RANK = {
-    "failed": 0,
-    "killed": 1,
-    "unhealthy": 2,
-    "running": 3,
-    "starting": 3,
-    "pausing": 3,
-    "ready": 3,
-    "paused": 4,
-    "pending": 5,
-    "upstream-failed": 6,
-    "succeeded": 7,
-    "skipped": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -73,7 +59,7 @@ def row_for(st: StageView) -> DatasetRow:
 
 
 def sort_key(r: DatasetRow) -> tuple:
-    return (STATE_RANK.get(r.state, 5), math.inf if r.eta_s is None else r.eta_s, r.dataset, r.family)
+    return (look(r.state).dataset_rank, math.inf if r.eta_s is None else r.eta_s, r.dataset, r.family)
 
 
 def dataset_rows(model: RunModel) -> list[DatasetRow]:

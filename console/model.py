@@ -35,7 +35,7 @@ from console.telemetry_model import TelemetryModel, find_telemetry_stage, teleme
 from console.transport import ReadResult, Transport, read_whole
 from pipeline.run.event_lines import LineSkipper
 from pipeline.run.events import Event, parse_lines
-from pipeline.run.stage_row import TERMINAL, StageRow, StageState
+from pipeline.run.stage_row import TERMINAL, DisplayState, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10
@@ -114,14 +114,15 @@ class StageView(StageRow):
         )
 
     @property
-    def display_state(self) -> str:
+    def display_state(self) -> DisplayState | str:
+        """What the board shows (:class:`DisplayState`); a state a newer supervisor wrote, as it is."""
         if self.state == StageState.RUNNING and self.pausing:
-            return "pausing"
+            return DisplayState.PAUSING
         if self.state == StageState.RUNNING and self.service and self.health:
-            return self.health if self.health != "ready" else "ready"
+            return _display(self.health)
         if self.state == StageState.RUNNING and (self.reason == "starting" or self.queued):
-            return "starting"
-        return self.state
+            return DisplayState.STARTING
+        return _display(self.state)
 
 
 class RunModel:
@@ -385,6 +386,14 @@ class _Backfill:
     done: bool = False
     history: StageHistory = field(default_factory=StageHistory)
     skip: LineSkipper = field(default_factory=LineSkipper)
+
+
+def _display(state: str) -> DisplayState | str:
+    """``state`` as a display state; a word this version does not know, as it is."""
+    try:
+        return DisplayState(state)
+    except ValueError:
+        return state
 
 
 def _add_metric(history: StageHistory, attempt: int, ev: Event) -> None:

@@ -287,3 +287,43 @@ def test_the_deep_check_finds_every_bench_stage_that_decodes_offline(tmp_path: P
     assert offline_bench_stages(plan_mod.load(tmp_path / "p.toml")) == ["bench", "b-off"]
     (tmp_path / "q.toml").write_text(text.replace("[bench]\n", '[bench]\nengine = "sglang"\n', 1))
     assert offline_bench_stages(plan_mod.load(tmp_path / "q.toml")) == ["b-off"]
+
+
+@pytest.mark.parametrize(
+    ("base", "key"),
+    [
+        (BASE.replace('dir = "run"', 'dir = "run"\ndri = "x"'), "run.dri"),
+        (BASE + '[executor]\nkind = "local"\nhots = "gpu1"\n', "executor.hots"),
+        (BASE.replace("quota = 50", "quota = 50\nsplitt = 'train'"), "datasets[1].splitt"),
+        (BASE.replace("quota = 50", "quota = 50\noptions = { feild = 'msgs' }"), "datasets[1].options.feild"),
+        (BASE.replace("quota = 50", "quota = 50\noptions = { hub = 3 }"), "datasets[1].options.hub"),
+        (
+            BASE.replace("quota = 50", "quota = 50\noptions = { reject_threshold = 2 }"),
+            "datasets[1].options.reject_threshold",
+        ),
+        (BASE.replace('name = "kimi"\n', ""), "datasets[1].name"),
+    ],
+)
+def test_core_tables_refuse_unknown_keys_and_bad_values_naming_file_and_key(
+    tmp_path: Path, base: str, key: str
+) -> None:
+    msg = error(tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\n', base)
+    assert msg.startswith(str(tmp_path / "plan.toml")) and f": {key}:" in msg
+
+
+def test_dataset_options_reach_the_sources_as_the_plan_set_them(tmp_path: Path) -> None:
+    base = BASE.replace("quota = 50", "quota = 50\noptions = { field = 'msgs', data_files = ['a.json'] }")
+    plan = load(tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\n', base)
+    assert plan.dataset("kimi").options == {"field": "msgs", "data_files": ["a.json"]}
+    assert plan.dataset("chat").options == {}
+
+
+def test_a_multiline_stage_command_and_retry_are_typed(tmp_path: Path) -> None:
+    plan = load(
+        tmp_path, '[[stage]]\nid = "a"\ncommand = """echo 1\necho 2"""\nretry = { max_attempts = 3 }\n'
+    )
+    assert plan.stage("a").command == "echo 1\necho 2"
+    assert plan.stage("a").retry == plan_mod.RetryPolicy(3, 30.0)
+    assert "stage[0].retry.backof_s:" in error(
+        tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\nretry = { backof_s = 3 }\n'
+    )

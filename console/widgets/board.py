@@ -8,7 +8,7 @@ aggregate progress and state counts, then its members indented below it. State c
 the app's theme (``App.state_style``), never from this widget.
 
 A family folds to its header row (``z`` on any of its rows, ``Z`` every family): its members that need the
-operator (running, paused, failed, killed, unhealthy — :data:`ATTENTION`) stay listed under it, the rest
+operator (running, paused, failed, killed, unhealthy — :data:`console.states.ATTENTION`) stay listed under it, the rest
 hide. When the rows do not fit the board's room (:attr:`StageBoard.room`, set by the app from the terminal
 height) families fold by themselves — first those with no member needing attention, then all — so at 80×24
 the running and failed stages stay on screen, and the selected row is always scrolled into view. A family
@@ -35,8 +35,8 @@ from textual.strip import Strip
 
 from console import fmt
 from console.model import RunModel, StageView
+from console.states import ATTENTION, FAMILY_PRECEDENCE
 from console.widgets.board_cells import (
-    ATTENTION,
     BAR_NARROW,
     BAR_WIDE,
     Cell,
@@ -60,21 +60,6 @@ COLUMNS = ("Stage", "State", "Try", "Elapsed", "Progress", "Done", "Rate", "ETA"
 DROP_ORDER = ("Rate", "ETA", "Try", "Elapsed", "Done")
 NOTE_MIN = 30
 GROUP_PREFIX = "group:"
-# A family row shows the state that most needs the operator's eye.
-FAMILY_PRECEDENCE = (
-    "failed",
-    "killed",
-    "unhealthy",
-    "paused",
-    "pausing",
-    "running",
-    "starting",
-    "ready",
-    "upstream-failed",
-    "pending",
-    "succeeded",
-    "skipped",
-)
 
 
 class StageBoard(ScrollView, can_focus=True):
@@ -252,6 +237,7 @@ class StageBoard(ScrollView, can_focus=True):
             )
             spans = [(m.started_at, m.started_at + (m.elapsed_s(now) or 0)) for m in members if m.started_at]
             elapsed = max(e for _, e in spans) - min(b for b, _ in spans) if spans else None
+            # A family row shows the state that most needs the operator's eye.
             overall = next((s for s in FAMILY_PRECEDENCE if s in counts), "pending")
             return (
                 Text(f"{'▸' if self.is_folded(fam) else '▾'} {fam} ({len(members)})", style="bold"),

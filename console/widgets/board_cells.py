@@ -12,12 +12,11 @@ from rich.text import Text
 
 from console import fmt
 from console.model import StageView
+from console.states import ATTENTION
 from pipeline.run.stage_row import StageState
 from pipeline.serving.sglang_log import ServerStats
 
 BAR_WIDE, BAR_NARROW = 12, 6
-# Members of a folded family that stay listed: the ones the operator has to see.
-ATTENTION = frozenset({"running", "starting", "paused", "pausing", "failed", "killed", "unhealthy"})
 
 
 class _Bar(str):

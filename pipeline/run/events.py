@@ -59,10 +59,11 @@ from pipeline.run.event_lines import (
     shown,
 )
 from pipeline.run.files import private_dir
+from pipeline.run.stage_row import HealthState
 
 EVENT_TYPES = ("started", "progress", "metric", "message", "health", "finished")
 LEVELS = ("info", "warning", "error")
-HEALTH_STATES = ("starting", "ready", "unhealthy", "stopped")
+HEALTH_STATES = tuple(HealthState)
 
 
 class EventError(ValueError):

@@ -48,6 +48,7 @@ from pipeline.run.runtime import (
     ENV_STAGE,
     ENV_THREADS,
 )
+from pipeline.run.stage_row import ExitStatus
 
 
 def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
@@ -210,25 +211,43 @@ def main(argv: list[str] | None = None) -> int:
             {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)},
             EXIT_WRITE_S,
         )
-        events.emit("finished", status="failed", returncode=127, detail=str(exc))
+        events.emit("finished", status=ExitStatus.FAILED, returncode=127, detail=str(exc))
         return 127
+    rc = _wait(child)
+    status = _finish(sd, stage_id, attempt, rc, oom_before, events)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with contextlib.suppress(OSError):
+        print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
+    if os.environ.get("AERIE_EXECUTOR") == "slurm":
+        # Slurm's record of the job (sacct, scontrol) carries the stage's own status, as a shell reports it.
+        return rc if rc >= 0 else 128 - rc
+    return 0
+
+
+def _wait(child: subprocess.Popen[bytes]) -> int:
+    """The child's return code (negative: the signal that ended it), however often a signal interrupts."""
     while True:
         try:
-            rc = child.wait()
-            break
+            return child.wait()
         except InterruptedError:
             continue
+
+
+def _finish(
+    sd: StageDir, stage_id: str, attempt: int, rc: int, oom_before: oom.OomReading, events: _Events
+) -> ExitStatus:
+    """Record how the attempt ended (``exit.json``, the ``finished`` event) and return its status."""
     sig = -rc if rc < 0 else None
     sig_name = signal.Signals(sig).name if sig else None
     killed = sd.record_for(sd.kill_marker, attempt)
     if rc == 0:
-        status = "succeeded"
+        status = ExitStatus.SUCCEEDED
     elif killed:
         # A service the supervisor stopped because its users were done has done its job.
-        status = "succeeded" if killed.get("reason") == "stop" else "killed"
+        status = ExitStatus.SUCCEEDED if killed.get("reason") == "stop" else ExitStatus.KILLED
     else:
-        status = "failed"
-    why = failure_line(sd.log) if status == "failed" else ""
+        status = ExitStatus.FAILED
+    why = failure_line(sd.log) if status == ExitStatus.FAILED else ""
     record = {
         "attempt": attempt,
         "returncode": rc,
@@ -255,13 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             detail=record.get("detail") or sig_name,
             **({"error": why} if why else {}),
         )
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    with contextlib.suppress(OSError):
-        print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
-    if os.environ.get("AERIE_EXECUTOR") == "slurm":
-        # Slurm's record of the job (sacct, scontrol) carries the stage's own status, as a shell reports it.
-        return rc if rc >= 0 else 128 - rc
-    return 0
+    return status
 
 
 if __name__ == "__main__":

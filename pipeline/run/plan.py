@@ -25,7 +25,6 @@ from typing import Any
 from pipeline.run.plan_sections import SECTIONS, PlanSettings, ResourcesSection, TargetSection
 from pipeline.run.plan_stages import (
     BUILTIN_STAGES,
-    STAGE_KEYS,
     RetryPolicy,
     StageSpec,
     stage_module,
@@ -33,13 +32,13 @@ from pipeline.run.plan_stages import (
     topo_order,
 )
 from pipeline.run.plan_tables import (
-    DATASET_KEYS,
     DATASET_KINDS,
     EXECUTOR_KINDS,
     Dataset,
+    DatasetOptions,
     Executor,
+    RunSection,
     datasets_from,
-    executor_from,
 )
 from pipeline.run.schema import PlanError, check_text, check_type
 from pipeline.run.schema import key_name as _key
@@ -48,12 +47,11 @@ from pipeline.run.schema import key_name as _key
 __all__ = [
     "BUILTIN_STAGES",
     "CORE_KEYS",
-    "DATASET_KEYS",
     "DATASET_KINDS",
     "EXECUTOR_KINDS",
     "SECTION_KEYS",
-    "STAGE_KEYS",
     "Dataset",
+    "DatasetOptions",
     "Executor",
     "Plan",
     "PlanError",
@@ -157,17 +155,14 @@ def from_dict(
                 _key("", key),
                 f"unknown top-level key (known: {', '.join(sorted(CORE_KEYS | SECTION_KEYS))})",
             )
-    run = _type(path, "run", raw.get("run", {}), dict, "a table")
-    for k in run:
-        if k not in ("name", "dir"):
-            raise PlanError(path, _key("run", k), "unknown key (known: dir, name)")
-    name = _text(path, "run.name", run.get("name", path.stem))
+    run = RunSection.parse(raw.get("run", {}), path)
+    name = run.name if run.name is not None else path.stem
     if run_dir is None:
-        d = _text(path, "run.dir", run.get("dir"), "a string (the run directory)", empty=False)
+        d = _text(path, "run.dir", run.dir, "a string (the run directory)", empty=False)
         run_dir = Path(d).expanduser()
         if not run_dir.is_absolute():
             run_dir = base / run_dir
-    executor = executor_from(path, raw.get("executor", {}))
+    executor = Executor.parse(raw.get("executor", {}), path)
 
     settings = PlanSettings.parse(raw, path)
     if "slurm" in raw and executor.kind != "slurm":

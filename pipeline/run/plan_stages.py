@@ -8,46 +8,104 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pipeline.run.plan_sections import SlurmSection
 from pipeline.run.plan_tables import Dataset, check_name
-from pipeline.run.schema import MAX_INT, PlanError, check_bool, check_int, check_num, check_text, check_type
+from pipeline.run.schema import (
+    MAX_INT,
+    REQUIRED,
+    PlanError,
+    Section,
+    check_int,
+    check_text,
+    check_type,
+    setting,
+)
 from pipeline.run.schema import key_name as _key
-from pipeline.run.schema import str_list as _str_list
 
-_type, _text, _int, _num, _bool, _name = check_type, check_text, check_int, check_num, check_bool, check_name
-
-STAGE_KEYS = {
-    "id",
-    "run",
-    "command",
-    "for_each",
-    "when",
-    "args",
-    "after",
-    "uses",
-    "service",
-    "cpu",
-    "gpus",
-    "output_bytes",
-    "retry",
-    "env",
-    "skip",
-    "pause_grace_s",
-    "kill_grace_s",
-    "description",
-    "label",
-    "nodes",
-    "slurm",
-    "replicas",
-}
+_type, _text, _int, _name = check_type, check_text, check_int, check_name
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
-    max_attempts: int = 1  # 1 = no automatic retry
-    backoff_s: float = 30.0
+class RetryPolicy(Section):
+    """A stage's ``retry``: how often and how soon a failed attempt is tried again."""
+
+    NAME: ClassVar[str] = "retry"
+
+    max_attempts: int = setting(1, "attempts in all (1: no automatic retry)", lo=1, hi=1000)
+    backoff_s: float = setting(30.0, "seconds before the next attempt", lo=0, hi=7 * 86400)
+
+
+@dataclass(frozen=True)
+class StageEntry(Section):
+    """One ``[[stage]]`` entry as the plan writes it (before ``for_each`` and ``replicas`` expand it)."""
+
+    NAME: ClassVar[str] = "stage"
+
+    id: str = setting(
+        REQUIRED,
+        "the stage's id (its family, for an expanded entry)",
+        check=lambda file, key, v: _name(Path(file), key, v, "stage id"),
+    )
+    run: str | None = setting(None, "a built-in stage's short name (prep, train, ...)")
+    command: str | None = setting(None, "an operator shell command", multiline=True)
+    for_each: str | None = setting(None, '"dataset": one stage per dataset')
+    when: dict[str, Any] = setting({}, "with for_each: filter datasets on kind, name or source")
+    args: tuple[str, ...] = setting((), "arguments; {dataset}, {kind} and {source} are substituted")
+    after: tuple[str, ...] = setting((), "stages (ids or globs) it runs after")
+    uses: tuple[str, ...] = setting((), "service stages that must be ready while it runs")
+    service: bool = setting(False, "a long-running server: dependants start once it is ready")
+    cpu: int = setting(1, "CPU slots it holds", lo=-MAX_INT)
+    gpus: tuple[int, ...] | str | int = setting((), 'GPU ids, "all", or (Slurm) a count per node')
+    output_bytes: int = setting(0, "bytes it is expected to write", lo=0, hi=1 << 62)
+    retry: dict[str, Any] = setting({}, "max_attempts, backoff_s (see RetryPolicy)")
+    env: dict[str, Any] = setting({}, "environment variables for its process")
+    skip: bool = setting(False, "do not run it (counts as satisfied)")
+    pause_grace_s: float = setting(10.0, "seconds a pause waits for the stage", lo=0, hi=86400)
+    kill_grace_s: float = setting(10.0, "SIGTERM -> wait this long -> SIGKILL", lo=0, hi=86400)
+    description: str = setting("", "what it does, for the console", multiline=True)
+    label: str = setting("", "a short label")
+    nodes: int = setting(1, "Slurm: the job's node count", lo=1, hi=100_000)
+    slurm: dict[str, Any] = setting({}, "Slurm: this stage's [slurm] overrides")
+    replicas: int = setting(1, "Slurm service: one server job per replica", lo=1, hi=1000)
+
+    def check(self, file: Path | str, name: str) -> None:
+        if (self.run is None) == (self.command is None):
+            self.bad(
+                file, name, "give exactly one of 'run' (a built-in stage: prep, train, ...) or 'command'"
+            )
+        if self.run is not None and self.run not in BUILTIN_STAGES:
+            legacy = _legacy_run(self.run)
+            hint = (
+                f"; plans name built-in stages by short name: run = {legacy!r}"
+                if legacy in BUILTIN_STAGES
+                else ""
+            )
+            self.bad(
+                file, f"{name}.run", f"unknown stage {self.run!r} (known: {', '.join(BUILTIN_STAGES)}){hint}"
+            )
+        if self.command is not None:
+            _text(file, f"{name}.command", self.command, "a shell command", multiline=True, empty=False)
+        if self.for_each is not None and self.for_each != "dataset":
+            self.bad(file, f"{name}.for_each", f"only 'dataset' is supported, got {self.for_each!r}")
+        for wk, wv in self.when.items():
+            if wk not in ("kind", "name", "source"):
+                self.bad(file, _key(f"{name}.when", wk), "can filter on kind, name or source")
+            _type(file, f"{name}.when.{wk}", wv, str, "a string")
+        if self.when and self.for_each is None:
+            self.bad(file, f"{name}.when", "'when' needs for_each = \"dataset\"")
+        for ek, ev in self.env.items():
+            if (
+                not ek
+                or not (ek[0].isascii() and (ek[0].isalpha() or ek[0] == "_"))
+                or not all(c.isascii() and (c.isalnum() or c == "_") for c in ek)
+            ):
+                self.bad(file, f"{name}.env", f"{ek!r} is not an environment variable name")
+            _text(file, f"{name}.env.{ek}", ev, multiline=True)
+        RetryPolicy.parse(self.retry, file, f"{name}.retry")
+        if self.replicas > 1 and self.for_each:
+            self.bad(file, f"{name}.replicas", "replicas cannot be combined with for_each")
 
 
 @dataclass(frozen=True)
@@ -155,16 +213,25 @@ def stage_module(name: str) -> str:
         raise KeyError(f"unknown stage {name!r} (known: {', '.join(BUILTIN_STAGES)})") from None
 
 
-def _slurm(path: Path, key: str, table: Any) -> dict[str, Any]:
-    """A stage's ``slurm = {...}``: checked as ``[slurm]`` is; only the keys it sets are kept (they override)."""
-    SlurmSection.parse(table, path, key)
-    return dict(table)
-
-
 def _subst(value: str, ds: Dataset | None) -> str:
     if ds is None:
         return value
     return value.replace("{dataset}", ds.name).replace("{kind}", ds.kind).replace("{source}", ds.source)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a ``[[stage]]`` entry is checked against: the plan's datasets, resources and executor."""
+
+    path: Path
+    datasets: list[Dataset]
+    cpu_slots: int
+    gpus: tuple[int, ...]
+    executor_kind: str
+
+    @property
+    def slurm(self) -> bool:
+        return self.executor_kind == "slurm"
 
 
 def stages_from(
@@ -175,172 +242,134 @@ def stages_from(
     gpus: tuple[int, ...],
     executor_kind: str = "local",
 ) -> list[StageSpec]:
-    slurm = executor_kind == "slurm"
+    """The ``[[stage]]`` entries expanded into stages (one per dataset, one per replica), with their
+    ``after`` and ``uses`` resolved to stage ids."""
+    ctx = _Context(path, datasets, cpu_slots, gpus, executor_kind)
     _type(path, "stage", items, list, "an array of tables ([[stage]])")
-    entries: list[tuple[str, dict, Dataset | None]] = []
-    expanded: list[StageSpec] = []
-    raw_deps: list[tuple[str, list[str], list[str]]] = []
+    expanded: list[tuple[str, StageSpec, list[str], list[str]]] = []  # key, spec, raw after, raw uses
     families: set[str] = set()
     groups: dict[str, list[str]] = {}  # a replicated service's id -> its replicas' stage ids
     for i, s in enumerate(items):
         key = f"stage[{i}]"
-        _type(path, key, s, dict, "a table")
-        for k in s:
-            if k not in STAGE_KEYS:
-                raise PlanError(path, _key(key, k), f"unknown key (known: {', '.join(sorted(STAGE_KEYS))})")
-        sid = _name(path, f"{key}.id", s.get("id"), "stage id")
-        if sid in families:
-            raise PlanError(path, f"{key}.id", f"duplicate stage id {sid!r}")
-        families.add(sid)
-        run, command = s.get("run"), s.get("command")
-        if (run is None) == (command is None):
-            raise PlanError(
-                path, key, "give exactly one of 'run' (a built-in stage: prep, train, ...) or 'command'"
-            )
-        if run is not None:
-            _type(path, f"{key}.run", run, str, "a string")
-            if run not in BUILTIN_STAGES:
-                hint = (
-                    f"; plans name built-in stages by short name: run = {_legacy_run(run)!r}"
-                    if _legacy_run(run) in BUILTIN_STAGES
-                    else ""
-                )
-                raise PlanError(
-                    path, f"{key}.run", f"unknown stage {run!r} (known: {', '.join(BUILTIN_STAGES)}){hint}"
-                )
-        else:
-            _text(path, f"{key}.command", command, "a shell command", multiline=True, empty=False)
-        fe = s.get("for_each")
-        if fe is not None and fe != "dataset":
-            raise PlanError(path, f"{key}.for_each", f"only 'dataset' is supported, got {fe!r}")
-        when = _type(path, f"{key}.when", s.get("when", {}), dict, "a table")
-        for wk, wv in when.items():
-            if wk not in ("kind", "name", "source"):
-                raise PlanError(path, _key(f"{key}.when", wk), "can filter on kind, name or source")
-            _type(path, f"{key}.when.{wk}", wv, str, "a string")
-        if when and fe is None:
-            raise PlanError(path, f"{key}.when", "'when' needs for_each = \"dataset\"")
-        args = _str_list(path, f"{key}.args", s.get("args", []))
-        after = _str_list(path, f"{key}.after", s.get("after", []))
-        uses = _str_list(path, f"{key}.uses", s.get("uses", []))
-        cpu = _int(path, f"{key}.cpu", s.get("cpu", 1), "an integer", lo=-MAX_INT)
-        if slurm:  # Slurm's nodes hold the CPUs (cpus-per-task), not this host's slots
-            _int(path, f"{key}.cpu", cpu, "an integer", lo=0, hi=100_000)
-        elif not 0 <= cpu <= cpu_slots:
-            raise PlanError(
-                path, f"{key}.cpu", f"{cpu} slots requested but resources.cpu_slots is {cpu_slots}"
-            )
-        sg = s.get("gpus", [])
-        if sg == "all":
-            sg = list(gpus)
-        if slurm and isinstance(sg, int) and not isinstance(sg, bool):
-            # Under Slurm a stage asks for a number of GPUs per node; Slurm picks which.
-            sg = list(range(_int(path, f"{key}.gpus", sg, "a number of GPUs per node", hi=4096)))
-        _type(path, f"{key}.gpus", sg, list, 'a list of GPU ids or "all"' + (" or a count" if slurm else ""))
-        for j, g in enumerate(sg):
-            _int(path, f"{key}.gpus[{j}]", g, "an integer", lo=-MAX_INT)
-            if g not in gpus and not slurm:
-                raise PlanError(path, f"{key}.gpus[{j}]", f"GPU {g} is not in resources.gpus {list(gpus)}")
-        nodes = _int(path, f"{key}.nodes", s.get("nodes", 1), "a number of nodes", lo=1, hi=100_000)
-        if nodes > 1 and not slurm:
-            raise PlanError(
-                path,
-                f"{key}.nodes",
-                f'nodes = {nodes} needs executor.kind = "slurm" '
-                f"(a {executor_kind} executor runs every stage on one host)",
-            )
-        stage_slurm = _slurm(path, f"{key}.slurm", s.get("slurm", {}))
-        replicas = _int(
-            path, f"{key}.replicas", s.get("replicas", 1), "a number of server jobs", lo=1, hi=1000
-        )
-        if replicas > 1 and not (slurm and s.get("service") is True):
-            raise PlanError(
-                path,
-                f"{key}.replicas",
-                "replicas > 1 needs a service stage (service = true) under "
-                'executor.kind = "slurm" (one server job per replica)',
-            )
-        if replicas > 1 and fe:
-            raise PlanError(path, f"{key}.replicas", "replicas cannot be combined with for_each")
-        if stage_slurm and not slurm:
-            raise PlanError(
-                path,
-                f"{key}.slurm",
-                f'Slurm overrides need executor.kind = "slurm" (it is {executor_kind!r})',
-            )
-        ob = _int(
-            path, f"{key}.output_bytes", s.get("output_bytes", 0), "an integer number of bytes", hi=1 << 62
-        )
-        retry = _type(path, f"{key}.retry", s.get("retry", {}), dict, "a table")
-        for rk in retry:
-            if rk not in ("max_attempts", "backoff_s"):
-                raise PlanError(path, _key(f"{key}.retry", rk), "known keys: max_attempts, backoff_s")
-        ma = _int(
-            path, f"{key}.retry.max_attempts", retry.get("max_attempts", 1), "an integer", lo=1, hi=1000
-        )
-        bo = _num(path, f"{key}.retry.backoff_s", retry.get("backoff_s", 30.0), "a number", hi=7 * 86400)
-        env = _type(path, f"{key}.env", s.get("env", {}), dict, "a table of strings")
-        for ek, ev in env.items():
-            if (
-                not ek
-                or not (ek[0].isascii() and (ek[0].isalpha() or ek[0] == "_"))
-                or not all(c.isascii() and (c.isalnum() or c == "_") for c in ek)
-            ):
-                raise PlanError(path, f"{key}.env", f"{ek!r} is not an environment variable name")
-            _text(path, f"{key}.env.{ek}", ev, multiline=True)
-        for gk in ("pause_grace_s", "kill_grace_s"):
-            if gk in s:
-                _num(path, f"{key}.{gk}", s[gk], "a number of seconds", hi=86400)
-        for bk in ("service", "skip"):
-            if bk in s:
-                _bool(path, f"{key}.{bk}", s[bk])
-        if "description" in s:
-            _text(path, f"{key}.description", s["description"], multiline=True)
-        if "label" in s:
-            _text(path, f"{key}.label", s["label"])
-        targets = (
-            [d for d in datasets if all(getattr(d, wk) == wv for wk, wv in when.items())] if fe else [None]
-        )
-        if fe and not datasets:
-            raise PlanError(path, f"{key}.for_each", 'for_each = "dataset" but the plan has no [[datasets]]')
-        if replicas > 1:
+        entry = StageEntry.parse(s, path, key)
+        if entry.id in families:
+            raise PlanError(path, f"{key}.id", f"duplicate stage id {entry.id!r}")
+        families.add(entry.id)
+        base = _base_spec(ctx, key, entry)
+        if entry.replicas > 1:
             # One stage (one Slurm job) per replica: serve.r1 ... serve.rN; `uses = ["serve"]` means them all.
-            groups[sid] = [f"{sid}.r{k}" for k in range(1, replicas + 1)]
-        for ds, stage_id in (
-            [(None, r) for r in groups[sid]]
-            if replicas > 1
-            else [(ds, f"{sid}.{ds.name}" if ds else sid) for ds in targets]
-        ):
-            stage_args = [_subst(a, ds) for a in args]
-            if run is not None and ds is not None and "--dataset" not in stage_args:
-                stage_args = ["--dataset", ds.name, *stage_args]
-            spec = StageSpec(
-                id=stage_id,
-                family=sid,
-                run=run,
-                command=_subst(command, ds) if command else None,
-                dataset=ds.name if ds else None,
-                args=tuple(stage_args),
-                service=bool(s.get("service", False)),
-                cpu=cpu,
-                gpus=tuple(sg),
-                output_bytes=ob,
-                retry=RetryPolicy(ma, float(bo)),
-                env={k: _subst(v, ds) for k, v in env.items()},
-                skip=bool(s.get("skip", False)),
-                pause_grace_s=float(s.get("pause_grace_s", 10.0)),
-                kill_grace_s=float(s.get("kill_grace_s", 10.0)),
-                description=str(s.get("description", "")),
-                nodes=nodes,
-                slurm=stage_slurm,
+            groups[entry.id] = [f"{entry.id}.r{k}" for k in range(1, entry.replicas + 1)]
+        for ds, stage_id in _targets(ctx, key, entry, groups):
+            spec = _expand(base, entry, ds, stage_id)
+            expanded.append(
+                (key, spec, [_subst(a, ds) for a in entry.after], [_subst(u, ds) for u in entry.uses])
             )
-            expanded.append(spec)
-            entries.append((key, s, ds))
-            raw_deps.append((key, [_subst(a, ds) for a in after], [_subst(u, ds) for u in uses]))
-    ids = [s.id for s in expanded]
-    services = {s.id for s in expanded if s.service}
+    return _link(path, expanded, groups)
+
+
+def _base_spec(ctx: _Context, key: str, e: StageEntry) -> StageSpec:
+    """The entry's resources, checked against the plan's, as a spec every expanded stage starts from."""
+    path, slurm = ctx.path, ctx.slurm
+    if slurm:  # Slurm's nodes hold the CPUs (cpus-per-task), not this host's slots
+        _int(path, f"{key}.cpu", e.cpu, "an integer", lo=0, hi=100_000)
+    elif not 0 <= e.cpu <= ctx.cpu_slots:
+        raise PlanError(
+            path, f"{key}.cpu", f"{e.cpu} slots requested but resources.cpu_slots is {ctx.cpu_slots}"
+        )
+    gpus = _stage_gpus(ctx, key, e.gpus)
+    if e.nodes > 1 and not slurm:
+        raise PlanError(
+            path,
+            f"{key}.nodes",
+            f'nodes = {e.nodes} needs executor.kind = "slurm" '
+            f"(a {ctx.executor_kind} executor runs every stage on one host)",
+        )
+    SlurmSection.parse(e.slurm, path, f"{key}.slurm")  # checked as [slurm] is; the keys it sets override
+    if e.replicas > 1 and not (slurm and e.service):
+        raise PlanError(
+            path,
+            f"{key}.replicas",
+            "replicas > 1 needs a service stage (service = true) under "
+            'executor.kind = "slurm" (one server job per replica)',
+        )
+    if e.slurm and not slurm:
+        raise PlanError(
+            path,
+            f"{key}.slurm",
+            f'Slurm overrides need executor.kind = "slurm" (it is {ctx.executor_kind!r})',
+        )
+    return StageSpec(
+        id=e.id,
+        family=e.id,
+        run=e.run,
+        service=e.service,
+        cpu=e.cpu,
+        gpus=gpus,
+        output_bytes=e.output_bytes,
+        retry=RetryPolicy.parse(e.retry, path, f"{key}.retry"),
+        skip=e.skip,
+        pause_grace_s=e.pause_grace_s,
+        kill_grace_s=e.kill_grace_s,
+        description=e.description,
+        nodes=e.nodes,
+        slurm=dict(e.slurm),
+    )
+
+
+def _stage_gpus(ctx: _Context, key: str, sg: tuple[int, ...] | str | int) -> tuple[int, ...]:
+    """A stage's ``gpus``: ids from resources.gpus, "all" of them, or (Slurm) a count per node."""
+    path, slurm = ctx.path, ctx.slurm
+    if sg == "all":
+        return ctx.gpus
+    if slurm and isinstance(sg, int):
+        # Under Slurm a stage asks for a number of GPUs per node; Slurm picks which.
+        return tuple(range(_int(path, f"{key}.gpus", sg, "a number of GPUs per node", hi=4096)))
+    if not isinstance(sg, tuple):
+        want = 'a list of GPU ids or "all"' + (" or a count" if slurm else "")
+        raise PlanError(path, f"{key}.gpus", f"expected {want}, got {type(sg).__name__} {sg!r}")
+    for j, g in enumerate(sg):
+        if g not in ctx.gpus and not slurm:
+            raise PlanError(path, f"{key}.gpus[{j}]", f"GPU {g} is not in resources.gpus {list(ctx.gpus)}")
+    return tuple(sg)
+
+
+def _targets(
+    ctx: _Context, key: str, e: StageEntry, groups: dict[str, list[str]]
+) -> list[tuple[Dataset | None, str]]:
+    """The (dataset, stage id) pairs an entry expands into: one per replica, per matching dataset, or itself."""
+    if e.replicas > 1:
+        return [(None, r) for r in groups[e.id]]
+    if not e.for_each:
+        return [(None, e.id)]
+    if not ctx.datasets:
+        raise PlanError(ctx.path, f"{key}.for_each", 'for_each = "dataset" but the plan has no [[datasets]]')
+    matching = [d for d in ctx.datasets if all(getattr(d, wk) == wv for wk, wv in e.when.items())]
+    return [(ds, f"{e.id}.{ds.name}") for ds in matching]
+
+
+def _expand(base: StageSpec, e: StageEntry, ds: Dataset | None, stage_id: str) -> StageSpec:
+    """The stage ``stage_id`` of entry ``e``, its words substituted for dataset ``ds``."""
+    stage_args = [_subst(a, ds) for a in e.args]
+    if e.run is not None and ds is not None and "--dataset" not in stage_args:
+        stage_args = ["--dataset", ds.name, *stage_args]
+    return replace(
+        base,
+        id=stage_id,
+        command=_subst(e.command, ds) if e.command else None,
+        dataset=ds.name if ds else None,
+        args=tuple(stage_args),
+        env={k: _subst(v, ds) for k, v in e.env.items()},
+    )
+
+
+def _link(
+    path: Path, expanded: list[tuple[str, StageSpec, list[str], list[str]]], groups: dict[str, list[str]]
+) -> list[StageSpec]:
+    """Each stage with its ``after`` and ``uses`` patterns resolved to stage ids; ``uses`` only services."""
+    ids = [spec.id for _, spec, _, _ in expanded]
+    services = {spec.id for _, spec, _, _ in expanded if spec.service}
     out: list[StageSpec] = []
-    for spec, (key, after, uses) in zip(expanded, raw_deps, strict=True):
+    for key, spec, after, uses in expanded:
         dep_ids = _resolve(path, f"{key}.after", after, ids, spec.id, groups)
         use_ids = _resolve(path, f"{key}.uses", uses, ids, spec.id, groups)
         for u in use_ids:

@@ -34,6 +34,7 @@ from pipeline.run.events import EventWriter, make
 from pipeline.run.metric_sinks import MetricSinks
 from pipeline.run.plan_sections import WandbSection
 from pipeline.run.rundir import RunDir
+from pipeline.run.stage_row import HealthState
 
 ENV_RUN = "AERIE_RUN_DIR"
 ENV_STAGE = "AERIE_STAGE_ID"
@@ -173,7 +174,7 @@ class StageContext:
     def message(self, text: str, level: str = "info", code: str | None = None, **extra: Any) -> None:
         self.emit("message", text=text, level=level, code=code, **extra)
 
-    def health(self, state: str, **extra: Any) -> None:
+    def health(self, state: HealthState, **extra: Any) -> None:
         self.emit("health", state=state, **extra)
 
     # -- pause ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Self
@@ -119,6 +120,9 @@ def str_list(file: Path | str, key: str, value: Any) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ sections
+REQUIRED: Any = object()  # the default of a key the table must give (a dataset's name, a stage's id)
+
+
 def setting(
     default: Any,
     doc: str,
@@ -127,11 +131,26 @@ def setting(
     hi: float | None = None,
     choices: tuple[Any, ...] | None = None,
     positive: bool = False,
+    multiline: bool = False,
+    check: Callable[[Path | str, str, Any], Any] | None = None,
 ) -> Any:
     """A section field: its default, a one-line doc, and optionally a numeric range (``positive``: > 0)
-    or the allowed values. A mutable default (a table or a list) is copied for each plan.
+    or the allowed values; a ``multiline`` string may hold newlines and tabs (a shell command); ``check``
+    replaces the type check with its own (``check(file, key, value)`` returns the value or raises).
+    A mutable default (a table or a list) is copied for each plan; :data:`REQUIRED` makes the key one
+    the table must give.
     """
-    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "positive": positive}
+    meta: dict[str, Any] = {
+        "doc": doc,
+        "lo": lo,
+        "hi": hi,
+        "choices": choices,
+        "positive": positive,
+        "multiline": multiline,
+    }
+    meta["check"] = check
+    if default is REQUIRED:
+        return field(metadata=meta)
     if isinstance(default, dict | list):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -153,6 +172,8 @@ def _describe(tp: Any) -> str:
 def _coerce(file: Path | str, key: str, value: Any, tp: Any, f: Field[Any]) -> Any:
     """``value`` as the field's type, or a PlanError naming ``key``."""
     lo, hi, choices = f.metadata.get("lo"), f.metadata.get("hi"), f.metadata.get("choices")
+    if f.metadata.get("check") is not None:
+        return f.metadata["check"](file, key, value)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -192,7 +213,7 @@ def _coerce(file: Path | str, key: str, value: Any, tp: Any, f: Field[Any]) -> A
             hi=hi if hi is not None else 1e18,
         )
     if tp is str:
-        check_text(file, key, value)
+        check_text(file, key, value, multiline=bool(f.metadata.get("multiline")))
         if choices is not None and value not in choices:
             raise PlanError(file, key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value
@@ -228,6 +249,9 @@ class Section:
             if k not in known:
                 raise PlanError(file, key_name(name, k), f"unknown key (known: {', '.join(sorted(known))})")
             values[k] = _coerce(file, f"{name}.{k}", v, hints[k], known[k])
+        for f in known.values():
+            if f.name not in values and f.default is MISSING and f.default_factory is MISSING:
+                raise PlanError(file, f"{name}.{f.name}", f"required key missing ({f.metadata.get('doc')})")
         section = cls(**values)
         section.check(file, name)
         return section
@@ -245,7 +269,13 @@ class Section:
         hints = typing.get_type_hints(cls)
         out = []
         for f in fields(cls):
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[operator]
+            default = (
+                f.default
+                if f.default is not MISSING
+                else None
+                if f.default_factory is MISSING
+                else f.default_factory()
+            )
             out.append((f.name, _describe(hints[f.name]), default, str(f.metadata.get("doc", ""))))
         return out
 

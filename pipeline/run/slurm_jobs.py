@@ -32,7 +32,7 @@ from pipeline.run.files import open_private_append, private_dir
 from pipeline.run.plan import StageSpec
 from pipeline.run.plan_sections import SlurmSection
 from pipeline.run.rundir import RunDir, StageDir, read_json, write_atomic, write_json
-from pipeline.run.stage_row import StageState
+from pipeline.run.stage_row import ExitStatus, StageState
 from pipeline.run.stage_status import StageStatus, finish, record_lost
 
 SUBMIT_GRACE_S = 30.0  # a job name Slurm does not know this long after "submitting" was never submitted
@@ -137,7 +137,7 @@ class SlurmJobs:
             fh.write(f"===== aerie: {sd.id} attempt {attempt}: {detail} =====\n".encode())
         with EventWriter(sd.events) as w:
             w.emit("message", level="error", code="slurm_rejected", text=detail)
-            w.emit("finished", status="failed", detail=detail)
+            w.emit("finished", status=ExitStatus.FAILED, detail=detail)
         self.log(f"{sd.id}: attempt {attempt}: {detail}")
 
     # ------------------------------------------------------------------------------- observe
@@ -311,7 +311,7 @@ class SlurmJobs:
         with EventWriter(sd.events) as w:
             if not killed:
                 w.emit("message", level="error", code="slurm_ended", text=ex["detail"])
-            w.emit("finished", status="killed" if killed else "failed", detail=ex["detail"])
+            w.emit("finished", status=ExitStatus.KILLED if killed else ExitStatus.FAILED, detail=ex["detail"])
         self.log(f"{sd.id}: attempt {attempt}: {ex['detail']}")
         return ex
 

@@ -1,4 +1,7 @@
-"""A stage's status row — the one definition of what ``state.json`` says of a stage — and its states.
+"""A stage's status row — the one definition of what ``state.json`` says of a stage — and its states:
+where it is (:class:`StageState`), how an attempt ended (:class:`ExitStatus`), a service's health
+(:class:`HealthState`) and what the console shows (:class:`DisplayState`). Each a ``StrEnum`` whose
+values are the strings the run's files hold, so a run dir written before them reads the same.
 
 The supervisor derives one :class:`StageRow` per stage and writes them all to ``state.json``; the
 console reads them back into its views (which add what only the console keeps: progress rates, log
@@ -25,6 +28,44 @@ class StageState(StrEnum):
     KILLED = "killed"  # stopped at the operator's word, or by a guard (disk, GPU)
     UPSTREAM_FAILED = "upstream-failed"  # a stage it runs after is broken
     SKIPPED = "skipped"  # the plan or the operator said not to run it; counts as satisfied
+
+
+class ExitStatus(StrEnum):
+    """How an attempt ended: the ``status`` of its ``finished`` event (the launcher's word, from its return
+    code and the supervisor's kill marker) and the coarse state ``aerie status`` reads from ``exit.json``."""
+
+    SUCCEEDED = "succeeded"  # exit 0, or a service stopped because its users were done
+    FAILED = "failed"  # non-zero exit, or it could not start
+    KILLED = "killed"  # stopped at the operator's word or by a guard
+
+
+class HealthState(StrEnum):
+    """A service's health, as its ``health`` events say and ``state.json``'s ``health`` field keeps it."""
+
+    STARTING = "starting"  # launched, not answering its probe yet
+    READY = "ready"  # answers its probe: dependants may start
+    UNHEALTHY = "unhealthy"  # stopped answering (or never did within its startup time)
+    STOPPED = "stopped"  # shut down
+
+
+class DisplayState(StrEnum):
+    """What the console and ``aerie status`` show a stage as: its :class:`StageState`, or for a running one
+    the finer word (pausing, starting, a service's health). The console's one table of how each looks is
+    ``console.states.DISPLAY``."""
+
+    PENDING = "pending"
+    STARTING = "starting"  # running, but its process (or Slurm job) has not started its work yet
+    RUNNING = "running"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    STOPPED = "stopped"
+    PAUSING = "pausing"  # paused at the operator's word, the stage not stopped yet
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    KILLED = "killed"
+    UPSTREAM_FAILED = "upstream-failed"
+    SKIPPED = "skipped"
 
 
 TERMINAL = frozenset(
@@ -56,7 +97,7 @@ class StageRow:
     finished_at: float | None = None
     returncode: int | None = None
     reason: str = ""  # why it failed / why it waits
-    health: str | None = None
+    health: HealthState | None = None
     pausing: bool = False
     retry_at: float | None = None
     service: bool = False
@@ -77,6 +118,11 @@ class StageRow:
                 self.state = StageState(d["state"])
             except ValueError:
                 self.state = d["state"]
+        if d.get("health") is not None:
+            try:
+                self.health = HealthState(d["health"])
+            except ValueError:
+                self.health = d["health"]
 
 
 ROW_FIELDS = tuple(f.name for f in fields(StageRow))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.run.events import EventTail
 from pipeline.run.plan import StageSpec
 from pipeline.run.rundir import RunDir
-from pipeline.run.stage_row import BROKEN, SATISFIED, TERMINAL, StageState
+from pipeline.run.stage_row import BROKEN, SATISFIED, TERMINAL, HealthState, StageState
 from pipeline.run.stage_status import StageStatus
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class EventMemory:
 
     tail: EventTail
     attempt_seen: int = 0
-    health: str | None = None
+    health: HealthState | None = None
     progress: dict[str, Any] | None = None
     paused_ack_t: float = 0.0
     drained_attempt: int = 0  # an ended attempt whose events were read to their end
@@ -78,7 +78,7 @@ class StateDeriver:
                     "t": ev.t,
                 }
             elif ev.type == "health":
-                tr.health = ev.get("state")
+                tr.health = _health(ev.get("state"))
             elif ev.type == "message" and ev.get("code") == "paused":
                 tr.paused_ack_t = ev.t
             elif ev.type == "message" and ev.get("code") == "resumed":
@@ -152,8 +152,16 @@ class StateDeriver:
             return st
         for u in spec.uses:
             us = status.get(u)
-            if not us or us.state != StageState.RUNNING or us.health != "ready":
+            if not us or us.state != StageState.RUNNING or us.health != HealthState.READY:
                 st.state, st.reason = StageState.PENDING, f"waiting for {u} to be ready"
                 return st
         st.state = StageState.READY
         return st
+
+
+def _health(word: Any) -> HealthState | None:
+    """A ``health`` event's state (the event reader has refused any other word)."""
+    try:
+        return HealthState(word)
+    except ValueError:
+        return None

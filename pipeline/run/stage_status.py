@@ -15,7 +15,7 @@ from typing import Any
 from pipeline.run.events import EventWriter
 from pipeline.run.plan import StageSpec
 from pipeline.run.rundir import StageDir, write_json
-from pipeline.run.stage_row import StageRow, StageState
+from pipeline.run.stage_row import ExitStatus, StageRow, StageState
 
 
 @dataclass
@@ -62,6 +62,6 @@ def record_lost(sd: StageDir, attempt: int, why: str, log: Callable[[str], None]
     }
     write_json(sd.exit, ex)
     with EventWriter(sd.events) as w:
-        w.emit("finished", status="killed" if killed else "failed", detail=why)
+        w.emit("finished", status=ExitStatus.KILLED if killed else ExitStatus.FAILED, detail=why)
     log(f"{sd.id}: attempt {attempt}: {why}")
     return ex

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.run.rundir import RunDir, RunDirError, read_json
+from pipeline.run.stage_row import ExitStatus, StageState
 
 STATE_PROBLEM = (
     "{path} is truncated or not valid JSON (written by a supervisor that died mid-write?): "
@@ -60,14 +61,14 @@ def rows_from_files(run: RunDir) -> list[dict[str, Any]]:
                 rc = ex.get("returncode")
                 row["returncode"] = rc
                 row["state"] = (
-                    "succeeded"
+                    ExitStatus.SUCCEEDED
                     if rc == 0
-                    else "killed"
+                    else ExitStatus.KILLED
                     if sd.record_for(sd.kill_marker, attempt)
-                    else "failed"
+                    else ExitStatus.FAILED
                 )
             elif sd.record_for(sd.path / "skip.json", attempt):
-                row["state"] = "skipped"
+                row["state"] = StageState.SKIPPED
             elif sd.record_for(sd.proc, attempt) or sd.record_for(sd.launch, attempt):
                 row["state"] = "started"
             else:

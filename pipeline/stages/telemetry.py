@@ -43,6 +43,7 @@ from pipeline.run.plan import Plan
 from pipeline.run.plan_sections import TelemetrySection
 from pipeline.run.rundir import RunDir, read_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.stage_row import HealthState
 
 FILE_NAME = "telemetry.jsonl"
 _DEFAULTS = TelemetrySection()
@@ -330,7 +331,7 @@ def run_loop(agent: Agent, ctx: StageContext | None, samples: int | None = None)
             agent.sample()
             taken += 1
             if taken == 1 and ctx is not None:
-                ctx.health("ready")
+                ctx.health(HealthState.READY)
             if samples is not None and taken >= samples:
                 return f"{taken} samples taken"
             wait = max(0.0, agent.interval_s - (time.monotonic() - t0))

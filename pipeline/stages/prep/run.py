@@ -188,16 +188,7 @@ class PrepRun:
 
     def run(self) -> int:
         ds, ctx = self.ds, self.ctx
-        try:
-            man = self.store.complete()
-        except StaleOutputError as exc:
-            fail(ctx, f"{ds.name}: {exc}")
-        if man is not None:
-            ctx.message(
-                f"{ds.name}: already prepared ({man['rows']} rows in {len(man['shards'])} shards); nothing to do",
-                code="up-to-date",
-            )
-            ctx.progress(man["rows"], ds.quota, unit="rows", key=ds.name, force=True, rate=0.0)
+        if self._already_prepared():
             return 0
         self.store.clean_partials()
         if ds.kind != self.src.kind:
@@ -225,6 +216,29 @@ class PrepRun:
         self.accepted_at_start = tally.accepted
         self.t0 = time.monotonic()
         self._progress(tally, force=True)
+        self._fill(records, tally, seen, start)
+        self._finish(records, tally)
+        return 0
+
+    def _already_prepared(self) -> bool:
+        """Whether a complete output for these settings is there (then nothing is done but say so)."""
+        ds, ctx = self.ds, self.ctx
+        try:
+            man = self.store.complete()
+        except StaleOutputError as exc:
+            fail(ctx, f"{ds.name}: {exc}")
+        if man is None:
+            return False
+        ctx.message(
+            f"{ds.name}: already prepared ({man['rows']} rows in {len(man['shards'])} shards); nothing to do",
+            code="up-to-date",
+        )
+        ctx.progress(man["rows"], ds.quota, unit="rows", key=ds.name, force=True, rate=0.0)
+        return True
+
+    def _fill(self, records: list[dict[str, Any]], tally: Tally, seen: set[str], start: int) -> None:
+        """Read the source from row ``start`` and commit shards (appended to ``records``) up to the quota."""
+        ds, ctx = self.ds, self.ctx
         proc = RowProcessor(self.src, ds.kind, ds.options, self.tokenizer, seen)
         rows = sources.open_rows(
             self.src, ds.path, ds.split, ds.config, ds.options, self.cache_dir, start=start
@@ -261,6 +275,10 @@ class PrepRun:
             self._add(tally, pending)
             pending = []
         self._add(tally, pending)  # trailing rows without an accepted one (source exhausted)
+
+    def _finish(self, records: list[dict[str, Any]], tally: Tally) -> None:
+        """Write the rejects and the manifest, or fail the stage above the reject threshold."""
+        ds, ctx = self.ds, self.ctx
         write_rejects(ctx.out / "rejects.jsonl", tally.rejects)
         self._metrics(tally)
         self._progress(tally, force=True)
@@ -298,7 +316,6 @@ class PrepRun:
             f"{tally.duplicates} duplicates, {len(tally.dropped)} dropped",
             code="done",
         )
-        return 0
 
 
 def _index_of_nth_accept(outs: list[Outcome], n: int) -> int:

@@ -177,39 +177,22 @@ def tokenise_answers(
     info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Prompt + answer -> tokenized shards (docs/data-formats.md, "Regeneration outputs")."""
-    from pipeline.data import conversation as conv
     from pipeline.data import shard_writer as sw
 
-    max_length = ct.max_length
     fingerprint = {
         "stage": "regen",
         "dataset": dataset,
         "tokenizer": ct.tokenizer_id,
         "template_hash": ct.template_hash,
-        "max_length": max_length,
+        "max_length": ct.max_length,
         "drop_truncated": bool(s.drop_truncated),
         "responses_sha256": sha256_file(log.path),
         "shard_rows": int(s.shard_rows),
     }
     store = sw.ShardStore(ctx.out, fingerprint)
-    store.clean_partials()
-    try:
-        done = store.complete()
-    except sw.StaleOutputError:
-        done = None
+    done, finished = _resume(ctx, store)
     if done is not None:
-        ctx.message(f"tokenized output already complete ({done['rows']} rows)", code="up-to-date")
         return done
-    try:
-        finished = store.finished()
-    except sw.StaleOutputError:  # shards made from other answers or settings: start the shards over
-        for p in [
-            *ctx.out.glob(f"{sw.SHARD_PREFIX}*.parquet"),
-            *store.progress_dir.glob("*.json"),
-            store.manifest_path,
-        ]:
-            p.unlink(missing_ok=True)
-        finished = []
     recs = log.records()
     rows = [rid for rid in order if rid in recs]
     truncated = sum(1 for rid in rows if recs[rid].get("finish_reason") == "length")
@@ -219,34 +202,8 @@ def tokenise_answers(
     while pos < len(rows):
         ctx.safe_point()
         chunk = rows[pos : pos + per]
-        ids, convs, rejects, dropped = [], [], [], 0
-        for rid in chunk:
-            rec = recs[rid]
-            if s.drop_truncated and rec.get("finish_reason") == "length":
-                dropped += 1
-                continue
-            try:
-                convs.append(conv.check_conversation(rec["messages"]))
-                ids.append(rid)
-            except conv.ConversationError as exc:
-                rejects.append({"id": rid, "field": exc.field, "reason": exc.reason})
-        enc = ct.encode(convs) if convs else []
-        ok_ids, ok_enc = [], []
-        for rid, e in zip(ids, enc, strict=True):
-            if isinstance(e, conv.ConversationError):
-                rejects.append({"id": rid, "field": e.field, "reason": e.reason})
-            elif e.target_tokens == 0:
-                dropped += 1  # well-formed, but no answer token within max_length
-            else:
-                ok_ids.append(rid)
-                ok_enc.append(e)
-        shards.append(
-            store.commit(
-                len(shards),
-                sw.tokenized_table(ok_ids, ok_enc),
-                {"rows_in": len(chunk), "rejects": rejects, "dropped": dropped},
-            )
-        )
+        table, meta = _tokenise_chunk(ct, chunk, recs, s)
+        shards.append(store.commit(len(shards), table, {"rows_in": len(chunk), **meta}))
         pos += len(chunk)
         ctx.progress(pos, len(rows), unit="rows", key="tokenise", force=True)
     all_rejects = list(skipped or []) + [r for sh in shards for r in sh.get("rejects", [])]
@@ -257,7 +214,7 @@ def tokenise_answers(
         dataset=dataset,
         tokenizer=ct.tokenizer_id,
         template_hash=ct.template_hash,
-        max_length=max_length,
+        max_length=ct.max_length,
         answers=len(rows),
         rejects=len(all_rejects) - len(skipped or []),
         skipped=len(skipped or []),
@@ -272,6 +229,62 @@ def tokenise_answers(
         code="tokenized",
     )
     return man
+
+
+def _resume(ctx: StageContext, store: Any) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """``(the manifest, [])`` when the output is complete for these answers and settings; else ``(None,
+    the shards already committed)``, every shard of other answers or settings removed first."""
+    from pipeline.data import shard_writer as sw
+
+    store.clean_partials()
+    try:
+        done = store.complete()
+    except sw.StaleOutputError:
+        done = None
+    if done is not None:
+        ctx.message(f"tokenized output already complete ({done['rows']} rows)", code="up-to-date")
+        return done, []
+    try:
+        return None, store.finished()
+    except sw.StaleOutputError:  # shards made from other answers or settings: start the shards over
+        for p in [
+            *ctx.out.glob(f"{sw.SHARD_PREFIX}*.parquet"),
+            *store.progress_dir.glob("*.json"),
+            store.manifest_path,
+        ]:
+            p.unlink(missing_ok=True)
+        return None, []
+
+
+def _tokenise_chunk(
+    ct: Any, chunk: list[str], recs: dict[str, dict[str, Any]], s: RegenSection
+) -> tuple[Any, dict[str, Any]]:
+    """One shard's table from answers ``chunk``, and its progress record (``rejects``, ``dropped``)."""
+    from pipeline.data import conversation as conv
+    from pipeline.data import shard_writer as sw
+
+    ids, convs, rejects, dropped = [], [], [], 0
+    for rid in chunk:
+        rec = recs[rid]
+        if s.drop_truncated and rec.get("finish_reason") == "length":
+            dropped += 1
+            continue
+        try:
+            convs.append(conv.check_conversation(rec["messages"]))
+            ids.append(rid)
+        except conv.ConversationError as exc:
+            rejects.append({"id": rid, "field": exc.field, "reason": exc.reason})
+    enc = ct.encode(convs) if convs else []
+    ok_ids, ok_enc = [], []
+    for rid, e in zip(ids, enc, strict=True):
+        if isinstance(e, conv.ConversationError):
+            rejects.append({"id": rid, "field": e.field, "reason": e.reason})
+        elif e.target_tokens == 0:
+            dropped += 1  # well-formed, but no answer token within max_length
+        else:
+            ok_ids.append(rid)
+            ok_enc.append(e)
+    return sw.tokenized_table(ok_ids, ok_enc), {"rejects": rejects, "dropped": dropped}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -294,17 +307,71 @@ def main(argv: list[str] | None = None) -> int:
         if not prompts:
             fail(ctx, f"{src}: no prompts to regenerate", 2)
         urls = server_urls(ctx, plan, s, args.server_url)
-        url = urls[0]
     except (PlanError, InputError, ValueError) as exc:
         fail(ctx, str(exc), 2)
     from pipeline.data.tokenise import load_chat_tokenizer
 
-    max_length = plan.target.row_length
     template_kwargs = plan.template_kwargs(args.dataset)
     ct = load_chat_tokenizer(
-        str(plan.target.model), max_length, template_kwargs, trust_remote_code=plan.target.trust_remote_code
+        str(plan.target.model),
+        plan.target.row_length,
+        template_kwargs,
+        trust_remote_code=plan.target.trust_remote_code,
     )
     read = len(prompts)
+    prompts, skipped = _send_only_what_fits(ctx, ct, prompts, s)
+    if len(urls) > 1:
+        ctx.message(f"spreading requests over {len(urls)} servers: {', '.join(urls)}")
+    cfg = _client_config(ctx, plan, s, urls, template_kwargs.get("thinking"))
+    try:
+        log = ResponseLog(ctx.out / "responses.jsonl")
+    except ValueError as exc:
+        fail(ctx, str(exc), 2)
+    if log.repaired_bytes:
+        ctx.message(
+            f"responses.jsonl: cut a torn last line ({log.repaired_bytes} bytes) left by a kill",
+            level="warning",
+        )
+    try:
+        _stats, rep, stopped = generate(ctx, cfg, prompts, log)
+    except OutageError as exc:
+        log.close()
+        fail(ctx, str(exc), 1)
+    log.close()
+    write_atomic(
+        ctx.out / "errors.jsonl", "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in rep.failures)
+    )
+    if stopped:
+        ctx.message(
+            f"stopped by a signal with {len(log)} of {len(prompts)} answered; a retry asks only for the rest",
+            level="warning",
+            code="stopped",
+        )
+        ctx.close()
+        return 128 + signal.SIGTERM
+    failed = _check_answers(ctx, s, prompts, log, len(rep.failures))
+    try:
+        ds = plan.dataset(args.dataset)
+        info = {
+            "source": ds.source,
+            "prompts": read,
+            "failed": failed,
+            "regenerated_by": {"model": model_id(log), "url": urls[0], "sampling": cfg.sampling},
+        }
+        tokenise_answers(ctx, ct, args.dataset, [rid for rid, _ in prompts], log, s, skipped, info)
+    except (ValueError, OSError) as exc:
+        fail(ctx, f"tokenising the answers failed: {exc}", 1)
+    ctx.progress(len(prompts), len(prompts), unit="records", force=True)
+    ctx.close()
+    return 0
+
+
+def _send_only_what_fits(
+    ctx: StageContext, ct: Any, prompts: list[tuple[str, list[dict[str, Any]]]], s: RegenSection
+) -> tuple[list[tuple[str, list[dict[str, Any]]]], list[dict[str, Any]]]:
+    """``(the prompts that leave room for an answer, the rejects of those that do not)``; the stage fails
+    when more than ``max_skipped_fraction`` of them do not."""
+    read, max_length = len(prompts), ct.max_length
     prompts, too_long = split_by_length(ct, prompts)
     skipped = [
         {
@@ -329,11 +396,15 @@ def main(argv: list[str] | None = None) -> int:
                 2,
             )
         ctx.message(text, level="warning", code="prompts-too-long", skipped=len(too_long))
-    api_key = os.environ.get(s.api_key_env) if s.api_key_env else None
-    if len(urls) > 1:
-        ctx.message(f"spreading requests over {len(urls)} servers: {', '.join(urls)}")
-    cfg = ClientConfig(
-        url=url,
+    return prompts, skipped
+
+
+def _client_config(
+    ctx: StageContext, plan: Plan, s: RegenSection, urls: list[str], thinking: bool | None
+) -> ClientConfig:
+    """How the client talks to the servers: ``[regen]``'s settings, the key from its environment variable."""
+    return ClientConfig(
+        url=urls[0],
         more_urls=tuple(urls[1:]),
         model=s.model,
         concurrency=int(s.concurrency),
@@ -342,37 +413,16 @@ def main(argv: list[str] | None = None) -> int:
         backoff_s=float(s.backoff_s),
         backoff_max_s=float(s.backoff_max_s),
         outage_timeout_s=float(s.outage_timeout_s),
-        sampling=s.sampling_body(thinking=template_kwargs.get("thinking")),
-        api_key=api_key,
+        sampling=s.sampling_body(thinking=thinking),
+        api_key=os.environ.get(s.api_key_env) if s.api_key_env else None,
         drain_timeout_s=max(1.0, _kill_grace(plan, ctx.stage_id) - 2.0),
     )
-    try:
-        log = ResponseLog(ctx.out / "responses.jsonl")
-    except ValueError as exc:
-        fail(ctx, str(exc), 2)
-    if log.repaired_bytes:
-        ctx.message(
-            f"responses.jsonl: cut a torn last line ({log.repaired_bytes} bytes) left by a kill",
-            level="warning",
-        )
-    try:
-        stats, rep, stopped = generate(ctx, cfg, prompts, log)
-    except OutageError as exc:
-        log.close()
-        fail(ctx, str(exc), 1)
-    log.close()
-    write_atomic(
-        ctx.out / "errors.jsonl", "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in rep.failures)
-    )
-    if stopped:
-        ctx.message(
-            f"stopped by a signal with {len(log)} of {len(prompts)} answered; a retry asks only for the rest",
-            level="warning",
-            code="stopped",
-        )
-        ctx.close()
-        return 128 + signal.SIGTERM
-    failed = len(rep.failures)
+
+
+def _check_answers(
+    ctx: StageContext, s: RegenSection, prompts: list[tuple[str, Any]], log: ResponseLog, failed: int
+) -> int:
+    """The failed count, once every prompt is answered or failed; the stage fails above max_error_fraction."""
     answered = sum(1 for rid, _ in prompts if rid in log)
     if answered + failed != len(prompts):
         fail(ctx, f"bookkeeping: {answered} answered + {failed} failed != {len(prompts)} prompts", 1)
@@ -383,20 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             "see errors.jsonl; a retry asks only for the unanswered ones",
             1,
         )
-    try:
-        ds = plan.dataset(args.dataset)
-        info = {
-            "source": ds.source,
-            "prompts": read,
-            "failed": failed,
-            "regenerated_by": {"model": model_id(log), "url": url, "sampling": cfg.sampling},
-        }
-        tokenise_answers(ctx, ct, args.dataset, [rid for rid, _ in prompts], log, s, skipped, info)
-    except (ValueError, OSError) as exc:
-        fail(ctx, f"tokenising the answers failed: {exc}", 1)
-    ctx.progress(len(prompts), len(prompts), unit="records", force=True)
-    ctx.close()
-    return 0
+    return failed
 
 
 def model_id(log: ResponseLog) -> str | None:

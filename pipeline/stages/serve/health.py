@@ -10,6 +10,8 @@ from __future__ import annotations
 import http.client
 from dataclasses import dataclass
 
+from pipeline.run.stage_row import HealthState
+
 
 def probe(host: str, port: int, timeout_s: float, path: str = "/health") -> tuple[bool, str]:
     """``(ok, detail)`` of one probe: ok means HTTP 200 within ``timeout_s``."""
@@ -35,25 +37,25 @@ class HealthTracker:
 
     startup_timeout_s: float
     unhealthy_after: int = 3
-    state: str = "starting"
+    state: HealthState = HealthState.STARTING
     failures: int = 0
     ever_ready: bool = False
 
-    def update(self, ok: bool, elapsed_s: float) -> str | None:
+    def update(self, ok: bool, elapsed_s: float) -> HealthState | None:
         old = self.state
         if ok:
             self.failures = 0
             self.ever_ready = True
-            self.state = "ready"
+            self.state = HealthState.READY
         else:
             self.failures += 1
             if not self.ever_ready:
                 if elapsed_s > self.startup_timeout_s:
-                    self.state = "unhealthy"
+                    self.state = HealthState.UNHEALTHY
             elif self.failures >= self.unhealthy_after:
-                self.state = "unhealthy"
+                self.state = HealthState.UNHEALTHY
         return self.state if self.state != old else None
 
     @property
     def startup_expired(self) -> bool:
-        return not self.ever_ready and self.state == "unhealthy"
+        return not self.ever_ready and self.state == HealthState.UNHEALTHY

@@ -24,6 +24,7 @@ from pipeline.run.plan import PlanError
 from pipeline.run.procs import ProcIdentity, read_stat
 from pipeline.run.rundir import RunDir, write_json
 from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.stage_row import HealthState
 from pipeline.serving.sglang_args import MODES, ServerSettings, settings_from_plan
 from pipeline.serving.sglang_log import ServerStats, parse_line
 from pipeline.stages.serve import backends, preflight
@@ -124,7 +125,7 @@ class ServeStage:
 
     # -- helpers ------------------------------------------------------------------------------
     def unhealthy_fail(self, text: str, code: int = 1) -> NoReturn:
-        self.ctx.health("unhealthy", detail=text[:300])
+        self.ctx.health(HealthState.UNHEALTHY, detail=text[:300])
         fail(self.ctx, text, code)
 
     def forced(self) -> bool:
@@ -224,7 +225,7 @@ class ServeStage:
                     else ""
                 )
                 phase = "after it was ready" if tracker.ever_ready else "during startup"
-                self.ctx.health("unhealthy", detail=f"server exited with code {rc}")
+                self.ctx.health(HealthState.UNHEALTHY, detail=f"server exited with code {rc}")
                 self.ctx.message(
                     f"the server exited with code {rc} {phase}"
                     + (f": {last[:300]}" if last else "")
@@ -239,14 +240,15 @@ class ServeStage:
             change = tracker.update(ok, elapsed)
             if not ok:
                 last_detail = detail
-            if change == "ready":
+            if change == HealthState.READY:
                 self.write_endpoint("ready")
-                self.ctx.health("ready", url=self.s.url)
+                self.ctx.health(HealthState.READY, url=self.s.url)
                 self.ctx.message(f"server ready at {self.s.url} after {elapsed:.0f}s", code="ready")
-            elif change == "unhealthy":
+            elif change == HealthState.UNHEALTHY:
                 if tracker.startup_expired:
                     self.ctx.health(
-                        "unhealthy", detail=f"no healthy answer within {self.s.startup_timeout_s:g}s"
+                        HealthState.UNHEALTHY,
+                        detail=f"no healthy answer within {self.s.startup_timeout_s:g}s",
                     )
                     self.ctx.message(
                         f"the server did not become healthy within {self.s.startup_timeout_s:g}s "
@@ -256,7 +258,7 @@ class ServeStage:
                     )
                     self.write_endpoint("unhealthy")
                     return 1
-                self.ctx.health("unhealthy", detail=last_detail[:300])
+                self.ctx.health(HealthState.UNHEALTHY, detail=last_detail[:300])
                 self.ctx.message(
                     f"health check failed {tracker.failures} times in a row: {last_detail}",
                     level="warning",
@@ -300,7 +302,7 @@ class ServeStage:
         if self.follower is not None:
             self.follower.join(timeout=2)
         self.write_endpoint("stopped")
-        self.ctx.health("stopped")
+        self.ctx.health(HealthState.STOPPED)
 
     @staticmethod
     def _reap() -> None:
@@ -339,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:
             gpus, kill_grace, cpu = (), 10.0, 1
         settings = settings_from_plan(plan, args.mode, gpus=gpus, draft=args.draft, cpu=cpu)
     except PlanError as exc:
-        ctx.health("unhealthy", detail="bad plan")
+        ctx.health(HealthState.UNHEALTHY, detail="bad plan")
         fail(ctx, str(exc), 2)
     if settings.speculative is not None:  # the draft must be one trained for the target served here
         verdict = provenance.check(settings.speculative.draft_model_path, settings.model)
         if not verdict.ok:
-            ctx.health("unhealthy", detail="draft trained for another target")
+            ctx.health(HealthState.UNHEALTHY, detail="draft trained for another target")
             fail(ctx, verdict.detail, 2)
         ctx.message(
             verdict.detail, level="warning" if verdict.level == "warn" else "info", code="draft_provenance"
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     stage = ServeStage(ctx, settings, kill_grace)
     stage.install_signals()
     become_subreaper()
-    ctx.health("starting")
+    ctx.health(HealthState.STARTING)
     stage.preflight()
     rc = 0  # a stop before the launch is a clean stop
     try:
