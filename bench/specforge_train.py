@@ -49,6 +49,7 @@ from bench.specforge_peer import (  # noqa: E402
     specforge_eager,
     wrap_specforge,
 )
+from pipeline.drafts.batch import Batch  # noqa: E402
 from pipeline.eagle3 import draft_vocab  # noqa: E402
 from pipeline.eagle3 import hidden_store as hs  # noqa: E402
 from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left  # noqa: E402
@@ -56,7 +57,7 @@ from pipeline.eagle3.trainer_inputs import build_draft, find_inputs  # noqa: E40
 from pipeline.run import plan as plan_mod  # noqa: E402
 from pipeline.run.plan_sections import TrainSection  # noqa: E402
 from pipeline.run.rundir import write_json  # noqa: E402
-from pipeline.stages.train.batches import Batch, OfflineData  # noqa: E402
+from pipeline.stages.train.batches import OfflineData  # noqa: E402
 from pipeline.stages.train.feeder import Feeder, Inline  # noqa: E402
 from pipeline.stages.train.settings import BatchSchedule  # noqa: E402
 from pipeline.stages.train.steps import rank_chunks  # noqa: E402

@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_common import SHAPES, random_draft, sync, synthetic_batch, time_ms  # noqa: E402
+from pipeline.drafts.eagle3.loss import ttt_sums, ttt_sums_unchunked  # noqa: E402
 from pipeline.eagle3 import draft_model as dm  # noqa: E402
 from pipeline.eagle3.draft_config import DraftConfig  # noqa: E402
-from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked  # noqa: E402
 
 VARIANTS = ("old", "attn", "new")
 
