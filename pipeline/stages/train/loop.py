@@ -1,4 +1,4 @@
-"""The training stage's program: find the inputs, build the draft, resume, and run the steps (see :mod:`pipeline.stages.train`).
+"""The training stage's program: find the inputs, build the draft, resume, run the steps and write the draft (see :mod:`pipeline.stages.train`).
 
 The draft method (``[train] draft``) is looked up by name (:func:`pipeline.drafts.registry.draft_method`):
 it builds the draft, gives the loss and the acceptance simulation, and saves the export; nothing here
