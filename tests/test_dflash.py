@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.eagle3.dflash_config import DFlashConfig
-from pipeline.eagle3.dflash_decode import DFlashDrafter
-from pipeline.eagle3.dflash_model import DFlashDraft, load_dflash, save_dflash
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.dflash.config import DFlashConfig
+from pipeline.drafts.dflash.decode import DFlashDrafter
+from pipeline.drafts.dflash.loss import BlockLoss, accept_sums, anchors_of, draft_blocks
+from pipeline.drafts.dflash.model import DFlashDraft, load_dflash, save_dflash
 from pipeline.eagle3.draft_config import DraftModelError
 from pipeline.run.plan_sections import TrainSection
 from pipeline.run.schema import PlanError
-from pipeline.stages.train.batches import Batch
-from pipeline.stages.train.dflash_loss import BlockLoss, accept_sums, anchors_of, draft_blocks
 from tests.eagle3_fixtures import tiny_llama
 
 AUX = [1, 14, 26]
@@ -91,7 +91,7 @@ def test_plan_keys_default_to_eagle3_and_bad_dflash_settings_name_file_and_key()
 
 
 def test_target_layers_outside_the_extraction_are_refused_with_the_fix() -> None:
-    from pipeline.eagle3.dflash_config import feature_columns
+    from pipeline.drafts.dflash.config import feature_columns
 
     assert feature_columns(AUX, AUX, 8) is None
     assert feature_columns(AUX, [1, 26], 2).tolist() == [0, 1, 4, 5]
@@ -250,8 +250,9 @@ def test_a_training_block_equals_the_block_drafted_at_decode_time(target) -> Non
 
 def test_a_short_training_run_lowers_the_block_loss(target) -> None:
     """The trainer's parts (the block loss from [train] settings, AdamW with its schedule) on one fixed row."""
+    from pipeline.drafts.registry import TrainedDraft
     from pipeline.eagle3.target_capture import target_config
-    from pipeline.stages.train.components import Optimiser, TrainedDraft
+    from pipeline.stages.train.components import Optimiser
 
     s = TrainSection(draft="dflash", dflash_block_size=4, dflash_anchors=8, lr=1e-2, steps=8, warmup_steps=0)
     cfg = DFlashConfig.from_target(
@@ -324,7 +325,7 @@ def test_simulated_accept_length_on_a_hand_made_block(target, monkeypatch) -> No
                     out[0, n, k, t] = 1.0
             return out
 
-        monkeypatch.setattr("pipeline.stages.train.dflash_loss.anchors_of", fake_anchors)
+        monkeypatch.setattr("pipeline.drafts.dflash.loss.anchors_of", fake_anchors)
         monkeypatch.setattr(draft, "logits", fake_logits)
 
     # anchor 0 drafts 11 12 77 = greedy: all 3 accepted -> 4. Anchor 1 drafts 12 77 14: 12 and 77 accepted; the

@@ -29,10 +29,10 @@ from bench.gpu.specforge_train import (  # noqa: E402
     main,
     specforge_tensors,
 )
+from pipeline.drafts.eagle3.loss import ttt_sums  # noqa: E402
 from pipeline.eagle3.draft_model import load_draft  # noqa: E402
 from pipeline.eagle3.target_capture import load_target_tensors  # noqa: E402
 from pipeline.stages.bench.inputs import find_draft  # noqa: E402
-from pipeline.stages.train.loss import ttt_sums  # noqa: E402
 from pipeline.stages.train.steps import rank_chunks  # noqa: E402
 from tests.eagle3_fixtures import shared  # noqa: E402
 

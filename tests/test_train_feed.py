@@ -84,7 +84,7 @@ def test_a_feeder_error_is_raised_at_the_step_that_needed_it(tmp_path) -> None:
         def host_batch(self, idx: list[int], pin: bool = False):  # noqa: ANN201
             if idx[0] >= 3:
                 raise hs.StoreError(f"{tmp_path / 'hs-00003.safetensors'}: unreadable")
-            from pipeline.stages.train.batches import Batch
+            from pipeline.drafts.batch import Batch
 
             z = torch.zeros(1, 2, dtype=torch.long)
             return Batch(torch.zeros(1, 2, 3), torch.zeros(1, 2, 1), z, z, z.bool(), torch.tensor([2]))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.eagle3.loss import ttt_sums, ttt_sums_unchunked
 from pipeline.eagle3.draft_model import Eagle3Draft
-from pipeline.stages.train.batches import Batch
-from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked
 from tests.test_eagle3_model import tiny_config, tiny_draft
 from tests.tolerance import SEED, assert_close
 
@@ -121,7 +121,7 @@ def test_what_the_chunked_loss_keeps_for_backward_does_not_grow_with_tokens_time
 def test_on_a_gpu_the_compiled_soft_label_loss_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the train stage runs on a GPU (``torch.compile``'d elementwise part, bf16 products) against the
     same function run eagerly, and both against float64: loss, greedy ids and both gradients."""
-    from pipeline.stages.train.head_loss import linear_soft_ce
+    from pipeline.drafts.eagle3.head_loss import linear_soft_ce
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, hidden, vocab = 3000, 256, 5000

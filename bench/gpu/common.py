@@ -133,7 +133,7 @@ def synthetic_batch(
     cfg: Any, ids: torch.Tensor, b: int, s: int, dev: torch.device, dtype: torch.dtype
 ) -> Any:
     """A full (no padding) training batch of random features, targets in the draft vocabulary."""
-    from pipeline.stages.train.batches import Batch
+    from pipeline.drafts.batch import Batch
 
     vd, v, h = cfg.draft_vocab_size, cfg.vocab_size, cfg.hidden_size
     return Batch(

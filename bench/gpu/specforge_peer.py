@@ -3,7 +3,7 @@
 Builds SpecForge 0.2.0's ``LlamaForCausalLMEagle3`` (specforge/modeling/draft/llama3_eagle.py) inside its
 training wrapper ``OnlineEagle3Model`` (specforge/algorithms/eagle3/model.py: the TTT unroll, the
 soft labels of ``_compute_target_p``, the loss and accuracy), and Aerie's :class:`Eagle3Draft`
-trained by ``pipeline.stages.train.loss.ttt_sums``, with identical weights and one synthetic batch
+trained by ``pipeline.drafts.eagle3.loss.ttt_sums``, with identical weights and one synthetic batch
 fed to both in each one's own convention. ``tests/test_specforge_oracle.py`` asserts they agree;
 :func:`time_specforge_vs_aerie` times their forward+backward (``python -m bench.gpu.specforge_peer``
 runs a tiny CPU config; pass ``--device cuda --shape llama8b`` on a GPU).
@@ -40,10 +40,10 @@ from typing import Any
 import torch
 
 from bench.gpu.common import time_ms
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.eagle3.loss import ttt_sums
 from pipeline.eagle3.draft_config import DraftConfig
 from pipeline.eagle3.draft_model import Eagle3Draft, shift_left
-from pipeline.stages.train.batches import Batch
-from pipeline.stages.train.loss import ttt_sums
 
 SPECFORGE_VERSION = "0.2.0"
 DECAY = 0.8  # per-step loss weight of both trainers' defaults

@@ -3,7 +3,7 @@
 ``python -m bench.gpu.train [--shape llama8b] [--configs 4x2048x7,2x4096x7,...] [--steps 8]``
 
 The EAGLE-3 draft of a Llama-3.1-8B-shaped target (hidden 4096, 32000-token draft vocabulary) with
-random weights, trained by the stage's own step (``pipeline.stages.train.loss.ttt_sums``: TTT unrolled, soft
+random weights, trained by the stage's own step (``pipeline.drafts.eagle3.loss.ttt_sums``: TTT unrolled, soft
 labels from the target head, bf16 autocast over fp32 master weights, AdamW, grad clipping) on
 synthetic offline batches (random features: throughput only). Each config is ``BATCHxSEQxTTT``.
 MFU counts the useful FLOPs — draft linear layers and causal chain attention (x3 for forward and
@@ -41,10 +41,10 @@ from bench.gpu.common import (
     time_ms,
 )
 from bench.gpu.results import write_out
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.eagle3.loss import ttt_sums
 from pipeline.eagle3.draft_config import DraftConfig
 from pipeline.eagle3.draft_model import Eagle3Draft
-from pipeline.stages.train.batches import Batch
-from pipeline.stages.train.loss import ttt_sums
 
 
 def flops(cfg: DraftConfig, seq: int, ttt: int) -> dict[str, float]:

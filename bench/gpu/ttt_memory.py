@@ -30,9 +30,9 @@ import torch
 
 from bench.gpu.common import SHAPES, random_draft, sync, synthetic_batch, time_ms
 from bench.gpu.runner import ROOT
+from pipeline.drafts.eagle3.loss import ttt_sums, ttt_sums_unchunked
 from pipeline.eagle3 import draft_model as dm
 from pipeline.eagle3.draft_config import DraftConfig
-from pipeline.stages.train.loss import ttt_sums, ttt_sums_unchunked
 
 VARIANTS = ("old", "attn", "new")
 

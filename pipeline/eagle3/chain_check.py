@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import tested_versions
 from pipeline.eagle3 import serving_checks
-from pipeline.eagle3.bench_fit import check_offline_bench
+from pipeline.eagle3.chain_memory import DeepTarget, DraftSize, gpu_memory
 from pipeline.eagle3.provenance import local_model_dir
 from pipeline.run import plan as plan_mod
 from pipeline.run.checks import CheckReport
@@ -44,33 +43,6 @@ class Report(CheckReport):
     def render(self) -> str:
         tail = "ok: the chain can run" if self.ok else "not ok: fix the FAIL lines above"
         return "\n".join([*self.lines(), tail])
-
-
-def _alternatives(sg: Any, act: int, training: int, tp: int, gpu_gb: float | None, tf: Any = None) -> str:
-    """What would fit instead: more GPUs for this engine, or SGLang, which keeps packed weights packed."""
-    from pipeline.run import budget
-
-    out = []
-    if gpu_gb is None:
-        return "set resources.gpu_memory_gb to see what would fit"
-    cap = int(float(gpu_gb) * 1e9) - act
-    if tf is not None and not tf.problem:
-        n = tf.min_ranks(cap)
-        out.append(
-            f"transformers would need {n} GPUs of {gpu_gb:g} GB"
-            if n
-            else "no number of such GPUs holds it with transformers"
-        )
-    s_rank = sg.per_rank(tp) + act
-    if tf is None:  # the plan already captures through SGLang: how many GPUs it would take
-        n = sg.min_ranks(cap)
-        out.append(f"SGLang would need {n} GPUs of {gpu_gb:g} GB" if n else "no number of such GPUs holds it")
-    verdict = "fits" if max(s_rank, training) <= gpu_gb * 1e9 else "does not fit" + (" either" if tf else "")
-    out.append(
-        f"SGLang keeps the INT4 experts packed: {budget.human_bytes(s_rank)} per rank on {tp} GPUs, {verdict}"
-        + ("" if tf is None else ' (target.engine = "sglang" captures through it)')
-    )
-    return "; ".join(out)
 
 
 def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
@@ -96,20 +68,25 @@ def check(plan: plan_mod.Plan, free_bytes: int | None = None) -> Report:
 
 
 def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
+    t = _target(plan, rep)
+    if t is None:
+        return
+    aux = _aux_layers(plan, t, rep)
+    if aux is None:
+        return  # too few layers for any draft: nothing below can be sized
+    draft = _draft(plan, t, aux, rep)
+    ct = _chat_template(plan, t, rep)
+    max_len = _disk(plan, t, aux, ct, free_bytes, rep)
+    gpu_memory(plan, t, aux, draft, max_len, rep, rep.numbers)
+
+
+def _target(plan: plan_mod.Plan, rep: Report) -> DeepTarget | None:
+    """The target's config checked and its model built on the meta device; None (a FAIL line said why)."""
     import torch
 
     from pipeline.data import model_assets
-    from pipeline.eagle3 import hidden_store as hs
-    from pipeline.eagle3.draft_config import (
-        DraftConfig,
-        DraftModelError,
-        default_aux_layers,
-        normalise_aux_layers,
-        sglang_capture_ids,
-    )
     from pipeline.eagle3.target_capture import TargetError, tensor_roles, text_backbone
-    from pipeline.eagle3.target_config_check import config_problems, tokenizer_problems
-    from pipeline.serving.sglang_capture import SGLANG_RELEASE, architecture_of
+    from pipeline.eagle3.target_config_check import config_problems
 
     where = str(plan.path)
     model = str(plan.target.model or "")
@@ -121,15 +98,14 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
             f"{where}: target.model: {model or '(not set)'}: no config.json in a local folder or "
             "the local Hugging Face cache (download it first: nothing is fetched here)",
         )
-        return
-    cfg_file = folder / "config.json"
+        return None
     problems = config_problems(
-        cfg_file, plan.target.trust_remote_code
+        folder / "config.json", plan.target.trust_remote_code
     )  # before transformers builds anything from it
     for problem in problems:
         rep.add("config", False, f"{where}: target.model: {problem}")
     if problems:
-        return
+        return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     trc = plan.target.trust_remote_code
     try:
@@ -137,25 +113,35 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
         cls = model_assets.model_class(cfg)
         with torch.device("meta"):
             meta = cls.from_config(cfg)
-        base = text_backbone(meta)
+        text_backbone(meta)
         roles = tensor_roles(str(folder), meta, trust_remote_code=trc)
     except (model_assets.ModelAssetError, TargetError, ValueError, OSError) as exc:
         named = str(exc).startswith("target.")  # model_assets names the plan key that decides it
         rep.add("architecture", False, f"{where}: {'' if named else 'target.model: '}{exc}")
-        return
-    tcfg = getattr(cfg, "text_config", None) or cfg
-    text_prefix = "text_config." if tcfg is not cfg else ""
-    n_layers, hidden, vocab = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)
+        return None
+    t = DeepTarget(folder, cfg, cls, meta, getattr(cfg, "text_config", None) or cfg)
     total = sum(p.numel() for p in meta.parameters())
     rep.add(
         "architecture",
         True,
-        f"{tcfg.model_type} ({type(meta).__name__}): {n_layers} layers, hidden {hidden}, "
-        f"vocab {vocab}, {total / 1e9:.1f}B parameters; final norm {roles['norm']}",
+        f"{t.tcfg.model_type} ({type(meta).__name__}): {t.n_layers} layers, hidden {t.hidden}, "
+        f"vocab {t.vocab}, {total / 1e9:.1f}B parameters; final norm {roles['norm']}",
     )
-    del base
+    return t
 
-    ext = plan.settings.extract
+
+def _aux_layers(plan: plan_mod.Plan, t: DeepTarget, rep: Report) -> list[int] | None:
+    """The aux layers the extraction captures, and whether SGLang can feed them (the default where the
+    plan's are out of range); None where the target has too few layers for any draft."""
+    from pipeline.eagle3.draft_config import (
+        DraftModelError,
+        default_aux_layers,
+        normalise_aux_layers,
+        sglang_capture_ids,
+    )
+    from pipeline.serving.sglang_capture import SGLANG_RELEASE, architecture_of
+
+    where, ext, n_layers = str(plan.path), plan.settings.extract, t.n_layers
     try:
         aux = (
             normalise_aux_layers(list(ext.aux_layers), n_layers, f"{where}: extract.aux_layers")
@@ -167,7 +153,7 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
             if ext.aux_layers is None or list(ext.aux_layers) == aux
             else f" (plan order {list(ext.aux_layers)} sorted)"
         )
-        arch = architecture_of(cfg) or architecture_of(tcfg)
+        arch = architecture_of(t.cfg) or architecture_of(t.tcfg)
         captured = sglang_capture_ids(aux, arch)  # raises where SGLang cannot be told to feed these layers
         rep.add(
             "aux layers",
@@ -175,8 +161,9 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
             f"{aux}{note}; SGLang {SGLANG_RELEASE} ({arch or 'its default model class'}) captures the inputs "
             f"of layers {captured}",
         )
+        return aux
     except DraftModelError as exc:
-        layers = f"{cfg_file}: {text_prefix}num_hidden_layers"
+        layers = f"{t.cfg_file}: {t.text_prefix}num_hidden_layers"
         rep.add(
             "aux layers",
             False,
@@ -185,22 +172,27 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
             else f"{where}: target.model: {layers}: {exc}",
         )
         try:
-            aux = default_aux_layers(n_layers)
+            return default_aux_layers(n_layers)
         except DraftModelError:
-            return  # too few layers for any draft: nothing below can be sized
+            return None
 
-    dv = plan.settings.vocab.draft_vocab_size
+
+def _draft(plan: plan_mod.Plan, t: DeepTarget, aux: list[int], rep: Report) -> DraftSize:
+    """The draft vocabulary against the target's, and the draft's shape and trainable parameters."""
+    from pipeline.eagle3.draft_config import DraftConfig
+
+    dv, vocab = plan.settings.vocab.draft_vocab_size, t.vocab
     if dv > vocab:
         rep.add(
             "draft vocab",
             False,
-            f"{where}: vocab.draft_vocab_size: {dv!r} must be between 1 and the target's "
-            f"vocabulary ({vocab}: {cfg_file}: {text_prefix}vocab_size)",
+            f"{plan.path}: vocab.draft_vocab_size: {dv!r} must be between 1 and the target's "
+            f"vocabulary ({vocab}: {t.cfg_file}: {t.text_prefix}vocab_size)",
         )
         dv = vocab
     else:
         rep.add("draft vocab", True, f"{dv} of the target's {vocab} tokens")
-    dcfg = DraftConfig.from_target(tcfg, dv, aux)
+    dcfg = DraftConfig.from_target(t.tcfg, dv, aux)
     h, nh, hd, inter = dcfg.hidden_size, dcfg.num_attention_heads, dcfg.head_dim, dcfg.intermediate_size
     draft_params = (
         3 * h * h
@@ -218,14 +210,22 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
         f"rope {rope} (theta {dcfg.rope_theta:g}), {draft_params / 1e9:.2f}B trainable parameters",
     )
     rep.numbers["draft_params"] = draft_params
+    return DraftSize(dcfg, dv, draft_params)
 
+
+def _chat_template(plan: plan_mod.Plan, t: DeepTarget, rep: Report) -> Any:
+    """The tokenizer and its chat template on a two-turn conversation; the chat tokenizer, or None."""
+    from pipeline.data import model_assets
+    from pipeline.eagle3.target_config_check import tokenizer_problems
+
+    where, model = str(plan.path), str(plan.target.model or "")
     ct: Any = None
     try:
         from pipeline.data import split_pattern
         from pipeline.data.tokenise import ChatTokenizer, load_hf_tokenizer
 
-        tok = load_hf_tokenizer(str(folder), trust_remote_code=trc)
-        problems = tokenizer_problems(cfg_file, text_prefix, vocab, tok)
+        tok = load_hf_tokenizer(str(t.folder), trust_remote_code=plan.target.trust_remote_code)
+        problems = tokenizer_problems(t.cfg_file, t.text_prefix, t.vocab, tok)
         for problem in problems:
             rep.add("tokenizer", False, f"{where}: target.model: {problem}")
         if (
@@ -257,13 +257,20 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
             False,
             f"{where}: target.model: the tokenizer or its chat template fails: {type(exc).__name__}: {exc}",
         )
+    return ct
 
-    # Disk: offline hidden states for the planned rows, against free space at the run directory.
+
+def _disk(
+    plan: plan_mod.Plan, t: DeepTarget, aux: list[int], ct: Any, free_bytes: int | None, rep: Report
+) -> int:
+    """Offline hidden states for the planned rows, against free space at the run directory; returns the
+    extraction's row length."""
+    from pipeline.data import token_estimate
+    from pipeline.eagle3 import hidden_store as hs
     from pipeline.run import budget
 
-    per_token = hs.bytes_per_token(hidden, len(aux))
-    from pipeline.data import token_estimate
-
+    ext = plan.settings.extract
+    per_token = hs.bytes_per_token(t.hidden, len(aux))
     max_len = ext.max_length or plan.target.row_length
     rows = sum(int(d.quota or 0) for d in plan.datasets)
     if ct is not None:
@@ -301,120 +308,12 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
         rep.add(
             "disk",
             fits,
-            f"{where}: offline hidden states {budget.human_bytes(need)} ({per_token / 1000:.1f} KB/token x "
+            f"{plan.path}: offline hidden states {budget.human_bytes(need)} ({per_token / 1000:.1f} KB/token x "
             f"{tokens:,} tokens of {rows:,} rows, see 'tokens') + reserve "
             f"{budget.human_bytes(reserve)} vs {budget.human_bytes(free_bytes)} free at the run "
             "directory" + ("" if fits else "; free space, lower the quotas or go online"),
         )
-
-    # GPU memory per rank.
-    tr = plan.settings.train
-    online_tp = tr.online_tp
-    # Ranks holding a shard of the target: training's under online-tp, else the extraction's.
-    tp = tr.nproc if online_tp else (ext.tp_size or len(plan.gpus) or 1) if ext.parallel == "tp" else 1
-    from pipeline.eagle3.target_memory import quantization_of, sglang_layout, transformers_layout
-
-    engine = plan.target.engine
-    try:
-        tf = transformers_layout(cfg, cls, tp)  # what the transformers engine really holds
-    except ImportError as exc:
-        tf = None  # the quantizer is transformers' business: an SGLang plan reads SGLang's layout below
-        if engine != "sglang":
-            rep.add(
-                "gpu memory",
-                False,
-                f"{where}: target.model: {folder / 'config.json'}: quantization_config: the checkpoint's "
-                f"quantizer cannot be built here: {exc}",
-            )
-            return
-    sg = sglang_layout(meta, cfg)
-    held = sg if engine == "sglang" or tf is None else tf  # the layout of the engine the plan captures with
-    batch_tokens = ext.batch_tokens
-    act = batch_tokens * hidden * 2 * 8  # a few live (tokens x hidden) bf16 buffers per layer step
-    act += batch_tokens * len(aux) * hidden * 2
-    capture = held.per_rank(tp) + act
-    mb, ttt = tr.micro_batch, tr.ttt_steps
-    seq = tr.max_length or max_len
-    draft_state = (
-        draft_params * 16 + vocab * h * 2
-    )  # fp32 weights + grads + AdamW m, v; bf16 frozen embedding
-    train_act = (
-        mb * seq * (dv * 4 * 3 + ttt * h * 2 * 12)
-    )  # fp32 logits of one TTT step alive + per-step activations
-    training = draft_state + train_act + dv * h * 4
-    rep.numbers.update(
-        capture_bytes_per_rank=capture,
-        training_bytes_per_rank=training,
-        tp_size=tp,
-        engine=engine,
-        target_sharded_bytes=held.sharded,
-        target_replicated_bytes=held.replicated,
-        target_dequantized_bytes=held.dequantized,
-        sglang_bytes_per_rank=sg.per_rank(tp) + act,
-    )
-    # The per-rank split above is read from the installed transformers' TP plan; a release Aerie was not
-    # tested with may shard differently (5.25 moved DeepSeek-V3's routed experts to an EP plan): say so.
-    notes = tested_versions.untested()
-    rep.add(
-        "versions",
-        True,
-        "; ".join(notes) + "; the per-rank memory below follows this release's TP plan, checked only on the "
-        "tested releases (docs/testing.md, Versions)"
-        if notes
-        else ", ".join(f"{p} {tested_versions.installed(p)}" for p in tested_versions.TESTED) + " (tested)",
-        warning=bool(notes),
-    )
-    gpu_gb = plan.resources.gpu_memory_gb
-    online_training = 0  # online-tp: the draft's training, held beside the target shard on every rank
-    if online_tp:
-        # Every rank holds its target shard *and* trains its draft replica at the same time.
-        capture += training
-        rep.numbers["online_tp_bytes_per_rank"] = capture
-        detail = (
-            f"online-tp, per rank: target shard {budget.human_bytes(held.sharded // tp)} + replicated "
-            f"{budget.human_bytes(held.replicated)} + capture activations {budget.human_bytes(act)} + draft and "
-            f"AdamW {budget.human_bytes(draft_state)} + training activations {budget.human_bytes(train_act)} "
-            f"(micro_batch {mb} x {seq} tokens) = {budget.human_bytes(capture)} (TP {tp})"
-        )
-        online_training, training = training, 0
-    else:
-        detail = (
-            f"capture{' through SGLang' if held is sg else ''} {budget.human_bytes(capture)} per rank "
-            f"(TP {tp}: {budget.human_bytes(held.sharded // tp)} sharded + "
-            f"{budget.human_bytes(held.replicated)} replicated + activations"
-            + ("; quantized experts packed" if held is sg and quantization_of(cfg) is not None else "")
-            + "); training "
-            f"{budget.human_bytes(training)} per rank (draft + AdamW {budget.human_bytes(draft_state)}, activations "
-            f"at micro_batch {mb} x {seq} tokens)"
-        )
-    dequantized = ""
-    if held is tf and tf.dequantized:
-        dequantized += (
-            f"; transformers holds the INT4 routed experts dequantized to bf16 "
-            f"({budget.human_bytes(tf.dequantized)}, 3.56x their packed size)"
-        )
-    worst = max(capture, training)
-    fits = gpu_gb is None or worst <= float(gpu_gb) * 1e9
-    engine_problem = held.problem
-    if gpu_gb is not None or engine_problem:
-        ok = fits and not engine_problem
-        alt = _alternatives(sg, act + online_training, training, tp, gpu_gb, held if held is tf else None)
-        rep.add(
-            "gpu memory",
-            ok,
-            ("" if ok else f"{where}: ")
-            + detail
-            + (f" vs {gpu_gb:g} GB per GPU (resources.gpu_memory_gb)" if gpu_gb is not None else "")
-            + ("" if fits else f"; {budget.human_bytes(worst)} does not fit")
-            + dequantized
-            + (f"; {engine_problem}" if engine_problem else "")
-            + ("" if ok else f"; {alt}"),
-        )
-    else:
-        rep.add(
-            "gpu memory", True, detail + " (set resources.gpu_memory_gb to have it checked)", warning=True
-        )
-    check_offline_bench(plan, cfg, cls, gpu_gb, rep, where)
+    return max_len
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pipeline.run import draft_names
 from pipeline.run.schema import PlanError, Section, check_text, setting
 
 STORAGE_MODES = ("offline", "online")
@@ -329,8 +330,8 @@ class TrainSection(Section):
     )
     draft: str = setting(
         "eagle3",
-        "the draft trained: eagle3 (chain drafter) or dflash (block-parallel drafter); docs/eagle3.md, Methods",
-        choices=("eagle3", "dflash"),
+        "the draft trained: eagle3 (chain drafter), dflash (block-parallel drafter) or a method registered "
+        "through AERIE_DRAFT_METHODS; docs/eagle3.md, Methods",
     )
     dflash_block_size: int = setting(
         16,
@@ -356,6 +357,12 @@ class TrainSection(Section):
     )
 
     def check(self, file: Path | str, name: str) -> None:
+        try:
+            methods = draft_names.known()
+        except draft_names.DraftNameError as exc:
+            self.bad(file, f"{name}.draft", str(exc))
+        if self.draft not in methods:
+            self.bad(file, f"{name}.draft", f"must be one of {', '.join(methods)}, got {self.draft!r}")
         if self.batch_size % self.nproc:
             self.bad(
                 file,

@@ -34,6 +34,10 @@ stage re-runs itself under ``torchrun`` with ``tp_size`` ranks; each rank loads 
 batch (the all-reduces leave every rank the same hidden states), and rank 0 alone writes the shards
 and speaks for the stage. Pause is taken by all ranks together at a batch boundary. ``device =
 "auto"`` remains for a target spread layer by layer (one GPU busy at a time).
+
+Over 450 lines: one stage program whose steps (the rows to extract, the target, the resumable shard state,
+the capture loop) are used only here, each a function of its own; a sibling module would be another "stage"
+to the layout rules, so a split waits for the stage to become a package.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -211,11 +216,81 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     """Extract; with ``dist`` (tensor-parallel ranks) every rank runs it and rank 0 writes."""
-    from pipeline.eagle3.target_capture import load_target, target_architecture, target_config
+    ex = plan_extraction(ctx, inputs)
+    writer = dist is None or dist.main  # tensor-parallel: rank 0 alone writes
+    if ctx.plan.settings.storage_mode == "online":
+        if writer:
+            write_online(ctx, ex)
+        return 0
+    shard_tokens = ctx.plan.settings.extract.shard_tokens
+    jobs = [(hs.shard_name(i), sh) for i, sh in enumerate(plan_shards(ex.rows, shard_tokens))]
+    jobs += [(hs.eval_shard_name(i), sh) for i, sh in enumerate(plan_shards(ex.eval_rows, shard_tokens))]
+    rec = ShardRecord.resume(ctx, fingerprint(ex.rows + ex.eval_rows, ex.aux, ex.model_id))
+    projected = ex.total_tokens * ex.per_token
+    ctx.metric("projected_bytes", projected, tokens=ex.total_tokens, bytes_per_token=ex.per_token)
+    if len(rec.done) == len(jobs) and (ctx.out / "manifest.json").is_file():
+        ctx.metric("actual_bytes", sum(v["bytes"] for v in rec.done.values()))
+        ctx.progress(ex.total_tokens, ex.total_tokens, unit="tokens", force=True)
+        ctx.message(f"already extracted: {len(jobs)} shards, {ex.total_tokens:,} tokens")
+        return 0
+    ctx.message(
+        f"extracting {len(ex.rows):,} rows (+ {len(ex.eval_rows)} held out, for acceptance while training) / "
+        f"{ex.total_tokens:,} tokens into {len(jobs)} shards; "
+        f"aux layers {ex.aux}; projected {projected / 1e9:.3f} GB"
+        + (f"; resuming with {len(rec.done)} shards done" if rec.done else "")
+    )
+    target = load_extract_target(ctx, ex, dist)
+    tokens_done = sum(v["tokens"] for v in rec.done.values())
+    ctx.progress(tokens_done, ex.total_tokens, unit="tokens", force=True)
+    t_start, tok_start = time.monotonic(), tokens_done
+    tokens_done = extract_shards(ctx, ex, jobs, target, rec, tokens_done, dist)
+    if not writer:
+        return 0
+    manifest = {
+        **ex.base_manifest,
+        "bytes": rec.actual,
+        "shards": [{"file": name, **rec.done[name]} for name, _ in jobs if not hs.is_eval_shard(name)],
+        "eval_shards": [{"file": name, **rec.done[name]} for name, _ in jobs if hs.is_eval_shard(name)],
+    }
+    write_json(ctx.out / "manifest.json", manifest)
+    elapsed = time.monotonic() - t_start
+    if tokens_done > tok_start:
+        ctx.metric("tokens_per_s", (tokens_done - tok_start) / max(elapsed, 1e-9), overall=True)
+    ctx.progress(ex.total_tokens, ex.total_tokens, unit="tokens", force=True)
+    ctx.message(
+        f"extracted {ex.total_tokens:,} tokens: {rec.actual / 1e6:.1f} MB actual vs {projected / 1e6:.1f} MB projected"
+    )
+    return 0
 
-    plan = ctx.plan
-    sec = plan.settings.extract
-    mode = plan.settings.storage_mode
+
+@dataclass
+class Extraction:
+    """What the plan asks to extract: the target, its aux layers, the rows (training and held out), and the
+    manifest keys every outcome writes."""
+
+    model_id: str
+    aux: list[int]
+    arch: Any
+    vocab_size: int
+    hidden: int
+    rows: list[Row]
+    eval_rows: list[Row]
+    base_manifest: dict[str, Any]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows) + sum(r.num_tokens for r in self.eval_rows)
+
+    @property
+    def per_token(self) -> int:
+        return hs.bytes_per_token(self.hidden, len(self.aux))
+
+
+def plan_extraction(ctx: StageContext, inputs: list[Path]) -> Extraction:
+    """The target's layers and the rows to extract, checked (a failure names the plan key or the inputs)."""
+    from pipeline.eagle3.target_capture import target_architecture, target_config
+
+    plan, sec = ctx.plan, ctx.plan.settings.extract
     model_id = str(plan.target.model or "")
     if not model_id:
         fail(ctx, f"{plan.path}: target.model is not set")
@@ -235,9 +310,49 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
         fail(ctx, f"{plan.path}: extract.aux_layers: {exc}")
     holdout = holdout_fraction(plan)
     max_length = sec.max_length or plan.target.max_length
-    rows = list(iter_rows(inputs, holdout, "train", int(tcfg.vocab_size), max_length))
+    rows, eval_rows = select_rows(inputs, sec, holdout, int(tcfg.vocab_size), max_length)
+    if not rows:
+        fail(
+            ctx,
+            f"no training rows in the inputs ({', '.join(map(str, inputs))}): every row is held out, empty or "
+            "has no assistant tokens",
+        )
+    eval_tokens = sum(r.num_tokens for r in eval_rows)
+    base_manifest = {
+        "kind": hs.KIND,
+        "format": hs.FORMAT,
+        "mode": plan.settings.storage_mode,
+        "target": model_id,
+        "hidden_size": hidden,
+        "num_layers": num_layers,
+        "aux_layer_ids": aux,
+        "sglang_layers_to_capture": capture,
+        "target_architecture": arch,
+        "dtype": "bfloat16",
+        "sources": [str(Path(p).absolute()) for p in inputs],
+        "holdout": holdout,
+        "max_length": max_length,
+        "rows": len(rows),
+        "tokens": sum(r.num_tokens for r in rows),
+        "eval_rows": len(eval_rows),
+        "eval_tokens": eval_tokens,
+    }
+    if sec.aux_layers is not None and list(sec.aux_layers) != aux:
+        ctx.message(
+            f"extract.aux_layers {list(sec.aux_layers)} used as {aux}: SGLang captures layers in ascending "
+            "order, each once",
+            level="warning",
+        )
+    return Extraction(model_id, aux, arch, int(tcfg.vocab_size), hidden, rows, eval_rows, base_manifest)
+
+
+def select_rows(
+    inputs: list[Path], sec: ExtractSection, holdout: float, vocab_size: int, max_length: Any
+) -> tuple[list[Row], list[Row]]:
+    """(the training rows with assistant tokens, cut to ``max_rows`` and ``max_tokens``; the held-out rows)."""
+    rows = list(iter_rows(inputs, holdout, "train", vocab_size, max_length))
     rows = [r for r in rows if r.num_tokens >= 2 and r.loss_mask.any()]
-    eval_rows = eval_split(inputs, holdout, int(tcfg.vocab_size), max_length, sec.eval_rows)
+    eval_rows = eval_split(inputs, holdout, vocab_size, max_length, sec.eval_rows)
     if sec.max_rows:
         rows = rows[: sec.max_rows]
     if sec.max_tokens:
@@ -248,138 +363,120 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
             kept.append(r)
             n += r.num_tokens
         rows = kept
-    if not rows:
-        fail(
-            ctx,
-            f"no training rows in the inputs ({', '.join(map(str, inputs))}): every row is held out, empty or "
-            "has no assistant tokens",
-        )
-    total_tokens = sum(r.num_tokens for r in rows) + sum(r.num_tokens for r in eval_rows)
-    per_token = hs.bytes_per_token(hidden, len(aux))
-    sources = [str(Path(p).absolute()) for p in inputs]
-    base_manifest = {
-        "kind": hs.KIND,
-        "format": hs.FORMAT,
-        "mode": mode,
-        "target": model_id,
-        "hidden_size": hidden,
-        "num_layers": num_layers,
-        "aux_layer_ids": aux,
-        "sglang_layers_to_capture": capture,
-        "target_architecture": arch,
-        "dtype": "bfloat16",
-        "sources": sources,
-        "holdout": holdout,
-        "max_length": max_length,
-        "rows": len(rows),
-        "tokens": total_tokens - sum(r.num_tokens for r in eval_rows),
-        "eval_rows": len(eval_rows),
-        "eval_tokens": sum(r.num_tokens for r in eval_rows),
-    }
-    writer = dist is None or dist.main  # tensor-parallel: rank 0 alone writes
-    if sec.aux_layers is not None and list(sec.aux_layers) != aux:
-        ctx.message(
-            f"extract.aux_layers {list(sec.aux_layers)} used as {aux}: SGLang captures layers in ascending "
-            "order, each once",
-            level="warning",
-        )
-    if mode == "online":
-        if not writer:
-            return 0
-        ctx.metric("projected_bytes", 0)
-        write_json(
-            ctx.out / "manifest.json",
-            {**base_manifest, "bytes": 0, "shards": [], "row_ids": [r.id for r in training_order(rows)]},
-        )
-        ctx.metric("actual_bytes", 0)
-        ctx.message(
-            f"online mode: nothing stored; training runs the target over {total_tokens:,} tokens "
-            f"(offline would store {total_tokens * per_token / 1e9:.2f} GB)"
-        )
-        ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
-        return 0
+    return rows, eval_rows
 
-    shard_tokens = sec.shard_tokens
-    jobs = [(hs.shard_name(i), sh) for i, sh in enumerate(plan_shards(rows, shard_tokens))]
-    jobs += [(hs.eval_shard_name(i), sh) for i, sh in enumerate(plan_shards(eval_rows, shard_tokens))]
-    fp = fingerprint(rows + eval_rows, aux, model_id)
-    state_path = ctx.out / STATE_FILE
-    state = read_json(state_path) or {}
-    if state.get("fingerprint") not in (None, fp):
-        fail(
-            ctx,
-            f"{state_path}: the inputs or settings changed since the partial extraction; retry with --fresh",
-        )
-    done: dict[str, dict] = state.get("done", {})
-    # A shard is done only if recorded *and* present (a stray file without a record is redone).
-    done = {k: v for k, v in done.items() if (ctx.out / k).is_file()}
-    projected = total_tokens * per_token
-    ctx.metric("projected_bytes", projected, tokens=total_tokens, bytes_per_token=per_token)
-    if len(done) == len(jobs) and (ctx.out / "manifest.json").is_file():
-        ctx.metric("actual_bytes", sum(v["bytes"] for v in done.values()))
-        ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
-        ctx.message(f"already extracted: {len(jobs)} shards, {total_tokens:,} tokens")
-        return 0
-    ctx.message(
-        f"extracting {len(rows):,} rows (+ {len(eval_rows)} held out, for acceptance while training) / "
-        f"{total_tokens:,} tokens into {len(jobs)} shards; "
-        f"aux layers {aux}; projected {projected / 1e9:.3f} GB"
-        + (f"; resuming with {len(done)} shards done" if done else "")
+
+def write_online(ctx: StageContext, ex: Extraction) -> None:
+    """Online mode: nothing stored; the manifest lists the rows training runs the target over."""
+    ctx.metric("projected_bytes", 0)
+    write_json(
+        ctx.out / "manifest.json",
+        {**ex.base_manifest, "bytes": 0, "shards": [], "row_ids": [r.id for r in training_order(ex.rows)]},
     )
+    ctx.metric("actual_bytes", 0)
+    ctx.message(
+        f"online mode: nothing stored; training runs the target over {ex.total_tokens:,} tokens "
+        f"(offline would store {ex.total_tokens * ex.per_token / 1e9:.2f} GB)"
+    )
+    ctx.progress(ex.total_tokens, ex.total_tokens, unit="tokens", force=True)
+
+
+def load_extract_target(ctx: StageContext, ex: Extraction, dist: Dist | None) -> Any:
+    """The target (``target_capture.Target``, or the SGLang runner answering the same calls): SGLang's model
+    runner, transformers tensor-parallel over the ranks, or transformers on ``[extract] device``."""
+    from pipeline.eagle3.target_capture import load_target
+
+    plan, sec = ctx.plan, ctx.plan.settings.extract
+    trc = plan.target.trust_remote_code
     device, dtype = pick_device(sec)
-    target: Any  # target_capture.Target, or the SGLang runner answering the same calls
     if plan.target.engine == "sglang":
         from pipeline.eagle3.sglang_target import load_for_plan
 
-        target = load_for_plan(
-            plan, aux, arch, int(tcfg.vocab_size), max(r.num_tokens for r in rows + eval_rows), dist
+        runner = load_for_plan(
+            plan, ex.aux, ex.arch, ex.vocab_size, max(r.num_tokens for r in ex.rows + ex.eval_rows), dist
         )
         ctx.message(
-            f"target loaded by SGLang's model runner (TP {dist.world if dist else 1}), capturing layers {aux}"
+            f"target loaded by SGLang's model runner (TP {dist.world if dist else 1}), capturing layers {ex.aux}"
         )
-    elif dist is not None:
+        return runner
+    if dist is not None:
         dev = tp_device(dist, sec.device)
         if dev.type == "cpu":
             dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
         if sec.dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        target = load_target(model_id, aux, dtype=dtype, device=dev, parallel="tp", trust_remote_code=trc)
+        target = load_target(
+            ex.model_id, ex.aux, dtype=dtype, device=dev, parallel="tp", trust_remote_code=trc
+        )
         dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
-    else:
-        target = load_target(model_id, aux, dtype=dtype, device=device, trust_remote_code=trc)
-    batch_tokens = sec.batch_tokens
-    tokens_done = sum(v["tokens"] for v in done.values())
-    actual = sum(v["bytes"] for v in done.values())
-    ctx.progress(tokens_done, total_tokens, unit="tokens", force=True)
-    t_start, tok_start = time.monotonic(), tokens_done
+        return target
+    return load_target(ex.model_id, ex.aux, dtype=dtype, device=device, trust_remote_code=trc)
 
-    def record(written: list[WrittenShard]) -> None:
+
+@dataclass
+class ShardRecord:
+    """The shards done (``extract-state.json``: what a retry skips) and the bytes written so far."""
+
+    ctx: StageContext
+    state_path: Path
+    fingerprint: str
+    done: dict[str, dict]
+    actual: int = 0
+
+    @classmethod
+    def resume(cls, ctx: StageContext, fp: str) -> ShardRecord:
+        """The state a partial extraction left, refused where its inputs or settings changed."""
+        state_path = ctx.out / STATE_FILE
+        state = read_json(state_path) or {}
+        if state.get("fingerprint") not in (None, fp):
+            fail(
+                ctx,
+                f"{state_path}: the inputs or settings changed since the partial extraction; retry with --fresh",
+            )
+        done: dict[str, dict] = state.get("done", {})
+        # A shard is done only if recorded *and* present (a stray file without a record is redone).
+        done = {k: v for k, v in done.items() if (ctx.out / k).is_file()}
+        return cls(ctx, state_path, fp, done, sum(v["bytes"] for v in done.values()))
+
+    def record(self, written: list[WrittenShard]) -> None:
         """Shards the sink made whole: into the state file (what a retry skips), then the metric."""
-        nonlocal actual
         for w in written:
-            done[w.name] = {"rows": w.rows, "tokens": w.tokens, "bytes": w.bytes}
-            actual += w.bytes
-            write_json(state_path, {"fingerprint": fp, "done": done})
-            ctx.metric("actual_bytes", actual, shard=w.index)
+            self.done[w.name] = {"rows": w.rows, "tokens": w.tokens, "bytes": w.bytes}
+            self.actual += w.bytes
+            write_json(self.state_path, {"fingerprint": self.fingerprint, "done": self.done})
+            self.ctx.metric("actual_bytes", self.actual, shard=w.index)
 
+
+def extract_shards(
+    ctx: StageContext,
+    ex: Extraction,
+    jobs: list[tuple[str, list[Row]]],
+    target: Any,
+    rec: ShardRecord,
+    tokens_done: int,
+    dist: Dist | None,
+) -> int:
+    """Capture every shard not done yet, batch by batch (rank 0 writes through the sink; the other
+    tensor-parallel ranks only capture); returns the tokens done."""
+    sec = ctx.plan.settings.extract
     sink = stager = None
-    if writer:
+    if dist is None or dist.main:
         stager = HostStager(target.device, slots=sec.write_queue + 2)
         sink = ShardSink(
             ctx.out,
-            len(aux) * hidden,
-            hidden,
+            len(ex.aux) * ex.hidden,
+            ex.hidden,
             queue_batches=sec.write_queue,
             io_threads=sec.io_threads,
         )
     try:
         for si, (name, shard_rows) in enumerate(jobs):
-            if name in done:
+            if name in rec.done:
                 continue
             if sink is not None:
                 sink.begin(si, name, [r.id for r in shard_rows], [r.num_tokens for r in shard_rows])
-            for batch in length_batches(shard_rows, batch_tokens):
+            for batch in length_batches(shard_rows, sec.batch_tokens):
                 if dist is not None:
                     dist.safe_point(ctx, target.device)
                 else:
@@ -391,41 +488,24 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
                     capture_batch(target, batch)  # a tensor-parallel rank that does not write
                 n = sum(r.num_tokens for r in batch)
                 tokens_done += n
-                dt = max(time.monotonic() - t0, 1e-9)
-                ctx.metric("tokens_per_s", n / dt)
-                ctx.progress(tokens_done, total_tokens, unit="tokens")
+                ctx.metric("tokens_per_s", n / max(time.monotonic() - t0, 1e-9))
+                ctx.progress(tokens_done, ex.total_tokens, unit="tokens")
                 if sink is not None:
-                    record(sink.completed())
+                    rec.record(sink.completed())
             if sink is not None:
                 sink.end()
-                record(sink.completed())
+                rec.record(sink.completed())
             else:
-                done[name] = {}
+                rec.done[name] = {}
         if sink is not None:
-            record(sink.close())
+            rec.record(sink.close())
     except BaseException:
         if sink is not None:
             sink.abort()  # shards already whole stay, and are recorded; the open one is removed
             with contextlib.suppress(OSError):  # (the disk may be full: the first error is the one to tell)
-                record(sink.drain())
+                rec.record(sink.drain())
         raise
-    if not writer:
-        return 0
-    manifest = {
-        **base_manifest,
-        "bytes": actual,
-        "shards": [{"file": name, **done[name]} for name, _ in jobs if not hs.is_eval_shard(name)],
-        "eval_shards": [{"file": name, **done[name]} for name, _ in jobs if hs.is_eval_shard(name)],
-    }
-    write_json(ctx.out / "manifest.json", manifest)
-    elapsed = time.monotonic() - t_start
-    if tokens_done > tok_start:
-        ctx.metric("tokens_per_s", (tokens_done - tok_start) / max(elapsed, 1e-9), overall=True)
-    ctx.progress(total_tokens, total_tokens, unit="tokens", force=True)
-    ctx.message(
-        f"extracted {total_tokens:,} tokens: {actual / 1e6:.1f} MB actual vs {projected / 1e6:.1f} MB projected"
-    )
-    return 0
+    return tokens_done
 
 
 if __name__ == "__main__":

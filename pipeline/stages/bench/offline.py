@@ -2,17 +2,21 @@
 
 The target is on one device, spread over several (``device = "auto"``: the draft then runs where the
 target's last hidden state comes out), or tensor-parallel over the ranks of a torchrun (``parallel = "tp"``:
-rank 0 drafts and broadcasts its tokens, so every rank verifies the same ones).
+rank 0 drafts and broadcasts its tokens, so every rank verifies the same ones). The draft method the train
+manifest names (:func:`pipeline.drafts.registry.draft_method`) loads the drafter and says what it refuses.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.drafts.registry import DrafterInputs, draft_method
+from pipeline.eagle3.spec_decode import Drafter, RankZeroDrafter
 from pipeline.run.ranks import Dist, tp_device
 from pipeline.run.rundir import write_json
 from pipeline.run.runtime import StageContext, fail
@@ -47,111 +51,104 @@ def draft_device(target: Any) -> torch.device:
 def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     """Speculative decoding on held-out prompts; with ``dist`` every rank holds a tensor-parallel
     shard of the target and runs the same decode (same tokens on every rank), rank 0 writes."""
-    from pipeline.eagle3.dflash_decode import dflash_drafter
-    from pipeline.eagle3.draft_model import load_draft
-    from pipeline.eagle3.spec_decode import (
-        Drafter,
-        Eagle3Drafter,
-        RankZeroDrafter,
-        greedy_generate,
-        speculative_generate,
+    sec = ctx.plan.settings.bench
+    man, train_dir = find_draft(inputs)
+    method = draft_method(str(man.get("draft", "eagle3")))  # the train manifest says which method trained it
+    steps = sec.steps
+    problem = method.bench_problem(man, steps, dist is not None)
+    if problem:
+        fail(ctx, problem)
+    model_id = str(ctx.plan.target.model or man.get("target"))
+    target, dev, dtype = load_bench_target(ctx, model_id, list(man["aux_layer_ids"]), dist)
+    prompts = heldout_prompts(man, sec.prompt_count(online=False), int(target.embed_weight.shape[0]))
+    if not prompts:
+        fail(ctx, "no held-out prompts: every row was used for training; raise [bench] holdout")
+    embed = target.embed_weight.detach().float()  # under TP a collective: every rank gathers it
+    drafter: Drafter | None = None
+    if dist is None or dist.main:
+        path = train_dir / man.get("path", "draft")
+        drafter = method.drafter(DrafterInputs(path, target, list(man["aux_layer_ids"]), dev, dtype, embed))
+    if dist is not None:  # rank 0 drafts; the others verify its tokens (never drafts of their own)
+        drafter = RankZeroDrafter(drafter, dist.rank, dev)
+    assert drafter is not None
+    eos = eos_ids(model_id, target, ctx.plan.target.trust_remote_code)
+    max_new = sec.new_tokens(online=False)
+    ctx.message(
+        f"speculative decoding of {len(prompts)} held-out prompts, {steps} draft tokens per verify step, "
+        f"up to {max_new} new tokens"
     )
+    t0 = time.monotonic()
+    run = decode_prompts(ctx, target, drafter, prompts, steps, max_new, eos, dtype, sec.check_lossless, dist)
+    elapsed = time.monotonic() - t0
+    if dist is not None and not dist.main:
+        return 0
+    write_results(ctx, run, steps, elapsed, train_dir / man.get("path", "draft"), man, sec.check_lossless)
+    return 0
+
+
+def load_bench_target(
+    ctx: StageContext, model_id: str, aux: list[int], dist: Dist | None
+) -> tuple[Any, torch.device, torch.dtype]:
+    """(the target, where the draft runs, the dtype): tensor-parallel over the ranks with ``dist``, else on
+    ``[bench] device`` (``"auto"``: spread over the GPUs, the draft where the features come out)."""
     from pipeline.eagle3.target_capture import load_target
 
-    plan = ctx.plan
-    sec = plan.settings.bench
-    man, train_dir = find_draft(inputs)
-    if man.get("draft") == "dflash" and dist is not None:
-        fail(
-            ctx,
-            'the offline bench of a DFlash draft runs the target on one device or spread (device = "auto"), not tensor-parallel',
-        )
-    model_id = str(plan.target.model or man.get("target"))
-    trc = plan.target.trust_remote_code
-    steps = sec.steps
-    max_new = sec.new_tokens(online=False)
-    n_prompts = sec.prompt_count(online=False)
+    sec, trc = ctx.plan.settings.bench, ctx.plan.target.trust_remote_code
     if dist is not None:
         dev = tp_device(dist, sec.device)
         if dev.type == "cpu":
             dist.init(dev)  # gloo: transformers would pick the accelerator's backend where there is one
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        target = load_target(
-            model_id,
-            list(man["aux_layer_ids"]),
-            dtype=dtype,
-            device=dev,
-            parallel="tp",
-            trust_remote_code=trc,
-        )
+        target = load_target(model_id, aux, dtype=dtype, device=dev, parallel="tp", trust_remote_code=trc)
         dist.init(dev)  # a no-op: transformers started the group (NCCL, bound to this rank's GPU)
         ctx.message(f"target loaded tensor-parallel over {dist.world} ranks ({dev.type})")
-    else:
-        name = sec.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        on_gpu = torch.cuda.is_available() if name == "auto" else torch.device(name).type == "cuda"
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-        # "auto": accelerate spreads the layers over the GPUs; the draft goes where the features come out
-        target = load_target(
-            model_id, list(man["aux_layer_ids"]), dtype=dtype, device=name, trust_remote_code=trc
-        )
-        dev = draft_device(target)
-    vocab = int(target.embed_weight.shape[0])
-    prompts = heldout_prompts(man, n_prompts, vocab)
-    if not prompts:
-        fail(ctx, "no held-out prompts: every row was used for training; raise [bench] holdout")
-    embed = target.embed_weight.detach().float()  # under TP a collective: every rank gathers it
-    drafter: Drafter | None = None
-    if man.get("draft") == "dflash" and (dist is None or dist.main):
-        drafter = dflash_drafter(
-            train_dir / man.get("path", "draft"), target, list(man["aux_layer_ids"]), dev, dtype
-        )
-        block = int(man.get("block_size") or 0)
-        if steps > block - 1:
-            fail(
-                ctx,
-                f"[bench] steps is {steps} but the DFlash draft's blocks of {block} draft {block - 1}: set it to {block - 1}",
-            )
-    elif dist is None or dist.main:
-        draft = load_draft(train_dir / man.get("path", "draft"), embed=embed, dtype=dtype).to(dev)
-        drafter = Eagle3Drafter(draft)
-    if dist is not None:  # rank 0 drafts; the others verify its tokens (never drafts of their own)
-        drafter = RankZeroDrafter(drafter, dist.rank, dev)
-    assert drafter is not None
-    eos = eos_ids(model_id, target, trc)
-    check = sec.check_lossless
-    ctx.message(
-        f"speculative decoding of {len(prompts)} held-out prompts, {steps} draft tokens per verify step, "
-        f"up to {max_new} new tokens"
-    )
-    per_prompt = []
-    accepted: list[int] = []
-    t0 = time.monotonic()
-    gen_tokens = 0
-    mismatches = 0
+        return target, dev, dtype
+    name = sec.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = torch.cuda.is_available() if name == "auto" else torch.device(name).type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    # "auto": accelerate spreads the layers over the GPUs; the draft goes where the features come out
+    target = load_target(model_id, aux, dtype=dtype, device=name, trust_remote_code=trc)
+    return target, draft_device(target), dtype
+
+
+@dataclass
+class DecodeRun:
+    """What the prompts' decodes gave: each prompt's line, every verify step's accepted drafts, the tokens
+    generated and how many bf16 near-ties made the output differ from greedy decoding."""
+
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    gen_tokens: int = 0
+    mismatches: int = 0
+
+
+def decode_prompts(
+    ctx: StageContext,
+    target: Any,
+    drafter: Drafter,
+    prompts: list[tuple[str, list[int]]],
+    steps: int,
+    max_new: int,
+    eos: set[int],
+    dtype: torch.dtype,
+    check: bool,
+    dist: Dist | None,
+) -> DecodeRun:
+    """Each prompt decoded speculatively (and greedily too with ``check``: the output must be the same)."""
+    from pipeline.eagle3.spec_decode import speculative_generate
+
+    run = DecodeRun()
     for i, (rid, prompt) in enumerate(prompts):
         if dist is not None:
             dist.safe_point(ctx, target.device)
         else:
             ctx.safe_point()
         res = speculative_generate(target, drafter, prompt, steps, max_new, eos)
-        if check:
-            ref = greedy_generate(target, prompt, max_new, eos)
-            if ref != res.tokens:
-                where = next(
-                    p for p, (a, b) in enumerate(zip([*ref, -1], [*res.tokens, -1], strict=False)) if a != b
-                )
-                text = (
-                    f"prompt {rid}: speculative output differs from greedy decoding from token {where} on: "
-                    f"{res.tokens[where : where + 8]} vs {ref[where : where + 8]}"
-                )
-                if dtype == torch.float32:
-                    fail(ctx, text + " (a bug: in fp32 they are identical)")
-                # bf16 kernels of different shapes (k+1 tokens vs 1) can flip a near-tie of the argmax
-                mismatches += 1
-                ctx.message(text + " (bf16 near-tie)", level="warning")
-        accepted.extend(res.accepted)
-        gen_tokens += len(res.tokens)
-        per_prompt.append(
+        if check and not matches_greedy(ctx, target, rid, prompt, res.tokens, max_new, eos, dtype):
+            run.mismatches += 1
+        run.accepted.extend(res.accepted)
+        run.gen_tokens += len(res.tokens)
+        run.per_prompt.append(
             {
                 "id": rid,
                 "prompt_tokens": len(prompt),
@@ -162,9 +159,48 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
             }
         )
         ctx.progress(i + 1, len(prompts), unit="prompts")
-    elapsed = time.monotonic() - t0
-    if dist is not None and not dist.main:
-        return 0
+    return run
+
+
+def matches_greedy(
+    ctx: StageContext,
+    target: Any,
+    rid: str,
+    prompt: list[int],
+    tokens: list[int],
+    max_new: int,
+    eos: set[int],
+    dtype: torch.dtype,
+) -> bool:
+    """Whether the speculative output is the target's greedy decode; a difference fails the stage in fp32 (a
+    bug) and is a warning in bf16 (kernels of different shapes can flip a near-tie of the argmax)."""
+    from pipeline.eagle3.spec_decode import greedy_generate
+
+    ref = greedy_generate(target, prompt, max_new, eos)
+    if ref == tokens:
+        return True
+    where = next(p for p, (a, b) in enumerate(zip([*ref, -1], [*tokens, -1], strict=False)) if a != b)
+    text = (
+        f"prompt {rid}: speculative output differs from greedy decoding from token {where} on: "
+        f"{tokens[where : where + 8]} vs {ref[where : where + 8]}"
+    )
+    if dtype == torch.float32:
+        fail(ctx, text + " (a bug: in fp32 they are identical)")
+    ctx.message(text + " (bf16 near-tie)", level="warning")
+    return False
+
+
+def write_results(
+    ctx: StageContext,
+    run: DecodeRun,
+    steps: int,
+    elapsed: float,
+    draft_path: Path,
+    man: dict[str, Any],
+    check: bool,
+) -> None:
+    """``results.json`` (with every prompt's line), ``manifest.json`` (the summary) and the metrics."""
+    accepted = run.accepted
     if not accepted:
         fail(ctx, "no verify step ran (every prompt ended at its first token)")
     accept_len = sum(accepted) / len(accepted) + 1
@@ -177,17 +213,17 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         "accept_rate": accept_rate,
         "max_accept_len": steps + 1,
         "steps": steps,
-        "prompts": len(prompts),
+        "prompts": len(run.per_prompt),
         "verify_steps": len(accepted),
-        "new_tokens": gen_tokens,
+        "new_tokens": run.gen_tokens,
         "accepted_histogram": hist,
         "elapsed_s": elapsed,
-        "draft": str(train_dir / man.get("path", "draft")),
+        "draft": str(draft_path),
         "draft_kind": man.get("draft", "eagle3"),
         "lossless_checked": check,
-        "lossless_mismatches": mismatches if check else None,
+        "lossless_mismatches": run.mismatches if check else None,
     }
-    write_json(ctx.out / "results.json", {**summary, "per_prompt": per_prompt})
+    write_json(ctx.out / "results.json", {**summary, "per_prompt": run.per_prompt})
     write_json(ctx.out / "manifest.json", summary)
     ctx.metric("accept_rate", accept_rate)
     ctx.metric("verify_steps", len(accepted))
@@ -196,4 +232,3 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
         f"accept length {accept_len:.2f} of at most {steps + 1} ({accept_rate:.1%} of draft tokens accepted) "
         f"over {len(accepted)} verify steps; histogram of accepted drafts 0..{steps}: {hist}"
     )
-    return 0

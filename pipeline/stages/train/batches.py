@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pipeline.drafts.batch import Batch
 from pipeline.eagle3 import hidden_store as hs
-from pipeline.eagle3.draft_model import shift_left
-
-
-@dataclass
-class Batch:
-    aux: torch.Tensor  # (B, S, 3H)
-    last_hidden: torch.Tensor  # (B, S, H)
-    target_argmax: torch.Tensor  # (B, S) long
-    input_ids: torch.Tensor  # (B, S) long
-    loss_mask: torch.Tensor  # (B, S) bool
-    lengths: torch.Tensor  # (B,)
-
-    def step_mask(self, j: int) -> torch.Tensor:
-        """Columns whose step-``j`` prediction (token ``t+2+j``) is an assistant token."""
-        return shift_left(self.loss_mask, 2 + j, False)
 
 
 def pad_stack(seqs: list[torch.Tensor], length: int, fill: float = 0) -> torch.Tensor:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeline.eagle3.dflash_model import DFlashDraft, save_dflash
-from pipeline.eagle3.draft_model import Eagle3Draft, save_draft
+from pipeline.drafts.registry import draft_method
 from pipeline.run.files import swap_dir, write_atomic
 from pipeline.run.plan_sections import TrainSection
 
@@ -20,14 +20,6 @@ STATE_FILE = "training_state.pt"
 FINAL_DIR = "draft"
 BEST_DIR = "best"  # the checkpointed draft with the best simulated accept length so far, and best.json
 STEPS_FILE = "steps.jsonl"
-
-
-def save_any(draft: Eagle3Draft | DFlashDraft, path: Path) -> None:
-    """The SGLang-loadable export of either draft: EAGLE-3's layout or DFlash's."""
-    if isinstance(draft, DFlashDraft):
-        save_dflash(draft, path)
-    else:
-        save_draft(draft, path)
 
 
 def checkpoints(out: Path) -> list[tuple[int, Path]]:
@@ -47,7 +39,7 @@ def checkpoints(out: Path) -> list[tuple[int, Path]]:
 def save_checkpoint(
     out: Path,
     step: int,
-    draft: Eagle3Draft | DFlashDraft,
+    draft: Any,
     opt: torch.optim.Optimizer,
     settings: TrainSection,
     extra: dict[str, Any],
@@ -55,7 +47,7 @@ def save_checkpoint(
     final = out / CKPT_DIR / f"step_{step:08d}"
     tmp = out / CKPT_DIR / f".step_{step:08d}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_any(draft, tmp)
+    draft_method(settings.draft).export(draft, tmp)  # the SGLang-loadable folder of the plan's draft method
     state = {
         "step": step,
         "model": {k: v.detach().cpu() for k, v in draft.trainable_state().items()},
@@ -99,13 +91,14 @@ class StepLog:
             fh.write(json.dumps({"step": step, "rows": rows}) + "\n")
 
 
-def save_best(out: Path, draft: Eagle3Draft | DFlashDraft, best: dict[str, Any]) -> None:
-    """``best/``: the draft (SGLang-loadable) and ``best.json`` saying its step and accept length, atomically."""
+def save_best(out: Path, draft: Any, best: dict[str, Any], export: Callable[[Any, Path], None]) -> None:
+    """``best/``: the draft (SGLang-loadable, by its method's ``export``) and ``best.json`` saying its step and
+    accept length, atomically."""
     import json
 
     final, tmp = out / BEST_DIR, out / (BEST_DIR + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_any(draft, tmp)
+    export(draft, tmp)
     (tmp / "best.json").write_text(json.dumps(best) + "\n")
     swap_dir(tmp, final)
 
@@ -125,18 +118,6 @@ def read_best(out: Path) -> dict[str, Any] | None:
     return None
 
 
-# [train] keys that decide the draft's modules: a checkpoint made under other values is another model.
-DRAFT_SHAPE_KEYS = (
-    "draft",
-    "draft_fc_norm",
-    "draft_norm_output",
-    "dflash_block_size",
-    "dflash_layers",
-    "dflash_target_layers",
-    "dflash_mask_token_id",
-)
-
-
 def resume_problem(
     path: Path, state: dict[str, Any], settings: TrainSection, trainable: set[str]
 ) -> str | None:
@@ -145,7 +126,8 @@ def resume_problem(
     The loader is not strict (the frozen embedding is not saved), so without this a changed switch would load
     what matches, initialise the rest afresh and carry on as if nothing happened."""
     saved = state.get("settings") or {}
-    for key in DRAFT_SHAPE_KEYS:
+    # The [train] keys that decide the draft's modules: a checkpoint made under other values is another model.
+    for key in ("draft", *draft_method(settings.draft).shape_keys):
         if key in saved and _plain(saved[key]) != _plain(getattr(settings, key)):
             return (
                 f"{path}: trained with train.{key} = {_plain(saved[key])!r}, but the plan now says "

@@ -13,13 +13,11 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.eagle3.dflash_model import DFlashDraft
-from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.registry import DraftLoss, TrainedDraft, draft_method
 from pipeline.run.plan_sections import TrainSection
 from pipeline.run.ranks import Dist
 from pipeline.run.runtime import StageContext
-from pipeline.stages.train.acceptance import simulated_accept_length
-from pipeline.stages.train.batches import Batch
 from pipeline.stages.train.checkpoints import (
     STATE_FILE,
     checkpoints,
@@ -28,8 +26,6 @@ from pipeline.stages.train.checkpoints import (
     save_best,
     save_checkpoint,
 )
-from pipeline.stages.train.dflash_loss import BlockLoss, dflash_accept_length
-from pipeline.stages.train.loss import counts_of, ttt_sums
 from pipeline.stages.train.settings import lr_at
 
 
@@ -70,75 +66,6 @@ class TrainData:
     online_tp: bool = False
     eval_source: DataSource | None = None
     eval_rows: list[int] = field(default_factory=list)
-
-
-@dataclass
-class TrainedDraft:
-    """The draft under training, the module the step calls (DDP around it on several ranks), the rows of
-    the target's LM head over the draft vocabulary (the soft labels' projection) and the trained params."""
-
-    draft: Eagle3Draft | DFlashDraft
-    model: Any
-    head_d: torch.Tensor
-    params: list[torch.nn.Parameter]
-    head_full: torch.Tensor | None = None  # the target's whole lm_head: the LK losses' acceptance needs it
-
-
-@dataclass(frozen=True)
-class TTTLoss:
-    """Training-time test: ``sum_j decay**j * L_j`` over ``ttt_steps`` unrolled draft steps, ``L_j`` step
-    ``j``'s mean objective (``[train] loss``: the soft-label cross-entropy against the target's distribution,
-    or an LK loss on the acceptance rate, :mod:`.lk_loss`), computed ``chunk_tokens`` at a time."""
-
-    ttt_steps: int
-    decay: float
-    chunk_tokens: int
-    autocast: bool
-    objective: str = "kl"
-    kl_scale: float = 1.0  # lk_adaptive's λ = kl_scale·exp(−kl_decay·ᾱ)
-    kl_decay: float = 1.0
-
-    @classmethod
-    def from_settings(cls, s: TrainSection, autocast: bool) -> TTTLoss:
-        return cls(
-            ttt_steps=s.ttt_steps,
-            decay=s.loss_decay,
-            chunk_tokens=s.loss_chunk_tokens,
-            autocast=autocast,
-            objective=s.loss,
-            kl_scale=s.lk_kl_scale,
-            kl_decay=s.lk_kl_decay,
-        )
-
-    @property
-    def needs_full_head(self) -> bool:
-        """The LK losses need the target's whole ``lm_head`` (acceptance is over its whole vocabulary)."""
-        return self.objective != "kl"
-
-    def counts(self, batches: list[Batch], device: torch.device) -> torch.Tensor:
-        """Per TTT step: the loss positions of these batches (each step's mean divides by it)."""
-        return counts_of(batches, self.ttt_steps, device)
-
-    def sums(self, td: TrainedDraft, b: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Per TTT step: the summed loss over loss positions, and the count of correct greedy tokens."""
-        assert isinstance(td.draft, Eagle3Draft)
-        return ttt_sums(
-            td.model,
-            td.draft,
-            b,
-            td.head_d,
-            self.ttt_steps,
-            self.autocast,
-            self.chunk_tokens,
-            objective=self.objective,
-            head_full=td.head_full,
-            kl_scale=self.kl_scale,
-            kl_decay=self.kl_decay,
-        )
-
-    def weighted(self, per_step: list[Any], denom: torch.Tensor) -> Any:
-        """The objective: each step's mean (over the *global* count of its positions), decayed."""
-        return sum((self.decay**j) * per_step[j] / denom[j] for j in range(self.ttt_steps))
 
 
 @dataclass
@@ -217,7 +144,7 @@ class Checkpointer:
         self.best = {"step": step, "accept_length": accept_length, "spec_steps": spec_steps}
         rt = self.runtime
         if rt.dist.main:
-            save_best(self.out, td.draft, self.best)
+            save_best(self.out, td.draft, self.best, draft_method(self.settings.draft).export)
             if rt.ctx:
                 rt.ctx.message(
                     f"best draft so far: step {step}, simulated accept length {accept_length:.3f} "
@@ -236,17 +163,17 @@ class Evaluator:
     micro_batch: int
     interval: int  # 0: never
     last_step: int
-    blocks: BlockLoss | None = None  # a DFlash draft: its anchors and feature columns
+    loss: DraftLoss  # the draft method's objective: it simulates the accept length too
 
     @classmethod
-    def from_settings(cls, data: TrainData, s: TrainSection, blocks: BlockLoss | None = None) -> Evaluator:
+    def from_settings(cls, data: TrainData, s: TrainSection, loss: DraftLoss) -> Evaluator:
         return cls(
             data=data,
             spec_steps=s.spec_steps,
             micro_batch=s.micro_batch,
             interval=s.eval_interval,
             last_step=s.steps,
-            blocks=blocks,
+            loss=loss,
         )
 
     def due(self, step: int) -> bool:
@@ -257,21 +184,7 @@ class Evaluator:
         )
 
     def accept_length(self, td: TrainedDraft, rt: Runtime) -> float:
-        if isinstance(td.draft, DFlashDraft):
-            assert self.blocks is not None
-            return dflash_accept_length(
-                td.draft,
-                self.data.eval_source,
-                self.data.eval_rows,
-                rt.device,
-                rt.dtype,
-                self.spec_steps,
-                self.micro_batch,
-                rt.autocast,
-                self.blocks.anchors,
-                self.blocks.aux_cols,
-            )
-        return simulated_accept_length(
+        return self.loss.accept_length(
             td.draft,
             self.data.eval_source,
             self.data.eval_rows,
@@ -279,7 +192,6 @@ class Evaluator:
             rt.dtype,
             self.spec_steps,
             self.micro_batch,
-            rt.autocast,
         )
 
 

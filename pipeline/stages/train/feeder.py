@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from pipeline.stages.train.batches import Batch, to_device
+from pipeline.drafts.batch import Batch
+from pipeline.stages.train.batches import to_device
 
 _DONE = object()
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.registry import DraftLoss, TrainedDraft
 from pipeline.run.ranks import Dist
 from pipeline.run.runtime import StageContext
-from pipeline.stages.train.batches import Batch
 from pipeline.stages.train.checkpoints import StepLog
 from pipeline.stages.train.components import (
     Checkpointer,
@@ -20,10 +21,7 @@ from pipeline.stages.train.components import (
     Optimiser,
     Runtime,
     TrainData,
-    TrainedDraft,
-    TTTLoss,
 )
-from pipeline.stages.train.dflash_loss import BlockLoss
 from pipeline.stages.train.plateau import Plateau
 from pipeline.stages.train.settings import BatchSchedule
 
@@ -42,7 +40,7 @@ class Steps:
     runtime: Runtime
     data: TrainData
     draft: TrainedDraft
-    loss: TTTLoss | BlockLoss  # EAGLE-3's training-time test, or DFlash's block objective
+    loss: DraftLoss  # the draft method's objective (EAGLE-3's training-time test, DFlash's blocks, ...)
     optim: Optimiser
     checkpointer: Checkpointer
     evaluator: Evaluator

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pipeline.stages.train.head_loss import _mm_fp32
+from pipeline.drafts.eagle3.head_loss import _mm_fp32
 
 OBJECTIVES = ("kl", "lk", "lk_adaptive")
 # −log α is taken of max(α, ALPHA_FLOOR); below it the position gives no gradient (α = 0 has none).
@@ -162,7 +162,7 @@ def linear_lk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(Σ over the rows of ``x`` of ``w``·LK loss, the draft ids of ``argmax x Wᵀ``, Σ ``w``·α).
 
-    As :func:`~pipeline.stages.train.head_loss.linear_soft_ce`, plus ``lse_full`` (B, S): the
+    As :func:`~pipeline.drafts.eagle3.head_loss.linear_soft_ce`, plus ``lse_full`` (B, S): the
     log-sum-exp of the target's logits over its whole vocabulary at each position. ``chunk_tokens`` ≤ 0:
     one chunk. Differentiable in ``x`` and ``weight``.
     """

@@ -1,4 +1,4 @@
-"""Drafting with the DFlash draft in the offline speculative decode (:mod:`.spec_decode`): one block per verify step.
+"""Drafting with the DFlash draft in the offline speculative decode (:mod:`pipeline.eagle3.spec_decode`): one block per verify step.
 
 Each round the block is the last emitted token followed by ``k`` mask tokens, at the positions right after
 the verified context; one forward pass of the draft over it (attending to every context position's projected
@@ -10,12 +10,11 @@ each round, as SGLang's draft KV cache does.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from pipeline.eagle3.dflash_model import DFlashDraft
+from pipeline.drafts.dflash.config import feature_columns
+from pipeline.drafts.dflash.model import DFlashDraft, load_dflash
+from pipeline.drafts.registry import DrafterInputs
 
 
 class DFlashDrafter:
@@ -74,17 +73,11 @@ class DFlashDrafter:
         self.last = int(new_tokens[-1])
 
 
-def dflash_drafter(
-    path: Path, target: Any, aux_layer_ids: list[int], dev: torch.device, dtype: torch.dtype
-) -> DFlashDrafter:
-    """The saved DFlash draft at ``path`` beside ``target`` (its embedding and LM head), reading its target
-    layers out of the ``aux_layer_ids`` features ``target`` captures."""
-    from pipeline.eagle3.dflash_config import feature_columns
-    from pipeline.eagle3.dflash_model import load_dflash
-
-    embed = target.embed_weight.detach().float()
-    head = target.head.weight.detach().float()
-    draft = load_dflash(path, embed, head, dtype=dtype).to(dev)
+def dflash_drafter(inp: DrafterInputs) -> DFlashDrafter:
+    """The saved DFlash draft at ``inp.path`` beside the target (its embedding and LM head), reading its target
+    layers out of the aux features the target captures."""
+    head = inp.target.head.weight.detach().float()
+    draft = load_dflash(inp.path, inp.embed, head, dtype=inp.dtype).to(inp.device)
     return DFlashDrafter(
-        draft, feature_columns(aux_layer_ids, draft.cfg.target_layer_ids, draft.cfg.hidden_size)
+        draft, feature_columns(inp.aux_layer_ids, draft.cfg.target_layer_ids, draft.cfg.hidden_size)
     )

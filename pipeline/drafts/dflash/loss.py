@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline.eagle3.dflash_config import DFlashConfig
-from pipeline.eagle3.dflash_model import DFlashDraft
+from pipeline.drafts.acceptance import mean_accept_length
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.dflash.config import DFlashConfig
+from pipeline.drafts.dflash.model import DFlashDraft
 from pipeline.run.plan_sections import TrainSection
-from pipeline.stages.train.acceptance import mean_accept_length
-from pipeline.stages.train.batches import Batch
 
 
 def anchors_of(b: Batch, count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ def draft_blocks(
 
 @dataclass(frozen=True)
 class BlockLoss:
-    """The trainer's loss part for DFlash (the interface of :class:`.components.TTTLoss`)."""
+    """The trainer's loss part for DFlash (:class:`~pipeline.drafts.registry.DraftLoss`)."""
 
     block_size: int
     anchors: int
@@ -158,6 +158,30 @@ class BlockLoss:
 
     def weighted(self, per_step: list[Any], denom: torch.Tensor) -> Any:
         return sum((self.decay**j) * per_step[j] / denom[j] for j in range(self.ttt_steps))
+
+    def accept_length(
+        self,
+        draft: DFlashDraft,
+        data: Any,
+        rows: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        spec_steps: int,
+        micro_batch: int,
+    ) -> float:
+        """The blocks' simulated accept length on held-out ``rows``, over this loss's anchors and columns."""
+        return dflash_accept_length(
+            draft,
+            data,
+            rows,
+            device,
+            dtype,
+            spec_steps,
+            micro_batch,
+            self.autocast,
+            self.anchors,
+            self.aux_cols,
+        )
 
 
 def accept_sums(

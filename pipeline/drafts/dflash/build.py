@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.eagle3.dflash_config import DFlashConfig, feature_columns
-from pipeline.eagle3.dflash_model import DFlashDraft
+from pipeline.drafts.dflash.config import DFlashConfig, feature_columns
+from pipeline.drafts.dflash.model import DFlashDraft
 from pipeline.eagle3.draft_config import DraftModelError
 from pipeline.run.plan_sections import TrainSection
 

@@ -10,7 +10,7 @@ same projected context for every layer, K/V-projected without the layer's input 
 per-head ``k_norm`` then RoPE at their absolute positions; queries ``q_norm`` then RoPE.
 
 Saved tensors are ``layers.*``, ``fc.weight``, ``hidden_norm.weight`` and ``norm.weight``; the embedding
-and LM head are the target's (held here frozen, never saved). Config: :mod:`.dflash_config`.
+and LM head are the target's (held here frozen, never saved). Config: :mod:`.config`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.eagle3.dflash_config import CONFIG_FILE, WEIGHTS_FILE, DFlashConfig
+from pipeline.drafts.dflash.config import CONFIG_FILE, WEIGHTS_FILE, DFlashConfig
 from pipeline.eagle3.draft_config import DraftModelError
 from pipeline.eagle3.draft_model import RMSNorm
 from pipeline.eagle3.rope import apply_rope, rope_attention_scale, rope_inv_freq

@@ -1,7 +1,7 @@
 """One batch's training-time-test loss: soft-label cross-entropy per TTT step and greedy accuracy.
 
 :func:`ttt_sums` applies the draft's final norm and ``lm_head`` itself, over the scored tokens
-only, through :func:`pipeline.stages.train.head_loss.linear_soft_ce`: ``chunk_tokens`` tokens at a
+only, through :func:`pipeline.drafts.eagle3.head_loss.linear_soft_ce`: ``chunk_tokens`` tokens at a
 time, each chunk's gradients taken in the forward pass, so the (tokens × draft vocab) logits and
 target probabilities of a chunk live only while that chunk is computed, never those of all TTT steps
 at once, and nothing is recomputed in backward. The target's logits over the draft vocabulary are
@@ -11,21 +11,26 @@ plain form (every step's full logits alive until backward), which the tests and
 ``bench/gpu/ttt_memory.py`` compare against.
 
 ``objective`` other than ``kl`` (``[train] loss``) scores the same positions with the same weights through
-:func:`pipeline.stages.train.lk_loss.linear_lk` instead: the LK losses, which also need the target's
+:func:`pipeline.drafts.eagle3.lk_loss.linear_lk` instead: the LK losses, which also need the target's
 log-sum-exp over its whole vocabulary (``head_full``: its ``lm_head``), computed once per batch.
+:class:`TTTLoss` is the method's objective as the trainer calls it (:class:`~pipeline.drafts.registry.DraftLoss`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.drafts.batch import Batch
+from pipeline.drafts.eagle3.acceptance import simulated_accept_length
+from pipeline.drafts.eagle3.head_loss import linear_soft_ce
+from pipeline.drafts.eagle3.lk_loss import full_lse_of, linear_lk
+from pipeline.drafts.registry import TrainedDraft
 from pipeline.eagle3.draft_model import Eagle3Draft, shift_left
-from pipeline.stages.train.batches import Batch
-from pipeline.stages.train.head_loss import linear_soft_ce
-from pipeline.stages.train.lk_loss import full_lse_of, linear_lk
+from pipeline.run.plan_sections import TrainSection
 
 # Tokens per loss chunk: 4096 × a 32k draft vocab × fp32 is 0.5 GiB per live (tokens × vocab) tensor.
 DEFAULT_CHUNK_TOKENS = 4096
@@ -136,3 +141,76 @@ def ttt_sums_unchunked(
             guess = draft.draft_to_target(lj.argmax(-1))
             correct[j] += ((guess == am) & m).sum()
     return losses, correct
+
+
+@dataclass(frozen=True)
+class TTTLoss:
+    """Training-time test: ``sum_j decay**j * L_j`` over ``ttt_steps`` unrolled draft steps, ``L_j`` step
+    ``j``'s mean objective (``[train] loss``: the soft-label cross-entropy against the target's distribution,
+    or an LK loss on the acceptance rate, :mod:`.lk_loss`), computed ``chunk_tokens`` at a time."""
+
+    ttt_steps: int
+    decay: float
+    chunk_tokens: int
+    autocast: bool
+    objective: str = "kl"
+    kl_scale: float = 1.0  # lk_adaptive's λ = kl_scale·exp(−kl_decay·ᾱ)
+    kl_decay: float = 1.0
+
+    @classmethod
+    def from_settings(cls, s: TrainSection, autocast: bool, aux_cols: torch.Tensor | None = None) -> TTTLoss:
+        """``aux_cols`` is the method spec's argument: EAGLE-3 reads every stored aux feature."""
+        return cls(
+            ttt_steps=s.ttt_steps,
+            decay=s.loss_decay,
+            chunk_tokens=s.loss_chunk_tokens,
+            autocast=autocast,
+            objective=s.loss,
+            kl_scale=s.lk_kl_scale,
+            kl_decay=s.lk_kl_decay,
+        )
+
+    @property
+    def needs_full_head(self) -> bool:
+        """The LK losses need the target's whole ``lm_head`` (acceptance is over its whole vocabulary)."""
+        return self.objective != "kl"
+
+    def counts(self, batches: list[Batch], device: torch.device) -> torch.Tensor:
+        """Per TTT step: the loss positions of these batches (each step's mean divides by it)."""
+        return counts_of(batches, self.ttt_steps, device)
+
+    def sums(self, td: TrainedDraft, b: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per TTT step: the summed loss over loss positions, and the count of correct greedy tokens."""
+        assert isinstance(td.draft, Eagle3Draft)
+        return ttt_sums(
+            td.model,
+            td.draft,
+            b,
+            td.head_d,
+            self.ttt_steps,
+            self.autocast,
+            self.chunk_tokens,
+            objective=self.objective,
+            head_full=td.head_full,
+            kl_scale=self.kl_scale,
+            kl_decay=self.kl_decay,
+        )
+
+    def weighted(self, per_step: list[Any], denom: torch.Tensor) -> Any:
+        """The objective: each step's mean (over the *global* count of its positions), decayed."""
+        return sum((self.decay**j) * per_step[j] / denom[j] for j in range(self.ttt_steps))
+
+    def accept_length(
+        self,
+        draft: Eagle3Draft,
+        data: Any,
+        rows: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        spec_steps: int,
+        micro_batch: int,
+    ) -> float:
+        """The chain's simulated accept length on held-out ``rows`` (:mod:`.acceptance`)."""
+        return simulated_accept_length(
+            draft, data, rows, device, dtype, spec_steps, micro_batch, self.autocast
+        )
