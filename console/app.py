@@ -25,9 +25,12 @@ through the transport (``ctl ensure``, which restarts a dead supervisor, at any 
 and the status line says whether it is silent (alive, cannot write) or dead and being restarted; its open
 alerts (a write that fails, a damaged stage file) are shown there too and notified once.
 
-Over 450 lines because it is the App itself: its bindings, one short action per key, and the palette's
-list of them; what has a job of its own lives beside it (header text: ``console.header``; alerts:
-``console.alert_dispatch``; each screen's palette entries: ``console.palette``; screens and widgets).
+Every action's key, words, confirmation, ctl verb and read-only refusal are one table,
+:mod:`console.actions`: the bindings, the palette's entries and the help sheet's lines are generated from
+it, and the methods here only say what each action does to the selected stage. Over 450 lines because it is
+the App itself (layout, polling, one short method per action); what has a job of its own lives beside it
+(header text: ``console.header``; alerts: ``console.alert_dispatch``; each screen's palette entries:
+``console.palette``; screens and widgets).
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from typing import Any
 from rich.text import Text
 from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
@@ -52,6 +54,16 @@ from textual.theme import BUILTIN_THEMES
 from textual.widgets import Footer, Input, Static
 from textual.widgets._footer import FooterKey
 
+from console.actions import (
+    ACTION,
+    ACTIONS,
+    CONTROL_NAMES,
+    ConsoleAction,
+    bindings,
+    palette_entries,
+    refusal,
+    wrong_state,
+)
 from console.alert_dispatch import AlertDispatcher
 from console.alerts import AlertBook
 from console.audit_trail import AuditTrail
@@ -78,9 +90,6 @@ from pipeline.run.force_text import force_message
 from pipeline.run.plan import Plan
 from pipeline.run.stage_row import SATISFIED, HealthState, StageState
 from themes import load_themes
-
-CONTROL_KEYS = {"pause": "p", "kill": "k", "retry": "r", "retry_fresh": "R", "skip": "s", "force": "F"}
-READ_ONLY_NOTE = "read-only console: the control keys (p k r R s F) are refused and nothing is sent"
 
 
 def freeze_startup_objects() -> None:
@@ -163,90 +172,7 @@ class AerieApp(App[int]):
     TALL_ROWS = 50  # larger detail pane
     BOARD_MIN_ROWS = 12  # GPUs become cells of a grid (several per line) when a row each would leave fewer
     BOARD_FLOOR = 6  # the board's least height (its header and 5 stages) however short the terminal
-    BINDINGS = [
-        Binding(
-            "p",
-            "pause",
-            "Pause/resume",
-            tooltip="pause the selected stage at its next safe point (SIGSTOP after the grace period); "
-            "again to resume",
-        ),
-        Binding(
-            "k",
-            "kill",
-            "Kill",
-            tooltip="kill: SIGTERM to the stage's recorded process group, SIGKILL after the grace (asks first)",
-        ),
-        Binding(
-            "r", "retry", "Retry", tooltip="retry a failed/killed/skipped stage; it resumes from what is done"
-        ),
-        Binding(
-            "R",
-            "retry_fresh",
-            "Retry fresh",
-            show=False,
-            tooltip="retry from scratch: clears the stage's outputs in the run dir first (asks first)",
-        ),
-        Binding(
-            "s",
-            "skip",
-            "Skip",
-            show=False,
-            tooltip="skip a stage that has not started (its dependants treat it as done)",
-        ),
-        Binding(
-            "F",
-            "force",
-            "Force",
-            show=False,
-            tooltip="start a stage held by an admission check (disk budget, foreign GPU process) anyway, "
-            "once (asks first)",
-        ),
-        Binding("l", "log", "Log", tooltip="the selected stage's full log (follow, search, filter, wrap)"),
-        Binding(
-            "L",
-            "server_log",
-            "Server log",
-            show=False,
-            tooltip="the inference server's log (the serve stage)",
-        ),
-        Binding("d", "datasets", "Datasets", tooltip="per-dataset progress: rows/quota, rate, ETA, rejects"),
-        Binding(
-            "m",
-            "metrics",
-            "Metrics",
-            tooltip="curves of the selected stage's metrics (loss, acc_0…, tokens/s), or one metric across attempts",
-        ),
-        Binding(
-            "A",
-            "audit",
-            "Audit",
-            show=False,
-            tooltip="the audit log: who paused, killed, retried or skipped what, from where, and the outcome",
-        ),
-        Binding("slash", "filter", "Filter", tooltip="filter stages by id or state; Esc clears"),
-        Binding(
-            "a",
-            "alert_stage",
-            "Alerts",
-            show=False,
-            tooltip="the alerts of this console with their evidence (failures, disk, a stalled stage, a NaN "
-            "loss, idle GPUs ...); Enter selects the alert's stage",
-        ),
-        Binding("question_mark", "help", "Help", tooltip="every key of this screen"),
-        Binding(
-            "q",
-            "quit_console",
-            "Quit",
-            tooltip="quit the console: stages keep running; `aerie attach RUN` re-attaches",
-        ),
-        Binding("escape", "clear_filter", "Clear filter", show=False, tooltip="clear the stage filter"),
-        # A read-only console: the control keys land here instead (check_action picks which binding is live).
-        *(
-            Binding(key, f"read_only('{action}')", show=False, tooltip=READ_ONLY_NOTE)
-            for action, key in CONTROL_KEYS.items()
-        ),
-    ]
+    BINDINGS = bindings()  # the action table's (console/actions.py), with a read-only console's refusals
 
     def __init__(
         self,
@@ -515,41 +441,57 @@ class AerieApp(App[int]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """A read-only console: the control bindings are off (hidden from the footer), the refusals on."""
-        if action in CONTROL_KEYS:
+        if action in CONTROL_NAMES:
             return not self.read_only
         if action == "read_only":
             return self.read_only
         return True
 
-    def refuse_read_only(self, what: str) -> bool:
-        """True (after saying so) when this console is read-only: the caller sends nothing."""
+    def refuse_read_only(self, action: str) -> bool:
+        """True (after saying so, in the action table's words) when this console is read-only: the caller
+        sends nothing."""
         if self.read_only:
             sid = getattr(self.screen, "selected_stage_id", None)
             with contextlib.suppress(NoMatches):
                 st = None if sid else self.query_one(StageBoard).selected_stage(self.model)
                 sid = st.id if st else sid
-            self.notify(
-                f"read-only: this console only watches; {what.replace('_', ' ')}{' ' + sid if sid else ''} "
-                "was not sent (attach without --read-only, or use the control token, to act)",
-                title="read-only",
-                severity="warning",
-            )
+            self.notify(refusal(action, sid), title="read-only", severity="warning")
         return self.read_only
 
     def action_read_only(self, action: str) -> None:
         self.refuse_read_only(action)
 
+    def _control_target(self, action: ConsoleAction) -> StageView | None:
+        """The stage a control action applies to, or None after saying why not (read-only, none selected)."""
+        return None if self.refuse_read_only(action.name) else self._selected()
+
+    def _wrong_state(self, action: ConsoleAction, st: StageView) -> None:
+        self.notify(wrong_state(action.name, st.id, st.display_state), severity="warning")
+
+    def _confirm_then_send(self, action: ConsoleAction, st: StageView, **facts: object) -> None:
+        """Ask the table's question about ``st``; a yes sends the action."""
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.run_ctl(action, st.id)
+
+        self.push_screen(ConfirmScreen(action.question(id=st.id, **facts)), done)
+
     @work(group="ctl")
-    async def run_ctl(self, action: str, stage_id: str, *extra: str) -> None:
-        if self.refuse_read_only(action):
+    async def run_ctl(self, action: ConsoleAction, stage_id: str, verb: str = "") -> None:
+        """Send ``action`` (its first verb, or ``verb``) for ``stage_id``, with its flags, and say the outcome."""
+        if self.refuse_read_only(action.name):
             return
-        res = await self.transport.ctl(action, stage_id, *extra, "--via", self.via, "--who", self.operator)
+        verb = verb or action.sends[0]
+        res = await self.transport.ctl(
+            verb, stage_id, *action.flags, "--via", self.via, "--who", self.operator
+        )
         if res.returncode == 0:
-            self.notify(res.message or f"{action} {stage_id}: done", title=action)
+            self.notify(res.message or f"{verb} {stage_id}: done", title=verb)
         else:
             self.notify(
-                res.message or f"{action} {stage_id} failed (exit {res.returncode})",
-                title=action,
+                res.message or f"{verb} {stage_id} failed (exit {res.returncode})",
+                title=verb,
                 severity="error",
                 timeout=8,
             )
@@ -596,91 +538,50 @@ class AerieApp(App[int]):
         self.poll_model()
 
     def action_pause(self) -> None:
-        if self.refuse_read_only("pause"):
-            return
-        st = self._selected()
+        action = ACTION["pause"]
+        st = self._control_target(action)
         if st is None:
             return
         if st.state == StageState.PAUSED or st.pausing:
-            self.run_ctl("resume", st.id)
+            self.run_ctl(action, st.id, "resume")
         elif st.state == StageState.RUNNING:
-            self.run_ctl("pause", st.id)
+            self.run_ctl(action, st.id)
         else:
-            self.notify(
-                f"{st.id} is {st.display_state}: only a running stage can be paused", severity="warning"
-            )
+            self._wrong_state(action, st)
 
     def action_kill(self) -> None:
-        if self.refuse_read_only("kill"):
-            return
-        st = self._selected()
+        action = ACTION["kill"]
+        st = self._control_target(action)
         if st is None:
             return
         if st.state not in (StageState.RUNNING, StageState.PAUSED):
-            self.notify(f"{st.id} is {st.display_state}: nothing to kill", severity="warning")
+            self._wrong_state(action, st)
             return
-
-        def done(yes: bool | None) -> None:
-            if yes:
-                self.run_ctl("kill", st.id)
-
-        self.push_screen(
-            ConfirmScreen(
-                f"Kill {st.id}?\n\nSIGTERM to its process group {st.pgid} (pid {st.pid}), SIGKILL after the "
-                "grace period. Its children die too; nothing else is touched."
-            ),
-            done,
-        )
+        self._confirm_then_send(action, st, pgid=st.pgid, pid=st.pid)
 
     def action_retry(self) -> None:
-        if self.refuse_read_only("retry"):
-            return
-        st = self._selected()
+        st = self._control_target(ACTION["retry"])
         if st is not None:
-            self.run_ctl("retry", st.id)
+            self.run_ctl(ACTION["retry"], st.id)
 
     def action_retry_fresh(self) -> None:
-        if self.refuse_read_only("retry --fresh"):
-            return
-        st = self._selected()
-        if st is None:
-            return
-
-        def done(yes: bool | None) -> None:
-            if yes:
-                self.run_ctl("retry", st.id, "--fresh")
-
-        self.push_screen(
-            ConfirmScreen(
-                f"Retry {st.id} from scratch?\n\nIts outputs in the run directory "
-                f"(stages/{st.id}/out) are deleted first."
-            ),
-            done,
-        )
+        st = self._control_target(ACTION["retry_fresh"])
+        if st is not None:
+            self._confirm_then_send(ACTION["retry_fresh"], st)
 
     def action_skip(self) -> None:
-        if self.refuse_read_only("skip"):
-            return
-        st = self._selected()
+        st = self._control_target(ACTION["skip"])
         if st is not None:
-            self.run_ctl("skip", st.id)
+            self.run_ctl(ACTION["skip"], st.id)
 
     def action_force(self) -> None:
-        if self.refuse_read_only("force"):
-            return
-        st = self._selected()
+        action = ACTION["force"]
+        st = self._control_target(action)
         if st is None:
             return
         if st.state != StageState.PENDING:
-            self.notify(
-                f"{st.id} is {st.display_state}: only a waiting stage can be forced", severity="warning"
-            )
+            self._wrong_state(action, st)
             return
-
-        def done(yes: bool | None) -> None:
-            if yes:
-                self.run_ctl("force", st.id)
-
         # Say what it will do and when (pipeline/run/force_text.py, as the supervisor will answer).
         waiting = [
             (d, str(ds.state) if ds else "unknown")
@@ -689,13 +590,7 @@ class AerieApp(App[int]):
         ]
         reason = "" if waiting or st.reason.startswith("after ") else st.reason
         plan = force_message(st.id, st.attempt, waiting, reason, armed="will be armed")
-        self.push_screen(
-            ConfirmScreen(
-                f"Force {st.id}?\n\n{plan}.\n\nThe override is recorded in its events and the audit log; "
-                "an alert says when it starts."
-            ),
-            done,
-        )
+        self._confirm_then_send(action, st, plan=plan)
 
     def action_log(self) -> None:
         st = self._selected()
@@ -755,11 +650,11 @@ class AerieApp(App[int]):
             if not board.select_key(sid):
                 self.notify(f"{sid} is not on the board", severity="warning")
 
-    def fold_family(self) -> None:
+    def action_fold_family(self) -> None:
         """The palette's fold (the board's ``z``): on the board's screen, whichever screen is on top."""
         self.screen_stack[0].query_one(StageBoard).action_fold()
 
-    def fold_all_families(self) -> None:
+    def action_fold_all_families(self) -> None:
         self.screen_stack[0].query_one(StageBoard).action_fold_all()
 
     def action_audit(self) -> None:
@@ -811,45 +706,7 @@ class AerieApp(App[int]):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Every action of the screen the palette was opened on, then themes and the rest."""
         cmds = screen_commands(screen)
-        cmds += [
-            (
-                "Pause / resume stage",
-                "pause the selected stage at a safe point, or resume it",
-                self.action_pause,
-            ),
-            (
-                "Kill stage",
-                "SIGTERM then SIGKILL to the selected stage's process group (asks)",
-                self.action_kill,
-            ),
-            ("Retry stage", "start the next attempt of a failed/killed/skipped stage", self.action_retry),
-            ("Retry stage from scratch", "clear its outputs, then retry (asks)", self.action_retry_fresh),
-            ("Skip stage", "mark a stage that has not started as skipped", self.action_skip),
-            ("Force stage", "start a stage held by an admission check, once (asks)", self.action_force),
-            ("Open stage log", "the selected stage's full log", self.action_log),
-            ("Open server log", "the inference server's log", self.action_server_log),
-            ("Dataset progress", "per-dataset rows, rate, ETA, rejects", self.action_datasets),
-            ("Metrics", "curves of the selected stage's metrics; compare attempts", self.action_metrics),
-            ("Audit log", "who did what to which stage, from where, and the outcome", self.action_audit),
-            ("Filter stages", "filter the board by id or state", self.action_filter),
-            (
-                "Fold / unfold family",
-                "the selected family: its running and failed stages stay listed",
-                self.fold_family,
-            ),
-            (
-                "Fold / unfold all families",
-                "every family of the board",
-                self.fold_all_families,
-            ),
-            (
-                "Alerts",
-                "the alerts of this console, with evidence; Enter selects the stage",
-                self.action_alert_stage,
-            ),
-            ("Help", "every key of this screen", self.action_help),
-            ("Toggle alert bell", "ring the terminal bell on failures (on/off)", self.action_toggle_bell),
-        ]
+        cmds += [(a.palette, a.palette_help, getattr(self, f"action_{a.name}")) for a in palette_entries()]
         for name in self.themes:
             cmds.append(
                 (
@@ -860,10 +717,9 @@ class AerieApp(App[int]):
             )
         for title, help_text, cb in cmds:
             yield SystemCommand(title, help_text, cb)
+        stand_ins = {a.replaces: a for a in ACTIONS if a.replaces}
         for cmd in super().get_system_commands(screen):
-            if cmd.title == "Quit":
-                yield SystemCommand(
-                    "Quit console", "close the console; stages keep running", self.action_quit_console
-                )
+            if (a := stand_ins.get(cmd.title)) is not None:
+                yield SystemCommand(a.palette, a.palette_help, getattr(self, f"action_{a.name}"))
             else:
                 yield cmd

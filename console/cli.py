@@ -29,6 +29,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from console.actions import CONTROL_WORDS, CTL_FLAGS, CTL_VERBS
 from console.cli_common import err, open_run, remote, run_ctl
 from console.cli_status import cmd_status
 from console.transport import LocalTransport, Transport, start_local_run
@@ -37,7 +38,6 @@ from pipeline.run import plan as plan_mod
 from pipeline.run.plan_sections import render_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
-CONTROL_ACTIONS = ("pause", "resume", "kill", "retry", "skip", "force")
 
 
 def aerie_home() -> Path:
@@ -172,7 +172,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    extra = ["--fresh"] if getattr(args, "fresh", False) else []
+    extra = [flag for flag, _ in CTL_FLAGS[args.action] if getattr(args, flag.lstrip("-").replace("-", "_"))]
     extra += ["--via", "cli", "--who", audit.identity()]
     if remote(args.run):
         from console.ssh.commands import remote_ctl
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--read-only",
         action="store_true",
-        help="watch only: every control action (pause, kill, retry, skip, force) is refused, nothing is sent",
+        help=f"watch only: every control action ({CONTROL_WORDS}) is refused, nothing is sent",
     )
     p.add_argument("--via", choices=("console", "browser"), default="console", help=argparse.SUPPRESS)
     p.add_argument(
@@ -347,15 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_status)
 
-    for action in CONTROL_ACTIONS:
-        p = sub.add_parser(action, help=f"{action} one stage")
+    for verb in CTL_VERBS:  # the console's action table: the same verbs, flags and words
+        p = sub.add_parser(verb, help=f"{verb} one stage")
         p.add_argument("run")
         p.add_argument("stage")
-        if action == "retry":
-            p.add_argument(
-                "--fresh", action="store_true", help="clear the stage's outputs (inside the run dir) first"
-            )
-        p.set_defaults(fn=cmd_control, action=action)
+        for flag, flag_help in CTL_FLAGS[verb]:
+            p.add_argument(flag, action="store_true", help=flag_help)
+        p.set_defaults(fn=cmd_control, action=verb)
 
     p = sub.add_parser(
         "preflight",

@@ -17,6 +17,8 @@ from textual.containers import Grid, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Input, Label, Static
 
+from console.actions import CONTROL_NAMES
+
 
 class ConfirmScreen(ModalScreen[bool]):
     """Yes/no. Dismisses with True only on an explicit yes (`y` or the button)."""
@@ -101,7 +103,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "next_stage",
     ),
     "Find": ("filter", "search", "next", "previous", "first_error"),
-    "Control the selected stage": ("pause", "kill", "retry", "retry_fresh", "skip", "force", "read_only"),
+    "Control the selected stage": (*CONTROL_NAMES, "read_only"),  # the action table's control actions
     "Views": (),
 }
 FRAMEWORK_ACTIONS = (
