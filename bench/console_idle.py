@@ -1,7 +1,7 @@
 """Benchmark: CPU cost of the console attached to a live run of 12 stages emitting events.
 
 Starts a real run (12 operator stages, each emitting a progress event every 0.25 s through
-pipeline.run.runtime), then the real console (AerieApp, Textual headless driver) in its own process,
+pipeline.run.stage_side.runtime), then the real console (AerieApp, Textual headless driver) in its own process,
 attached through LocalTransport, and measures that process's CPU time (utime+stime from
 /proc/PID/stat) over the measurement window. As a baseline in the same run it measures the same
 console attached to a finished run (nothing changes, polling continues).
@@ -28,14 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.run import plan as plan_mod  # noqa: E402
-from pipeline.run.run_setup import create_run  # noqa: E402
-from pipeline.run.rundir import read_json  # noqa: E402
+from pipeline.run.plan import dag as plan_mod  # noqa: E402
+from pipeline.run.rundir.layout import read_json  # noqa: E402
+from pipeline.run.supervise.run_setup import create_run  # noqa: E402
 
 POLL_S = 1.0
 WORKER = """
 import sys, time
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.runtime import StageContext
 ctx = StageContext.from_env()
 n = int(sys.argv[1])
 for i in range(n):
@@ -65,7 +65,7 @@ def make_run(tmp: Path, n_stages: int, steps: int) -> Path:
     run = create_run(plan_mod.load(tmp / "plan.toml", run_dir=tmp / "run"), tmp / "run")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     subprocess.Popen(
-        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root)],
+        [sys.executable, "-m", "pipeline.run.supervise.supervisor", str(run.root)],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,

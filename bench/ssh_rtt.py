@@ -43,8 +43,8 @@ from sshd import LoopbackSshd  # noqa: E402
 
 from console.ssh.connection import HostConnection, SshTarget  # noqa: E402
 from console.ssh.transport import RemoteLayout, SshTransport  # noqa: E402
-from pipeline.run import plan as plan_mod  # noqa: E402
-from pipeline.run.run_setup import create_run  # noqa: E402
+from pipeline.run.plan import dag as plan_mod  # noqa: E402
+from pipeline.run.supervise.run_setup import create_run  # noqa: E402
 
 PLAN = """
 [run]

@@ -2,7 +2,7 @@
 
 ``python bench/telemetry_cost.py [--samples 300] [--repeats 5] [--live 8]``
 
-GPU readings come from a FAKE NVML (:class:`pipeline.run.gpus.FakeNvmlReplay`) replaying the real H200
+GPU readings come from a FAKE NVML (:class:`pipeline.run.hosts.gpus.FakeNvmlReplay`) replaying the real H200
 recording (tests/fixtures/telemetry/h200-2026-12-02.jsonl) replicated to 8 GPUs, every GPU with the
 recorded processes, so every sample also maps processes to stages through a run dir of 24 stages
 with recorded process groups. Baseline in the same run: the same agent with no GPUs (disk + host
@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.run import plan as plan_mod  # noqa: E402
-from pipeline.run.gpus import FakeNvmlReplay, GpuUnavailable  # noqa: E402
-from pipeline.run.run_setup import create_run  # noqa: E402
-from pipeline.run.rundir import RunDir, write_json  # noqa: E402
+from pipeline.run.hosts.gpus import FakeNvmlReplay, GpuUnavailable  # noqa: E402
+from pipeline.run.plan import dag as plan_mod  # noqa: E402
+from pipeline.run.rundir.layout import RunDir, write_json  # noqa: E402
+from pipeline.run.supervise.run_setup import create_run  # noqa: E402
 from pipeline.stages.telemetry import Agent, run_loop  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"

@@ -32,7 +32,9 @@ class ConsoleAction:
     palette: str = ""  # the command palette's title ("": not there)
     palette_help: str = ""
     show: bool = True  # in the footer (while allowed)
-    sends: tuple[str, ...] = ()  # the ``pipeline.run.ctl`` verbs it sends (the first names it); () a view
+    sends: tuple[
+        str, ...
+    ] = ()  # the ``pipeline.run.supervise.ctl`` verbs it sends (the first names it); () a view
     flags: tuple[str, ...] = ()  # what the verb is sent with (``retry --fresh``)
     confirm: str = ""  # the question asked first ({id} {pgid} {pid} {plan}); "" sends at once
     wrong_state: str = ""  # why the selected stage's state refuses it (after "<id> is <state>: ")

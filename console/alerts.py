@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from console.model import RunModel
-from pipeline.run.rundir import write_atomic
-from pipeline.run.stage_row import StageState
+from pipeline.run.rundir.layout import write_atomic
+from pipeline.run.rundir.stage_row import StageState
 
 DISK_RANK = {"ok": 0, "warning": 1, "error": 2}
 MAX_RUNS = 200

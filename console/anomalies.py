@@ -5,7 +5,7 @@ the thresholds and the evidence format, and ``aerie status`` runs the same table
 
 One small rule per anomaly; each fires once per episode with its evidence and re-arms when its
 condition clears (``docs/operating.md``, "On day four", says what each means and what to do). The
-thresholds are the plan's ``[alerts]`` keys (:class:`~pipeline.run.plan_sections.AlertsSection`):
+thresholds are the plan's ``[alerts]`` keys (:class:`~pipeline.run.plan.sections.AlertsSection`):
 
 * **stalled** (``stall_minutes``): a running stage with no progress event and no metric for that long.
   Service stages (a server answers requests, it reports no progress), paused, pausing and queued stages
@@ -46,9 +46,9 @@ from console import fmt
 from console.alerts import Alert
 from console.model import RunModel, StageView
 from console.telemetry_model import TelemetryModel
-from pipeline.run.events import Event
-from pipeline.run.plan_sections import AlertsSection
-from pipeline.run.stage_row import HealthState, StageState
+from pipeline.run.plan.sections import AlertsSection
+from pipeline.run.rundir.events import Event
+from pipeline.run.rundir.stage_row import HealthState, StageState
 
 # The train stage's metric names (pipeline/stages/train), the serve stage's (pipeline/serving/sglang_log.py).
 LOSS, ACCEPT = "loss", "accept_length"

@@ -19,8 +19,8 @@ from console.alerts import Alert
 from console.anomalies import AnomalyWatcher
 from console.model import RunModel
 from console.transport import Transport
-from pipeline.run.plan_sections import AlertsSection
-from pipeline.run.schema import PlanError
+from pipeline.run.plan.schema import PlanError
+from pipeline.run.plan.sections import AlertsSection
 
 POLLS = 3  # state.json; then the events' tails and the telemetry's first line; then the telemetry's tail
 

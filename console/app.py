@@ -2,7 +2,7 @@
 
 Data flows one way: the run model polls the transport (in a worker, never blocking the UI loop)
 and the widgets redraw from the model. Operator actions (pause, kill, retry...) go to the
-transport's ``ctl``, which runs ``pipeline.run.ctl`` on the executing host; the supervisor there acts
+transport's ``ctl``, which runs ``pipeline.run.supervise.ctl`` on the executing host; the supervisor there acts
 on the recorded process group and the result comes back as a notification. Quitting the console
 never stops a stage: ``aerie attach RUN`` shows the same run, live.
 
@@ -15,7 +15,7 @@ plan's ``[alerts] command``; see :mod:`console.alerts`) and anomaly alerts (:mod
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
 Every action is sent with the front end (``via``: console, or browser under ``aerie serve``) and the
-operator (``user@host``) for the run's audit log (``A`` shows it; :mod:`pipeline.run.audit`). A
+operator (``user@host``) for the run's audit log (``A`` shows it; :mod:`pipeline.run.rundir.audit`). A
 read-only console (``aerie attach --read-only``, a view token of ``aerie serve``) shows everything,
 hides the control keys from the footer and answers each of them with a "read-only: ..."
 notification; nothing is sent (it does not even start a missing supervisor: it says so).
@@ -85,10 +85,10 @@ from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
-from pipeline.run import audit
-from pipeline.run.force_text import force_message
-from pipeline.run.plan import Plan
-from pipeline.run.stage_row import SATISFIED, HealthState, StageState
+from pipeline.run.plan.dag import Plan
+from pipeline.run.rundir import audit
+from pipeline.run.rundir.stage_row import SATISFIED, HealthState, StageState
+from pipeline.run.supervise.force_text import force_message
 from themes import load_themes
 
 
@@ -582,7 +582,7 @@ class AerieApp(App[int]):
         if st.state != StageState.PENDING:
             self._wrong_state(action, st)
             return
-        # Say what it will do and when (pipeline/run/force_text.py, as the supervisor will answer).
+        # Say what it will do and when (pipeline/run/supervise/force_text.py, as the supervisor will answer).
         waiting = [
             (d, str(ds.state) if ds else "unknown")
             for d in st.after

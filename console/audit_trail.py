@@ -4,11 +4,11 @@ Like the model's event streams, it asks the transport for the bytes appended sin
 SSH only new lines cross the link) and keeps the last :attr:`AuditTrail.KEEP` entries, whatever the
 log's length; attaching to a long run starts at the log's last 256 KiB. An unreadable line is named in
 :attr:`AuditTrail.problems`; an unterminated last line — a write a crash cut short — in
-:attr:`AuditTrail.torn` (never shown as an entry). Parsing is :func:`pipeline.run.audit.parse`, the one
+:attr:`AuditTrail.torn` (never shown as an entry). Parsing is :func:`pipeline.run.rundir.audit.parse`, the one
 the CLI uses.
 
 When the log is rotated (``audit.jsonl`` renamed to ``audit.1.jsonl`` past its size limit, see
-:mod:`pipeline.run.growth`) the trail notices the new inode, reads the rest of the old generation
+:mod:`pipeline.run.rundir.growth`) the trail notices the new inode, reads the rest of the old generation
 (found by its inode among ``audit.N.jsonl``) and goes on with the new file from its start: the
 entries shown stay, and none is lost or shown twice.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 
 from console.transport import Transport
-from pipeline.run import growth
-from pipeline.run.audit import AUDIT_FILE, TAIL_BYTES, AuditEntry, parse
+from pipeline.run.rundir import growth
+from pipeline.run.rundir.audit import AUDIT_FILE, TAIL_BYTES, AuditEntry, parse
 
 
 class AuditTrail:

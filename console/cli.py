@@ -33,9 +33,9 @@ from console.actions import CONTROL_WORDS, CTL_FLAGS, CTL_VERBS
 from console.cli_common import err, open_run, remote, run_ctl
 from console.cli_status import cmd_status
 from console.transport import LocalTransport, Transport, start_local_run
-from pipeline.run import audit
-from pipeline.run import plan as plan_mod
-from pipeline.run.plan_sections import render_settings
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.plan.sections import render_settings
+from pipeline.run.rundir import audit
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 
@@ -206,7 +206,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         from console.transport import child_env
 
         p = subprocess.run(
-            [sys.executable, "-m", "pipeline.run.slurm_preflight", str(plan.path)],
+            [sys.executable, "-m", "pipeline.run.hosts.slurm.preflight", str(plan.path)],
             env=child_env(),
             stdin=subprocess.DEVNULL,
         )

@@ -1,5 +1,5 @@
 """What the ``aerie`` commands share: naming a run (a local directory or a remote one), opening it, and
-running ``pipeline.run.ctl`` on it locally; and the error line every command prints."""
+running ``pipeline.run.supervise.ctl`` on it locally; and the error line every command prints."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from console.transport import LocalTransport
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir.layout import RunDir
 
 
 def err(text: str) -> None:

@@ -5,7 +5,7 @@ anomalies going on now with their evidence (:mod:`console.anomaly_scan`), then t
 through the console's transport). A truncated or corrupt ``state.json`` is one warning line naming it
 (``--json``: a first line ``{"error": …}``) above the stages as their own files show them, never a traceback.
 
-The supervisor line is the host's verdict (:mod:`pipeline.run.liveness`, judged by the run's lock and the
+The supervisor line is the host's verdict (:mod:`pipeline.run.supervise.liveness`, judged by the run's lock and the
 snapshot's age): running, silent (alive but not writing, and why) or dead (and when it was last seen); its alerts
 (a write that fails, a damaged stage file) follow, open ones first."""
 
@@ -22,11 +22,11 @@ from console.alerts import Alert
 from console.anomaly_scan import active_anomalies, alert_json, alert_lines
 from console.cli_common import open_run, remote, run_ctl
 from console.transport import LocalTransport, Transport
-from pipeline.run import audit
-from pipeline.run.projection import RunProjection
-from pipeline.run.projection_text import status_lines
-from pipeline.run.rundir import RunDir
-from pipeline.run.state_file import read_state
+from pipeline.run.projection.compute import RunProjection
+from pipeline.run.projection.text import status_lines
+from pipeline.run.rundir import audit
+from pipeline.run.rundir.layout import RunDir
+from pipeline.run.rundir.state_file import read_state
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -47,7 +47,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             state["audit"] = audit.status_section(run.root)
     stages = [st for st in state.get("stages", []) if isinstance(st, dict)]
     projection = state.get("projection")
-    problem = state.get("error")  # state.json unreadable: one line naming it (pipeline/run/state_file.py)
+    problem = state.get(
+        "error"
+    )  # state.json unreadable: one line naming it (pipeline/run/rundir/state_file.py)
     if isinstance(problem, str):
         if args.json:
             print(json.dumps({"error": problem}))  # the first line, before the stages
@@ -186,7 +188,7 @@ def _local_state(run: RunDir) -> dict:
 
 
 def projection_report(d: dict) -> list[str]:
-    """``aerie status``'s projection lines (``pipeline.run.projection_text``), or why there is none."""
+    """``aerie status``'s projection lines (``pipeline.run.projection.text``), or why there is none."""
     if "error" in d:
         return [f"projection: none ({d['error']})"]
     try:

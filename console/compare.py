@@ -17,7 +17,7 @@ from pathlib import Path
 from console.model import RunModel, StageView
 from console.series import Series
 from console.transport import LocalTransport
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir.layout import RunDir
 
 
 class CompareError(ValueError):

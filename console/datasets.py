@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from console.model import RunModel, StageView
 from console.states import look
-from pipeline.run.stage_row import StageState
+from pipeline.run.rundir.stage_row import StageState
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The console's header lines as text: the header (run, connection, run dir, state counts), the projection
-line under it (progress, finish, GPU-hours, disk at finish: :mod:`pipeline.run.projection`) and the status
+line under it (progress, finish, GPU-hours, disk at finish: :mod:`pipeline.run.projection.compute`) and the status
 line at the bottom (the run's outcome, or the supervisor's liveness and alerts: :mod:`console.sup_watch`). Pure functions of the model: the app
 sets them; :class:`ProjectionLine` spares it recomputing the projection on every poll."""
 
@@ -15,9 +15,9 @@ from rich.text import Text
 
 from console.model import RunModel, StageView
 from console.sup_watch import STALE_S, SupervisorWatch, alerts_line
-from pipeline.run import plan as plan_mod
-from pipeline.run.projection import DiskNow, StageProgress, project
-from pipeline.run.projection_text import compact_line
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.projection.compute import DiskNow, StageProgress, project
+from pipeline.run.projection.text import compact_line
 
 PROJECTION_EVERY_S = 5.0  # the projection line is recomputed at least this often (sooner on a state change)
 STALE_SUPERVISOR_S = STALE_S  # no new snapshot for this long: the console asks the host (restarts a dead one)

@@ -19,7 +19,7 @@ from console import fmt
 from console.model import RunModel, describe_event
 from console.sup_watch import SupervisorWatch, open_alerts
 from console.transport import Transport
-from pipeline.run.stage_row import StageState
+from pipeline.run.rundir.stage_row import StageState
 
 MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
 

@@ -3,7 +3,7 @@
 Nothing here holds the log. :class:`LogIndex` keeps the cumulative newline count of every 64 KiB
 block (8 bytes per block: a 10 GB log costs 1.3 MB) and answers "lines N..N+k" by reading the one
 or two blocks they live in (a small LRU of blocks). The counts come from the transport's
-``count_lines``, which runs where the file is (``pipeline.run.logscan``; over SSH on the host), so a
+``count_lines``, which runs where the file is (``pipeline.run.rundir.logscan``; over SSH on the host), so a
 multi-GB log is indexed without crossing the connection, and :meth:`LogIndex.update` only scans
 what was appended since the last call. Until the first scan reaches the end of a long file,
 :meth:`LogIndex.tail_lines` gives the last lines straight from the file's end, so the viewer opens
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from console.transport import Transport
-from pipeline.run.logscan import BLOCK, compile_pattern
+from pipeline.run.rundir.logscan import BLOCK, compile_pattern
 
 MAX_LINE_BYTES = 16 << 10  # a longer line is shown cut, with a marker
 CUT_MARK = " …[line cut]"

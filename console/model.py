@@ -9,7 +9,7 @@ ETA), the last events and the last log lines. On attach the model starts
 near the end of long event files instead of replaying days of history; the curves then read the
 skipped head back in the background, a chunk per poll (see :meth:`RunModel._backfill_step`).
 
-Events files rotate past a size limit (:mod:`pipeline.run.growth`): when a stage's ``events.jsonl``
+Events files rotate past a size limit (:mod:`pipeline.run.rundir.growth`): when a stage's ``events.jsonl``
 has a new inode the stream first reads the rest of the old generation (``events.1.jsonl``, or further:
 the one with the old inode), then the new file from its start, skipping its *carried* lines (copies of
 what it has already seen); none is lost or applied twice (:func:`console.streams.follow_rotation`). The curves' read-back
@@ -33,9 +33,9 @@ from console.series import StageHistory
 from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import ReadResult, Transport, read_whole
-from pipeline.run.event_lines import LineSkipper
-from pipeline.run.events import Event, parse_lines
-from pipeline.run.stage_row import TERMINAL, DisplayState, StageRow, StageState
+from pipeline.run.rundir.event_lines import LineSkipper
+from pipeline.run.rundir.events import Event, parse_lines
+from pipeline.run.rundir.stage_row import TERMINAL, DisplayState, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10

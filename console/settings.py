@@ -8,7 +8,7 @@ Where each comes from, strongest first:
   ``[alerts] command`` hooks from both the plan (the team's webhook) and the user's config (a
   personal one) run, plan's first; ``timeout_s`` (default 30) bounds each hook run.
 * anomaly rules (``stall_minutes``, ``diverge_factor`` ... :data:`RULE_KEYS`): the user's config, else the
-  plan's, else the defaults in ``pipeline/run/plan_sections.py``; each value is checked as the plan check does.
+  plan's, else the defaults in ``pipeline/run/plan/sections.py``; each value is checked as the plan check does.
 
 The user's config is ``$AERIE_CONFIG``, else ``$XDG_CONFIG_HOME/aerie/config.toml``, else
 ``~/.config/aerie/config.toml``; it may hold ``[ui]`` and ``[alerts]``. A bad key or value never
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.plan_sections import AlertsSection, UiSection
-from pipeline.run.schema import PlanError
+from pipeline.run.plan.schema import PlanError
+from pipeline.run.plan.sections import AlertsSection, UiSection
 from themes import DEFAULT_THEME
 
-# The keys and defaults are the plan's (pipeline/run/plan_sections.py); the user's config uses the same tables.
+# The keys and defaults are the plan's (pipeline/run/plan/sections.py); the user's config uses the same tables.
 UI_KEYS = tuple(f.name for f in fields(UiSection))
 ALERT_KEYS = tuple(f.name for f in fields(AlertsSection))
 RULE_KEYS = tuple(k for k in ALERT_KEYS if k not in ("command", "bell", "notify", "timeout_s"))

@@ -1,6 +1,6 @@
 """How each display state looks and sorts: the console's one table of them.
 
-A stage is shown as a :class:`~pipeline.run.stage_row.DisplayState` (its state, or for a running stage
+A stage is shown as a :class:`~pipeline.run.rundir.stage_row.DisplayState` (its state, or for a running stage
 the finer word: pausing, starting, a service's health). :data:`DISPLAY` says, per state, where a family
 row ranks it (the state most needing the operator's eye wins), where the per-dataset table sorts it,
 the theme colour it falls back to when a theme sets no ``state-<name>``, whether it is drawn bold, and
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.run.stage_row import DisplayState as D
+from pipeline.run.rundir.stage_row import DisplayState as D
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 :func:`consume` advances it over what a read returned: only whole lines, starting near the end of a
 long file on attach (so attaching to a week-long run costs what an hour-long one does), from the start
 again when the file was cut or replaced. :func:`follow_rotation` is the events file's rotation
-(:mod:`pipeline.run.growth`): it finishes the old generation, found by its inode among
+(:mod:`pipeline.run.rundir.growth`): it finishes the old generation, found by its inode among
 ``events.N.jsonl``, before the new file, whose carried head it skips (:func:`drop_carried`), so no
 event is lost or applied twice.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.run import growth
-from pipeline.run.event_lines import LineSkipper
-from pipeline.run.events import Event, drop_carried_head
+from pipeline.run.rundir import growth
+from pipeline.run.rundir.event_lines import LineSkipper
+from pipeline.run.rundir.events import Event, drop_carried_head
 
 
 @dataclass
@@ -102,6 +102,6 @@ def follow_rotation(
 
 
 def drop_carried(stream: Stream, events: list[Event]) -> list[Event]:
-    """:func:`pipeline.run.events.drop_carried_head` for a stream that is skipping a generation's head."""
+    """:func:`pipeline.run.rundir.events.drop_carried_head` for a stream that is skipping a generation's head."""
     kept, stream.skip_carried = drop_carried_head(events)
     return kept

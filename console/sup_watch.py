@@ -5,7 +5,7 @@ notes, on this machine's clock, when that value last moved (a host whose clock d
 Once it has not moved for :data:`STALE_S`, it asks the executing host through the transport, every
 :data:`CHECK_EVERY_S` while the silence lasts: ``ctl ensure --json`` starts a supervisor when none holds the
 run's lock (a silent one that holds it is left alone: starting another would make two), and a read-only
-watcher asks ``ctl liveness``, which starts nothing. The host's answer (``pipeline.run.liveness``: the lock,
+watcher asks ``ctl liveness``, which starts nothing. The host's answer (``pipeline.run.supervise.liveness``: the lock,
 the holder's pid, why the run directory cannot be written) is what the status line says:
 
 * ``supervisor silent for 40s (pid 812 alive, cannot write: EROFS Read-only file system)``

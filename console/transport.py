@@ -2,10 +2,10 @@
 
 The console's model never opens files or processes itself; it asks a transport for
 (1) byte ranges of run-dir files from an offset (event streams, logs, state.json), and for the
-    log viewer newline counts per block and regex matches by line (``pipeline.run.logscan``), so a
+    log viewer newline counts per block and regex matches by line (``pipeline.run.rundir.logscan``), so a
     multi-GB log is indexed and searched where it lives; :func:`read_whole` builds a whole file of any
     size (``state.json`` of a 10,000-stage plan) from bounded reads, the same on every transport,
-(2) control commands (``python -m pipeline.run.ctl RUN ACTION STAGE``) executed on the host,
+(2) control commands (``python -m pipeline.run.supervise.ctl RUN ACTION STAGE``) executed on the host,
 (3) creating a run and starting its supervisor there.
 
 :class:`LocalTransport` does this on this machine (file reads in a worker thread, subprocesses
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.run import logscan
+from pipeline.run.rundir import logscan
 
 
 @dataclass
@@ -81,13 +81,13 @@ class Transport(Protocol):
         ...
 
     async def ctl(self, *args: str) -> CtlResult:
-        """Run ``python -m pipeline.run.ctl RUN *args`` on the executing host."""
+        """Run ``python -m pipeline.run.supervise.ctl RUN *args`` on the executing host."""
         ...
 
     async def count_lines(
         self, rel: str, offset: int, max_bytes: int = logscan.COUNT_MAX_BYTES, block: int = logscan.BLOCK
     ) -> dict[str, Any]:
-        """Newlines per block of a run-dir file from ``offset`` (see ``pipeline.run.logscan.count_blocks``)."""
+        """Newlines per block of a run-dir file from ``offset`` (see ``pipeline.run.rundir.logscan.count_blocks``)."""
         ...
 
     async def find_lines(
@@ -100,7 +100,7 @@ class Transport(Protocol):
         backward: bool = False,
         limit: int = 1000,
     ) -> dict[str, Any]:
-        """Lines of a run-dir file matching a regex (see ``pipeline.run.logscan.find_lines``)."""
+        """Lines of a run-dir file matching a regex (see ``pipeline.run.rundir.logscan.find_lines``)."""
         ...
 
     async def close(self) -> None: ...
@@ -166,7 +166,7 @@ class LocalTransport:
         proc = await asyncio.create_subprocess_exec(
             self.python,
             "-m",
-            "pipeline.run.ctl",
+            "pipeline.run.supervise.ctl",
             self.run_root,
             *args,
             stdout=asyncio.subprocess.PIPE,
@@ -216,7 +216,7 @@ def start_local_run(
     """Create the run dir and start its supervisor detached (used by ``aerie run`` before the UI)."""
     import subprocess
 
-    cmd = [python, "-m", "pipeline.run.supervisor", "--create", str(plan_path), "--detach"]
+    cmd = [python, "-m", "pipeline.run.supervise.supervisor", "--create", str(plan_path), "--detach"]
     if run_dir is not None:
         cmd.insert(3, str(run_dir))
     p = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), stdin=subprocess.DEVNULL)

@@ -19,8 +19,8 @@ from runs import kill_run_stages
 from sshd import LoopbackSshd, sshd_available
 
 from console.ssh.connection import HostConnection, SshTarget
-from pipeline.run.procs import ProcIdentity, StrangerError, signal_group
-from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.hosts.procs import ProcIdentity, StrangerError, signal_group
+from pipeline.run.rundir.layout import RunDir, read_json
 
 
 @pytest.fixture

@@ -135,7 +135,7 @@ def run_stage(
 
 
 def events(out: Path) -> list:
-    from pipeline.run.events import read_all
+    from pipeline.run.rundir.events import read_all
 
     return read_all(out / "events.jsonl")
 

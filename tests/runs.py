@@ -14,11 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.run import plan as plan_mod
-from pipeline.run.events import read_all
-from pipeline.run.procs import ProcIdentity, StrangerError, signal_attempt
-from pipeline.run.run_setup import create_run
-from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.hosts.procs import ProcIdentity, StrangerError, signal_attempt
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.events import read_all
+from pipeline.run.rundir.layout import RunDir, read_json
+from pipeline.run.supervise.run_setup import create_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def start_supervisor(run: RunDir, poll: float = 0.1) -> subprocess.Popen:
     """A real supervisor process (its own session, like the detached one)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", str(poll)],
+        [sys.executable, "-m", "pipeline.run.supervise.supervisor", str(run.root), "--poll", str(poll)],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -87,7 +87,7 @@ def events(run: RunDir, sid: str, type_: str | None = None) -> list:
 def ctl(run: RunDir, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.run.ctl", str(run.root), *args],
+        [sys.executable, "-m", "pipeline.run.supervise.ctl", str(run.root), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -169,8 +169,8 @@ def finished_run(root: Path) -> RunDir:
     """
     import shutil
 
-    from pipeline.run.events import EventWriter, make
-    from pipeline.run.rundir import write_json
+    from pipeline.run.rundir.events import EventWriter, make
+    from pipeline.run.rundir.layout import write_json
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -284,7 +284,7 @@ def train_metrics(step: int) -> dict[str, float]:
 
 def _prep_progress(w: Any, ds: str, start: float, last_t: float, done: int, pid: int) -> None:
     """A prep stage's ``started`` event and five progress events evenly from ``start`` to ``last_t``."""
-    from pipeline.run.events import make
+    from pipeline.run.rundir.events import make
 
     w.write(make("started", t=start, attempt=1, pid=pid))
     for k in range(1, 6):
@@ -297,8 +297,8 @@ def console_run(root: Path) -> RunDir:
     telemetry, a training that failed once (OOM) and resumed, its curves, and a benchmark. Fixed times."""
     import shutil
 
-    from pipeline.run.events import EventWriter, make
-    from pipeline.run.rundir import write_json
+    from pipeline.run.rundir.events import EventWriter, make
+    from pipeline.run.rundir.layout import write_json
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -443,8 +443,8 @@ def mixed_run(root: Path, now: float = MIXED_NOW) -> RunDir:
     so the screen is the same on every machine."""
     import shutil
 
-    from pipeline.run.events import EventWriter, make
-    from pipeline.run.rundir import write_json
+    from pipeline.run.rundir.events import EventWriter, make
+    from pipeline.run.rundir.layout import write_json
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

@@ -23,9 +23,9 @@ from console.screens.alerts import AlertsScreen
 from console.settings import resolve
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
-from pipeline.run.gpus import FakeNvmlReplay
-from pipeline.run.plan_sections import AlertsSection
-from pipeline.run.runtime import StageContext
+from pipeline.run.hosts.gpus import FakeNvmlReplay
+from pipeline.run.plan.sections import AlertsSection
+from pipeline.run.stage_side.runtime import StageContext
 from pipeline.serving.sglang_log import ServerStats
 from pipeline.stages.serve import stage as serve_stage
 from pipeline.stages.telemetry import Agent
@@ -225,7 +225,7 @@ async def test_a_silent_running_stage_alerts_after_stall_minutes_and_rearms_on_n
 
 
 async def test_idle_gpus_of_a_running_stage_alert_from_fake_nvml_samples(tmp_path: Path) -> None:
-    """FAKE NVML (pipeline.run.gpus.FakeNvmlReplay) replays the real H200 recording through the telemetry
+    """FAKE NVML (pipeline.run.hosts.gpus.FakeNvmlReplay) replays the real H200 recording through the telemetry
     agent: GPU 0 idle for samples 1–13 (26 s), then 99–100 % busy; the replay cycles."""
     run = Run(tmp_path, gpu_idle_minutes=0.2, gpu_idle_util=5)  # 12 s
     run.stage("gpuwork", run="train", gpus=[0], started_at=T0)
@@ -266,7 +266,7 @@ def test_thresholds_are_plan_keys_with_defaults_and_bad_values_name_file_and_key
 
 # ------------------------------------------------------------------------------ through the console
 NAN_STAGE = (
-    "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
     "for i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
     "ctx.metric('loss', float('nan'), step=8)\ntime.sleep(60)\n"
 )

@@ -20,8 +20,8 @@ from console.headless import follow
 from console.screens.audit import AuditScreen
 from console.transport import CtlResult, LocalTransport
 from pipeline.run import audit, ctl
-from pipeline.run.run_setup import supervisor_alive
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir.layout import RunDir
+from pipeline.run.supervise.run_setup import supervisor_alive
 from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop, wait_done, wait_for
 from tests.test_console import WORKER, until
 

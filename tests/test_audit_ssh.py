@@ -2,7 +2,7 @@
 
 Cheap by design: the run is created and supervised on this machine and reached through sshd with the
 layout bootstrap would have recorded, so there is no preflight or upload — only the connection, the
-remote agent and ``pipeline.run.ctl`` on the "host", which is what a watcher and an action go through.
+remote agent and ``pipeline.run.supervise.ctl`` on the "host", which is what a watcher and an action go through.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from console.app import AerieApp
 from console.ssh.connection import HostConnection, SshTarget
 from console.ssh.transport import LAYOUT_FILE, RemoteLayout, SshTransport
-from pipeline.run import audit
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir import audit
+from pipeline.run.rundir.layout import RunDir
 from tests.runs import ROOT, kill_run_stages, make_run, start_supervisor, stop
 from tests.test_audit import entries
 from tests.test_console import WORKER, until

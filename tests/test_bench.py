@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.runtime import StageContext
 from pipeline.stages.bench.online import endpoint_url, generate_request, summarize
 from tests.eagle3_fixtures import (
     MODEL,
@@ -169,7 +169,7 @@ uses = ["serve-eagle3"]
 
 
 def test_online_endpoint_comes_from_the_used_serve_stage(tmp_path) -> None:
-    from pipeline.run.rundir import RunDir, write_json
+    from pipeline.run.rundir.layout import RunDir, write_json
 
     plan = _online_plan(tmp_path)
     run = RunDir(tmp_path / "run")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.plan import load as load_plan
-from pipeline.run.runtime import StageContext
-from pipeline.run.schema import PlanError
+from pipeline.run.plan.dag import load as load_plan
+from pipeline.run.plan.schema import PlanError
+from pipeline.run.stage_side.runtime import StageContext
 from pipeline.stages.bench.online import run_online
 from tests.eagle3_fixtures import MODEL, write_plan, write_tokenized
 

@@ -24,10 +24,10 @@ from console.model import READ_WINDOW, RunModel
 from console.screens.dialogs import ConfirmScreen
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
-from pipeline.run import plan as plan_mod
-from pipeline.run.events import MAX_EVENT_BYTES, EventTail, EventWriter, decode, make, read_all
-from pipeline.run.rundir import RunDir, read_json, write_json
-from pipeline.run.stage_status import StageStatus
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.events import MAX_EVENT_BYTES, EventTail, EventWriter, decode, make, read_all
+from pipeline.run.rundir.layout import RunDir, read_json, write_json
+from pipeline.run.rundir.stage_status import StageStatus
 from tests.runs import ROOT, ctl, kill_run_stages, make_run, start_supervisor, stop, wait_for
 
 PY = sys.executable
@@ -122,7 +122,7 @@ def test_a_line_longer_than_the_readers_window_is_skipped_with_a_warning(tmp_pat
 STAGE = """
 import sys, time
 from pathlib import Path
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.runtime import StageContext
 ctx = StageContext.from_env()
 ctx.progress(1, 3, unit="steps", force=True)
 go = Path(sys.argv[1])
@@ -189,7 +189,7 @@ async def test_a_5mib_event_line_freezes_neither_state_nor_status_nor_the_consol
 
 BACKLOG_STAGE = """
 import json, os, sys
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.runtime import StageContext
 ctx = StageContext.from_env()
 ctx.progress(1, {n}, unit="steps", force=True)
 lines = b"".join(

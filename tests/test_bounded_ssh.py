@@ -18,9 +18,9 @@ from console.model import READ_WINDOW, RunModel
 from console.ssh.connection import HostConnection
 from console.ssh.preflight import preflight
 from console.ssh.transport import SshTransport, start_remote_run
-from pipeline.run import plan as plan_mod
-from pipeline.run.run_setup import supervisor_alive
-from pipeline.run.rundir import RunDir
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.layout import RunDir
+from pipeline.run.supervise.run_setup import supervisor_alive
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 STAGE = """
 import sys, time
 from pathlib import Path
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.runtime import StageContext
 ctx = StageContext.from_env()
 ctx.progress(1, 2, unit="steps", force=True)
 go = Path(sys.argv[1])

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import budget
-from pipeline.run import plan as plan_mod
-from pipeline.run.gpus import FakeNvmlReplay, GpuProbe
-from pipeline.run.plan import StageSpec
-from pipeline.run.procs import ProcIdentity, read_stat
-from pipeline.run.rundir import RunDir, write_json
-from pipeline.run.supervisor import Supervisor
+from pipeline.run.hosts.gpus import FakeNvmlReplay, GpuProbe
+from pipeline.run.hosts.procs import ProcIdentity, read_stat
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.plan.dag import StageSpec
+from pipeline.run.rundir.layout import RunDir, write_json
+from pipeline.run.supervise import budget
+from pipeline.run.supervise.supervisor import Supervisor
 from tests.runs import (
     ctl,
     events,
@@ -111,7 +111,7 @@ def test_caps_online_mode_and_the_stage_own_projection(tmp_path: Path) -> None:
     # Once the stage runs, what it reports (held-out rows excluded) replaces the estimate.
     plan3, run3, spec3 = _extract_setup(tmp_path / "emitted")
     _manifests(run3)
-    from pipeline.run.events import EventWriter
+    from pipeline.run.rundir.events import EventWriter
 
     with EventWriter(run3.stage("extract").events) as w:
         w.emit("started", attempt=1, pid=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from console.ssh.preflight import PreflightReport
 from pipeline.eagle3.chain_check import Report as DeepReport
-from pipeline.run.checks import CheckReport
+from pipeline.run.hosts.checks import CheckReport
 
 
 def test_a_report_lists_each_check_with_its_mark_and_fails_on_any_failure() -> None:

@@ -12,8 +12,8 @@ from textual.widgets import Input
 from console.cli import main
 from console.screens.dialogs import PromptScreen
 from console.screens.metrics import MetricsScreen
-from pipeline.run.runtime import StageContext
-from pipeline.run.supervisor import Supervisor
+from pipeline.run.stage_side.runtime import StageContext
+from pipeline.run.supervise.supervisor import Supervisor
 from tests.runs import make_run
 from tests.screen_text import svg_rows
 from tests.test_console import until

@@ -12,7 +12,7 @@ from console.compare import CompareError, OtherRun, open_other
 from tests.test_ssh_cli import aerie, alias_plan, home  # noqa: F401 (fixtures: the alias, a run over SSH)
 
 TRAIN = (
-    "from pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "from pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
     "for step in range(0, 2001, 100):\n    ctx.metric('loss', 3.0 - 2.1 * step / 2000, step=step)\nctx.close()\n"
 )
 

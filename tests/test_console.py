@@ -14,7 +14,7 @@ from console.widgets.board import StageBoard
 from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop
 
 WORKER = (
-    "import sys, time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "import sys, time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
     "n = int(sys.argv[1])\nfor i in range(n):\n    ctx.safe_point()\n"
     "    ctx.progress(i + 1, n, unit='steps', force=True)\n    time.sleep(0.05)\n"
 )
@@ -160,14 +160,14 @@ def test_server_live_line_on_the_board() -> None:
 
 
 def test_every_field_of_a_state_json_row_reaches_the_console_view() -> None:
-    """The supervisor's row and the console's view are one definition (pipeline/run/stage_row.py): a
+    """The supervisor's row and the console's view are one definition (pipeline/run/rundir/stage_row.py): a
     field the supervisor writes — the Slurm job id, the services a stage uses — is one the board can show."""
     import json
     from dataclasses import asdict
 
     from console.model import StageView
-    from pipeline.run.stage_row import ROW_FIELDS, StageState
-    from pipeline.run.stage_status import StageStatus
+    from pipeline.run.rundir.stage_row import ROW_FIELDS, StageState
+    from pipeline.run.rundir.stage_status import StageStatus
 
     written = StageStatus(
         id="train", family="train", dataset="chat", state=StageState.FAILED, attempt=3, pid=11, pgid=11,

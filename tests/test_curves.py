@@ -15,7 +15,7 @@ from console.screens.metrics import MetricsScreen
 from console.series import MAX_POINTS, Series, StageHistory
 from console.transport import LocalTransport
 from console.widgets.meters import MetersPanel
-from pipeline.run.events import make
+from pipeline.run.rundir.events import make
 from tests.runs import console_run, train_metrics
 from tests.screen_text import svg_rows
 from tests.test_console import until
@@ -300,7 +300,7 @@ def test_metrics_attempts_snapshot(snap_compare, live_meters: None) -> None:  # 
 
 
 async def test_attaching_late_still_draws_the_curve_from_step_zero(tmp_path: Path) -> None:
-    from pipeline.run.events import EventWriter
+    from pipeline.run.rundir.events import EventWriter
 
     sd = tmp_path / "stages" / "train"
     sd.mkdir(parents=True)
@@ -335,7 +335,7 @@ async def test_a_new_metric_reaches_the_detail_plot_at_the_next_poll(tmp_path: P
     import json
     import time
 
-    from pipeline.run.runtime import StageContext
+    from pipeline.run.stage_side.runtime import StageContext
 
     root = tmp_path / "run"
     root.mkdir()

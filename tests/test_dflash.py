@@ -24,8 +24,8 @@ from pipeline.drafts.dflash.decode import DFlashDrafter
 from pipeline.drafts.dflash.loss import BlockLoss, accept_sums, anchors_of, draft_blocks
 from pipeline.drafts.dflash.model import DFlashDraft, load_dflash, save_dflash
 from pipeline.eagle3.draft_config import DraftModelError
-from pipeline.run.plan_sections import TrainSection
-from pipeline.run.schema import PlanError
+from pipeline.run.plan.schema import PlanError
+from pipeline.run.plan.sections import TrainSection
 from tests.eagle3_fixtures import tiny_llama
 
 AUX = [1, 14, 26]

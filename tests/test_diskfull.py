@@ -28,8 +28,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run.files import sha256_file
-from pipeline.run.rundir import read_json
+from pipeline.run.rundir.files import sha256_file
+from pipeline.run.rundir.layout import read_json
 from tests.runs import ctl, kill_run_stages, make_run, start_supervisor, states, stop, wait_done, wait_for
 
 ROWS = 1500
@@ -186,7 +186,7 @@ def fill(disk: Path) -> Path:
 
 
 def test_an_event_line_is_written_whole_or_not_at_all_on_a_full_disk(small_disk: Path) -> None:
-    from pipeline.run.events import EventWriter
+    from pipeline.run.rundir.events import EventWriter
 
     path = small_disk / "events.jsonl"
     failures = 0

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.drafts.registry import DraftMethodError, draft_method
-from pipeline.run import draft_names
-from pipeline.run.plan_sections import TrainSection
-from pipeline.run.schema import PlanError
+from pipeline.run.plan import draft_names
+from pipeline.run.plan.schema import PlanError
+from pipeline.run.plan.sections import TrainSection
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from console.app import AerieApp
 from console.headless import follow
 from console.transport import LocalTransport
-from pipeline.run.logscan import last_error_line
+from pipeline.run.rundir.logscan import last_error_line
 from tests.runs import ROOT, kill_run_stages, make_run, start_supervisor, stop
 from tests.test_console import until
 

@@ -24,7 +24,7 @@ from bench.gpu.methods_data import (
     sha256,
     unpack,
 )
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 
 
 def test_the_repo_prompts_are_64_of_four_kinds_and_distinct() -> None:

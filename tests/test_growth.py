@@ -19,9 +19,9 @@ from console.logindex import LogIndex
 from console.model import RunModel
 from console.transport import LocalTransport
 from pipeline.run import audit, growth
-from pipeline.run.events import CARRIED, Event, EventTail, EventWriter, read_all
-from pipeline.run.launcher import failure_line
-from pipeline.run.rundir import RunDir, read_json, write_json
+from pipeline.run.rundir.events import CARRIED, Event, EventTail, EventWriter, read_all
+from pipeline.run.rundir.layout import RunDir, read_json, write_json
+from pipeline.run.stage_side.launcher import failure_line
 from tests.runs import ctl, make_run, start_supervisor, stop, wait_done, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def test_rotation_with_writers_in_other_processes(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("AERIE_ROTATE_BYTES_EVENTS", "8000")
     path = tmp_path / "events.jsonl"
     code = (
-        "import sys, time\nfrom pipeline.run.events import EventWriter\nw = EventWriter(sys.argv[1])\n"
+        "import sys, time\nfrom pipeline.run.rundir.events import EventWriter\nw = EventWriter(sys.argv[1])\n"
         "for i in range(150):\n    w.emit('progress', done=i, key=sys.argv[2])\n    time.sleep(0.002)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -204,7 +204,7 @@ def test_copy_truncate_log_viewer_and_failure_line(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ a real run
 WORKER = """
 import sys, time
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.runtime import StageContext
 ctx = StageContext.from_env()
 (ctx.out / "result.txt").write_text("done")
 (ctx.out / "sub").mkdir()
@@ -282,7 +282,7 @@ def test_supervisor_log_rotates_with_its_stdout(tmp_path: Path) -> None:
     """The supervisor's log rotates past its limit, and the process's stdout/stderr (where a traceback
     would go: spawn_detached points them at the log) follow it to the new file."""
     code = (
-        "import os, sys\nfrom pathlib import Path\nfrom pipeline.run.growth import RotatingLog\n"
+        "import os, sys\nfrom pathlib import Path\nfrom pipeline.run.rundir.growth import RotatingLog\n"
         "p = Path(sys.argv[1])\nfd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)\n"
         "os.dup2(fd, 1); os.dup2(fd, 2)\nlog = RotatingLog(p)\n"
         "for i in range(40):\n    log.write(f'line {i} ' + 'x' * 40 + '\\n')\n"
@@ -313,8 +313,8 @@ def test_carried_head_is_the_latest_state_per_key(tmp_path: Path) -> None:
     text looks like a key, garbage lines and a torn last line."""
     import random
 
-    from pipeline.run.event_carry import carry_lines
-    from pipeline.run.events import decode
+    from pipeline.run.rundir.event_carry import carry_lines
+    from pipeline.run.rundir.events import decode
 
     def every_line(path: Path) -> list[tuple[str, dict]]:
         started, latest, where = None, {}, {}

@@ -13,9 +13,9 @@ from console.audit_trail import AuditTrail
 from console.model import RunModel
 from console.ssh.connection import HostConnection, SshTarget
 from console.ssh.transport import RemoteLayout, SshTransport
-from pipeline.run import audit
-from pipeline.run.events import Event, EventWriter
-from pipeline.run.rundir import write_json
+from pipeline.run.rundir import audit
+from pipeline.run.rundir.events import Event, EventWriter
+from pipeline.run.rundir.layout import write_json
 from tests.runs import ROOT
 
 pytest_plugins = ["conftest_ssh"]
@@ -63,7 +63,7 @@ async def test_preflight_creates_the_remote_run_dir_private(ssh_plan) -> None:  
     """The SSH bootstrap makes the remote run dir and its ``.aerie`` 0700 and what it writes 0600, whatever
     the sshd's umask, before any supervisor tightens it."""
     from console.ssh.preflight import preflight
-    from pipeline.run import plan as plan_mod
+    from pipeline.run.plan import dag as plan_mod
 
     plan = plan_mod.load(ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n'))
     remote = Path(plan.executor.remote_dir)

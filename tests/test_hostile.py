@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 from tests.runs import ROOT, kill_run_stages, make_run, start_supervisor, stop, wait_done
 
 HOSTILE = [
@@ -239,7 +239,7 @@ env = {{ WEIRD = {json.dumps(WEIRD_ENV)} }}
 def converse(run: Path, *requests: object) -> dict:
     lines = "".join(json.dumps(r) + "\n" for r in requests)
     p = subprocess.run(
-        [sys.executable, "-m", "pipeline.run.remote_agent", str(run)],
+        [sys.executable, "-m", "pipeline.run.hosts.remote_agent", str(run)],
         input=lines.encode(),
         capture_output=True,
         timeout=60,

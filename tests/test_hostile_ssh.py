@@ -4,7 +4,7 @@ Over SSH, Aerie's commands do pass through the remote user's shell (exec channel
 path with spaces, quotes, ``;``, ``$()``, backquotes or non-ASCII could be interpreted. A real plan on a
 real sshd with such a ``remote_dir`` goes through preflight (makedirs, SFTP upload of the pipeline,
 plan check on the host), starts its supervisor, runs, is watched, and is controlled (a retry through
-``pipeline.run.ctl`` on the host): everything succeeds, the stage sees its run directory byte for byte,
+``pipeline.run.supervise.ctl`` on the host): everything succeeds, the stage sees its run directory byte for byte,
 and nothing named in the path is ever executed.
 """
 
@@ -20,7 +20,7 @@ from console.model import RunModel
 from console.ssh.connection import HostConnection, SshTarget
 from console.ssh.preflight import preflight
 from console.ssh.transport import SshTransport, start_remote_run
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]

@@ -532,7 +532,7 @@ def test_the_deep_check_says_when_transformers_is_a_release_it_was_not_tested_wi
     memory lines must not look as certain on a release nobody ran them on."""
     from pipeline import tested_versions
     from pipeline.eagle3 import chain_check
-    from pipeline.run import plan as plan_mod
+    from pipeline.run.plan import dag as plan_mod
 
     plan = plan_mod.load(_plan(tmp_path, tiny_kimi))
     assert tested_versions.untested({"torch": "2.13.0+cpu", "transformers": "5.24.0"}) == []

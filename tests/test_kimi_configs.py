@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.eagle3 import chain_check
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 from tests.kimi_fixture import build_tiny_tokenizer, kimi_config
 
 ROOT = Path(__file__).resolve().parent.parent

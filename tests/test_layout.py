@@ -14,21 +14,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # the package to upload to a host.
 CONSOLE_ALLOWED = {
     "pipeline",
-    "pipeline.run.plan",
-    "pipeline.run.plan_sections",  # the plan's typed settings (aerie plan check --show-defaults)
-    "pipeline.run.schema",  # PlanError's home
-    "pipeline.run.events",
-    "pipeline.run.rundir",
-    "pipeline.run.logscan",
-    "pipeline.run.stage_row",  # a stage's state.json row and its states: one definition
-    "pipeline.run.checks",  # the SSH preflight's report is the one every preflight prints
-    "pipeline.run.projection",  # the run's finish, GPU-hours and disk at finish: one computation
-    "pipeline.run.projection_text",  # … and its words, the same in the header and in aerie status
-    "pipeline.run.audit",  # the audit log's entries: one format for the CLI and the console
-    "pipeline.run.force_text",  # what `force` will do and when: the supervisor's answer, the console's question
-    "pipeline.run.state_file",  # state.json or, when corrupt, one line and rows from the stages' files
-    "pipeline.run.growth",
-    "pipeline.run.event_lines",  # whole lines, over-long and torn lines: the same rules as the supervisor's reader  # the rotated generations' names and how many are kept: one definition
+    "pipeline.run.plan.dag",
+    "pipeline.run.plan.sections",  # the plan's typed settings (aerie plan check --show-defaults)
+    "pipeline.run.plan.schema",  # PlanError's home
+    "pipeline.run.rundir.events",
+    "pipeline.run.rundir.layout",
+    "pipeline.run.rundir.logscan",
+    "pipeline.run.rundir.stage_row",  # a stage's state.json row and its states: one definition
+    "pipeline.run.hosts.checks",  # the SSH preflight's report is the one every preflight prints
+    "pipeline.run.projection.compute",  # the run's finish, GPU-hours and disk at finish: one computation
+    "pipeline.run.projection.text",  # … and its words, the same in the header and in aerie status
+    "pipeline.run.rundir.audit",  # the audit log's entries: one format for the CLI and the console
+    "pipeline.run.supervise.force_text",  # what `force` will do and when: the supervisor's answer, the console's question
+    "pipeline.run.rundir.state_file",  # state.json or, when corrupt, one line and rows from the stages' files
+    "pipeline.run.rundir.growth",  # the rotated generations' names and how many are kept: one definition
+    "pipeline.run.rundir.event_lines",  # whole lines, over-long and torn lines: the supervisor's reader's rules
     "pipeline.serving.sglang_log",
 }
 
@@ -177,8 +177,8 @@ def layer_violations(g: dict[str, set[str]]) -> set[str]:
 
 
 def test_the_layer_check_finds_an_upward_import() -> None:
-    assert layer_violations({"pipeline.run.budget": {"pipeline.data.model_assets"}}) == {
-        "pipeline.run.budget (pipeline.run) imports pipeline.data.model_assets (pipeline.data)"
+    assert layer_violations({"pipeline.run.supervise.budget": {"pipeline.data.model_assets"}}) == {
+        "pipeline.run.supervise.budget (pipeline.run) imports pipeline.data.model_assets (pipeline.data)"
     }
     assert layer_violations({"pipeline.data.x": {"pipeline.serving.y"}}), (
         "side by side: neither imports the other"
@@ -200,6 +200,63 @@ def test_no_import_cycle_between_packages() -> None:
         )
     cycle = find_cycle(packages)
     assert cycle is None, "package cycle: " + " -> ".join(cycle or [])
+
+
+# pipeline/run/'s sub-packages, bottom first (pipeline/run/__init__.py): the plan knows nothing of a run
+# directory; the run directory's files know nothing of hosts; hosts and the projection are read by the
+# stage-side helpers and the supervisor, never the other way round.
+RUN_LAYERS: dict[str, int] = {
+    "pipeline.run": -1,  # the package's __init__: a docstring, imported with every sub-package
+    "pipeline.run.plan": 0,
+    "pipeline.run.rundir": 1,
+    "pipeline.run.hosts": 2,
+    "pipeline.run.projection": 2,
+    "pipeline.run.stage_side": 3,
+    "pipeline.run.supervise": 3,
+}
+
+
+def run_part_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["pipeline", "run"]:
+        return None
+    return ".".join(parts[:3]) if len(parts) > 2 else "pipeline.run"
+
+
+def run_layer_violations(g: dict[str, set[str]]) -> set[str]:
+    bad = set()
+    for m, deps in g.items():
+        a = run_part_of(m)
+        for d in deps:
+            b = run_part_of(d)
+            if a is None or b is None or a == b:
+                continue
+            if RUN_LAYERS.get(b, 99) >= RUN_LAYERS.get(a, 99):
+                bad.add(f"{m} ({a}) imports {d} ({b})")
+    return bad
+
+
+def test_every_run_module_lives_in_a_placed_sub_package() -> None:
+    loose = [
+        m for m in modules() if run_part_of(m) == "pipeline.run" and m != "pipeline.run"
+    ]  # a module directly in run/ would have no layer
+    unplaced = {run_part_of(m) for m in modules()} - set(RUN_LAYERS) - {None}
+    assert not loose and not unplaced, f"place {loose or sorted(unplaced)} in RUN_LAYERS' sub-packages"
+
+
+def test_the_run_layer_check_finds_an_upward_import() -> None:
+    assert run_layer_violations({"pipeline.run.rundir.events": {"pipeline.run.hosts.procs"}}) == {
+        "pipeline.run.rundir.events (pipeline.run.rundir) imports pipeline.run.hosts.procs (pipeline.run.hosts)"
+    }
+    assert run_layer_violations({"pipeline.run.hosts.gpus": {"pipeline.run.projection.compute"}}), (
+        "side by side"
+    )
+    assert not run_layer_violations({"pipeline.run.supervise.ctl": {"pipeline.run.hosts.procs"}})
+
+
+def test_run_sub_packages_import_only_those_below_them() -> None:
+    bad = run_layer_violations(graph())
+    assert not bad, sorted(bad)
 
 
 def stage_of(module: str) -> str | None:

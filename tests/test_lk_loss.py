@@ -17,7 +17,7 @@ from pipeline.drafts.eagle3.head_loss import linear_soft_ce
 from pipeline.drafts.eagle3.lk_loss import adaptive_lambda, linear_lk
 from pipeline.drafts.eagle3.loss import TTTLoss, ttt_sums
 from pipeline.drafts.registry import TrainedDraft
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 from pipeline.stages.train.components import Optimiser
 from tests.test_eagle3_model import tiny_draft
 from tests.test_train_loss import batch

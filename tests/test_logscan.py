@@ -1,4 +1,4 @@
-"""Log scanning (pipeline.run.logscan) and the log model (console.logindex) on real files.
+"""Log scanning (pipeline.run.rundir.logscan) and the log model (console.logindex) on real files.
 
 The scanner is checked against a brute-force reading of random logs (every chunk and block size
 edge: lines across chunk boundaries, an unfinished last line, empty lines); the model through the
@@ -20,8 +20,8 @@ import pytest
 
 from console.logindex import CUT_MARK, MAX_LINE_BYTES, LogFilter, LogIndex, clean
 from console.transport import LocalTransport
-from pipeline.run import logscan
-from pipeline.run.logscan import ERROR_PATTERN, ScanError, compile_pattern, count_blocks, find_lines
+from pipeline.run.rundir import logscan
+from pipeline.run.rundir.logscan import ERROR_PATTERN, ScanError, compile_pattern, count_blocks, find_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -248,7 +248,7 @@ def test_remote_agent_counts_and_searches_on_the_host(tmp_path: Path) -> None:
         {"id": 4, "op": "lines", "path": "../outside", "offset": 0},
     ]
     p = subprocess.run(
-        [sys.executable, "-m", "pipeline.run.remote_agent", str(run)],
+        [sys.executable, "-m", "pipeline.run.hosts.remote_agent", str(run)],
         input="".join(json.dumps(r) + "\n" for r in reqs).encode(),
         capture_output=True,
         timeout=60,

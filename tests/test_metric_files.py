@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import plan as plan_mod
-from pipeline.run.runtime import StageContext
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.stage_side.runtime import StageContext
 from tests.runs import kill_run_stages, make_run, start_supervisor, stop, wait_done
 
 EventAccumulator = pytest.importorskip(
@@ -19,7 +19,7 @@ EventAccumulator = pytest.importorskip(
 ).EventAccumulator
 
 TRAINING = (
-    "from pipeline.run.runtime import StageContext\n"
+    "from pipeline.run.stage_side.runtime import StageContext\n"
     "ctx = StageContext.from_env()\n"
     "for step in range(0, 50, 10):\n"
     "    ctx.metric('loss', 8.0 / (1 + step), step=step)\n"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.procs import group_members
-from pipeline.run.rundir import read_json
+from pipeline.run.hosts.procs import group_members
+from pipeline.run.rundir.layout import read_json
 from tests.eagle3_fixtures import TEST_SECTIONS, shared, tiny_llama
 from tests.runs import ROOT, events, kill_run_stages, make_run, start_supervisor, stop, wait_done, wait_for
 
@@ -129,7 +129,7 @@ def test_a_kernel_oom_kill_is_reported_and_the_retry_resumes_from_the_checkpoint
     run = make_run(tmp_path, train_plan(ext, voc))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     sup = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", "0.1"],
+        [sys.executable, "-m", "pipeline.run.supervise.supervisor", str(run.root), "--poll", "0.1"],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -242,7 +242,7 @@ retry = {{ max_attempts = 2, backoff_s = 0.5 }}
 
 
 def test_describe_names_each_cause() -> None:
-    from pipeline.run.oom import OomReading, describe
+    from pipeline.run.hosts.oom import OomReading, describe
 
     a, b = OomReading("/x", 0, 10), OomReading("/x", 1, 11)
     assert "at the memory limit of cgroup /x (oom_kill 0 -> 1)" in describe(9, a, b, False)

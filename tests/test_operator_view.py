@@ -19,7 +19,7 @@ from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
-from pipeline.run import budget
+from pipeline.run.supervise import budget
 from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run
 from tests.screen_text import svg_rows
 from tests.test_console import live_run, until  # noqa: F401 (a fixture: a real supervisor, a command)
@@ -189,8 +189,10 @@ async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
 
 
 def test_the_agent_and_aerie_status_name_the_run_dirs_filesystem(tmp_path: Path) -> None:
-    from pipeline.run.gpus import FakeNvmlReplay  # no GPU here: a recorded NVML session (named as a fake)
-    from pipeline.run.run_projection import run_projection
+    from pipeline.run.hosts.gpus import (
+        FakeNvmlReplay,  # no GPU here: a recorded NVML session (named as a fake)
+    )
+    from pipeline.run.supervise.run_projection import run_projection
     from pipeline.stages.telemetry import Agent
 
     run = make_run(tmp_path, '[run]\nname = "d"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
@@ -209,7 +211,7 @@ def test_the_agent_and_aerie_status_name_the_run_dirs_filesystem(tmp_path: Path)
 
 
 NAN_STAGE = (
-    "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
     "for i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
     "ctx.metric('loss', float('nan'), step=8)\ntime.sleep(60)\n"
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 from tests.runs import ROOT, write_plan
 
 BASE = """

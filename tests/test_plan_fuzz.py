@@ -3,8 +3,8 @@
 Property-based with ``hypothesis``: start from a valid plan and damage it — values replaced by values of
 the wrong type (huge and negative numbers, NaN, unicode with control characters, nested tables),
 keys deleted, unknown keys added, dependencies rewired into cycles — and also feed the loader raw text
-and raw bytes. Whatever comes in, :func:`pipeline.run.plan.load` / ``from_dict`` either returns a plan
-whose DAG can be ordered and rendered, or raises :class:`~pipeline.run.plan.PlanError` whose ``file`` is
+and raw bytes. Whatever comes in, :func:`pipeline.run.plan.dag.load` / ``from_dict`` either returns a plan
+whose DAG can be ordered and rendered, or raises :class:`~pipeline.run.plan.dag.PlanError` whose ``file`` is
 the plan and whose ``key`` names where the problem is.
 """
 
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.run import plan as plan_mod
-from pipeline.run.plan_sections import SECTIONS, render_settings
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.plan.sections import SECTIONS, render_settings
 
 PLAN_PATH = Path("/nonexistent/fuzz/plan.toml")  # from_dict never reads it; errors must still name it
 

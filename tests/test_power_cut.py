@@ -39,10 +39,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.eagle3.hidden_store import HiddenStore
-from pipeline.run.events import read_all
-from pipeline.run.files import sha256_file
-from pipeline.run.plan_sections import TrainSection
-from pipeline.run.rundir import RunDir
+from pipeline.run.plan.sections import TrainSection
+from pipeline.run.rundir.events import read_all
+from pipeline.run.rundir.files import sha256_file
+from pipeline.run.rundir.layout import RunDir
 from pipeline.stages.train.settings import BatchSchedule
 from tests.eagle3_fixtures import TEST_SECTIONS, tiny_llama
 from tests.runs import ROOT, make_run, states, wait_done, wait_for
@@ -173,7 +173,7 @@ def check_files_whole(root: Path) -> None:
 def start(run: RunDir, kg: KillGroup) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.run.supervisor", str(run.root), "--poll", "0.2"],
+        [sys.executable, "-m", "pipeline.run.supervise.supervisor", str(run.root), "--poll", "0.2"],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data import sources
-from pipeline.run.events import decode
+from pipeline.run.rundir.events import decode
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.events import decode
+from pipeline.run.rundir.events import decode
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "pipeline" / "plans" / "demo.toml"
@@ -49,7 +49,7 @@ def test_the_demo_preps_all_ten_sources_under_the_supervisor(tmp_path: Path) -> 
     plan.write_text("\n".join(lines) + "\n")
     run = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline.run.supervisor", "--create", str(plan), str(run)],
+        [sys.executable, "-m", "pipeline.run.supervise.supervisor", "--create", str(plan), str(run)],
         cwd=ROOT,
         capture_output=True,
         text=True,

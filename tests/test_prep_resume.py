@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.files import sha256_file
+from pipeline.run.rundir.files import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

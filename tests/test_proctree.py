@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.procs import ProcIdentity, attempt_members, read_stat
-from pipeline.run.rundir import RunDir, read_json, write_json
+from pipeline.run.hosts.procs import ProcIdentity, attempt_members, read_stat
+from pipeline.run.rundir.layout import RunDir, read_json, write_json
 from tests.runs import (
     ctl,
     events,

@@ -1,4 +1,4 @@
-"""The run projection (pipeline/run/projection.py): a run with known rates, its finish, remaining time and
+"""The run projection (pipeline/run/projection/compute.py): a run with known rates, its finish, remaining time and
 GPU-hours; parallel branches, a stage not started estimated from the plan's sizes, a failed stage, a paused
 one, a server; and ``aerie status --json`` on a real run directory carrying it."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import plan as plan_mod
-from pipeline.run.projection import DEFAULT_RATES, DiskNow, StageProgress, project
-from pipeline.run.projection_text import compact_line, status_lines
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.projection.compute import DEFAULT_RATES, DiskNow, StageProgress, project
+from pipeline.run.projection.text import compact_line, status_lines
 
 NOW = 1_800_000_000.0
 # Two datasets prepared in parallel (a: 1,000 rows, b: 4,000), then training on GPUs 0-1, then a bench on GPU 0.
@@ -223,7 +223,7 @@ def test_the_compact_line_fits_80_columns_dropping_whole_facts(plan: plan_mod.Pl
 def test_aerie_status_json_carries_the_projection(tmp_path: Path) -> None:
     """A real run directory (files as launchers write them, state.json by the real supervisor): the last line of
     ``aerie status --json`` is the projection, and the text says the run needs a retry."""
-    from pipeline.run.supervisor import Supervisor
+    from pipeline.run.supervise.supervisor import Supervisor
     from tests.runs import finished_run
 
     run = finished_run(tmp_path / "r")  # 10 preps (one failed, one killed), train and bench upstream-failed
@@ -314,7 +314,7 @@ def test_the_disk_at_finish_names_its_filesystem(plan: plan_mod.Plan) -> None:
     assert p.disk_mount == "/data (/dev/sdb1)"
     assert "disk 3.0 TiB/8.0 TiB at end on /data" in compact_line(p, 200)
     assert "disk at finish: 3.0 TiB used of 8.0 TiB on /data (/dev/sdb1)" in status_lines(p)
-    from pipeline.run.projection import RunProjection
+    from pipeline.run.projection.compute import RunProjection
 
     old = p.to_dict()
     del old["disk_mount"], old["unknown_open"]  # from a host whose Aerie predates them

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.eagle3 import chain_check, draft_vocab, provenance
-from pipeline.run import plan as plan_mod
-from pipeline.run.events import read_all
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.events import read_all
 from tests.eagle3_fixtures import ROOT, TEST_SECTIONS, shared
 from tests.tiny_llama import tiny_llama
 

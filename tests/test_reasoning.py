@@ -77,8 +77,8 @@ def test_a_template_that_keeps_reasoning_is_rendered_as_it_was() -> None:
 
 
 def test_a_dataset_says_whether_its_target_thinks(tmp_path: Path) -> None:
-    from pipeline.run import plan as plan_mod
-    from pipeline.run.plan_sections import RegenSection
+    from pipeline.run.plan import dag as plan_mod
+    from pipeline.run.plan.sections import RegenSection
 
     def plan(thinking: str) -> Path:
         p = tmp_path / "p.toml"

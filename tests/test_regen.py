@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 
 from pipeline.data.shard_writer import ShardStore, prompt_table
-from pipeline.run import plan as plan_mod
-from pipeline.run.plan import PlanError
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.plan.dag import PlanError
 from pipeline.stages.regen.client import ClientConfig, OutageError, Regenerator, parse_reply
 from pipeline.stages.regen.stage import InputError, read_prompts, regen_settings
 from pipeline.stages.regen.store import ResponseLog

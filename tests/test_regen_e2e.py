@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import ClientSession, web
 
-from pipeline.run.events import read_all
-from pipeline.run.procs import group_members
+from pipeline.run.hosts.procs import group_members
+from pipeline.run.rundir.events import read_all
 from tests.runs import ROOT, make_run, start_supervisor, stop, wait_done, wait_for, write_plan
 from tests.test_regen import free_port, make_prompts
 

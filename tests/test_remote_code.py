@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 from tests.kimi_fixture import (
     KIMI_SPECIAL_IDS,
     TIKTOKEN_DIR,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.events import read_all
-from pipeline.run.procs import group_members
+from pipeline.run.hosts.procs import group_members
+from pipeline.run.rundir.events import read_all
 from pipeline.stages.serve.health import HealthTracker
 from tests.runs import ROOT, wait_for, write_plan
 
@@ -188,9 +188,9 @@ def test_server_crash_is_reported_unhealthy(tmp_path):
 
 
 def test_gpu_guard_names_foreign_holders_from_a_real_h200_recording():
-    """FAKE NVML (pipeline.run.gpus.FakeNvmlReplay): replays GPU samples recorded on a real H200 where a
+    """FAKE NVML (pipeline.run.hosts.gpus.FakeNvmlReplay): replays GPU samples recorded on a real H200 where a
     foreign python3 (pid 424) held GPU 0. No GPU here, so the real NVML path can only say so."""
-    from pipeline.run.gpus import FakeNvmlReplay, GpuProbe
+    from pipeline.run.hosts.gpus import FakeNvmlReplay, GpuProbe
     from pipeline.stages.serve.preflight import gpu_problem
 
     fixture = Path(__file__).parent / "fixtures" / "telemetry" / "h200-2026-12-02.jsonl"

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pipeline.run import audit
+from pipeline.run.rundir import audit
 from tests.chromium import Chromium, chromium_path
 from tests.runs import ROOT, finished_run, kill_run_stages, make_run, start_supervisor, states, stop, wait_for
 from tests.test_serve_faults import _stat, descendants, free_port, reap, wait_listening, ws_open

@@ -26,7 +26,7 @@ import pytest
 
 from pipeline import tested_versions as tv
 from pipeline.eagle3 import sglang_target as st
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 from pipeline.serving.sglang_args import settings_from_plan, sglang_argv
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import plan as plan_mod
-from pipeline.run.plan import PlanError
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.plan.dag import PlanError
 from pipeline.serving.sglang_args import settings_from_plan, sglang_argv
 from pipeline.stages.serve.backends import launch
 

@@ -19,8 +19,8 @@ from pipeline.eagle3 import sglang_packing as sp
 from pipeline.eagle3 import sglang_target as st
 from pipeline.eagle3 import shard_sink as ss
 from pipeline.eagle3.target_capture import TargetError
-from pipeline.run import plan as plan_mod
-from pipeline.run.plan import PlanError
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.plan.dag import PlanError
 from pipeline.serving.sglang_capture import config_layer_ids
 from tests.test_sglang_capture import _capture
 

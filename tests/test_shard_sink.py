@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3 import shard_sink as ss
-from pipeline.run import nospace
+from pipeline.run.hosts import nospace
 
 H, A = 16, 48  # hidden size, 3 aux layers
 

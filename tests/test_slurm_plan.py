@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import plan as plan_mod
-from pipeline.run.slurm import sbatch_options
+from pipeline.run.hosts.slurm.commands import sbatch_options
+from pipeline.run.plan import dag as plan_mod
 from tests.runs import write_plan
 
 BASE = """

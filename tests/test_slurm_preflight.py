@@ -11,7 +11,7 @@ import pytest
 import slurm_cluster as cluster_mod
 from slurm_cluster import SlurmCluster
 
-from pipeline.run.slurm_preflight import gres_gpus
+from pipeline.run.hosts.slurm.preflight import gres_gpus
 from tests.runs import ROOT, write_plan
 
 pytest_plugins = ["conftest_slurm"]

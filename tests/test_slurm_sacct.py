@@ -13,9 +13,9 @@ import pytest
 import slurm_cluster as cluster_mod
 from slurm_cluster import SlurmCluster
 
-from pipeline.run import slurm
-from pipeline.run.rundir import read_json, write_json
-from pipeline.run.slurm_jobs import batch_script
+from pipeline.run.hosts.slurm import commands as slurm
+from pipeline.run.hosts.slurm.jobs import batch_script
+from pipeline.run.rundir.layout import read_json, write_json
 from tests.runs import make_run, stage_state, start_supervisor, states, stop, wait_done, wait_for
 
 pytest_plugins = ["conftest_slurm"]

@@ -14,7 +14,7 @@ from slurm_cluster import SlurmCluster
 from sshd import LoopbackSshd, sshd_available
 from test_ssh_cli import aerie
 
-from pipeline.run.rundir import RunDir, read_json
+from pipeline.run.rundir.layout import RunDir, read_json
 
 pytest_plugins = ["conftest_slurm"]
 pytestmark = pytest.mark.slow

@@ -16,11 +16,11 @@ import slurm_cluster as cluster_mod
 import torch
 from slurm_cluster import SlurmCluster
 
-from pipeline.run import plan as plan_mod
-from pipeline.run import slurm
-from pipeline.run.events import read_all
-from pipeline.run.run_setup import create_run
-from pipeline.run.rundir import read_json
+from pipeline.run.hosts.slurm import commands as slurm
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.events import read_all
+from pipeline.run.rundir.layout import read_json
+from pipeline.run.supervise.run_setup import create_run
 from tests.eagle3_fixtures import (
     TEST_SECTIONS,
     assert_same_training,

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.data import sources
 from pipeline.data.conversation import ROLES, ConversationError
-from pipeline.run.plan import DATASET_KINDS
+from pipeline.run.plan.dag import DATASET_KINDS
 
 # The deliberately malformed rows of each fixture: row index -> the field the error must name.
 MALFORMED = {

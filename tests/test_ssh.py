@@ -19,9 +19,9 @@ from console.model import RunModel
 from console.ssh.connection import HostConnection, HostKeyError, SshError, SshTarget, parse_ssh_url
 from console.ssh.preflight import preflight
 from console.ssh.transport import SshTransport, load_layout, start_remote_run
-from pipeline.run import plan as plan_mod
-from pipeline.run.events import read_all
-from pipeline.run.procs import group_members, read_stat
+from pipeline.run.hosts.procs import group_members, read_stat
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.events import read_all
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -121,7 +121,7 @@ async def test_drop_mid_stage_stage_keeps_running_and_every_event_is_seen_once(
     n = 40
     script = tmp_path / "tick.py"
     script.write_text(
-        "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+        "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
         f"for i in range({n}):\n    ctx.message(f'tick {{i}}')\n    time.sleep(0.1)\n"
     )
     plan_path = ssh_plan(f"""

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.run.remote_agent import PROTOCOL, read_many
+from pipeline.run.hosts.remote_agent import PROTOCOL, read_many
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def converse(run: Path, *requests: object) -> tuple[list[dict], int]:
     lines = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in requests)
     p = subprocess.run(
-        [sys.executable, "-m", "pipeline.run.remote_agent", str(run)],
+        [sys.executable, "-m", "pipeline.run.hosts.remote_agent", str(run)],
         input=lines.encode(),
         capture_output=True,
         timeout=60,
@@ -55,7 +55,7 @@ def test_reads_from_offsets_and_refuses_paths_outside_the_run(tmp_path: Path) ->
     assert not by_id[3]["ok"] and "leaves the run directory" in by_id[3]["error"]
     assert not by_id[None]["ok"] and "bad request" in by_id[None]["error"]
     assert not by_id[4]["ok"] and "frobnicate" in by_id[4]["error"]
-    # ctl runs pipeline.run.ctl on this host: an unknown stage is its usage error (exit 2), passed through
+    # ctl runs pipeline.run.supervise.ctl on this host: an unknown stage is its usage error (exit 2), passed through
     assert by_id[5]["ok"] and by_id[5]["rc"] == 2 and "unknown stage 'nope'" in by_id[5]["stderr"]
 
 

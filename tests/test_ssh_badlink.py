@@ -34,8 +34,8 @@ from console.model import RunModel
 from console.ssh.connection import HostConnection, SshTarget
 from console.ssh.preflight import preflight
 from console.ssh.transport import SshTransport, start_remote_run
-from pipeline.run import plan as plan_mod
-from pipeline.run.events import read_all
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.events import read_all
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -63,7 +63,7 @@ def write_plan(
     known.write_text(f"[{host}]:{port} {server.host_pubkey()}\n")
     script = tmp / "tick.py"
     script.write_text(
-        "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+        "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
         f"for i in range({n}):\n    ctx.message(f'tick {{i}}')\n    time.sleep({period_s})\n"
     )
     remote = tmp / "remote" / "run"

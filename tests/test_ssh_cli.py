@@ -22,7 +22,7 @@ from textual.widgets import Static
 
 from console.app import AerieApp
 from console.ssh.commands import start_remote
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -121,7 +121,7 @@ def test_preflight_refusal_exits_2_with_the_failed_check(alias_plan):
 async def test_console_header_shows_host_rtt_and_a_drop(alias_plan, tmp_path, sshd):
     script = tmp_path / "slow.py"
     script.write_text(
-        "import time\nfrom pipeline.run.runtime import StageContext\nc = StageContext.from_env()\n"
+        "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nc = StageContext.from_env()\n"
         "for i in range(100):\n    c.progress(i + 1, 100, force=True)\n    time.sleep(0.05)\n"
     )
     plan, _remote = alias_plan(f'[[stage]]\nid = "slow"\ncommand = "{sys.executable} {script}"\n')

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run.procs import ProcIdentity, StrangerError, read_stat, signal_group
-from pipeline.run.rundir import read_json, write_json
+from pipeline.run.hosts.procs import ProcIdentity, StrangerError, read_stat, signal_group
+from pipeline.run.rundir.layout import read_json, write_json
 from tests.runs import (
     ctl,
     events,
@@ -30,7 +30,7 @@ from tests.runs import (
 PY = sys.executable
 WORKER = """
 import sys, time
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.runtime import StageContext
 ctx = StageContext.from_env()
 n, delay = int(sys.argv[1]), float(sys.argv[2])
 for i in range(n):
@@ -370,7 +370,9 @@ def test_ctl_errors_have_exit_codes(tmp_path: Path, cleanup: list) -> None:
     res = ctl(run, "kill", "s")
     assert res.returncode == 3 and "not running" in res.stderr
     res = subprocess.run(
-        [PY, "-m", "pipeline.run.ctl", str(tmp_path / "missing"), "status"], capture_output=True, text=True
+        [PY, "-m", "pipeline.run.supervise.ctl", str(tmp_path / "missing"), "status"],
+        capture_output=True,
+        text=True,
     )
     assert res.returncode == 2 and "no such run" in res.stderr
 
@@ -378,7 +380,7 @@ def test_ctl_errors_have_exit_codes(tmp_path: Path, cleanup: list) -> None:
 def test_service_is_stopped_when_its_users_are_done(tmp_path: Path, cleanup: list) -> None:
     svc = tmp_path / "svc.py"
     svc.write_text(
-        "import time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+        "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
         "ctx.health('starting')\ntime.sleep(0.3)\nctx.health('ready')\nwhile True:\n    time.sleep(0.1)\n"
     )
     run = make_run(
@@ -511,7 +513,7 @@ def test_a_cpu_stage_computes_on_the_slots_it_holds(
 
 
 def test_the_ranks_of_a_cpu_stage_share_its_slots() -> None:
-    from pipeline.run.ranks import rank_threads
+    from pipeline.run.stage_side.ranks import rank_threads
 
     ours = {"OMP_NUM_THREADS": "4", "AERIE_CPU_THREADS": "4"}
     assert rank_threads(ours, 2) == {"OMP_NUM_THREADS": "2"}, "4 slots over 2 torchrun ranks: 2 threads each"

@@ -22,8 +22,8 @@ import pytest
 
 from console import headless, sup_watch
 from console.transport import LocalTransport
-from pipeline.run.liveness import STALE_S, liveness, lock_holders
-from pipeline.run.rundir import RunDir, read_json, write_json
+from pipeline.run.rundir.layout import RunDir, read_json, write_json
+from pipeline.run.supervise.liveness import STALE_S, liveness, lock_holders
 from tests.runs import (
     ROOT,
     ctl,
@@ -49,7 +49,7 @@ def supervisor_processes(run: RunDir) -> list[int]:
             state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and b"pipeline.run.supervisor" in argv and str(run.root).encode() in argv:
+        if state != "Z" and b"pipeline.run.supervise.supervisor" in argv and str(run.root).encode() in argv:
             pids.append(int(d.name))
     return sorted(pids)
 
@@ -234,7 +234,7 @@ def test_each_damaged_record_is_named_and_nothing_is_overwritten(tmp_path: Path)
     """In process: a damaged spec.json (the stage is followed by the plan's definition, started once the file
     is deleted and written again from the plan), a proc.json whose pid is not a number and an exit.json that
     is not JSON (their stages held), each named; no damaged file is rewritten."""
-    from pipeline.run.supervisor import Supervisor
+    from pipeline.run.supervise.supervisor import Supervisor
 
     run = make_run(tmp_path, CORRUPT)
     run.stage("a").spec.write_text('{"id": ')

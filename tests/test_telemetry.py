@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.run import plan as plan_mod
-from pipeline.run.gpus import FakeNvmlReplay, GpuUnavailable
-from pipeline.run.procs import ProcIdentity, read_stat
-from pipeline.run.rundir import RunDir, write_json
+from pipeline.run.hosts.gpus import FakeNvmlReplay, GpuUnavailable
+from pipeline.run.hosts.procs import ProcIdentity, read_stat
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.layout import RunDir, write_json
 from pipeline.stages.telemetry import FILE_NAME, Agent, settings
 from tests.runs import (
     ROOT,

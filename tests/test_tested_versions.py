@@ -11,7 +11,7 @@ import pytest
 
 from pipeline import tested_versions as tv
 from pipeline.eagle3 import chain_check
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTED = next(s for s in tv.SGLANG_STACKS if s.status == tv.TESTED_STATUS)

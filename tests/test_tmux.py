@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORKER = (
-    "import sys, time\nfrom pipeline.run.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "import sys, time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
     "n = int(sys.argv[1])\nfor i in range(n):\n    ctx.safe_point()\n"
     "    ctx.progress(i + 1, n, unit='steps', force=True)\n    print(f'worker step {i + 1}', flush=True)\n"
     "    time.sleep(0.1)\n"

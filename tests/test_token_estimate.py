@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pipeline.data import token_estimate
 from pipeline.data.tokenise import load_chat_tokenizer
-from pipeline.run import plan as plan_mod
-from pipeline.run.rundir import RunDir
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.rundir.layout import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 

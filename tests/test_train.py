@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.eagle3.draft_model import load_draft
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 from pipeline.stages.train.settings import global_indices, lr_at
 from tests.eagle3_fixtures import (
     HIDDEN,
@@ -201,8 +201,8 @@ def test_torchrun_two_gloo_processes_equal_one_process(tmp_path_factory, tmp_pat
 
 @pytest.mark.slow
 def test_a_pause_holds_training_at_a_step_boundary(tmp_path_factory, tmp_path) -> None:
-    from pipeline.run.events import read_all
-    from pipeline.run.rundir import RunDir, write_json
+    from pipeline.run.rundir.events import read_all
+    from pipeline.run.rundir.layout import RunDir, write_json
 
     ext, voc = shared(tmp_path_factory, "ext"), shared(tmp_path_factory, "voc")
     plan = write_plan(

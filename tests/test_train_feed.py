@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.eagle3 import hidden_store as hs
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 from pipeline.stages.train.batches import OfflineData
 from pipeline.stages.train.feeder import Feeder
 from pipeline.stages.train.settings import BatchSchedule, global_indices

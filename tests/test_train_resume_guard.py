@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.eagle3.draft_model import Eagle3Draft
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 from pipeline.stages.train.checkpoints import STATE_FILE, resume_problem, save_checkpoint
 from tests.test_eagle3_model import tiny_config
 

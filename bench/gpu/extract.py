@@ -127,7 +127,7 @@ def kimi_capture(args: argparse.Namespace) -> int:
     import os
 
     from pipeline.eagle3.target_capture import load_target
-    from pipeline.run.ranks import Dist, tp_device
+    from pipeline.run.stage_side.ranks import Dist, tp_device
 
     folder = Path(args.kimi_dir)
     on_gpu = torch.cuda.is_available()

@@ -329,8 +329,8 @@ def bench_one(
 
 def check_plans(args: argparse.Namespace, work: Path) -> None:
     """Every recipe's plan through the plan check before any device time: a misspelt key fails here."""
-    from pipeline.run.plan import load
-    from pipeline.run.schema import PlanError
+    from pipeline.run.plan.dag import load
+    from pipeline.run.plan.schema import PlanError
 
     for name, spec, seed in runs(args):
         if "command" in spec:

@@ -337,7 +337,7 @@ def main() -> int:
 
 def smoke(args: argparse.Namespace, tok_dir: Path) -> int:
     """The same command's path on the CPU: rows, the real stage (transformers) twice, the comparison."""
-    from pipeline.run import plan as plan_mod
+    from pipeline.run.plan import dag as plan_mod
 
     work = Path(os.environ.get("SMOKE_DIR", "/tmp/sgl-capture-smoke"))
     work.mkdir(parents=True, exist_ok=True)

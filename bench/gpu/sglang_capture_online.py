@@ -160,7 +160,7 @@ def online_phase(model: Path, tok_dir: Path, work: Path, args: argparse.Namespac
         plans[engine].write_text(
             online_plan_text(work, model, engine, args.max_length, args.online_steps, cpu, args.draft_vocab)
         )
-    from pipeline.run import plan as plan_mod
+    from pipeline.run.plan import dag as plan_mod
 
     res["sglang_plan_accepted"] = plan_mod.load(plans["sglang"]).settings.storage_mode  # raises if refused
     ext, voc = work / "ext", work / "voc"

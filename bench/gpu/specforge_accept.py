@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if SF_SITE.is_dir():
         sys.path.insert(0, str(SF_SITE))
     from bench.gpu.specforge_peer import specforge_available
-    from pipeline.run import plan as plan_mod
+    from pipeline.run.plan import dag as plan_mod
 
     why = specforge_available()
     if why:

@@ -55,9 +55,9 @@ from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left
 from pipeline.eagle3.trainer_inputs import build_draft, find_inputs
-from pipeline.run import plan as plan_mod
-from pipeline.run.plan_sections import TrainSection
-from pipeline.run.rundir import write_json
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.plan.sections import TrainSection
+from pipeline.run.rundir.layout import write_json
 from pipeline.stages.train.batches import OfflineData
 from pipeline.stages.train.feeder import Feeder, Inline
 from pipeline.stages.train.settings import BatchSchedule

@@ -135,7 +135,7 @@ def write_store(
 ) -> Path:
     """A real offline store (``hidden_store`` shards + manifest) of ``rows`` random rows of ``seq`` tokens."""
     from pipeline.eagle3 import hidden_store as hs
-    from pipeline.run.rundir import write_json
+    from pipeline.run.rundir.layout import write_json
 
     h, g = cfg.hidden_size, torch.Generator().manual_seed(0)
     shards = []

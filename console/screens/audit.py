@@ -16,7 +16,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from console.audit_trail import AuditTrail
-from pipeline.run.audit import AuditEntry
+from pipeline.run.rundir.audit import AuditEntry
 
 COLUMNS = ("Time (UTC)", "Who", "Via", "Action", "Stage", "Outcome")
 OUTCOME_STYLE = {"done": "", "refused": "bold $warning", "timed out": "bold $error"}

@@ -16,7 +16,7 @@ from textual.widgets import DataTable, Footer, Static
 from console import fmt
 from console.datasets import DatasetRow, dataset_rows
 from console.model import RunModel
-from pipeline.run.stage_row import StageState
+from pipeline.run.rundir.stage_row import StageState
 
 COLUMNS = ("Dataset", "Stage", "State", "Done / quota", "Progress", "Rate", "ETA", "Rejects", "Note")
 

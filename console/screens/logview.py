@@ -26,7 +26,7 @@ from textual.widgets import Footer, Input, Static
 from console import fmt
 from console.logindex import LogFilter, LogIndex, Row
 from console.widgets.logview import LogView
-from pipeline.run.logscan import ERROR_PATTERN, ScanError, compile_pattern
+from pipeline.run.rundir.logscan import ERROR_PATTERN, ScanError, compile_pattern
 
 POLL_S = 0.05  # while the log grows
 IDLE_POLL_S = 0.2  # once it has been quiet for IDLE_AFTER_S

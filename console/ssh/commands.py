@@ -18,7 +18,7 @@ from console.ssh.connection import HostConnection, SshError, SshTarget, parse_ss
 from console.ssh.preflight import preflight
 from console.ssh.transport import RemoteLayout, SshTransport, load_layout, start_remote_run
 from console.transport import CtlResult, LocalTransport, Transport
-from pipeline.run import plan as plan_mod
+from pipeline.run.plan import dag as plan_mod
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -120,7 +120,7 @@ async def _ctl(transport: Transport, *argv: str) -> CtlResult:
 
 
 def remote_ctl(arg: str, *argv: str) -> CtlResult | int:
-    """Run one ``pipeline.run.ctl`` action on the run's host (``aerie kill ssh://host/run STAGE``)."""
+    """Run one ``pipeline.run.supervise.ctl`` action on the run's host (``aerie kill ssh://host/run STAGE``)."""
     t = attach_transport(arg)
     if isinstance(t, int):
         return t

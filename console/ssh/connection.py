@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlsplit
 import asyncssh
 
 from console.transport import ConnectionStatus
-from pipeline.run.plan import Executor
+from pipeline.run.plan.dag import Executor
 
 DEFAULT_MAX_SESSIONS = 10  # OpenSSH's MaxSessions default
 EXECUTOR_OPTIONS = {

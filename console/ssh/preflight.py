@@ -22,7 +22,7 @@ Over the one connection, in order, each step a named check in the report:
 7. **disk** — free space at the run directory, refused when below the plan's declared outputs.
 8. **chain** — the EAGLE-3 chain against the host's copy of the target, when the plan trains;
 9. **slurm** — for ``[executor] kind = "slurm"`` with a host (the login node): ``sinfo`` and a probe
-   job on a compute node (``python -m pipeline.run.slurm_preflight`` on the login node).
+   job on a compute node (``python -m pipeline.run.hosts.slurm.preflight`` on the login node).
 
 Nothing is started when a check fails; :meth:`PreflightReport.render` lists every check with
 what to do. On success the report carries the :class:`RemoteLayout` (also written to
@@ -45,8 +45,8 @@ import asyncssh
 import pipeline
 from console.ssh.connection import HostConnection, SshError, SshTarget, remote_python
 from console.ssh.transport import AGENT_PROTOCOL, LAYOUT_FILE, RemoteLayout
-from pipeline.run.checks import CheckReport
-from pipeline.run.plan import Plan, stage_module
+from pipeline.run.hosts.checks import CheckReport
+from pipeline.run.plan.dag import Plan, stage_module
 
 UPLOADED_PLAN = "plan.submitted.toml"
 MIN_PYTHON = (3, 11)
@@ -77,15 +77,15 @@ if os.path.isfile(plan):
     with open(plan, "rb") as fh:
         r["plan_sha256"] = hashlib.sha256(fh.read()).hexdigest()
 try:
-    import pipeline.run.remote_agent as ra
+    import pipeline.run.hosts.remote_agent as ra
     r["pipeline_dir"] = os.path.dirname(os.path.dirname(os.path.abspath(ra.__file__)))
     r["protocol"] = getattr(ra, "PROTOCOL", None)
 except Exception as e:
     r["pipeline_error"] = "%s: %s" % (type(e).__name__, e)
 if a.get("verify"):
     try:
-        import pipeline.run.ctl, pipeline.run.launcher, pipeline.run.supervisor
-        from pipeline.run import plan as plan_mod
+        import pipeline.run.supervise.ctl, pipeline.run.stage_side.launcher, pipeline.run.supervise.supervisor
+        from pipeline.run.plan import dag as plan_mod
         loaded = plan_mod.load(a["plan"], run_dir=root)
     except Exception as e:
         r["plan_error"] = "%s: %s" % (type(e).__name__, e)
@@ -154,7 +154,7 @@ def _sglang(rep: PreflightReport, sg: dict) -> bool:
 
 @dataclass
 class PreflightReport(CheckReport):
-    """The SSH preflight's report: the checks (:class:`pipeline.run.checks.CheckReport`), the host's layout
+    """The SSH preflight's report: the checks (:class:`pipeline.run.hosts.checks.CheckReport`), the host's layout
     once known, and how long the checks took."""
 
     host: str = ""
@@ -432,11 +432,17 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             await _chain(rep, conn, python, pythonpath, remote_plan)
             if not rep.ok:
                 return
-        # 9. a Slurm plan: the login node's sinfo and a probe job on a compute node (pipeline.run.slurm_preflight)
+        # 9. a Slurm plan: the login node's sinfo and a probe job on a compute node (pipeline.run.hosts.slurm.preflight)
         if ex.kind == "slurm":
             r = await conn.run(
                 remote_python(
-                    python, pythonpath, "-m", "pipeline.run.slurm_preflight", remote_plan, "--run-dir", root
+                    python,
+                    pythonpath,
+                    "-m",
+                    "pipeline.run.hosts.slurm.preflight",
+                    remote_plan,
+                    "--run-dir",
+                    root,
                 ),
                 timeout_s=600.0,
             )

@@ -1,7 +1,7 @@
 """The SSH transport: the console's :class:`~console.transport.Transport` over one SSH connection.
 
 Reads and control actions go through one long-lived channel running ``python -m
-pipeline.run.remote_agent RUN`` on the host (JSON lines; see that module), so a poll costs one round
+pipeline.run.hosts.remote_agent RUN`` on the host (JSON lines; see that module), so a poll costs one round
 trip, not a login shell. Everything else the console does is unchanged: the model asks for byte
 ranges from its own offsets, so after a reconnect it simply asks again from where it was — no
 event is lost and none is shown twice.
@@ -33,7 +33,7 @@ import asyncssh
 from console.ssh.connection import HostConnection, NotConnected, SshError, remote_python
 from console.transport import ConnectionStatus, CtlResult, ReadResult
 
-AGENT_PROTOCOL = 2  # must equal pipeline.run.remote_agent.PROTOCOL (checked at every agent start)
+AGENT_PROTOCOL = 2  # must equal pipeline.run.hosts.remote_agent.PROTOCOL (checked at every agent start)
 LAYOUT_FILE = ".aerie/layout.json"
 EXIT_UNREACHABLE = 255  # like ssh(1): the command could not be delivered
 CALL_TIMEOUT_S = 60.0
@@ -206,7 +206,11 @@ class SshTransport:
             await self.conn.connect()
             self._ever_connected = True
         cmd = remote_python(
-            self.layout.python, self.layout.pythonpath, "-m", "pipeline.run.remote_agent", self.layout.root
+            self.layout.python,
+            self.layout.pythonpath,
+            "-m",
+            "pipeline.run.hosts.remote_agent",
+            self.layout.root,
         )
         proc, release = await self.conn.open_process(cmd)
         agent = _Agent(proc, release, self.conn.target.label)
@@ -358,7 +362,7 @@ async def start_remote_run(conn: HostConnection, layout: RemoteLayout) -> str:
         layout.python,
         layout.pythonpath,
         "-m",
-        "pipeline.run.supervisor",
+        "pipeline.run.supervise.supervisor",
         "--create",
         layout.plan,
         layout.root,

@@ -49,7 +49,7 @@ from console.widgets.board_cells import (
     note_for,
     server_line,
 )
-from pipeline.run.stage_row import StageState
+from pipeline.run.rundir.stage_row import StageState
 
 __all__ = ["StageBoard", "note_for", "server_line"]
 

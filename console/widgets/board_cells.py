@@ -13,7 +13,7 @@ from rich.text import Text
 from console import fmt
 from console.model import StageView
 from console.states import ATTENTION
-from pipeline.run.stage_row import StageState
+from pipeline.run.rundir.stage_row import StageState
 from pipeline.serving.sglang_log import ServerStats
 
 BAR_WIDE, BAR_NARROW = 12, 6

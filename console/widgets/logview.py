@@ -27,7 +27,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from console.logindex import Row
-from pipeline.run.logscan import ERROR_PATTERN
+from pipeline.run.rundir.logscan import ERROR_PATTERN
 
 ERROR_RE = re.compile(ERROR_PATTERN)
 WARNING_RE = re.compile(r"\b(?:WARNING|WARN|Warning)\b|\bwarning:")

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.builtin_models import (
+from pipeline.run.plan.builtin_models import (
     BUILTIN_PREFIX,
     SMOLLM2,
     ModelAssetError,

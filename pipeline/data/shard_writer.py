@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.tokenise import Encoded
-from pipeline.run.files import publish, sha256_file
-from pipeline.run.rundir import read_json, write_atomic, write_json
+from pipeline.run.rundir.files import publish, sha256_file
+from pipeline.run.rundir.layout import read_json, write_atomic, write_json
 
 FORMAT_VERSION = 1
 SHARD_PREFIX = "data-"

@@ -15,9 +15,9 @@ from typing import Any
 
 from pipeline.data import sources
 from pipeline.data.conversation import ConversationError, prompt_of
-from pipeline.run.budget import BudgetError, manifest_tokens
-from pipeline.run.plan import Dataset, Plan
-from pipeline.run.rundir import RunDir
+from pipeline.run.plan.dag import Dataset, Plan
+from pipeline.run.rundir.layout import RunDir
+from pipeline.run.supervise.budget import BudgetError, manifest_tokens
 
 PROMPT_ONLY = "prompt-only"
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.conversation import ConversationError, fold_tool_calls, source_field
-from pipeline.run.rundir import read_json
+from pipeline.run.rundir.layout import read_json
 
 # A cut is safe after "\n" with non-space on both sides: every pre-tokenizer in use (ByteLevel regex,
 # Metaspace, Split on whitespace) ends a piece there, so the tokens before it cannot change.

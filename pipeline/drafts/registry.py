@@ -6,7 +6,7 @@ registered folder's ``__init__.py``): how the trainer builds the draft
 (:attr:`~DraftMethod.build`), trains it (:attr:`~DraftMethod.loss`: the training objective and the simulated
 accept length), saves it for SGLang (:attr:`~DraftMethod.export`), what it writes into the train manifest and
 says at start and end, and how the offline bench drafts with it (:attr:`~DraftMethod.drafter`). Names map to
-packages in :mod:`pipeline.run.draft_names` (built-in, or registered from any folder through
+packages in :mod:`pipeline.run.plan.draft_names` (built-in, or registered from any folder through
 ``AERIE_DRAFT_METHODS``); :func:`draft_method` imports the package and returns its spec.
 """
 
@@ -25,8 +25,8 @@ import torch
 from pipeline.drafts.batch import Batch
 from pipeline.eagle3.draft_vocab import VocabMap
 from pipeline.eagle3.spec_decode import Drafter
-from pipeline.run import draft_names
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan import draft_names
+from pipeline.run.plan.sections import TrainSection
 
 
 @dataclass(frozen=True)

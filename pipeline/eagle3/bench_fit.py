@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.run import budget
-from pipeline.run import plan as plan_mod
-from pipeline.run.checks import CheckReport
+from pipeline.run.hosts.checks import CheckReport
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.supervise import budget
 
 
 def offline_bench_stages(plan: plan_mod.Plan) -> list[str]:

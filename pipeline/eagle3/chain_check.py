@@ -24,8 +24,8 @@ from typing import Any
 from pipeline.eagle3 import serving_checks
 from pipeline.eagle3.chain_memory import DeepTarget, DraftSize, gpu_memory
 from pipeline.eagle3.provenance import local_model_dir
-from pipeline.run import plan as plan_mod
-from pipeline.run.checks import CheckReport
+from pipeline.run.hosts.checks import CheckReport
+from pipeline.run.plan import dag as plan_mod
 
 GiB = 1024**3
 
@@ -267,7 +267,7 @@ def _disk(
     extraction's row length."""
     from pipeline.data import token_estimate
     from pipeline.eagle3 import hidden_store as hs
-    from pipeline.run import budget
+    from pipeline.run.supervise import budget
 
     ext = plan.settings.extract
     per_token = hs.bytes_per_token(t.hidden, len(aux))

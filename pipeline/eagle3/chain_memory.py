@@ -10,8 +10,8 @@ from typing import Any
 
 from pipeline import tested_versions
 from pipeline.eagle3.bench_fit import check_offline_bench
-from pipeline.run import plan as plan_mod
-from pipeline.run.checks import CheckReport
+from pipeline.run.hosts.checks import CheckReport
+from pipeline.run.plan import dag as plan_mod
 
 
 @dataclass
@@ -56,7 +56,7 @@ class DraftSize:
 
 def _alternatives(sg: Any, act: int, training: int, tp: int, gpu_gb: float | None, tf: Any = None) -> str:
     """What would fit instead: more GPUs for this engine, or SGLang, which keeps packed weights packed."""
-    from pipeline.run import budget
+    from pipeline.run.supervise import budget
 
     out = []
     if gpu_gb is None:
@@ -160,7 +160,7 @@ def gpu_memory(
 
 
 def _human_bytes(n: float) -> str:
-    from pipeline.run import budget
+    from pipeline.run.supervise import budget
 
     return budget.human_bytes(n)
 

@@ -73,7 +73,7 @@ def build(counts: np.ndarray | torch.Tensor, draft_vocab_size: int) -> VocabMap:
 def save(vm: VocabMap, out_dir: Path, extra: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
-    from pipeline.run.rundir import write_atomic, write_json
+    from pipeline.run.rundir.layout import write_atomic, write_json
 
     out_dir = Path(out_dir)
     tensors = {"d2t": vm.d2t.contiguous(), "t2d": vm.t2d.contiguous()}

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pipeline.run.files import publish
+from pipeline.run.rundir.files import publish
 
 KIND = "hidden_states"
 MODES = ("offline", "online")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import tested_versions
-from pipeline.run.checks import CheckReport
-from pipeline.run.plan import Plan
+from pipeline.run.hosts.checks import CheckReport
+from pipeline.run.plan.dag import Plan
 
 
 def sglang_line(plan: Plan, rep: CheckReport) -> None:

@@ -349,7 +349,7 @@ def load_for_plan(
 ) -> SGLangTarget:
     """The extract stage's ``[target] engine = "sglang"``: this rank's runner (tensor-parallel over the torchrun
     ranks with ``extract.parallel = "tp"``, else one GPU), told to capture the outputs of ``aux``."""
-    from pipeline.run.ranks import tp_device
+    from pipeline.run.stage_side.ranks import tp_device
 
     sec = plan.settings.extract
     if not torch.cuda.is_available():

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from pipeline.eagle3.hidden_store import FORMAT
-from pipeline.run.files import fsync_dir
+from pipeline.run.rundir.files import fsync_dir
 
 PARTIAL = ".partial"
 _IO_CHUNK = 32 << 20  # a pwrite larger than this is split over the I/O threads

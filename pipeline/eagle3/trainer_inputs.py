@@ -14,7 +14,7 @@ from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_config import DraftConfig
 from pipeline.eagle3.draft_model import Eagle3Draft
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 
 
 def find_inputs(dirs: list[Path]) -> tuple[dict, Path, Path]:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.run.plan import Plan, PlanError
-from pipeline.run.plan_sections import DeploySection, ServeSection
+from pipeline.run.plan.dag import Plan, PlanError
+from pipeline.run.plan.sections import DeploySection, ServeSection
 
 MODES = ("plain", "eagle3")
 

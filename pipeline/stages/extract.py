@@ -64,11 +64,11 @@ from pipeline.eagle3.draft_config import (
     sglang_capture_ids,
 )
 from pipeline.eagle3.shard_sink import HostBatch, HostStager, ShardSink, ShardWriteError, WrittenShard
-from pipeline.run import nospace
-from pipeline.run.plan_sections import ExtractSection
-from pipeline.run.ranks import Dist, tensor_parallel_rank, tp_device
-from pipeline.run.rundir import read_json, write_json
-from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.hosts import nospace
+from pipeline.run.plan.sections import ExtractSection
+from pipeline.run.rundir.layout import read_json, write_json
+from pipeline.run.stage_side.ranks import Dist, tensor_parallel_rank, tp_device
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
 
 STATE_FILE = "extract-state.json"
 

@@ -15,7 +15,7 @@ host. Records share the sample's ``seq`` and ``t``::
      "swap_total", "swap_free", "agent_cpu_s"}
 
 Values NVML does not expose on a device are ``null``. ``procs[].owner`` is the stage that owns the
-process (see :mod:`pipeline.run.gpus`) or ``"foreign"``. A ``meta`` record opens every file. The file
+process (see :mod:`pipeline.run.hosts.gpus`) or ``"foreign"``. A ``meta`` record opens every file. The file
 is capped at ``[telemetry] max_mb`` (default 16): it is then renamed to ``telemetry.jsonl.1``
 (replacing the older one) and a new file starts, so the agent never uses more than twice the cap.
 
@@ -37,13 +37,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.run import budget
-from pipeline.run.gpus import GpuSource, GpuUnavailable, NvmlSource, annotate_owners
-from pipeline.run.plan import Plan
-from pipeline.run.plan_sections import TelemetrySection
-from pipeline.run.rundir import RunDir, read_json
-from pipeline.run.runtime import StageContext, add_common_args, fail
-from pipeline.run.stage_row import HealthState
+from pipeline.run.hosts.gpus import GpuSource, GpuUnavailable, NvmlSource, annotate_owners
+from pipeline.run.plan.dag import Plan
+from pipeline.run.plan.sections import TelemetrySection
+from pipeline.run.rundir.layout import RunDir, read_json
+from pipeline.run.rundir.stage_row import HealthState
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
+from pipeline.run.supervise import budget
 
 FILE_NAME = "telemetry.jsonl"
 _DEFAULTS = TelemetrySection()

@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.data.shards import ShardError, holdout_fraction, iter_rows
 from pipeline.eagle3 import draft_vocab
-from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
 
 
 def count_tokens(

@@ -8,7 +8,7 @@ import torch
 from pipeline.drafts.dflash.config import DFlashConfig, feature_columns
 from pipeline.drafts.dflash.model import DFlashDraft
 from pipeline.eagle3.draft_config import DraftModelError
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 
 
 def build_dflash(

@@ -28,7 +28,7 @@ from pipeline.drafts.acceptance import mean_accept_length
 from pipeline.drafts.batch import Batch
 from pipeline.drafts.dflash.config import DFlashConfig
 from pipeline.drafts.dflash.model import DFlashDraft
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 
 
 def anchors_of(b: Batch, count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

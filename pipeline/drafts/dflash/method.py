@@ -9,7 +9,7 @@ from pipeline.drafts.dflash.decode import dflash_drafter
 from pipeline.drafts.dflash.loss import BlockLoss
 from pipeline.drafts.dflash.model import save_dflash
 from pipeline.drafts.registry import BuildInputs, BuiltDraft, DraftMethod
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 
 
 def build(inp: BuildInputs) -> BuiltDraft:

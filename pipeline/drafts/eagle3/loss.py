@@ -30,7 +30,7 @@ from pipeline.drafts.eagle3.head_loss import linear_soft_ce
 from pipeline.drafts.eagle3.lk_loss import full_lse_of, linear_lk
 from pipeline.drafts.registry import TrainedDraft
 from pipeline.eagle3.draft_model import Eagle3Draft, shift_left
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 
 # Tokens per loss chunk: 4096 × a 32k draft vocab × fp32 is 0.5 GiB per live (tokens × vocab) tensor.
 DEFAULT_CHUNK_TOKENS = 4096

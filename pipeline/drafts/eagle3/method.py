@@ -10,7 +10,7 @@ from pipeline.drafts.registry import BuildInputs, BuiltDraft, DrafterInputs, Dra
 from pipeline.eagle3.draft_model import load_draft, save_draft
 from pipeline.eagle3.spec_decode import Eagle3Drafter
 from pipeline.eagle3.trainer_inputs import build_draft
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 
 
 def build(inp: BuildInputs) -> BuiltDraft:

@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 
 from pipeline.data.shards import ShardError
-from pipeline.run.ranks import Dist, tensor_parallel_rank
-from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.stage_side.ranks import Dist, tensor_parallel_rank
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
 from pipeline.stages.bench.offline import run_offline
 
 MODES = ("offline", "online")

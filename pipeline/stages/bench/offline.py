@@ -17,9 +17,9 @@ import torch
 
 from pipeline.drafts.registry import DrafterInputs, draft_method
 from pipeline.eagle3.spec_decode import Drafter, RankZeroDrafter
-from pipeline.run.ranks import Dist, tp_device
-from pipeline.run.rundir import write_json
-from pipeline.run.runtime import StageContext, fail
+from pipeline.run.rundir.layout import write_json
+from pipeline.run.stage_side.ranks import Dist, tp_device
+from pipeline.run.stage_side.runtime import StageContext, fail
 from pipeline.stages.bench.inputs import find_draft, heldout_prompts
 
 

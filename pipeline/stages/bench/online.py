@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.data.shards import holdout_fraction, iter_rows
-from pipeline.run.rundir import RunDir, write_json
-from pipeline.run.runtime import StageContext, fail
+from pipeline.run.rundir.layout import RunDir, write_json
+from pipeline.run.stage_side.runtime import StageContext, fail
 
 GEN_TOKENS = "sglang:generation_tokens_total"  # SGLang's counters (--enable-metrics), as 0.5.x names them
 VERIFY_CALLS = "sglang:spec_verify_calls_total"

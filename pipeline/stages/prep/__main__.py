@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.data import sources
-from pipeline.run import plan as plan_mod
-from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.plan import dag as plan_mod
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
 from pipeline.stages.prep.rows import TARGET_NATIVE
 from pipeline.stages.prep.settings import PrepSettings
 

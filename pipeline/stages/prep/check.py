@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.data import sources
 from pipeline.data.tokenise import ChatTokenizer
-from pipeline.run.plan import Dataset
+from pipeline.run.plan.dag import Dataset
 from pipeline.stages.prep.rows import Outcome, RowProcessor
 
 

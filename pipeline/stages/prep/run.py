@@ -22,8 +22,8 @@ from pipeline.data.shard_writer import (
     write_rejects,
 )
 from pipeline.data.tokenise import ChatTokenizer
-from pipeline.run.plan import Dataset
-from pipeline.run.runtime import StageContext, fail
+from pipeline.run.plan.dag import Dataset
+from pipeline.run.stage_side.runtime import StageContext, fail
 from pipeline.stages.prep.check import check_dataset
 from pipeline.stages.prep.rows import TARGET_NATIVE, Outcome, RowProcessor
 from pipeline.stages.prep.settings import PrepSettings

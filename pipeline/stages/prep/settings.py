@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.run.plan import Dataset, Plan, PlanError
+from pipeline.run.plan.dag import Dataset, Plan, PlanError
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.plan import Plan
-from pipeline.run.plan_sections import RegenSection
-from pipeline.run.rundir import RunDir, read_json
-from pipeline.run.runtime import StageContext
+from pipeline.run.plan.dag import Plan
+from pipeline.run.plan.sections import RegenSection
+from pipeline.run.rundir.layout import RunDir, read_json
+from pipeline.run.stage_side.runtime import StageContext
 
 
 class InputError(ValueError):

@@ -7,7 +7,7 @@
 3. Tokenise prompt + answer with the target's chat template and write loss-masked shards
    (:mod:`pipeline.data.tokenise`), ``manifest.json`` of kind ``tokenized`` last.
 
-``[regen]``'s keys, defaults and docs: :class:`pipeline.run.plan_sections.RegenSection` (``aerie plan check
+``[regen]``'s keys, defaults and docs: :class:`pipeline.run.plan.sections.RegenSection` (``aerie plan check
 --show-defaults`` prints them). What the stage reads and where it sends requests: :mod:`.inputs`.
 """
 
@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.files import sha256_file
-from pipeline.run.plan import Plan, PlanError
-from pipeline.run.plan_sections import RegenSection
-from pipeline.run.rundir import write_atomic
-from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.plan.dag import Plan, PlanError
+from pipeline.run.plan.sections import RegenSection
+from pipeline.run.rundir.files import sha256_file
+from pipeline.run.rundir.layout import write_atomic
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
 from pipeline.stages.regen.client import ClientConfig, ClientStats, OutageError, Regenerator
 from pipeline.stages.regen.inputs import (
     InputError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import http.client
 from dataclasses import dataclass
 
-from pipeline.run.stage_row import HealthState
+from pipeline.run.rundir.stage_row import HealthState
 
 
 def probe(host: str, port: int, timeout_s: float, path: str = "/health") -> tuple[bool, str]:

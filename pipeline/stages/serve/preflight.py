@@ -1,7 +1,7 @@
 """Checks before a server starts: the port is free, the stage's GPUs hold no one else's process.
 
 A taken port is named with the process listening on it when ``/proc`` shows it. The GPU check
-reuses :mod:`pipeline.run.gpus` (NVML; a host without NVML cannot be checked and says so).
+reuses :mod:`pipeline.run.hosts.gpus` (NVML; a host without NVML cannot be checked and says so).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir.layout import RunDir
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -75,10 +75,10 @@ def gpu_problem(
 ) -> tuple[str | None, str | None]:
     """``(problem, note)``: a refusal naming the GPU, pid and owner of each process on ``gpus`` that
     is not this stage's; or a note when GPUs cannot be read on this host. ``probe``: a
-    :class:`pipeline.run.gpus.GpuProbe` (default: real NVML)."""
+    :class:`pipeline.run.hosts.gpus.GpuProbe` (default: real NVML)."""
     if not gpus:
         return None, None
-    from pipeline.run.gpus import GpuProbe
+    from pipeline.run.hosts.gpus import GpuProbe
 
     probe = probe or GpuProbe()
     holders = probe.holders(RunDir(run_root) if run_root else None)

@@ -20,11 +20,11 @@ import time
 from typing import IO, NoReturn
 
 from pipeline.eagle3 import provenance
-from pipeline.run.plan import PlanError
-from pipeline.run.procs import ProcIdentity, read_stat
-from pipeline.run.rundir import RunDir, write_json
-from pipeline.run.runtime import StageContext, add_common_args, fail
-from pipeline.run.stage_row import HealthState
+from pipeline.run.hosts.procs import ProcIdentity, read_stat
+from pipeline.run.plan.dag import PlanError
+from pipeline.run.rundir.layout import RunDir, write_json
+from pipeline.run.rundir.stage_row import HealthState
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
 from pipeline.serving.sglang_args import MODES, ServerSettings, settings_from_plan
 from pipeline.serving.sglang_log import ServerStats, parse_line
 from pipeline.stages.serve import backends, preflight
@@ -183,7 +183,7 @@ class ServeStage:
                 where = self.ctx.run_dir or "RUN"
                 self.unhealthy_fail(
                     f"GPU guard: {problem} — stop it, or override once with "
-                    f"`python -m pipeline.run.ctl {where} force {self.ctx.stage_id}`",
+                    f"`python -m pipeline.run.supervise.ctl {where} force {self.ctx.stage_id}`",
                     3,
                 )
 

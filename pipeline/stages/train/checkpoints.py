@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from pipeline.drafts.registry import draft_method
-from pipeline.run.files import swap_dir, write_atomic
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
+from pipeline.run.rundir.files import swap_dir, write_atomic
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "training_state.pt"

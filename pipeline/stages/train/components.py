@@ -15,9 +15,9 @@ import torch
 
 from pipeline.drafts.batch import Batch
 from pipeline.drafts.registry import DraftLoss, TrainedDraft, draft_method
-from pipeline.run.plan_sections import TrainSection
-from pipeline.run.ranks import Dist
-from pipeline.run.runtime import StageContext
+from pipeline.run.plan.sections import TrainSection
+from pipeline.run.stage_side.ranks import Dist
+from pipeline.run.stage_side.runtime import StageContext
 from pipeline.stages.train.checkpoints import (
     STATE_FILE,
     checkpoints,

@@ -10,7 +10,7 @@ from typing import Any
 
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.trainer_inputs import find_inputs
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 from pipeline.stages.train.batches import OfflineData, OnlineData
 from pipeline.stages.train.components import Runtime, TrainData
 

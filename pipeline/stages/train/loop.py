@@ -19,9 +19,9 @@ import pipeline.stages.train as train_pkg
 from pipeline.drafts.registry import BuildInputs, DraftLoss, DraftMethod, TrainedDraft, draft_method
 from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
-from pipeline.run.plan_sections import TrainSection
-from pipeline.run.ranks import Dist, die_with_parent, reexec_under_torchrun
-from pipeline.run.runtime import StageContext, add_common_args, fail
+from pipeline.run.plan.sections import TrainSection
+from pipeline.run.stage_side.ranks import Dist, die_with_parent, reexec_under_torchrun
+from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
 from pipeline.stages.train.batches import OfflineData
 from pipeline.stages.train.checkpoints import STEPS_FILE, StepLog
 from pipeline.stages.train.components import (

@@ -10,9 +10,9 @@ from typing import Any
 
 from pipeline.drafts.registry import DraftMethod
 from pipeline.eagle3 import provenance
-from pipeline.run.files import swap_dir
-from pipeline.run.plan_sections import TrainSection
-from pipeline.run.rundir import write_json
+from pipeline.run.plan.sections import TrainSection
+from pipeline.run.rundir.files import swap_dir
+from pipeline.run.rundir.layout import write_json
 from pipeline.stages.train.checkpoints import BEST_DIR, FINAL_DIR, STEPS_FILE
 from pipeline.stages.train.inputs import Inputs
 

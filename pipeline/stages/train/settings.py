@@ -1,6 +1,6 @@
 """The schedule ``[train]`` implies: learning rate per step and the samples of each step.
 
-The settings themselves are :class:`pipeline.run.plan_sections.TrainSection`.
+The settings themselves are :class:`pipeline.run.plan.sections.TrainSection`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from pipeline.run.plan_sections import TrainSection
+from pipeline.run.plan.sections import TrainSection
 
 
 def lr_at(step: int, s: TrainSection) -> float:

@@ -11,8 +11,8 @@ import torch
 
 from pipeline.drafts.batch import Batch
 from pipeline.drafts.registry import DraftLoss, TrainedDraft
-from pipeline.run.ranks import Dist
-from pipeline.run.runtime import StageContext
+from pipeline.run.stage_side.ranks import Dist
+from pipeline.run.stage_side.runtime import StageContext
 from pipeline.stages.train.checkpoints import StepLog
 from pipeline.stages.train.components import (
     Checkpointer,

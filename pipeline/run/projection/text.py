@@ -1,0 +1,151 @@
+"""The run projection (:mod:`pipeline.run.projection.compute`) as words: the console header's one compact line and the
+lines ``aerie status`` prints. Pure functions of a :class:`RunProjection`; the clock times are local time."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.run.projection.compute import RunProjection
+
+SEP = " · "
+
+
+def duration(s: float) -> str:
+    """45s, 12m, 3h12m, 2d04h: the two largest units, no more."""
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.0f}s"
+    m = int(s // 60)
+    if m < 60:
+        return f"{m}m"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
+
+
+def clock(t: float, now: float) -> str:
+    """A time near ``now`` as people plan by: 14:05 today, Tue 14:05 this week, else 2026-12-03 14:05."""
+    lt, ln = time.localtime(t), time.localtime(now)
+    if lt.tm_yday == ln.tm_yday and lt.tm_year == ln.tm_year:
+        return time.strftime("%H:%M", lt)
+    if abs(t - now) < 6 * 86400:
+        return time.strftime("%a %H:%M", lt)
+    return time.strftime("%Y-%m-%d %H:%M", lt)
+
+
+def size(n: float) -> str:
+    """Bytes in binary units, short (1.2 TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _more(ids: list[str]) -> str:
+    return ids[0] + (f" +{len(ids) - 1}" if len(ids) > 1 else "")
+
+
+def finish_text(p: RunProjection) -> str:
+    """When the run ends, or why it will not."""
+    if p.blocked:
+        return f"won't finish: retry {_more(p.blocked)}"
+    if p.finished:
+        return "ended" + (f", took {duration(p.finish_at - p.started_at)}" if p.started_at else "")
+    if p.unknown_open:
+        return (
+            f"finish unknown: {_more(p.unknown_open)} report{'' if len(p.unknown_open) > 1 else 's'} no size"
+        )
+    if p.remaining_s < 1:
+        return "finishing: the last stages are ending"
+    when = f"finish {clock(p.finish_at, p.now)} ({duration(p.remaining_s)} left)"
+    return f"{when}, later while {_more(p.paused)} paused" if p.paused else when
+
+
+def parts(p: RunProjection) -> list[str]:
+    """The compact line's facts, most important first."""
+    head = (
+        f"{p.progress:.0%} {p.stages_done}/{p.stages_total}"
+        if p.progress is not None
+        else f"{p.stages_done}/{p.stages_total} stages"  # no per cent to give: a stage's size is unknown
+    )
+    out = [head, finish_text(p)]
+    if p.gpu_hours_projected > 0:
+        done = p.finished and not p.blocked
+        out.append(
+            f"{p.gpu_hours_used:.1f} GPU-h"
+            if done
+            else f"{p.gpu_hours_used:.1f}/{p.gpu_hours_projected:.1f} GPU-h"
+        )
+    if p.disk_at_finish is not None:
+        of = f"/{size(p.disk_total)}" if p.disk_total else ""
+        on = f" on {p.disk_mount.split(' ')[0]}" if p.disk_mount else ""  # the mount point, as the meter
+        out.append(f"disk {size(p.disk_at_finish)}{of} at end{on}")
+    if p.blocked:
+        out.append(f"{duration(p.remaining_s)} more if retried now")
+    if p.assumed and not p.finished:
+        out.append(f"{len(p.assumed)} assumed")
+    return out
+
+
+def compact_line(p: RunProjection, width: int = 80) -> str:
+    """One line of at most ``width`` cells: whole facts, the least important dropped first."""
+    facts = parts(p)
+    while facts:
+        line = SEP.join(facts)
+        if len(line) <= width:
+            return line
+        facts.pop()
+    return ""
+
+
+def status_lines(p: RunProjection) -> list[str]:
+    """``aerie status``: the projection, then how each estimate was made."""
+    done = f"{p.stages_done}/{p.stages_total} stages done"
+    lines = [
+        f"run: {p.progress:.0%} of the estimated work, {done}"
+        if p.progress is not None
+        else f"run: progress unknown ({', '.join(p.unknown_open)}: no size known), {done}"
+    ]
+    if p.blocked:
+        lines.append(
+            f"finish: will not finish without a retry of {', '.join(p.blocked)}; retried now: "
+            f"{clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now"
+        )
+    elif p.finished:
+        lines.append(f"finish: {finish_text(p)}")
+    elif p.unknown_open:
+        lines.append(
+            f"finish: unknown — {', '.join(p.unknown_open)} report no progress with a total (an operator "
+            f"command can: StageContext.progress); the rest alone would take {duration(p.remaining_s)}"
+        )
+    else:
+        lines.append(
+            f"finish: {clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now (critical path)"
+        )
+        if p.paused:
+            lines.append(
+                f"paused: {', '.join(p.paused)} (projected as if resumed now: the finish moves later)"
+            )
+    lines.append(f"GPU-hours: {p.gpu_hours_used:.2f} used, {p.gpu_hours_projected:.2f} projected")
+    if p.disk_at_finish is not None:
+        lines.append(
+            f"disk at finish: {size(p.disk_at_finish)} used"
+            + (f" of {size(p.disk_total)}" if p.disk_total else "")
+            + (f" on {p.disk_mount}" if p.disk_mount else "")
+        )
+    if not p.finished or p.blocked:
+        for e in p.stages:
+            if e.basis in ("measured", "assumed") and (e.remaining_s > 0 or e.state != "succeeded"):
+                rate = f"{_num(e.rate)} {e.unit}/s ({e.rate_from})" if e.rate else ""
+                what = f"{e.size:,.0f} {e.unit}" if e.size is not None else ""
+                lines.append(f"  {e.id:<28} {e.basis:<8} {duration(e.remaining_s):>7} left  {what} at {rate}")
+        if p.unknown:
+            lines.append(f"  no estimate (no size known): {', '.join(p.unknown)}")
+    return lines

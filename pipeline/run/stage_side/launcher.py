@@ -1,0 +1,281 @@
+"""The launcher wrapper: ``python -m pipeline.run.stage_side.launcher RUN STAGE ATTEMPT``.
+
+The supervisor starts this in a new session (so it leads a fresh process group), detached, with
+stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
+
+1. records its pid, pgid, kernel start time and a random attempt token in ``proc.json`` (atomically),
+   before the stage starts, so every process of the attempt can be found from that record,
+2. writes the ``started`` event and a banner line in the log,
+3. runs the stage (a built-in ``python -m pipeline.X`` or the operator's ``/bin/sh -c`` command)
+   as a child in the same process group, with the ``AERIE_*`` environment; ``AERIE_ATTEMPT_TOKEN``
+   marks each process the stage starts, including one that leaves the group
+   (:func:`pipeline.run.hosts.procs.attempt_members`),
+4. writes ``exit.json`` and the ``finished`` event when the child ends; for a failure both carry
+   ``error``, the log line that says why (the exception, or the last error / non-empty line).
+
+Under the Slurm executor (``AERIE_EXECUTOR=slurm``) it is the batch script's process and exits with
+the stage's status, so Slurm's accounting says FAILED for a failed stage. It survives SIGTERM (ignored here, so the child's death is still recorded); a SIGKILL to the
+group ends it too. A launcher killed alone (``kill -9`` of its pid) leaves the stage running under init:
+the supervisor then follows the attempt's processes and records the exit when the last one has ended
+(:mod:`pipeline.run.hosts.local_exec`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.run import nospace, oom
+from pipeline.run.hosts.procs import ENV_TOKEN, ProcIdentity, env_with_pipeline, new_token
+from pipeline.run.plan.dag import StageSpec, stage_module
+from pipeline.run.rundir.events import EventWriter
+from pipeline.run.rundir.files import private_dir
+from pipeline.run.rundir.growth import read_tail
+from pipeline.run.rundir.layout import RunDir, StageDir, read_json, write_json
+from pipeline.run.rundir.logscan import ERROR_TAIL_BYTES, last_error_line
+from pipeline.run.rundir.stage_row import ExitStatus
+from pipeline.run.stage_side.runtime import (
+    ENV_ATTEMPT,
+    ENV_INPUTS,
+    ENV_OUT,
+    ENV_PLAN,
+    ENV_RUN,
+    ENV_STAGE,
+    ENV_THREADS,
+)
+
+
+def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
+    if spec.run:
+        return [
+            python,
+            "-m",
+            stage_module(spec.run),
+            "--plan",
+            str(run.plan_path),
+            "--stage",
+            spec.id,
+            *spec.args,
+        ]
+    assert spec.command is not None
+    return ["/bin/sh", "-c", spec.command]
+
+
+def under_slurm() -> bool:
+    return os.environ.get("AERIE_EXECUTOR") == "slurm"
+
+
+def stage_env(spec: StageSpec, run: RunDir, attempt: int, token: str = "") -> dict[str, str]:
+    sd = run.stage(spec.id)
+    inputs = {dep: str(run.stage(dep).out) for dep in spec.after}
+    env = dict(os.environ)
+    if spec.cpu > 0 and not spec.gpus and "OMP_NUM_THREADS" not in env and not under_slurm():
+        # A CPU stage computes on the slots it holds, not on every core: torch's default (one thread per
+        # core) beside other stages oversubscribes the cores, and OpenMP threads then spin waiting for
+        # each other (measured: docs/performance.md, "CPU threads of a stage"). Under Slurm the job's
+        # cgroup already holds it to its cpus-per-task, which torch's default follows.
+        env["OMP_NUM_THREADS"] = env[ENV_THREADS] = str(spec.cpu)
+        # Threads that wait sleep instead of spinning: libgomp's spinning threads, beside another busy
+        # process, took 4-5x the CPU for the same decoding (docs/performance.md, "OpenMP threads that wait").
+        if "OMP_NUM_THREADS" not in spec.env:  # the plan's own thread count keeps libgomp's own policy
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.update(spec.env)
+    env = env_with_pipeline(env)  # built-in stages import `pipeline` from wherever the launcher did
+    env.update(
+        {
+            ENV_RUN: str(run.root),
+            ENV_STAGE: spec.id,
+            ENV_ATTEMPT: str(attempt),
+            ENV_OUT: str(sd.out),
+            ENV_INPUTS: json.dumps(inputs),
+            ENV_PLAN: str(run.plan_path),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if token:
+        env[ENV_TOKEN] = token  # after the plan's env: a stage cannot unset the mark of its own attempt
+    return env
+
+
+def failure_line(log: os.PathLike[str] | str) -> str:
+    """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
+    sys.stdout.flush()
+    try:
+        # across a rotation: the line may be in stage.1.log when the supervisor just truncated the log
+        return last_error_line(read_tail(Path(log), ERROR_TAIL_BYTES).decode(errors="replace"))
+    except OSError:
+        return ""
+
+
+def _ran_out_of_space(sd: StageDir) -> bool:
+    """Did the stage die of a full disk? Its filesystem is (nearly) full, or its log's tail says so."""
+    try:
+        st = os.statvfs(sd.out)
+        if st.f_bavail * st.f_frsize < 64 * 1024:
+            return True
+    except OSError:
+        pass
+    tail = read_tail(sd.log, 16384).decode(errors="replace")
+    tail = tail.rsplit(f"===== aerie: {sd.id} attempt ", 1)[-1].lower()  # this attempt's lines only
+    return any(t.lower() in tail for t in nospace.NOSPACE_TEXT)
+
+
+PROC_WRITE_S = (
+    20.0  # proc.json: under the supervisor's LAUNCH_TIMEOUT_S, after which it counts the launch lost
+)
+EXIT_WRITE_S = 3600.0  # exit.json: a run dir read-only (a remount, an immutable flag) for up to an hour
+
+
+def _write_record(path: Path, record: dict, within_s: float) -> None:
+    """A record the supervisor derives state from, retried with backoff (0.5 s doubling to 30 s) on any write
+    error — a full disk (the stage's failure usually frees its temp files), a run dir remounted read-only or
+    made immutable for a while, EIO — until ``within_s``; then the error is raised. While the launcher retries
+    ``exit.json`` it is alive, so the stage shows running, never a false 'launcher died'; if the record
+    still cannot be written the supervisor records the exit itself."""
+    deadline = time.monotonic() + within_s
+    wait = 0.5
+    while True:
+        try:
+            write_json(path, record)
+            return
+        except OSError as exc:
+            if time.monotonic() + wait > deadline:
+                raise
+            with contextlib.suppress(OSError):
+                print(f"aerie: cannot write {path.name} ({exc}); retrying in {wait:g}s", flush=True)
+            time.sleep(wait)
+            wait = min(wait * 2, 30.0)
+
+
+class _Events:
+    """The launcher's events, best effort: a write error (a read-only run dir, a full disk) loses an event
+    line, never the stage — proc.json and exit.json are what the supervisor derives state from."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: EventWriter | None = None
+
+    def emit(self, type_: str, **data: object) -> None:
+        try:
+            if self._writer is None:
+                self._writer = EventWriter(self.path)
+            self._writer.emit(type_, **data)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                print(f"aerie: cannot write the {type_} event ({exc})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3:
+        print("usage: python -m pipeline.run.stage_side.launcher RUN STAGE ATTEMPT", file=sys.stderr)
+        return 2
+    os.umask(0o077)  # what the stage and its libraries create (out/, checkpoints) is private too
+    run, stage_id, attempt = RunDir(argv[0]), argv[1], int(argv[2])
+    sd = run.stage(stage_id)
+    spec = StageSpec.from_dict(read_json(sd.spec))
+    ident = ProcIdentity.of_self(token=new_token())
+    _write_record(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()}, PROC_WRITE_S)
+    private_dir(sd.out)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    events = _Events(sd.events)
+    argv_child = stage_argv(spec, run, sys.executable)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with contextlib.suppress(OSError):  # the log's banner, best effort like the events
+        print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
+        print(f"===== $ {' '.join(argv_child)}", flush=True)
+    events.emit("started", attempt=attempt, pid=ident.pid, pgid=ident.pgid)
+    oom_before = oom.reading()  # to tell an OOM kill from any other SIGKILL when the child dies
+    try:
+        child = subprocess.Popen(
+            argv_child,
+            stdin=subprocess.DEVNULL,
+            env=stage_env(spec, run, attempt, ident.token),
+            cwd=str(sd.out),
+            preexec_fn=lambda: (
+                signal.signal(signal.SIGTERM, signal.SIG_DFL),
+                signal.signal(signal.SIGINT, signal.SIG_DFL),
+            ),
+        )
+    except OSError as exc:
+        print(f"aerie: cannot start stage: {exc}", flush=True)
+        _write_record(
+            sd.exit,
+            {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)},
+            EXIT_WRITE_S,
+        )
+        events.emit("finished", status=ExitStatus.FAILED, returncode=127, detail=str(exc))
+        return 127
+    rc = _wait(child)
+    status = _finish(sd, stage_id, attempt, rc, oom_before, events)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with contextlib.suppress(OSError):
+        print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
+    if os.environ.get("AERIE_EXECUTOR") == "slurm":
+        # Slurm's record of the job (sacct, scontrol) carries the stage's own status, as a shell reports it.
+        return rc if rc >= 0 else 128 - rc
+    return 0
+
+
+def _wait(child: subprocess.Popen[bytes]) -> int:
+    """The child's return code (negative: the signal that ended it), however often a signal interrupts."""
+    while True:
+        try:
+            return child.wait()
+        except InterruptedError:
+            continue
+
+
+def _finish(
+    sd: StageDir, stage_id: str, attempt: int, rc: int, oom_before: oom.OomReading, events: _Events
+) -> ExitStatus:
+    """Record how the attempt ended (``exit.json``, the ``finished`` event) and return its status."""
+    sig = -rc if rc < 0 else None
+    sig_name = signal.Signals(sig).name if sig else None
+    killed = sd.record_for(sd.kill_marker, attempt)
+    if rc == 0:
+        status = ExitStatus.SUCCEEDED
+    elif killed:
+        # A service the supervisor stopped because its users were done has done its job.
+        status = ExitStatus.SUCCEEDED if killed.get("reason") == "stop" else ExitStatus.KILLED
+    else:
+        status = ExitStatus.FAILED
+    why = failure_line(sd.log) if status == ExitStatus.FAILED else ""
+    record = {
+        "attempt": attempt,
+        "returncode": rc,
+        "signal": sig_name,
+        "t": time.time(),
+        **({"error": why} if why else {}),
+    }
+    if rc > 0 and _ran_out_of_space(sd):
+        # "exit 1: no space left on device /dev/sdb1 (ext4 at /data, 0 B free of 2.0 TiB)"
+        record["detail"] = f"exit {rc}: {nospace.describe(sd.out)}"
+    if sig:
+        # "killed by signal 9 (SIGKILL): out of memory — the kernel's OOM killer, at the memory limit of ..."
+        record["detail"] = oom.describe(sig, oom_before, oom.reading(), sent_by_aerie=bool(killed))
+        with contextlib.suppress(OSError):
+            print(f"aerie: {stage_id} {record['detail']}", flush=True)
+        if not killed:
+            events.emit("message", level="error", code="signal", signal=sig, text=record["detail"])
+    _write_record(sd.exit, record, EXIT_WRITE_S)
+    with contextlib.suppress(OSError):  # a full disk: the exit record above is what counts
+        events.emit(
+            "finished",
+            status=status,
+            returncode=rc,
+            detail=record.get("detail") or sig_name,
+            **({"error": why} if why else {}),
+        )
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
