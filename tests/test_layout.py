@@ -382,3 +382,41 @@ def test_the_gpu_harness_imports_no_experiment() -> None:
         if d.startswith("bench") and d not in BENCH_GPU_HARNESS
     )
     assert not bad, bad
+
+
+# No function over 80 lines in console/, pipeline/ or bench/ (def to last line, docstring included): a longer
+# one holds several steps that want names. The allow-list is at most 3 entries, each with why it stays whole.
+MAX_FUNCTION_LINES = 80
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
+
+
+def long_functions(source: str, where: str) -> list[str]:
+    """``where:line name (N lines)`` for each function in ``source`` over :data:`MAX_FUNCTION_LINES`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            n = (node.end_lineno or node.lineno) - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_the_length_check_finds_a_long_function_nested_or_not() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}\n", "m.py") == ["m.py:1 f (81 lines)"]
+    assert long_functions(
+        f"class C:\n    async def g(self):\n    {body.replace(chr(10), chr(10) + '    ')}\n", "c.py"
+    )
+    assert not long_functions("def f():\n" + "\n".join(body.splitlines()[:-1]) + "\n", "m.py")
+
+
+def test_no_function_over_80_lines_in_console_pipeline_or_bench() -> None:
+    assert len(LONG_FUNCTIONS_ALLOWED) <= 3, "the allow-list is for at most 3 functions"
+    too_long = []
+    for top in ("console", "pipeline", "bench"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            for hit in long_functions(p.read_text(), rel):
+                if f"{rel} {hit.split(' ')[1]}" not in LONG_FUNCTIONS_ALLOWED:
+                    too_long.append(hit)
+    assert not too_long, f"split these into named steps: {too_long}"
