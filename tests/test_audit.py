@@ -19,8 +19,9 @@ from console.cli import main as cli_main
 from console.headless import follow
 from console.screens.audit import AuditScreen
 from console.transport import CtlResult, LocalTransport
-from pipeline.run import audit, ctl
+from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir
+from pipeline.run.supervise import ctl
 from pipeline.run.supervise.run_setup import supervisor_alive
 from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop, wait_done, wait_for
 from tests.test_console import WORKER, until

@@ -18,7 +18,7 @@ from console.audit_trail import AuditTrail
 from console.logindex import LogIndex
 from console.model import RunModel
 from console.transport import LocalTransport
-from pipeline.run import audit, growth
+from pipeline.run.rundir import audit, growth
 from pipeline.run.rundir.events import CARRIED, Event, EventTail, EventWriter, read_all
 from pipeline.run.rundir.layout import RunDir, read_json, write_json
 from pipeline.run.stage_side.launcher import failure_line

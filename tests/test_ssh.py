@@ -80,7 +80,7 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
         and rep.layout.pythonpath
         and rep.layout.pythonpath.startswith(str(remote / ".aerie" / "pkg-"))
     )
-    assert (Path(rep.layout.pythonpath) / "pipeline" / "run" / "remote_agent.py").is_file()
+    assert (Path(rep.layout.pythonpath) / "pipeline" / "run" / "hosts" / "remote_agent.py").is_file()
     assert "free at" in rep.render()
 
     conn = HostConnection(SshTarget.from_executor(plan.executor))
