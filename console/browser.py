@@ -24,38 +24,38 @@ No console outlives the server, however the server ends and however the browser 
 console runs in its own process group, recorded when it is started; the server sends that group
 SIGTERM (then SIGKILL) when it shuts down, and the kernel sends the console SIGKILL if the server
 dies without shutting down (``PR_SET_PDEATHSIG``, so even a SIGKILLed server leaves no orphan).
+
+This module is the command: the options checked, the sockets bound, the token found or generated, the
+operator told where the console is. The server itself — textual-serve behind the guard, each WebSocket
+session's console process and the process groups — is ``console/browser_server.py``, imported only when
+a server starts (it pulls in aiohttp and textual-serve).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import ctypes
 import errno
 import hmac
 import ipaddress
-import logging
 import os
 import shlex
-import signal
 import socket
 import sys
-import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from console import serve_guard
 from console.serve_guard import (
     NO_TOKEN_RISK,
-    READ_ONLY_KEY,
     TOKEN_ENV,
     VIEW_TOKEN_ENV,
     Guard,
     GuardError,
-    RedactingFilter,
     read_token,
     view_token,
 )
+
+if TYPE_CHECKING:  # imported when a server starts: it pulls in aiohttp and textual-serve
+    from console.browser_server import ConsoleGroups, GuardedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MAX_SESSIONS = 4
@@ -99,213 +99,19 @@ def console_command(run: str, theme: str | None, poll_s: float, read_only: bool 
     return shlex.join(argv)
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup(parent: int) -> None:
-    """In the console child before exec: SIGKILL when the server dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the server died before prctl took effect
-        os._exit(1)
-
-
-class ConsoleGroups:
-    """The process groups of the consoles this server started, recorded at start; only these are signalled."""
-
-    def __init__(self) -> None:
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
-
-    def add(self, proc: asyncio.subprocess.Process) -> None:
-        self.procs[proc.pid] = proc
-
-    def stop_all(self, grace_s: float = 3.0) -> None:
-        """SIGTERM every recorded group still running, SIGKILL what is left after ``grace_s``.
-
-        Safe against pid reuse: a recorded child is not reaped until asyncio sees it exit, so while
-        ``returncode`` is None its pid (= its group id) is still ours."""
-        live = [p for p in self.procs.values() if p.returncode is None]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in live:
-                for s in (sig, signal.SIGCONT) if sig == signal.SIGTERM else (sig,):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(p.pid, s)
-            deadline = time.monotonic() + grace_s
-            while (
-                sig == signal.SIGTERM
-                and time.monotonic() < deadline
-                and any(_group_alive(p.pid) for p in live)
-            ):
-                time.sleep(0.05)
-        self.procs.clear()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    # a zombie leader (not reaped yet) still answers; count the group dead when only zombies remain
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
-
-
 def make_server(
     command: str,
     title: str,
     guard: Guard,
     groups: ConsoleGroups,
     view_command: str | None = None,
-) -> Any:
+) -> GuardedServer:
     """A textual-serve Server behind ``guard`` (serve_guard.py) whose consoles are recorded, own their
     group, die with it, and number at most ``guard.max_sessions``. A session whose token is read-only runs
-    ``view_command`` (the read-only console) instead of ``command``."""
-    import aiohttp_jinja2
-    from aiohttp import web
-    from rich.console import Console
-    from textual_serve.app_service import AppService
-    from textual_serve.server import Server
+    ``view_command`` (the read-only console) instead of ``command``. (console/browser_server.py)"""
+    from console.browser_server import GuardedServer
 
-    class _AppService(AppService):
-        async def _open_app_process(self, width: int = 80, height: int = 24) -> asyncio.subprocess.Process:
-            env = self._build_environment(width=width, height=height)
-            for name in (TOKEN_ENV, VIEW_TOKEN_ENV):  # a console (and its alert hooks) never sees a token
-                env.pop(name, None)
-            parent = os.getpid()
-            # exec: the shell becomes the console, so the recorded pid is the console itself.
-            self._process = process = await asyncio.create_subprocess_shell(
-                f"exec {self.command}",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-                preexec_fn=lambda: _child_setup(parent),
-            )
-            groups.add(process)
-            assert process.stdin is not None
-            self._stdin = process.stdin
-            return process
-
-    class _Server(Server):
-        def initialize_logging(self) -> None:
-            # Plain lines on stderr, each through the token filter; no rich tracebacks (they show locals).
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("aerie serve: %(name)s: %(message)s"))
-            handler.addFilter(RedactingFilter(guard.tokens))
-            logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-
-        async def on_startup(self, app: web.Application) -> None:
-            pass  # textual-serve's banner names a URL and the command; serve() says what the operator needs
-
-        async def _make_app(self) -> web.Application:
-            app = await super()._make_app()
-            app.middlewares.append(serve_guard.middleware(guard))
-            app.on_response_prepare.append(serve_guard.safe_headers)
-            app.on_shutdown.append(lambda _app: asyncio.to_thread(groups.stop_all))
-            return app
-
-        async def handle_index(self, request: web.Request) -> web.StreamResponse:
-            if guard.full:
-                raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
-            # The websocket URL as the browser reached us (Host checked by the guard): the page works
-            # at localhost or 127.0.0.1, and through a forward to another local port (--allow-origin).
-            scheme = "wss" if request.scheme == "https" or guard.behind_tls(request.host) else "ws"
-            context = {
-                "font_size": _to_int(request.query.get("fontsize", "16"), 16),
-                "app_websocket_url": f"{scheme}://{request.host}/ws",
-                "config": {"static": {"url": "/static/"}},
-                "application": {"name": self.title},
-            }
-            return aiohttp_jinja2.render_template("app_index.html", request, context)
-
-        async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
-            # textual-serve's handler, with our AppService (recorded group, death signal) and the cap.
-            if guard.full:  # refused before the upgrade: no console process is started for it
-                raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
-            guard.sessions += 1
-            try:
-                return await self._session(request)
-            finally:
-                guard.sessions -= 1
-
-        async def _session(self, request: web.Request) -> web.WebSocketResponse:
-            websocket = web.WebSocketResponse(heartbeat=15)
-            width = _to_int(request.query.get("width", "80"), 80)
-            height = _to_int(request.query.get("height", "24"), 24)
-            app_service: AppService | None = None
-
-            async def close() -> None:  # textual-serve awaits None; aiohttp's close says whether it closed
-                await websocket.close()
-
-            try:
-                await websocket.prepare(request)
-                read_only = bool(request.get(READ_ONLY_KEY)) and view_command is not None
-                app_service = _AppService(
-                    view_command if read_only and view_command else self.command,
-                    write_bytes=websocket.send_bytes,
-                    write_str=websocket.send_str,
-                    close=close,
-                    download_manager=self.download_manager,
-                    debug=self.debug,
-                )
-                await app_service.start(width, height)
-                try:
-                    await self._process_messages(websocket, app_service)
-                finally:
-                    await app_service.stop()
-            except asyncio.CancelledError:
-                await websocket.close()
-            except Exception as error:  # noqa: BLE001 - as textual-serve: log, never crash the server
-                print(
-                    f"aerie serve: a session failed: {guard.redact(repr(error))}", file=sys.stderr, flush=True
-                )
-            finally:
-                if app_service is not None:
-                    await app_service.stop()
-            return websocket
-
-        def serve_on(self, socks: list[socket.socket]) -> None:
-            """textual-serve's ``serve``, on sockets already bound, with the redacting access log."""
-            from aiohttp.web_runner import GracefulExit
-
-            self.initialize_logging()
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-
-            def request_exit() -> None:
-                raise GracefulExit()
-
-            loop.add_signal_handler(signal.SIGINT, request_exit)
-            loop.add_signal_handler(signal.SIGTERM, request_exit)
-            web.run_app(
-                self._make_app(),
-                sock=socks,
-                handle_signals=False,
-                loop=loop,
-                print=None,
-                access_log_class=serve_guard.access_logger_class(guard.tokens),
-            )
-
-    server = _Server(command, host=guard.bound, port=guard.port, title=title)
-    server.console = Console(stderr=True)
-    return server
-
-
-def _to_int(value: str, default: int) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        return default
+    return GuardedServer(command, title, guard, groups, view_command=view_command)
 
 
 def bind(host: str, port: int) -> list[socket.socket]:
@@ -341,21 +147,18 @@ def _say(text: str) -> None:
     print(f"aerie serve: {text}", file=sys.stderr, flush=True)
 
 
-def serve(
-    run: str,
+def check_options(
     host: str,
-    port: int,
-    theme: str | None,
-    poll_s: float,
-    allow_remote: bool = False,
-    token_file: str | None = None,
-    read_only: bool = False,
-    view_token_file: str | None = None,
-    no_token: bool = False,
-    allow_origins: tuple[str, ...] = (),
-    max_sessions: int = DEFAULT_MAX_SESSIONS,
-) -> int:
-    """Serve until interrupted (Ctrl-C or SIGTERM); returns the exit code."""
+    allow_remote: bool,
+    max_sessions: int,
+    allow_origins: tuple[str, ...],
+    read_only: bool,
+    token_file: str | None,
+    view_token_file: str | None,
+    no_token: bool,
+) -> tuple[tuple[str, ...], str | None, str | None]:
+    """The allowed origins, the control token and the view token ``serve`` was given, each checked before
+    anything is bound; a :class:`ServeError` for what makes it refuse to start."""
     if not allow_remote:
         check_loopback(host)
     if max_sessions < 1:
@@ -371,6 +174,12 @@ def serve(
             "--token-file (or $AERIE_SERVE_TOKEN)"
         )
     control = read_token(token_file)
+    check_token_choice(host, no_token, control, view)
+    return origins, control, view
+
+
+def check_token_choice(host: str, no_token: bool, control: str | None, view: str | None) -> None:
+    """``--no-token`` only on loopback and with no token given; a view token that differs from the control one."""
     if no_token:
         if not is_loopback(host):
             raise ServeError(
@@ -383,29 +192,105 @@ def serve(
     elif control is not None and view is not None and hmac.compare_digest(control.encode(), view.encode()):
         raise ServeError("the view-only token must differ from the control token")
 
+
+def control_token(
+    host: str, port: int, control: str | None, token_file: str | None, no_token: bool
+) -> tuple[str | None, Path | None, str]:
+    """The control token (generated into a 0600 file when none was given and ``--no-token`` was not), the file
+    generated for it (None when none was), and the hint that tells the operator where the token is."""
+    if no_token:
+        return control, None, ""
+    if control is not None:
+        return (
+            control,
+            None,
+            f"its token: the one in {token_file}" if token_file else f"its token: ${TOKEN_ENV}",
+        )
+    generated = serve_guard.token_path(host, port)
+    return serve_guard.write_token(generated), generated, f"its token: cat {generated}"
+
+
+def make_guard(
+    socks: list[socket.socket],
+    host: str,
+    origins: tuple[str, ...],
+    control: str | None,
+    view: str | None,
+    read_only: bool,
+    allow_remote: bool,
+    max_sessions: int,
+    hint: str,
+) -> Guard:
+    """The guard of the server listening on ``socks``: each token mapped to whether its console is read-only."""
+    tokens: dict[str, bool] = {}
+    if control is not None:
+        tokens[control] = read_only
+    if view is not None:
+        tokens[view] = True
+    port = socks[0].getsockname()[1]
+    wildcard = ipaddress.ip_address(socks[0].getsockname()[0]).is_unspecified
+    return Guard(port, host, origins, tokens, allow_remote and wildcard, max_sessions, hint)
+
+
+def export_checkout_path() -> None:
+    """Put this checkout first on ``$PYTHONPATH``: the per-session console imports `console` from it,
+    whatever the browser's cwd."""
+    os.environ["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
+    )
+
+
+def announce(
+    run: str,
+    host: str,
+    port: int,
+    read_only: bool,
+    no_token: bool,
+    hint: str,
+    view: str | None,
+    view_token_file: str | None,
+) -> None:
+    """Tell the operator where the console is, how to get in (never the token itself) and what it risks."""
+    kind = "read-only console" if read_only else "console"
+    where = f"http://{serve_guard.url_host(host)}:{port}/"
+    _say(f"the {kind} for {run} at {where} (Ctrl-C stops serving; the run keeps going)")
+    if no_token:
+        _say(NO_TOKEN_RISK)
+    else:
+        _say(f"{hint} (the page asks for it once, or add ?token=...; a cookie keeps it)")
+    if view is not None:
+        _say(f"view-only: the token in {view_token_file or '$' + VIEW_TOKEN_ENV} gets a read-only console")
+    if not is_loopback(host) and not read_only:
+        _say(f"WARNING: serving on {host}, not loopback: anyone who has the control token can kill stages")
+
+
+def serve(
+    run: str,
+    host: str,
+    port: int,
+    theme: str | None,
+    poll_s: float,
+    allow_remote: bool = False,
+    token_file: str | None = None,
+    read_only: bool = False,
+    view_token_file: str | None = None,
+    no_token: bool = False,
+    allow_origins: tuple[str, ...] = (),
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
+) -> int:
+    """Serve until interrupted (Ctrl-C or SIGTERM); returns the exit code."""
+    origins, control, view = check_options(
+        host, allow_remote, max_sessions, allow_origins, read_only, token_file, view_token_file, no_token
+    )
     socks = bind(host, port)  # a busy port ends here, before a URL is printed or a token file written
     port = socks[0].getsockname()[1]  # --port 0: the one the kernel chose
     generated: Path | None = None
     try:
-        if no_token:
-            hint = ""
-        elif control is not None:
-            hint = f"its token: the one in {token_file}" if token_file else f"its token: ${TOKEN_ENV}"
-        else:
-            generated = serve_guard.token_path(host, port)
-            control = serve_guard.write_token(generated)
-            hint = f"its token: cat {generated}"
-        tokens: dict[str, bool] = {}
-        if control is not None:
-            tokens[control] = read_only
-        if view is not None:
-            tokens[view] = True
-        wildcard = ipaddress.ip_address(socks[0].getsockname()[0]).is_unspecified
-        guard = Guard(port, host, origins, tokens, allow_remote and wildcard, max_sessions, hint)
-        # The per-session console imports `console` from this checkout, whatever the browser's cwd.
-        os.environ["PYTHONPATH"] = str(ROOT) + (
-            os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
-        )
+        control, generated, hint = control_token(host, port, control, token_file, no_token)
+        guard = make_guard(socks, host, origins, control, view, read_only, allow_remote, max_sessions, hint)
+        export_checkout_path()
+        from console.browser_server import ConsoleGroups
+
         groups = ConsoleGroups()
         server = make_server(
             console_command(run, theme, poll_s, read_only),
@@ -414,21 +299,7 @@ def serve(
             groups,
             view_command=console_command(run, theme, poll_s, read_only=True),
         )
-        kind = "read-only console" if read_only else "console"
-        where = f"http://{serve_guard.url_host(host)}:{port}/"
-        _say(f"the {kind} for {run} at {where} (Ctrl-C stops serving; the run keeps going)")
-        if no_token:
-            _say(NO_TOKEN_RISK)
-        else:
-            _say(f"{hint} (the page asks for it once, or add ?token=...; a cookie keeps it)")
-        if view is not None:
-            _say(
-                f"view-only: the token in {view_token_file or '$' + VIEW_TOKEN_ENV} gets a read-only console"
-            )
-        if not is_loopback(host) and not read_only:
-            _say(
-                f"WARNING: serving on {host}, not loopback: anyone who has the control token can kill stages"
-            )
+        announce(run, host, port, read_only, no_token, hint, view, view_token_file)
         try:
             server.serve_on(socks)
         finally:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.run.hosts.checks import CheckReport
 from pipeline.run.hosts.procs import env_with_pipeline
@@ -167,21 +168,22 @@ def check_partitions(plan: Plan, report: CheckReport) -> None:
             )
 
 
-def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: float) -> None:
-    """A tiny job: the shared run dir both ways, and the stages' Python and imports on a compute node."""
-    root = plan.run_dir
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        token = root / f".aerie-preflight-{secrets.token_hex(4)}"
-        reply = token.with_suffix(".reply")
-        word = secrets.token_hex(8)
-        token.write_text(word)
-    except OSError as exc:
-        report.add("", False, f"run directory {root}: cannot write it here: {exc}")
-        return
+def write_probe_token(root: Path) -> tuple[Path, Path, str]:
+    """A fresh token file in the run dir, for the probe job to read: its path, the reply's path, its word."""
+    root.mkdir(parents=True, exist_ok=True)
+    token = root / f".aerie-preflight-{secrets.token_hex(4)}"
+    reply = token.with_suffix(".reply")
+    word = secrets.token_hex(8)
+    token.write_text(word)
+    return token, reply, word
+
+
+def probe_argv(plan: Plan, python: str, token: Path, reply: Path) -> list[str]:
+    """The ``srun`` command line of the probe job: one task on one node, in the plan's partition, account and
+    QoS, checking the imports of the built-in stages the plan runs."""
     mods = sorted({m for s in plan.stages if s.run for m in STAGE_IMPORTS.get(s.run, [])})
     sect = plan.settings.slurm.given()
-    argv = [
+    return [
         "srun",
         "--nodes=1",
         "--ntasks=1",
@@ -197,8 +199,14 @@ def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: 
         str(reply),
         ",".join(mods),
     ]
+
+
+def run_probe(
+    argv: list[str], report: CheckReport, timeout_s: float
+) -> subprocess.CompletedProcess[str] | None:
+    """The probe job run to its end; None (and a FAIL line) when no node ran it in time or srun is missing."""
     try:
-        p = subprocess.run(
+        return subprocess.run(
             argv,
             capture_output=True,
             text=True,
@@ -213,26 +221,13 @@ def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: 
             f"probe job: no compute node ran it within {timeout_s:g}s (queue busy?); "
             "the run dir and imports were not checked on a node",
         )
-        return
     except FileNotFoundError:
         report.add("", False, "probe job: srun not found")
-        return
-    finally:
-        token.unlink(missing_ok=True)
-    try:
-        got = json.loads(reply.read_text())
-    except (OSError, ValueError):
-        why = (p.stderr or p.stdout).strip().splitlines()
-        report.add(
-            "",
-            False,
-            f"probe job: no reply in {root} from the compute node "
-            f"({why[-1] if why else f'srun exited {p.returncode}'}): is the run dir on a shared "
-            "filesystem the nodes mount at the same path?",
-        )
-        return
-    finally:
-        reply.unlink(missing_ok=True)
+    return None
+
+
+def report_probe_reply(got: dict[str, Any], report: CheckReport, root: Path, token: Path, word: str) -> None:
+    """What the compute node's reply says: the run dir shared, its Python, and each import that worked or not."""
     where = got.get("node") or got.get("host")
     report.add(
         "",
@@ -249,6 +244,38 @@ def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: 
     ]
     if "pipeline.run.stage_side.launcher" in (got.get("imports") or {}):
         report.add("", True, f"compute node {where}: pipeline imports" + (f"; {', '.join(ok)}" if ok else ""))
+
+
+def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: float) -> None:
+    """A tiny job: the shared run dir both ways, and the stages' Python and imports on a compute node."""
+    root = plan.run_dir
+    try:
+        token, reply, word = write_probe_token(root)
+    except OSError as exc:
+        report.add("", False, f"run directory {root}: cannot write it here: {exc}")
+        return
+    argv = probe_argv(plan, python, token, reply)
+    try:
+        p = run_probe(argv, report, timeout_s)
+    finally:
+        token.unlink(missing_ok=True)
+    if p is None:
+        return
+    try:
+        got = json.loads(reply.read_text())
+    except (OSError, ValueError):
+        why = (p.stderr or p.stdout).strip().splitlines()
+        report.add(
+            "",
+            False,
+            f"probe job: no reply in {root} from the compute node "
+            f"({why[-1] if why else f'srun exited {p.returncode}'}): is the run dir on a shared "
+            "filesystem the nodes mount at the same path?",
+        )
+        return
+    finally:
+        reply.unlink(missing_ok=True)
+    report_probe_reply(got, report, root, token, word)
 
 
 def preflight(plan: Plan, python: str = sys.executable, timeout_s: float = PROBE_TIMEOUT_S) -> CheckReport:

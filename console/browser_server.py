@@ -1,0 +1,263 @@
+"""The textual-serve server behind ``aerie serve`` (``console/browser.py``), and the console processes it starts.
+
+:class:`GuardedServer` is textual-serve's Server with ``console/serve_guard.py`` in front of every request (Host,
+Origin, token), the session cap checked before a page or a WebSocket upgrade is served, and every log line
+(its own and aiohttp's access log) through the token filter. Each WebSocket session runs one console process
+through :class:`RecordedAppService`: the token variables are dropped from its environment, the control or the
+read-only console is picked by the token the session presented, and the process is recorded in
+:class:`ConsoleGroups`.
+
+No console outlives the server, however the server ends and however the browser went away: each console runs
+in its own process group, recorded when it is started; the server sends that group SIGTERM (then SIGKILL) when
+it shuts down, and the kernel sends the console SIGKILL if the server dies without shutting down
+(``PR_SET_PDEATHSIG``, so even a SIGKILLed server leaves no orphan).
+
+Imported only when ``aerie serve`` starts a server: it pulls in aiohttp and textual-serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import aiohttp_jinja2
+from aiohttp import web
+from rich.console import Console
+from textual_serve.app_service import AppService
+from textual_serve.server import Server
+
+from console import serve_guard
+from console.serve_guard import READ_ONLY_KEY, TOKEN_ENV, VIEW_TOKEN_ENV, Guard, RedactingFilter
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(parent: int) -> None:
+    """In the console child before exec: SIGKILL when the server dies, however it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the server died before prctl took effect
+        os._exit(1)
+
+
+class ConsoleGroups:
+    """The process groups of the consoles this server started, recorded at start; only these are signalled."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+
+    def add(self, proc: asyncio.subprocess.Process) -> None:
+        self.procs[proc.pid] = proc
+
+    def stop_all(self, grace_s: float = 3.0) -> None:
+        """SIGTERM every recorded group still running, SIGKILL what is left after ``grace_s``.
+
+        Safe against pid reuse: a recorded child is not reaped until asyncio sees it exit, so while
+        ``returncode`` is None its pid (= its group id) is still ours."""
+        live = [p for p in self.procs.values() if p.returncode is None]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in live:
+                for s in (sig, signal.SIGCONT) if sig == signal.SIGTERM else (sig,):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p.pid, s)
+            deadline = time.monotonic() + grace_s
+            while (
+                sig == signal.SIGTERM
+                and time.monotonic() < deadline
+                and any(_group_alive(p.pid) for p in live)
+            ):
+                time.sleep(0.05)
+        self.procs.clear()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # a zombie leader (not reaped yet) still answers; count the group dead when only zombies remain
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _to_int(value: str, default: int) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def _refuse_when_full(guard: Guard) -> None:
+    """503 (retry in 30 s) when ``guard.max_sessions`` consoles run already: nothing is started for it."""
+    if guard.full:
+        raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
+
+
+class RecordedAppService(AppService):
+    """textual-serve's AppService whose console process sees no token, owns its process group, dies with the
+    server and is recorded in ``groups``."""
+
+    def __init__(self, command: str, groups: ConsoleGroups, **kwargs: Any) -> None:
+        super().__init__(command, **kwargs)
+        self.groups = groups
+
+    async def _open_app_process(self, width: int = 80, height: int = 24) -> asyncio.subprocess.Process:
+        env = self._build_environment(width=width, height=height)
+        for name in (TOKEN_ENV, VIEW_TOKEN_ENV):  # a console (and its alert hooks) never sees a token
+            env.pop(name, None)
+        parent = os.getpid()
+        # exec: the shell becomes the console, so the recorded pid is the console itself.
+        self._process = process = await asyncio.create_subprocess_shell(
+            f"exec {self.command}",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=lambda: _child_setup(parent),
+        )
+        self.groups.add(process)
+        assert process.stdin is not None
+        self._stdin = process.stdin
+        return process
+
+
+class GuardedServer(Server):
+    """A textual-serve Server behind ``guard`` (serve_guard.py) whose consoles are recorded in ``groups``, own
+    their group, die with it, and number at most ``guard.max_sessions``. A session whose token is read-only
+    runs ``view_command`` (the read-only console) instead of ``command``."""
+
+    def __init__(
+        self,
+        command: str,
+        title: str,
+        guard: Guard,
+        groups: ConsoleGroups,
+        view_command: str | None = None,
+    ) -> None:
+        super().__init__(command, host=guard.bound, port=guard.port, title=title)
+        self.console = Console(stderr=True)  # textual-serve's own messages on stderr, never stdout
+        self.guard = guard
+        self.groups = groups
+        self.view_command = view_command
+
+    def initialize_logging(self) -> None:
+        # Plain lines on stderr, each through the token filter; no rich tracebacks (they show locals).
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("aerie serve: %(name)s: %(message)s"))
+        handler.addFilter(RedactingFilter(self.guard.tokens))
+        logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+    async def on_startup(self, app: web.Application) -> None:
+        pass  # textual-serve's banner names a URL and the command; serve() says what the operator needs
+
+    async def _make_app(self) -> web.Application:
+        app = await super()._make_app()
+        app.middlewares.append(serve_guard.middleware(self.guard))
+        app.on_response_prepare.append(serve_guard.safe_headers)
+        app.on_shutdown.append(lambda _app: asyncio.to_thread(self.groups.stop_all))
+        return app
+
+    async def handle_index(self, request: web.Request) -> web.StreamResponse:
+        _refuse_when_full(self.guard)
+        # The websocket URL as the browser reached us (Host checked by the guard): the page works
+        # at localhost or 127.0.0.1, and through a forward to another local port (--allow-origin).
+        scheme = "wss" if request.scheme == "https" or self.guard.behind_tls(request.host) else "ws"
+        context = {
+            "font_size": _to_int(request.query.get("fontsize", "16"), 16),
+            "app_websocket_url": f"{scheme}://{request.host}/ws",
+            "config": {"static": {"url": "/static/"}},
+            "application": {"name": self.title},
+        }
+        return aiohttp_jinja2.render_template("app_index.html", request, context)
+
+    async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
+        # textual-serve's handler, with our AppService (recorded group, death signal) and the cap.
+        _refuse_when_full(self.guard)  # refused before the upgrade: no console process is started for it
+        self.guard.sessions += 1
+        try:
+            return await self._session(request)
+        finally:
+            self.guard.sessions -= 1
+
+    def _session_command(self, request: web.Request) -> str:
+        """The console a session runs: the read-only one when its token is the view token."""
+        read_only = bool(request.get(READ_ONLY_KEY)) and self.view_command is not None
+        return self.view_command if read_only and self.view_command else self.command
+
+    async def _session(self, request: web.Request) -> web.WebSocketResponse:
+        websocket = web.WebSocketResponse(heartbeat=15)
+        width = _to_int(request.query.get("width", "80"), 80)
+        height = _to_int(request.query.get("height", "24"), 24)
+        app_service: AppService | None = None
+
+        async def close() -> None:  # textual-serve awaits None; aiohttp's close says whether it closed
+            await websocket.close()
+
+        try:
+            await websocket.prepare(request)
+            app_service = RecordedAppService(
+                self._session_command(request),
+                self.groups,
+                write_bytes=websocket.send_bytes,
+                write_str=websocket.send_str,
+                close=close,
+                download_manager=self.download_manager,
+                debug=self.debug,
+            )
+            await app_service.start(width, height)
+            try:
+                await self._process_messages(websocket, app_service)
+            finally:
+                await app_service.stop()
+        except asyncio.CancelledError:
+            await websocket.close()
+        except Exception as error:  # noqa: BLE001 - as textual-serve: log, never crash the server
+            print(
+                f"aerie serve: a session failed: {self.guard.redact(repr(error))}",
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            if app_service is not None:
+                await app_service.stop()
+        return websocket
+
+    def serve_on(self, socks: list[socket.socket]) -> None:
+        """textual-serve's ``serve``, on sockets already bound, with the redacting access log."""
+        from aiohttp.web_runner import GracefulExit
+
+        self.initialize_logging()
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        def request_exit() -> None:
+            raise GracefulExit()
+
+        loop.add_signal_handler(signal.SIGINT, request_exit)
+        loop.add_signal_handler(signal.SIGTERM, request_exit)
+        web.run_app(
+            self._make_app(),
+            sock=socks,
+            handle_signals=False,
+            loop=loop,
+            print=None,
+            access_log_class=serve_guard.access_logger_class(self.guard.tokens),
+        )
