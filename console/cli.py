@@ -29,6 +29,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from console import executors
 from console.actions import CONTROL_WORDS, CTL_FLAGS, CTL_VERBS
 from console.cli_common import err, open_run, remote, run_ctl
 from console.cli_status import cmd_status
@@ -123,7 +124,7 @@ def _start(plan_path: Path, run_dir: Path | None) -> Path | Transport | int:
     except plan_mod.PlanError as exc:
         err(str(exc))
         return EXIT_USAGE
-    if plan.executor.kind == "ssh" or plan.executor.host:
+    if executors.uses_ssh_transport(plan.executor):
         return _start_remote(plan)
     # local, or slurm from this (login) node: the supervisor runs here (and submits the stages' jobs)
     rc, out, stderr = start_local_run(plan_path, run_dir)
@@ -199,14 +200,15 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     except plan_mod.PlanError as exc:
         err(str(exc))
         return EXIT_USAGE
-    if plan.executor.kind == "slurm" and not plan.executor.host:
+    module = executors.local_preflight_module(plan.executor)
+    if module is not None:
         # Slurm from this login node: the checks need the Slurm commands, so they run as a pipeline program.
         import subprocess
 
         from console.transport import child_env
 
         p = subprocess.run(
-            [sys.executable, "-m", "pipeline.run.hosts.slurm.preflight", str(plan.path)],
+            [sys.executable, "-m", module, str(plan.path)],
             env=child_env(),
             stdin=subprocess.DEVNULL,
         )
