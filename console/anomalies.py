@@ -42,7 +42,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from console import fmt
+from console import executors, fmt
 from console.alerts import Alert
 from console.model import RunModel, StageView
 from console.telemetry_model import TelemetryModel
@@ -454,7 +454,8 @@ class AnomalyWatcher:
             and st.attempt == a.attempt
         ]
         self.pending = []
-        tel = model.telemetry if model.executor != "slurm" else None  # Slurm: GPUs are on other hosts
+        # Slurm: the stages' GPUs are on other hosts than the supervisor sampling its own
+        tel = model.telemetry if executors.gpu_telemetry_applies(model.executor) else None
         for st in model.stages.values():
             if st.state == StageState.PAUSED or st.pausing:
                 if st.id in self.stages:

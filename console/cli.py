@@ -29,6 +29,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from console import executors
 from console.actions import CONTROL_WORDS, CTL_FLAGS, CTL_VERBS
 from console.cli_common import err, open_run, remote, run_ctl
 from console.cli_status import cmd_status
@@ -123,7 +124,7 @@ def _start(plan_path: Path, run_dir: Path | None) -> Path | Transport | int:
     except plan_mod.PlanError as exc:
         err(str(exc))
         return EXIT_USAGE
-    if plan.executor.kind == "ssh" or plan.executor.host:
+    if executors.uses_ssh_transport(plan.executor):
         return _start_remote(plan)
     # local, or slurm from this (login) node: the supervisor runs here (and submits the stages' jobs)
     rc, out, stderr = start_local_run(plan_path, run_dir)
@@ -199,14 +200,15 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     except plan_mod.PlanError as exc:
         err(str(exc))
         return EXIT_USAGE
-    if plan.executor.kind == "slurm" and not plan.executor.host:
+    module = executors.local_preflight_module(plan.executor)
+    if module is not None:
         # Slurm from this login node: the checks need the Slurm commands, so they run as a pipeline program.
         import subprocess
 
         from console.transport import child_env
 
         p = subprocess.run(
-            [sys.executable, "-m", "pipeline.run.hosts.slurm.preflight", str(plan.path)],
+            [sys.executable, "-m", module, str(plan.path)],
             env=child_env(),
             stdin=subprocess.DEVNULL,
         )
@@ -252,28 +254,38 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_watch_commands(sub)
+    _add_serve_command(sub)
+    _add_control_commands(sub)
+    _add_plan_commands(sub)
+    return ap
 
-    def watch_opts(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--headless", action="store_true", help="no UI: print progress lines; exit 0 iff all succeeded"
-        )
-        p.add_argument("--theme", default=None, help="console theme")
-        p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
 
+def _add_watch_options(p: argparse.ArgumentParser) -> None:
+    """The options of every command that watches a run: --headless, --theme, --poll."""
+    p.add_argument(
+        "--headless", action="store_true", help="no UI: print progress lines; exit 0 iff all succeeded"
+    )
+    p.add_argument("--theme", default=None, help="console theme")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
+
+
+def _add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """demo, run and attach: the commands that start or find a run, then watch it."""
     p = sub.add_parser("demo", help="run the embedded demo (bundled data, no GPU, no SSH)")
     p.add_argument("--run-dir", help="run directory (default: a new one under $AERIE_HOME/runs)")
-    watch_opts(p)
+    _add_watch_options(p)
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("run", help="start (or re-attach to) the run a plan describes")
     p.add_argument("plan")
     p.add_argument("--run-dir", help="override the plan's [run] dir")
-    watch_opts(p)
+    _add_watch_options(p)
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("attach", help="watch an existing run")
     p.add_argument("run")
-    watch_opts(p)
+    _add_watch_options(p)
     p.add_argument(
         "--read-only",
         action="store_true",
@@ -288,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_attach)
 
+
+def _add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """serve: the console in a web browser, and who may drive it."""
     p = sub.add_parser(
         "serve", help="serve the console to a web browser on 127.0.0.1 (use an SSH port-forward)"
     )
@@ -340,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_serve)
 
+
+def _add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """status and the control verbs (pause, resume, kill, retry, skip, force) on one run's stages."""
     p = sub.add_parser("status", help="print every stage's state")
     p.add_argument("run")
     p.add_argument(
@@ -355,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", help=flag_help)
         p.set_defaults(fn=cmd_control, action=verb)
 
+
+def _add_plan_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """preflight and plan check: the commands that check a plan, starting nothing."""
     p = sub.add_parser(
         "preflight",
         help="ssh plans: bootstrap the host and check it; slurm plans: sinfo and a "
@@ -379,7 +400,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print every settings section as resolved: the plan's values and the defaults it left out",
     )
     pc.set_defaults(fn=cmd_plan_check)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

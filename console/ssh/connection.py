@@ -32,6 +32,7 @@ from urllib.parse import unquote, urlsplit
 
 import asyncssh
 
+from console import executors
 from console.transport import ConnectionStatus
 from pipeline.run.plan.dag import Executor
 
@@ -87,7 +88,8 @@ class SshTarget:
     @classmethod
     def from_executor(cls, ex: Executor, file: str | Path = "plan") -> SshTarget:
         """The target a plan's ``[executor]`` names; bad ``options`` are refused naming the key."""
-        if ex.kind not in ("ssh", "slurm") or not ex.host:  # slurm: the login node is reached over ssh
+        host = executors.ssh_host(ex)  # slurm too: its login node is reached over ssh
+        if host is None:
             raise SshError(f"{file}: executor: {ex.kind!r} is not an ssh executor with a host")
         o = ex.options
         for k in o:
@@ -109,7 +111,7 @@ class SshTarget:
             return kind(v)
 
         return cls(
-            host=ex.host,
+            host=host,
             user=ex.user,
             port=ex.port,
             identity=str(Path(ex.identity).expanduser()) if ex.identity else None,

@@ -1,7 +1,8 @@
 """Bootstrap + preflight of an ssh plan, before its first stage: ``aerie preflight PLAN``.
 
 Over 450 lines because the checks run in order over one connection, each feeding the next (the run dir
-the upload, the uploaded pipeline the plan check): one sequence read top to bottom.
+the upload, the uploaded pipeline the plan check): one sequence, :func:`_run_checks`, read top to bottom,
+each step a named function below it.
 
 Over the one connection, in order, each step a named check in the report:
 
@@ -21,8 +22,9 @@ Over the one connection, in order, each step a named check in the report:
    the plan uses or missing refuses;
 7. **disk** — free space at the run directory, refused when below the plan's declared outputs.
 8. **chain** — the EAGLE-3 chain against the host's copy of the target, when the plan trains;
-9. **slurm** — for ``[executor] kind = "slurm"`` with a host (the login node): ``sinfo`` and a probe
-   job on a compute node (``python -m pipeline.run.hosts.slurm.preflight`` on the login node).
+9. what the executor kind adds (:func:`console.executors.host_preflight_checks`, run from
+   :data:`HOST_CHECKS`): **slurm** — for ``[executor] kind = "slurm"`` with a host (the login node):
+   ``sinfo`` and a probe job on a compute node (``python -m pipeline.run.hosts.slurm.preflight`` there).
 
 Nothing is started when a check fails; :meth:`PreflightReport.render` lists every check with
 what to do. On success the report carries the :class:`RemoteLayout` (also written to
@@ -37,12 +39,14 @@ import json
 import posixpath
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import asyncssh
 
 import pipeline
+from console import executors
 from console.ssh.connection import HostConnection, SshError, SshTarget, remote_python
 from console.ssh.transport import AGENT_PROTOCOL, LAYOUT_FILE, RemoteLayout
 from pipeline.run.hosts.checks import CheckReport
@@ -271,36 +275,93 @@ async def preflight(plan: Plan, conn: HostConnection | None = None) -> Preflight
     return rep
 
 
+@dataclass
+class _OnHost:
+    """Where the checks stand on the host once the pipeline is there: the steps after it read this."""
+
+    conn: HostConnection
+    python: str  # the host's interpreter, by the path it gave
+    pythonpath: str | None  # the uploaded pipeline's directory; None: the host's own pipeline
+    root: str  # the run directory
+    remote_plan: str  # where the plan is uploaded
+
+
 async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) -> None:
-    ex = plan.executor
-    mode = str(ex.options.get("pipeline", "auto"))
+    mode = _pipeline_mode(plan, rep)
+    if mode is None or not await _check_connection(conn, rep):  # 1. connection
+        return
+    info = await _check_python(conn, plan, rep)  # 2. python (first probe, the host's own environment)
+    if info is None:
+        return
+    python, root = str(info["executable"]), str(info["root"])
+    text = plan.path.read_bytes()
+    if not _run_dir_free(info, text, conn.target.label, rep):  # 3. run dir
+        return
+    async with conn.sftp() as sftp:
+        if not await _make_run_dir(sftp, info, rep):
+            return
+        ok, pythonpath = await _check_pipeline(sftp, info, mode, rep)  # 4. pipeline package
+        if not ok:
+            return
+        host = _OnHost(conn, python, pythonpath, root, posixpath.join(root, UPLOADED_PLAN))
+        checked = await _check_plan(sftp, host, plan, text, rep)  # 5. plan
+        if checked is None:
+            return
+        # 6. SGLang: the host's release against the tested-versions table (pipeline/tested_versions.py)
+        sg = checked.get("sglang")
+        if sg and not _sglang(rep, sg):
+            return
+        if not _check_disk(plan, info, root, rep):  # 7. disk
+            return
+        # 8. the EAGLE-3 chain, checked on the host against the host's copy of the target
+        if any(st.run in EAGLE3_STAGES for st in plan.stages):
+            await _chain(rep, conn, python, pythonpath, host.remote_plan)
+            if not rep.ok:
+                return
+        for name in executors.host_preflight_checks(plan.executor):  # 9. what the executor kind adds
+            if not await HOST_CHECKS[name](rep, host):
+                return
+        layout = RemoteLayout(root=root, python=python, pythonpath=pythonpath, plan=host.remote_plan)
+        await _write_atomic(sftp, posixpath.join(root, LAYOUT_FILE), layout.to_json().encode())
+        rep.layout = layout
+
+
+def _pipeline_mode(plan: Plan, rep: PreflightReport) -> str | None:
+    """The plan's ``[executor] options.pipeline`` (auto, upload or installed), or None, reported, when bad."""
+    mode = str(plan.executor.options.get("pipeline", "auto"))
     if mode not in PIPELINE_MODES:
         rep.add(
             "plan",
             False,
             f"{plan.path}: executor.options.pipeline: must be one of {', '.join(PIPELINE_MODES)}",
         )
-        return
-    # 1. connection
-    if not conn.connected:
-        t = time.monotonic()
-        try:
-            await conn.connect()
-        except SshError as exc:
-            rep.add("connection", False, str(exc))
-            return
-        rep.add(
-            "connection",
-            True,
-            f"{conn.target.label}, host key verified ({(time.monotonic() - t) * 1000:.0f} ms)",
-        )
-    else:
-        rep.add("connection", True, f"{conn.target.label}, host key verified")
-    # 2. python (first probe, with the host's own environment)
+        return None
+    return mode
+
+
+async def _check_connection(conn: HostConnection, rep: PreflightReport) -> bool:
+    """The ``connection`` line: connect (host key checked) unless the caller's connection already is."""
+    if conn.connected:
+        return rep.add("connection", True, f"{conn.target.label}, host key verified")
+    t = time.monotonic()
+    try:
+        await conn.connect()
+    except SshError as exc:
+        return rep.add("connection", False, str(exc))
+    return rep.add(
+        "connection",
+        True,
+        f"{conn.target.label}, host key verified ({(time.monotonic() - t) * 1000:.0f} ms)",
+    )
+
+
+async def _check_python(conn: HostConnection, plan: Plan, rep: PreflightReport) -> dict | None:
+    """The ``python`` line from the first probe; returns the probe's answer when the interpreter will do."""
+    ex = plan.executor
     info, err = await _probe(conn, ex.python, None, {"root": ex.remote_dir})
     if info is None:
         rep.add("python", False, err)
-        return
+        return None
     if not rep.add(
         "python",
         bool(info["version_ok"]),
@@ -311,151 +372,161 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
             else f": Aerie needs Python {'.'.join(map(str, MIN_PYTHON))}+ on the host (set [executor] python)"
         ),
     ):
-        return
-    python, root = str(info["executable"]), str(info["root"])
-    # 3. run dir
-    text = plan.path.read_bytes()
+        return None
+    return info
+
+
+def _run_dir_free(info: dict, text: bytes, label: str, rep: PreflightReport) -> bool:
+    """Whether the run directory may be used: it holds no *different* plan and can be created."""
+    root = info["root"]
     if info.get("plan_sha256") and info["plan_sha256"] != hashlib.sha256(text).hexdigest():
-        rep.add(
+        return rep.add(
             "run dir",
             False,
             f"{root} already holds a different plan: attach to it (aerie attach "
-            f"ssh://{conn.target.label}{root}) or set a new [executor] remote_dir",
+            f"ssh://{label}{root}) or set a new [executor] remote_dir",
         )
-        return
     if not info["writable"]:
-        rep.add("run dir", False, f"{info['existing']} is not writable by the ssh user: cannot create {root}")
-        return
-    async with conn.sftp() as sftp:
-        try:
-            # 0700 (the run dir, as the supervisor makes it): its logs and events are the operator's
-            await sftp.makedirs(
-                posixpath.join(root, ".aerie"), attrs=asyncssh.SFTPAttrs(permissions=0o700), exist_ok=True
-            )
-        except asyncssh.SFTPError as exc:
-            rep.add("run dir", False, f"cannot create {root}: {exc.reason}")
-            return
-        existed = (
-            "exists, holding this plan (re-attaching)"
-            if info.get("plan_sha256")
-            else ("exists" if info["root_exists"] else "created")
+        return rep.add(
+            "run dir", False, f"{info['existing']} is not writable by the ssh user: cannot create {root}"
         )
-        rep.add("run dir", True, f"{root} ({existed})")
-        # 4. pipeline package
-        pythonpath: str | None = None
-        native_ok = info.get("protocol") == AGENT_PROTOCOL
-        if mode == "installed" or (mode == "auto" and native_ok):
-            if not native_ok:
-                why = (
-                    info.get("pipeline_error")
-                    or f"it speaks agent protocol {info.get('protocol')}, not {AGENT_PROTOCOL}"
-                )
-                rep.add(
-                    "pipeline",
-                    False,
-                    f"the host's pipeline cannot be used ({why}) and options.pipeline = "
-                    '"installed" forbids uploading this console\'s copy',
-                )
-                return
-            rep.add("pipeline", True, f"the host's own, from {info['pipeline_dir']}")
-        else:
-            try:
-                pythonpath, what = await _upload_package(sftp, root)
-            except (asyncssh.SFTPError, OSError) as exc:
-                rep.add("pipeline", False, f"uploading the pipeline package failed: {exc}")
-                return
+    return True
+
+
+async def _make_run_dir(sftp: asyncssh.SFTPClient, info: dict, rep: PreflightReport) -> bool:
+    """Create the run directory (and its ``.aerie``), then the ``run dir`` line saying what was there."""
+    root = str(info["root"])
+    try:
+        # 0700 (the run dir, as the supervisor makes it): its logs and events are the operator's
+        await sftp.makedirs(
+            posixpath.join(root, ".aerie"), attrs=asyncssh.SFTPAttrs(permissions=0o700), exist_ok=True
+        )
+    except asyncssh.SFTPError as exc:
+        return rep.add("run dir", False, f"cannot create {root}: {exc.reason}")
+    existed = (
+        "exists, holding this plan (re-attaching)"
+        if info.get("plan_sha256")
+        else ("exists" if info["root_exists"] else "created")
+    )
+    return rep.add("run dir", True, f"{root} ({existed})")
+
+
+async def _check_pipeline(
+    sftp: asyncssh.SFTPClient, info: dict, mode: str, rep: PreflightReport
+) -> tuple[bool, str | None]:
+    """The ``pipeline`` line: the host's own package, or this console's uploaded. Returns (usable, the
+    uploaded copy's directory for PYTHONPATH, None for the host's own)."""
+    native_ok = info.get("protocol") == AGENT_PROTOCOL
+    if mode == "installed" or (mode == "auto" and native_ok):
+        if not native_ok:
             why = (
-                ""
-                if mode == "upload"
-                else f" (the host has none: {info.get('pipeline_error', 'other protocol')})"
+                info.get("pipeline_error")
+                or f"it speaks agent protocol {info.get('protocol')}, not {AGENT_PROTOCOL}"
             )
-            rep.add("pipeline", True, what + why)
-        # 5. plan: upload, then validate on the host with the host's pipeline
-        remote_plan = posixpath.join(root, UPLOADED_PLAN)
-        try:
-            await _write_atomic(sftp, remote_plan, text)
-        except asyncssh.SFTPError as exc:
-            rep.add("plan", False, f"uploading the plan to {remote_plan} failed: {exc.reason}")
-            return
-        modules = sorted({stage_module(s.run) for s in plan.stages if s.run})
-        checked, err = await _probe(
-            conn, python, pythonpath, {"root": root, "verify": True, "plan": remote_plan, "modules": modules}
-        )
-        if checked is None or "pipeline_error" in checked:
-            why = f"pipeline does not import on the host: {checked['pipeline_error']}" if checked else ""
-            rep.add("plan", False, err or why or "the host's Python gave no answer")
-            return
-        if checked.get("plan_error"):
-            rep.add("plan", False, f"the host rejects the plan: {checked['plan_error']}")
-            return
-        bad = checked.get("module_errors") or {}
-        if bad:
             rep.add(
-                "plan",
+                "pipeline",
                 False,
-                "stage modules that do not import on the host: "
-                + "; ".join(f"{m}: {e}" for m, e in bad.items())
-                + " (install the `pipeline` extra there)",
+                f"the host's pipeline cannot be used ({why}) and options.pipeline = "
+                '"installed" forbids uploading this console\'s copy',
             )
-            return
+            return False, None
+        return rep.add("pipeline", True, f"the host's own, from {info['pipeline_dir']}"), None
+    try:
+        pythonpath, what = await _upload_package(sftp, str(info["root"]))
+    except (asyncssh.SFTPError, OSError) as exc:
+        rep.add("pipeline", False, f"uploading the pipeline package failed: {exc}")
+        return False, None
+    why = "" if mode == "upload" else f" (the host has none: {info.get('pipeline_error', 'other protocol')})"
+    return rep.add("pipeline", True, what + why), pythonpath
+
+
+async def _check_plan(
+    sftp: asyncssh.SFTPClient, host: _OnHost, plan: Plan, text: bytes, rep: PreflightReport
+) -> dict | None:
+    """The ``plan`` line: upload the plan, then validate it on the host with the host's pipeline (its stage
+    modules must import there). Returns the second probe's answer when the plan is valid there."""
+    try:
+        await _write_atomic(sftp, host.remote_plan, text)
+    except asyncssh.SFTPError as exc:
+        rep.add("plan", False, f"uploading the plan to {host.remote_plan} failed: {exc.reason}")
+        return None
+    modules = sorted({stage_module(s.run) for s in plan.stages if s.run})
+    checked, err = await _probe(
+        host.conn,
+        host.python,
+        host.pythonpath,
+        {"root": host.root, "verify": True, "plan": host.remote_plan, "modules": modules},
+    )
+    if checked is None or "pipeline_error" in checked:
+        why = f"pipeline does not import on the host: {checked['pipeline_error']}" if checked else ""
+        rep.add("plan", False, err or why or "the host's Python gave no answer")
+        return None
+    if checked.get("plan_error"):
+        rep.add("plan", False, f"the host rejects the plan: {checked['plan_error']}")
+        return None
+    bad = checked.get("module_errors") or {}
+    if bad:
         rep.add(
             "plan",
-            True,
-            f"uploaded to {remote_plan}; valid on the host ({len(plan.stages)} stages"
-            + (f", modules {', '.join(modules)} import" if modules else "")
-            + ")",
+            False,
+            "stage modules that do not import on the host: "
+            + "; ".join(f"{m}: {e}" for m, e in bad.items())
+            + " (install the `pipeline` extra there)",
         )
-        # 6. SGLang: the host's release against the tested-versions table (pipeline/tested_versions.py)
-        sg = checked.get("sglang")
-        if sg and not _sglang(rep, sg):
-            return
-        # 7. disk
-        declared = sum(s.output_bytes for s in plan.stages)
-        free = info.get("free_bytes")
-        if free is None:
-            rep.add("disk", False, f"cannot read free space at {root}: {info.get('free_error')}")
-            return
-        if declared and free < declared:
-            rep.add(
-                "disk",
-                False,
-                f"{_gib(free)} free at {root}, but the stages declare {_gib(declared)} of outputs",
-            )
-            return
-        rep.add(
+        return None
+    rep.add(
+        "plan",
+        True,
+        f"uploaded to {host.remote_plan}; valid on the host ({len(plan.stages)} stages"
+        + (f", modules {', '.join(modules)} import" if modules else "")
+        + ")",
+    )
+    return checked
+
+
+def _check_disk(plan: Plan, info: dict, root: str, rep: PreflightReport) -> bool:
+    """The ``disk`` line: free space at the run directory against the outputs the stages declare."""
+    declared = sum(s.output_bytes for s in plan.stages)
+    free = info.get("free_bytes")
+    if free is None:
+        return rep.add("disk", False, f"cannot read free space at {root}: {info.get('free_error')}")
+    if declared and free < declared:
+        return rep.add(
             "disk",
-            True,
-            f"{_gib(free)} free at {root}" + (f" (stages declare {_gib(declared)})" if declared else ""),
+            False,
+            f"{_gib(free)} free at {root}, but the stages declare {_gib(declared)} of outputs",
         )
-        # 8. the EAGLE-3 chain, checked on the host against the host's copy of the target
-        if any(st.run in EAGLE3_STAGES for st in plan.stages):
-            await _chain(rep, conn, python, pythonpath, remote_plan)
-            if not rep.ok:
-                return
-        # 9. a Slurm plan: the login node's sinfo and a probe job on a compute node (pipeline.run.hosts.slurm.preflight)
-        if ex.kind == "slurm":
-            r = await conn.run(
-                remote_python(
-                    python,
-                    pythonpath,
-                    "-m",
-                    "pipeline.run.hosts.slurm.preflight",
-                    remote_plan,
-                    "--run-dir",
-                    root,
-                ),
-                timeout_s=600.0,
-            )
-            lines = [
-                x.strip() for x in (r.stdout + r.stderr).splitlines() if x.strip().startswith(("ok", "FAIL"))
-            ]
-            detail = (
-                "; ".join(x.split(None, 1)[-1] for x in lines if x.startswith("FAIL"))
-                if r.returncode
-                else f"{len(lines)} checks passed: " + "; ".join(x.split(None, 1)[-1] for x in lines)
-            )
-            if not rep.add("slurm", r.returncode == 0, detail or (r.stderr or r.stdout).strip()[-500:]):
-                return
-        layout = RemoteLayout(root=root, python=python, pythonpath=pythonpath, plan=remote_plan)
-        await _write_atomic(sftp, posixpath.join(root, LAYOUT_FILE), layout.to_json().encode())
-        rep.layout = layout
+    return rep.add(
+        "disk",
+        True,
+        f"{_gib(free)} free at {root}" + (f" (stages declare {_gib(declared)})" if declared else ""),
+    )
+
+
+async def _check_slurm(rep: PreflightReport, host: _OnHost) -> bool:
+    """The ``slurm`` line: the login node's sinfo and a probe job on a compute node
+    (``python -m pipeline.run.hosts.slurm.preflight`` on the host)."""
+    r = await host.conn.run(
+        remote_python(
+            host.python,
+            host.pythonpath,
+            "-m",
+            "pipeline.run.hosts.slurm.preflight",
+            host.remote_plan,
+            "--run-dir",
+            host.root,
+        ),
+        timeout_s=600.0,
+    )
+    lines = [x.strip() for x in (r.stdout + r.stderr).splitlines() if x.strip().startswith(("ok", "FAIL"))]
+    detail = (
+        "; ".join(x.split(None, 1)[-1] for x in lines if x.startswith("FAIL"))
+        if r.returncode
+        else f"{len(lines)} checks passed: " + "; ".join(x.split(None, 1)[-1] for x in lines)
+    )
+    return rep.add("slurm", r.returncode == 0, detail or (r.stderr or r.stdout).strip()[-500:])
+
+
+# The checks an executor kind adds on its host (named by console.executors.host_preflight_checks), in the
+# order it names them: each returns False, reported, when the run cannot start.
+HOST_CHECKS: dict[str, Callable[[PreflightReport, _OnHost], Awaitable[bool]]] = {"slurm": _check_slurm}
