@@ -254,7 +254,17 @@ def test_a_short_training_run_lowers_the_block_loss(target) -> None:
     from pipeline.eagle3.target_capture import target_config
     from pipeline.stages.train.components import Optimiser
 
-    s = TrainSection(draft="dflash", dflash_block_size=4, dflash_anchors=8, lr=1e-2, steps=8, warmup_steps=0)
+    s = TrainSection.parse(
+        {
+            "draft": "dflash",
+            "dflash_block_size": 4,
+            "dflash_anchors": 8,
+            "lr": 1e-2,
+            "steps": 8,
+            "warmup_steps": 0,
+        },
+        "t.toml",
+    )
     cfg = DFlashConfig.from_target(
         target_config(tiny_llama()), layers=1, target_layer_ids=AUX, block_size=4, mask_token_id=49151
     )

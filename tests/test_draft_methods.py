@@ -56,11 +56,11 @@ def write_toy(folder: Path) -> Path:
 
 
 def test_names_come_from_the_built_ins_and_the_environment(monkeypatch) -> None:
-    assert draft_names.external("toy=/x/toy, other = my_pkg.other") == {
-        "toy": "/x/toy",
-        "other": "my_pkg.other",
+    assert draft_names.external("toy=/x/toy, other = my_pkg.other@my_pkg.other_settings") == {
+        "toy": draft_names.Registration("/x/toy"),
+        "other": draft_names.Registration("my_pkg.other", settings="my_pkg.other_settings"),
     }
-    for bad in ("toy", "=/x", "eagle3=/x", "a b=/x"):
+    for bad in ("toy", "=/x", "eagle3=/x", "a b=/x", "toy=/x@"):
         with pytest.raises(draft_names.DraftNameError, match="AERIE_DRAFT_METHODS"):
             draft_names.external(bad)
     monkeypatch.setenv(draft_names.ENV, "toy=/nowhere/toy_method")

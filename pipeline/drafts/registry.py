@@ -145,12 +145,13 @@ def draft_method(name: str) -> DraftMethod:
     """The method ``name`` names (``[train] draft``, the train manifest's ``draft``), its package imported once."""
     if name in _loaded:
         return _loaded[name]
-    where = draft_names.known().get(name)
-    if where is None:
+    reg = draft_names.known().get(name)
+    if reg is None:
         raise DraftMethodError(
             f"no draft method named {name!r} (known: {', '.join(draft_names.known())}; "
             f"register one with {draft_names.ENV}=name=location)"
         )
+    where = reg.method
     module = _import(name, where)
     method = getattr(module, "METHOD", None)
     if not isinstance(method, DraftMethod) or method.name != name:
