@@ -190,10 +190,18 @@ def test_the_built_in_methods_are_found_by_name() -> None:
 
 
 def test_the_stages_never_branch_on_a_methods_name() -> None:
-    """No comparison with a method's name, no isinstance on a method's draft class in the stages that use them."""
+    """No comparison with a method's name, no isinstance on a method's draft class in the stages that use them,
+    in the plan's [train] checks nor in the deep check."""
     names = set(draft_names.BUILT_IN)
     bad = []
-    for path in [*(ROOT / "pipeline/stages/train").glob("*.py"), ROOT / "pipeline/stages/bench/offline.py"]:
+    for path in [
+        *(ROOT / "pipeline/stages/train").glob("*.py"),
+        ROOT / "pipeline/stages/bench/offline.py",
+        ROOT / "pipeline/run/plan/sections.py",
+        *(ROOT / "pipeline/eagle3").glob("chain_*.py"),
+        ROOT / "pipeline/eagle3/serving_checks.py",
+        ROOT / "pipeline/eagle3/bench_fit.py",
+    ]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and any(
                 isinstance(c, ast.Constant) and c.value in names for c in [node.left, *node.comparators]

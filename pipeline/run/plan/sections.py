@@ -7,6 +7,10 @@ needs a rule beyond one key (a default that depends on the mode, the stage's GPU
 property or a method of its section. Standard library only: ``aerie plan check --show-defaults`` prints
 all of it without importing torch.
 
+A draft method's own ``[train]`` keys are declared in its folder (a :class:`DraftSettings` subclass, found
+through :mod:`pipeline.run.plan.draft_names`) and join ``[train]`` when a plan names the method; only the base
+class and the joining live here, so ``[train]`` knows no method by name.
+
 Over 450 lines on purpose: it is the reference of every settings key, one declaration per key, grouped by
 table; split up, what ``--show-defaults`` prints from one place would be scattered over many.
 """
