@@ -356,8 +356,10 @@ class TrainSection(Section):
             owner = None if k in keys else _owner_of(k, table.get("draft"))
             if owner is not None:
                 foreign.setdefault(owner, {})[k] = table[k]
-        for owner, values in foreign.items():
-            train_section_for(draft_names.settings_class(owner), file, name, owner).parse(values, file, name)
+        for owner, values in foreign.items():  # its own settings check them: types, ranges, its own rules
+            other = _checked_settings(draft_names.settings_class(owner), file, name, owner)
+            assert other is not None  # _owner_of found the key among its fields
+            other.parse(values, file, name)
         theirs = {k for values in foreign.values() for k in values}
         mine = {k: v for k, v in table.items() if k not in theirs}
         return super(TrainSection, own).parse(mine, file, name)  # type: ignore[return-value]
