@@ -99,6 +99,50 @@ def test_target_layers_outside_the_extraction_are_refused_with_the_fix() -> None
         feature_columns(AUX, [1, 2], 8)
 
 
+# ------------------------------------------------------------------------------ the deep check
+def deep_plan(tmp: Path, train: str, bench: str = "") -> Path:
+    p = tmp / "plan.toml"
+    p.write_text(
+        f'[run]\nname = "d"\ndir = "{tmp / "run"}"\n[target]\nmodel = "{tiny_llama()}"\nmax_length = 256\n'
+        f'[extract]\naux_layers = {AUX}\n[train]\ndraft = "dflash"\n{train}\n[bench]\n{bench}\n'
+        '[[stage]]\nid = "bench"\nrun = "bench"\n'
+    )
+    return p
+
+
+@pytest.mark.parametrize(
+    ("train", "bench", "ok", "words"),
+    [
+        ("dflash_block_size = 4", "steps = 3", True, "blocks of 4 (3 drafts per verification"),
+        (
+            "dflash_target_layers = [1, 2]",
+            "",
+            False,
+            "train.dflash_target_layers: layers [2] are not captured",
+        ),
+        ("dflash_target_layers = [1, 400]", "", False, "train.dflash_target_layers: layers [400] are past"),
+        ("dflash_mask_token_id = 10000000", "", False, "train.dflash_mask_token_id: 10000000 is outside"),
+        (
+            "dflash_block_size = 4",
+            "steps = 5",
+            False,
+            "bench.steps: 5 but the DFlash draft's blocks of 4 draft 3",
+        ),
+    ],
+)
+def test_the_deep_check_asks_the_plans_method_about_its_draft(
+    tmp_path: Path, train: str, bench: str, ok: bool, words: str
+) -> None:
+    """``aerie plan check --deep`` runs DFlash's own check (its settings' ``deep_check``) for a DFlash plan."""
+    from pipeline.eagle3 import chain_check
+    from pipeline.run.plan import dag as plan_mod
+
+    plan = plan_mod.load(deep_plan(tmp_path, train, bench))
+    lines = [c for c in chain_check.check(plan, free_bytes=10**12).checks if c.name == "dflash"]
+    assert len(lines) == 1 and lines[0].ok is ok and words in lines[0].detail, lines
+    assert ok or lines[0].detail.startswith(f"{plan.path}: ")
+
+
 # ------------------------------------------------------------------------------ the export SGLang reads
 def sglang_source(rel: str) -> str:
     spec = importlib.util.find_spec("sglang")
@@ -254,7 +298,17 @@ def test_a_short_training_run_lowers_the_block_loss(target) -> None:
     from pipeline.eagle3.target_capture import target_config
     from pipeline.stages.train.components import Optimiser
 
-    s = TrainSection(draft="dflash", dflash_block_size=4, dflash_anchors=8, lr=1e-2, steps=8, warmup_steps=0)
+    s = TrainSection.parse(
+        {
+            "draft": "dflash",
+            "dflash_block_size": 4,
+            "dflash_anchors": 8,
+            "lr": 1e-2,
+            "steps": 8,
+            "warmup_steps": 0,
+        },
+        "t.toml",
+    )
     cfg = DFlashConfig.from_target(
         target_config(tiny_llama()), layers=1, target_layer_ids=AUX, block_size=4, mask_token_id=49151
     )

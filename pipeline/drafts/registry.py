@@ -7,7 +7,10 @@ registered folder's ``__init__.py``): how the trainer builds the draft
 accept length), saves it for SGLang (:attr:`~DraftMethod.export`), what it writes into the train manifest and
 says at start and end, and how the offline bench drafts with it (:attr:`~DraftMethod.drafter`). Names map to
 packages in :mod:`pipeline.run.plan.draft_names` (built-in, or registered from any folder through
-``AERIE_DRAFT_METHODS``); :func:`draft_method` imports the package and returns its spec.
+``AERIE_DRAFT_METHODS``); :func:`draft_method` imports the package and returns its spec. A method's own
+``[train]`` keys, their rules and its deep-check lines are not in the spec but in its standard-library
+``settings`` module (a :class:`~pipeline.run.plan.sections.DraftSettings`), registered beside it: the plan
+and the deep check read them without importing torch or this package.
 """
 
 from __future__ import annotations
@@ -145,12 +148,13 @@ def draft_method(name: str) -> DraftMethod:
     """The method ``name`` names (``[train] draft``, the train manifest's ``draft``), its package imported once."""
     if name in _loaded:
         return _loaded[name]
-    where = draft_names.known().get(name)
-    if where is None:
+    reg = draft_names.known().get(name)
+    if reg is None:
         raise DraftMethodError(
             f"no draft method named {name!r} (known: {', '.join(draft_names.known())}; "
             f"register one with {draft_names.ENV}=name=location)"
         )
+    where = reg.method
     module = _import(name, where)
     method = getattr(module, "METHOD", None)
     if not isinstance(method, DraftMethod) or method.name != name:

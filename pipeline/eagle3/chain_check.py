@@ -5,8 +5,9 @@
 tested-versions table (``sglang``: :mod:`pipeline.tested_versions`). Reads the target's ``config.json`` and tokenizer from a local
 folder or the local Hugging Face cache — never a download — builds the model on the meta device
 (no memory, no weights) and checks the chain: the architecture is one Aerie can capture, the aux
-layers are in range, the draft config it will build, the draft vocabulary fits the target's, the
-chat template renders a two-turn conversation, the offline hidden states fit the disk, what each GPU
+layers are in range, the draft config it will build, the draft vocabulary fits the target's, what the
+plan's draft method checks of its own draft (its :meth:`~pipeline.run.plan.sections.DraftSettings.deep_check`,
+looked up by ``[train] draft``: DFlash's target layers and block), the chat template renders a two-turn conversation, the offline hidden states fit the disk, what each GPU
 rank holds for capture and training, and whether offline bench stages hold the target (``bench_fit``).
 """
 
@@ -75,6 +76,7 @@ def _check(plan: plan_mod.Plan, free_bytes: int | None, rep: Report) -> None:
     if aux is None:
         return  # too few layers for any draft: nothing below can be sized
     draft = _draft(plan, t, aux, rep)
+    _method(plan, t, aux, rep)
     ct = _chat_template(plan, t, rep)
     max_len = _disk(plan, t, aux, ct, free_bytes, rep)
     gpu_memory(plan, t, aux, draft, max_len, rep, rep.numbers)
@@ -211,6 +213,28 @@ def _draft(plan: plan_mod.Plan, t: DeepTarget, aux: list[int], rep: Report) -> D
     )
     rep.numbers["draft_params"] = draft_params
     return DraftSize(dcfg, dv, draft_params)
+
+
+def _method(plan: plan_mod.Plan, t: DeepTarget, aux: list[int], rep: Report) -> None:
+    """The plan's draft method's own lines (its settings' ``deep_check``): the check never names a method."""
+    from pipeline.eagle3.bench_fit import offline_bench_stages
+    from pipeline.run.plan.sections import DeepFacts
+    from pipeline.serving.sglang_capture import SGLANG_RELEASE
+
+    train = plan.settings.train
+    facts = DeepFacts(
+        plan_file=str(plan.path),
+        config_file=str(t.cfg_file),
+        text_prefix=t.text_prefix,
+        num_layers=t.n_layers,
+        vocab_size=t.vocab,
+        aux_layers=tuple(aux),
+        offline_bench_stages=tuple(offline_bench_stages(plan)),
+        bench_steps=plan.settings.bench.steps,
+        sglang_release=SGLANG_RELEASE,
+    )
+    for line in train.method_settings().deep_check(train, facts):
+        rep.add(line.name, line.ok, line.detail, warning=line.warning)
 
 
 def _chat_template(plan: plan_mod.Plan, t: DeepTarget, rep: Report) -> Any:

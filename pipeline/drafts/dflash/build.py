@@ -7,6 +7,7 @@ import torch
 
 from pipeline.drafts.dflash.config import DFlashConfig, feature_columns
 from pipeline.drafts.dflash.model import DFlashDraft
+from pipeline.drafts.dflash.settings import DFlashSettings
 from pipeline.eagle3.draft_config import DraftModelError
 from pipeline.run.plan.sections import TrainSection
 
@@ -19,15 +20,14 @@ def build_dflash(
 
     tcfg = target_config(model_id, trust_remote_code=trust_remote_code)
     text = getattr(tcfg, "text_config", None) or tcfg
-    layers = list(s.dflash_target_layers) if s.dflash_target_layers is not None else list(aux)
-    mask_id = s.dflash_mask_token_id if s.dflash_mask_token_id >= 0 else int(text.vocab_size) - 1
+    d = DFlashSettings.of(s)
     try:
         cfg = DFlashConfig.from_target(
             tcfg,
-            layers=s.dflash_layers,
-            target_layer_ids=layers,
-            block_size=s.dflash_block_size,
-            mask_token_id=mask_id,
+            layers=d.dflash_layers,
+            target_layer_ids=d.target_layers(aux),
+            block_size=d.dflash_block_size,
+            mask_token_id=d.mask_token_id(int(text.vocab_size)),
         )
     except DraftModelError as exc:
         raise ValueError(f"[train] dflash_*: {exc}") from None

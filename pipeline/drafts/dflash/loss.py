@@ -28,6 +28,7 @@ from pipeline.drafts.acceptance import mean_accept_length
 from pipeline.drafts.batch import Batch
 from pipeline.drafts.dflash.config import DFlashConfig
 from pipeline.drafts.dflash.model import DFlashDraft
+from pipeline.drafts.dflash.settings import DFlashSettings
 from pipeline.run.plan.sections import TrainSection
 
 
@@ -112,7 +113,8 @@ class BlockLoss:
 
     @classmethod
     def from_settings(cls, s: TrainSection, autocast: bool, aux_cols: torch.Tensor | None) -> BlockLoss:
-        return cls(s.dflash_block_size, s.dflash_anchors, s.dflash_loss_gamma, autocast, s.seed, aux_cols)
+        d = DFlashSettings.of(s)
+        return cls(d.dflash_block_size, d.dflash_anchors, d.dflash_loss_gamma, autocast, s.seed, aux_cols)
 
     @property
     def ttt_steps(self) -> int:

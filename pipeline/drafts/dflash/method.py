@@ -8,6 +8,7 @@ from pipeline.drafts.dflash.build import build_dflash
 from pipeline.drafts.dflash.decode import dflash_drafter
 from pipeline.drafts.dflash.loss import BlockLoss
 from pipeline.drafts.dflash.model import save_dflash
+from pipeline.drafts.dflash.settings import DFlashSettings
 from pipeline.drafts.registry import BuildInputs, BuiltDraft, DraftMethod
 from pipeline.run.plan.sections import TrainSection
 
@@ -19,15 +20,16 @@ def build(inp: BuildInputs) -> BuiltDraft:
 
 
 def describe(s: TrainSection) -> str:
-    return f"DFlash: {s.dflash_layers} layer(s), blocks of {s.dflash_block_size}, {s.dflash_anchors} anchors per row"
+    d = DFlashSettings.of(s)
+    return f"DFlash: {d.dflash_layers} layer(s), blocks of {d.dflash_block_size}, {d.dflash_anchors} anchors per row"
 
 
 def serve_flags(s: TrainSection) -> str:
-    return f"--speculative-algorithm DFLASH --speculative-num-draft-tokens {s.dflash_block_size}"
+    return f"--speculative-algorithm DFLASH --speculative-num-draft-tokens {DFlashSettings.of(s).dflash_block_size}"
 
 
 def manifest(s: TrainSection) -> dict[str, Any]:
-    return {"block_size": s.dflash_block_size, "loss": "dflash"}
+    return {"block_size": DFlashSettings.of(s).dflash_block_size, "loss": "dflash"}
 
 
 def bench_problem(man: dict[str, Any], steps: int, tensor_parallel: bool) -> str | None:
@@ -52,6 +54,11 @@ METHOD = DraftMethod(
     describe=describe,
     serve_flags=serve_flags,
     manifest=manifest,
-    shape_keys=("dflash_block_size", "dflash_layers", "dflash_target_layers", "dflash_mask_token_id"),
+    shape_keys=(
+        "dflash_block_size",
+        "dflash_layers",
+        "dflash_target_layers",
+        "dflash_mask_token_id",
+    ),  # its own keys
     bench_problem=bench_problem,
 )

@@ -7,6 +7,10 @@ needs a rule beyond one key (a default that depends on the mode, the stage's GPU
 property or a method of its section. Standard library only: ``aerie plan check --show-defaults`` prints
 all of it without importing torch.
 
+A draft method's own ``[train]`` keys are declared in its folder (a :class:`DraftSettings` subclass, found
+through :mod:`pipeline.run.plan.draft_names`) and join ``[train]`` when a plan names the method; only the base
+class and the joining live here, so ``[train]`` knows no method by name.
+
 Over 450 lines on purpose: it is the reference of every settings key, one declaration per key, grouped by
 table; split up, what ``--show-defaults`` prints from one place would be scattered over many.
 """
@@ -14,12 +18,13 @@ table; split up, what ``--show-defaults`` prints from one place would be scatter
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from pipeline.run.plan import draft_names
-from pipeline.run.plan.schema import PlanError, Section, check_text, setting
+from pipeline.run.plan.schema import PlanError, Section, check_text, check_type, setting
 
 STORAGE_MODES = ("offline", "online")
 ENGINES = ("transformers", "sglang")
@@ -256,6 +261,8 @@ class VocabSection(Section):
 @dataclass(frozen=True)
 class TrainSection(Section):
     NAME: ClassVar[str] = "train"
+    # The draft method's own keys (a DraftSettings subclass) this class also holds; None: TrainSection itself.
+    METHOD_SETTINGS: ClassVar[type[DraftSettings] | None] = None
 
     mode: str | None = setting(
         None, "the same switch as [extract] mode; the two must agree", choices=STORAGE_MODES
@@ -333,28 +340,43 @@ class TrainSection(Section):
         "the draft trained: eagle3 (chain drafter), dflash (block-parallel drafter) or a method registered "
         "through AERIE_DRAFT_METHODS; docs/eagle3.md, Methods",
     )
-    dflash_block_size: int = setting(
-        16,
-        "dflash: slots per drafted block (the last token + block_size-1 drafts; SGLang's draft tokens)",
-        lo=2,
-        hi=64,
-    )
-    dflash_layers: int = setting(1, "dflash: draft decoder layers", lo=1, hi=64)
-    dflash_target_layers: tuple[int, ...] | None = setting(
-        None,
-        "dflash: target layers it conditions on, among the extraction's aux layers (unset: all of them)",
-        lo=0,
-        hi=4096,
-    )
-    dflash_anchors: int = setting(64, "dflash: blocks (anchor positions) trained per row", lo=1, hi=65536)
-    dflash_loss_gamma: float = setting(
-        7.0, "dflash: slot k's loss weight is exp(-(k-1)/gamma) (0: all slots equal)", lo=0, hi=1e6
-    )
-    dflash_mask_token_id: int = setting(
-        -1,
-        "dflash: the token id whose embedding fills the drafted slots (-1: the target's last vocabulary id)",
-        lo=-1,
-    )
+
+    @classmethod
+    def parse(cls, table: Any, file: Path | str, name: str | None = None) -> TrainSection:
+        """``[train]`` with the keys of the method ``draft`` names (:class:`DraftSettings`): those go through
+        the same checks, into a ``TrainSection`` that holds them as its own fields (``asdict`` and ``getattr``
+        see the flat keys, as a checkpoint and a resume compare them). Another registered method's keys (a plan
+        switched from it) are checked by that method's settings and otherwise ignored, as they always were."""
+        name = name or cls.NAME
+        check_type(file, name, table, dict, "a table")
+        own = cls._for_table(table, file, name)
+        keys = {f.name for f in fields(own)}
+        foreign: dict[str, dict[str, Any]] = {}
+        for k in table:
+            owner = None if k in keys else _owner_of(k, table.get("draft"))
+            if owner is not None:
+                foreign.setdefault(owner, {})[k] = table[k]
+        for owner, values in foreign.items():  # its own settings check them: types, ranges, its own rules
+            other = _checked_settings(draft_names.settings_class(owner), file, name, owner)
+            assert other is not None  # _owner_of found the key among its fields
+            other.parse(values, file, name)
+        theirs = {k for values in foreign.values() for k in values}
+        mine = {k: v for k, v in table.items() if k not in theirs}
+        return super(TrainSection, own).parse(mine, file, name)  # type: ignore[return-value]
+
+    @classmethod
+    def _for_table(cls, table: dict[str, Any], file: Path | str, name: str) -> type[TrainSection]:
+        """The section class for this table: ``TrainSection`` plus the keys of the method it names."""
+        draft = table.get("draft", cls.__dataclass_fields__["draft"].default)
+        if cls.METHOD_SETTINGS is not None or not isinstance(draft, str):
+            return cls  # already a method's, or a draft the key's own check refuses
+        try:
+            methods = draft_names.known()
+            if draft not in methods:
+                raise PlanError(file, f"{name}.draft", f"must be one of {', '.join(methods)}, got {draft!r}")
+            return train_section_for(draft_names.settings_class(draft), file, name, draft)
+        except draft_names.DraftNameError as exc:
+            raise PlanError(file, f"{name}.draft", str(exc)) from None
 
     def check(self, file: Path | str, name: str) -> None:
         try:
@@ -375,40 +397,28 @@ class TrainSection(Section):
                 f"{name}.stop_when_acceptance_flat",
                 f"needs evaluations, but {name}.eval_every is {self.eval_every} and {name}.eval_rows {self.eval_rows}",
             )
-        if self.draft == "dflash":
-            self._check_dflash(file, name)
-        elif self.eval_spec_steps > self.ttt_steps:
-            self.bad(
-                file,
-                f"{name}.eval_spec_steps",
-                f"{self.eval_spec_steps} cannot exceed {name}.ttt_steps ({self.ttt_steps}): the draft is only trained that deep",
-            )
+        own = self.method_settings()
+        own.check(file, name)
+        limit, why = own.spec_steps_limit(self, name)
+        if self.eval_spec_steps > limit:
+            self.bad(file, f"{name}.eval_spec_steps", f"{self.eval_spec_steps} cannot exceed {why}")
+        own.check_train(self, file, name)
 
-    def _check_dflash(self, file: Path | str, name: str) -> None:
-        """Keys that mean nothing to (or contradict) the DFlash draft."""
-        if self.loss != "kl":
-            self.bad(
-                file,
-                f"{name}.loss",
-                f'"{self.loss}" trains EAGLE-3 only; DFlash trains block cross-entropy (leave it "kl")',
-            )
-        for key in ("draft_fc_norm", "draft_norm_output"):
-            if getattr(self, key):
-                self.bad(file, f"{name}.{key}", f'an EAGLE-3.1 switch; {name}.draft is "dflash"')
-        if self.eval_spec_steps > self.dflash_block_size - 1:
-            self.bad(
-                file,
-                f"{name}.eval_spec_steps",
-                f"{self.eval_spec_steps} cannot exceed {name}.dflash_block_size - 1 ({self.dflash_block_size - 1}): "
-                "a block drafts that many tokens",
-            )
-        ids = self.dflash_target_layers
-        if ids is not None and (not ids or list(ids) != sorted(set(ids))):
-            self.bad(
-                file,
-                f"{name}.dflash_target_layers",
-                f"{list(ids)} must be a non-empty list of distinct ascending layer ids (SGLang concatenates in layer order)",
-            )
+    def method_settings(self) -> DraftSettings:
+        """The draft method's own keys, typed (its :class:`DraftSettings`; the base, with no keys, where the
+        method declares none). A ``TrainSection`` built directly rather than parsed gets the method's defaults."""
+        cls = type(self).METHOD_SETTINGS
+        if cls is None:
+            try:
+                cls = _checked_settings(draft_names.settings_class(self.draft), "", "train", self.draft)
+            except (draft_names.DraftNameError, PlanError):
+                cls = None
+        return (cls or DraftSettings).of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by its method's name and its values: the method's class is made when a plan loads."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return (_restore_train, (self.draft, type(self).METHOD_SETTINGS is not None, values))
 
     @property
     def warmup(self) -> int:
@@ -416,10 +426,8 @@ class TrainSection(Section):
 
     @property
     def spec_steps(self) -> int:
-        """Draft tokens per verification the acceptance evaluation simulates (DFlash: a whole block's)."""
-        if self.draft == "dflash":
-            return self.eval_spec_steps or self.dflash_block_size - 1
-        return self.eval_spec_steps or min(3, self.ttt_steps)
+        """Draft tokens per verification the acceptance evaluation simulates (the method's default unless set)."""
+        return self.eval_spec_steps or self.method_settings().default_spec_steps(self)
 
     @property
     def eval_interval(self) -> int:
@@ -431,6 +439,136 @@ class TrainSection(Section):
     @property
     def online_tp(self) -> bool:
         return self.target == "online-tp"
+
+
+@dataclass(frozen=True)
+class DraftSettings(Section):
+    """A draft method's own ``[train]`` keys, declared in its folder (a ``settings`` module, standard library
+    only, whose ``SETTINGS`` is the subclass; :mod:`pipeline.run.plan.draft_names` says where it is), and the
+    rules that tie them to the rest of ``[train]``.
+
+    A subclass declares its keys with :func:`~pipeline.run.plan.schema.setting`, as a section does; their names
+    are ``[train]`` keys (``dflash_block_size``), so they may not reuse one of :class:`TrainSection`'s. When a plan
+    names the method, ``[train]`` is parsed into a ``TrainSection`` that holds them too; :meth:`of` is the
+    method's typed view of it. The hooks below default to a chain drafter trained ``ttt_steps`` deep (EAGLE-3's
+    rules); a method overrides what differs.
+    """
+
+    NAME: ClassVar[str] = "train"
+
+    @classmethod
+    def of(cls, train: TrainSection) -> Self:
+        """This method's keys, typed, as ``train`` holds them (its defaults where ``train`` lacks one)."""
+        own = {f.name for f in fields(cls) if f.init}
+        return cls(**{k: getattr(train, k) for k in own if hasattr(train, k)})
+
+    def check_train(self, train: TrainSection, file: Path | str, name: str) -> None:
+        """Rules between this method's keys and the rest of ``[train]`` (a key that means nothing to it)."""
+
+    def spec_steps_limit(self, train: TrainSection, name: str) -> tuple[int, str]:
+        """The most draft tokens per verification ``eval_spec_steps`` may simulate, and its reason in words."""
+        return train.ttt_steps, f"{name}.ttt_steps ({train.ttt_steps}): the draft is only trained that deep"
+
+    def default_spec_steps(self, train: TrainSection) -> int:
+        """Draft tokens per verification the acceptance evaluation simulates when ``eval_spec_steps`` is 0."""
+        return min(3, train.ttt_steps)
+
+    def deep_check(self, train: TrainSection, facts: DeepFacts) -> list[DeepLine]:
+        """The deep check's lines about this method's draft against the target (``aerie plan check --deep``)."""
+        return []
+
+
+@dataclass(frozen=True)
+class DeepFacts:
+    """What the deep check (:mod:`pipeline.eagle3.chain_check`) knows of the plan and its target when it asks
+    the plan's draft method (:meth:`DraftSettings.deep_check`) for its own lines; plain values, no torch."""
+
+    plan_file: str
+    config_file: str  # the target's config.json and the prefix of its text model's keys, to name a field
+    text_prefix: str
+    num_layers: int
+    vocab_size: int
+    aux_layers: tuple[int, ...]  # what the extraction captures (plan order sorted, or the default)
+    offline_bench_stages: tuple[str, ...]  # bench stages that decode offline with the trained draft
+    bench_steps: int  # [bench] steps: draft tokens per verification the offline bench asks for
+    sglang_release: str  # the SGLang release the stages are pinned to
+
+
+@dataclass(frozen=True)
+class DeepLine:
+    """One line of the deep check: its name, whether it passed, what it found (a FAIL names file and key)."""
+
+    name: str
+    ok: bool
+    detail: str
+    warning: bool = False
+
+
+_WITH: dict[type[DraftSettings], type[TrainSection]] = {}
+
+
+def _checked_settings(settings: Any, file: Path | str, name: str, draft: str) -> type[DraftSettings] | None:
+    """``SETTINGS`` of the method ``draft``, if it is a :class:`DraftSettings` whose keys are its own."""
+    if settings is None:
+        return None
+    where = draft_names.known()[draft].settings
+    if not (isinstance(settings, type) and issubclass(settings, DraftSettings)):
+        raise PlanError(file, f"{name}.draft", f"{where}: SETTINGS is not a DraftSettings subclass")
+    clash = sorted({f.name for f in fields(settings)} & {f.name for f in fields(TrainSection)})
+    if clash:
+        raise PlanError(
+            file, f"{name}.draft", f"{where}: the {draft} draft redeclares [train] keys {', '.join(clash)}"
+        )
+    return settings
+
+
+def train_section_for(settings: Any, file: Path | str, name: str, draft: str) -> type[TrainSection]:
+    """``TrainSection`` with the keys of ``settings`` (a method's ``SETTINGS``) as fields of its own, made once."""
+    cls = _checked_settings(settings, file, name, draft)
+    if cls is None:
+        return TrainSection
+    if cls not in _WITH:
+        hints = typing.get_type_hints(cls)
+        own = [(f.name, hints[f.name], _field_copy(f)) for f in fields(cls)]
+        made = make_dataclass(f"TrainSection_{draft}", own, bases=(TrainSection,), frozen=True, kw_only=True)
+        made.__module__ = __name__
+        made.__doc__ = f"[train] with the {draft} draft's own keys ({cls.__module__}.{cls.__qualname__})."
+        made.METHOD_SETTINGS = cls  # type: ignore[attr-defined]
+        _WITH[cls] = made
+    return _WITH[cls]
+
+
+def _field_copy(f: Field[Any]) -> Any:
+    """A method's setting, declared anew for the class that holds it beside ``[train]``'s own."""
+    if f.default is not MISSING:
+        return field(default=f.default, metadata=f.metadata)
+    if f.default_factory is not MISSING:
+        return field(default_factory=f.default_factory, metadata=f.metadata)
+    return field(metadata=f.metadata)
+
+
+def _owner_of(key: str, draft: Any) -> str | None:
+    """The other registered method that declares ``key``, if one does (a plan for it, switched to ``draft``)."""
+    for other in draft_names.known():
+        if other == draft:
+            continue
+        try:
+            cls = draft_names.settings_class(other)
+        except draft_names.DraftNameError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, DraftSettings) and key in {f.name for f in fields(cls)}:
+            return other
+    return None
+
+
+def _restore_train(draft: str, with_method: bool, values: dict[str, Any]) -> TrainSection:
+    """A pickled ``TrainSection`` back, its method's keys' class made again in this process."""
+    cls = (
+        train_section_for(draft_names.settings_class(draft), "", "train", draft)
+        if with_method
+        else TrainSection
+    )
+    return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -768,7 +906,7 @@ def render_settings(settings: PlanSettings, raw: dict[str, Any]) -> str:
     """Every section's resolved settings, as TOML: the plan's values, then the defaults it left out,
     marked ``(default)``, each with its one-line doc. A key left unset is shown commented out."""
     lines: list[str] = []
-    for name, cls in SECTIONS.items():
+    for name in SECTIONS:
         section = getattr(settings, name)
         table = raw.get(name)
         given: dict[str, Any] = table if isinstance(table, dict) else {}
@@ -778,7 +916,7 @@ def render_settings(settings: PlanSettings, raw: dict[str, Any]) -> str:
             lines.append(f"# [{name}] is not in the plan: off")
             continue
         lines.append(f"[{name}]")
-        for key, _type, _default, doc in cls.describe():
+        for key, _type, _default, doc in type(section).describe():
             value = getattr(section, key)
             where = "" if key in given else " (default)"
             text = f"{key} = {_toml_value(value)}" if value is not None else f"# {key} = (unset)"
