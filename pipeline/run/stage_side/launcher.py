@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.run import nospace, oom
+from pipeline.run.hosts import nospace, oom
 from pipeline.run.hosts.procs import ENV_TOKEN, ProcIdentity, env_with_pipeline, new_token
 from pipeline.run.plan.dag import StageSpec, stage_module
 from pipeline.run.rundir.events import EventWriter

@@ -38,11 +38,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline.run import audit, growth
 from pipeline.run.hosts.executor import Executor, make_executor
 from pipeline.run.hosts.procs import ProcIdentity
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.plan.dag import StageSpec
+from pipeline.run.rundir import audit, growth
 from pipeline.run.rundir.events import EventWriter
 from pipeline.run.rundir.files import CorruptFileError
 from pipeline.run.rundir.layout import RunDir, StageDir, read_json, write_json
