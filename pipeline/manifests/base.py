@@ -46,6 +46,11 @@ def find(out_dir: Path) -> list[Path]:
     return [top] if top.is_file() else sorted(out_dir.glob(f"*/{MANIFEST_FILE}"))
 
 
+def of_kind(out_dir: Path, kinds: tuple[str, ...]) -> list[Path]:
+    """The manifests of ``out_dir`` (:func:`find`) whose ``kind`` is one of ``kinds``; other kinds are skipped."""
+    return [p for p in find(out_dir) if kind_of(p) in kinds]
+
+
 def read_doc(path: Path, missing: str = "missing") -> dict[str, Any]:
     """The JSON object in ``path``; a missing file, bad JSON or another JSON value is a :class:`ManifestError`."""
     try:
