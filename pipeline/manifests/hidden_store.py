@@ -50,7 +50,7 @@ class HiddenStatesManifest:
     dtype: str | None = field(default=None, metadata=OMIT)
     sources: tuple[str, ...] | None = field(default=None, metadata=OMIT)  # the tokenized out dirs read
     holdout: float | None = field(default=None, metadata=OMIT)
-    max_length: int | None = field(default=None, metadata=OMIT)
+    max_length: int | None = None  # written as null when neither [extract] nor [target] sets one
     rows: int | None = field(default=None, metadata=OMIT)
     tokens: int | None = field(default=None, metadata=OMIT)
     eval_rows: int | None = field(default=None, metadata=OMIT)
