@@ -114,17 +114,23 @@ def test_bench_stage_reports_accept_length_on_held_out_prompts(tmp_path_factory,
 def test_held_out_prompts_come_from_every_dataset_in_turn(tmp_path) -> None:
     """Four datasets, four prompts: one from each, not four from whichever dataset is listed first."""
     from pipeline.data.shards import is_heldout
+    from pipeline.manifests.train import DraftManifest
     from pipeline.stages.bench.inputs import heldout_prompts
 
     names = ["code", "chat", "math", "agent"]
     srcs = [write_tokenized(tmp_path / n, n=12, prefix=n) for n in names]
-    man = {"token_sources": [str(s) for s in srcs], "holdout": 0.5}
-    got = heldout_prompts(man, 4, 1 << 20)
+    man = {"kind": "draft", "aux_layer_ids": [1], "token_sources": [str(s) for s in srcs], "holdout": 0.5}
+    got = heldout_prompts(DraftManifest.from_dict(man), 4, 1 << 20)
     assert [rid.split("-")[0] for rid, _ in got] == names
     assert all(is_heldout(rid, 0.5) and ids for rid, ids in got)
     # more prompts than one round: the next round, same order; a dataset that runs out is skipped
     more = heldout_prompts(
-        {**man, "token_sources": [str(srcs[0]), str(write_tokenized(tmp_path / "one", n=1, prefix="tiny"))]},
+        DraftManifest.from_dict(
+            {
+                **man,
+                "token_sources": [str(srcs[0]), str(write_tokenized(tmp_path / "one", n=1, prefix="tiny"))],
+            }
+        ),
         5,
         1 << 20,
     )

@@ -77,10 +77,14 @@ def _extract_setup(
 
 
 def _manifests(run: RunDir) -> None:
-    write_json(run.stage("prep.a").out / "manifest.json", {"kind": "tokenized", "rows": 9, "tokens": 1200})
+    write_json(
+        run.stage("prep.a").out / "manifest.json",
+        {"kind": "tokenized", "rows": 9, "tokens": 1200, "shards": []},
+    )
     for shard, tok in (("s0", 300), ("s1", 500)):  # per-folder manifests are summed too
         write_json(
-            run.stage("prep.b").out / shard / "manifest.json", {"kind": "tokenized", "rows": 3, "tokens": tok}
+            run.stage("prep.b").out / shard / "manifest.json",
+            {"kind": "tokenized", "rows": 3, "tokens": tok, "shards": []},
         )
     write_json(
         run.stage("prep.c").out / "manifest.json", {"kind": "prompts", "rows": 40}
@@ -134,8 +138,10 @@ def test_hidden_size_comes_from_the_target_config(tmp_path: Path) -> None:
 
 def test_a_bad_manifest_is_named_in_the_error(tmp_path: Path) -> None:
     plan, run, spec = _extract_setup(tmp_path)
-    write_json(run.stage("prep.a").out / "manifest.json", {"kind": "tokenized", "tokens": "lots"})
-    with pytest.raises(budget.BudgetError, match=r"prep\.a/out/manifest\.json: 'tokens'"):
+    write_json(
+        run.stage("prep.a").out / "manifest.json", {"kind": "tokenized", "tokens": "lots", "shards": []}
+    )
+    with pytest.raises(budget.BudgetError, match=r"prep\.a/out/manifest\.json: tokens: expected an integer"):
         budget.projected_bytes(spec, plan, run)
 
 

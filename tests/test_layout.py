@@ -135,10 +135,12 @@ def test_pipeline_never_imports_the_console() -> None:
 
 
 # The layers of pipeline/, bottom first (docs/design.md, "The tree"): a module may import its own layer and
-# the layers below, never one above. run/ is what every run needs whatever it runs; data/ and serving/ are
+# the layers below, never one above. manifests/ is the stages' contracts, read by everything above it. run/ is what every run needs whatever it runs; data/ and serving/ are
 # libraries on it (side by side: neither imports the other); eagle3/ builds on data/; drafts/ (one package
 # per draft method) builds on eagle3/; stages/ are the programs that use them all.
 LAYERS: dict[str, int] = {
+    # the stages' manifests (typed contracts, stdlib only): below run/, whose disk budget reads them
+    "pipeline.manifests": -1,
     "pipeline": 0,  # the package itself (its __init__)
     "pipeline.tested_versions": 0,
     "pipeline.run": 0,

@@ -93,8 +93,8 @@ def test_specforge_trains_a_draft_the_bench_stage_loads(tmp_path_factory, tmp_pa
     # The bench stage's own lookup and loader, as it reads a train stage's out dir.
     man, train_dir = find_draft([out])
     embed = load_target_tensors(inp.model_id)["embed"]
-    trained = load_draft(train_dir / man["path"], embed=embed)
-    assert (man["target"], man["aux_layer_ids"]) == (inp.model_id, inp.manifest["aux_layer_ids"])
+    trained = load_draft(man.draft_path(train_dir), embed=embed)
+    assert (man.target, man.aux_layer_ids) == (inp.model_id, inp.manifest.aux_layer_ids)
     config = json.loads((out / "config.json").read_text())  # the folder SGLang loads is --out itself
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert torch.equal(trained.d2t, inp.vocab.d2t) and torch.equal(trained.t2d, inp.vocab.t2d.bool())

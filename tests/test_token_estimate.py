@@ -35,6 +35,8 @@ def test_tokens_are_sampled_from_local_rows_and_counted_once_prep_has_run(tmp_pa
     sid = next(s.id for s in plan.stages if s.run == "prep" and s.dataset == native.name)
     out = RunDir(plan.run_dir).stage(sid).out
     out.mkdir(parents=True)
-    (out / "manifest.json").write_text(json.dumps({"kind": "tokenized", "tokens": 1234, "rows": 10}))
+    (out / "manifest.json").write_text(
+        json.dumps({"kind": "tokenized", "tokens": 1234, "rows": 10, "shards": []})
+    )
     again = {d.name: d for d in token_estimate.estimate(plan, ct.encode, max_len, answer)}
     assert again[native.name].tokens == 1234 and again[native.name].how.startswith("counted")

@@ -55,6 +55,8 @@ from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_model import Eagle3Draft, save_draft, shift_left
 from pipeline.eagle3.trainer_inputs import build_draft, find_inputs
+from pipeline.manifests.base import ManifestError
+from pipeline.manifests.hidden_store import HiddenStatesManifest
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.plan.sections import TrainSection
 from pipeline.run.rundir.layout import write_json
@@ -80,7 +82,7 @@ class RunInputs:
     model_id: str
     trust_remote_code: bool
     settings: TrainSection
-    manifest: dict[str, Any]
+    manifest: HiddenStatesManifest
     ext_dir: Path
     vocab: draft_vocab.VocabMap
 
@@ -116,13 +118,15 @@ def load_run(
         raise SetupError("give --run RUN_DIR, or --store EXTRACT_OUT and --vocab VOCAB_OUT")
     try:
         man, ext_dir, vocab_dir = find_inputs(dirs)
+    except ManifestError as exc:  # a damaged manifest: its file and field
+        raise SetupError(str(exc)) from None
     except ValueError as exc:
         what = "extraction (the hidden-state store)" if "extraction" in str(exc) else "draft vocabulary"
         stage = "extract" if "extraction" in str(exc) else "vocab"
         raise SetupError(f"{where}: no {what} found: run the {stage} stage first") from None
-    if man.get("mode") != "offline":
+    if man.mode != "offline":
         raise SetupError(
-            f"{ext_dir / 'manifest.json'}: the extraction is {man.get('mode')!r}, not offline: there is no "
+            f"{ext_dir / 'manifest.json'}: the extraction is {man.mode!r}, not offline: there is no "
             'hidden-state store to train on (set [extract] mode = "offline")'
         )
     try:
@@ -133,11 +137,11 @@ def load_run(
         p = plan_mod.load(plan_path, run_dir=run if stages is not None and stages.is_dir() else None)
         train, model_id, trc = (
             p.settings.train,
-            str(p.target.model or man.get("target") or ""),
+            str(p.target.model or man.target or ""),
             p.target.trust_remote_code,
         )
     else:
-        train, model_id, trc = TrainSection(), str(man.get("target") or ""), False
+        train, model_id, trc = TrainSection(), str(man.target or ""), False
     if not model_id:
         raise SetupError(f"{ext_dir / 'manifest.json'}: names no target model, and there is no plan")
     s = dataclasses.replace(train, **overrides)
@@ -266,7 +270,7 @@ def build(
 
     s = inp.settings
     draft, _head_d, head_full = build_draft(
-        inp.model_id, list(inp.manifest["aux_layer_ids"]), inp.vocab, s, inp.trust_remote_code
+        inp.model_id, list(inp.manifest.aux_layer_ids), inp.vocab, s, inp.trust_remote_code
     )
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32  # SpecForge trains its draft in bf16
@@ -307,12 +311,10 @@ def export(trainer: SpecForgeTrainer, draft: Eagle3Draft, inp: RunInputs, out: P
         "stopped_early": None,
     }
     doc.update(chosen_by="last step", accept_length=None, eval_spec_steps=None, target=inp.model_id)
-    doc.update(
-        aux_layer_ids=list(man["aux_layer_ids"]), draft_vocab_size=inp.vocab.size, ttt_steps=s.ttt_steps
-    )
+    doc.update(aux_layer_ids=list(man.aux_layer_ids), draft_vocab_size=inp.vocab.size, ttt_steps=s.ttt_steps)
     doc.update(loss="specforge", trainer=f"specforge {SPECFORGE_VERSION}", fc_norm=False, norm_output=False)
-    doc.update(mode="offline", token_sources=list(man.get("sources", [])), holdout=man.get("holdout"))
-    doc.update(max_length=man.get("max_length"), world_size=1)
+    doc.update(mode="offline", token_sources=list(man.sources or ()), holdout=man.holdout)
+    doc.update(max_length=man.max_length, world_size=1)
     write_json(out / "manifest.json", doc)  # the train stage's manifest keys, for the bench stage
     return out
 

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.tokenise import Encoded
+from pipeline.manifests import shards as shards_manifest
+from pipeline.manifests.shards import ShardEntry, ShardsManifest
 from pipeline.run.rundir.files import publish, sha256_file
 from pipeline.run.rundir.layout import read_json, write_atomic, write_json
 
@@ -136,8 +138,7 @@ class ShardStore:
                     gone.append(p)
         return gone
 
-    def _check_fingerprint(self, rec: dict[str, Any], what: str) -> None:
-        fp = rec.get("fingerprint")
+    def _check_fingerprint(self, fp: dict[str, Any] | None, what: str) -> None:
         if fp != self.fingerprint:
             diff = sorted(
                 k
@@ -157,7 +158,7 @@ class ShardStore:
             rec = read_json(self.record_path(index))
             if rec is None:
                 break
-            self._check_fingerprint(rec, str(self.record_path(index)))
+            self._check_fingerprint(rec.get("fingerprint"), str(self.record_path(index)))
             path = self.out / rec["file"]
             if not path.is_file() or sha256_file(path) != rec["sha256"]:
                 break
@@ -184,41 +185,40 @@ class ShardStore:
         write_json(self.record_path(index), rec)
         return rec
 
-    def manifest(self) -> dict[str, Any] | None:
-        return read_json(self.manifest_path)
+    def manifest(self) -> ShardsManifest | None:
+        """The manifest (:mod:`pipeline.manifests.shards`), or None before the output is finished."""
+        if not self.manifest_path.is_file():
+            return None
+        return shards_manifest.read(self.manifest_path)
 
-    def complete(self) -> dict[str, Any] | None:
+    def complete(self) -> ShardsManifest | None:
         """The manifest when the output is finished with these settings and every shard is intact."""
         man = self.manifest()
         if man is None:
             return None
-        self._check_fingerprint(man, str(self.manifest_path))
-        for s in man["shards"]:
-            p = self.out / s["file"]
-            if not p.is_file() or sha256_file(p) != s["sha256"]:
+        self._check_fingerprint(man.fingerprint, str(self.manifest_path))
+        for s in man.shards:
+            p = self.out / s.file
+            if not p.is_file() or sha256_file(p) != s.sha256:
                 return None
         return man
 
-    def write_manifest(self, kind: str, records: Iterable[dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        shards = [
-            {
-                "file": r["file"],
-                "rows": r["rows"],
-                "sha256": r["sha256"],
-                **({"tokens": r["tokens"]} if r.get("tokens") is not None else {}),
-            }
+    def write_manifest(self, kind: str, records: Iterable[dict[str, Any]], **fields: Any) -> ShardsManifest:
+        """``manifest.json`` over the shard ``records`` (:meth:`commit`'s); ``fields`` are the manifest's
+        other keys, each a field of :class:`~pipeline.manifests.shards.ShardsManifest`."""
+        shards = tuple(
+            ShardEntry(file=r["file"], rows=r["rows"], sha256=r["sha256"], tokens=r.get("tokens"))
             for r in records
-        ]
-        man = {
-            "kind": kind,
+        )
+        man = ShardsManifest(
+            kind=kind,
+            shards=shards,
+            rows=sum(s.rows or 0 for s in shards),
+            fingerprint=self.fingerprint,
+            tokens=sum(s.tokens or 0 for s in shards) if kind == shards_manifest.TOKENIZED else None,
             **fields,
-            "rows": sum(s["rows"] for s in shards),
-            "shards": shards,
-            "fingerprint": self.fingerprint,
-        }
-        if kind == "tokenized":
-            man["tokens"] = sum(s.get("tokens", 0) for s in shards)
-        write_json(self.manifest_path, man)
+        )
+        shards_manifest.write(self.manifest_path, man)
         return man
 
 

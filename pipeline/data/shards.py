@@ -1,7 +1,8 @@
 """Reading the tokenized shards that prep / regen write, and the held-out split every EAGLE-3 stage shares.
 
-Input contract (docs/data-formats.md): an upstream out dir holds ``manifest.json`` with
-``{"kind": "tokenized", "shards": [{"file": ...}, ...]}`` (or sub-folders that each hold one), and
+Input contract (docs/data-formats.md; the manifest's definition: :mod:`pipeline.manifests.shards`): an upstream
+out dir holds ``manifest.json`` with ``{"kind": "tokenized", "tokens": N, "shards": [{"file": ...}, ...]}`` (or
+sub-folders that each hold one), and
 Parquet shards with columns ``id``, ``input_ids`` (list<int32>), ``loss_mask`` (list<int8>, 1 on
 assistant tokens) and ``num_tokens``. Manifests of other kinds (``prompts``) are skipped.
 
@@ -13,7 +14,6 @@ share of rows kept out of training (default 0.05), for the acceptance measuremen
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,10 @@ from typing import Any
 
 import numpy as np
 
-TOKENIZED = "tokenized"
+from pipeline.manifests import shards as shards_manifest
+from pipeline.manifests.base import ManifestError, of_kind
+
+TOKENIZED = shards_manifest.TOKENIZED
 REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask")
 
 
@@ -66,49 +69,26 @@ def is_heldout(row_id: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def find_manifests(out_dir: Path) -> list[tuple[Path, dict]]:
-    """Every ``manifest.json`` of an upstream out dir (top level, else one level of sub-folders)."""
-    out_dir = Path(out_dir)
-    top = out_dir / "manifest.json"
-    files = [top] if top.is_file() else sorted(out_dir.glob("*/manifest.json"))
-    found = []
-    for f in files:
-        try:
-            found.append((f, json.loads(f.read_text())))
-        except ValueError as exc:
-            raise ShardError(f"{f}: not valid JSON: {exc}") from None
-    return found
+def tokenized_manifests(out_dir: Path) -> list[tuple[Path, shards_manifest.ShardsManifest]]:
+    """Every ``tokenized`` manifest of an upstream out dir (top level, else one level of sub-folders), read
+    through :mod:`pipeline.manifests.shards`; a damaged one is a :class:`ShardError` naming the file and key."""
+    try:
+        return [(p, shards_manifest.read(p)) for p in of_kind(Path(out_dir), (TOKENIZED,))]
+    except ManifestError as exc:
+        raise ShardError(str(exc)) from None
 
 
 def tokenized_shards(out_dirs: list[Path]) -> list[ShardRef]:
     """The Parquet shards of every ``tokenized`` manifest under ``out_dirs``, in a stable order."""
     refs: list[ShardRef] = []
     for d in out_dirs:
-        for mpath, man in find_manifests(d):
-            if man.get("kind") != TOKENIZED:
-                continue
-            shards = man.get("shards")
-            if not isinstance(shards, list):
-                raise ShardError(f"{mpath}: 'shards' must be a list")
-            for i, s in enumerate(shards):
-                if not isinstance(s, dict) or not isinstance(s.get("file"), str):
-                    raise ShardError(f"{mpath}: shards[{i}].file must be a string")
-                p = mpath.parent / s["file"]
+        for mpath, man in tokenized_manifests(d):
+            for i, s in enumerate(man.shards):
+                p = mpath.parent / s.file
                 if not p.is_file():
-                    raise ShardError(f"{mpath}: shards[{i}].file {s['file']!r} does not exist ({p})")
-                refs.append(ShardRef(p, s.get("rows"), s.get("tokens", s.get("num_tokens"))))
+                    raise ShardError(f"{mpath}: shards[{i}].file {s.file!r} does not exist ({p})")
+                refs.append(ShardRef(p, s.rows, s.token_count))
     return refs
-
-
-def manifest_token_total(out_dirs: list[Path]) -> int:
-    total = 0
-    for d in out_dirs:
-        for _, man in find_manifests(d):
-            if man.get("kind") == TOKENIZED:
-                total += int(
-                    man.get("tokens") or sum(int(s.get("tokens") or 0) for s in man.get("shards", []))
-                )
-    return total
 
 
 def read_shard(path: Path, vocab_size: int | None = None, max_length: int | None = None) -> Iterator[Row]:

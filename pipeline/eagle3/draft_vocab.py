@@ -7,21 +7,25 @@ ids when fewer than ``K`` distinct tokens occur), sort them, and store
 * ``d2t[i] = used[i] - i`` (int64, length K): SGLang adds ``arange(K)`` to get the hot-token ids;
 * ``t2d[t] = t in used`` (bool, length = target vocabulary).
 
-Written by the vocab stage as ``vocab.safetensors`` next to a ``manifest.json`` of kind ``vocab``;
+Written by the vocab stage as ``vocab.safetensors`` next to a ``manifest.json`` of kind ``vocab`` (its
+definition: :mod:`pipeline.manifests.vocab`);
 read by training, which stores both as buffers of the draft checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-VOCAB_FILE = "vocab.safetensors"
-MANIFEST_KIND = "vocab"
+from pipeline.manifests import vocab as vocab_manifest
+from pipeline.manifests.base import ManifestError
+
+VOCAB_FILE = vocab_manifest.VOCAB_FILE
+MANIFEST_KIND = vocab_manifest.KIND
 
 
 class VocabError(ValueError):
@@ -70,10 +74,11 @@ def build(counts: np.ndarray | torch.Tensor, draft_vocab_size: int) -> VocabMap:
     return VocabMap(d2t=d2t, t2d=t2d, counts=c)
 
 
-def save(vm: VocabMap, out_dir: Path, extra: dict | None = None) -> Path:
+def save(vm: VocabMap, out_dir: Path, extra: dict[str, Any] | None = None) -> Path:
+    """``vocab.safetensors`` and its manifest; ``extra`` holds the manifest's other fields (rows, tokens, ...)."""
     from safetensors.torch import save_file
 
-    from pipeline.run.rundir.layout import write_atomic, write_json
+    from pipeline.run.rundir.layout import write_atomic
 
     out_dir = Path(out_dir)
     tensors = {"d2t": vm.d2t.contiguous(), "t2d": vm.t2d.contiguous()}
@@ -83,15 +88,15 @@ def save(vm: VocabMap, out_dir: Path, extra: dict | None = None) -> Path:
     save_file(tensors, str(tmp))
     write_atomic(out_dir / VOCAB_FILE, tmp.read_bytes())
     tmp.unlink()
-    manifest = {
-        "kind": MANIFEST_KIND,
-        "file": VOCAB_FILE,
-        "draft_vocab_size": vm.size,
-        "target_vocab_size": int(vm.t2d.numel()),
-        "coverage": vm.coverage() if vm.counts is not None else None,
+    manifest = vocab_manifest.VocabManifest(
+        kind=MANIFEST_KIND,
+        file=VOCAB_FILE,
+        draft_vocab_size=vm.size,
+        target_vocab_size=int(vm.t2d.numel()),
+        coverage=vm.coverage() if vm.counts is not None else None,
         **(extra or {}),
-    }
-    write_json(out_dir / "manifest.json", manifest)
+    )
+    vocab_manifest.write(out_dir / "manifest.json", manifest)
     return out_dir / VOCAB_FILE
 
 
@@ -101,12 +106,10 @@ def load(out_dir: Path) -> VocabMap:
     out_dir = Path(out_dir)
     mpath = out_dir / "manifest.json"
     try:
-        man = json.loads(mpath.read_text())
-    except FileNotFoundError:
-        raise VocabError(f"{mpath}: missing (has the vocab stage run?)") from None
-    if man.get("kind") != MANIFEST_KIND:
-        raise VocabError(f"{mpath}: kind is {man.get('kind')!r}, expected {MANIFEST_KIND!r}")
-    t = load_file(str(out_dir / man.get("file", VOCAB_FILE)))
+        man = vocab_manifest.read(mpath)
+    except ManifestError as exc:
+        raise VocabError(str(exc)) from None
+    t = load_file(str(out_dir / man.tensors_file))
     for key in ("d2t", "t2d"):
         if key not in t:
             raise VocabError(f"{out_dir / VOCAB_FILE}: tensor {key!r} missing")

@@ -7,7 +7,7 @@ One shard is one safetensors file holding a group of rows back to back (no paddi
 * ``target_argmax``  (N,)     int32 — the target's greedy next token at each position
 * ``input_ids`` (N,) int32, ``loss_mask`` (N,) int8, ``offsets`` (R+1,) int64 row boundaries
 
-``manifest.json`` (kind ``hidden_states``) lists the shards with rows, tokens and bytes, the aux
+``manifest.json`` (kind ``hidden_states``; its definition: :mod:`pipeline.manifests.hidden_store`) lists the shards with rows, tokens and bytes, the aux
 layer ids and the target; ``eval_shards`` (``eval-*.safetensors``, same layout) hold a few held-out rows
 on which the train stage measures acceptance while it trains. In ``online`` mode the manifest stores no shards, only the tokenized
 sources, and training runs the target itself. Shards are written to a temporary name and renamed,
@@ -20,14 +20,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from pipeline.manifests import hidden_store as hs_manifest
+from pipeline.manifests.base import ManifestError
+from pipeline.manifests.hidden_store import HiddenStatesManifest
 from pipeline.run.rundir.files import publish
 
-KIND = "hidden_states"
-MODES = ("offline", "online")
+KIND = hs_manifest.KIND
+MODES = hs_manifest.MODES
 FORMAT = 1
 TENSORS = ("aux", "last_hidden", "target_argmax", "input_ids", "loss_mask", "offsets")
 
@@ -148,17 +150,17 @@ class HiddenStore:
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.dir = Path(out_dir)
         self.manifest = read_manifest(self.dir)
-        if self.manifest.get("mode") != "offline":
+        if self.manifest.mode != "offline":
             raise StoreError(
-                f"{self.dir / 'manifest.json'}: mode is {self.manifest.get('mode')!r}; no shards stored"
+                f"{self.dir / 'manifest.json'}: mode is {self.manifest.mode!r}; no shards stored"
             )
         self.shards: list[ShardMap] = []
         self.index: list[tuple[int, int, int]] = []  # (file, start, end)
         self.ids: list[str] = []
-        for fi, s in enumerate(self.manifest.get("shards" if split == "train" else "eval_shards") or []):
-            p = self.dir / s["file"]
+        for fi, s in enumerate(self.manifest.shards_of(split)):
+            p = self.dir / s.file
             if not p.is_file():
-                raise StoreError(f"{self.dir / 'manifest.json'}: shard {s['file']} is missing")
+                raise StoreError(f"{self.dir / 'manifest.json'}: shard {s.file} is missing")
             try:
                 m = ShardMap(p)
             except StoreError:
@@ -175,7 +177,7 @@ class HiddenStore:
 
     @property
     def aux_layer_ids(self) -> list[int]:
-        return list(self.manifest["aux_layer_ids"])
+        return list(self.manifest.aux_layer_ids)
 
     def length(self, i: int) -> int:
         _, a, b = self.index[i]
@@ -195,16 +197,9 @@ class HiddenStore:
         )
 
 
-def read_manifest(out_dir: Path) -> dict[str, Any]:
-    p = Path(out_dir) / "manifest.json"
+def read_manifest(out_dir: Path) -> HiddenStatesManifest:
+    """The extraction's manifest (:mod:`pipeline.manifests.hidden_store`); a damaged one is a :class:`StoreError`."""
     try:
-        man = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise StoreError(f"{p}: missing (has the extract stage finished?)") from None
-    except ValueError as exc:
-        raise StoreError(f"{p}: not valid JSON: {exc}") from None
-    if man.get("kind") != KIND:
-        raise StoreError(f"{p}: kind is {man.get('kind')!r}, expected {KIND!r}")
-    if man.get("mode") not in MODES:
-        raise StoreError(f"{p}: mode is {man.get('mode')!r}, expected one of {', '.join(MODES)}")
-    return man
+        return hs_manifest.read(Path(out_dir) / "manifest.json")
+    except ManifestError as exc:
+        raise StoreError(str(exc)) from None

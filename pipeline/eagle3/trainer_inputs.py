@@ -9,23 +9,27 @@ from pathlib import Path
 
 import torch
 
-from pipeline.data.shards import find_manifests
 from pipeline.eagle3 import draft_vocab
-from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_config import DraftConfig
 from pipeline.eagle3.draft_model import Eagle3Draft
+from pipeline.manifests import hidden_store as hs_manifest
+from pipeline.manifests import vocab as vocab_manifest
+from pipeline.manifests.base import of_kind
+from pipeline.manifests.hidden_store import HiddenStatesManifest
 from pipeline.run.plan.sections import TrainSection
 
 
-def find_inputs(dirs: list[Path]) -> tuple[dict, Path, Path]:
-    """(extraction manifest, its dir, vocab dir) among the input dirs, by manifest kind."""
-    ext = vocab = None
+def find_inputs(dirs: list[Path]) -> tuple[HiddenStatesManifest, Path, Path]:
+    """(extraction manifest, its dir, vocab dir) among the input dirs, by manifest kind; a damaged manifest
+    is a :class:`~pipeline.manifests.base.ManifestError` (a ``ValueError``) naming its file and field."""
+    ext: tuple[HiddenStatesManifest, Path] | None = None
+    vocab: Path | None = None
     for d in dirs:
-        for mpath, man in find_manifests(d):
-            if man.get("kind") == hs.KIND:
-                ext = (man, mpath.parent)
-            elif man.get("kind") == draft_vocab.MANIFEST_KIND:
-                vocab = mpath.parent
+        for mpath in of_kind(d, (hs_manifest.KIND,)):
+            ext = (hs_manifest.read(mpath), mpath.parent)
+        for mpath in of_kind(d, (vocab_manifest.KIND,)):
+            vocab_manifest.read(mpath)  # checked here, loaded by draft_vocab.load
+            vocab = mpath.parent
     if ext is None:
         raise ValueError(
             f"no extraction among the inputs ({', '.join(map(str, dirs))}): put the extract stage in 'after'"

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import sys
@@ -64,6 +65,8 @@ from pipeline.eagle3.draft_config import (
     sglang_capture_ids,
 )
 from pipeline.eagle3.shard_sink import HostBatch, HostStager, ShardSink, ShardWriteError, WrittenShard
+from pipeline.manifests import hidden_store as hs_manifest
+from pipeline.manifests.hidden_store import HiddenStatesManifest, StoredShard
 from pipeline.run.hosts import nospace
 from pipeline.run.plan.sections import ExtractSection
 from pipeline.run.rundir.layout import read_json, write_json
@@ -246,13 +249,18 @@ def run(ctx: StageContext, inputs: list[Path], dist: Dist | None = None) -> int:
     tokens_done = extract_shards(ctx, ex, jobs, target, rec, tokens_done, dist)
     if not writer:
         return 0
-    manifest = {
-        **ex.base_manifest,
-        "bytes": rec.actual,
-        "shards": [{"file": name, **rec.done[name]} for name, _ in jobs if not hs.is_eval_shard(name)],
-        "eval_shards": [{"file": name, **rec.done[name]} for name, _ in jobs if hs.is_eval_shard(name)],
-    }
-    write_json(ctx.out / "manifest.json", manifest)
+    done = {name: rec.done[name] for name, _ in jobs}
+    stored = [
+        (name, StoredShard(file=name, rows=d.get("rows"), tokens=d.get("tokens"), bytes=d.get("bytes")))
+        for name, d in done.items()
+    ]
+    manifest = dataclasses.replace(
+        ex.base_manifest,
+        bytes=rec.actual,
+        shards=tuple(sh for name, sh in stored if not hs.is_eval_shard(name)),
+        eval_shards=tuple(sh for name, sh in stored if hs.is_eval_shard(name)),
+    )
+    hs_manifest.write(ctx.out / "manifest.json", manifest)
     elapsed = time.monotonic() - t_start
     if tokens_done > tok_start:
         ctx.metric("tokens_per_s", (tokens_done - tok_start) / max(elapsed, 1e-9), overall=True)
@@ -275,7 +283,7 @@ class Extraction:
     hidden: int
     rows: list[Row]
     eval_rows: list[Row]
-    base_manifest: dict[str, Any]
+    base_manifest: HiddenStatesManifest  # no shards yet
 
     @property
     def total_tokens(self) -> int:
@@ -318,25 +326,26 @@ def plan_extraction(ctx: StageContext, inputs: list[Path]) -> Extraction:
             "has no assistant tokens",
         )
     eval_tokens = sum(r.num_tokens for r in eval_rows)
-    base_manifest = {
-        "kind": hs.KIND,
-        "format": hs.FORMAT,
-        "mode": plan.settings.storage_mode,
-        "target": model_id,
-        "hidden_size": hidden,
-        "num_layers": num_layers,
-        "aux_layer_ids": aux,
-        "sglang_layers_to_capture": capture,
-        "target_architecture": arch,
-        "dtype": "bfloat16",
-        "sources": [str(Path(p).absolute()) for p in inputs],
-        "holdout": holdout,
-        "max_length": max_length,
-        "rows": len(rows),
-        "tokens": sum(r.num_tokens for r in rows),
-        "eval_rows": len(eval_rows),
-        "eval_tokens": eval_tokens,
-    }
+    base_manifest = HiddenStatesManifest(
+        kind=hs.KIND,
+        format=hs.FORMAT,
+        mode=plan.settings.storage_mode,
+        target=model_id,
+        hidden_size=hidden,
+        num_layers=num_layers,
+        aux_layer_ids=tuple(aux),
+        sglang_layers_to_capture=tuple(capture),
+        target_architecture=arch,
+        dtype="bfloat16",
+        sources=tuple(str(Path(p).absolute()) for p in inputs),
+        holdout=holdout,
+        max_length=max_length,
+        rows=len(rows),
+        tokens=sum(r.num_tokens for r in rows),
+        eval_rows=len(eval_rows),
+        eval_tokens=eval_tokens,
+        shards=(),
+    )
     if sec.aux_layers is not None and list(sec.aux_layers) != aux:
         ctx.message(
             f"extract.aux_layers {list(sec.aux_layers)} used as {aux}: SGLang captures layers in ascending "
@@ -369,9 +378,11 @@ def select_rows(
 def write_online(ctx: StageContext, ex: Extraction) -> None:
     """Online mode: nothing stored; the manifest lists the rows training runs the target over."""
     ctx.metric("projected_bytes", 0)
-    write_json(
+    hs_manifest.write(
         ctx.out / "manifest.json",
-        {**ex.base_manifest, "bytes": 0, "shards": [], "row_ids": [r.id for r in training_order(ex.rows)]},
+        dataclasses.replace(
+            ex.base_manifest, bytes=0, shards=(), row_ids=tuple(r.id for r in training_order(ex.rows))
+        ),
     )
     ctx.metric("actual_bytes", 0)
     ctx.message(

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from pipeline.manifests import shards as shards_manifest
+from pipeline.manifests.base import ManifestError, of_kind
 from pipeline.run.hosts.gpus import FOREIGN, GpuProbe
 from pipeline.run.plan.dag import Plan, StageSpec
 from pipeline.run.rundir.layout import RunDir
@@ -88,28 +90,20 @@ class BudgetError(ValueError):
 # ------------------------------------------------------------------------------ projection
 STORED_DTYPE_BYTES = 2  # hidden states are stored as bf16 whatever the compute dtype
 EXTRA_BYTES_PER_TOKEN = 4 + 1 + 4  # input_ids int32, loss_mask int8, target_argmax int32
-TOKENIZED = "tokenized"
 
 
 def manifest_tokens(out_dir: Path) -> tuple[int, int] | None:
-    """(tokens, rows) of the ``tokenized`` manifests of ``out_dir`` (top level, else sub-folders)."""
-    top = out_dir / "manifest.json"
-    files = [top] if top.is_file() else sorted(out_dir.glob("*/manifest.json"))
+    """(tokens, rows) of the ``tokenized`` manifests of ``out_dir`` (top level, else sub-folders), read through
+    :mod:`pipeline.manifests.shards`; ``prompts`` manifests (nothing to extract yet) are skipped."""
     tokens, rows, found = 0, 0, False
-    for f in files:
-        try:
-            doc = json.loads(f.read_text())
-        except ValueError as exc:
-            raise BudgetError(f"{f}: not valid JSON: {exc}") from None
-        if not isinstance(doc, dict) or doc.get("kind", TOKENIZED) != TOKENIZED:
-            continue  # prompts for regeneration: nothing to extract from them
-        tok = doc.get("tokens")
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-            raise BudgetError(f"{f}: 'tokens' must be a non-negative integer, got {tok!r}")
-        tokens += tok
-        r = doc.get("rows")
-        rows += r if isinstance(r, int) and not isinstance(r, bool) and r > 0 else 0
-        found = True
+    try:
+        for f in of_kind(out_dir, (shards_manifest.TOKENIZED,)):
+            man = shards_manifest.read(f)
+            tokens += man.tokens or 0
+            rows += man.rows or 0
+            found = True
+    except ManifestError as exc:
+        raise BudgetError(str(exc)) from None
     return (tokens, rows) if found else None
 
 

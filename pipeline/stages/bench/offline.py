@@ -17,6 +17,9 @@ import torch
 
 from pipeline.drafts.registry import DrafterInputs, draft_method
 from pipeline.eagle3.spec_decode import Drafter, RankZeroDrafter
+from pipeline.manifests import bench as bench_manifest
+from pipeline.manifests.bench import BenchManifest
+from pipeline.manifests.train import DraftManifest
 from pipeline.run.rundir.layout import write_json
 from pipeline.run.stage_side.ranks import Dist, tp_device
 from pipeline.run.stage_side.runtime import StageContext, fail
@@ -53,21 +56,21 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     shard of the target and runs the same decode (same tokens on every rank), rank 0 writes."""
     sec = ctx.plan.settings.bench
     man, train_dir = find_draft(inputs)
-    method = draft_method(str(man.get("draft", "eagle3")))  # the train manifest says which method trained it
+    method = draft_method(man.method_name)  # the train manifest says which method trained it
     steps = sec.steps
-    problem = method.bench_problem(man, steps, dist is not None)
+    problem = method.bench_problem(man.to_dict(), steps, dist is not None)  # the method reads its own keys
     if problem:
         fail(ctx, problem)
-    model_id = str(ctx.plan.target.model or man.get("target"))
-    target, dev, dtype = load_bench_target(ctx, model_id, list(man["aux_layer_ids"]), dist)
+    model_id = str(ctx.plan.target.model or man.target)
+    target, dev, dtype = load_bench_target(ctx, model_id, list(man.aux_layer_ids), dist)
     prompts = heldout_prompts(man, sec.prompt_count(online=False), int(target.embed_weight.shape[0]))
     if not prompts:
         fail(ctx, "no held-out prompts: every row was used for training; raise [bench] holdout")
     embed = target.embed_weight.detach().float()  # under TP a collective: every rank gathers it
     drafter: Drafter | None = None
     if dist is None or dist.main:
-        path = train_dir / man.get("path", "draft")
-        drafter = method.drafter(DrafterInputs(path, target, list(man["aux_layer_ids"]), dev, dtype, embed))
+        path = man.draft_path(train_dir)
+        drafter = method.drafter(DrafterInputs(path, target, list(man.aux_layer_ids), dev, dtype, embed))
     if dist is not None:  # rank 0 drafts; the others verify its tokens (never drafts of their own)
         drafter = RankZeroDrafter(drafter, dist.rank, dev)
     assert drafter is not None
@@ -82,7 +85,7 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     elapsed = time.monotonic() - t0
     if dist is not None and not dist.main:
         return 0
-    write_results(ctx, run, steps, elapsed, train_dir / man.get("path", "draft"), man, sec.check_lossless)
+    write_results(ctx, run, steps, elapsed, man.draft_path(train_dir), man, sec.check_lossless)
     return 0
 
 
@@ -196,7 +199,7 @@ def write_results(
     steps: int,
     elapsed: float,
     draft_path: Path,
-    man: dict[str, Any],
+    man: DraftManifest,
     check: bool,
 ) -> None:
     """``results.json`` (with every prompt's line), ``manifest.json`` (the summary) and the metrics."""
@@ -206,25 +209,25 @@ def write_results(
     accept_len = sum(accepted) / len(accepted) + 1
     accept_rate = sum(accepted) / (steps * len(accepted))
     hist = [accepted.count(n) for n in range(steps + 1)]
-    summary = {
-        "kind": "bench",
-        "mode": "offline",
-        "accept_len": accept_len,
-        "accept_rate": accept_rate,
-        "max_accept_len": steps + 1,
-        "steps": steps,
-        "prompts": len(run.per_prompt),
-        "verify_steps": len(accepted),
-        "new_tokens": run.gen_tokens,
-        "accepted_histogram": hist,
-        "elapsed_s": elapsed,
-        "draft": str(draft_path),
-        "draft_kind": man.get("draft", "eagle3"),
-        "lossless_checked": check,
-        "lossless_mismatches": run.mismatches if check else None,
-    }
-    write_json(ctx.out / "results.json", {**summary, "per_prompt": run.per_prompt})
-    write_json(ctx.out / "manifest.json", summary)
+    summary = BenchManifest(
+        kind=bench_manifest.KIND,
+        mode="offline",
+        accept_len=accept_len,
+        accept_rate=accept_rate,
+        max_accept_len=steps + 1,
+        steps=steps,
+        prompts=len(run.per_prompt),
+        verify_steps=len(accepted),
+        new_tokens=run.gen_tokens,
+        accepted_histogram=tuple(hist),
+        elapsed_s=elapsed,
+        draft=str(draft_path),
+        draft_kind=man.method_name,
+        lossless_checked=check,
+        lossless_mismatches=run.mismatches if check else None,
+    )
+    write_json(ctx.out / "results.json", {**summary.to_dict(), "per_prompt": run.per_prompt})
+    bench_manifest.write(ctx.out / "manifest.json", summary)
     ctx.metric("accept_rate", accept_rate)
     ctx.metric("verify_steps", len(accepted))
     ctx.metric("accept_len", accept_len, max=steps + 1)

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.data.shards import holdout_fraction, iter_rows
+from pipeline.manifests import bench as bench_manifest
+from pipeline.manifests.bench import BenchManifest
 from pipeline.run.rundir.layout import RunDir, write_json
 from pipeline.run.stage_side.runtime import StageContext, fail
 
@@ -293,7 +295,9 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
             res["speedup"] = first["speedup"]
     write_json(ctx.out / PROMPTS_FILE, prompts)
     write_json(ctx.out / "results.json", res)
-    write_json(ctx.out / "manifest.json", {k: v for k, v in res.items() if k != "baseline"})
+    bench_manifest.write(  # the summary: results.json less the baseline's line
+        ctx.out / "manifest.json", BenchManifest.from_dict({k: v for k, v in res.items() if k != "baseline"})
+    )
     for r in rows:
         ctx.metric("output_tok_s", r["output_tok_s"], label=label, batch=r["batch"])
         if r["accept_len"] is not None:

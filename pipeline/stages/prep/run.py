@@ -230,10 +230,10 @@ class PrepRun:
         if man is None:
             return False
         ctx.message(
-            f"{ds.name}: already prepared ({man['rows']} rows in {len(man['shards'])} shards); nothing to do",
+            f"{ds.name}: already prepared ({man.rows} rows in {len(man.shards)} shards); nothing to do",
             code="up-to-date",
         )
-        ctx.progress(man["rows"], ds.quota, unit="rows", key=ds.name, force=True, rate=0.0)
+        ctx.progress(man.rows or 0, ds.quota, unit="rows", key=ds.name, force=True, rate=0.0)
         return True
 
     def _fill(self, records: list[dict[str, Any]], tally: Tally, seen: set[str], start: int) -> None:
@@ -310,9 +310,9 @@ class PrepRun:
                 max_length=self.tokenizer.max_length,
             )
         man = self.store.write_manifest(self.out_kind, records, **fields)
-        tokens = f", {man['tokens']} tokens" if "tokens" in man else ""
+        tokens = f", {man.tokens} tokens" if man.tokens is not None else ""
         ctx.message(
-            f"{ds.name}: {man['rows']} rows{tokens} in {len(records)} shards; {len(tally.rejects)} rejects, "
+            f"{ds.name}: {man.rows} rows{tokens} in {len(records)} shards; {len(tally.rejects)} rejects, "
             f"{tally.duplicates} duplicates, {len(tally.dropped)} dropped",
             code="done",
         )

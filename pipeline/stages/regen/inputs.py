@@ -6,6 +6,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from pipeline.manifests import shards as shards_manifest
+from pipeline.manifests.base import MANIFEST_FILE, ManifestError, kind_of
 from pipeline.run.plan.dag import Plan
 from pipeline.run.plan.sections import RegenSection
 from pipeline.run.rundir.layout import RunDir, read_json
@@ -23,13 +25,15 @@ def regen_settings(plan: Plan) -> RegenSection:
 
 # ------------------------------------------------------------------------------------ inputs
 def find_prompt_dir(inputs: dict[str, Path]) -> Path:
+    """The one input whose ``manifest.json`` is of kind ``prompts``."""
     found = []
     for _dep, d in inputs.items():
-        man = read_json(Path(d) / "manifest.json")
-        if man and man.get("kind") == "prompts":
-            found.append(Path(d))
-        elif man is None:
-            continue
+        mpath = Path(d) / MANIFEST_FILE
+        try:
+            if mpath.is_file() and kind_of(mpath) == shards_manifest.PROMPTS:
+                found.append(Path(d))
+        except ManifestError as exc:
+            raise InputError(str(exc)) from None
     if not found:
         deps = ", ".join(f"{k} ({v})" for k, v in inputs.items()) or "none"
         raise InputError(
@@ -45,13 +49,16 @@ def read_prompts(d: Path, limit: int | None = None) -> list[tuple[str, list[dict
     """``(id, messages)`` from a ``prompts`` output, in shard order; errors name file, row and field."""
     import pyarrow.parquet as pq
 
-    man = read_json(d / "manifest.json")
-    if not man or man.get("kind") != "prompts":
-        raise InputError(f"{d / 'manifest.json'}: not a prompts manifest (kind {man and man.get('kind')!r})")
+    try:
+        man = shards_manifest.read(d / MANIFEST_FILE)
+    except ManifestError as exc:
+        raise InputError(str(exc)) from None
+    if man.kind != shards_manifest.PROMPTS:
+        raise InputError(f"{d / MANIFEST_FILE}: kind: is {man.kind!r}, not a prompts manifest")
     out: list[tuple[str, list[dict[str, Any]]]] = []
     seen: set[str] = set()
-    for s in man.get("shards") or []:
-        path = d / s["file"]
+    for s in man.shards:
+        path = d / s.file
         try:
             table = pq.read_table(path, columns=["id", "messages"])
         except (OSError, KeyError) as exc:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.manifests.shards import ShardsManifest
 from pipeline.run.plan.dag import Plan, PlanError
 from pipeline.run.plan.sections import RegenSection
 from pipeline.run.rundir.files import sha256_file
@@ -175,7 +176,7 @@ def tokenise_answers(
     s: RegenSection,
     skipped: list[dict[str, Any]] | None = None,
     info: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> ShardsManifest:
     """Prompt + answer -> tokenized shards (docs/data-formats.md, "Regeneration outputs")."""
     from pipeline.data import shard_writer as sw
 
@@ -223,15 +224,14 @@ def tokenise_answers(
         **(info or {}),
     )
     ctx.message(
-        f"tokenized {man['rows']} rows ({man['tokens']:,} tokens) into {len(shards)} shard(s); "
-        f"{man['rejects']} rejected, {man['skipped']} prompts not sent, {man['dropped']} dropped, "
-        f"{truncated} answers cut at max_tokens",
+        f"tokenized {man.rows} rows ({man.tokens or 0:,} tokens) into {len(shards)} shard(s); {man.rejects} rejected, "
+        f"{man.skipped} prompts not sent, {man.dropped} dropped, {truncated} answers cut at max_tokens",
         code="tokenized",
     )
     return man
 
 
-def _resume(ctx: StageContext, store: Any) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+def _resume(ctx: StageContext, store: Any) -> tuple[ShardsManifest | None, list[dict[str, Any]]]:
     """``(the manifest, [])`` when the output is complete for these answers and settings; else ``(None,
     the shards already committed)``, every shard of other answers or settings removed first."""
     from pipeline.data import shard_writer as sw
@@ -242,7 +242,7 @@ def _resume(ctx: StageContext, store: Any) -> tuple[dict[str, Any] | None, list[
     except sw.StaleOutputError:
         done = None
     if done is not None:
-        ctx.message(f"tokenized output already complete ({done['rows']} rows)", code="up-to-date")
+        ctx.message(f"tokenized output already complete ({done.rows} rows)", code="up-to-date")
         return done, []
     try:
         return None, store.finished()

@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.trainer_inputs import find_inputs
+from pipeline.manifests.hidden_store import HiddenStatesManifest
 from pipeline.run.plan.sections import TrainSection
 from pipeline.stages.train.batches import OfflineData, OnlineData
 from pipeline.stages.train.components import Runtime, TrainData
@@ -20,27 +21,27 @@ class Inputs:
     """What the stage trains from: the extraction (its manifest and folder), the draft vocabulary's folder,
     and the plan's target."""
 
-    man: dict[str, Any]
+    man: HiddenStatesManifest
     ext_dir: Path
     vocab_dir: Path
     model_id: str
 
     @property
     def aux(self) -> list[int]:
-        return list(self.man["aux_layer_ids"])
+        return list(self.man.aux_layer_ids)
 
     @classmethod
     def find(cls, dirs: list[Path], model_id: str, s: TrainSection) -> Inputs:
         """The inputs among ``dirs``, refused where they do not fit the plan."""
         man, ext_dir, vocab_dir = find_inputs(dirs)
-        if man.get("target") not in (None, model_id):
+        if man.target not in (None, model_id):
             raise ValueError(
-                f"{ext_dir / 'manifest.json'}: extracted from {man.get('target')!r} but the plan's target is {model_id!r}"
+                f"{ext_dir / 'manifest.json'}: extracted from {man.target!r} but the plan's target is {model_id!r}"
             )
-        if s.online_tp and man["mode"] != "online":
+        if s.online_tp and man.mode != "online":
             raise ValueError(
                 f'{ext_dir / "manifest.json"}: train.target = "online-tp" needs the extraction in online mode '
-                f"(rows only), but it stored hidden states ({man['mode']}); retry extract with --fresh"
+                f"(rows only), but it stored hidden states ({man.mode}); retry extract with --fresh"
             )
         return cls(man, ext_dir, vocab_dir, model_id)
 
@@ -48,7 +49,7 @@ class Inputs:
 def load_data(
     rt: Runtime,
     s: TrainSection,
-    man: dict[str, Any],
+    man: HiddenStatesManifest,
     ext_dir: Path,
     model_id: str,
     aux: list[int],
@@ -59,10 +60,10 @@ def load_data(
     """The data source: the extraction's stored hidden states (offline), or its rows with the target run
     over them as training goes (online; tensor-parallel over the ranks under ``online-tp``; by SGLang's model
     runner in this process with ``engine = "sglang"``)."""
-    mode = "online-tp" if s.online_tp else str(man["mode"])
-    if man["mode"] == "offline":
+    mode = "online-tp" if s.online_tp else man.mode
+    if man.mode == "offline":
         data = TrainData(source=OfflineData(hs.HiddenStore(ext_dir)), mode=mode)
-        if s.eval_interval and man.get("eval_shards"):
+        if s.eval_interval and man.eval_shards:
             data.eval_source = OfflineData(hs.HiddenStore(ext_dir, split="eval"))
     else:
         rows, held = online_rows(s, man, ext_dir, target_max_length)
@@ -75,29 +76,24 @@ def load_data(
 
 
 def online_rows(
-    s: TrainSection, man: dict[str, Any], ext_dir: Path, target_max_length: int | None
+    s: TrainSection, man: HiddenStatesManifest, ext_dir: Path, target_max_length: int | None
 ) -> tuple[list[Any], list[Any]]:
     """(the rows the extraction lists, in training order; the held-out rows acceptance is simulated on)."""
     from pipeline.data.shards import iter_rows, training_order
 
-    max_len = man.get("max_length") or s.max_length or target_max_length
-    sources = [Path(p) for p in man["sources"]]
-    wanted = set(man.get("row_ids") or [])
-    rows = training_order(
-        [
-            r
-            for r in iter_rows(sources, float(man.get("holdout", 0.0)), "train", None, max_len)
-            if r.id in wanted
-        ]
-    )
+    max_len = man.max_length or s.max_length or target_max_length
+    sources = man.source_dirs
+    wanted = set(man.row_ids or ())
+    holdout = man.holdout or 0.0
+    rows = training_order([r for r in iter_rows(sources, holdout, "train", None, max_len) if r.id in wanted])
     if len(rows) != len(wanted):
         raise ValueError(
             f"{ext_dir / 'manifest.json'}: lists {len(wanted)} rows but the sources now hold "
             f"{len(rows)} of them; rerun extraction with --fresh"
         )
     held: list[Any] = []
-    if s.eval_interval and float(man.get("holdout") or 0) > 0:
-        held = training_order(list(iter_rows(sources, float(man["holdout"]), "heldout", None, max_len)))
+    if s.eval_interval and holdout > 0:
+        held = training_order(list(iter_rows(sources, holdout, "heldout", None, max_len)))
         held = [r for r in held if r.num_tokens >= 2 and r.loss_mask.any()][: s.eval_rows]
     return rows, held
 

@@ -1,5 +1,5 @@
 """What the train stage leaves: ``draft/`` (the best checkpoint's export, or the last step's, with its
-provenance), the stage's ``manifest.json`` and the closing line saying how to serve it."""
+provenance), the stage's ``manifest.json`` (:mod:`pipeline.manifests.train`) and the closing line saying how to serve it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any
 
 from pipeline.drafts.registry import DraftMethod
 from pipeline.eagle3 import provenance
+from pipeline.manifests import train as train_manifest
+from pipeline.manifests.train import DraftManifest
 from pipeline.run.plan.sections import TrainSection
 from pipeline.run.rundir.files import swap_dir
-from pipeline.run.rundir.layout import write_json
 from pipeline.stages.train.checkpoints import BEST_DIR, FINAL_DIR, STEPS_FILE
 from pipeline.stages.train.inputs import Inputs
 
@@ -42,7 +43,7 @@ def write_final_draft(
         aux_layer_ids=found.aux,
         vocab_dir=found.vocab_dir,
         manifests={"extract": found.ext_dir / "manifest.json", "vocab": found.vocab_dir / "manifest.json"},
-        sources=list(found.man.get("sources", [])),
+        sources=list(found.man.sources or ()),
         recipe={"draft": s.draft, "mode": mode, "world_size": world, "train": asdict(s)},
         accept_length={
             "held_out": best["accept_length"] if best else None,
@@ -69,33 +70,33 @@ def write_manifest(
 ) -> None:
     """The stage's ``manifest.json``: which step ``draft/`` is, why, and the recipe the bench and serve read."""
     man = found.man
-    write_json(
+    train_manifest.write(
         out / "manifest.json",
-        {
-            "kind": "draft",
-            "path": FINAL_DIR,
-            "step": best["step"] if best else last_saved,
-            "last_step": last_saved,
-            "stopped_early": stopped,  # why training ended before [train] steps, or null
-            "chosen_by": "simulated accept length on held-out rows" if best else "last step",
-            "accept_length": best["accept_length"] if best else None,
-            "eval_spec_steps": s.spec_steps if best else None,
-            "target": found.model_id,
-            "aux_layer_ids": found.aux,
-            "steps_log": STEPS_FILE,
-            "draft_vocab_size": draft_vocab_size,
-            "draft": s.draft,
-            "ttt_steps": s.ttt_steps,
-            **method.manifest(s),  # the method's own keys: block_size, loss
-            "fc_norm": s.draft_fc_norm,
-            "norm_output": s.draft_norm_output,
-            "mode": mode,
-            "token_sources": list(man.get("sources", [])),
-            "holdout": man.get("holdout"),
-            "max_length": man.get("max_length"),
-            "world_size": world,
-            "provenance": f"{FINAL_DIR}/{provenance.PROVENANCE_FILE}",
-        },
+        DraftManifest(
+            kind=train_manifest.KIND,
+            path=FINAL_DIR,
+            step=best["step"] if best else last_saved,
+            last_step=last_saved,
+            stopped_early=stopped,  # why training ended before [train] steps, or null
+            chosen_by="simulated accept length on held-out rows" if best else "last step",
+            accept_length=best["accept_length"] if best else None,
+            eval_spec_steps=s.spec_steps if best else None,
+            target=found.model_id,
+            aux_layer_ids=tuple(found.aux),
+            steps_log=STEPS_FILE,
+            draft_vocab_size=draft_vocab_size,
+            draft=s.draft,
+            ttt_steps=s.ttt_steps,
+            method=method.manifest(s),  # the method's own keys (block_size, loss): top-level keys on disk
+            fc_norm=s.draft_fc_norm,
+            norm_output=s.draft_norm_output,
+            mode=mode,
+            token_sources=tuple(man.sources or ()),
+            holdout=man.holdout,
+            max_length=man.max_length,
+            world_size=world,
+            provenance=f"{FINAL_DIR}/{provenance.PROVENANCE_FILE}",
+        ),
     )
 
 
