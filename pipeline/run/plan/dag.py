@@ -2,7 +2,7 @@
 
 A plan names where the run executes, its run directory, the target model, the datasets and the
 stages (the ``[executor]`` and ``[[datasets]]`` tables: :mod:`.plan_tables`; ``[[stage]]`` and the DAG:
-:mod:`.plan_stages`; every settings table: :mod:`.plan_sections`). A ``[[stage]]`` entry is either a
+:mod:`.stages`; every settings table: :mod:`.sections`). A ``[[stage]]`` entry is either a
 built-in stage named by its short name (``run = "prep"``;
 :data:`BUILTIN_STAGES` maps it to its ``pipeline.stages`` module) or an operator shell command (``command = "..."``); ``for_each = "dataset"`` expands one entry into
 one stage per dataset (``prep.ultrachat`` ...), optionally filtered with ``when = {kind = ...}``.

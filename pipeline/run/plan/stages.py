@@ -1,6 +1,6 @@
 """The plan's ``[[stage]]`` entries: :class:`StageSpec` (one expanded stage, as the supervisor runs it), the
 built-in stage programs, and the expansion of the entries into the DAG (``for_each``, ``after``/``uses``
-globs, Slurm replicas), with its order (see :mod:`.plan`). Standard library only.
+globs, Slurm replicas), with its order (see :mod:`.dag`). Standard library only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The plan's ``[run]``, ``[executor]`` and ``[[datasets]]`` tables, typed (see :mod:`.plan`).
+"""The plan's ``[run]``, ``[executor]`` and ``[[datasets]]`` tables, typed (see :mod:`.dag`).
 
-Each is a :class:`~pipeline.run.plan.schema.Section` like the settings tables (:mod:`.plan_sections`): an
+Each is a :class:`~pipeline.run.plan.schema.Section` like the settings tables (:mod:`.sections`): an
 unknown key, a wrong type or a value out of range is refused when the plan loads, and so is an unknown
 key in a dataset's ``options`` (:class:`DatasetOptions`). Every error is a :class:`~pipeline.run.plan.schema.PlanError` naming the file and the key. Standard library only.
 """
