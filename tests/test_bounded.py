@@ -455,7 +455,9 @@ async def test_the_console_asks_before_forcing_and_alerts_when_the_forced_stage_
             await until(lambda: run.stage("prep").force_marker.exists(), "force armed")
             gate.touch()
             await until(lambda: app.alerts.last_stage == "prep", "the forced-start alert")
-            assert stages["prep"].state == "running"
+            # The alert comes from the stage's events and the state from state.json: two reads, so the
+            # board may show the start a poll after the alert.
+            await until(lambda: stages["prep"].state == "running", "the board to show prep running")
     finally:
         stop(sup)
         kill_run_stages(run)
