@@ -131,7 +131,7 @@ def _convert(value: Any, tp: Any, file: Path | str, key: str) -> Any:
         if not isinstance(value, dict):
             raise ManifestError(file, key, f"expected an object, got {_shown(value)}")
         return dict(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ManifestError(file, key, f"expected an object, got {_shown(value)}")
         return _decode_fields(tp, value, file, f"{key}.")

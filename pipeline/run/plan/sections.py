@@ -362,7 +362,7 @@ class TrainSection(Section):
             other.parse(values, file, name)
         theirs = {k for values in foreign.values() for k in values}
         mine = {k: v for k, v in table.items() if k not in theirs}
-        return super(TrainSection, own).parse(mine, file, name)  # type: ignore[return-value]
+        return super(TrainSection, own).parse(mine, file, name)
 
     @classmethod
     def _for_table(cls, table: dict[str, Any], file: Path | str, name: str) -> type[TrainSection]:
