@@ -38,6 +38,7 @@ import hmac
 import ipaddress
 import os
 import shlex
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -50,6 +51,7 @@ from console.serve_guard import (
     VIEW_TOKEN_ENV,
     Guard,
     GuardError,
+    Role,
     read_token,
     view_token,
 )
@@ -168,6 +170,11 @@ def check_options(
     except serve_guard.GuardError as exc:
         raise ServeError(f"--allow-origin {exc}") from None
     view = view_token(view_token_file)
+    if view is not None and max_sessions < 2:
+        raise ServeError(
+            f"--max-sessions {max_sessions} with a view token: the last slot is kept for the control token, "
+            "so watchers need --max-sessions 2 or more"
+        )
     if view is not None and read_only:
         raise ServeError(
             "--view-token-file with --read-only: every console is read-only already; give the token with "
@@ -222,11 +229,11 @@ def make_guard(
     hint: str,
 ) -> Guard:
     """The guard of the server listening on ``socks``: each token mapped to whether its console is read-only."""
-    tokens: dict[str, bool] = {}
+    tokens: dict[str, Role] = {}
     if control is not None:
-        tokens[control] = read_only
+        tokens[control] = Role(read_only=read_only)
     if view is not None:
-        tokens[view] = True
+        tokens[view] = Role(read_only=True, watcher=True)
     port = socks[0].getsockname()[1]
     wildcard = ipaddress.ip_address(socks[0].getsockname()[0]).is_unspecified
     return Guard(port, host, origins, tokens, allow_remote and wildcard, max_sessions, hint)
@@ -257,11 +264,15 @@ def announce(
     if no_token:
         _say(NO_TOKEN_RISK)
     else:
-        _say(f"{hint} (the page asks for it once, or add ?token=...; a cookie keeps it)")
+        _say(f"{hint} (paste it into the page once; that tab keeps a session key, never a cookie)")
     if view is not None:
         _say(f"view-only: the token in {view_token_file or '$' + VIEW_TOKEN_ENV} gets a read-only console")
     if not is_loopback(host) and not read_only:
         _say(f"WARNING: serving on {host}, not loopback: anyone who has the control token can kill stages")
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # through every `finally`: the token file is removed
 
 
 def serve(
@@ -278,10 +289,12 @@ def serve(
     allow_origins: tuple[str, ...] = (),
     max_sessions: int = DEFAULT_MAX_SESSIONS,
 ) -> int:
-    """Serve until interrupted (Ctrl-C or SIGTERM); returns the exit code."""
+    """Serve until interrupted (Ctrl-C, SIGTERM or SIGHUP); returns the exit code."""
     origins, control, view = check_options(
         host, allow_remote, max_sessions, allow_origins, read_only, token_file, view_token_file, no_token
     )
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # until the server's loop takes them: end through `finally`
+        signal.signal(sig, _exit_on_signal)
     socks = bind(host, port)  # a busy port ends here, before a URL is printed or a token file written
     port = socks[0].getsockname()[1]  # --port 0: the one the kernel chose
     generated: Path | None = None

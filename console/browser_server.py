@@ -35,7 +35,9 @@ from textual_serve.app_service import AppService
 from textual_serve.server import Server
 
 from console import serve_guard
-from console.serve_guard import READ_ONLY_KEY, TOKEN_ENV, VIEW_TOKEN_ENV, Guard, RedactingFilter
+from console.serve_guard import ROLE_KEY, TOKEN_ENV, VIEW_TOKEN_ENV, Guard, Role
+from console.serve_log import RedactingFilter, access_logger_class
+from console.serve_page import with_login
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,15 +55,22 @@ class ConsoleGroups:
 
     def __init__(self) -> None:
         self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.closing = False
 
     def add(self, proc: asyncio.subprocess.Process) -> None:
+        """Record a console's group; one started while the server stops (a session that raced the shutdown)
+        is killed at once, else its session would hold the shutdown until the console exits by itself."""
         self.procs[proc.pid] = proc
+        if self.closing:  # set before stop_all reads procs: one of the two always sees the other
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def stop_all(self, grace_s: float = 3.0) -> None:
         """SIGTERM every recorded group still running, SIGKILL what is left after ``grace_s``.
 
         Safe against pid reuse: a recorded child is not reaped until asyncio sees it exit, so while
         ``returncode`` is None its pid (= its group id) is still ours."""
+        self.closing = True
         live = [p for p in self.procs.values() if p.returncode is None]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in live:
@@ -104,10 +113,11 @@ def _to_int(value: str, default: int) -> int:
         return default
 
 
-def _refuse_when_full(guard: Guard) -> None:
-    """503 (retry in 30 s) when ``guard.max_sessions`` consoles run already: nothing is started for it."""
-    if guard.full:
-        raise web.HTTPServiceUnavailable(text=guard.full_text(), headers={"Retry-After": "30"})
+def _refuse_when_full(guard: Guard, role: Role) -> None:
+    """503 (retry in 30 s) when no slot is free for ``role`` (serve_guard.Slots): nothing is started for it."""
+    problem = guard.slots.problem(role)
+    if problem:
+        raise web.HTTPServiceUnavailable(text=problem, headers={"Retry-After": "30"})
 
 
 class RecordedAppService(AppService):
@@ -170,36 +180,44 @@ class GuardedServer(Server):
 
     async def _make_app(self) -> web.Application:
         app = await super()._make_app()
+        app.router.add_route("*", "/session", self.handle_session)
+        app.router.add_get("/ws/{key}", self.handle_websocket)
         app.middlewares.append(serve_guard.middleware(self.guard))
         app.on_response_prepare.append(serve_guard.safe_headers)
         app.on_shutdown.append(lambda _app: asyncio.to_thread(self.groups.stop_all))
         return app
 
     async def handle_index(self, request: web.Request) -> web.StreamResponse:
-        _refuse_when_full(self.guard)
-        # The websocket URL as the browser reached us (Host checked by the guard): the page works
-        # at localhost or 127.0.0.1, and through a forward to another local port (--allow-origin).
-        scheme = "wss" if request.scheme == "https" or self.guard.behind_tls(request.host) else "ws"
+        # The same page for everyone, holding no secret: its script logs in and points the terminal at
+        # /ws/<session key> (serve_page.py). The title names the run only once logged in.
         context = {
             "font_size": _to_int(request.query.get("fontsize", "16"), 16),
-            "app_websocket_url": f"{scheme}://{request.host}/ws",
+            "app_websocket_url": "",
             "config": {"static": {"url": "/static/"}},
-            "application": {"name": self.title},
+            "application": {"name": "Aerie"},
         }
-        return aiohttp_jinja2.render_template("app_index.html", request, context)
+        page = aiohttp_jinja2.render_string("app_index.html", request, context)
+        return web.Response(text=with_login(page), content_type="text/html")
+
+    async def handle_session(self, request: web.Request) -> web.StreamResponse:
+        if request.method not in ("GET", "POST"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+        response: web.StreamResponse = await serve_guard.session_answer(self.guard, request, self.title)
+        return response
 
     async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
-        # textual-serve's handler, with our AppService (recorded group, death signal) and the cap.
-        _refuse_when_full(self.guard)  # refused before the upgrade: no console process is started for it
-        self.guard.sessions += 1
+        # textual-serve's handler, with our AppService (recorded group, death signal) and the slots.
+        role: Role = request[ROLE_KEY]
+        _refuse_when_full(self.guard, role)  # refused before the upgrade: no console process is started
+        self.guard.slots.take(role)
         try:
             return await self._session(request)
         finally:
-            self.guard.sessions -= 1
+            self.guard.slots.give_back(role)
 
     def _session_command(self, request: web.Request) -> str:
-        """The console a session runs: the read-only one when its token is the view token."""
-        read_only = bool(request.get(READ_ONLY_KEY)) and self.view_command is not None
+        """The console a session runs: the read-only one when its credential is read-only."""
+        read_only = request[ROLE_KEY].read_only and self.view_command is not None
         return self.view_command if read_only and self.view_command else self.command
 
     async def _session(self, request: web.Request) -> web.WebSocketResponse:
@@ -230,11 +248,7 @@ class GuardedServer(Server):
         except asyncio.CancelledError:
             await websocket.close()
         except Exception as error:  # noqa: BLE001 - as textual-serve: log, never crash the server
-            print(
-                f"aerie serve: a session failed: {self.guard.redact(repr(error))}",
-                file=sys.stderr,
-                flush=True,
-            )
+            logging.getLogger("aerie.serve").error("a session failed: %r", error)  # redacted, escaped
         finally:
             if app_service is not None:
                 await app_service.stop()
@@ -251,13 +265,13 @@ class GuardedServer(Server):
         def request_exit() -> None:
             raise GracefulExit()
 
-        loop.add_signal_handler(signal.SIGINT, request_exit)
-        loop.add_signal_handler(signal.SIGTERM, request_exit)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # each ends it cleanly: no token file left
+            loop.add_signal_handler(sig, request_exit)
         web.run_app(
             self._make_app(),
             sock=socks,
             handle_signals=False,
             loop=loop,
             print=None,
-            access_log_class=serve_guard.access_logger_class(self.guard.tokens),
+            access_log_class=access_logger_class(self.guard.tokens),
         )

@@ -1,4 +1,5 @@
-"""Who may use ``aerie serve``: the request guard (Host, Origin, token, cookie), the token file and log redaction.
+"""Who may use ``aerie serve``: the request guard (Host, Origin, token, page-held session key), the session slots,
+the token file and the log lines (tokens redacted, every control character escaped).
 
 The browser console can kill stages, so every request passes, in this order (as Jupyter server does):
 
@@ -8,59 +9,80 @@ The browser console can kill stages, so every request passes, in this order (as 
    (``--allow-remote --host 0.0.0.0``) cannot know its names: any Host passes there, and the token guards.
 2. **Origin** (against other web pages): when a request carries ``Origin`` it must be the server's own
    origin — ``http://`` + the request's (already checked) Host, or a loopback spelling of the same port —
-   or one the operator allowed with ``--allow-origin``. Browsers send ``Origin`` on every WebSocket upgrade,
-   so a page of another origin never gets a console, even when the browser holds our cookie (cookies
-   ignore ports: a page on ``localhost:18800`` is "same-site" with ``localhost:8000``). ``null`` is refused.
-3. **Token**: one of the tokens (``?token=``, the HttpOnly ``SameSite=Strict`` cookie, or
-   ``Authorization: Bearer``), compared in constant time, is required by default, on loopback too (a
-   loopback port is open to every account on the machine). A missing ``Origin`` is a non-browser client:
-   it needs the token like anyone. The first visit with ``?token=`` sets the cookie and is redirected to the
-   same URL without the token, so it stays in neither the address bar, the history nor a ``Referer``.
-   ``--no-token`` (loopback only) turns this step off, and says what that risks.
+   or one the operator allowed with ``--allow-origin``. Browsers send ``Origin`` on every WebSocket upgrade
+   and every POST, so a page of another origin never logs in nor gets a console. ``null`` is refused.
+3. **A credential the browser never sends anywhere else.** There is no cookie: browsers send a cookie to
+   every port of a host (RFC 6265 §8.5), ``HttpOnly`` and ``SameSite`` do not change that, so any server on
+   another port of 127.0.0.1 that the operator's browser visits would receive it. Instead:
 
-Failures are 403 (Host, Origin) or 401 (token) with a plain sentence saying what to do; ``/`` without a
-token gets a small page asking for it. Every response forbids framing (no clickjacking of the console by
-another page) and sends no ``Referer``.
+   * ``/`` and ``/static/`` are public files, the same for everyone and holding no secret: the console page
+     with a login box (``console/serve_page.py``).
+   * The page sends the token once, in the body of ``POST /session``; the answer is a fresh random session
+     key, which the page's own script keeps in ``sessionStorage`` (per tab and per origin: scheme, host
+     *and port*) and sends itself: in the header ``X-Aerie-Session`` of ``GET /session`` and in the
+     console's WebSocket URL, ``/ws/<key>``. The token is never in a URL, so never in history, and no
+     request the browser makes on its own (a navigation, a link, a popup) carries either.
+   * ``/ws`` also takes the token itself from a non-browser client (``Authorization: Bearer``, or
+     ``?token=``), compared in constant time. ``?token=`` on a page URL is refused (it would land in the
+     browser's history) with a sentence saying to paste it into the box instead.
+
+   The token is required by default, on loopback too (a loopback port is open to every account on the
+   machine). ``--no-token`` (loopback only) lets ``POST /session`` hand out keys without one, and says what
+   that risks.
+
+Failures are 403 (Host, Origin) or 401 (token, session key) with a plain sentence saying what to do. Every
+response forbids framing (no clickjacking of the console by another page), sends no ``Referer`` and, but the
+static files, may not be stored (``Cache-Control: no-store``); a redirect, should one ever be sent, may only
+name a path of this origin.
+
+**Session slots** (:class:`Slots`): at most ``--max-sessions`` consoles run at once, and the view token's
+watchers may hold all but one of them: the last slot is always free for the control token, so watchers
+cannot lock the operator out. Pages opened by another page (a popup) do not start a console on their own
+(``serve_page.py``), so another site cannot fill the slots with the operator's key either.
 
 A generated token is written to ``<state dir>/serve/<host>-<port>.token`` (``~/.local/state/aerie/serve``
 unless ``$AERIE_STATE_DIR``, ``$AERIE_HOME`` or ``$XDG_STATE_HOME`` say otherwise): the directory 0700,
-the file 0600, both checked to be this user's; the operator is shown only ``cat PATH``. No token reaches a
-log: the access log writes the path with every ``token=`` value replaced, and a filter on every log
-handler replaces each token's text wherever it appears (tracebacks included, rendered without locals).
+the file 0600, both checked to be this user's; the operator is shown only ``cat PATH``. No token and no
+session key reaches a log, and nothing a request carries reaches the terminal raw: ``console/serve_log.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
-import html
 import ipaddress
 import logging
 import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
-READ_ONLY_KEY = "aerie_read_only"  # the request's role, set by the guard
+ROLE_KEY = "aerie_role"  # the request's Role, set by the guard
+SESSION_HEADER = "X-Aerie-Session"  # the page-held session key, sent by the page's own script
 TOKEN_ENV, VIEW_TOKEN_ENV = "AERIE_SERVE_TOKEN", "AERIE_SERVE_VIEW_TOKEN"
+MAX_KEYS = 64  # session keys kept (each login makes one); the oldest is forgotten first
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+)(:[0-9]{1,5})?$")
 log = logging.getLogger("aerie.serve")
-_TOKEN_QUERY = re.compile(r"(token=)[^&\s\"']*", re.IGNORECASE)
 
 
 class GuardError(ValueError):
     """A setting the guard cannot work with (a bad ``--allow-origin``, an unsafe token directory)."""
 
 
-def cookie_name(port: int) -> str:
-    """Per port: cookies ignore ports, so two servers on one host must not overwrite each other's."""
-    return f"aerie_token_{port}"
+@dataclass(frozen=True)
+class Role:
+    """What a credential opens: a read-only console or not, and whether it is the view token's (a watcher)."""
+
+    read_only: bool
+    watcher: bool = False
+
+
+OPERATOR = Role(read_only=False)
 
 
 def url_host(host: str) -> str:
@@ -97,24 +119,56 @@ def normalize_origin(url: str) -> str:
 
 
 @dataclass
+class Slots:
+    """The consoles running now, by role: at most ``limit``, and watchers at most ``limit - 1`` (the last
+    slot is kept for the control token, so watchers never lock the operator out)."""
+
+    limit: int = 4
+    running: list[Role] = field(default_factory=list)
+
+    def problem(self, role: Role) -> str | None:
+        """Why a console for ``role`` cannot start now (a sentence), or None."""
+        if len(self.running) >= self.limit:
+            return (
+                f"aerie serve: {len(self.running)} browser consoles are open, the most this server runs "
+                f"(--max-sessions {self.limit}). Close one (each tab is a console), then reload.\n"
+            )
+        watchers = sum(r.watcher for r in self.running)
+        if role.watcher and watchers >= self.limit - 1:
+            return (
+                f"aerie serve: {watchers} view-only consoles are open, the most watchers may hold: the last "
+                f"of the {self.limit} slots (--max-sessions) is kept for the control token. Close one, "
+                "then reload.\n"
+            )
+        return None
+
+    def take(self, role: Role) -> None:
+        self.running.append(role)
+
+    def give_back(self, role: Role) -> None:
+        self.running.remove(role)
+
+
+@dataclass
 class Guard:
-    """What this server accepts, and how many browser sessions it runs now."""
+    """What this server accepts, the session keys it handed out, and the consoles it runs now."""
 
     port: int
     bound: str  # the --host it listens on
     allow_origins: tuple[str, ...] = ()  # normalized --allow-origin values
-    tokens: dict[str, bool] = field(default_factory=dict)  # token -> read-only; empty: --no-token
+    tokens: dict[str, Role] = field(default_factory=dict)  # token -> role; empty: --no-token
     any_host: bool = False  # a wildcard bind with --allow-remote: its names are unknown
     max_sessions: int = 4
-    token_hint: str = ""  # how the operator reads the token (shown on the 401 page)
-    sessions: int = 0
+    token_hint: str = ""  # how the operator reads the token (shown on the login box)
 
     def __post_init__(self) -> None:
         names = {*LOOPBACK_NAMES, url_host(self.bound)}
         self.hosts = {f"{n}:{self.port}" for n in names}
         self.hosts |= {o.split("://", 1)[1] for o in self.allow_origins}
         self.origins = {f"http://{n}:{self.port}" for n in names} | set(self.allow_origins)
-        self._known = [(t.encode(), ro) for t, ro in self.tokens.items()]
+        self._known = [(t.encode(), role) for t, role in self.tokens.items()]
+        self.keys: dict[str, Role] = {}  # session key -> role, oldest first
+        self.slots = Slots(self.max_sessions)
 
     # ------------------------------------------------------------------ the checks, each a sentence or None
     def host_problem(self, host: str | None) -> str | None:
@@ -132,11 +186,6 @@ class Guard:
             f"{self.port}), start aerie serve with --allow-origin http://localhost:9000\n"
         )
 
-    def behind_tls(self, host: str) -> bool:
-        """Whether ``host`` is that of an ``https://`` origin the operator allowed (a TLS proxy in front)."""
-        keys = {host_key(host), host_key(host, 443)}
-        return any(o.split("://", 1)[1] in keys for o in self.allow_origins if o.startswith("https://"))
-
     def origin_problem(self, origin: str | None, host: str | None) -> str | None:
         if origin is None:
             return None  # not a cross-origin browser request; the token still applies
@@ -152,55 +201,39 @@ class Guard:
             f"origin, {own}, may). To allow another origin, start aerie serve with --allow-origin URL\n"
         )
 
-    def role(self, given: str) -> bool | None:
-        """Read-only (True), full control (False) or None: every token compared, each in constant time."""
+    def role(self, given: str) -> Role | None:
+        """The role ``given`` opens (every token compared, each in constant time); None if it is no token.
+        With ``--no-token`` every request is the operator's."""
+        if not self.tokens:
+            return OPERATOR
         role = None
-        for expected, ro in self._known:
+        for expected, r in self._known:
             if hmac.compare_digest(given.encode(), expected):
-                role = ro
+                role = r
         return role
 
-    @property
-    def full(self) -> bool:
-        return self.sessions >= self.max_sessions
+    def new_key(self, role: Role) -> str:
+        """A fresh session key for ``role`` (a login), the oldest forgotten past :data:`MAX_KEYS`."""
+        key = secrets.token_urlsafe(32)
+        self.keys[key] = role
+        while len(self.keys) > MAX_KEYS:
+            del self.keys[next(iter(self.keys))]
+        return key
 
-    def full_text(self) -> str:
-        return (
-            f"aerie serve: {self.sessions} browser consoles are open, the most this server runs "
-            f"(--max-sessions {self.max_sessions}). Close one (each tab is a console), then reload.\n"
-        )
-
-    def redact(self, text: str) -> str:
-        return redact(text, self.tokens)
-
-
-def redact(text: str, tokens: Iterable[str]) -> str:
-    """``text`` with every ``token=`` value and every known token's text replaced."""
-    text = _TOKEN_QUERY.sub(r"\1[redacted]", text)
-    for token in tokens:
-        if token:
-            text = text.replace(token, "[redacted]")
-    return text
-
-
-def login_page(hint: str, wrong: bool) -> str:
-    """The 401 page of ``/``: where the token is, and a box to paste it."""
-    why = "That token is not this server's. " if wrong else ""
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>aerie serve: token needed</title></head>"
-        "<body style='font-family:monospace;background:#0c181f;color:#e0e0e0;padding:2em'>"
-        f"<p>{html.escape(why)}This console needs its token ({html.escape(hint)}, on the machine "
-        "that runs aerie serve).</p>"
-        "<form method='get' action='/'><input type='password' name='token' size='40' autofocus "
-        "placeholder='token'> <button type='submit'>Open</button></form></body></html>"
-    )
+    def key_role(self, given: str) -> Role | None:
+        """The role of a session key this server handed out (compared in constant time); None if it is none."""
+        role = None
+        for key, r in self.keys.items():
+            if hmac.compare_digest(given.encode(), key.encode()):
+                role = r
+        return role
 
 
 def middleware(guard: Guard) -> Any:
     """The aiohttp middleware that applies the checks to every route, ``/ws`` and ``/static`` included."""
     from aiohttp import hdrs, web
 
-    cookie = cookie_name(guard.port)
+    from console.serve_page import TOKEN_IN_URL
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -210,32 +243,21 @@ def middleware(guard: Guard) -> Any:
         if problem:
             log.warning("%s %s: %s", request.method, request.path, problem.strip())
             raise web.HTTPForbidden(text=problem)
-        if not guard.tokens:  # --no-token
-            request[READ_ONLY_KEY] = False
-            return await handler(request)
-        from_query = request.query.get("token", "")
-        given = from_query or request.cookies.get(cookie, "")
-        auth = request.headers.get(hdrs.AUTHORIZATION, "")
-        if not given and auth.startswith("Bearer "):
-            given = auth[7:]
-        role = guard.role(given)
+        if "token" in request.query and not _is_upgrade(request):  # it would stay in the browser's history
+            raise web.HTTPBadRequest(text=TOKEN_IN_URL, content_type="text/html")
+        if request.path in ("/", "/session") or request.path.startswith("/static/"):
+            return await handler(request)  # public files, and the login that checks the token itself
+        if request.path.startswith("/ws/"):
+            role = guard.key_role(request.path[4:])
+        else:
+            auth = request.headers.get(hdrs.AUTHORIZATION, "")
+            role = guard.role(auth[7:] if auth.startswith("Bearer ") else request.query.get("token", ""))
         if role is None:
-            if request.path == "/" and request.method in ("GET", "HEAD") and not _is_upgrade(request):
-                raise web.HTTPUnauthorized(
-                    text=login_page(guard.token_hint, bool(given)), content_type="text/html"
-                )
             raise web.HTTPUnauthorized(
-                text="aerie serve: this console needs its token (open its URL in the browser and paste "
-                f"the token, or send ?token=, the cookie or a Bearer header; {guard.token_hint})\n"
+                text="aerie serve: this console needs its token: open its page in the browser and paste the "
+                f"token there (a script sends Authorization: Bearer TOKEN; {guard.token_hint})\n"
             )
-        request[READ_ONLY_KEY] = role
-        if from_query and request.method in ("GET", "HEAD") and not _is_upgrade(request):
-            # Once, from the URL: keep it in an HttpOnly cookie and drop it from the address bar.
-            rest = [(k, v) for k, v in request.query.items() if k != "token"]
-            location = request.path + (f"?{urlencode(rest)}" if rest else "")
-            redirect = web.HTTPSeeOther(location=location)
-            redirect.set_cookie(cookie, given, httponly=True, samesite="Strict", path="/")
-            raise redirect
+        request[ROLE_KEY] = role
         return await handler(request)
 
     return check
@@ -245,50 +267,44 @@ def _is_upgrade(request: Any) -> bool:
     return str(request.headers.get("Upgrade", "")).lower() == "websocket"
 
 
-async def safe_headers(_request: Any, response: Any) -> None:
-    """``on_response_prepare``: no page may frame the console (clickjacking), no Referer leaves it."""
+async def session_answer(guard: Guard, request: Any, title: str) -> Any:
+    """``/session``: ``POST`` the token (form field ``token``) for a session key; ``GET`` with the key in
+    ``X-Aerie-Session`` says whether a console may start now (200 and the title, 401, or 503 and why)."""
+    from aiohttp import web
+
+    if request.method == "POST":
+        role = guard.role(str((await request.post()).get("token", "")))
+        if role is None:
+            return web.json_response({"error": "That token is not this server's."}, status=401)
+        return web.json_response({"session": guard.new_key(role)})
+    role = guard.key_role(request.headers.get(SESSION_HEADER, ""))
+    if role is None:
+        return web.json_response({"token": bool(guard.tokens), "hint": guard.token_hint}, status=401)
+    problem = guard.slots.problem(role)
+    if problem:
+        return web.Response(text=problem, status=503, headers={"Retry-After": "30"})
+    return web.json_response({"title": title, "read_only": role.read_only})
+
+
+async def safe_headers(request: Any, response: Any) -> None:
+    """``on_response_prepare``: no page may frame the console (clickjacking), no Referer leaves it, nothing but
+    the static files may be stored, and a redirect may only name a path of this origin."""
     response.headers["X-Frame-Options"] = "DENY"
     response.headers["Content-Security-Policy"] = "frame-ancestors 'none'"
     response.headers["Referrer-Policy"] = "no-referrer"
     response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Cross-Origin-Resource-Policy"] = "same-origin"
+    if not request.path.startswith("/static/"):
+        response.headers["Cache-Control"] = "no-store"
+    location = response.headers.get("Location")
+    if location is not None and not same_origin_path(location):
+        response.headers["Location"] = "/"
 
 
-# ------------------------------------------------------------------------------------------------ logs
-class RedactingFilter(logging.Filter):
-    """On a handler: the record's message and traceback with every token replaced (never dropped)."""
-
-    def __init__(self, tokens: Iterable[str]) -> None:
-        super().__init__()
-        self.tokens = [t for t in tokens if t]
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.msg = redact(record.getMessage(), self.tokens)
-        record.args = ()
-        if record.exc_info:
-            record.exc_text = redact(logging.Formatter().formatException(record.exc_info), self.tokens)
-            record.exc_info = None
-        return True
-
-
-def access_logger_class(tokens: Iterable[str]) -> Any:
-    """aiohttp's access logger, writing the path with its ``token=`` values (and any token text) redacted."""
-    from aiohttp.abc import AbstractAccessLogger
-
-    known = [t for t in tokens if t]
-
-    class AccessLogger(AbstractAccessLogger):
-        def log(self, request: Any, response: Any, time: float) -> None:
-            self.logger.info(
-                '%s "%s %s" %s %s %.3fs',
-                request.remote,
-                request.method,
-                redact(request.path_qs, known),
-                response.status,
-                response.body_length,
-                time,
-            )
-
-    return AccessLogger
+def same_origin_path(location: str) -> bool:
+    """Whether a ``Location`` names a path of this origin: ``/x``, never ``//host`` or ``/\\host`` (which
+    browsers read as another host) nor a scheme."""
+    return location.startswith("/") and not location.startswith(("//", "/\\")) and "\\" not in location
 
 
 # ------------------------------------------------------------------------------------------ token file

@@ -302,8 +302,11 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
                 except aiohttp.ClientConnectionError:
                     assert server.poll() is None, server.stderr.read() if server.stderr else ""
                     await asyncio.sleep(0.2)
-            async with http.get(f"{url}/?token={view}") as resp:  # a cookie, and the URL without the token
-                assert resp.status == 200 and "/ws" in await resp.text() and "token" not in str(resp.url)
+            async with http.post(f"{url}/session", data={"token": view}) as resp:  # the page's login
+                assert resp.status == 200 and not resp.cookies  # a key for the page to hold, no cookie
+                view_key = (await resp.json())["session"]
+            async with http.get(f"{url}/session", headers={"X-Aerie-Session": view_key}) as resp:
+                assert (await resp.json())["read_only"] is True
 
             async with http.ws_connect(f"{url}/ws?width=120&height=36&token={view}") as ws:
                 await _screen_until(ws, "READ-ONLY")

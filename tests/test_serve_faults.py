@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -271,28 +272,37 @@ def netns() -> str:
         subprocess.run(["ip", "netns", "del", name], check=False)
 
 
-def _http(netns: str, url: str, cookie: str | None = None) -> tuple[int, str, str]:
-    """GET ``url`` from inside the namespace, following no redirect: (status, Set-Cookie, body head)."""
+def _http(netns: str, url: str, method: str = "GET", body: str = "", **headers: str) -> tuple[int, str, str]:
+    """One request from inside the namespace, following no redirect: (status, Set-Cookie, body head)."""
     code = (
-        "import sys, http.client, urllib.parse\n"
+        "import sys, json, http.client, urllib.parse\n"
         "u = urllib.parse.urlsplit(sys.argv[1]); c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)\n"
-        "c.request('GET', u.path + ('?' + u.query if u.query else ''), "
-        "headers={'Cookie': sys.argv[2]} if sys.argv[2] else {})\n"
+        "c.request(sys.argv[2], u.path + ('?' + u.query if u.query else ''), body=sys.argv[3] or None, "
+        "headers=json.loads(sys.argv[4]))\n"
         "r = c.getresponse(); st, h, b = r.status, r.headers, r.read()\n"
         "print(st); print(h.get('Set-Cookie') or ''); print(b[:200].decode(errors='replace'))\n"
     )
+    sent = {k.replace("_", "-"): v for k, v in headers.items()}
     r = subprocess.run(
-        ["ip", "netns", "exec", netns, sys.executable, "-c", code, url, cookie or ""],
+        ["ip", "netns", "exec", netns, sys.executable, "-c", code, url, method, body, json.dumps(sent)],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert r.returncode == 0, r.stderr
-    status, set_cookie, body = (r.stdout.split("\n", 2) + ["", ""])[:3]
-    return int(status), set_cookie, body
+    status, set_cookie, text = (r.stdout.split("\n", 2) + ["", ""])[:3]
+    return int(status), set_cookie, text
 
 
-def test_allow_remote_requires_the_token(tmp_path: Path, netns: str) -> None:
+UPGRADE = {
+    "Upgrade": "websocket",
+    "Connection": "Upgrade",
+    "Sec_WebSocket_Key": "dGhlIHNhbXBsZSBub25jZQ==",
+    "Sec_WebSocket_Version": "13",
+}
+
+
+def test_allow_remote_requires_the_token_and_checks_the_host(tmp_path: Path, netns: str) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token-for-the-test\n")
     token_file.chmod(0o600)
@@ -303,21 +313,33 @@ def test_allow_remote_requires_the_token(tmp_path: Path, netns: str) -> None:
     try:
         wait_listening("10.213.0.1", port, server, netns=netns)
         base = f"http://10.213.0.1:{port}"
-        assert _http(netns, f"{base}/")[0] == 401
-        assert _http(netns, f"{base}/?token=wrong")[0] == 401
-        assert _http(netns, f"{base}/static/css/xterm.css")[0] == 401
-        assert _http(netns, f"{base}/ws")[0] == 401
-        status, set_cookie, body = _http(netns, f"{base}/?token=s3cret-token-for-the-test")
-        assert status == 303 and f"aerie_token_{port}=" in set_cookie and "HttpOnly" in set_cookie
-        cookie = set_cookie.split(";", 1)[0]
-        assert (
-            _http(netns, f"{base}/", cookie=cookie)[0] == 200
-        )  # the browser's later requests carry the cookie
-        assert _http(netns, f"{base}/", cookie=f"aerie_token_{port}=nope")[0] == 401
+        form = {"Content_Type": "application/x-www-form-urlencoded"}
+        assert _http(netns, f"{base}/ws", **UPGRADE)[0] == 401
+        assert _http(netns, f"{base}/session", "POST", "token=wrong", **form)[0] == 401
+        status, set_cookie, body = _http(
+            netns, f"{base}/session", "POST", "token=s3cret-token-for-the-test", **form
+        )
+        assert status == 200 and not set_cookie  # a session key for the page to hold, never a cookie
+        key = json.loads(body)["session"]
+        assert _http(netns, f"{base}/session", X_Aerie_Session=key)[0] == 200
+        # DNS rebinding on a specific-address bind: a foreign name for this address is refused on every route,
+        # the token or key notwithstanding; the address itself (and its loopback spellings) pass
+        for path, extra in (("/", {}), ("/session", {"X_Aerie_Session": key}), ("/static/css/xterm.css", {})):
+            status, _, text = _http(netns, f"{base}{path}", Host=f"attacker.example:{port}", **extra)
+            assert status == 403 and "is not this server's address" in text, (path, status, text)
+            assert _http(netns, f"{base}{path}", Host=f"10.213.0.1:{port}", **extra)[0] == 200, path
+        status, _, text = _http(
+            netns,
+            f"{base}/ws",
+            Host=f"10.213.0.2:{port}",
+            Authorization="Bearer s3cret-token-for-the-test",
+            **UPGRADE,
+        )
+        assert status == 403 and "is not this server's address" in text
     finally:
         reap(server, {})
     err = (tmp_path / "serve.err").read_text()
-    assert "s3cret-token-for-the-test" not in err  # a token from a file is never echoed
+    assert "s3cret-token-for-the-test" not in err and key not in err  # never echoed
 
 
 def test_loopback_needs_the_token_too(tmp_path: Path) -> None:
@@ -326,13 +348,12 @@ def test_loopback_needs_the_token_too(tmp_path: Path) -> None:
     server = start_serve(tmp_path, port)
     try:
         wait_listening("127.0.0.1", port, server)
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
-        assert refused.value.code == 401
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/", headers={"Authorization": f"Bearer {TOKEN}"}
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert r.status == 200
+        for url in (f"http://127.0.0.1:{port}/session", f"http://127.0.0.1:{port}/ws"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(url, timeout=10)
+            assert refused.value.code == 401
+        login = urllib.request.Request(f"http://127.0.0.1:{port}/session", data=f"token={TOKEN}".encode())
+        with urllib.request.urlopen(login, timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read())["session"]
     finally:
         reap(server, {})

@@ -13,7 +13,6 @@ the console and shows the board.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import os
@@ -24,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlencode
 
 import pytest
 from aiohttp import web
@@ -51,7 +51,9 @@ def start(
     wait_listening("127.0.0.1", port, server)
     # it listens before it speaks (a busy port must end before any URL is printed): wait for its lines
     wait_for(
-        lambda: "a cookie keeps it" in logs(tmp) or "WARNING" in logs(tmp), 30, "aerie serve's first lines"
+        lambda: "paste it into the page" in logs(tmp) or "WARNING" in logs(tmp),
+        30,
+        "aerie serve's first lines",
     )
     return server
 
@@ -112,11 +114,10 @@ def test_a_foreign_host_or_origin_is_refused_on_every_route(tmp_path: Path) -> N
             ("localhost:9000", "http://localhost:9000"),
             ("aerie.example", "https://aerie.example"),  # behind a TLS proxy the operator named
         ):
-            status, headers, page = get(port, "/", Host=host, Origin=origin, **auth)
-            assert status == 200, (host, origin, page)
-            # the page's websocket goes where the browser reached us (a forwarded port included)
-            ws = "wss" if origin.startswith("https") else "ws"
-            assert f'data-session-websocket-url="{ws}://{host}/ws"' in page
+            status, headers, page = get(port, "/", Host=host, Origin=origin)
+            assert status == 200 and 'id="aerie-token"' in page, (host, origin, page)
+            # the page's websocket goes where the browser reached it (its script builds it from location)
+            assert '"/ws/" + encodeURIComponent(key)' in page and "location.host" in page
             assert headers["x-frame-options"] == "DENY"  # no other page may frame (clickjack) the console
             assert "frame-ancestors 'none'" in headers["content-security-policy"]
         # a websocket without Origin is no browser: it still needs the token
@@ -128,6 +129,25 @@ def test_a_foreign_host_or_origin_is_refused_on_every_route(tmp_path: Path) -> N
 
 
 # ------------------------------------------------------------------------------------------- token
+def log_in(port: int, token: str) -> str:
+    """What the page's script does once: the token in a POST body for a session key."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(
+            "POST",
+            "/session",
+            body=urlencode({"token": token}),
+            headers={"Host": f"127.0.0.1:{port}", "Content-Type": "application/x-www-form-urlencoded"},
+        )
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 200, body
+        assert resp.getheader("Cache-Control") == "no-store" and resp.getheader("Set-Cookie") is None
+        return str(body["session"])
+    finally:
+        conn.close()
+
+
 def test_a_token_is_required_by_default_and_never_shown_or_logged(tmp_path: Path) -> None:
     run = finished_run(tmp_path / "r")
     port = free_port()
@@ -141,53 +161,124 @@ def test_a_token_is_required_by_default_and_never_shown_or_logged(tmp_path: Path
         token = path.read_text().strip()
         assert len(token) >= 32
 
-        status, _, page = get(port, "/")  # on loopback too
-        assert status == 401 and "<form" in page and f"cat {path}" in page  # the page asks for it
+        # the page is public and the same for everyone: a login box, no secret, stored nowhere
+        status, headers, page = get(port, "/")
+        assert status == 200 and 'id="aerie-token"' in page and token not in page
+        assert headers["cache-control"] == "no-store" and headers["referrer-policy"] == "no-referrer"
+        assert "set-cookie" not in headers
+        assert get(port, "/session")[0] == 401  # no key: the page shows its box, naming where the token is
+        assert f"cat {path}" in get(port, "/session")[2]
         assert get(port, "/ws", **UPGRADE)[0] == 401
-        assert get(port, "/static/css/xterm.css")[0] == 401
-        assert get(port, "/?token=not-the-token")[0] == 401
+        assert get(port, "/ws/not-a-key", **UPGRADE)[0] == 401
+        # a token in a page's URL would stay in the browser's history: refused, saying where to paste it
+        status, headers, page = get(port, f"/?token={token}")
+        assert status == 400 and "history" in page and "set-cookie" not in headers
 
-        # the first visit with ?token= keeps it in a cookie and sends the browser to the URL without it
-        status, headers, _ = get(port, f"/?fontsize=14&token={token}")
-        assert status == 303 and headers["location"] == "/?fontsize=14"
-        cookie = headers["set-cookie"]
-        assert cookie.startswith(f"aerie_token_{port}={token};")
-        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
-        assert get(port, "/", Cookie=f"aerie_token_{port}={token}")[0] == 200
-        assert get(port, f"/ws?token={token}", **UPGRADE)[0] == 101
-        assert get(port, "/", Authorization=f"Bearer {token}", Referer=f"http://x/?token={token}")[0] == 200
+        # the page's login: the token in a POST body, a session key back, which only the page sends
+        with pytest.raises(AssertionError, match="not this server's"):
+            log_in(port, "not-the-token")
+        key = log_in(port, token)
+        status, headers, body = get(port, "/session", X_Aerie_Session=key)
+        assert status == 200 and json.loads(body)["title"].startswith("Aerie — ")
+        assert headers["cache-control"] == "no-store"
+        assert get(port, f"/ws/{key}?width=80&height=24", **UPGRADE)[0] == 101
+        assert get(port, f"/ws/{key[:-1]}", **UPGRADE)[0] == 401
+        assert get(port, f"/ws?token={token}", **UPGRADE)[0] == 101  # a script may give the token itself
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
     out = logs(tmp_path)
-    assert '"GET /?fontsize=14&token=[redacted]" 303' in out  # the access log is written, redacted
-    assert token not in out and TOKEN not in out
+    assert '"GET /?token=[redacted]" 400' in out and '"GET /ws/[session]?width=80&height=24" 101' in out
+    assert token not in out and key not in out and TOKEN not in out
     assert not path.exists()  # the token dies with its server
 
 
-def test_a_token_from_the_environment_never_reaches_a_console_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_generated_token_file_is_removed_however_the_server_is_stopped(tmp_path: Path, sig: int) -> None:
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    server = start(tmp_path, run.root, port)
+    path = Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token"
+    try:
+        assert path.exists()
+        os.kill(server.pid, sig)  # as a closed terminal (SIGHUP), Ctrl-C or a service manager would
+        assert server.wait(30) == 0
+    finally:
+        reap(server, {})
+    assert not path.exists()
+
+
+# ------------------------------------------------------------------------ what a request carries in
+def raw_request(port: int, head: bytes) -> bytes:
+    """One request exactly as given (bytes a client library would refuse to send); the reply's head."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return reply.split(b"\r\n\r\n", 1)[0]
+
+
+def test_nothing_a_request_carries_reaches_the_terminal_raw_and_no_redirect_leaves(tmp_path: Path) -> None:
     run = finished_run(tmp_path / "r")
     port = free_port()
     server = start(tmp_path, run.root, port, env={"AERIE_SERVE_TOKEN": TOKEN})
-    procs: dict[int, int] = {}
     try:
-        assert "its token: $AERIE_SERVE_TOKEN" in (tmp_path / "serve.err").read_text()
-        sock = ws_open("127.0.0.1", port, f"/ws?width=80&height=24&token={TOKEN}")
-        sock.settimeout(60)
-        got = b""
-        while len(got) < 2000:  # the console drew: it is past its exec (before it, /proc shows our env)
-            chunk = sock.recv(65536)
-            assert chunk, "the server closed the websocket before the console drew anything"
-            got += chunk
-        procs = descendants(server.pid)
-        assert procs
-        for pid in procs:
-            with contextlib.suppress(FileNotFoundError):
-                assert b"AERIE_SERVE_TOKEN" not in Path(f"/proc/{pid}/environ").read_bytes()
-        sock.close()
+        # the issue's probe: escape codes and a newline in the path, refused for its Origin and logged
+        assert get(port, "/%1b%5b31mRED%0afake", Origin="http://x")[0] == 403
+        # the same in a User-Agent and an Origin header, and raw (not %-encoded) in the request line
+        # (aiohttp itself answers 400 to a control byte in a header; what it lets through is escaped by us)
+        assert get(port, "/", User_Agent="curl\x1b]0;owned\x07\x1b[2J")[0] == 400
+        assert get(port, "/", Origin="http://\x1b[31mred\x1b[0m")[0] in (400, 403)
+        ua = "curl\u202e\u2028fake\u009b31m".encode()  # RTL override, line separator, C1 CSI: let through
+        head = b"GET / HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nUser-Agent: %s\r\n\r\n" % (port, ua)
+        assert raw_request(port, head).startswith(b"HTTP/1.1 200")
+        raw_request(port, b"GET /\x1b[32mGREEN\rfake HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % port)
+        raw_request(
+            port, b"GET /\xc2\x9b31m\xe2\x80\xae HTTP/1.1\r\nHost: \x1b[7m\r\n\r\n"
+        )  # C1 CSI, RTL override
+        # no redirect to another host, however the path is spelled (once /%2fhost answered Location: //host)
+        for path in (
+            "/%2fevil.example:80/?token=x",
+            "//evil.example/",
+            "/%5cevil.example/",
+            "/static/..%2f..",
+        ):
+            status, headers, _ = get(port, path)
+            assert status < 300 or status >= 400 or headers["location"].startswith("/"), (path, headers)
+            assert not headers.get("location", "/").startswith(("//", "/\\")), (path, headers)
     finally:
-        reap(server, procs)
-    assert TOKEN not in logs(tmp_path)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+    out = (tmp_path / "serve.out").read_bytes() + (tmp_path / "serve.err").read_bytes()
+    assert b"\x1b" not in out and b"\x07" not in out and b"\r" not in out and b"\xc2\x9b" not in out
+    assert b"\xe2\x80\xae" not in out  # no raw control character of any kind
+    lines = out.decode().splitlines()
+    assert all(line.startswith("aerie serve: ") for line in lines), lines  # no forged line, no traceback
+    assert (
+        "aiohttp.server: Error handling request from 127.0.0.1: 400, message: Invalid char in url path"
+        in out.decode()
+    )
+    text = out.decode()
+    assert "GET /\\x1b[31mRED\\nfake: aerie serve: refused: a page from http://x" in text  # shown, escaped
+    assert '"curl\\u202e\\u2028fake\\x9b31m"' in text  # the User-Agent in the access log, escaped
+
+
+def test_a_redirect_to_another_origin_is_rewritten_to_this_one() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from console.serve_guard import safe_headers, same_origin_path
+
+    assert same_origin_path("/?fontsize=14") and same_origin_path("/static/x")
+    for bad in ("//evil.example/", "/\\evil.example", "http://evil.example/", "/%2f/..\\x", "evil/"):
+        assert not same_origin_path(bad), bad
+    response = web.HTTPSeeOther(location="//evil.example:80/")
+    asyncio.run(safe_headers(make_mocked_request("GET", "/%2fevil.example:80/"), response))
+    assert response.headers["Location"] == "/" and response.headers["Cache-Control"] == "no-store"
 
 
 # ------------------------------------------------------------------------------------- session cap
@@ -208,15 +299,14 @@ def test_sessions_past_the_cap_are_refused_and_start_no_console(tmp_path: Path) 
         status, headers, body = get(port, f"/ws?token={TOKEN}", **UPGRADE)
         assert status == 503 and "(--max-sessions 1)" in body and "Close one" in body
         assert headers["retry-after"]
-        status, _, page = get(port, "/", Authorization=f"Bearer {TOKEN}")  # a new tab says so at once
+        key = log_in(port, TOKEN)
+        status, _, page = get(port, "/session", X_Aerie_Session=key)  # a new tab says so at once
         assert status == 503 and "(--max-sessions 1)" in page
         time.sleep(1)
         assert consoles(server.pid) == first_console  # no console was started for the refused one
         procs = descendants(server.pid)
         first.close()  # the slot frees when its browser goes away
-        wait_for(
-            lambda: get(port, "/", Authorization=f"Bearer {TOKEN}")[0] == 200, 30, "the session slot to free"
-        )
+        wait_for(lambda: get(port, "/session", X_Aerie_Session=key)[0] == 200, 30, "the session slot to free")
     finally:
         reap(server, procs)
 
