@@ -167,6 +167,7 @@ class GuardedServer(Server):
         self.guard = guard
         self.groups = groups
         self.view_command = view_command
+        self.by_key: dict[str, tuple[web.WebSocketResponse, asyncio.Event]] = {}  # the console of each key
 
     def initialize_logging(self) -> None:
         # Plain lines on stderr, each through the token filter; no rich tracebacks (they show locals).
@@ -208,20 +209,41 @@ class GuardedServer(Server):
     async def handle_websocket(self, request: web.Request) -> web.WebSocketResponse:
         # textual-serve's handler, with our AppService (recorded group, death signal) and the slots.
         role: Role = request[ROLE_KEY]
+        key = request.match_info.get("key")  # a page's session key: one console per key (per tab)
+        if key is not None:
+            await self._replace(key)
         _refuse_when_full(self.guard, role)  # refused before the upgrade: no console process is started
         self.guard.slots.take(role)
+        websocket = web.WebSocketResponse(heartbeat=15)
+        ended = asyncio.Event()
+        if key is not None:
+            self.by_key[key] = (websocket, ended)
         try:
-            return await self._session(request)
+            return await self._session(request, websocket)
         finally:
             self.guard.slots.give_back(role)
+            ended.set()
+            if key is not None and self.by_key.get(key, (None,))[0] is websocket:
+                del self.by_key[key]
+
+    async def _replace(self, key: str) -> None:
+        """A key is a tab's: its newer console (a reload, or a page whose tab copied the key) ends the older
+        one, which frees its slot first. A page can so never hold more than one slot per login."""
+        old = self.by_key.get(key)
+        if old is None:
+            return
+        websocket, ended = old
+        with contextlib.suppress(RuntimeError):  # not upgraded yet: it ends on its own below
+            await websocket.close(code=4001, message=b"a newer page of this tab took its console")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ended.wait(), 15)
 
     def _session_command(self, request: web.Request) -> str:
         """The console a session runs: the read-only one when its credential is read-only."""
         read_only = request[ROLE_KEY].read_only and self.view_command is not None
         return self.view_command if read_only and self.view_command else self.command
 
-    async def _session(self, request: web.Request) -> web.WebSocketResponse:
-        websocket = web.WebSocketResponse(heartbeat=15)
+    async def _session(self, request: web.Request, websocket: web.WebSocketResponse) -> web.WebSocketResponse:
         width = _to_int(request.query.get("width", "80"), 80)
         height = _to_int(request.query.get("height", "24"), 24)
         app_service: AppService | None = None

@@ -89,9 +89,14 @@ class Chromium:
     async def navigate(self, url: str) -> None:
         await self.send("Page.navigate", url=url)
 
-    async def eval(self, expression: str) -> Any:
+    async def eval(self, expression: str, user_gesture: bool = False) -> Any:
+        """``expression``'s value in the page; ``user_gesture`` runs it as if from a click (popups allowed)."""
         result = await self.send(
-            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+            "Runtime.evaluate",
+            expression=expression,
+            returnByValue=True,
+            awaitPromise=True,
+            userGesture=user_gesture,
         )
         return result.get("result", {}).get("value")
 
@@ -106,7 +111,14 @@ class Chromium:
             await asyncio.sleep(0.25)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
-    async def close(self) -> None:
+    async def close(self, graceful: bool = False) -> None:
+        """End the browser: SIGKILL to its group, or with ``graceful`` first ``Browser.close`` (it then writes
+        its profile — History and the rest — to disk as a user's browser does when it quits)."""
+        if graceful and self._ws is not None and self.proc is not None:
+            with contextlib.suppress(Exception):  # the connection drops as the browser exits
+                await self.send("Browser.close")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(self.proc.wait, 30)
         if self._ws is not None:
             await self._ws.close()
         if self._http is not None:

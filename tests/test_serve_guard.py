@@ -13,16 +13,19 @@ the console and shows the board.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode
 
 import pytest
@@ -77,6 +80,7 @@ UPGRADE = {
     "Sec_WebSocket_Key": "dGhlIHNhbXBsZSBub25jZQ==",
     "Sec_WebSocket_Version": "13",
 }
+UPGRADE_HEADERS = {k.replace("_", "-"): v for k, v in UPGRADE.items()}
 
 
 def logs(tmp: Path) -> str:
@@ -311,6 +315,74 @@ def test_sessions_past_the_cap_are_refused_and_start_no_console(tmp_path: Path) 
         reap(server, procs)
 
 
+def ended_by_server(sock: socket.socket, timeout: float = 60) -> bool:
+    """Whether the server closes this raw websocket within ``timeout`` (what it drew before is skipped)."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(OSError):
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    return False
+
+
+@pytest.mark.slow  # five console processes, each started cold
+def test_watchers_and_pages_that_copied_a_key_never_lock_the_operator_out(tmp_path: Path) -> None:
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    view = "v1ew-only-token-0123456789"
+    server = start(tmp_path, run.root, port, env={"AERIE_SERVE_TOKEN": TOKEN, "AERIE_SERVE_VIEW_TOKEN": view})
+    socks: list[socket.socket] = []
+    procs: dict[int, int] = {}
+    try:
+        for _ in range(3):  # watchers take all but the last of the 4 slots (--max-sessions 4) ...
+            socks.append(ws_open("127.0.0.1", port, f"/ws?width=80&height=24&token={view}"))
+        wait_for(lambda: len(consoles(server.pid)) == 3, 60, "three watchers' consoles")
+        status, _, body = get(port, f"/ws?token={view}", **UPGRADE)
+        assert status == 503 and "kept for the control token" in body  # ... a fourth watcher is refused
+        view_key = log_in(port, view)
+        assert get(port, "/session", X_Aerie_Session=view_key)[0] == 503  # its page says so before connecting
+        # ... and the operator gets the last one
+        key = log_in(port, TOKEN)
+        assert get(port, "/session", X_Aerie_Session=key)[0] == 200
+        operator = ws_open("127.0.0.1", port, f"/ws/{key}?width=80&height=24")
+        wait_for(lambda: len(consoles(server.pid)) == 4, 60, "the operator's console")
+        # A page that copied the operator's key (a popup clones its opener's sessionStorage, a reload reuses
+        # it) replaces that key's console instead of taking another slot: one console per key.
+        first = set(consoles(server.pid))
+        again = ws_open("127.0.0.1", port, f"/ws/{key}?width=80&height=24")
+        assert ended_by_server(operator), "the key's older console was not ended"
+        wait_for(
+            lambda: len(consoles(server.pid)) == 4 and consoles(server.pid) != first, 60, "the new console"
+        )
+        procs = descendants(server.pid)
+        socks += [operator, again]
+    finally:
+        for sock in socks:
+            sock.close()
+        reap(server, procs)
+    assert view not in logs(tmp_path) and key not in logs(tmp_path)
+
+
+def test_slots_keep_the_last_one_for_the_control_token() -> None:
+    from console.serve_guard import OPERATOR, Role, Slots
+
+    watcher = Role(read_only=True, watcher=True)
+    slots = Slots(limit=3)
+    for _ in range(2):
+        assert slots.problem(watcher) is None
+        slots.take(watcher)
+    assert "kept for the control token" in (slots.problem(watcher) or "")
+    assert slots.problem(OPERATOR) is None  # the operator's slot
+    slots.take(OPERATOR)
+    assert "(--max-sessions 3)" in (slots.problem(OPERATOR) or "")  # full: the operator's own tabs
+    slots.give_back(watcher)
+    assert slots.problem(OPERATOR) is None  # a watcher left: a second operator console may take its slot
+    assert slots.problem(watcher) is None  # or a watcher: the operator holds one slot already
+    read_only_operator = Role(read_only=True)  # --read-only: the operator's token is read-only, not a watcher
+    assert slots.problem(read_only_operator) is None
+
+
 # ---------------------------------------------------------------------------------------- opt-outs
 def test_no_token_says_what_it_risks_and_is_loopback_only(tmp_path: Path) -> None:
     run = finished_run(tmp_path / "r")
@@ -439,16 +511,14 @@ async def test_chromium_page_of_another_origin_cannot_drive_the_console(tmp_path
     await web.TCPSite(runner, "127.0.0.1", evil_port).start()
     browser = await Chromium(tmp_path / "profile").start()
     try:
-        # The operator opened the console in this browser before: it holds the cookie, which a page on
-        # another port of the same host would carry (cookies ignore ports) — only the Origin check stops it.
-        await browser.navigate(f"http://127.0.0.1:{port}/?token={TOKEN}")
+        # The operator opened the console in this browser before: the tab holds a session key (no cookie to
+        # carry); a page on another port of the same host is "same-site" — only the Origin check stops it.
+        await browser_log_in(browser, port, TOKEN)
         await browser.wait_eval(
-            f"location.href === 'http://127.0.0.1:{port}/' && document.readyState === 'complete'",
-            30,
-            "the operator's console page, without the token in its URL",
+            "sessionStorage.getItem('aerie-session') && document.getElementById('aerie-login').hidden",
+            60,
+            "the operator's console page, logged in",
         )
-        # the browser now holds the cookie: the console's own page gets in with it alone
-        assert await browser.eval("fetch('/').then((r) => r.status)") == 200
         await browser.navigate(f"http://127.0.0.1:{evil_port}/")
         log = await browser.wait_eval(
             "(t => (t.match(/^(open|close) /gm) || []).length >= 2 && t)"
@@ -501,15 +571,165 @@ async def test_chromium_operator_page_loads_the_console_and_shows_the_board(tmp_
     try:
         # What the terminal receives, recorded as the page's own xterm gets it (it draws on a canvas).
         await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
-        await browser.navigate(f"http://localhost:{port}/?token={token}")  # the forwarded-port spelling
+        await browser_log_in(browser, port, token, host="localhost")  # the forwarded-port spelling
         await browser.wait_eval(
             "window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board in the browser's terminal"
         )
-        assert await browser.eval("location.href") == f"http://localhost:{port}/"  # the token left the URL
-        assert await browser.eval("document.cookie") == ""  # HttpOnly: no script reads it
+        assert await browser.eval("location.href") == f"http://localhost:{port}/"
+        assert await browser.eval("document.cookie") == ""  # no cookie at all
+        assert await browser.eval("document.getElementById('aerie-token').value") == ""  # the box forgot it
+        assert await browser.eval("document.title") == f"Aerie — {run.root}"
         assert await browser.eval("document.body.classList.contains('-first-byte')")  # the terminal shows
         assert not await browser.eval("document.body.classList.contains('-closed')")
+        # a reload (the "Session ended: Restart" button is one) keeps the tab's key: no second login
+        await browser.eval("window.__rx = ''; location.reload(); true")
+        await browser.wait_eval(
+            "window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board again after a reload"
+        )
     finally:
         await browser.close()
         reap(server, {})
     assert token not in logs(tmp_path)
+
+
+async def browser_log_in(browser: Chromium, port: int, token: str, host: str = "127.0.0.1") -> None:
+    """As the operator does: open the console's page, paste the token into its box, press Open."""
+    await browser.navigate(f"http://{host}:{port}/")
+    await browser.wait_eval(
+        "(b => b && !b.hidden)(document.getElementById('aerie-form'))", 60, "the console page's login box"
+    )
+    await browser.eval(
+        f"document.getElementById('aerie-token').value = {json.dumps(token)};"
+        "document.getElementById('aerie-form').requestSubmit(); true"
+    )
+
+
+LISTENER_PAGE = """<!DOCTYPE html><html><body><img src="/image.png"><script>
+// everything a page on this port can make the browser send: to itself, with credentials, and a websocket
+(async () => {
+  const tries = [
+    fetch("/fetch", {credentials: "include"}).catch(() => null),
+    fetch("http://localhost:PORT/cross", {credentials: "include", mode: "no-cors"}).catch(() => null),
+    new Promise((done) => {
+      const ws = new WebSocket("ws://127.0.0.1:PORT/ws");
+      ws.onerror = ws.onclose = () => done(null);
+    }),
+  ];
+  await Promise.all(tries);
+  window.__done = true;
+})();
+</script></body></html>"""
+
+
+async def listener(port: int, recorded: list[dict[str, Any]]) -> web.AppRunner:
+    """A server on another port of this host that records every request it receives, whole."""
+
+    async def record(request: web.Request) -> web.Response:
+        recorded.append(
+            {
+                "method": request.method,
+                "path": request.path_qs,
+                "headers": list(request.headers.items()),
+                "body": (await request.read()).decode(errors="replace"),
+            }
+        )
+        if request.path == "/":
+            return web.Response(text=LISTENER_PAGE.replace("PORT", str(port)), content_type="text/html")
+        if request.path == "/launder":  # a popup that cuts its opener, then goes to the console
+            to = json.dumps(request.query["to"])
+            page = f"<script>window.opener = null; location.replace({to});</script>"
+            return web.Response(text=page, content_type="text/html")
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def replay(port: int, request: dict[str, Any], path: str, **extra: str) -> int:
+    """``request``'s headers (all of them, cookies included), sent to our server as its own page would."""
+    headers = {k: v for k, v in request["headers"] if k.lower() not in ("host", "origin", "content-length")}
+    headers |= {"Host": f"127.0.0.1:{port}", "Origin": f"http://127.0.0.1:{port}", **extra}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path, headers=headers)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def profile_files_holding(profile: Path, secret: str) -> list[str]:
+    """Every file of the browser's profile whose bytes hold ``secret`` (as UTF-8 or UTF-16)."""
+    needles = (secret.encode(), secret.encode("utf-16-le"))
+    return [
+        str(p.relative_to(profile))
+        for p in profile.rglob("*")
+        if p.is_file() and any(n in p.read_bytes() for n in needles)
+    ]
+
+
+@pytest.mark.slow  # a browser, a server and consoles, each started cold
+async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_the_token(
+    tmp_path: Path,
+) -> None:
+    chromium_path()
+    run = finished_run(tmp_path / "r")
+    port, other = free_port(), free_port()
+    server = start(tmp_path, run.root, port, env={"AERIE_SERVE_TOKEN": TOKEN})
+    recorded: list[dict[str, Any]] = []
+    runner = await listener(other, recorded)
+    browser = await Chromium(tmp_path / "profile").start()
+    try:
+        await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
+        await browser_log_in(browser, port, TOKEN)
+        await browser.wait_eval("window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board")
+        key = await browser.eval("sessionStorage.getItem('aerie-session')")
+        assert key and await browser.eval("location.href") == f"http://127.0.0.1:{port}/"
+
+        # The logged-in operator visits another server on this host: it gets all the browser will send it.
+        await browser.navigate(f"http://127.0.0.1:{other}/")
+        await browser.wait_eval("window.__done === true", 60, "the listener page's requests")
+        assert {r["path"] for r in recorded} >= {"/", "/fetch", "/cross", "/ws", "/image.png"}, recorded
+        everything = json.dumps(recorded)
+        assert TOKEN not in everything and key not in everything
+        assert "cookie" not in everything.lower()  # no cookie of ours, none at all
+        for request in recorded:  # replayed whole, as our own page: no session from any of it
+            assert replay(port, request, "/session") == 401, request
+            assert replay(port, request, "/ws?width=80&height=24", **UPGRADE_HEADERS) == 401, request
+        # (the key is what opens one: the same replay with the page's key added gets a console)
+        assert replay(port, recorded[0], f"/ws/{key}?width=80&height=24", **UPGRADE_HEADERS) == 101
+
+        # Popups of the console opened by that page start no console (they cannot fill the slots) ...
+        wait_for(lambda: not consoles(server.pid), 60, "the consoles of the page and the replay to end")
+        for _ in range(4):  # four clicks: a click lets a page open one popup
+            await browser.eval(f"!!window.open('http://127.0.0.1:{port}/', '_blank')", user_gesture=True)
+        await asyncio.sleep(10)  # a popup that connected would have started its console by now
+        targets = (await browser.send("Target.getTargets"))["targetInfos"]
+        popups = [t for t in targets if t["url"] == f"http://127.0.0.1:{port}/" and t.get("openerId")]
+        assert len(popups) == 4, targets
+        assert not consoles(server.pid)
+        # Popups that cut their opener first start the key's one console at most: each replaces the last.
+        for _ in range(4):
+            url = f"http://127.0.0.1:{other}/launder?to=http://127.0.0.1:{port}/"
+            await browser.eval(f"!!window.open({json.dumps(url)}, '_blank')", user_gesture=True)
+        await asyncio.sleep(15)
+        assert len(consoles(server.pid)) <= 1
+        # ... and the operator, back in the tab, gets the console at once, without logging in again
+        await browser.navigate(f"http://127.0.0.1:{port}/")
+        await browser.wait_eval(
+            "window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board again"
+        )
+    finally:
+        await browser.close(graceful=True)  # a browser that quits writes its History
+        await runner.cleanup()
+        reap(server, {})
+    history = tmp_path / "profile" / "Default" / "History"
+    with contextlib.closing(sqlite3.connect(f"file:{history}?mode=ro", uri=True)) as db:
+        urls = [row[0] for row in db.execute("SELECT url FROM urls")]
+    assert f"http://127.0.0.1:{port}/" in urls, urls  # the visit is recorded (the database was written) ...
+    assert not [u for u in urls if TOKEN in u or key in u or "token" in u]  # ... and holds no token
+    assert profile_files_holding(tmp_path / "profile", TOKEN) == []  # nor any file of the profile (no cache)
+    assert TOKEN not in logs(tmp_path)
