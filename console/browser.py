@@ -9,9 +9,12 @@ docs/operating.md), never exposed on a network — unless the operator says so e
 
 Who may use it is ``console/serve_guard.py``'s job: every request is checked for its Host (DNS
 rebinding), its Origin (other web pages) and a token, which is required by default, on loopback too
-(generated into a 0600 file when the operator gives none; ``--no-token`` opts out, loopback only); no
-token reaches a log. At most ``--max-sessions`` consoles run at once (a console is a process, ~50 MB):
-past that, ``/`` and ``/ws`` answer 503 and no process is started.
+(generated into a 0600 file when the operator gives none; ``--no-token`` opts out, loopback only). The
+browser holds no cookie: the page posts the token once and keeps a session key in its tab, which only its
+own script sends (``console/serve_page.py``); no token or key reaches a log, and every log line is escaped
+(``console/serve_log.py``). At most ``--max-sessions`` consoles run at once (a console is a process,
+~50 MB), the last slot kept for the control token: past that, the page and ``/ws`` answer 503 and no
+process is started.
 
 Watchers: ``--read-only`` makes every browser console a read-only one (``aerie attach --read-only``:
 everything shown, every control key refused, nothing sent). With a second, view-only token

@@ -1,10 +1,12 @@
 """The textual-serve server behind ``aerie serve`` (``console/browser.py``), and the console processes it starts.
 
 :class:`GuardedServer` is textual-serve's Server with ``console/serve_guard.py`` in front of every request (Host,
-Origin, token), the session cap checked before a page or a WebSocket upgrade is served, and every log line
-(its own and aiohttp's access log) through the token filter. Each WebSocket session runs one console process
-through :class:`RecordedAppService`: the token variables are dropped from its environment, the control or the
-read-only console is picked by the token the session presented, and the process is recorded in
+Origin, token or the page's session key), the session slots checked before a WebSocket upgrade is served (one
+console per session key: a newer page with the key replaces the older console), the login at ``/session``, and
+every log line (its own and aiohttp's access log) through the filter of ``console/serve_log.py``. Each
+WebSocket session runs one console process through :class:`RecordedAppService`: the token variables are dropped
+from its environment, the control or the read-only console is picked by the credential the session presented,
+and the process is recorded in
 :class:`ConsoleGroups`.
 
 No console outlives the server, however the server ends and however the browser went away: each console runs

@@ -319,8 +319,8 @@ def _add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument(
         "--token-file",
         default=None,
-        help="file holding the token every request needs (else $AERIE_SERVE_TOKEN, else a random one, "
-        "written to a 0600 file whose path is printed)",
+        help="file holding the token a console needs, pasted into the page once: no cookie, never in a URL "
+        "(else $AERIE_SERVE_TOKEN, else a random one, written to a 0600 file whose path is printed)",
     )
     p.add_argument(
         "--no-token",
@@ -340,7 +340,8 @@ def _add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         type=int,
         default=4,
         metavar="N",
-        help="browser consoles at once (each a process); past it a clear refusal (default 4)",
+        help="browser consoles at once (each a process); past it a clear refusal (default 4); view-token "
+        "watchers get all but one: the last is the control token's",
     )
     p.add_argument(
         "--read-only",

@@ -403,6 +403,7 @@ def test_no_token_says_what_it_risks_and_is_loopback_only(tmp_path: Path) -> Non
         assert "WARNING: --no-token: anyone with an account on this machine" in err
         assert "cat " not in err and not (Path(os.environ["AERIE_HOME"]) / "state" / "serve").exists()
         assert get(port, "/")[0] == 200
+        assert log_in(port, "")  # the page gets a key without a token
         assert get(port, "/ws", Origin=f"http://localhost:{port + 1}", **UPGRADE)[0] == 403  # pages still not
     finally:
         reap(server, {})
