@@ -367,6 +367,9 @@ def test_serve_refuses_contradictory_or_weak_watcher_tokens(
     assert "must differ from the control token" in capsys.readouterr().err
     assert cli_main([*serve, "--view-token-file", str(tmp_path / "short")]) == 2
     assert "--view-token-file" in capsys.readouterr().err
+    # one slot could only be the control token's: watchers need two at least
+    assert cli_main([*serve, "--view-token-file", str(tmp_path / "t1"), "--max-sessions", "1"]) == 2
+    assert "the last slot is kept for the control token" in capsys.readouterr().err
     assert console_command("RUN", None, 1.0, read_only=True).endswith("--via browser --read-only")
     assert "--read-only" not in console_command("RUN", None, 1.0)
 

@@ -689,6 +689,7 @@ async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_th
         await browser.wait_eval("window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board")
         key = await browser.eval("sessionStorage.getItem('aerie-session')")
         assert key and await browser.eval("location.href") == f"http://127.0.0.1:{port}/"
+        assert (await browser.send("Storage.getCookies"))["cookies"] == []  # the browser holds no cookie at all
 
         # The logged-in operator visits another server on this host: it gets all the browser will send it.
         await browser.navigate(f"http://127.0.0.1:{other}/")
