@@ -1,5 +1,5 @@
-"""Who may use ``aerie serve``: the request guard (Host, Origin, token, page-held session key), the session slots,
-the token file and the log lines (tokens redacted, every control character escaped).
+"""Who may use ``aerie serve``: the request guard (Host, Origin, token, page-held session key), the session slots
+and the token file (its log lines are ``console/serve_log.py``'s, its page ``console/serve_page.py``'s).
 
 The browser console can kill stages, so every request passes, in this order (as Jupyter server does):
 
@@ -37,8 +37,10 @@ name a path of this origin.
 
 **Session slots** (:class:`Slots`): at most ``--max-sessions`` consoles run at once, and the view token's
 watchers may hold all but one of them: the last slot is always free for the control token, so watchers
-cannot lock the operator out. Pages opened by another page (a popup) do not start a console on their own
-(``serve_page.py``), so another site cannot fill the slots with the operator's key either.
+cannot lock the operator out. Pages opened by another page (a popup, which copies its opener's
+``sessionStorage``) do not start a console on their own (``serve_page.py``), and a session key holds one
+console at a time — a newer page with it replaces the older console (``browser_server.py``) — so another
+site cannot fill the slots with the operator's key either.
 
 A generated token is written to ``<state dir>/serve/<host>-<port>.token`` (``~/.local/state/aerie/serve``
 unless ``$AERIE_STATE_DIR``, ``$AERIE_HOME`` or ``$XDG_STATE_HOME`` say otherwise): the directory 0700,
