@@ -38,7 +38,7 @@ from textual_serve.server import Server
 
 from console import serve_guard
 from console.serve_guard import ROLE_KEY, TOKEN_ENV, VIEW_TOKEN_ENV, Guard, Role
-from console.serve_log import RedactingFilter, access_logger_class
+from console.serve_log import EscapingStream, RedactingFilter, access_logger_class
 from console.serve_page import with_login
 
 _PR_SET_PDEATHSIG = 1
@@ -283,6 +283,7 @@ class GuardedServer(Server):
         from aiohttp.web_runner import GracefulExit
 
         self.initialize_logging()
+        sys.stdout = EscapingStream(sys.stdout, self.guard.tokens)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
 

@@ -96,3 +96,22 @@ def access_logger_class(tokens: Iterable[str]) -> Any:
             )
 
     return AccessLogger
+
+
+class EscapingStream:
+    """A text stream (the server's stdout) whose writes are redacted and escaped as log lines are, newlines
+    kept: textual-serve writes a console's stderr there raw when the console fails to start."""
+
+    def __init__(self, stream: Any, tokens: Iterable[str]) -> None:
+        self.stream = stream
+        self.tokens = [t for t in tokens if t]
+
+    def write(self, text: str) -> int:
+        self.stream.write(printable(redact(text, self.tokens), keep_newlines=True))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)

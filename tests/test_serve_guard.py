@@ -271,6 +271,24 @@ def test_nothing_a_request_carries_reaches_the_terminal_raw_and_no_redirect_leav
     assert '"curl\\u202e\\u2028fake\\x9b31m"' in text  # the User-Agent in the access log, escaped
 
 
+@pytest.mark.slow  # a console started cold, which fails
+def test_a_console_that_fails_to_start_is_reported_escaped(tmp_path: Path) -> None:
+    """textual-serve copies a console's stderr to the server's stdout when it fails to start: escaped too."""
+    run = finished_run(tmp_path / "r\x1b[31mred")  # a hostile name (an ssh:// run's names come from afar)
+    port = free_port()
+    server = start(tmp_path, run.root, port, env={"AERIE_SERVE_TOKEN": TOKEN})
+    try:
+        run.root.rename(run.root.with_name("moved"))  # so its console fails: "no such run"
+        sock = ws_open("127.0.0.1", port, f"/ws?width=80&height=24&token={TOKEN}")
+        assert ended_by_server(sock, 120), "the failed console's session did not end"
+        sock.close()
+        wait_for(lambda: "no such run" in (tmp_path / "serve.out").read_text(), 30, "the console's error")
+    finally:
+        reap(server, {})
+    out = (tmp_path / "serve.out").read_text()
+    assert "\x1b" not in out and "r\\x1b[31mred" in out, out
+
+
 def test_a_redirect_to_another_origin_is_rewritten_to_this_one() -> None:
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
@@ -689,7 +707,9 @@ async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_th
         await browser.wait_eval("window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board")
         key = await browser.eval("sessionStorage.getItem('aerie-session')")
         assert key and await browser.eval("location.href") == f"http://127.0.0.1:{port}/"
-        assert (await browser.send("Storage.getCookies"))["cookies"] == []  # the browser holds no cookie at all
+        assert (await browser.send("Storage.getCookies"))[
+            "cookies"
+        ] == []  # the browser holds no cookie at all
 
         # The logged-in operator visits another server on this host: it gets all the browser will send it.
         await browser.navigate(f"http://127.0.0.1:{other}/")
