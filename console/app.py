@@ -579,6 +579,9 @@ class AerieApp(App[int]):
         st = self._control_target(action)
         if st is None:
             return
+        if st.forced:  # armed already: F again disarms it (as p resumes a paused stage)
+            self.run_ctl(ACTION["unforce"], st.id)
+            return
         if st.state != StageState.PENDING:
             self._wrong_state(action, st)
             return
@@ -591,6 +594,16 @@ class AerieApp(App[int]):
         reason = "" if waiting or st.reason.startswith("after ") else st.reason
         plan = force_message(st.id, st.attempt, waiting, reason, armed="will be armed")
         self._confirm_then_send(action, st, plan=plan)
+
+    def action_unforce(self) -> None:
+        action = ACTION["unforce"]
+        st = self._control_target(action)
+        if st is None:
+            return
+        if not st.forced:
+            self._wrong_state(action, st)
+            return
+        self.run_ctl(action, st.id)
 
     def action_log(self) -> None:
         st = self._selected()

@@ -49,7 +49,12 @@ def server_line(st: StageView) -> str | None:
     return stats.line()
 
 
+FORCED_MARK = "⚑ force armed"  # ``aerie force`` armed on a stage that has not started (F or --cancel disarms)
+
+
 def note_for(st: StageView) -> str:
+    if st.forced and st.state in (StageState.PENDING, StageState.READY):
+        return f"{FORCED_MARK} · {st.reason}" if st.reason else FORCED_MARK
     if st.queued:  # "queued: Slurm job 12 pending (Resources)"
         return st.reason
     live = server_line(st) if st.state in (StageState.RUNNING, StageState.PAUSED) else None

@@ -24,6 +24,8 @@ from console import fmt
 from console.model import StageView, describe_event
 from console.widgets.board import server_line
 from console.widgets.curves import CurvePlot, mini_curves
+from pipeline.run.rundir.stage_row import StageState
+from pipeline.run.supervise.force_text import CHECKS
 
 
 class EventTail(Widget):
@@ -156,6 +158,12 @@ class StageDetail(Horizontal):
             t.append(f" · exit {st.returncode}")
         if st.reason:
             t.append(f"\n{st.reason}", style="italic")
+        if st.forced and st.state in (StageState.PENDING, StageState.READY):
+            t.append(
+                f"\n⚑ --force armed for attempt {st.attempt}: it starts without {CHECKS} "
+                "(F again disarms it; aerie force --cancel RUN STAGE)",
+                style="bold",
+            )
         if st.progress.t:
             t.append(
                 f"\n{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)} {st.progress.unit}"
