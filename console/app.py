@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import json
 import tomllib
 from collections.abc import Iterable
 from typing import Any
@@ -499,13 +500,30 @@ class AerieApp(App[int]):
 
     @work(group="ctl")
     async def ensure_supervisor(self) -> None:
-        if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
+        if self.read_only:  # a watcher changes nothing, not even a missing supervisor: it asks, and says
+            rep = await self.sup_watch.check(self.transport)
+            if rep.get("verdict") in ("dead", "finished") and not self.model.loaded:
+                await self._rows_from_files()
+            self.poll_model()
+        else:
             rep = await self.sup_watch.check(self.transport)
             # A supervisor that died mid-run (before we attached, or between attaching and this answer: under
             # load the check lands late) is news; starting one for a finished run, or a run whose supervisor
             # never wrote a snapshot, is not.
             if rep.get("verdict") == "dead" and rep.get("last_seen") is not None:
                 self._said_restart(rep)
+
+    async def _rows_from_files(self) -> None:
+        """No snapshot and no supervisor to write one (a read-only watcher starts none): every stage as its own
+        files show it, from ``ctl status`` on the host, the rows ``aerie status`` prints
+        (``pipeline.run.rundir.state_file.rows_from_files``); the supervisor's first snapshot replaces them."""
+        try:
+            res = await self.transport.ctl("status")
+            state = json.loads(res.stdout) if res.returncode == 0 else None
+        except Exception:  # noqa: BLE001 - the status line already says the supervisor is down
+            return
+        if isinstance(state, dict) and state.get("stages") and not self.model.loaded:
+            self.model.show_rows_from_files(state)
 
     def _said_restart(self, rep: dict[str, Any]) -> None:
         """A check of the host that started a supervisor says so, whichever check it was (the one on attach
@@ -705,7 +723,8 @@ class AerieApp(App[int]):
     def action_quit_console(self) -> None:
         self.exit(
             0,
-            message=f"Aerie console closed; the run keeps going.\nRe-attach: aerie attach {self.model.run_dir}",
+            message="Aerie console closed; the run keeps going.\nRe-attach: aerie attach "
+            f"{self.model.run_dir}{' --read-only' if self.read_only else ''}",
         )
 
     def action_set_theme(self, name: str) -> None:

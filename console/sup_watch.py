@@ -10,7 +10,7 @@ the holder's pid, why the run directory cannot be written) is what the status li
 
 * ``supervisor silent for 40s (pid 812 alive, cannot write: EROFS Read-only file system)``
 * ``supervisor dead (last seen 10:01:02, 20s ago) — restarting it``
-* ``supervisor dead (…) — read-only watcher: not restarting it …``
+* ``supervisor dead (…) — read-only watcher, not restarting it; to start it: aerie attach RUN without --read-only …``
 
 Widgets never talk to the host: the app (or headless mode) runs :meth:`SupervisorWatch.check` in a worker.
 """
@@ -74,8 +74,8 @@ class SupervisorWatch:
 
     def line(self, done: bool) -> tuple[str, str] | None:
         """``(text, level)`` while the supervisor is not plainly alive (level: warning | error); else None."""
-        if done or self.silent_for() <= STALE_S:
-            return None
+        if done or (self.silent_for() <= STALE_S and not _down(self.report)):
+            return None  # (a host that said "dead" is said at once: a read-only watcher asks it on attach)
         rep = self.report
         if rep is None:
             return f"supervisor silent for {self.silent_for():.0f}s — checking…", "warning"
@@ -87,12 +87,16 @@ class SupervisorWatch:
         if verdict in ("dead", "finished"):
             if self.read_only:
                 return (
-                    f"{text} — read-only watcher: not restarting it (attach without --read-only, or any "
-                    "control action, restarts it)",
+                    f"{text} — read-only watcher, not restarting it; to start it: aerie attach RUN without "
+                    "--read-only (or any control action)",
                     "error",
                 )
             return f"{text} — restarting it", "error"
         return text, "error"
+
+
+def _down(rep: dict[str, Any] | None) -> bool:
+    return rep is not None and rep.get("verdict") == "dead"
 
 
 def _parse(rc: int, stdout: str, message: str) -> dict[str, Any]:

@@ -7,6 +7,8 @@ stages, fixed pids and times, ``time.time`` frozen) drawn at 80x24, 120x40 and 2
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
 from pipeline.run.supervise import budget
-from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run
+from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run, start_supervisor, stop, wait_done
 from tests.screen_text import svg_rows
 from tests.test_console import live_run, until  # noqa: F401 (a fixture: a real supervisor, a command)
 
@@ -170,6 +172,57 @@ async def test_a_read_only_watcher_on_a_corrupt_state_says_why_it_waits(tmp_path
         assert app.model.state_problem is None
         await pilot.pause(0.3)
         assert "not valid JSON" not in "\n".join(screen(app))
+
+
+async def test_a_read_only_watcher_with_no_supervisor_shows_every_stage_from_its_files(
+    tmp_path: Path,
+) -> None:
+    """No state.json and no supervisor (it finished, the snapshot was lost in a copy): a read-only watcher starts
+    none, yet shows every stage as its own files say (the rows ``aerie status`` prints), says the supervisor is
+    down and how to start it, and its re-attach hint on ``q`` keeps ``--read-only``."""
+    run = make_run(
+        tmp_path,
+        '[run]\nname = "ro"\ndir = "run"\n[[stage]]\nid = "a"\ncommand = "true"\n'
+        '[[stage]]\nid = "b"\ncommand = "exit 3"\nafter = ["a"]\n[[stage]]\nid = "c"\ncommand = "true"\n'
+        'after = ["b"]\n',
+    )
+    sup = start_supervisor(run)
+    try:
+        wait_done(run)
+    finally:
+        stop(sup)
+    run.state_path.unlink()
+    status = subprocess.run(
+        [sys.executable, "-m", "console.cli", "status", str(run.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = {ln.split()[0]: ln.split()[1] for ln in status.stdout.splitlines()[:3]}
+    assert rows == {"a": "succeeded", "b": "failed", "c": "waiting"}, status.stdout
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    async with app.run_test(size=(140, 30)) as pilot:
+        await until(pilot, lambda: app.model.loaded, what="the stages from their files")
+        await pilot.pause(0.5)
+        text = "\n".join(screen(app))
+        assert {sid: str(st.state) for sid, st in app.model.stages.items()} == rows
+        assert "first snapshot" not in text
+        assert "supervisor dead" in text and "not restarting it" in text, text
+        assert "to start it: aerie attach RUN without --read-only" in text, text
+        assert "from its files" in text, "the detail pane says where the row comes from"
+        assert app.query_one(StageBoard).selected_key == "b", "the failure is the stage most worth a look"
+        await pilot.press("q")
+    assert app.return_code == 0
+    assert not run.state_path.exists(), "a watcher started no supervisor"
+
+
+def test_the_re_attach_hint_keeps_read_only(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    app = AerieApp(LocalTransport(str(root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    exits: list[str] = []
+    app.exit = lambda *_a, message="", **_k: exits.append(str(message))  # type: ignore[method-assign]
+    app.action_quit_console()
+    assert exits and exits[0].endswith(f"aerie attach {root} --read-only"), exits
 
 
 async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(

@@ -6,7 +6,8 @@ request in the run dir, makes sure a supervisor is running, and waits for the su
 
 Actions: ``status`` (prints state.json, with the run's ``projection``: :mod:`pipeline.run.supervise.run_projection`,
 the audit log's last entries and the supervisor's ``liveness``: :mod:`pipeline.run.supervise.liveness`; a corrupt
-state.json gives rows from the stages' own files and an ``error`` line, :mod:`pipeline.run.rundir.state_file`),
+state.json gives rows from the stages' own files and an ``error`` line, :mod:`pipeline.run.rundir.state_file`; so
+does a run with no snapshot yet, without the line),
 ``liveness`` (that report alone, as JSON; starts nothing: what a read-only watcher asks), ``ensure`` (start a
 supervisor if none holds the lock; one line, or with ``--json`` the liveness report and ``started``),
 ``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
@@ -35,7 +36,7 @@ from typing import Any
 
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir, read_json
-from pipeline.run.rundir.state_file import read_state
+from pipeline.run.rundir.state_file import read_state, rows_from_files
 from pipeline.run.supervise.liveness import liveness
 from pipeline.run.supervise.run_projection import run_projection
 from pipeline.run.supervise.run_setup import spawn_detached, supervisor_alive
@@ -134,6 +135,8 @@ def _main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.action == "status":
         state, problem = read_state(run)  # a corrupt state.json: rows from the stages' files and an "error"
+        if not state.get("stages") and not problem:  # no snapshot yet (no supervisor ever wrote one)
+            state["stages"] = rows_from_files(run)  # every stage as its own files show it
         state["liveness"] = liveness(run, state)
         state["supervisor_alive"] = state["liveness"]["lock_held"]
         state["projection"] = (
