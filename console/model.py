@@ -279,12 +279,11 @@ class RunModel:
         return set()
 
     def show_rows_from_files(self, state: dict) -> set[str]:
-        """Rows ``ctl status`` rebuilt from the stages' own files (no ``state.json`` and no supervisor to write
-        one: a read-only watcher); the supervisor's first snapshot, when one comes, replaces them."""
+        """``ctl status``'s rows from the stages' files (no snapshot, no supervisor: a read-only watcher)."""
         changed = self._apply_state(
             json.dumps({k: v for k, v in state.items() if k in ("run", "stages")}).encode()
         )
-        self.from_files = True
+        self.from_files = True  # until the supervisor's first snapshot replaces them
         return changed
 
     def _apply_state(self, raw: bytes) -> set[str]:
