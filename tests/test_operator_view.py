@@ -17,6 +17,7 @@ from textual.widgets._toast import Toast
 
 from console.app import AerieApp, most_relevant
 from console.model import RunModel, StageView
+from console.screens.dialogs import HelpScreen
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
@@ -139,6 +140,11 @@ def test_the_most_relevant_stage_is_the_failed_then_running_then_last_finished()
         model.order.append(sid)
 
     assert most_relevant(model) is None
+    put("first", "pending")
+    put("second", "pending")
+    assert most_relevant(model) == "first", "nothing started yet: the next stage to run, never nothing"
+    model.stages.clear()
+    model.order.clear()
     put("a", "succeeded", 10.0)
     put("b", "succeeded", 30.0)
     put("c", "succeeded", 20.0)
@@ -151,6 +157,77 @@ def test_the_most_relevant_stage_is_the_failed_then_running_then_last_finished()
     put("old-failure", "failed", 40.0)
     put("new-failure", "killed", 50.0)
     assert most_relevant(model) == "new-failure", "the latest failure first"
+
+
+async def test_the_first_screen_selects_a_stage_and_follows_the_run_until_the_operator_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's first snapshot has every stage waiting: the console selects the next to run (not a family row,
+    not "Select a stage"), follows the run to the stage that starts, and a family's row (Home) shows that
+    family's stage most worth a look. Once the operator moved, the cursor is theirs."""
+    monkeypatch.setattr(
+        AerieApp, "ensure_supervisor", lambda self: None
+    )  # nothing but this test writes state
+    run = make_run(tmp_path, '[run]\nname = "f"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
+
+    def snapshot(**states: str) -> None:
+        rows = [
+            {"id": sid, "family": sid.split(".")[0], "state": st, "attempt": 1, "reason": ""}
+            | ({"finished_at": 100.0} if st in ("succeeded", "failed") else {})
+            for sid, st in states.items()
+        ]
+        run.state_path.write_text(json.dumps({"run": "f", "stages": rows}))
+
+    snapshot(**{"prep.a": "pending", "prep.b": "pending", "serve": "pending"})
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.1, alerts=False, user_config={})
+    async with app.run_test(size=(140, 36)) as pilot:
+        board = app.query_one(StageBoard)
+        detail = app.query_one(StageDetail)
+        await until(pilot, lambda: board.selected_key == "prep.a", what="the next stage to run selected")
+        await pilot.pause(0.3)
+        assert "Select a stage" not in "\n".join(screen(app))
+        snapshot(**{"prep.a": "succeeded", "prep.b": "pending", "serve": "running"})
+        await until(pilot, lambda: board.selected_key == "serve", what="the selection following the run")
+        await pilot.press("home")  # the family row of prep
+        await until(pilot, lambda: detail.stage_id == "prep.a", what="the family's stage in the detail pane")
+        await pilot.pause(0.3)
+        text = "\n".join(screen(app))
+        assert "family prep (2 stages)" in text and "Select a stage" not in text, text
+        snapshot(**{"prep.a": "succeeded", "prep.b": "failed", "serve": "running"})
+        await until(pilot, lambda: app.model.stages["prep.b"].state == "failed", what="prep.b failed")
+        await pilot.pause(0.5)
+        assert board.selected_key == "group:prep" or board.selected_key.startswith("prep"), board.selected_key
+        assert board.selected_key != "prep.b", "the operator moved: the cursor stays where they put it"
+        assert detail.stage_id == "prep.b", "the family row shows its failure, the stage most worth a look"
+
+
+async def test_focus_is_shown_and_help_lists_the_focused_panes_keys_and_the_boards(
+    tmp_path: Path, frozen: None
+) -> None:
+    app = app_for(tmp_path)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await settled(app, pilot)
+        board = app.query_one(StageBoard)
+        bottom = app.query_one("#bottom")
+        assert app.focused is board and not bottom.border_title
+        await pilot.click("#stage-log")
+        assert app.focused is not board
+        assert "log pane focused" in str(bottom.border_title) and "Esc" in str(bottom.border_title)
+        await pilot.pause(0.2)
+        assert "log pane focused" in "\n".join(screen(app)), "the title is on screen"
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
+        text = app.screen.text  # type: ignore[attr-defined]
+        assert "scroll the focused log pane up / down" in text and "PgUp / PgDn" in text
+        board_part = text.split("[The board (not focused now")[1].split("\n[")[0]
+        for words in ("↑ / ↓  previous / next stage", "Home / End  first / last stage", "z  fold", "Z  fold"):
+            assert words in board_part, (words, board_part)
+        await pilot.press("escape")
+        await pilot.press("escape")  # the log pane's Esc: the board's keys again
+        assert app.focused is board and not bottom.border_title
+        selected = board.selected_key
+        await pilot.press("down")
+        assert board.selected_key != selected, "the arrows move the board again"
 
 
 async def test_a_read_only_watcher_on_a_corrupt_state_says_why_it_waits(tmp_path: Path) -> None:

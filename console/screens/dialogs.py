@@ -101,6 +101,13 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "clear_filter",
         "previous_stage",
         "next_stage",
+        "scroll_up",
+        "scroll_down",
+        "page_up",
+        "page_down",
+        "scroll_home",
+        "scroll_end",
+        "app.focus_board",
     ),
     "Find": ("filter", "search", "next", "previous", "first_error"),
     "Control the selected stage": (*CONTROL_NAMES, "read_only"),  # the action table's control actions
@@ -171,6 +178,18 @@ def help_sections(screen: Screen) -> list[tuple[str, list[tuple[str, str]]]]:
     for what, (group, keys) in rows.items():
         out[group].append((" / ".join(keys), what))
     return [(g, r) for g, r in out.items() if r]
+
+
+def binding_rows(app: App, bindings: list[Binding]) -> list[tuple[str, str]]:
+    """(keys, what they do) of a widget's own bindings that carry help (a pane that is not focused now)."""
+    rows: dict[str, list[str]] = {}
+    for b in bindings:
+        if b.tooltip:
+            keys = rows.setdefault(b.tooltip, [])
+            for k in b.key.split(","):
+                if key_label(app, k.strip()) not in keys:
+                    keys.append(key_label(app, k.strip()))
+    return [(" / ".join(keys), what) for what, keys in rows.items()]
 
 
 class HelpScreen(ModalScreen[None]):
