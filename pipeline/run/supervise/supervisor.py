@@ -141,7 +141,11 @@ class Supervisor:
         """supervisor.json (who supervises this run: information, the lock is what counts); when it cannot be
         written, or someone deleted it, it is written again at the next tick."""
         try:
-            write_json(self.run.supervisor_path, {**ProcIdentity.of_self().to_dict(), "t": time.time()})
+            # ``python``: the interpreter, so an ``ssh://`` attach of a run started on its host runs its agent alike
+            write_json(
+                self.run.supervisor_path,
+                {**ProcIdentity.of_self().to_dict(), "t": time.time(), "python": sys.executable},
+            )
             self._identity_pending = False
         except OSError as exc:
             self._identity_pending = True
