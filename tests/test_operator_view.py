@@ -312,8 +312,10 @@ async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
         disk = app.model.telemetry.disk
         assert disk is not None and disk.mount == "/data (/dev/nvme1n1)"
         meter = next(r for r in rows if r.lstrip().startswith("disk "))
-        assert "/data (/dev/nvme1n1)" in meter and "75%" in meter, meter
-        # The projection counts what the meter counts: not available to the run (total - avail) + to write.
+        # The meter's percentage is df's Use%: used / (used + avail), not (total - avail) / total (75 % here).
+        use = round(100 * disk.used / (disk.used + disk.avail))
+        assert "/data (/dev/nvme1n1)" in meter and f"{use}% used" in meter and "75%" not in meter, meter
+        # The projection counts what the run cannot write into (total - avail), plus what is still to write.
         at_end = (disk.total - disk.avail) / (1 << 30)
         assert f"disk {at_end:.1f} GiB/{disk.total / (1 << 30):.1f} GiB at end on /data" in rows[1], rows[1]
 

@@ -225,8 +225,29 @@ class HelpScreen(ModalScreen[None]):
             parts.append(table)
         if self.notes:
             parts.append(Text("\n" + self.notes))
-        with VerticalScroll():
+        with VerticalScroll(id="help-scroll"):
             yield Static(Group(*parts), id="help-body")
+
+    def on_mount(self) -> None:
+        scroll = self.query_one("#help-scroll", VerticalScroll)
+        scroll.focus()
+        self.watch(scroll, "scroll_y", lambda _y: self._scroll_mark(), init=False)
+        self.call_after_refresh(self._scroll_mark)
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._scroll_mark)
+
+    def _scroll_mark(self) -> None:
+        """Say in the frame's bottom edge that the sheet goes on (a scrollbar alone is a colour, easy to miss)."""
+        scroll = self.query_one("#help-scroll", VerticalScroll)
+        below = int(scroll.max_scroll_y - scroll.scroll_y)
+        above = int(scroll.scroll_y)
+        if below > 0:
+            scroll.border_subtitle = f"▼ {below} more line{'s' if below != 1 else ''} below: ↓ / PgDn"
+        elif above > 0:
+            scroll.border_subtitle = f"▲ {above} more line{'s' if above != 1 else ''} above: ↑ / PgUp"
+        else:
+            scroll.border_subtitle = ""
 
     @property
     def text(self) -> str:
