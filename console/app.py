@@ -134,8 +134,8 @@ def most_relevant_of(stages: list[StageView]) -> str | None:
     if broken:
         return max(broken, key=lambda s: s.finished_at or 0.0).id
     live = [s for s in stages if s.state in (StageState.RUNNING, StageState.PAUSED) or s.pausing]
-    if live:
-        return next((s.id for s in live if not s.service), live[0].id)
+    if live:  # a work stage, else a service (the telemetry stage last: its meters are on screen already)
+        return min(live, key=lambda s: (s.service, s.run == "telemetry")).id
     ended = [s for s in stages if s.finished_at]
     if ended:
         return max(ended, key=lambda s: s.finished_at or 0.0).id
