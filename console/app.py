@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import json
 import tomllib
 from collections.abc import Iterable
 from typing import Any
@@ -82,7 +81,7 @@ from console.screens.logview import LogScreen
 from console.screens.metrics import MetricsScreen
 from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
 from console.states import look
-from console.sup_watch import SupervisorWatch, open_alerts
+from console.sup_watch import SupervisorWatch, open_alerts, rows_without_supervisor
 from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
@@ -536,7 +535,7 @@ class AerieApp(App[int]):
         if self.read_only:  # a watcher changes nothing, not even a missing supervisor: it asks, and says
             rep = await self.sup_watch.check(self.transport)
             if rep.get("verdict") in ("dead", "finished") and not self.model.loaded:
-                await self._rows_from_files()
+                await rows_without_supervisor(self.model, self.transport)
             self.poll_model()
         else:
             rep = await self.sup_watch.check(self.transport)
@@ -545,18 +544,6 @@ class AerieApp(App[int]):
             # never wrote a snapshot, is not.
             if rep.get("verdict") == "dead" and rep.get("last_seen") is not None:
                 self._said_restart(rep)
-
-    async def _rows_from_files(self) -> None:
-        """No snapshot and no supervisor to write one (a read-only watcher starts none): every stage as its own
-        files show it, from ``ctl status`` on the host, the rows ``aerie status`` prints
-        (``pipeline.run.rundir.state_file.rows_from_files``); the supervisor's first snapshot replaces them."""
-        try:
-            res = await self.transport.ctl("status")
-            state = json.loads(res.stdout) if res.returncode == 0 else None
-        except Exception:  # noqa: BLE001 - the status line already says the supervisor is down
-            return
-        if isinstance(state, dict) and state.get("stages") and not self.model.loaded:
-            self.model.show_rows_from_files(state)
 
     def _said_restart(self, rep: dict[str, Any]) -> None:
         """A check of the host that started a supervisor says so, whichever check it was (the one on attach

@@ -20,9 +20,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from console.transport import Transport
+
+if TYPE_CHECKING:
+    from console.model import RunModel
 
 STALE_S = 12.0  # no new snapshot for this long (the supervisor writes one at least every 5 s): ask the host
 CHECK_EVERY_S = 3.0  # while silent, ask again this often (and restart a dead supervisor again)
@@ -124,3 +127,19 @@ def alerts_line(alerts: list[dict[str, Any]]) -> str | None:
         return None
     more = f" (+{len(live) - 1} more: aerie status)" if len(live) > 1 else ""
     return f"⚠ supervisor: {live[-1].get('text', '')}{more}"
+
+
+async def rows_without_supervisor(model: RunModel, transport: Transport) -> bool:
+    """No snapshot and no supervisor to write one (a read-only watcher starts none): every stage as its own
+    files show it, from ``ctl status`` on the host — the rows ``aerie status`` prints
+    (``pipeline.run.rundir.state_file.rows_from_files``); the supervisor's first snapshot replaces them. True
+    when rows were shown."""
+    try:
+        res = await transport.ctl("status")
+        state = json.loads(res.stdout) if res.returncode == 0 else None
+    except Exception:  # noqa: BLE001 - the status line already says the supervisor is down
+        return False
+    if isinstance(state, dict) and state.get("stages") and not model.loaded:
+        model.show_rows_from_files(state)
+        return True
+    return False

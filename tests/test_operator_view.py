@@ -6,7 +6,9 @@ stages, fixed pids and times, ``time.time`` frozen) drawn at 80x24, 120x40 and 2
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +17,9 @@ from pathlib import Path
 import pytest
 from textual.widgets._toast import Toast
 
+from console import sup_watch
 from console.app import AerieApp, most_relevant
+from console.headless import follow
 from console.model import RunModel, StageView
 from console.screens.dialogs import HelpScreen
 from console.transport import LocalTransport
@@ -252,7 +256,7 @@ async def test_a_read_only_watcher_on_a_corrupt_state_says_why_it_waits(tmp_path
 
 
 async def test_a_read_only_watcher_with_no_supervisor_shows_every_stage_from_its_files(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No state.json and no supervisor (it finished, the snapshot was lost in a copy): a read-only watcher starts
     none, yet shows every stage as its own files say (the rows ``aerie status`` prints), says the supervisor is
@@ -290,6 +294,12 @@ async def test_a_read_only_watcher_with_no_supervisor_shows_every_stage_from_its
         assert app.query_one(StageBoard).selected_key == "b", "the failure is the stage most worth a look"
         await pilot.press("q")
     assert app.return_code == 0
+    # Headless, the same: the host is asked once the snapshot is overdue (1 s here), then the rows are printed.
+    monkeypatch.setattr(sup_watch, "STALE_S", 1.0)
+    out = io.StringIO()
+    await follow(LocalTransport(str(run.root)), out=out, poll_s=0.2, timeout_s=6, read_only=True)
+    said = out.getvalue()
+    assert "not restarting it" in said and re.search(r" b +failed", said), said
     assert not run.state_path.exists(), "a watcher started no supervisor"
 
 
