@@ -432,7 +432,7 @@ class AerieApp(App[int]):
             return
         sid = most_relevant(self.model)
         if sid is not None and sid != board.selected_key:
-            board.select_key(sid)
+            board.select_key(sid, unfold=False)  # folded away: its family's row, which shows it in the detail
         self._auto_key = board.selected_key
 
     def _update_header(self) -> None:

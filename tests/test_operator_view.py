@@ -205,6 +205,26 @@ async def test_the_first_screen_selects_a_stage_and_follows_the_run_until_the_op
         assert detail.stage_id == "prep.b", "the family row shows its failure, the stage most worth a look"
 
 
+async def test_at_80x24_the_first_selection_keeps_the_folds_that_fit_the_board(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every stage waits and prep's 12 members do not fit 80x24: the console selects prep's row (its detail
+    shows the next prep to run) instead of unfolding the family off the screen."""
+    monkeypatch.setattr(AerieApp, "ensure_supervisor", lambda self: None)
+    run = make_run(tmp_path, '[run]\nname = "f"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
+    ids = [f"prep.d{i:02d}" for i in range(12)] + ["serve", "train", "bench"]
+    rows = [{"id": i, "family": i.split(".")[0], "state": "pending", "attempt": 1, "reason": ""} for i in ids]
+    run.state_path.write_text(json.dumps({"run": "f", "stages": rows}))
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.1, alerts=False, user_config={})
+    async with app.run_test(size=(80, 24)) as pilot:
+        board = app.query_one(StageBoard)
+        await until(pilot, lambda: board.selected_key == "group:prep", what="prep's row selected")
+        await until(
+            pilot, lambda: app.query_one(StageDetail).stage_id == "prep.d00", what="its next stage shown"
+        )
+        assert board.is_folded("prep") and "prep" not in board.folds, "the console left the folds as they fit"
+
+
 async def test_focus_is_shown_and_help_lists_the_focused_panes_keys_and_the_boards(
     tmp_path: Path, frozen: None
 ) -> None:
