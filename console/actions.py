@@ -115,7 +115,8 @@ ACTIONS: tuple[ConsoleAction, ...] = (
         "force",
         "F",
         "Force",
-        "start a stage held by an admission check (disk budget, foreign GPU process) anyway, once (asks first)",
+        "start a stage held by an admission check (disk budget, foreign GPU process) anyway, once (asks first); "
+        "on a stage already forced (⚑), disarms it",
         "Force stage",
         "start a stage held by an admission check, once (asks)",
         show=False,
@@ -123,6 +124,19 @@ ACTIONS: tuple[ConsoleAction, ...] = (
         confirm="Force {id}?\n\n{plan}.\n\nThe override is recorded in its events and the audit log; an alert "
         "says when it starts.",
         wrong_state="only a waiting stage can be forced",
+    ),
+    ConsoleAction(
+        "unforce",
+        None,
+        "Disarm force",
+        "disarm the force armed on the selected stage (F again on a stage marked ⚑)",
+        "Disarm force",
+        "the selected stage waits for the admission checks again (F on a stage marked ⚑)",
+        show=False,
+        sends=("force",),
+        flags=("--cancel",),
+        flag_help="disarm a force armed on the stage before it starts (it waits for the admission checks again)",
+        wrong_state="no force is armed on it",
     ),
     ConsoleAction(
         "log",
@@ -230,7 +244,7 @@ CTL_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
 # What ``--read-only`` refuses, in words: "pause, kill, retry, skip, force".
 CONTROL_WORDS = ", ".join(dict.fromkeys(a.sends[0] for a in CONTROLS))
 READ_ONLY_NOTE = (
-    f"read-only console: the control keys ({' '.join(str(a.key) for a in CONTROLS)}) are refused and "
+    f"read-only console: the control keys ({' '.join(a.key for a in CONTROLS if a.key)}) are refused and "
     "nothing is sent"
 )
 
@@ -259,7 +273,9 @@ def bindings() -> BindingList:
         Binding(a.key, a.name, a.label, show=a.show, tooltip=a.help) for a in ACTIONS if a.key is not None
     ]
     out += [
-        Binding(str(a.key), f"read_only('{a.name}')", show=False, tooltip=READ_ONLY_NOTE) for a in CONTROLS
+        Binding(a.key, f"read_only('{a.name}')", show=False, tooltip=READ_ONLY_NOTE)
+        for a in CONTROLS
+        if a.key is not None
     ]
     return out
 

@@ -45,6 +45,7 @@ from typing import Any
 from rich.text import Text
 from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
@@ -75,19 +76,19 @@ from console.palette import screen_commands
 from console.screens.alerts import AlertsScreen
 from console.screens.audit import AuditScreen
 from console.screens.datasets import DatasetsScreen
-from console.screens.dialogs import ConfirmScreen, HelpScreen, help_sections
+from console.screens.dialogs import ConfirmScreen, HelpScreen, binding_rows, help_sections
 from console.screens.logview import LogScreen
 from console.screens.metrics import MetricsScreen
 from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
 from console.states import look
-from console.sup_watch import SupervisorWatch, open_alerts
+from console.sup_watch import SupervisorWatch, open_alerts, rows_without_supervisor
 from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
 from pipeline.run.plan.dag import Plan
 from pipeline.run.rundir import audit
-from pipeline.run.rundir.stage_row import SATISFIED, HealthState, StageState
+from pipeline.run.rundir.stage_row import SATISFIED, TERMINAL, HealthState, StageState
 from pipeline.run.supervise.force_text import force_message
 from themes import load_themes
 
@@ -117,8 +118,13 @@ class KeyFooter(Footer):
 
 def most_relevant(model: RunModel) -> str | None:
     """The stage to show first on attach (lazygit opens on a selection): the latest failure, else a running
-    stage (a work stage before a service), else the stage that finished last."""
-    stages = [model.stages[sid] for sid in model.order if sid in model.stages]
+    stage (a work stage before a service), else the stage that finished last, else the first waiting one
+    (a run whose stages have not started yet): never nothing while the run has a stage."""
+    return most_relevant_of([model.stages[sid] for sid in model.order if sid in model.stages])
+
+
+def most_relevant_of(stages: list[StageView]) -> str | None:
+    """:func:`most_relevant` among ``stages`` (a run's, or one family's), in plan order."""
     broken = [
         s
         for s in stages
@@ -127,10 +133,13 @@ def most_relevant(model: RunModel) -> str | None:
     if broken:
         return max(broken, key=lambda s: s.finished_at or 0.0).id
     live = [s for s in stages if s.state in (StageState.RUNNING, StageState.PAUSED) or s.pausing]
-    if live:
-        return next((s.id for s in live if not s.service), live[0].id)
+    if live:  # a work stage, else a service (the telemetry stage last: its meters are on screen already)
+        return min(live, key=lambda s: (s.service, s.run == "telemetry")).id
     ended = [s for s in stages if s.finished_at]
-    return max(ended, key=lambda s: s.finished_at or 0.0).id if ended else None
+    if ended:
+        return max(ended, key=lambda s: s.finished_at or 0.0).id
+    waiting = [s for s in stages if s.state not in TERMINAL]  # nothing started yet: the next to run
+    return (waiting or stages)[0].id if stages else None
 
 
 class AerieApp(App[int]):
@@ -219,7 +228,10 @@ class AerieApp(App[int]):
         self._board_cap = 0  # the board's most rows (see _meters_layout)
         self._size: Size | None = None
         self.projection = ProjectionLine()
-        self._first_selection = False  # the most relevant stage was selected once the run loaded
+        # Until the operator moves the cursor, the board keeps the stage most worth a look selected (from the
+        # first snapshot on: a run whose stages all wait still selects the next to run).
+        self._auto_select = True
+        self._auto_key: str | None = None  # what it selected last (another selection: the operator moved)
 
     @property
     def hooks_run(self) -> int:
@@ -376,11 +388,8 @@ class AerieApp(App[int]):
         if note != board.empty_note:
             board.empty_note = note
             board.refresh()
-        if not self._first_selection and self.model.loaded:
-            self._first_selection = True
-            sid = most_relevant(self.model)
-            if sid is not None:
-                board.select_key(sid)
+        if self._auto_select and self.model.loaded:
+            self._follow_most_relevant(board)
         self._update_header()
         meters = self.query_one(MetersPanel)
         if meters.display != (self.model.telemetry_stage is not None):
@@ -389,7 +398,7 @@ class AerieApp(App[int]):
         if "telemetry" in changed:
             self._meters_layout()
         detail = self.query_one(StageDetail)
-        st = board.selected_stage(self.model)
+        st = self._detail_stage(board, detail)
         self.model.watch_log(st.id if st else None)
         if st is not None and (st.id != detail.stage_id):
             detail.show(st)
@@ -402,6 +411,29 @@ class AerieApp(App[int]):
             screen.sync(self.model)
         if self.alerts_enabled and self.model.loaded:
             self.alerts.check(self.model)
+
+    def _detail_stage(self, board: StageBoard, detail: StageDetail) -> StageView | None:
+        """The stage the detail pane shows: the selected one; on a family's row, that family's stage most worth
+        a look (said above its facts), never an empty pane."""
+        st = board.selected_stage(self.model)
+        fam = board.family_of(board.selected_key) if st is None else None
+        members = [m for f, ms in self.model.families() if f == fam for m in ms]
+        pick = most_relevant_of(members) if members else None
+        detail.family_note = (
+            f"family {fam} ({len(members)} stages) — its stage most worth a look; ↓ selects one"
+            if pick
+            else ""
+        )
+        return self.model.stages.get(pick) if pick else st
+
+    def _follow_most_relevant(self, board: StageBoard) -> None:
+        if self._auto_key is not None and board.selected_key != self._auto_key:
+            self._auto_select = False  # the operator chose: the board is theirs
+            return
+        sid = most_relevant(self.model)
+        if sid is not None and sid != board.selected_key:
+            board.select_key(sid, unfold=False)  # folded away: its family's row, which shows it in the detail
+        self._auto_key = board.selected_key
 
     def _update_header(self) -> None:
         style = self.state_style
@@ -422,11 +454,12 @@ class AerieApp(App[int]):
     @on(StageBoard.Highlighted)
     def _row_changed(self, _event: StageBoard.Highlighted) -> None:
         try:
-            st = self.query_one(StageBoard).selected_stage(self.model)
+            detail = self.query_one(StageDetail)
+            st = self._detail_stage(self.query_one(StageBoard), detail)
         except NoMatches:
             return  # the console is closing: its board is gone
         self.model.watch_log(st.id if st else None)
-        self.query_one(StageDetail).show(st)
+        detail.show(st)
         if st is not None:
             self.poll_model()
 
@@ -499,7 +532,12 @@ class AerieApp(App[int]):
 
     @work(group="ctl")
     async def ensure_supervisor(self) -> None:
-        if not self.read_only:  # a watcher changes nothing, not even a missing supervisor
+        if self.read_only:  # a watcher changes nothing, not even a missing supervisor: it asks, and says
+            rep = await self.sup_watch.check(self.transport)
+            if rep.get("verdict") in ("dead", "finished") and not self.model.loaded:
+                await rows_without_supervisor(self.model, self.transport)
+            self.poll_model()
+        else:
             rep = await self.sup_watch.check(self.transport)
             # A supervisor that died mid-run (before we attached, or between attaching and this answer: under
             # load the check lands late) is news; starting one for a finished run, or a run whose supervisor
@@ -579,6 +617,9 @@ class AerieApp(App[int]):
         st = self._control_target(action)
         if st is None:
             return
+        if st.forced:  # armed already: F again disarms it (as p resumes a paused stage)
+            self.run_ctl(ACTION["unforce"], st.id)
+            return
         if st.state != StageState.PENDING:
             self._wrong_state(action, st)
             return
@@ -591,6 +632,16 @@ class AerieApp(App[int]):
         reason = "" if waiting or st.reason.startswith("after ") else st.reason
         plan = force_message(st.id, st.attempt, waiting, reason, armed="will be armed")
         self._confirm_then_send(action, st, plan=plan)
+
+    def action_unforce(self) -> None:
+        action = ACTION["unforce"]
+        st = self._control_target(action)
+        if st is None:
+            return
+        if not st.forced:
+            self._wrong_state(action, st)
+            return
+        self.run_ctl(action, st.id)
 
     def action_log(self) -> None:
         st = self._selected()
@@ -685,14 +736,21 @@ class AerieApp(App[int]):
         self.query_one(StageBoard).focus()
 
     def action_help(self) -> None:
-        self.push_screen(
-            HelpScreen(help_sections(self.screen), notes="Closing the console never stops a stage.")
-        )
+        sections = help_sections(self.screen)
+        board = self.query_one(StageBoard) if self.screen is self.screen_stack[0] else None
+        if board is not None and self.focused is not board:  # a click into the log took the board's keys
+            rows = binding_rows(self, [b for b in StageBoard.BINDINGS if isinstance(b, Binding)])
+            sections.insert(0, ("The board (not focused now: Esc or Tab gives it its keys back)", rows))
+        self.push_screen(HelpScreen(sections, notes="Closing the console never stops a stage."))
+
+    def action_focus_board(self) -> None:
+        self.query_one(StageBoard).focus()
 
     def action_quit_console(self) -> None:
         self.exit(
             0,
-            message=f"Aerie console closed; the run keeps going.\nRe-attach: aerie attach {self.model.run_dir}",
+            message="Aerie console closed; the run keeps going.\nRe-attach: aerie attach "
+            f"{self.model.run_dir}{' --read-only' if self.read_only else ''}",
         )
 
     def action_set_theme(self, name: str) -> None:

@@ -296,7 +296,8 @@ def _add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "--compare",
         default="",
         metavar="RUN_DIR[,…]",
-        help="local run directories whose metrics the metrics view (m) draws beside this run's",
+        help="other runs whose metrics the metrics view (m) draws beside this run's: run directories here, "
+        "or ssh://[user@]host[:port]/path (comma-separated)",
     )
     p.set_defaults(fn=cmd_attach)
 
@@ -359,10 +360,20 @@ def _add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """status and the control verbs (pause, resume, kill, retry, skip, force) on one run's stages."""
-    p = sub.add_parser("status", help="print every stage's state")
+    p = sub.add_parser(
+        "status",
+        help="print every stage's state",
+        description="Every stage (state, attempt, progress, reason; ⚑ an armed force), then the supervisor "
+        "(running, silent or dead, and its alerts), the run's projection (progress, finish, GPU-hours, disk at "
+        "finish), the anomalies going on now with their evidence, and the audit log's last entries. A state.json "
+        "that cannot be read is one warning line, the stages then shown from their own files.",
+    )
     p.add_argument("run")
     p.add_argument(
-        "--json", action="store_true", help='one JSON object per stage, then one {"audit": …} line'
+        "--json",
+        action="store_true",
+        help='a first {"error": …} line when state.json cannot be read; one JSON object per stage; then '
+        '{"projection": …, "supervisor": …}, {"anomalies": […]} and {"audit": …} lines',
     )
     p.set_defaults(fn=cmd_status)
 

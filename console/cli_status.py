@@ -78,6 +78,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                             )
                         },
                         **({"job": st["job"]} if st.get("job") else {}),
+                        **({"forced": True} if st.get("forced") else {}),  # an armed ``aerie force``
                     }
                 )
             )  # a Slurm stage's job id
@@ -96,7 +97,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
         print(
             f"{st.get('id')!s:<30} {st.get('state')!s:<16} try {st.get('attempt')!s:<3} {p:<24} "
-            f"{st.get('reason') or ''}".rstrip()
+            f"{_forced_mark(st)}{st.get('reason') or ''}".rstrip()
         )
     sup_lines = supervisor_lines(state)
     if sup_lines:  # its own block: the stage table above stays a table
@@ -110,6 +111,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("\n".join(alert_lines(anomalies)))
     _print_audit(state.get("audit"))
     return EXIT_OK
+
+
+def _forced_mark(st: dict) -> str:
+    """``aerie force`` armed on a stage not started yet: said before its reason, with how to disarm it."""
+    if st.get("forced") and st.get("state") in ("pending", "ready"):
+        return "⚑ force armed (aerie force --cancel RUN STAGE disarms it) · "
+    return ""
 
 
 def _hms(t: object) -> str:

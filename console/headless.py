@@ -17,7 +17,7 @@ from typing import TextIO
 
 from console import fmt
 from console.model import RunModel, StageView, describe_event
-from console.sup_watch import SupervisorWatch, open_alerts
+from console.sup_watch import SupervisorWatch, open_alerts, rows_without_supervisor
 from console.transport import Transport
 from pipeline.run.rundir.stage_row import StageState
 
@@ -141,6 +141,8 @@ async def follow(
         await model.poll()
         now = time.time()
         await printer.supervisor(model, watch, transport)
+        if read_only and not model.loaded and (watch.report or {}).get("verdict") in ("dead", "finished"):
+            await rows_without_supervisor(model, transport)  # no snapshot, no supervisor: the stages' files
         for sid in model.order:
             printer.stage(sid, model.stages[sid], now)
         if model.loaded and model.done:

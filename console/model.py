@@ -144,6 +144,7 @@ class RunModel:
         self.error: str | None = None
         self._state_raw = b""
         self.state_problem: str | None = None  # state.json unreadable (STATE_PROBLEM), shown as the error
+        self.from_files = False  # the rows are ``ctl status``'s from the stages' files (no snapshot yet)
         self._events: dict[str, Stream] = {}
         self._logs: dict[str, Stream] = {}
         self.watched: list[str] = []  # stages whose logs are tailed (the selected one)
@@ -277,6 +278,14 @@ class RunModel:
             return {sid}
         return set()
 
+    def show_rows_from_files(self, state: dict) -> set[str]:
+        """``ctl status``'s rows from the stages' files (no snapshot, no supervisor: a read-only watcher)."""
+        changed = self._apply_state(
+            json.dumps({k: v for k, v in state.items() if k in ("run", "stages")}).encode()
+        )
+        self.from_files = True  # until the supervisor's first snapshot replaces them
+        return changed
+
     def _apply_state(self, raw: bytes) -> set[str]:
         try:
             snap = json.loads(raw)
@@ -290,6 +299,7 @@ class RunModel:
             self.state_problem = STATE_PROBLEM.format(at=at, doing=doing)
             return {"*"}
         self.state_problem = None
+        self.from_files = False
         self.run_name = snap.get("run", self.run_name)
         self.executor = snap.get("executor", self.executor)
         sup = snap.get("supervisor") or {}

@@ -10,7 +10,7 @@ the holder's pid, why the run directory cannot be written) is what the status li
 
 * ``supervisor silent for 40s (pid 812 alive, cannot write: EROFS Read-only file system)``
 * ``supervisor dead (last seen 10:01:02, 20s ago) — restarting it``
-* ``supervisor dead (…) — read-only watcher: not restarting it …``
+* ``supervisor dead (…) — read-only watcher, not restarting it; to start it: aerie attach RUN without --read-only …``
 
 Widgets never talk to the host: the app (or headless mode) runs :meth:`SupervisorWatch.check` in a worker.
 """
@@ -20,9 +20,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from console.transport import Transport
+
+if TYPE_CHECKING:
+    from console.model import RunModel
 
 STALE_S = 12.0  # no new snapshot for this long (the supervisor writes one at least every 5 s): ask the host
 CHECK_EVERY_S = 3.0  # while silent, ask again this often (and restart a dead supervisor again)
@@ -74,8 +77,8 @@ class SupervisorWatch:
 
     def line(self, done: bool) -> tuple[str, str] | None:
         """``(text, level)`` while the supervisor is not plainly alive (level: warning | error); else None."""
-        if done or self.silent_for() <= STALE_S:
-            return None
+        if done or (self.silent_for() <= STALE_S and not _down(self.report)):
+            return None  # (a host that said "dead" is said at once: a read-only watcher asks it on attach)
         rep = self.report
         if rep is None:
             return f"supervisor silent for {self.silent_for():.0f}s — checking…", "warning"
@@ -87,12 +90,16 @@ class SupervisorWatch:
         if verdict in ("dead", "finished"):
             if self.read_only:
                 return (
-                    f"{text} — read-only watcher: not restarting it (attach without --read-only, or any "
-                    "control action, restarts it)",
+                    f"{text} — read-only watcher, not restarting it; to start it: aerie attach RUN without "
+                    "--read-only (or any control action)",
                     "error",
                 )
             return f"{text} — restarting it", "error"
         return text, "error"
+
+
+def _down(rep: dict[str, Any] | None) -> bool:
+    return rep is not None and rep.get("verdict") == "dead"
 
 
 def _parse(rc: int, stdout: str, message: str) -> dict[str, Any]:
@@ -120,3 +127,19 @@ def alerts_line(alerts: list[dict[str, Any]]) -> str | None:
         return None
     more = f" (+{len(live) - 1} more: aerie status)" if len(live) > 1 else ""
     return f"⚠ supervisor: {live[-1].get('text', '')}{more}"
+
+
+async def rows_without_supervisor(model: RunModel, transport: Transport) -> bool:
+    """No snapshot and no supervisor to write one (a read-only watcher starts none): every stage as its own
+    files show it, from ``ctl status`` on the host — the rows ``aerie status`` prints
+    (``pipeline.run.rundir.state_file.rows_from_files``); the supervisor's first snapshot replaces them. True
+    when rows were shown."""
+    try:
+        res = await transport.ctl("status")
+        state = json.loads(res.stdout) if res.returncode == 0 else None
+    except Exception:  # noqa: BLE001 - the status line already says the supervisor is down
+        return False
+    if isinstance(state, dict) and state.get("stages") and not model.loaded:
+        model.show_rows_from_files(state)
+        return True
+    return False

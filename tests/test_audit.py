@@ -167,6 +167,14 @@ async def test_the_console_audit_view_lists_entries_and_names_a_torn_line(tmp_pa
         audit.append(run.root, audit.entry("skip", "bench", "done", via="cli", who="bo@desk"))
         await until(pilot, lambda: table.row_count == 4, what="the new entry")
         assert str(table.get_row_at(3)[3]) == "skip" and table.cursor_row == 3  # following the newest
+        why = "prep.5 is running: " + "a refusal that says at length why it was refused " * 6 + "THE END"
+        audit.append(run.root, audit.entry("retry", "prep.5", "refused", why, via="cli", who="bo@desk"))
+        await until(pilot, lambda: table.row_count == 5, what="the long refusal")
+        cell = str(table.get_row_at(4)[5])
+        assert cell.endswith("…") and "THE END" not in cell, "a long reason is cut with …, inside the screen"
+        assert len(cell) < 140 - 30
+        await until(pilot, lambda: "THE END" in str(screen.query_one("#audit-reason").content), what="reason")
+        assert "retry prep.5: refused: prep.5 is running" in str(screen.query_one("#audit-reason").content)
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, AuditScreen), what="back to the board")
 
@@ -234,7 +242,9 @@ async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(t
         "nothing queued, no supervisor, no audit line"
     )
 
-    assert transport.sent == [], "not even the `ensure` that restarts a dead supervisor"
+    # Only ``ctl liveness`` (a read that starts nothing: is the supervisor up?), not even the `ensure` that
+    # restarts a dead supervisor.
+    assert [c for c in transport.sent if c[0] != "liveness"] == [], "nothing but the liveness question"
 
     headless = Recording(str(run.root))
     out = io.StringIO()

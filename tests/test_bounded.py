@@ -463,6 +463,83 @@ async def test_the_console_asks_before_forcing_and_alerts_when_the_forced_stage_
         kill_run_stages(run)
 
 
+async def test_an_armed_force_is_shown_everywhere_and_disarmed_by_a_key_or_the_cli(tmp_path: Path) -> None:
+    """Armed on a waiting stage, ``force`` is marked on the board (⚑), said in the detail pane and by ``aerie
+    status``; F on the stage disarms it, ``aerie force --cancel`` too, and both land in the audit log."""
+    gate = tmp_path / "gate"
+    run = make_run(
+        tmp_path,
+        f"""
+        [run]
+        dir = "run"
+        [[stage]]
+        id = "extract"
+        command = "while [ ! -e {gate} ]; do sleep 0.05; done"
+        [[stage]]
+        id = "prep"
+        command = "true"
+        after = ["extract"]
+        """,
+    )
+    sup = start_supervisor(run)
+
+    def row(sid: str) -> dict:
+        rows = (read_json(run.state_path) or {}).get("stages", [])
+        return next((s for s in rows if s["id"] == sid), {"state": "none yet"})
+
+    try:
+        wait_for(lambda: row("extract")["state"] == "running", what="extract running")
+        assert aerie("force", "--cancel", str(run.root), "prep").returncode == 3, "nothing armed: refused"
+        assert ctl(run, "force", "prep").returncode == 0
+        wait_for(lambda: row("prep").get("forced") is True, what="state.json marking prep forced")
+        status = aerie("status", str(run.root))
+        prep_line = next((ln for ln in status.stdout.splitlines() if ln.startswith("prep ")), status.stdout)
+        assert "⚑ force armed" in prep_line and "force --cancel" in prep_line, status.stdout
+        app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False)
+        async with app.run_test(size=(140, 36)) as pilot:
+            board = app.query_one(StageBoard)
+            deadline = time.monotonic() + 20
+            while not (app.model.stages.get("prep") and app.model.stages["prep"].forced):
+                assert time.monotonic() < deadline, "the console never saw the armed force"
+                await pilot.pause(0.1)
+            board.select_key("prep")
+            await pilot.pause(0.3)
+            assert "⚑ force armed" in _board_text(board)
+            facts = str(app.query_one("#facts").render())
+            assert "--force armed for attempt 1" in facts and "F again disarms it" in facts
+            await pilot.press("F")  # armed: F disarms, no question
+            deadline = time.monotonic() + 20
+            while run.stage("prep").force_marker.exists() or app.model.stages["prep"].forced:
+                assert time.monotonic() < deadline, "F did not disarm the force"
+                await pilot.pause(0.1)
+            await pilot.pause(0.3)
+            assert "⚑" not in _board_text(board)
+        assert ctl(run, "force", "prep").returncode == 0
+        res = aerie("force", "--cancel", str(run.root), "prep")
+        assert res.returncode == 0 and "--force disarmed for attempt 1" in res.stdout, res.stderr
+        audit_lines = [json.loads(ln) for ln in (run.root / "audit.jsonl").read_text().splitlines()]
+        outcomes = [(a["action"], a["via"], a["outcome"]) for a in audit_lines if a["stage"] == "prep"]
+        assert outcomes == [
+            ("unforce", "cli", "refused"),
+            ("force", "ctl", "done"),
+            ("unforce", "console", "done"),
+            ("force", "ctl", "done"),
+            ("unforce", "cli", "done"),
+        ]
+        gate.touch()
+        wait_for(lambda: row("prep")["state"] == "succeeded", what="prep done")
+        assert not any(e.get("code") == "forced" for e in read_all(run.stage("prep").events)), (
+            "disarmed: unforced"
+        )
+    finally:
+        stop(sup)
+        kill_run_stages(run)
+
+
+def _board_text(board: StageBoard) -> str:
+    return "\n".join(" ".join(str(c) for c in r.cells) for r in board._rows)
+
+
 async def test_the_curves_read_back_past_an_over_long_line_in_the_skipped_head(tmp_path: Path) -> None:
     """Attaching reads the last 256 KiB of an events file; the curves then read its head back 2 MiB at a time.
     A 5 MiB line in that head is skipped, not waited on: the curve still starts at step 0."""

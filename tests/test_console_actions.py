@@ -28,7 +28,7 @@ def test_every_action_has_a_way_in_and_a_method() -> None:
             f"{a.name}: the app has no action_{a.name}"
         )
         assert not a.key or a.help, f"{a.name}: a key without a help line"
-    assert {a.name for a in CONTROLS} == {"pause", "kill", "retry", "retry_fresh", "skip", "force"}
+    assert {a.name for a in CONTROLS} == {"pause", "kill", "retry", "retry_fresh", "skip", "force", "unforce"}
 
 
 async def test_bindings_help_and_palette_are_the_table(tmp_path: Path) -> None:
@@ -55,7 +55,7 @@ async def test_bindings_help_and_palette_are_the_table(tmp_path: Path) -> None:
             assert cmd is not None, f"{a.name}: no palette entry {a.palette!r}"
             assert cmd.help == a.palette_help and cmd.callback == getattr(app, f"action_{a.name}"), a.name
     control = help_text.split("[Control the selected stage]\n")[1].split("\n[")[0]
-    assert [row.split("  ")[0] for row in control.splitlines()] == [str(a.key) for a in CONTROLS]
+    assert [row.split("  ")[0] for row in control.splitlines()] == [str(a.key) for a in CONTROLS if a.key]
     assert READ_ONLY_NOTE not in help_text, "a console with control lists no refusal"
 
 
@@ -70,7 +70,8 @@ async def test_a_read_only_console_refuses_each_control_action_with_the_tables_w
         assert st is not None
         commands = {c.title: c.callback for c in app.get_system_commands(app.screen)}
         for a in CONTROLS:
-            for how, act in (("key", lambda a=a: pilot.press(str(a.key))), ("palette", commands[a.palette])):
+            ways = (("key", lambda a=a: pilot.press(str(a.key))), ("palette", commands[a.palette]))
+            for how, act in ways if a.key else ways[1:]:  # ``unforce``: the palette, or F on a forced stage
                 app.clear_notifications()
                 res = act()
                 if res is not None:
@@ -82,8 +83,9 @@ async def test_a_read_only_console_refuses_each_control_action_with_the_tables_w
         help_keys = [
             b.binding for b in app.screen.active_bindings.values() if b.binding.tooltip == READ_ONLY_NOTE
         ]
-        assert sorted(b.key for b in help_keys) == sorted(str(a.key) for a in CONTROLS)
-    assert transport.sent == [], "a read-only console sends nothing"
+        assert sorted(b.key for b in help_keys) == sorted(str(a.key) for a in CONTROLS if a.key)
+    # It asks the host whether the supervisor lives (``ctl liveness``: a read that starts nothing), never more.
+    assert [c for c in transport.sent if c[0] != "liveness"] == [], "a read-only console sends nothing"
     assert refusal("retry_fresh", "x").startswith(
         "read-only: this console only watches; retry --fresh x was not"
     )
@@ -100,6 +102,7 @@ def test_the_cli_control_verbs_are_the_tables() -> None:
         for flag, _ in CTL_FLAGS[verb]:
             assert getattr(args, flag.lstrip("-").replace("-", "_")) is True
     assert CTL_FLAGS["retry"] == (("--fresh", "clear the stage's outputs (inside the run dir) first"),)
+    assert [f for f, _ in CTL_FLAGS["force"]] == ["--cancel"]  # ``aerie force --cancel RUN STAGE`` disarms
 
 
 def test_no_other_console_module_spells_an_actions_words() -> None:

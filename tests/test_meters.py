@@ -165,10 +165,38 @@ async def test_the_disk_meter_warns_when_the_projected_output_does_not_fit() -> 
         ]
     )
     app = MetersApp(m)
-    async with app.run_test(size=(160, 12)) as pilot:
+    async with app.run_test(size=(180, 12)) as pilot:
         await pilot.pause()
         disk = app.query_one(DiskMeter)
         text = disk.render()
         assert "full in" in text.plain and "still to write" in text.plain and "short" in text.plain
         warn = span_style(text, "⚠")
         assert warn.color.triplet == Color.parse(app.get_css_variables()["warning"]).rich_color.triplet
+
+
+async def test_the_disk_meter_says_dfs_use_percent() -> None:
+    """``df`` of a thin virtual disk: 264 GiB size, 28.7 GiB used, 77.7 GiB available: Use% 27 %. The meter
+    says 27 % used (df's used / (used + avail)), not the 71 % that (size − avail) / size gives."""
+    gib = 1 << 30
+    m = TelemetryModel()
+    m.feed(
+        [
+            json.dumps(
+                {
+                    "kind": "disk",
+                    "t": 1.0,
+                    "seq": 1,
+                    "path": "/runs/x",
+                    "total": 264 * gib,
+                    "used": int(28.7 * gib),
+                    "avail": int(77.7 * gib),
+                }
+            )
+        ]
+    )
+    app = MetersApp(m)
+    async with app.run_test(size=(160, 12)) as pilot:
+        await pilot.pause()
+        text = app.query_one(DiskMeter).render().plain
+        assert " 27% used" in text and "71%" not in text, text
+        assert "77.7 GiB free of 264.0 GiB" in text, text

@@ -6,21 +6,28 @@ stages, fixed pids and times, ``time.time`` frozen) drawn at 80x24, 120x40 and 2
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from textual.widgets._toast import Toast
 
+from console import sup_watch
 from console.app import AerieApp, most_relevant
+from console.headless import follow
 from console.model import RunModel, StageView
+from console.screens.dialogs import HelpScreen
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
 from pipeline.run.supervise import budget
-from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run
+from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run, start_supervisor, stop, wait_done
 from tests.screen_text import svg_rows
 from tests.test_console import live_run, until  # noqa: F401 (a fixture: a real supervisor, a command)
 
@@ -137,6 +144,11 @@ def test_the_most_relevant_stage_is_the_failed_then_running_then_last_finished()
         model.order.append(sid)
 
     assert most_relevant(model) is None
+    put("first", "pending")
+    put("second", "pending")
+    assert most_relevant(model) == "first", "nothing started yet: the next stage to run, never nothing"
+    model.stages.clear()
+    model.order.clear()
     put("a", "succeeded", 10.0)
     put("b", "succeeded", 30.0)
     put("c", "succeeded", 20.0)
@@ -149,6 +161,97 @@ def test_the_most_relevant_stage_is_the_failed_then_running_then_last_finished()
     put("old-failure", "failed", 40.0)
     put("new-failure", "killed", 50.0)
     assert most_relevant(model) == "new-failure", "the latest failure first"
+
+
+async def test_the_first_screen_selects_a_stage_and_follows_the_run_until_the_operator_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's first snapshot has every stage waiting: the console selects the next to run (not a family row,
+    not "Select a stage"), follows the run to the stage that starts, and a family's row (Home) shows that
+    family's stage most worth a look. Once the operator moved, the cursor is theirs."""
+    monkeypatch.setattr(
+        AerieApp, "ensure_supervisor", lambda self: None
+    )  # nothing but this test writes state
+    run = make_run(tmp_path, '[run]\nname = "f"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
+
+    def snapshot(**states: str) -> None:
+        rows = [
+            {"id": sid, "family": sid.split(".")[0], "state": st, "attempt": 1, "reason": ""}
+            | ({"finished_at": 100.0} if st in ("succeeded", "failed") else {})
+            for sid, st in states.items()
+        ]
+        run.state_path.write_text(json.dumps({"run": "f", "stages": rows}))
+
+    snapshot(**{"prep.a": "pending", "prep.b": "pending", "serve": "pending"})
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.1, alerts=False, user_config={})
+    async with app.run_test(size=(140, 36)) as pilot:
+        board = app.query_one(StageBoard)
+        detail = app.query_one(StageDetail)
+        await until(pilot, lambda: board.selected_key == "prep.a", what="the next stage to run selected")
+        await pilot.pause(0.3)
+        assert "Select a stage" not in "\n".join(screen(app))
+        snapshot(**{"prep.a": "succeeded", "prep.b": "pending", "serve": "running"})
+        await until(pilot, lambda: board.selected_key == "serve", what="the selection following the run")
+        await pilot.press("home")  # the family row of prep
+        await until(pilot, lambda: detail.stage_id == "prep.a", what="the family's stage in the detail pane")
+        await pilot.pause(0.3)
+        text = "\n".join(screen(app))
+        assert "family prep (2 stages)" in text and "Select a stage" not in text, text
+        snapshot(**{"prep.a": "succeeded", "prep.b": "failed", "serve": "running"})
+        await until(pilot, lambda: app.model.stages["prep.b"].state == "failed", what="prep.b failed")
+        await pilot.pause(0.5)
+        assert board.selected_key == "group:prep" or board.selected_key.startswith("prep"), board.selected_key
+        assert board.selected_key != "prep.b", "the operator moved: the cursor stays where they put it"
+        assert detail.stage_id == "prep.b", "the family row shows its failure, the stage most worth a look"
+
+
+async def test_at_80x24_the_first_selection_keeps_the_folds_that_fit_the_board(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every stage waits and prep's 12 members do not fit 80x24: the console selects prep's row (its detail
+    shows the next prep to run) instead of unfolding the family off the screen."""
+    monkeypatch.setattr(AerieApp, "ensure_supervisor", lambda self: None)
+    run = make_run(tmp_path, '[run]\nname = "f"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
+    ids = [f"prep.d{i:02d}" for i in range(12)] + ["serve", "train", "bench"]
+    rows = [{"id": i, "family": i.split(".")[0], "state": "pending", "attempt": 1, "reason": ""} for i in ids]
+    run.state_path.write_text(json.dumps({"run": "f", "stages": rows}))
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.1, alerts=False, user_config={})
+    async with app.run_test(size=(80, 24)) as pilot:
+        board = app.query_one(StageBoard)
+        await until(pilot, lambda: board.selected_key == "group:prep", what="prep's row selected")
+        await until(
+            pilot, lambda: app.query_one(StageDetail).stage_id == "prep.d00", what="its next stage shown"
+        )
+        assert board.is_folded("prep") and "prep" not in board.folds, "the console left the folds as they fit"
+
+
+async def test_focus_is_shown_and_help_lists_the_focused_panes_keys_and_the_boards(
+    tmp_path: Path, frozen: None
+) -> None:
+    app = app_for(tmp_path)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await settled(app, pilot)
+        board = app.query_one(StageBoard)
+        bottom = app.query_one("#bottom")
+        assert app.focused is board and not bottom.border_title
+        await pilot.click("#stage-log")
+        assert app.focused is not board
+        assert "log pane focused" in str(bottom.border_title) and "Esc" in str(bottom.border_title)
+        await pilot.pause(0.2)
+        assert "log pane focused" in "\n".join(screen(app)), "the title is on screen"
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
+        text = app.screen.text  # type: ignore[attr-defined]
+        assert "scroll the focused log pane up / down" in text and "PgUp / PgDn" in text
+        board_part = text.split("[The board (not focused now")[1].split("\n[")[0]
+        for words in ("↑ / ↓  previous / next stage", "Home / End  first / last stage", "z  fold", "Z  fold"):
+            assert words in board_part, (words, board_part)
+        await pilot.press("escape")
+        await pilot.press("escape")  # the log pane's Esc: the board's keys again
+        assert app.focused is board and not bottom.border_title
+        selected = board.selected_key
+        await pilot.press("down")
+        assert board.selected_key != selected, "the arrows move the board again"
 
 
 async def test_a_read_only_watcher_on_a_corrupt_state_says_why_it_waits(tmp_path: Path) -> None:
@@ -172,6 +275,63 @@ async def test_a_read_only_watcher_on_a_corrupt_state_says_why_it_waits(tmp_path
         assert "not valid JSON" not in "\n".join(screen(app))
 
 
+async def test_a_read_only_watcher_with_no_supervisor_shows_every_stage_from_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No state.json and no supervisor (it finished, the snapshot was lost in a copy): a read-only watcher starts
+    none, yet shows every stage as its own files say (the rows ``aerie status`` prints), says the supervisor is
+    down and how to start it, and its re-attach hint on ``q`` keeps ``--read-only``."""
+    run = make_run(
+        tmp_path,
+        '[run]\nname = "ro"\ndir = "run"\n[[stage]]\nid = "a"\ncommand = "true"\n'
+        '[[stage]]\nid = "b"\ncommand = "exit 3"\nafter = ["a"]\n[[stage]]\nid = "c"\ncommand = "true"\n'
+        'after = ["b"]\n',
+    )
+    sup = start_supervisor(run)
+    try:
+        wait_done(run)
+    finally:
+        stop(sup)
+    run.state_path.unlink()
+    status = subprocess.run(
+        [sys.executable, "-m", "console.cli", "status", str(run.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = {ln.split()[0]: ln.split()[1] for ln in status.stdout.splitlines()[:3]}
+    assert rows == {"a": "succeeded", "b": "failed", "c": "waiting"}, status.stdout
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    async with app.run_test(size=(140, 30)) as pilot:
+        await until(pilot, lambda: app.model.loaded, what="the stages from their files")
+        await pilot.pause(0.5)
+        text = "\n".join(screen(app))
+        assert {sid: str(st.state) for sid, st in app.model.stages.items()} == rows
+        assert "first snapshot" not in text
+        assert "supervisor dead" in text and "not restarting it" in text, text
+        assert "to start it: aerie attach RUN without --read-only" in text, text
+        assert "from its files" in text, "the detail pane says where the row comes from"
+        assert app.query_one(StageBoard).selected_key == "b", "the failure is the stage most worth a look"
+        await pilot.press("q")
+    assert app.return_code == 0
+    # Headless, the same: the host is asked once the snapshot is overdue (1 s here), then the rows are printed.
+    monkeypatch.setattr(sup_watch, "STALE_S", 1.0)
+    out = io.StringIO()
+    await follow(LocalTransport(str(run.root)), out=out, poll_s=0.2, timeout_s=6, read_only=True)
+    said = out.getvalue()
+    assert "not restarting it" in said and re.search(r" b +failed", said), said
+    assert not run.state_path.exists(), "a watcher started no supervisor"
+
+
+def test_the_re_attach_hint_keeps_read_only(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    app = AerieApp(LocalTransport(str(root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    exits: list[str] = []
+    app.exit = lambda *_a, message="", **_k: exits.append(str(message))  # type: ignore[method-assign]
+    app.action_quit_console()
+    assert exits and exits[0].endswith(f"aerie attach {root} --read-only"), exits
+
+
 async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
     tmp_path: Path, frozen: None
 ) -> None:
@@ -182,8 +342,10 @@ async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
         disk = app.model.telemetry.disk
         assert disk is not None and disk.mount == "/data (/dev/nvme1n1)"
         meter = next(r for r in rows if r.lstrip().startswith("disk "))
-        assert "/data (/dev/nvme1n1)" in meter and "75%" in meter, meter
-        # The projection counts what the meter counts: not available to the run (total - avail) + to write.
+        # The meter's percentage is df's Use%: used / (used + avail), not (total - avail) / total (75 % here).
+        use = round(100 * disk.used / (disk.used + disk.avail))
+        assert "/data (/dev/nvme1n1)" in meter and f"{use}% used" in meter and "75%" not in meter, meter
+        # The projection counts what the run cannot write into (total - avail), plus what is still to write.
         at_end = (disk.total - disk.avail) / (1 << 30)
         assert f"disk {at_end:.1f} GiB/{disk.total / (1 << 30):.1f} GiB at end on /data" in rows[1], rows[1]
 

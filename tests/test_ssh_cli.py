@@ -108,6 +108,59 @@ def test_preflight_run_status_and_attach_from_the_command_line(alias_plan):
     assert p.returncode == 0 and "run succeeded" in p.stdout
 
 
+def test_ssh_url_reaches_a_run_started_on_the_host_itself(home: Path, tmp_path: Path) -> None:
+    """``aerie run`` on host H (no ssh bootstrap, no layout.json): attach, status and --compare from elsewhere
+    reach it by ``ssh://H/path``, its agent run by the interpreter its supervisor recorded. A run dir whose
+    supervisor never ran gets this console's pipeline uploaded into its ``.aerie/`` for the host's python3."""
+    plan = tmp_path / "local.toml"
+    hosted = tmp_path / "on-the-host" / "r1"
+    plan.write_text(f'[run]\nname = "hosted"\ndir = "{hosted}"\n\n[resources]\ncpu_slots = 2\n\n{TWO}')
+    try:
+        p = aerie("run", str(plan), "--headless", "--poll", "0.2")
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert not (hosted / ".aerie" / "layout.json").exists(), "started on the host: no ssh bootstrap"
+        url = f"ssh://aerie-box{hosted}"
+        p = aerie("status", url)
+        assert p.returncode == 0, p.stderr
+        table = p.stdout.split("\n\n", 1)[0]
+        assert {ln.split()[0]: ln.split()[1] for ln in table.splitlines()} == {
+            "make": "succeeded",
+            "use": "succeeded",
+        }
+        p = aerie("attach", url, "--headless", "--poll", "0.2")
+        assert p.returncode == 0 and "run succeeded" in p.stdout, p.stdout + p.stderr
+        assert not list((hosted / ".aerie").glob("pkg-*")), "the host's own pipeline ran the agent"
+        from console.compare import open_other
+
+        other = open_other(url)  # what `aerie attach RUN --compare ssh://…` opens
+
+        async def read_other() -> set[str]:
+            try:
+                await other.model.poll()
+                return set(other.model.stages)
+            finally:
+                await other.model.transport.close()
+
+        assert asyncio.run(read_other()) == {"make", "use"}
+    finally:
+        stop_remote_run(hosted)
+
+    bare = tmp_path / "on-the-host" / "r2"  # created, its supervisor never started: nothing recorded
+    from pipeline.run.supervise.run_setup import create_run
+
+    create_run(plan_mod.load(plan, run_dir=bare), bare)
+    p = aerie("status", f"ssh://aerie-box{bare}")
+    assert p.returncode == 0, p.stderr
+    table = p.stdout.split("\n\n", 1)[0]
+    assert {ln.split()[0]: ln.split()[1] for ln in table.splitlines()} == {
+        "make": "waiting",
+        "use": "waiting",
+    }
+    assert list((bare / ".aerie").glob("pkg-*/pipeline/run/hosts/remote_agent.py")), "the agent was uploaded"
+    p = aerie("status", f"ssh://aerie-box{tmp_path}")
+    assert p.returncode == 2 and "no Aerie run there (no plan.toml)" in p.stderr, p.stderr
+
+
 def test_preflight_refusal_exits_2_with_the_failed_check(alias_plan):
     plan, remote = alias_plan('[[stage]]\nid = "a"\ncommand = "true"\n', python="/no/such/python3")
     p = aerie("preflight", str(plan))

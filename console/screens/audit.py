@@ -8,8 +8,9 @@ line left by a crash) is named in the title, not shown as an entry.
 
 from __future__ import annotations
 
+from rich.cells import cell_len, set_cell_size
 from rich.text import Text
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
@@ -31,6 +32,7 @@ class AuditScreen(Screen[None]):
     DEFAULT_CSS = """
     AuditScreen #audit-title { height: auto; max-height: 4; background: $panel; color: $foreground; padding: 0 1; }
     AuditScreen DataTable { height: 1fr; }
+    AuditScreen #audit-reason { height: auto; max-height: 4; padding: 0 1; border-top: solid $panel-lighten-2; }
     """
 
     def __init__(self, trail: AuditTrail, poll_s: float = 1.0) -> None:
@@ -43,6 +45,7 @@ class AuditScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield Static("Audit log", id="audit-title")
         yield DataTable(cursor_type="row", zebra_stripes=True, id="audit-table")
+        yield Static("", id="audit-reason")  # the selected entry's whole outcome (the table cuts it with "…")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -57,8 +60,11 @@ class AuditScreen(Screen[None]):
         await self.trail.poll()
         self.sync()
 
-    def _outcome(self, e: AuditEntry) -> Text:
-        text = e.outcome if e.outcome == "done" or not e.message else f"{e.outcome}: {e.message}"
+    def _outcome(self, e: AuditEntry, width: int = 0) -> Text:
+        """The outcome cell; past ``width`` cells cut with "…" (its whole text is under the table)."""
+        text = _outcome_text(e)
+        if width and cell_len(text) > width:
+            text = set_cell_size(text, width - 1) + "…"
         style = OUTCOME_STYLE.get(e.outcome, "")
         if style:
             style = style.replace("$warning", self._var("warning")).replace("$error", self._var("error"))
@@ -79,12 +85,28 @@ class AuditScreen(Screen[None]):
             self._shown = 0
         self._first = entries[0] if entries else None
         follow = table.cursor_row >= self._shown - 1
+        # The outcome column takes the width the others leave (each column pads 1 cell a side; a scrollbar 2).
+        cols = (
+            list(zip(*[(e.time_utc, e.who, e.via, e.what, e.stage) for e in entries], strict=True))
+            or [()] * 5
+        )
+        used = sum(max([len(c), *map(len, vals)]) + 2 for c, vals in zip(COLUMNS[:-1], cols, strict=True))
+        room = max(20, self.size.width - used - 4)
         for e in entries[self._shown :]:
-            table.add_row(f"{e.time_utc}", e.who, e.via, e.what, e.stage, self._outcome(e), key=str(id(e)))
+            row = (f"{e.time_utc}", e.who, e.via, e.what, e.stage, self._outcome(e, room))
+            table.add_row(*row, key=str(id(e)))
         if len(entries) > self._shown and follow:
             table.move_cursor(row=len(entries) - 1, animate=False)
         self._shown = len(entries)
         self._title()
+
+    @on(DataTable.RowHighlighted)
+    def _reason(self, event: DataTable.RowHighlighted) -> None:
+        entries = list(self.trail.entries)
+        e = next((e for e in entries if str(id(e)) == event.row_key.value), None)
+        self.query_one("#audit-reason", Static).update(
+            Text.assemble((f"{e.what} {e.stage}: ", "bold"), _outcome_text(e)) if e else ""
+        )
 
     def _title(self) -> None:
         t = self.trail
@@ -114,3 +136,7 @@ class AuditScreen(Screen[None]):
         from console.screens.dialogs import HelpScreen, help_sections
 
         self.app.push_screen(HelpScreen(help_sections(self), title="Audit log — keys"))
+
+
+def _outcome_text(e: AuditEntry) -> str:
+    return e.outcome if e.outcome == "done" or not e.message else f"{e.outcome}: {e.message}"

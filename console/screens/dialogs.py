@@ -101,6 +101,13 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
         "clear_filter",
         "previous_stage",
         "next_stage",
+        "scroll_up",
+        "scroll_down",
+        "page_up",
+        "page_down",
+        "scroll_home",
+        "scroll_end",
+        "app.focus_board",
     ),
     "Find": ("filter", "search", "next", "previous", "first_error"),
     "Control the selected stage": (*CONTROL_NAMES, "read_only"),  # the action table's control actions
@@ -173,6 +180,18 @@ def help_sections(screen: Screen) -> list[tuple[str, list[tuple[str, str]]]]:
     return [(g, r) for g, r in out.items() if r]
 
 
+def binding_rows(app: App, bindings: list[Binding]) -> list[tuple[str, str]]:
+    """(keys, what they do) of a widget's own bindings that carry help (a pane that is not focused now)."""
+    rows: dict[str, list[str]] = {}
+    for b in bindings:
+        if b.tooltip:
+            keys = rows.setdefault(b.tooltip, [])
+            for k in b.key.split(","):
+                if key_label(app, k.strip()) not in keys:
+                    keys.append(key_label(app, k.strip()))
+    return [(" / ".join(keys), what) for what, keys in rows.items()]
+
+
 class HelpScreen(ModalScreen[None]):
     """The keys of the screen it was opened from, grouped, with what they do."""
 
@@ -206,8 +225,29 @@ class HelpScreen(ModalScreen[None]):
             parts.append(table)
         if self.notes:
             parts.append(Text("\n" + self.notes))
-        with VerticalScroll():
+        with VerticalScroll(id="help-scroll"):
             yield Static(Group(*parts), id="help-body")
+
+    def on_mount(self) -> None:
+        scroll = self.query_one("#help-scroll", VerticalScroll)
+        scroll.focus()
+        self.watch(scroll, "scroll_y", lambda _y: self._scroll_mark(), init=False)
+        self.call_after_refresh(self._scroll_mark)
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._scroll_mark)
+
+    def _scroll_mark(self) -> None:
+        """Say in the frame's bottom edge that the sheet goes on (a scrollbar alone is a colour, easy to miss)."""
+        scroll = self.query_one("#help-scroll", VerticalScroll)
+        below = int(scroll.max_scroll_y - scroll.scroll_y)
+        above = int(scroll.scroll_y)
+        if below > 0:
+            scroll.border_subtitle = f"▼ {below} more line{'s' if below != 1 else ''} below: ↓ / PgDn"
+        elif above > 0:
+            scroll.border_subtitle = f"▲ {above} more line{'s' if above != 1 else ''} above: ↑ / PgUp"
+        else:
+            scroll.border_subtitle = ""
 
     @property
     def text(self) -> str:

@@ -14,9 +14,10 @@ import asyncio
 import json
 import sys
 
+from console.ssh.adopt import adopt_layout
 from console.ssh.connection import HostConnection, SshError, SshTarget, parse_ssh_url
 from console.ssh.preflight import preflight
-from console.ssh.transport import RemoteLayout, SshTransport, load_layout, start_remote_run
+from console.ssh.transport import LayoutMissing, RemoteLayout, SshTransport, load_layout, start_remote_run
 from console.transport import CtlResult, LocalTransport, Transport
 from pipeline.run.plan import dag as plan_mod
 
@@ -83,8 +84,13 @@ def start_remote(plan: plan_mod.Plan) -> SshTransport | int:
 
 
 async def _layout_of(target: SshTarget, remote_dir: str) -> RemoteLayout:
+    """The run's layout as the ssh bootstrap recorded it, else found on the host (a run started there with
+    ``aerie run`` or ``aerie demo``: :mod:`console.ssh.adopt`)."""
     async with HostConnection(target) as conn:
-        return await load_layout(conn, remote_dir)
+        try:
+            return await load_layout(conn, remote_dir)
+        except LayoutMissing:
+            return await adopt_layout(conn, remote_dir)
 
 
 def attach_transport(arg: str) -> Transport | int:

@@ -337,6 +337,10 @@ def sftp_path(path: str) -> str:
     return path[2:] if path.startswith("~/") else path
 
 
+class LayoutMissing(SshError):
+    """The run dir has no ``layout.json``: a run started on the host itself (:mod:`console.ssh.adopt`)."""
+
+
 async def load_layout(conn: HostConnection, remote_dir: str) -> RemoteLayout:
     """Read the layout bootstrap recorded in a remote run dir (``aerie attach``)."""
     where = f"{conn.target.label}:{remote_dir.rstrip('/')}/{LAYOUT_FILE}"
@@ -345,8 +349,8 @@ async def load_layout(conn: HostConnection, remote_dir: str) -> RemoteLayout:
             async with sftp.open(sftp_path(f"{remote_dir.rstrip('/')}/{LAYOUT_FILE}"), "rb") as fh:
                 raw = await fh.read()
         except (asyncssh.SFTPNoSuchFile, asyncssh.SFTPNoSuchPath, asyncssh.SFTPFailure):
-            raise SshError(
-                f"{where}: not found — no run bootstrapped by Aerie there (start one with `aerie run PLAN`)"
+            raise LayoutMissing(
+                f"{where}: not found — no run bootstrapped by Aerie's ssh preflight there"
             ) from None
     return RemoteLayout.from_json(raw, where)
 

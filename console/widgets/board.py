@@ -419,10 +419,14 @@ class StageBoard(ScrollView, can_focus=True):
     def move_cursor(self, row: int) -> None:
         self._move_to(row)
 
-    def select_key(self, key: str) -> bool:
-        """Put the cursor on the row of ``key``; False if it has none (unknown, or filtered out)."""
+    def select_key(self, key: str, unfold: bool = True) -> bool:
+        """Put the cursor on the row of ``key``; False if it has none (unknown, or filtered out). Folded away:
+        its family is unfolded to show it, or with ``unfold=False`` (the console's own choice, which must not
+        undo the folds that fit the board to the terminal) its family's row is selected."""
         row = self._index.get(key)
         if row is None and (fam := self.family_of(key)) is not None and self.is_folded(fam):
+            if not unfold:
+                return self._move_to_key(GROUP_PREFIX + fam)
             self.folds[fam] = False  # folded away: unfold its family to show it
             self._refold()
             row = self._index.get(key)
@@ -430,6 +434,12 @@ class StageBoard(ScrollView, can_focus=True):
             return False
         self._move_to(row)
         return True
+
+    def _move_to_key(self, key: str) -> bool:
+        row = self._index.get(key)
+        if row is not None:
+            self._move_to(row)
+        return row is not None
 
     def on_click(self, event: Click) -> None:
         if event.y >= 1:

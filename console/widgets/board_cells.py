@@ -49,7 +49,12 @@ def server_line(st: StageView) -> str | None:
     return stats.line()
 
 
+FORCED_MARK = "⚑ force armed"  # ``aerie force`` armed on a stage that has not started (F or --cancel disarms)
+
+
 def note_for(st: StageView) -> str:
+    if st.forced and st.state in (StageState.PENDING, StageState.READY):
+        return f"{FORCED_MARK} · {st.reason}" if st.reason else FORCED_MARK
     if st.queued:  # "queued: Slurm job 12 pending (Resources)"
         return st.reason
     live = server_line(st) if st.state in (StageState.RUNNING, StageState.PAUSED) else None
@@ -65,6 +70,9 @@ def note_for(st: StageView) -> str:
         if st.retry_at:
             extra = f" · auto-retry in {fmt.duration(max(0, st.retry_at - time.time()))}"
         return st.reason + extra
+    warned = last_warning(st) if st.state == StageState.SUCCEEDED else None
+    if warned:  # done, with something to know (the demo's swe-agent regen: every prompt too long, none sent)
+        return f"⚠ {warned}"
     if st.rejects:
         return f"{st.rejects} rejects"
     for key in ("loss", "tok_s", "accept_len"):
@@ -73,6 +81,14 @@ def note_for(st: StageView) -> str:
     if st.gpus and st.state in (StageState.RUNNING, StageState.PAUSED):
         return "GPUs " + ",".join(map(str, st.gpus))
     return ""
+
+
+def last_warning(st: StageView) -> str | None:
+    """The text of the last warning the stage's current attempt wrote (a ``message`` event of level warning)."""
+    for ev in reversed(st.events):
+        if ev.type == "message" and ev.get("level") == "warning" and ev.get("code") != "forced":
+            return str(ev.get("text") or "") or None
+    return None
 
 
 def _sig(cells: tuple[Cell, ...]) -> tuple:

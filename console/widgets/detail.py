@@ -14,8 +14,9 @@ import time
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.events import Resize
+from textual.events import Blur, Focus, Resize
 from textual.geometry import Size
 from textual.widget import Widget
 from textual.widgets import Log, Static
@@ -24,6 +25,8 @@ from console import fmt
 from console.model import StageView, describe_event
 from console.widgets.board import server_line
 from console.widgets.curves import CurvePlot, mini_curves
+from pipeline.run.rundir.stage_row import StageState
+from pipeline.run.supervise.force_text import CHECKS
 
 
 class EventTail(Widget):
@@ -54,13 +57,43 @@ class EventTail(Widget):
 
 class TailLog(Log):
     """The log tail: while it shows the end (the latest lines, a traceback) it keeps showing it when the pane
-    is laid out again (the first layout after a stage is selected, a resize); scrolled up, it stays put."""
+    is laid out again (the first layout after a stage is selected, a resize); scrolled up, it stays put.
+
+    A click focuses it: then its keys scroll it, not the board. That is shown (a thick accent edge, and the
+    detail pane's title says so) and its keys carry help lines, so ``?`` lists them; Esc gives the board
+    its keys back."""
 
     follow = True
+    FOCUSED_TITLE = "log pane focused: ↑/↓ PgUp/PgDn Home/End scroll it · Esc or Tab: back to the board"
+    BINDINGS = [
+        Binding("up", "scroll_up", show=False, tooltip="scroll the focused log pane up / down"),
+        Binding("down", "scroll_down", show=False, tooltip="scroll the focused log pane up / down"),
+        Binding("pageup", "page_up", show=False, tooltip="a page of the focused log pane up / down"),
+        Binding("pagedown", "page_down", show=False, tooltip="a page of the focused log pane up / down"),
+        Binding("home", "scroll_home", show=False, tooltip="the focused log pane's first / last line"),
+        Binding("end", "scroll_end", show=False, tooltip="the focused log pane's first / last line"),
+        Binding("escape", "app.focus_board", "Board", tooltip="leave the log pane: the board's keys again"),
+    ]
+    DEFAULT_CSS = """
+    TailLog:focus { border-left: thick $accent; }
+    AerieApp.-narrow TailLog:focus { border-top: thick $accent; }
+    """
 
     def watch_scroll_y(self, old: float, new: float) -> None:
         super().watch_scroll_y(old, new)
         self.follow = self.is_vertical_scroll_end
+
+    def on_focus(self, _event: Focus) -> None:
+        self._say(self.FOCUSED_TITLE)
+
+    def on_blur(self, _event: Blur) -> None:
+        self._say("")
+
+    def _say(self, title: str) -> None:
+        """The title of the pane above (the app's ``#bottom``, whose top edge it is drawn in)."""
+        for pane in self.ancestors_with_self:
+            if pane.id == "bottom" and isinstance(pane, Widget):
+                pane.border_title = title
 
     def on_resize(self, _event: Resize) -> None:
         if self.follow:
@@ -83,6 +116,9 @@ class StageDetail(Horizontal):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.stage_id: str | None = None
+        self.family_note = (
+            ""  # a family's row is selected: the app shows its stage most worth a look, and says so
+        )
         self._log_count = 0
         self._facts_lines = -1  # the facts' line count last drawn: only a change of it needs a new layout
         self._drawn: dict[str, tuple] = {}  # what #facts and #events show now (a same text is not redrawn)
@@ -138,6 +174,8 @@ class StageDetail(Horizontal):
             return
         style = getattr(self.app, "state_style", lambda s: "")
         t = Text()
+        if self.family_note:
+            t.append(self.family_note + "\n", style="italic")
         t.append(st.id, style="bold")
         t.append("  ")
         t.append(st.display_state, style=style(st.display_state))
@@ -156,6 +194,12 @@ class StageDetail(Horizontal):
             t.append(f" · exit {st.returncode}")
         if st.reason:
             t.append(f"\n{st.reason}", style="italic")
+        if st.forced and st.state in (StageState.PENDING, StageState.READY):
+            t.append(
+                f"\n⚑ --force armed for attempt {st.attempt}: it starts without {CHECKS} "
+                "(F again disarms it; aerie force --cancel RUN STAGE)",
+                style="bold",
+            )
         if st.progress.t:
             t.append(
                 f"\n{fmt.count(st.progress.done)}/{fmt.count(st.progress.total)} {st.progress.unit}"

@@ -215,7 +215,7 @@ class DiskMeter(MeterLine):
             "error" if level == "error" else ("warning" if level == "warning" else "bar"),
             width=6 if narrow else BAR_W,
         )
-        t.append(f" {100 * frac:>3.0f}%" if frac is not None else "   —")
+        t.append(f" {100 * frac:>3.0f}% used" if frac is not None else "   —")  # df's Use%: used/(used+avail)
         where = d.where if len(d.where) <= 32 else "…" + d.where[-31:]
         t.append(f" {where}  ", self.st("muted"))  # which filesystem: the projection line names the same
         style = self.st(level) if level != "ok" else ""

@@ -122,7 +122,8 @@ def status_lines(p: RunProjection) -> list[str]:
         lines.append(f"finish: {finish_text(p)}")
     elif p.unknown_open:
         lines.append(
-            f"finish: unknown — {', '.join(p.unknown_open)} report no progress with a total (an operator "
+            f"finish: unknown — {', '.join(p.unknown_open)} "
+            f"{'reports' if len(p.unknown_open) == 1 else 'report'} no progress with a total (an operator "
             f"command can: StageContext.progress); the rest alone would take {duration(p.remaining_s)}"
         )
     else:

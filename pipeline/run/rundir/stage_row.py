@@ -106,6 +106,9 @@ class StageRow:
     uses: list[str] = field(default_factory=list)
     run: str | None = None  # the built-in stage's short name, None for an operator command
     job: str | None = None  # the Slurm executor: the attempt's Slurm job id
+    forced: bool = (
+        False  # ``aerie force`` is armed for this attempt (not started yet; ``force --cancel`` disarms)
+    )
 
     def update_from(self, d: dict[str, Any]) -> None:
         """Take every row field ``d`` (a ``state.json`` row) has; a state this version does not know is

@@ -6,11 +6,13 @@ request in the run dir, makes sure a supervisor is running, and waits for the su
 
 Actions: ``status`` (prints state.json, with the run's ``projection``: :mod:`pipeline.run.supervise.run_projection`,
 the audit log's last entries and the supervisor's ``liveness``: :mod:`pipeline.run.supervise.liveness`; a corrupt
-state.json gives rows from the stages' own files and an ``error`` line, :mod:`pipeline.run.rundir.state_file`),
+state.json gives rows from the stages' own files and an ``error`` line, :mod:`pipeline.run.rundir.state_file`; so
+does a run with no snapshot yet, without the line),
 ``liveness`` (that report alone, as JSON; starts nothing: what a read-only watcher asks), ``ensure`` (start a
 supervisor if none holds the lock; one line, or with ``--json`` the liveness report and ``started``),
 ``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
-admission checks: disk budget, GPU guard; recorded in the stage's events).
+admission checks: disk budget, GPU guard; recorded in the stage's events), ``force --cancel`` (disarm an armed
+``force`` before the stage starts; queued and audited as ``unforce``).
 
 Every control action is recorded in ``RUN/audit.jsonl`` (:mod:`pipeline.run.rundir.audit`): the front end
 says which it is (``--via console|cli|browser``) and who its operator is (``--who user@host``, default
@@ -34,13 +36,13 @@ from typing import Any
 
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir, read_json
-from pipeline.run.rundir.state_file import read_state
+from pipeline.run.rundir.state_file import read_state, rows_from_files
 from pipeline.run.supervise.liveness import liveness
 from pipeline.run.supervise.run_projection import run_projection
 from pipeline.run.supervise.run_setup import spawn_detached, supervisor_alive
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT, EXIT_HOST = 0, 2, 3, 4, 5
-ACTIONS = ("status", "liveness", "ensure", "pause", "resume", "kill", "retry", "skip", "force")
+ACTIONS = ("status", "liveness", "ensure", "pause", "resume", "kill", "retry", "skip", "force", "unforce")
 
 
 def ensure_supervisor(run: RunDir) -> bool:
@@ -114,6 +116,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("action", choices=ACTIONS)
     ap.add_argument("stage", nargs="?")
     ap.add_argument("--fresh", action="store_true", help="retry: clear the stage's outputs first")
+    ap.add_argument("--cancel", action="store_true", help="force: disarm an armed force (action unforce)")
     ap.add_argument("--timeout", type=float, default=15.0)
     ap.add_argument("--json", action="store_true", help="ensure: print the liveness report as JSON")
     ap.add_argument(
@@ -132,6 +135,8 @@ def _main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.action == "status":
         state, problem = read_state(run)  # a corrupt state.json: rows from the stages' files and an "error"
+        if not state.get("stages") and not problem:  # no snapshot yet (no supervisor ever wrote one)
+            state["stages"] = rows_from_files(run)  # every stage as its own files show it
         state["liveness"] = liveness(run, state)
         state["supervisor_alive"] = state["liveness"]["lock_held"]
         state["projection"] = (
@@ -150,6 +155,8 @@ def _main(argv: list[str] | None = None) -> int:
     if not args.stage:
         print(f"error: {args.action} needs a stage id", file=sys.stderr)
         return EXIT_USAGE
+    if args.action == "force" and args.cancel:
+        args.action = "unforce"  # ``force --cancel``: its own action in the requests and the audit log
     who, account = (args.who or audit.identity())[:200], audit.identity()
     fresh = bool(args.fresh and args.action == "retry")
 

@@ -157,6 +157,21 @@ def _pid_alive(rec: dict[str, Any]) -> bool:
         return False
 
 
+def span(seconds: float) -> str:
+    """A time span as people say it: ``45s``, ``12m 05s``, ``5h 03m``, ``4d 19h`` (never ``415833s``)."""
+    sec = max(0, int(seconds))
+    if sec < 60:
+        return f"{sec}s"
+    m, sec = divmod(sec, 60)
+    if m < 60:
+        return f"{m}m {sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h}h {m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d {h:02d}h"
+
+
 def liveness(run: RunDir, state: dict[str, Any] | None, now: float | None = None) -> dict[str, Any]:
     """Whether the run's supervisor lives, from its lock, ``supervisor.json`` and the snapshot's age.
 
@@ -177,14 +192,15 @@ def liveness(run: RunDir, state: dict[str, Any] | None, now: float | None = None
     pid = holders[0] if holders else rec.get("pid", sup.get("pid"))
     alive = bool(holders) or _pid_alive(rec)
     problem = write_problem(run.root) if held and (age is None or age > STALE_S) else None
-    last = time.strftime("%H:%M:%S", time.localtime(seen)) if seen is not None else "never"
-    ago = f"{age:.0f}s ago" if age is not None else "no snapshot yet"
+    old = age is not None and age >= 86400  # another day: the date too
+    last = time.strftime("%Y-%m-%d %H:%M" if old else "%H:%M:%S", time.localtime(seen)) if seen else "never"
+    ago = f"{span(age)} ago" if age is not None else "no snapshot yet"
     if held:
         if age is not None and age <= STALE_S:
             verdict, text = "running", f"supervisor pid {pid} · last snapshot {ago}"
         else:
             why = problem or _last_alert(sup) or "see supervisor.log"
-            silent = f"silent for {age:.0f}s" if age is not None else "has written no snapshot yet"
+            silent = f"silent for {span(age)}" if age is not None else "has written no snapshot yet"
             who = f"pid {pid} alive" if alive else "pid unknown, lock held"
             verdict, text = "silent", f"supervisor {silent} ({who}, cannot write: {why})"
     elif state.get("done"):

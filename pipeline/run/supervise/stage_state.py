@@ -130,6 +130,7 @@ class StateDeriver:
         if spec.skip or sd.record_for(sd.path / "skip.json", attempt):
             st.state = StageState.SKIPPED
             return st
+        st.forced = sd.record_for(sd.force_marker, attempt) is not None  # armed, shown until it starts
         return self._waiting(st, spec, status)
 
     def _waiting(self, st: StageStatus, spec: StageSpec, status: dict[str, StageStatus]) -> StageStatus:

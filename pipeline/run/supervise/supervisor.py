@@ -57,7 +57,7 @@ from pipeline.run.supervise.faults import (
     rel,
     stage_file_problem,
 )
-from pipeline.run.supervise.force_text import force_message
+from pipeline.run.supervise.force_text import CHECKS, force_message
 from pipeline.run.supervise.liveness import HEARTBEAT_S, try_lock
 from pipeline.run.supervise.run_setup import (
     ModelMissing,
@@ -141,7 +141,11 @@ class Supervisor:
         """supervisor.json (who supervises this run: information, the lock is what counts); when it cannot be
         written, or someone deleted it, it is written again at the next tick."""
         try:
-            write_json(self.run.supervisor_path, {**ProcIdentity.of_self().to_dict(), "t": time.time()})
+            # ``python``: the interpreter, so an ``ssh://`` attach of a run started on its host runs its agent alike
+            write_json(
+                self.run.supervisor_path,
+                {**ProcIdentity.of_self().to_dict(), "t": time.time(), "python": sys.executable},
+            )
             self._identity_pending = False
         except OSError as exc:
             self._identity_pending = True
@@ -394,6 +398,17 @@ class Supervisor:
             reason = self.why_not_admitted(spec) or self._refused.get(sid, "")
         return force_message(sid, st.attempt, waiting, reason)
 
+    def do_unforce(self, sid: str) -> str:
+        """Disarm a ``force`` armed for the stage's current attempt (``aerie force --cancel``): it waits for the
+        admission checks again. Refused when none is armed, or when the stage has started (the override is used)."""
+        st = self.status[sid]
+        if not self.forced(sid):
+            raise SupervisorError(f"{sid}: no --force is armed for attempt {st.attempt}")
+        if st.state not in (StageState.PENDING, StageState.READY):
+            raise SupervisorError(f"{sid} is {st.state}: its --force was used when it started")
+        self.sd(sid).force_marker.unlink(missing_ok=True)
+        return f"{sid}: --force disarmed for attempt {st.attempt}; it waits for {CHECKS} again"
+
     def forced(self, sid: str) -> bool:
         sd = self.sd(sid)
         return sd.record_for(sd.force_marker, sd.attempt()) is not None
@@ -450,6 +465,7 @@ class Supervisor:
                 "kill": self.do_kill,
                 "skip": self.do_skip,
                 "force": self.do_force,
+                "unforce": self.do_unforce,
             }.get(action)
             if action == "retry":
                 msg = self.do_retry(sid, fresh=bool(req.get("fresh")))

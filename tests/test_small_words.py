@@ -1,0 +1,102 @@
+"""The small things an operator reads (issue 47 item 9): how long ago, in days; "reports" for one stage; the
+CLI's help naming what ``--compare`` and ``aerie status`` really take and print; the board's reason for a stage
+that finished having skipped its work on purpose; the help sheet saying that it goes on below."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from console.app import AerieApp
+from console.cli import build_parser
+from console.model import StageView
+from console.screens.dialogs import HelpScreen
+from console.transport import LocalTransport
+from console.widgets.board import note_for
+from pipeline.run.projection.compute import RunProjection
+from pipeline.run.projection.text import status_lines
+from pipeline.run.rundir.events import make
+from pipeline.run.supervise.liveness import liveness, span
+from tests.runs import make_run, mixed_run
+from tests.screen_text import svg_rows
+from tests.test_console import until
+
+
+def test_a_long_silence_reads_in_days_and_hours(tmp_path: Path) -> None:
+    assert [span(s) for s in (9, 125, 3 * 3600 + 300, 415833)] == ["9s", "2m 05s", "3h 05m", "4d 19h"]
+    run = make_run(tmp_path, '[run]\ndir = "run"\n[[stage]]\nid = "a"\ncommand = "true"\n')
+    now = time.time()
+    rep = liveness(run, {"stages": [], "supervisor": {"pid": 1, "t": now - 415833}}, now=now)
+    assert rep["verdict"] == "dead" and "4d 19h ago" in rep["text"] and "415833s" not in rep["text"], rep
+    assert time.strftime("%Y-%m-%d", time.localtime(now - 415833)) in rep["text"], "another day: its date"
+
+
+def _projection(unknown: list[str]) -> RunProjection:
+    now = time.time()
+    return RunProjection(
+        now=now,
+        progress=None,
+        stages_done=0,
+        stages_total=len(unknown),
+        started_at=now - 60,
+        finish_at=now,
+        remaining_s=0.0,
+        finished=False,
+        blocked=[],
+        paused=[],
+        gpu_hours_used=0.0,
+        gpu_hours_projected=0.0,
+        disk_at_finish=None,
+        disk_total=None,
+        disk_mount=None,
+        assumed=[],
+        unknown=list(unknown),
+        unknown_open=list(unknown),
+    )
+
+
+def test_one_stage_reports_several_report() -> None:
+    one = "\n".join(status_lines(_projection(["trainish"])))
+    two = "\n".join(status_lines(_projection(["a", "b"])))
+    assert "trainish reports no progress" in one and "trainish report no" not in one
+    assert "a, b report no progress" in two
+
+
+def test_the_cli_help_says_what_compare_and_status_take_and_print() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices  # type: ignore[union-attr]
+    attach = sub["attach"].format_help()
+    assert "ssh://" in " ".join(attach.split()) and "local run directories" not in attach
+    status = " ".join(sub["status"].format_help().split())
+    for word in ("projection", "anomalies", "error", "supervisor", "audit"):
+        assert word in status, word
+
+
+def test_a_stage_done_that_skipped_its_work_on_purpose_says_why_on_the_board() -> None:
+    st = StageView(id="regen.swe-agent", family="regen", state="succeeded")
+    text = "16 of 16 prompts are 547-591 tokens, not shorter than target.max_length 512: not sent"
+    st.events.append(make("message", level="warning", code="prompts-too-long", text=text))
+    st.events.append(make("progress", done=0, total=0, unit="rows"))
+    assert note_for(st) == f"⚠ {text}"
+
+
+async def _help_sheet(root: Path) -> tuple[str, str, str]:
+    run = mixed_run(root)
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
+    app.ensure_supervisor = lambda: None  # type: ignore[method-assign]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.model.loaded, what="loaded")
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
+        await pilot.pause(0.3)
+        top = "\n".join(svg_rows(app.export_screenshot()))
+        await pilot.press("end")
+        await pilot.pause(0.3)
+        end = "\n".join(svg_rows(app.export_screenshot()))
+        return top, end, str(app.screen.query_one("#help-scroll").border_subtitle)
+
+
+def test_the_help_sheet_says_it_goes_on_below(tmp_path: Path) -> None:
+    top, end, _sub = asyncio.run(_help_sheet(tmp_path))
+    assert "more lines below: ↓ / PgDn" in top, top
+    assert "more lines below" not in end and "more lines above: ↑ / PgUp" in end, end
