@@ -400,6 +400,9 @@ pause_grace_s = 1
             60,
             "waiter queued behind hog",
         )
+        # the snapshot says so in fields (the board shows it as starting, never from the reason's words)
+        row = stage_state(run, "waiter")
+        assert row["queued"] is True and row["display"] == "starting", row
         assert ctl(run, "pause", "waiter").returncode == 0
         msg = wait_for(
             lambda: next(
