@@ -2,12 +2,15 @@
 
 Each :meth:`RunModel.poll` asks the transport for what was appended since the last poll:
 ``state.json`` (the supervisor's snapshot of every stage), each stage's ``events.jsonl`` from its
-byte offset, and the log tail of the stages being watched. One route for each fact: a stage's row — its
-state, display state (queued, starting … a field, never read from the reason's words) and progress — is
-the snapshot's (:class:`~pipeline.run.rundir.state_file.StateSnapshot`); the events, decoded once into typed
-events (:mod:`pipeline.run.rundir.protocol`) and reduced (:mod:`pipeline.run.rundir.stage_reducer`), give
-only what the snapshot does not carry: metrics and their curves, the rate's samples, the event list. Memory is bounded whatever the run's
-length: per stage the latest state, the latest value of each metric, each metric's history for the
+byte offset, and the log tail of the stages being watched.
+
+One route for each fact: a stage's row — its state, display state (queued, starting … a field, never read
+from the reason's words) and progress — is the snapshot's (:class:`~pipeline.run.rundir.state_file.StateSnapshot`);
+the events, decoded once into typed events (:mod:`pipeline.run.rundir.protocol`) and reduced
+(:mod:`pipeline.run.rundir.stage_reducer`), give only what the snapshot does not carry: metrics and their
+curves, the rate's samples, the event list.
+
+Memory is bounded whatever the run's length: per stage the latest state, the latest value of each metric, each metric's history for the
 curves (downsampled, see :mod:`console.series`), a bounded window of progress samples (for rate and
 ETA), the last events and the last log lines. On attach the model starts
 near the end of long event files instead of replaying days of history; the curves then read the
@@ -121,9 +124,8 @@ class StageView(StageRow):
     rejects: int = 0
     history: StageHistory = field(default_factory=StageHistory)  # every metric over steps/time, bounded
     ev_attempt: int | None = None  # the attempt the events being read belong to (from `started`)
-    facts: StageFacts = field(
-        default_factory=StageFacts
-    )  # the events reduced (pipeline.run.rundir.stage_reducer)
+    # the events reduced (pipeline.run.rundir.stage_reducer): metrics, rejects
+    facts: StageFacts = field(default_factory=StageFacts)
 
     def elapsed_s(self, now: float | None = None) -> float | None:
         if self.started_at is None:

@@ -80,6 +80,7 @@ def test_a_nan_metric_stays_nan_through_the_wire_and_the_reducer(tmp_path: Path)
     typed = p.decode_all(read_all(path))
     facts = StageFacts().apply_all(typed)
     assert math.isnan(facts.metrics["loss"]) and facts.metrics["grad_norm"] == math.inf
+    assert facts.metric_t == typed[-1].t
     assert [p.describe(e) for e in typed] == ["loss = 2.3", "loss = nan", "grad_norm = inf"]
 
 

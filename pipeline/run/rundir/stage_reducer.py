@@ -41,6 +41,7 @@ class StageFacts:
     paused_ack_t: float = 0.0  # when the stage acknowledged a pause (0: not paused)
     finished: Finished | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # latest value per name (any label), NaN/inf kept
+    metric_t: float = 0.0  # when the latest metric was reported (0: none in this attempt)
     bad: int = 0  # rows a prep rejected / requests a regeneration gave up on
     last_t: float = 0.0  # the time of the latest event applied
 
@@ -58,6 +59,7 @@ class StageFacts:
                     self.bad = ev.bad
             case Metric():
                 self.metrics[ev.name] = ev.value
+                self.metric_t = max(self.metric_t, ev.t)
                 if ev.name == "rejects" and ev.finite:
                     self.bad = int(ev.value)
             case Health():
