@@ -25,6 +25,9 @@ from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from pipeline.run.hosts.gpus import FakeNvmlReplay
 from pipeline.run.plan.sections import AlertsSection
+from pipeline.run.rundir.events import read_all
+from pipeline.run.rundir.protocol import decode_all
+from pipeline.run.rundir.stage_reducer import StageFacts
 from pipeline.run.stage_side.runtime import StageContext
 from pipeline.serving.sglang_log import ServerStats
 from pipeline.stages.serve import stage as serve_stage
@@ -57,10 +60,17 @@ class Run:
         )
 
     def write_state(self) -> None:
-        state = {"run": "r", "executor": "local", "stages": list(self.rows.values())}
+        """state.json as the supervisor writes it: each row with its progress, reduced from its events."""
+        rows = [dict(r, progress=self.progress(r["id"])) for r in self.rows.values()]
+        state = {"run": "r", "executor": "local", "stages": rows}
         (self.root / "state.json").write_text(json.dumps(state))
 
+    def progress(self, sid: str) -> dict | None:
+        path = self.root / "stages" / sid / "events.jsonl"
+        return StageFacts().apply_all(decode_all(read_all(path))).progress_row() if path.exists() else None
+
     async def alerts(self, now: float | None = None) -> list[Alert]:
+        self.write_state()  # the supervisor's next snapshot
         await self.model.poll()
         await self.model.poll()  # a stage's events are read from the poll after it appears
         return self.watcher.check(self.model, time.time() if now is None else now)

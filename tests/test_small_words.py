@@ -17,6 +17,7 @@ from console.widgets.board import note_for
 from pipeline.run.projection.compute import RunProjection
 from pipeline.run.projection.text import status_lines
 from pipeline.run.rundir.events import make
+from pipeline.run.rundir.protocol import decode
 from pipeline.run.supervise.liveness import liveness, span
 from tests.runs import make_run, mixed_run
 from tests.screen_text import svg_rows
@@ -75,8 +76,8 @@ def test_the_cli_help_says_what_compare_and_status_take_and_print() -> None:
 def test_a_stage_done_that_skipped_its_work_on_purpose_says_why_on_the_board() -> None:
     st = StageView(id="regen.swe-agent", family="regen", state="succeeded")
     text = "16 of 16 prompts are 547-591 tokens, not shorter than target.max_length 512: not sent"
-    st.events.append(make("message", level="warning", code="prompts-too-long", text=text))
-    st.events.append(make("progress", done=0, total=0, unit="rows"))
+    st.events.append(decode(make("message", level="warning", code="prompts-too-long", text=text)))
+    st.events.append(decode(make("progress", done=0, total=0, unit="rows")))
     assert note_for(st) == f"⚠ {text}"
 
 

@@ -13,6 +13,7 @@ from rich.text import Text
 from console import fmt
 from console.model import StageView
 from console.states import ATTENTION
+from pipeline.run.rundir.protocol import Message
 from pipeline.run.rundir.stage_row import StageState
 from pipeline.serving.sglang_log import ServerStats
 
@@ -86,8 +87,8 @@ def note_for(st: StageView) -> str:
 def last_warning(st: StageView) -> str | None:
     """The text of the last warning the stage's current attempt wrote (a ``message`` event of level warning)."""
     for ev in reversed(st.events):
-        if ev.type == "message" and ev.get("level") == "warning" and ev.get("code") != "forced":
-            return str(ev.get("text") or "") or None
+        if isinstance(ev, Message) and ev.level == "warning" and ev.code != "forced":
+            return ev.text or None
     return None
 
 

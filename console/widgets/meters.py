@@ -216,7 +216,10 @@ class DiskMeter(MeterLine):
             width=6 if narrow else BAR_W,
         )
         t.append(f" {100 * frac:>3.0f}% used" if frac is not None else "   —")  # df's Use%: used/(used+avail)
-        where = d.where if len(d.where) <= 32 else "…" + d.where[-31:]
+        # the name gives way to the first fact after it (the free space), never the other way round
+        first = len(parts[0]) if parts else 0
+        lim = max(12, min(32, self.size.width - t.cell_len - 3 - first))
+        where = d.where if len(d.where) <= lim else "…" + d.where[-(lim - 1) :]
         t.append(f" {where}  ", self.st("muted"))  # which filesystem: the projection line names the same
         style = self.st(level) if level != "ok" else ""
         self.fit(t, [(("" if i == 0 else " · ") + p, style) for i, p in enumerate(parts)])
