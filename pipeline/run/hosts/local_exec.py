@@ -23,6 +23,7 @@ beside them (:meth:`LocalProcesses.survivors` is the guard the supervisor checks
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -84,6 +85,7 @@ class LocalProcesses:
         self.log = log
         self.python = python
         self.children: dict[str, subprocess.Popen] = {}  # launchers this supervisor started, until reaped
+        self.log_writers: list[subprocess.Popen] = []  # their stage log writers, until reaped
         self._table: tuple[float, float, ProcTable] | None = None  # (monotonic, wall time, table)
         self._ended: set[tuple[str, int, int, int]] = set()  # (sid, attempt, pid, start): no process left
         self._leftovers: dict[str, Leftovers] = {}
@@ -144,11 +146,26 @@ class LocalProcesses:
 
     # -------------------------------------------------------------------------------- launch
     def launch(self, sid: str, attempt: int) -> None:
+        """Start the attempt's launcher, its stdout and stderr a pipe to a log writer of its own
+        (:mod:`pipeline.run.stage_side.log_writer`): the stage's output never passes through this process,
+        and rotating ``stage.log`` is the writer's job, by rename."""
         sd = self.run.stage(sid)
         env = env_with_pipeline()
         env.pop(ENV_TOKEN, None)  # the launcher marks its own attempt; it belongs to no other
-        logfh = open_private_append(sd.log)  # 0600 whatever the umask
+        read_end, write_end = os.pipe()
         try:
+            with open_private_append(sd.log) as errfh:  # the writer's own traceback, if it ever fails
+                self.log_writers.append(
+                    subprocess.Popen(
+                        [self.python, "-m", "pipeline.run.stage_side.log_writer", str(sd.log)],
+                        stdin=read_end,
+                        stdout=subprocess.DEVNULL,
+                        stderr=errfh,
+                        start_new_session=True,  # outside the attempt's group: a kill never stops it first
+                        cwd=str(self.run.root),
+                        env=env,
+                    )
+                )
             child = subprocess.Popen(
                 [
                     self.python,
@@ -159,14 +176,15 @@ class LocalProcesses:
                     str(attempt),
                 ],
                 stdin=subprocess.DEVNULL,
-                stdout=logfh,
+                stdout=write_end,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=str(self.run.root),
                 env=env,
             )
         finally:
-            logfh.close()
+            os.close(read_end)
+            os.close(write_end)
         self.children[sid] = child
         self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
 
@@ -293,6 +311,7 @@ class LocalProcesses:
         for sid, child in list(self.children.items()):
             if child.poll() is not None:
                 del self.children[sid]
+        self.log_writers = [w for w in self.log_writers if w.poll() is None]
         self._stop_leftovers()
 
     def _stop_leftovers(self) -> None:

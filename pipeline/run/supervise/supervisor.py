@@ -114,8 +114,6 @@ class Supervisor:
         self._beside_logged: dict[
             str, str
         ] = {}  # why a stage is not started beside its last attempt, logged once
-        # copy-truncate any stage.log past its limit (pipeline.run.rundir.growth)
-        self.log_rotator = growth.LogRotator(lambda: ((s, self.sd(s).log) for s in self.order), self.log)
         self.state_backoff = Backoff()  # state.json after a failed write
         self.tick_backoff = Backoff()  # the whole tick after an unexpected error
         self._held_stages: set[str] = (
@@ -686,8 +684,7 @@ class Supervisor:
             for sid, why in self._refused.items():
                 if self.status[sid].state == StageState.READY:  # keep showing why it is not admitted
                     self.status[sid].state, self.status[sid].reason = StageState.PENDING, why
-        self.write_state()
-        self.log_rotator.tick()
+        self.write_state()  # stage logs rotate in their own writers (pipeline.run.stage_side.log_writer)
 
     def run_forever(self, exit_when_done: bool = True) -> int:
         if not self.acquire_lock():
