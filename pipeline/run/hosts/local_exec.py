@@ -32,7 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.run.hosts.procs import (
+    ENV_RUN_MARK,
+    ENV_STAGE_MARK,
     ENV_TOKEN,
+    CannotSignal,
     ProcIdentity,
     ProcStat,
     ProcTable,
@@ -40,9 +43,12 @@ from pipeline.run.hosts.procs import (
     attempt_members,
     boot_id,
     describe_members,
+    describe_pids,
     env_with_pipeline,
     process_table,
     signal_attempt,
+    signal_processes,
+    stage_processes,
 )
 from pipeline.run.plan.dag import StageSpec
 from pipeline.run.rundir.files import open_private_append
@@ -115,8 +121,8 @@ class LocalProcesses:
 
     def _signal(self, sid: str, sig: int) -> list[int]:
         ident = self.identity(sid)
-        if ident is None:
-            return []
+        if ident is None:  # proc.json damaged or gone: the processes marked as the stage's, one by one
+            return signal_processes(stage_processes(self.run.root, sid, self.table(fresh=True)), sig)
         try:
             return signal_attempt(ident, sig, self.table(fresh=True))
         except StrangerError as exc:
@@ -134,7 +140,7 @@ class LocalProcesses:
         sd = self.run.stage(sid)
         proc = read_json(sd.proc)
         if not proc or "pid" not in proc:
-            return None
+            return self._unrecorded(sid)
         ident = ProcIdentity.from_dict(proc)
         attempt = int(proc.get("attempt", 0))
         if (sid, attempt, ident.pid, ident.start_time) in self._ended:
@@ -144,6 +150,25 @@ class LocalProcesses:
             return None
         return f"attempt {attempt} of {sid} still has {describe_members(ident, left)}"
 
+    def _unrecorded(self, sid: str) -> str | None:
+        """No ``proc.json``: processes of the stage found by the marks in their environment, said for the
+        operator (None: none, or the stage was never launched)."""
+        sd = self.run.stage(sid)
+        if not (sd.launch.exists() or sd.log.exists() or sd.events.exists()):
+            return None  # never launched: nothing to look for
+        found = stage_processes(self.run.root, sid, self.table(fresh=True))
+        if not found:
+            return None
+        return f"{sid} still has {self._marked(found)}"
+
+    @staticmethod
+    def _marked(found: list[ProcStat]) -> str:
+        n = len(found)
+        return (
+            f"{n} process{'es' if n != 1 else ''} with no record (proc.json missing; found by the run and "
+            f"stage marked in their environment: {describe_pids([m.pid for m in found])})"
+        )
+
     # -------------------------------------------------------------------------------- launch
     def launch(self, sid: str, attempt: int) -> None:
         """Start the attempt's launcher, its stdout and stderr a pipe to a log writer of its own
@@ -152,6 +177,9 @@ class LocalProcesses:
         sd = self.run.stage(sid)
         env = env_with_pipeline()
         env.pop(ENV_TOKEN, None)  # the launcher marks its own attempt; it belongs to no other
+        # The run and stage in the launcher's environment (and so in every process the stage starts): its
+        # processes are found by them even when proc.json is damaged or gone (procs.stage_processes).
+        marked = {**env, ENV_RUN_MARK: str(self.run.root), ENV_STAGE_MARK: sid}
         read_end, write_end = os.pipe()
         try:
             with open_private_append(sd.log) as errfh:  # the writer's own traceback, if it ever fails
@@ -180,7 +208,7 @@ class LocalProcesses:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=str(self.run.root),
-                env=env,
+                env=marked,
             )
         finally:
             os.close(read_end)
@@ -218,6 +246,11 @@ class LocalProcesses:
         child = self.children.get(sd.id)
         age = time.time() - float(launch.get("t", 0))
         if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
+            found = stage_processes(self.run.root, sd.id, self.table())
+            if found:  # proc.json lost under a live attempt: followed, never counted lost (nor retried)
+                self._running(st, sd, acked, stopped=all(m.state in ("T", "t") for m in found))
+                st.reason = f"following {self._marked(found)}"
+                return st
             ex = record_lost(sd, attempt, "the launcher never reported its pid", self.log)
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         st.state, st.reason = StageState.RUNNING, "starting"
@@ -287,6 +320,16 @@ class LocalProcesses:
     def terminate(self, sid: str, frozen: bool, reason: str) -> str:
         pgid = self._pgid(sid)
         reached = self._signal(sid, signal.SIGTERM)
+        if pgid is None:
+            self._signal(sid, signal.SIGCONT)
+            if not reached:
+                raise CannotSignal(
+                    f"cannot kill {sid}: its proc.json is missing and no process marked as its own was found"
+                )
+            grace = self.specs[sid].kill_grace_s
+            what = f"SIGTERM sent to {len(reached)} process{'es' if len(reached) != 1 else ''}"
+            self.log(f"{sid}: {what} found by their marks ({describe_pids(reached)}; {reason})")
+            return f"{sid}: {what} found by their marks (proc.json missing; {describe_pids(reached)}); SIGKILL after {grace:g}s"
         self._signal(sid, signal.SIGCONT)  # a stopped process must run to act on SIGTERM
         outside = self._outside(sid, reached)
         self.log(f"{sid}: SIGTERM to pgid {pgid}{outside} ({reason})")
@@ -295,6 +338,8 @@ class LocalProcesses:
 
     def kill(self, sid: str) -> str:
         reached = self._signal(sid, signal.SIGKILL)
+        if self._pgid(sid) is None:
+            return f"SIGKILL to {len(reached)} processes found by their marks"
         return f"SIGKILL to pgid {self._pgid(sid)}{self._outside(sid, reached)}"
 
     def _outside(self, sid: str, reached: list[int]) -> str:
@@ -305,7 +350,7 @@ class LocalProcesses:
         if not out:
             return ""
         n = len(out)
-        return f" and {n} process{'es' if n != 1 else ''} that left it (pid{'s' if n != 1 else ''} {', '.join(map(str, sorted(out)))})"
+        return f" and {n} process{'es' if n != 1 else ''} that left it ({describe_pids(out)})"
 
     def poll(self) -> None:
         for sid, child in list(self.children.items()):

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline.run.hosts.executor import Executor, make_executor
-from pipeline.run.hosts.procs import ProcIdentity
+from pipeline.run.hosts.procs import CannotSignal, ProcIdentity
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.plan.dag import StageSpec
 from pipeline.run.rundir import audit, growth
@@ -319,7 +319,11 @@ class Supervisor:
         write_json(sd.kill_marker, {"attempt": st.attempt, "t": time.time(), "reason": reason})
         flag = read_json(sd.pause_flag) or {}
         sd.pause_flag.unlink(missing_ok=True)
-        return self.executor.terminate(sid, frozen=bool(flag.get("stopped")), reason=reason)
+        try:
+            return self.executor.terminate(sid, frozen=bool(flag.get("stopped")), reason=reason)
+        except CannotSignal as exc:  # nothing was signalled: refused (non-zero exit), no kill pending
+            sd.kill_marker.unlink(missing_ok=True)
+            raise SupervisorError(str(exc)) from None
 
     def do_retry(self, sid: str, fresh: bool = False) -> str:
         st = self.status[sid]
