@@ -107,9 +107,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("\n".join(projection_report(projection)))
     if anomalies is not None:
         print()
-        print("\n".join(alert_lines(anomalies)))
+        print("\n".join(anomaly_lines(anomalies)))
     _print_audit(state.get("audit"))
     return EXIT_OK
+
+
+ANOMALIES_SHOWN = 20  # anomaly entries printed before "… and N more"
+
+
+def anomaly_lines(anomalies: list[Alert]) -> list[str]:
+    """The anomalies section; for a huge plan the first few, then how many more (``--json`` has them all)."""
+    shown = alert_lines(anomalies[:ANOMALIES_SHOWN])
+    if len(anomalies) > ANOMALIES_SHOWN:
+        shown[0] = f"anomalies: {len(anomalies):,} now"
+        shown.append(f"  … and {len(anomalies) - ANOMALIES_SHOWN:,} more (aerie status --json has them all)")
+    return shown
 
 
 def _hms(t: object) -> str:

@@ -8,6 +8,15 @@ import time
 from pipeline.run.projection.compute import RunProjection
 
 SEP = " · "
+LISTED = 8  # stage ids a line names before "… and N more" (``aerie status --json`` has them all)
+ROWS = 20  # per-stage estimate lines before "… and N more"
+
+
+def ids(names: list[str], shown: int = LISTED) -> str:
+    """``a, b, c`` — or ``a, b, … and 2,988 more`` for a long list, so one line stays one line."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} … and {len(names) - shown:,} more"
 
 
 def duration(s: float) -> str:
@@ -111,18 +120,18 @@ def status_lines(p: RunProjection) -> list[str]:
     lines = [
         f"run: {p.progress:.0%} of the estimated work, {done}"
         if p.progress is not None
-        else f"run: progress unknown ({', '.join(p.unknown_open)}: no size known), {done}"
+        else f"run: progress unknown ({ids(p.unknown_open)}: no size known), {done}"
     ]
     if p.blocked:
         lines.append(
-            f"finish: will not finish without a retry of {', '.join(p.blocked)}; retried now: "
+            f"finish: will not finish without a retry of {ids(p.blocked)}; retried now: "
             f"{clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now"
         )
     elif p.finished:
         lines.append(f"finish: {finish_text(p)}")
     elif p.unknown_open:
         lines.append(
-            f"finish: unknown — {', '.join(p.unknown_open)} report no progress with a total (an operator "
+            f"finish: unknown — {ids(p.unknown_open)} report no progress with a total (an operator "
             f"command can: StageContext.progress); the rest alone would take {duration(p.remaining_s)}"
         )
     else:
@@ -130,9 +139,7 @@ def status_lines(p: RunProjection) -> list[str]:
             f"finish: {clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now (critical path)"
         )
         if p.paused:
-            lines.append(
-                f"paused: {', '.join(p.paused)} (projected as if resumed now: the finish moves later)"
-            )
+            lines.append(f"paused: {ids(p.paused)} (projected as if resumed now: the finish moves later)")
     lines.append(f"GPU-hours: {p.gpu_hours_used:.2f} used, {p.gpu_hours_projected:.2f} projected")
     if p.disk_at_finish is not None:
         lines.append(
@@ -141,11 +148,17 @@ def status_lines(p: RunProjection) -> list[str]:
             + (f" on {p.disk_mount}" if p.disk_mount else "")
         )
     if not p.finished or p.blocked:
-        for e in p.stages:
-            if e.basis in ("measured", "assumed") and (e.remaining_s > 0 or e.state != "succeeded"):
-                rate = f"{_num(e.rate)} {e.unit}/s ({e.rate_from})" if e.rate else ""
-                what = f"{e.size:,.0f} {e.unit}" if e.size is not None else ""
-                lines.append(f"  {e.id:<28} {e.basis:<8} {duration(e.remaining_s):>7} left  {what} at {rate}")
+        shown = [
+            e
+            for e in p.stages
+            if e.basis in ("measured", "assumed") and (e.remaining_s > 0 or e.state != "succeeded")
+        ]
+        for e in shown[:ROWS]:
+            rate = f"{_num(e.rate)} {e.unit}/s ({e.rate_from})" if e.rate else ""
+            what = f"{e.size:,.0f} {e.unit}" if e.size is not None else ""
+            lines.append(f"  {e.id:<28} {e.basis:<8} {duration(e.remaining_s):>7} left  {what} at {rate}")
+        if len(shown) > ROWS:
+            lines.append(f"  … and {len(shown) - ROWS:,} more estimates (aerie status --json has them all)")
         if p.unknown:
-            lines.append(f"  no estimate (no size known): {', '.join(p.unknown)}")
+            lines.append(f"  no estimate (no size known): {ids(p.unknown)}")
     return lines
