@@ -35,7 +35,7 @@ from typing import Any
 from pipeline.run.hosts.procs import ProcIdentity
 from pipeline.run.rundir.layout import RunDir, read_json
 
-HEARTBEAT_S = 5.0  # the supervisor rewrites state.json at least this often (its "t" moves)
+HEARTBEAT_S = 2.0  # the supervisor rewrites state.json at least this often (its "t" moves)
 STALE_S = 12.0  # no new snapshot for this long: the supervisor is silent (lock held) or dead (no lock)
 LOCK_RETRY_S = 0.5  # a supervisor starting retries its lock this long (a probe holds it for microseconds)
 
