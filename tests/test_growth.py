@@ -7,6 +7,7 @@ entry, and without the stage's state going back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -466,3 +467,34 @@ def test_a_frozen_lock_holder_never_blocks_a_writer(tmp_path: Path, monkeypatch:
     with EventWriter(path) as w:  # the holder gone: the put-off rotation happens
         w.emit("progress", done=10, total=10)
     assert (tmp_path / "events.1.jsonl").exists()
+
+
+def test_the_carried_head_read_before_the_lock_equals_one_read_under_it(tmp_path: Path) -> None:
+    """Rotation reads the generation before it takes its lock, then only what was appended meanwhile: the
+    head is the same as one read of the whole file, whatever was appended (newer values, a new attempt),
+    and a line longer than any event is skipped unread, not carried."""
+    from pipeline.run.rundir.event_carry import carry_lines, carry_scan
+
+    path = tmp_path / "events.jsonl"
+    with EventWriter(path, rotate_bytes=0) as w:
+        w.emit("started", attempt=1, pid=1)
+        for i in range(50):
+            w.emit("progress", done=i, total=100)
+            w.emit("metric", name="loss", value=1.0 / (i + 1))
+    with open(path, "ab") as fh:
+        fh.write(b'{"type":"message","t":1,"level":"info","code":"big","text":"' + b"x" * (3 << 20) + b'"}\n')
+    for more in (
+        [("progress", {"done": 60, "total": 100}), ("health", {"state": "ready"})],
+        [("started", {"attempt": 2, "pid": 2}), ("metric", {"name": "acc", "value": 0.5})],
+    ):
+        before = carry_scan(path)
+        with EventWriter(path, rotate_bytes=0) as w:
+            for kind, data in more:
+                w.emit(kind, **data)
+        assert carry_lines(path, before) == carry_lines(path)
+        head = [json.loads(ln) for ln in carry_lines(path).splitlines()]
+        assert all(e.get("code") != "big" for e in head)  # 3 MiB: longer than any event, skipped
+        if more[0][0] == "progress":
+            assert [e["type"] for e in head] == ["started", "metric", "progress", "health"]
+            assert head[2]["done"] == 60
+    assert [e["type"] for e in head] == ["started", "metric"] and head[0]["attempt"] == 2

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pipeline.run.hosts.procs import (
@@ -57,6 +58,7 @@ from pipeline.run.rundir.stage_row import StageState
 from pipeline.run.rundir.stage_status import StageStatus, finish, record_lost
 
 LAUNCH_TIMEOUT_S = 30.0  # a launch intent whose launcher never wrote proc.json (no child to ask) is lost
+LAUNCH_THREADS = 4  # launches forking at once (each waits for its child's exec)
 TABLE_TTL_S = 0.3  # one process table serves the stages derived within this long (one tick)
 LOST_LAUNCHER = "launcher was killed; the stage's processes ended, exit status unknown"
 REBOOTED = "the host restarted during the attempt (a new boot): exit status unknown"
@@ -92,6 +94,8 @@ class LocalProcesses:
         self.python = python
         self.children: dict[str, subprocess.Popen] = {}  # launchers this supervisor started, until reaped
         self.log_writers: list[subprocess.Popen] = []  # their stage log writers, until reaped
+        self._pool: ThreadPoolExecutor | None = None  # where launches fork (LAUNCH_THREADS)
+        self._spawning: dict[str, tuple[int, Future[tuple[subprocess.Popen, subprocess.Popen]]]] = {}
         self._table: tuple[float, float, ProcTable] | None = None  # (monotonic, wall time, table)
         self._ended: set[tuple[str, int, int, int]] = set()  # (sid, attempt, pid, start): no process left
         self._leftovers: dict[str, Leftovers] = {}
@@ -173,26 +177,41 @@ class LocalProcesses:
     def launch(self, sid: str, attempt: int) -> None:
         """Start the attempt's launcher, its stdout and stderr a pipe to a log writer of its own
         (:mod:`pipeline.run.stage_side.log_writer`): the stage's output never passes through this process,
-        and rotating ``stage.log`` is the writer's job, by rename."""
+        and rotating ``stage.log`` is the writer's job, by rename. The two ``fork``+``exec``s run on a small
+        pool of threads (:data:`LAUNCH_THREADS`): on a loaded host each waits ~50 ms for its child to be
+        scheduled, and the loop does not wait with it; the stage shows "starting" meanwhile."""
         sd = self.run.stage(sid)
         env = env_with_pipeline()
         env.pop(ENV_TOKEN, None)  # the launcher marks its own attempt; it belongs to no other
         # The run and stage in the launcher's environment (and so in every process the stage starts): its
         # processes are found by them even when proc.json is damaged or gone (procs.stage_processes).
         marked = {**env, ENV_RUN_MARK: str(self.run.root), ENV_STAGE_MARK: sid}
+        self.children.pop(sid, None)  # an earlier attempt's launcher, already ended (reaped by Popen)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(LAUNCH_THREADS, thread_name_prefix="aerie-launch")
+        self._spawning[sid] = (attempt, self._pool.submit(self._spawn, sd, attempt, env, marked))
+
+    def _spawn(
+        self, sd: StageDir, attempt: int, env: dict[str, str], marked: dict[str, str]
+    ) -> tuple[subprocess.Popen, subprocess.Popen]:
+        """The log writer, then the launcher writing into its pipe (on a pool thread)."""
         read_end, write_end = os.pipe()
         try:
             with open_private_append(sd.log) as errfh:  # the writer's own traceback, if it ever fails
-                self.log_writers.append(
-                    subprocess.Popen(
-                        [self.python, "-m", "pipeline.run.stage_side.log_writer", str(sd.log)],
-                        stdin=read_end,
-                        stdout=subprocess.DEVNULL,
-                        stderr=errfh,
-                        start_new_session=True,  # outside the attempt's group: a kill never stops it first
-                        cwd=str(self.run.root),
-                        env=env,
-                    )
+                writer = subprocess.Popen(
+                    [
+                        self.python,
+                        "-S",
+                        "-m",
+                        "pipeline.run.stage_side.log_writer",
+                        str(sd.log),
+                    ],  # -S: stdlib only
+                    stdin=read_end,
+                    stdout=subprocess.DEVNULL,
+                    stderr=errfh,
+                    start_new_session=True,  # outside the attempt's group: a kill never stops it first
+                    cwd=str(self.run.root),
+                    env=env,
                 )
             child = subprocess.Popen(
                 [
@@ -200,7 +219,7 @@ class LocalProcesses:
                     "-m",
                     "pipeline.run.stage_side.launcher",
                     str(self.run.root),
-                    sid,
+                    sd.id,
                     str(attempt),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -213,11 +232,27 @@ class LocalProcesses:
         finally:
             os.close(read_end)
             os.close(write_end)
-        self.children[sid] = child
-        self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
+        return writer, child
+
+    def _spawned(self) -> None:
+        """Take the launches the pool finished: their launchers to follow, or why one could not start."""
+        for sid, (attempt, fut) in list(self._spawning.items()):
+            if not fut.done():
+                continue
+            del self._spawning[sid]
+            try:
+                writer, child = fut.result()
+            except OSError as exc:  # no launcher: the attempt is recorded failed, its retry policy applies
+                record_lost(self.run.stage(sid), attempt, f"cannot start its launcher: {exc}", self.log)
+                continue
+            self.log_writers.append(writer)
+            self.children[sid] = child
+            self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
 
     # -------------------------------------------------------------------------------- derive
     def derive(self, st: StageStatus, sd: StageDir, attempt: int, acked: bool) -> StageStatus | None:
+        if self._spawning:
+            self._spawned()
         proc = sd.record_for(sd.proc, attempt)
         if proc:
             ident = ProcIdentity.from_dict(proc)
@@ -243,7 +278,7 @@ class LocalProcesses:
         ex = sd.record_for(sd.exit, attempt)
         if ex:
             return finish(st, sd, ex, attempt, self.specs[sd.id])
-        child = self.children.get(sd.id)
+        child = None if sd.id in self._spawning else self.children.get(sd.id)  # forking: not yet known
         age = time.time() - float(launch.get("t", 0))
         if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
             found = stage_processes(self.run.root, sd.id, self.table())
@@ -353,6 +388,7 @@ class LocalProcesses:
         return f" and {n} process{'es' if n != 1 else ''} that left it ({describe_pids(out)})"
 
     def poll(self) -> None:
+        self._spawned()
         for sid, child in list(self.children.items()):
             if child.poll() is not None:
                 del self.children[sid]
