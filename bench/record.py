@@ -15,7 +15,8 @@ WORSE any that moved the wrong way by more than the spread (``bench/record_store
 A run that appends to the repo's own record also rewrites the table at the top of docs/performance.md.
 
 Benchmarks: console (bench/console_idle.py: attached to 12 live stages and to a finished run), log_ingest,
-plot_render, prep, event_rotation (a raw 100 MiB event line), supervisor_scale (1K and 10K stages), shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
+plot_render, prep, event_rotation (a raw 100 MiB event line), supervisor_scale (1K and 10K stages),
+shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
 ``aerie demo --headless``: wall time and the draft's accept length).
 """
 
