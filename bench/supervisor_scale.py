@@ -85,11 +85,13 @@ def stop(run: RunDir, sup: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(sup.pid, signal.SIGTERM)
     sup.wait(60)
-    for sd in run.stages_dir.iterdir():
-        rec = read_json(sd / "proc.json") if (sd / "proc.json").exists() else None
-        if rec:
-            with contextlib.suppress(StrangerError, PermissionError):
-                signal_attempt(ProcIdentity.from_dict(rec), signal.SIGKILL)
+    for _ in range(2):  # a launch the pool was still forking when the supervisor stopped: its record, next
+        for sd in run.stages_dir.iterdir():
+            rec = read_json(sd / "proc.json") if (sd / "proc.json").exists() else None
+            if rec:
+                with contextlib.suppress(StrangerError, PermissionError):
+                    signal_attempt(ProcIdentity.from_dict(rec), signal.SIGKILL)
+        time.sleep(1)
 
 
 def wait(pred: object, timeout: float) -> None:
@@ -153,7 +155,7 @@ def main() -> int:
     args = ap.parse_args()
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     out: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="aerie-scale-", dir=shm) as tmp:
+    with tempfile.TemporaryDirectory(prefix="aerie-scale-", dir=shm, ignore_cleanup_errors=True) as tmp:
         for n in [int(x) for x in args.sizes.split(",")]:
             r = held(Path(tmp), n, args.seconds, args.warmup)
             r["launches_per_s"] = launch_rate(Path(tmp), n)
