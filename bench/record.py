@@ -15,7 +15,8 @@ WORSE any that moved the wrong way by more than the spread (``bench/record_store
 A run that appends to the repo's own record also rewrites the table at the top of docs/performance.md.
 
 Benchmarks: console (bench/console_idle.py: attached to 12 live stages and to a finished run), log_ingest,
-plot_render, prep, shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
+plot_render, prep, event_rotation (a raw 100 MiB event line), supervisor_scale (1K and 10K stages),
+shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
 ``aerie demo --headless``: wall time and the draft's accept length).
 """
 
@@ -193,6 +194,50 @@ BENCHES = (
             ),
         ),
         f"the extract stage's shard writer, 2.1 GB into {SHM}, and its share of bare os.pwrite",
+    ),
+    Bench(
+        "event_rotation",
+        script("event_rotation.py", "--sizes", "100"),
+        (
+            Spec("event_rotate_100mib_ms", "ms", "lower", lambda j: j["sizes"]["100"]["rotate_ms"], floor=20),
+            Spec("event_next_wait_ms", "ms", "lower", lambda j: j["sizes"]["100"]["next_wait_ms"], floor=20),
+        ),
+        "rotating an events file holding a raw 100 MiB line, and the other writer's wait for its next event",
+    ),
+    Bench(
+        "supervisor_scale",
+        script("supervisor_scale.py", "--sizes", "1000,10000", "--seconds", "20"),
+        (
+            Spec(
+                "sup_10k_held_cpu_pct",
+                "% of a core",
+                "lower",
+                lambda j: j["sizes"]["10000"]["cpu_pct"],
+                floor=1,
+            ),
+            Spec(
+                "sup_10k_snapshot_max_s",
+                "s",
+                "lower",
+                lambda j: j["sizes"]["10000"]["snapshot_max_s"],
+                floor=0.5,
+            ),
+            Spec("sup_10k_control_s", "s", "lower", lambda j: j["sizes"]["10000"]["control_s"], floor=0.2),
+            Spec(
+                "sup_10k_launches_per_s",
+                "launches/s",
+                "higher",
+                lambda j: j["sizes"]["10000"]["launches_per_s"],
+            ),
+            Spec(
+                "sup_1k_held_cpu_pct",
+                "% of a core",
+                "lower",
+                lambda j: j["sizes"]["1000"]["cpu_pct"],
+                floor=1,
+            ),
+        ),
+        "a real supervisor on 1,000 and 10,000 ready stages held by 2 CPU slots: CPU, snapshots, control, launches",
     ),
     Bench(
         "demo",

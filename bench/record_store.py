@@ -6,7 +6,9 @@ tracked files differed), ``date`` (UTC ISO), ``machine`` (hostname, cpu, cores, 
 ``figures`` (name → value, unit, which way is better, the run-to-run spread over its samples). Two machines
 are comparable when they have the same CPU model and core count. A figure is WORSE when it moved the wrong
 way by more than its tolerance: the larger of the two runs' spreads, the figure's own floor and a
-relative floor (5 % by default) of the reference value.
+relative floor (5 % by default) of the reference value — but never more than :data:`REL_CAP` (50 %) of
+the reference value (or its floor): a figure worse by more than half its own value is WORSE whatever the
+spread, so a loaded machine's wide spread cannot call a 2,000,000 % regression "same".
 
 Nothing here runs a benchmark, a subprocess or reads the clock: ``bench/record.py`` does that and hands
 the results in; ``tests/test_bench_record.py`` tests this module on record files it writes.
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 REL_FLOOR = 0.05
+REL_CAP = 0.5  # a change larger than this share of the reference value is never noise
 BETTER = ("lower", "higher")
 
 
@@ -185,8 +188,11 @@ def worse_by(fig: Figure, ref: Figure) -> float:
 
 
 def tolerance(fig: Figure, ref: Figure, rel_floor: float = REL_FLOOR) -> float:
-    """The change that is not noise: both runs' spreads, the figure's floor, a share of the reference value."""
-    return max(fig.spread, ref.spread, fig.floor, ref.floor, rel_floor * abs(ref.value))
+    """The change that is not noise: both runs' spreads, the figure's floor, a share of the reference value;
+    capped by the regression's size, :data:`REL_CAP` of the reference value (never below the floors)."""
+    floors = max(fig.floor, ref.floor, rel_floor * abs(ref.value))
+    noise = max(fig.spread, ref.spread, floors)
+    return min(noise, max(floors, REL_CAP * abs(ref.value)))
 
 
 def verdict(fig: Figure, ref: Figure | None, rel_floor: float = REL_FLOOR) -> str:

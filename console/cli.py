@@ -31,7 +31,7 @@ from pathlib import Path
 
 from console import executors
 from console.actions import CONTROL_WORDS, CTL_FLAGS, CTL_VERBS
-from console.cli_common import err, open_run, remote, run_ctl
+from console.cli_common import closed_pipe_exit, err, open_run, remote, run_ctl, stdout_closed
 from console.cli_status import cmd_status
 from console.transport import LocalTransport, Transport, start_local_run
 from pipeline.run.plan import dag as plan_mod
@@ -417,9 +417,15 @@ def _add_plan_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # here, not at exit: a reader that went away is seen below
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        if stdout_closed():  # the SIGPIPE convention: quiet (another pipe, a socket: a real error)
+            return closed_pipe_exit()
+        raise
 
 
 if __name__ == "__main__":

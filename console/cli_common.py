@@ -4,6 +4,11 @@ running ``pipeline.run.supervise.ctl`` on it locally; and the error line every c
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import select
+import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -31,3 +36,25 @@ def open_run(path: str) -> RunDir | None:
 def run_ctl(run: RunDir, *argv: str) -> tuple[int, str, str]:
     res = asyncio.run(LocalTransport(str(run.root)).ctl(*argv))
     return res.returncode, res.stdout, res.stderr
+
+
+def stdout_closed() -> bool:
+    """Is stdout a pipe whose reader has gone (``aerie status RUN | head -1``)?"""
+    try:
+        if not stat.S_ISFIFO(os.fstat(1).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(1, 0)
+        return any(ev & select.POLLERR for _fd, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def closed_pipe_exit() -> int:
+    """Exit quietly as a command killed by SIGPIPE does (128 + 13), with no traceback and no error line:
+    stdout goes to /dev/null so the interpreter's last flush cannot complain either."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 128 + signal.SIGPIPE

@@ -85,7 +85,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("\n".join(projection_report(projection)))
     if anomalies is not None:
         print()
-        print("\n".join(alert_lines(anomalies)))
+        print("\n".join(anomaly_lines(anomalies)))
     _print_audit(state.get("audit"))
     return EXIT_OK
 
@@ -101,6 +101,18 @@ def snapshot_rows(stages: list[dict]) -> list[SnapshotRow]:
     """The stage rows as the typed snapshot decodes them (:class:`StateSnapshot`): each with every field of
     :class:`~pipeline.run.rundir.stage_row.StageRow` (a field added there is in ``--json`` at once)."""
     return StateSnapshot.from_dict({"stages": [st for st in stages if isinstance(st.get("id"), str)]}).stages
+
+
+ANOMALIES_SHOWN = 20  # anomaly entries printed before "… and N more"
+
+
+def anomaly_lines(anomalies: list[Alert]) -> list[str]:
+    """The anomalies section; for a huge plan the first few, then how many more (``--json`` has them all)."""
+    shown = alert_lines(anomalies[:ANOMALIES_SHOWN])
+    if len(anomalies) > ANOMALIES_SHOWN:
+        shown[0] = f"anomalies: {len(anomalies):,} now"
+        shown.append(f"  … and {len(anomalies) - ANOMALIES_SHOWN:,} more (aerie status --json has them all)")
+    return shown
 
 
 def _hms(t: object) -> str:

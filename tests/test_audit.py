@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from console.transport import CtlResult, LocalTransport
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir
 from pipeline.run.supervise import ctl
+from pipeline.run.supervise.liveness import lock_holders
 from pipeline.run.supervise.run_setup import supervisor_alive
 from tests.runs import finished_run, kill_run_stages, make_run, start_supervisor, stop, wait_done, wait_for
 from tests.test_console import WORKER, until
@@ -81,11 +83,20 @@ def test_cli_actions_on_a_real_run_are_recorded_with_who_where_from_and_outcome(
     assert cli_main(["retry", root, "work", "--fresh"]) == 3  # paused, not failed
     assert cli_main(["resume", root, "work"]) == 0
     assert cli_main(["skip", root, "no-such-stage"]) == 2  # refused before it was queued
-    # no answer in time: recorded as timed out, and the supervisor's line follows when it acts
-    assert (
-        ctl.main([root, "skip", "after-work", "--timeout", "0", "--via", "console", "--who", "ana@laptop"])
-        == 4
-    )
+    # no answer in time: recorded as timed out, and the supervisor's line follows when it acts. The
+    # supervisor is frozen while ctl waits, so its answer cannot come first (under load it did: "done"
+    # was recorded before "timed out").
+    (sup_pid,) = lock_holders(run.root)
+    os.kill(sup_pid, signal.SIGSTOP)
+    try:
+        assert (
+            ctl.main(
+                [root, "skip", "after-work", "--timeout", "0", "--via", "console", "--who", "ana@laptop"]
+            )
+            == 4
+        )
+    finally:
+        os.kill(sup_pid, signal.SIGCONT)
     wait_for(lambda: len(entries(run)) == 7, 10, "the supervisor's line for the queued skip")
 
     got = [

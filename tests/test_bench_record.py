@@ -80,6 +80,8 @@ def test_worse_better_and_within_spread_against_the_last_run(tmp_path: Path) -> 
         (11.0, 0.3, "lower"): "WORSE",
         (10.4, 0.3, "lower"): "same",  # within the 5 % floor
         (11.0, 1.5, "lower"): "same",  # within this run's own spread
+        (16.0, 7.0, "lower"): "WORSE",  # worse by 60 %: more than half its own value, whatever the spread
+        (4.0, 7.0, "lower"): "better",  # the same cap the other way
         (9.0, 0.3, "lower"): "better",
         # higher is better: last was 400 ± 10
         (300.0, 10, "higher"): "WORSE",
@@ -97,6 +99,10 @@ def test_worse_better_and_within_spread_against_the_last_run(tmp_path: Path) -> 
     assert [r.figure.name for r in rs.regressions(worse)] == ["render_ms"]
     table = rs.format_table(worse)
     assert "WORSE (by more than 0.500)" in table and "+10.0 %" in table
+    # The case: a loaded run's 20.8 ms ± 21.2 against a recorded 0.001 ms is WORSE, not "same".
+    tiny = rs.read_records(write(tmp_path / "t.jsonl", line("t", [fig("plot_detail_ms", 0.001, 0.0)])))
+    (row,) = rs.compare(run_of(rs.Figure("plot_detail_ms", 20.8, "ms", "lower", 21.2)), tiny)
+    assert row.verdict == "WORSE"
     # A figure's own floor (a clock tick) wins over a spread of zero.
     ticks = rs.compare(run_of(rs.Figure("render_ms", 10.9, "ms", "lower", 0.0, floor=1.0)), history)
     assert ticks[0].verdict == "same"

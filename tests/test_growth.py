@@ -7,6 +7,7 @@ entry, and without the stage's state going back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -172,34 +173,69 @@ def test_audit_rotation_cli_and_console(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 # ---------------------------------------------------------------------------------- stage log
-def test_copy_truncate_log_viewer_and_failure_line(tmp_path: Path) -> None:
-    """The stage log is copied to stage.1.log and cut in place while the stage's O_APPEND fd writes on:
-    the log viewer notices the shrink and re-indexes (no stale line), and the failure line is still found
-    when it was written just before the cut."""
+def _log_writer(log: Path, limit: int) -> subprocess.Popen[bytes]:
+    """A real stage log writer (the process the executor starts), reading a pipe we write."""
+    env = {**os.environ, "AERIE_ROTATE_BYTES_LOG": str(limit), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.run.stage_side.log_writer", str(log)], stdin=subprocess.PIPE, env=env
+    )
+
+
+def test_log_writer_rotates_by_rename_log_viewer_and_failure_line(tmp_path: Path) -> None:
+    """The stage's output goes through its log writer, which renames stage.log to stage.1.log past the
+    limit (never copies): the log viewer notices the new file and re-indexes (no stale line), the failure
+    line is in the current file, and the generations stay within limit x 3."""
     log = tmp_path / "stages" / "a" / "stage.log"
     log.parent.mkdir(parents=True)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # the stage's inherited stdout
-    os.write(fd, b"".join(b"step %d ok\n" % i for i in range(5000)))
-    os.write(fd, b"RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    writer = _log_writer(log, 10_000)
+    assert writer.stdin is not None
+    writer.stdin.write(b"".join(b"step %d ok\n" % i for i in range(800)))
+    writer.stdin.flush()
+    wait_for(lambda: log.exists() and log.stat().st_size >= 9400, 20, "the first lines written")
     index = LogIndex(LocalTransport(str(tmp_path)), "stages/a/stage.log")
 
     async def go() -> list[str]:
         await index.update()
-        assert index.lines == 5001
-        rotator = growth.LogRotator(lambda: [("a", log)], lambda _t: None)
-        rotator.limit = 10_000
-        assert rotator.tick(force=True) == 1
-        os.write(fd, b"after the cut\n")
+        first = index.lines
+        assert first == 800
+        assert writer.stdin is not None
+        writer.stdin.write(b"x" * 700 + b"\n")
+        writer.stdin.write(b"RuntimeError: CUDA error: an illegal memory access was encountered\n")
+        writer.stdin.close()
+        assert writer.wait(20) == 0
         await index.update()
         return [r.text for r in await index.read_lines(0, 10)]
 
     rows = asyncio.run(go())
-    os.close(fd)
     assert rows[0].startswith("----- aerie: stage.log rotated") and "stage.1.log" in rows[0]
-    assert rows[1:] == ["after the cut"]
-    assert index.resets == 1 and index.lines == 2
-    assert (tmp_path / "stages" / "a" / "stage.1.log").read_bytes().endswith(b"encountered\n")
+    assert rows[-1] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert index.resets == 1
+    assert (tmp_path / "stages" / "a" / "stage.1.log").read_bytes().startswith(b"step 0 ok\n")
     assert "illegal memory access" in failure_line(log)
+    sizes = [p.stat().st_size for p in log.parent.glob("stage*.log")]
+    assert len(sizes) <= 3 and all(s <= 10_000 for s in sizes), sizes
+
+
+def test_log_writer_bounds_a_fast_writer_and_keeps_the_last_lines(tmp_path: Path) -> None:
+    """A writer far faster than any limit (20 MB through a 64 KiB limit): the stage log stays within
+    limit x (kept + 1), whole lines are never split, the newest bytes are in the current file; a line
+    longer than the limit is cut at it instead of growing one file without bound."""
+    log = tmp_path / "stage.log"
+    writer = _log_writer(log, 65536)
+    assert writer.stdin is not None
+    line = b"0123456789" * 9 + b"\n"
+    for _ in range(200):
+        writer.stdin.write(line * 1000)
+    writer.stdin.write(b"y" * 300_000 + b"\n")
+    writer.stdin.write(b"the last line\n")
+    writer.stdin.close()
+    assert writer.wait(60) == 0
+    files = sorted(tmp_path.glob("stage*.log"))
+    assert [p.name for p in files] == ["stage.1.log", "stage.2.log", "stage.log"]
+    assert all(p.stat().st_size <= 65536 for p in files)
+    assert log.read_bytes().endswith(b"y\nthe last line\n")
+    body = (tmp_path / "stage.2.log").read_bytes().split(b"\n", 1)[1]  # after the rotation note
+    assert all(ln == line[:-1] for ln in body.split(b"\n")[:-1] if not ln.startswith(b"y"))
 
 
 # ------------------------------------------------------------------------------------ a real run
@@ -225,7 +261,6 @@ def test_real_run_private_and_rotated(tmp_path: Path, monkeypatch: pytest.Monkey
     final progress across the rotations."""
     for kind, n in (("EVENTS", 4000), ("LOG", 20000), ("SUPERVISOR", 400), ("AUDIT", 300)):
         monkeypatch.setenv(f"AERIE_ROTATE_BYTES_{kind}", str(n))
-    monkeypatch.setenv("AERIE_ROTATE_CHECK_S", "0.2")
     (tmp_path / "w.py").write_text(WORKER)
     old = os.umask(0)
     try:
@@ -369,9 +404,9 @@ def test_carried_head_is_the_latest_state_per_key(tmp_path: Path) -> None:
         )
 
 
-async def test_log_screen_after_copy_truncate_shows_the_new_file(tmp_path: Path) -> None:
-    """The log screen, scrolled to the top of a long log (not following), when the supervisor
-    copy-truncates it: it shows the new file's lines, never the old content at the old line numbers."""
+async def test_log_screen_after_a_rotation_shows_the_new_file(tmp_path: Path) -> None:
+    """The log screen, scrolled to the top of a long log (not following), when the log writer rotates
+    it: it shows the new file's lines, never the old content at the old line numbers."""
     from console.app import AerieApp
     from tests.runs import finished_run
     from tests.test_console import until
@@ -387,13 +422,15 @@ async def test_log_screen_after_copy_truncate_shows_the_new_file(tmp_path: Path)
         await until(pilot, lambda: view.total == 3000, what="the old log indexed")
         await pilot.press("g")  # the top: not following
         await until(pilot, lambda: "old line 0" in screen_text(view)[0], what="the top")
-        rotator = growth.LogRotator(lambda: [("prep.sharegpt", log)], lambda _t: None)
-        rotator.limit = 1000
-        assert rotator.tick(force=True) == 1
-        with open(log, "a") as fh:
-            fh.write("new line after the cut\n")
-        await until(pilot, lambda: view.total == 2, what="the cut file re-indexed")
-        await until(pilot, lambda: screen_text(view)[1].endswith("new line after the cut"), what="new lines")
+        writer = _log_writer(log, log.stat().st_size)  # full: its first write rotates it
+        assert writer.stdin is not None
+        writer.stdin.write(b"new line after the rotation\n")
+        writer.stdin.close()
+        assert writer.wait(20) == 0
+        await until(pilot, lambda: view.total == 2, what="the new file indexed")
+        await until(
+            pilot, lambda: screen_text(view)[1].endswith("new line after the rotation"), what="new lines"
+        )
         shown = "\n".join(screen_text(view))
         assert "old line" not in shown and "stage.1.log" in screen_text(view)[0]
 
@@ -431,3 +468,34 @@ def test_a_frozen_lock_holder_never_blocks_a_writer(tmp_path: Path, monkeypatch:
     with EventWriter(path) as w:  # the holder gone: the put-off rotation happens
         w.emit("progress", done=10, total=10)
     assert (tmp_path / "events.1.jsonl").exists()
+
+
+def test_the_carried_head_read_before_the_lock_equals_one_read_under_it(tmp_path: Path) -> None:
+    """Rotation reads the generation before it takes its lock, then only what was appended meanwhile: the
+    head is the same as one read of the whole file, whatever was appended (newer values, a new attempt),
+    and a line longer than any event is skipped unread, not carried."""
+    from pipeline.run.rundir.event_carry import carry_lines, carry_scan
+
+    path = tmp_path / "events.jsonl"
+    with EventWriter(path, rotate_bytes=0) as w:
+        w.emit("started", attempt=1, pid=1)
+        for i in range(50):
+            w.emit("progress", done=i, total=100)
+            w.emit("metric", name="loss", value=1.0 / (i + 1))
+    with open(path, "ab") as fh:
+        fh.write(b'{"type":"message","t":1,"level":"info","code":"big","text":"' + b"x" * (3 << 20) + b'"}\n')
+    for more in (
+        [("progress", {"done": 60, "total": 100}), ("health", {"state": "ready"})],
+        [("started", {"attempt": 2, "pid": 2}), ("metric", {"name": "acc", "value": 0.5})],
+    ):
+        before = carry_scan(path)
+        with EventWriter(path, rotate_bytes=0) as w:
+            for kind, data in more:
+                w.emit(kind, **data)
+        assert carry_lines(path, before) == carry_lines(path)
+        head = [json.loads(ln) for ln in carry_lines(path).splitlines()]
+        assert all(e.get("code") != "big" for e in head)  # 3 MiB: longer than any event, skipped
+        if more[0][0] == "progress":
+            assert [e["type"] for e in head] == ["started", "metric", "progress", "health"]
+            assert head[2]["done"] == 60
+    assert [e["type"] for e in head] == ["started", "metric"] and head[0]["attempt"] == 2

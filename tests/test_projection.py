@@ -372,7 +372,7 @@ def test_a_failure_never_hides_a_stage_of_unknown_size(mixed: plan_mod.Plan) -> 
         line
     )
     text = "\n".join(status_lines(p))
-    assert "finish: unknown — will not finish without a retry of prep.a; a report no progress" in text, text
+    assert "finish: unknown — will not finish without a retry of prep.a; a reports no progress" in text, text
     # its GPU-hours: what was used is known, what the run will use is not (the finish is unknown)
     assert "0.0/? GPU-h" in line
     assert "GPU-hours: 0.01 used, projected unknown (the finish is)" in text

@@ -23,15 +23,20 @@ beside them (:meth:`LocalProcesses.survivors` is the guard the supervisor checks
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pipeline.run.hosts.procs import (
+    ENV_RUN_MARK,
+    ENV_STAGE_MARK,
     ENV_TOKEN,
+    CannotSignal,
     ProcIdentity,
     ProcStat,
     ProcTable,
@@ -39,9 +44,12 @@ from pipeline.run.hosts.procs import (
     attempt_members,
     boot_id,
     describe_members,
+    describe_pids,
     env_with_pipeline,
     process_table,
     signal_attempt,
+    signal_processes,
+    stage_processes,
 )
 from pipeline.run.plan.dag import StageSpec
 from pipeline.run.rundir.files import open_private_append
@@ -50,6 +58,7 @@ from pipeline.run.rundir.stage_row import DisplayState, StageState
 from pipeline.run.rundir.stage_status import StageStatus, finish, record_lost
 
 LAUNCH_TIMEOUT_S = 30.0  # a launch intent whose launcher never wrote proc.json (no child to ask) is lost
+LAUNCH_THREADS = 4  # launches forking at once (each waits for its child's exec)
 TABLE_TTL_S = 0.3  # one process table serves the stages derived within this long (one tick)
 LOST_LAUNCHER = "launcher was killed; the stage's processes ended, exit status unknown"
 REBOOTED = "the host restarted during the attempt (a new boot): exit status unknown"
@@ -84,6 +93,9 @@ class LocalProcesses:
         self.log = log
         self.python = python
         self.children: dict[str, subprocess.Popen] = {}  # launchers this supervisor started, until reaped
+        self.log_writers: list[subprocess.Popen] = []  # their stage log writers, until reaped
+        self._pool: ThreadPoolExecutor | None = None  # where launches fork (LAUNCH_THREADS)
+        self._spawning: dict[str, tuple[int, Future[tuple[subprocess.Popen, subprocess.Popen]]]] = {}
         self._table: tuple[float, float, ProcTable] | None = None  # (monotonic, wall time, table)
         self._ended: set[tuple[str, int, int, int]] = set()  # (sid, attempt, pid, start): no process left
         self._leftovers: dict[str, Leftovers] = {}
@@ -113,8 +125,8 @@ class LocalProcesses:
 
     def _signal(self, sid: str, sig: int) -> list[int]:
         ident = self.identity(sid)
-        if ident is None:
-            return []
+        if ident is None:  # proc.json damaged or gone: the processes marked as the stage's, one by one
+            return signal_processes(stage_processes(self.run.root, sid, self.table(fresh=True)), sig)
         try:
             return signal_attempt(ident, sig, self.table(fresh=True))
         except StrangerError as exc:
@@ -132,7 +144,7 @@ class LocalProcesses:
         sd = self.run.stage(sid)
         proc = read_json(sd.proc)
         if not proc or "pid" not in proc:
-            return None
+            return self._unrecorded(sid)
         ident = ProcIdentity.from_dict(proc)
         attempt = int(proc.get("attempt", 0))
         if (sid, attempt, ident.pid, ident.start_time) in self._ended:
@@ -142,36 +154,105 @@ class LocalProcesses:
             return None
         return f"attempt {attempt} of {sid} still has {describe_members(ident, left)}"
 
+    def _unrecorded(self, sid: str) -> str | None:
+        """No ``proc.json``: processes of the stage found by the marks in their environment, said for the
+        operator (None: none, or the stage was never launched)."""
+        sd = self.run.stage(sid)
+        if not (sd.launch.exists() or sd.log.exists() or sd.events.exists()):
+            return None  # never launched: nothing to look for
+        found = stage_processes(self.run.root, sid, self.table(fresh=True))
+        if not found:
+            return None
+        return f"{sid} still has {self._marked(found)}"
+
+    @staticmethod
+    def _marked(found: list[ProcStat]) -> str:
+        n = len(found)
+        return (
+            f"{n} process{'es' if n != 1 else ''} with no record (proc.json missing; found by the run and "
+            f"stage marked in their environment: {describe_pids([m.pid for m in found])})"
+        )
+
     # -------------------------------------------------------------------------------- launch
     def launch(self, sid: str, attempt: int) -> None:
+        """Start the attempt's launcher, its stdout and stderr a pipe to a log writer of its own
+        (:mod:`pipeline.run.stage_side.log_writer`): the stage's output never passes through this process,
+        and rotating ``stage.log`` is the writer's job, by rename. The two ``fork``+``exec``s run on a small
+        pool of threads (:data:`LAUNCH_THREADS`): on a loaded host each waits ~50 ms for its child to be
+        scheduled, and the loop does not wait with it; the stage shows "starting" meanwhile."""
         sd = self.run.stage(sid)
         env = env_with_pipeline()
         env.pop(ENV_TOKEN, None)  # the launcher marks its own attempt; it belongs to no other
-        logfh = open_private_append(sd.log)  # 0600 whatever the umask
+        # The run and stage in the launcher's environment (and so in every process the stage starts): its
+        # processes are found by them even when proc.json is damaged or gone (procs.stage_processes).
+        marked = {**env, ENV_RUN_MARK: str(self.run.root), ENV_STAGE_MARK: sid}
+        self.children.pop(sid, None)  # an earlier attempt's launcher, already ended (reaped by Popen)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(LAUNCH_THREADS, thread_name_prefix="aerie-launch")
+        self._spawning[sid] = (attempt, self._pool.submit(self._spawn, sd, attempt, env, marked))
+
+    def _spawn(
+        self, sd: StageDir, attempt: int, env: dict[str, str], marked: dict[str, str]
+    ) -> tuple[subprocess.Popen, subprocess.Popen]:
+        """The log writer, then the launcher writing into its pipe (on a pool thread)."""
+        read_end, write_end = os.pipe()
         try:
+            with open_private_append(sd.log) as errfh:  # the writer's own traceback, if it ever fails
+                writer = subprocess.Popen(
+                    [
+                        self.python,
+                        "-S",
+                        "-m",
+                        "pipeline.run.stage_side.log_writer",
+                        str(sd.log),
+                    ],  # -S: stdlib only
+                    stdin=read_end,
+                    stdout=subprocess.DEVNULL,
+                    stderr=errfh,
+                    start_new_session=True,  # outside the attempt's group: a kill never stops it first
+                    cwd=str(self.run.root),
+                    env=env,
+                )
             child = subprocess.Popen(
                 [
                     self.python,
                     "-m",
                     "pipeline.run.stage_side.launcher",
                     str(self.run.root),
-                    sid,
+                    sd.id,
                     str(attempt),
                 ],
                 stdin=subprocess.DEVNULL,
-                stdout=logfh,
+                stdout=write_end,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=str(self.run.root),
-                env=env,
+                env=marked,
             )
         finally:
-            logfh.close()
-        self.children[sid] = child
-        self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
+            os.close(read_end)
+            os.close(write_end)
+        return writer, child
+
+    def _spawned(self) -> None:
+        """Take the launches the pool finished: their launchers to follow, or why one could not start."""
+        for sid, (attempt, fut) in list(self._spawning.items()):
+            if not fut.done():
+                continue
+            del self._spawning[sid]
+            try:
+                writer, child = fut.result()
+            except OSError as exc:  # no launcher: the attempt is recorded failed, its retry policy applies
+                record_lost(self.run.stage(sid), attempt, f"cannot start its launcher: {exc}", self.log)
+                continue
+            self.log_writers.append(writer)
+            self.children[sid] = child
+            self.log(f"{sid}: launched attempt {attempt} (launcher pid {child.pid})")
 
     # -------------------------------------------------------------------------------- derive
     def derive(self, st: StageStatus, sd: StageDir, attempt: int, acked: bool) -> StageStatus | None:
+        if self._spawning:
+            self._spawned()
         proc = sd.record_for(sd.proc, attempt)
         if proc:
             ident = ProcIdentity.from_dict(proc)
@@ -197,9 +278,14 @@ class LocalProcesses:
         ex = sd.record_for(sd.exit, attempt)
         if ex:
             return finish(st, sd, ex, attempt, self.specs[sd.id])
-        child = self.children.get(sd.id)
+        child = None if sd.id in self._spawning else self.children.get(sd.id)  # forking: not yet known
         age = time.time() - float(launch.get("t", 0))
         if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
+            found = stage_processes(self.run.root, sd.id, self.table())
+            if found:  # proc.json lost under a live attempt: followed, never counted lost (nor retried)
+                self._running(st, sd, acked, stopped=all(m.state in ("T", "t") for m in found))
+                st.reason = f"following {self._marked(found)}"
+                return st
             ex = record_lost(sd, attempt, "the launcher never reported its pid", self.log)
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         st.state, st.reason, st.display = StageState.RUNNING, "starting", DisplayState.STARTING
@@ -269,6 +355,16 @@ class LocalProcesses:
     def terminate(self, sid: str, frozen: bool, reason: str) -> str:
         pgid = self._pgid(sid)
         reached = self._signal(sid, signal.SIGTERM)
+        if pgid is None:
+            self._signal(sid, signal.SIGCONT)
+            if not reached:
+                raise CannotSignal(
+                    f"cannot kill {sid}: its proc.json is missing and no process marked as its own was found"
+                )
+            grace = self.specs[sid].kill_grace_s
+            what = f"SIGTERM sent to {len(reached)} process{'es' if len(reached) != 1 else ''}"
+            self.log(f"{sid}: {what} found by their marks ({describe_pids(reached)}; {reason})")
+            return f"{sid}: {what} found by their marks (proc.json missing; {describe_pids(reached)}); SIGKILL after {grace:g}s"
         self._signal(sid, signal.SIGCONT)  # a stopped process must run to act on SIGTERM
         outside = self._outside(sid, reached)
         self.log(f"{sid}: SIGTERM to pgid {pgid}{outside} ({reason})")
@@ -277,6 +373,8 @@ class LocalProcesses:
 
     def kill(self, sid: str) -> str:
         reached = self._signal(sid, signal.SIGKILL)
+        if self._pgid(sid) is None:
+            return f"SIGKILL to {len(reached)} processes found by their marks"
         return f"SIGKILL to pgid {self._pgid(sid)}{self._outside(sid, reached)}"
 
     def _outside(self, sid: str, reached: list[int]) -> str:
@@ -287,12 +385,14 @@ class LocalProcesses:
         if not out:
             return ""
         n = len(out)
-        return f" and {n} process{'es' if n != 1 else ''} that left it (pid{'s' if n != 1 else ''} {', '.join(map(str, sorted(out)))})"
+        return f" and {n} process{'es' if n != 1 else ''} that left it ({describe_pids(out)})"
 
     def poll(self) -> None:
+        self._spawned()
         for sid, child in list(self.children.items()):
             if child.poll() is not None:
                 del self.children[sid]
+        self.log_writers = [w for w in self.log_writers if w.poll() is None]
         self._stop_leftovers()
 
     def _stop_leftovers(self) -> None:

@@ -140,6 +140,10 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+class CannotSignal(RuntimeError):
+    """No process of an attempt could be found to signal: the action is refused, never said done."""
+
+
 class StrangerError(RuntimeError):
     """The recorded pid now belongs to another process: refusing to signal it."""
 
@@ -150,8 +154,11 @@ def signal_group(ident: ProcIdentity, sig: int) -> bool:
     Returns False when the group is already gone. Raises :class:`StrangerError` when the
     recorded leader pid exists but is a different process and no member of the group is ours.
     If the leader has exited but members of its group remain (a stage's children), the group is
-    still signalled: a pgid cannot be reused while any member of the group is alive.
+    still signalled: a pgid cannot be reused while any member of the group is alive. A record from
+    another boot signals nothing: its group number means nothing in this one.
     """
+    if ident.boot_id and ident.boot_id != boot_id():
+        return False
     if ident.is_same_process():
         try:
             os.killpg(ident.pgid, sig)
@@ -185,18 +192,22 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-_TOKEN_PREFIX = ENV_TOKEN.encode() + b"="
+ENV_RUN_MARK = "AERIE_RUN_DIR"  # the run directory, in the environment of every process of its stages
+ENV_STAGE_MARK = "AERIE_STAGE_ID"  # the stage (both set for the launcher and kept by the stage's env)
 
 
-def _token_of(pid: int) -> str | None:
+def _marks_of(pid: int) -> dict[str, str] | None:
+    """The ``AERIE_*`` variables of a process's environment (None: gone, or not ours to read)."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:  # gone, or not ours to read
+    except OSError:
         return None
+    out = {}
     for item in raw.split(b"\0"):
-        if item.startswith(_TOKEN_PREFIX):
-            return item[len(_TOKEN_PREFIX) :].decode(errors="replace")
-    return None
+        if item.startswith(b"AERIE_"):
+            key, _, value = item.partition(b"=")
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out
 
 
 class ProcTable:
@@ -211,7 +222,7 @@ class ProcTable:
     def __init__(self) -> None:
         me, self.uid = os.getpid(), os.getuid()
         self.procs: list[tuple[ProcStat, int]] = []  # (stat, owner uid)
-        self._tokens: dict[tuple[int, int], str | None] = {}
+        self._marks: dict[tuple[int, int], dict[str, str] | None] = {}
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
                 continue
@@ -227,14 +238,18 @@ class ProcTable:
                 continue
             self.procs.append((st, owner))
 
+    def marks(self, st: ProcStat, owner: int) -> dict[str, str]:
+        """The ``AERIE_*`` marks in the environment of this account's process ``st`` (empty: none, or not ours)."""
+        if owner != self.uid:
+            return {}
+        key = (st.pid, st.start_time)
+        if key not in self._marks:
+            self._marks[key] = _marks_of(st.pid)
+        return self._marks[key] or {}
+
     def token(self, st: ProcStat, owner: int) -> str | None:
         """The attempt token in the environment of this account's process ``st`` (None: none, or not ours)."""
-        if owner != self.uid:
-            return None
-        key = (st.pid, st.start_time)
-        if key not in self._tokens:
-            self._tokens[key] = _token_of(st.pid)
-        return self._tokens[key]
+        return self.marks(st, owner).get(ENV_TOKEN)
 
 
 def process_table() -> ProcTable:
@@ -275,12 +290,42 @@ def attempt_members(ident: ProcIdentity, table: ProcTable | None = None) -> list
     return out
 
 
+def stage_processes(run_root: str | Path, sid: str, table: ProcTable | None = None) -> list[ProcStat]:
+    """Every live process of this account whose environment says it belongs to stage ``sid`` of the run at
+    ``run_root`` (:data:`ENV_RUN_MARK`, :data:`ENV_STAGE_MARK`, set at launch for the launcher and kept by
+    every process the stage starts), whatever attempt: how an attempt is found when ``proc.json`` is
+    damaged or gone. Reads the environment of each of this account's processes: for that fault only."""
+    tab = ProcTable() if table is None else table
+    want = os.path.realpath(run_root)
+    out = []
+    for st, owner in tab.procs:
+        marks = tab.marks(st, owner)
+        run = marks.get(ENV_RUN_MARK)
+        if (
+            marks.get(ENV_STAGE_MARK) == sid
+            and run
+            and (run == str(run_root) or os.path.realpath(run) == want)
+        ):
+            out.append(st)
+    return out
+
+
+def describe_pids(pids: list[int], limit: int = 8) -> str:
+    """'pids 1234, 1240 … and 388 more' for the operator: a long list is summarised."""
+    pids = sorted(pids)
+    more = f" … and {len(pids) - limit:,} more" if len(pids) > limit else ""
+    return f"pid{'s' if len(pids) != 1 else ''} {', '.join(map(str, pids[:limit]))}{more}"
+
+
 def describe_members(ident: ProcIdentity, members: list[ProcStat], limit: int = 8) -> str:
     """'3 processes (pgid 1234; pids 1234, 1240, 1251)' for the operator."""
-    pids = sorted(m.pid for m in members)
-    shown = ", ".join(str(p) for p in pids[:limit]) + (" …" if len(pids) > limit else "")
-    n = len(pids)
-    return f"{n} process{'es' if n != 1 else ''} (pgid {ident.pgid}; pid{'s' if n != 1 else ''} {shown})"
+    n = len(members)
+    return f"{n} process{'es' if n != 1 else ''} (pgid {ident.pgid}; {describe_pids([m.pid for m in members], limit)})"
+
+
+def signal_processes(members: list[ProcStat], sig: int) -> list[int]:
+    """Signal each of ``members`` (seen in a process table) that is still the process seen; the pids reached."""
+    return [m.pid for m in members if _signal_one(m, sig)]
 
 
 def _signal_one(st: ProcStat, sig: int) -> bool:

@@ -8,6 +8,15 @@ import time
 from pipeline.run.projection.compute import RunProjection
 
 SEP = " · "
+LISTED = 8  # stage ids a line names before "… and N more" (``aerie status --json`` has them all)
+ROWS = 20  # per-stage estimate lines before "… and N more"
+
+
+def ids(names: list[str], shown: int = LISTED) -> str:
+    """``a, b, c`` — or ``a, b, … and 2,988 more`` for a long list, so one line stays one line."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} … and {len(names) - shown:,} more"
 
 
 def duration(s: float) -> str:
@@ -120,18 +129,18 @@ def status_lines(p: RunProjection) -> list[str]:
     lines = [
         f"run: {p.progress:.0%} of the estimated work, {done}"
         if p.progress is not None
-        else f"run: progress unknown ({', '.join(p.unknown_open)}: no size known), {done}"
+        else f"run: progress unknown ({ids(p.unknown_open)}: no size known), {done}"
     ]
     if p.unknown_open:
-        retry = f"will not finish without a retry of {', '.join(p.blocked)}; " if p.blocked else ""
+        retry = f"will not finish without a retry of {ids(p.blocked)}; " if p.blocked else ""
         lines.append(
-            f"finish: unknown — {retry}{', '.join(p.unknown_open)} "
+            f"finish: unknown — {retry}{ids(p.unknown_open)} "
             f"{'reports' if len(p.unknown_open) == 1 else 'report'} no progress with a total (an "
             f"operator command can: StageContext.progress); the rest alone would take {duration(p.remaining_s)}"
         )
     elif p.blocked:
         lines.append(
-            f"finish: will not finish without a retry of {', '.join(p.blocked)}; retried now: "
+            f"finish: will not finish without a retry of {ids(p.blocked)}; retried now: "
             f"{clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now"
         )
     elif p.finished:
@@ -141,9 +150,7 @@ def status_lines(p: RunProjection) -> list[str]:
             f"finish: {clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now (critical path)"
         )
         if p.paused:
-            lines.append(
-                f"paused: {', '.join(p.paused)} (projected as if resumed now: the finish moves later)"
-            )
+            lines.append(f"paused: {ids(p.paused)} (projected as if resumed now: the finish moves later)")
     projected = (
         "projected unknown (the finish is)"
         if p.gpu_hours_projected is None
@@ -157,11 +164,17 @@ def status_lines(p: RunProjection) -> list[str]:
             + (f" on {p.disk_mount}" if p.disk_mount else "")
         )
     if not p.finished or p.blocked:
-        for e in p.stages:
-            if e.basis in ("measured", "assumed") and (e.remaining_s > 0 or e.state != "succeeded"):
-                rate = f"{_num(e.rate)} {e.unit}/s ({e.rate_from})" if e.rate else ""
-                what = f"{e.size:,.0f} {e.unit}" if e.size is not None else ""
-                lines.append(f"  {e.id:<28} {e.basis:<8} {duration(e.remaining_s):>7} left  {what} at {rate}")
+        shown = [
+            e
+            for e in p.stages
+            if e.basis in ("measured", "assumed") and (e.remaining_s > 0 or e.state != "succeeded")
+        ]
+        for e in shown[:ROWS]:
+            rate = f"{_num(e.rate)} {e.unit}/s ({e.rate_from})" if e.rate else ""
+            what = f"{e.size:,.0f} {e.unit}" if e.size is not None else ""
+            lines.append(f"  {e.id:<28} {e.basis:<8} {duration(e.remaining_s):>7} left  {what} at {rate}")
+        if len(shown) > ROWS:
+            lines.append(f"  … and {len(shown) - ROWS:,} more estimates (aerie status --json has them all)")
         if p.unknown:
-            lines.append(f"  no estimate (no size known): {', '.join(p.unknown)}")
+            lines.append(f"  no estimate (no size known): {ids(p.unknown)}")
     return lines

@@ -67,26 +67,40 @@ def quick_key(raw: bytes) -> bytes | None:
     return b"\0".join(parts)
 
 
-def lines_from_end(fh: Any, block: int = 1 << 20) -> Iterator[bytes]:
-    """The complete lines of a file, last first (a torn last line is skipped)."""
-    end = os.fstat(fh.fileno()).st_size
+LONGEST_SCANNED = 2 * MAX_EVENT_BYTES  # a line longer than this, read from the end, is skipped unread
+
+
+def lines_from_end(
+    fh: Any, block: int = 1 << 20, start: int = 0, longest: int = LONGEST_SCANNED, end: int | None = None
+) -> Iterator[bytes]:
+    """The complete lines of a file from its end back to byte ``start``, last first (a torn last line is
+    skipped). A line longer than ``longest`` (written by something that bypassed the event writer) is
+    skipped without being gathered: each byte is read once, so a file holding a 100 MiB line costs one
+    pass, not a copy of the line per block. ``end``: where to start reading back (default: the file's size)."""
+    end = os.fstat(fh.fileno()).st_size if end is None else end
     rest = b""
+    overlong = False  # inside a line to drop (over-long, or torn at the end): dropped up to its start
     first = True
-    while end > 0:
-        start = max(0, end - block)
-        fh.seek(start)
-        buf = fh.read(end - start) + rest
-        end = start
-        lines = buf.split(b"\n")
-        rest = lines.pop(0) if start > 0 else b""
+    while end > start:
+        lo = max(start, end - block)
+        fh.seek(lo)
+        buf = fh.read(end - lo)
+        end = lo
         if first:
-            first = False
-            if lines and lines[-1] != b"":
-                lines.pop()  # a torn last line: not an event
-            if lines and lines[-1] == b"":
-                lines.pop()
-        yield from (ln for ln in reversed(lines) if ln.strip())
-    if rest.strip():
+            first, overlong = False, not buf.endswith(b"\n")  # a torn last line is not an event
+        if overlong:
+            nl = buf.rfind(b"\n")
+            if nl < 0:
+                continue  # still inside it
+            buf, overlong = buf[: nl + 1], False
+        else:
+            buf += rest
+        lines = buf.split(b"\n")
+        rest = lines.pop(0) if lo > start else b""
+        yield from (ln for ln in reversed(lines) if ln.strip() and len(ln) <= longest)
+        if len(rest) > longest:
+            rest, overlong = b"", True
+    if rest.strip() and not overlong:
         yield rest
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.run.rundir import growth
-from pipeline.run.rundir.event_carry import carry_lines
+from pipeline.run.rundir.event_carry import carry_lines, carry_scan
 from pipeline.run.rundir.event_lines import (
     _SHOWN_BYTES,
     CARRIED,
@@ -143,7 +143,12 @@ class EventWriter:
         # 0600; follows and performs rotation (growth.SharedAppender, carry_lines); a torn last line is
         # ended first (end_torn_line), so its fragment never swallows the next event
         self._out = growth.SharedAppender(
-            self.path, "events", head=carry_lines, limit_bytes=rotate_bytes, on_open=end_torn_line
+            self.path,
+            "events",
+            head=carry_lines,
+            prepare=carry_scan,  # read outside the rotation's lock: the other writers never wait on it
+            limit_bytes=rotate_bytes,
+            on_open=end_torn_line,
         )
 
     def write(self, ev: Event) -> None:

@@ -13,9 +13,9 @@ file                      limit        keep  how
 ``stages/*/events.jsonl`` 64 MiB       3     the writer renames it (``rotate_file``) under an
                                              ``flock``; the new file starts with the *carried*
                                              summary (:func:`pipeline.run.rundir.events.carry_lines`)
-``stages/*/stage.log``    256 MiB      2     the supervisor copies it and truncates it in place
-                                             (:func:`copy_truncate`): it is the stage's inherited
-                                             ``O_APPEND`` stdout and cannot be renamed under it
+``stages/*/stage.log``    256 MiB      2     the stage's log writer renames it (the stage's
+                                             stdout is a pipe to that process:
+                                             :mod:`pipeline.run.stage_side.log_writer`)
 ``audit.jsonl``           16 MiB       4     the appender renames it, under an ``flock``
 ``supervisor.log``        16 MiB       2     the supervisor reopens it (:class:`RotatingLog`)
 ========================  ===========  ====  ==================================================
@@ -24,7 +24,6 @@ The limits are constants, not plan settings (nothing about a plan changes how mu
 needs to keep). ``AERIE_ROTATE_BYTES_EVENTS``, ``_LOG``, ``_AUDIT`` and ``_SUPERVISOR`` in the
 environment override a limit, for tests and for an operator who wants a different bound (set it where
 the supervisor starts; stages inherit it): :func:`limit` is the one place they are read.
-``AERIE_ROTATE_CHECK_S`` (default 10) is how often the supervisor looks at the stage logs' sizes.
 
 Appenders that share a file with a rotator (:class:`SharedAppender`) hold a shared ``flock`` on their
 fd while they check that it is still the file at the path and write; the rotator holds an exclusive
@@ -42,7 +41,7 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,7 +58,6 @@ LIMITS: dict[str, tuple[int, int]] = {
 ENV_PREFIX = "AERIE_ROTATE_BYTES_"
 LOCK_WAIT_S = 5.0  # the longest an appender waits for a rotation (or a rotator for appenders) to finish
 RETRY_BYTES = 1 * MiB  # a rotation that failed is tried again after this much more was appended
-LOG_CHECK_S = 10.0  # how often the supervisor looks at the stage logs' sizes (AERIE_ROTATE_CHECK_S)
 
 
 def limit(kind: str) -> int:
@@ -70,13 +68,6 @@ def limit(kind: str) -> int:
         return default
     try:
         return max(0, int(raw))
-    except ValueError:
-        return default
-
-
-def _float_env(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, "") or default)
     except ValueError:
         return default
 
@@ -210,15 +201,19 @@ def open_locked(path: Path, flags: int) -> int:
 class SharedAppender:
     """An ``O_APPEND`` file several processes append whole lines to, rotated by whichever passes the limit.
 
-    ``head(path)`` gives the lines the new generation starts with (read from the old one)."""
+    ``head(path, prepared)`` gives the lines the new generation starts with (read from the old one);
+    ``prepare(path)``, when given, is called first, *outside* the rotation's lock (its result is
+    ``prepared``), so the long part of reading the old generation never holds up the other writers: they
+    wait on the lock only for what ``head`` reads of the bytes they appended meanwhile, and the rename."""
 
     def __init__(
         self,
         path: Path,
         kind: str,
-        head: Callable[[Path], bytes] | None = None,
+        head: Callable[[Path, Any], bytes] | None = None,
         limit_bytes: int | None = None,
         on_open: Callable[[int], object] | None = None,
+        prepare: Callable[[Path], Any] | None = None,
     ) -> None:
         self.path = Path(path)
         self.kind = kind
@@ -226,6 +221,7 @@ class SharedAppender:
         self.limit = limit(kind) if limit_bytes is None else limit_bytes
         self.keep = keep(kind)
         self.head = head
+        self.prepare = prepare
         self._retry_at = 0  # after a failed rotation: the size at which to try again
         self.fd = self._open()
 
@@ -268,12 +264,16 @@ class SharedAppender:
                 self._retry_at = size + RETRY_BYTES
 
     def rotate(self) -> None:
+        prepared = None
+        if self.prepare is not None and self.head is not None:
+            with contextlib.suppress(OSError, ValueError):
+                prepared = self.prepare(self.path)
         if not _flock(self.fd, fcntl.LOCK_EX):
             raise OSError(f"{self.path}: a writer holds it (frozen?): rotation put off")
         try:
             # another appender may have rotated it while we waited for the lock
             if _same_file(self.path, self.fd) and os.fstat(self.fd).st_size >= self.limit:
-                rotate_file(self.path, self.keep, self.head(self.path) if self.head else b"")
+                rotate_file(self.path, self.keep, self.head(self.path, prepared) if self.head else b"")
         finally:
             _flock(self.fd, fcntl.LOCK_UN)
         self._reopen()
@@ -284,37 +284,10 @@ class SharedAppender:
             self.fd = -1
 
 
-# ------------------------------------------------------------------------------- copy-truncate
-def copy_truncate(path: Path, keep_n: int) -> int:
-    """Copy ``path`` to its first generation, then truncate it in place; returns the bytes moved.
-
-    For a file other processes hold open ``O_APPEND`` (a stage's stdout): their next write lands at the
-    new end. Bytes appended after the copy reached the end and before the truncate are lost (logrotate's
-    ``copytruncate`` window); the copy loops until it reads the end, so that window is the microseconds
-    between the last read and ``ftruncate``, not the seconds of the copy."""
-    path = Path(path)
-    _shift(path, keep_n)
-    dst = generation(path, 1)
-    moved = 0
-    with open(path, "r+b") as src:
-        out = open_private(dst, os.O_WRONLY | os.O_TRUNC)
-        try:
-            while True:
-                block = src.read(4 * MiB)
-                if not block:
-                    break
-                os.write(out, block)
-                moved += len(block)
-            os.fsync(out)
-            os.ftruncate(src.fileno(), 0)
-        finally:
-            os.close(out)
-    return moved
-
-
+# ------------------------------------------------------------------------------- stage logs
 def read_tail(path: Path, nbytes: int, keep_n: int | None = None) -> bytes:
     """The last ``nbytes`` of ``path``, continued back into its first rotated generation when the file is
-    shorter (a log truncated just before the line that says why a stage failed)."""
+    shorter (a log rotated just before the line that says why a stage failed)."""
     keep_n = keep("log") if keep_n is None else keep_n
     parts: list[bytes] = []
     left = nbytes
@@ -331,43 +304,6 @@ def read_tail(path: Path, nbytes: int, keep_n: int | None = None) -> bytes:
         if left <= 0:
             break
     return b"".join(parts)
-
-
-class LogRotator:
-    """The supervisor's tick for the stage logs: copy-truncate any ``stage.log`` past the limit."""
-
-    def __init__(self, logs: Callable[[], Iterable[tuple[str, Path]]], log: Callable[[str], None]) -> None:
-        self.logs = logs
-        self.log = log
-        self.limit = limit("log")
-        self.keep = keep("log")
-        self.every_s = _float_env("AERIE_ROTATE_CHECK_S", LOG_CHECK_S)
-        self._last = 0.0
-
-    def tick(self, now: float | None = None, force: bool = False) -> int:
-        """Rotate what is due (at most every :data:`LOG_CHECK_S`); returns how many logs were rotated."""
-        now = time.monotonic() if now is None else now
-        if not self.limit or (not force and now - self._last < self.every_s):
-            return 0
-        self._last = now
-        rotated = 0
-        for sid, path in self.logs():
-            try:
-                if os.stat(path).st_size < self.limit:
-                    continue
-                moved = copy_truncate(path, self.keep)
-                with open_private_append(path) as fh:
-                    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                    fh.write(
-                        f"----- aerie: {path.name} rotated {stamp}: the {moved:,} bytes before are in "
-                        f"{generation(path, 1).name} -----\n".encode()
-                    )
-            except OSError as exc:
-                self.log(f"{sid}: cannot rotate {path.name}: {exc}")
-                continue
-            rotated += 1
-            self.log(f"{sid}: {path.name} passed {self.limit:,} bytes: moved to {generation(path, 1).name}")
-        return rotated
 
 
 class RotatingLog:

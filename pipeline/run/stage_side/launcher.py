@@ -1,7 +1,8 @@
 """The launcher wrapper: ``python -m pipeline.run.stage_side.launcher RUN STAGE ATTEMPT``.
 
 The supervisor starts this in a new session (so it leads a fresh process group), detached, with
-stdin from /dev/null and stdout/stderr appended to the stage log. The launcher
+stdin from /dev/null and stdout/stderr a pipe to the stage's log writer
+(:mod:`pipeline.run.stage_side.log_writer`), which the stage inherits. The launcher
 
 1. records its pid, pgid, kernel start time and a random attempt token in ``proc.json`` (atomically),
    before the stage starts, so every process of the attempt can be found from that record,
@@ -22,12 +23,16 @@ the supervisor then follows the attempt's processes and records the exit when th
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -103,11 +108,32 @@ def stage_env(spec: StageSpec, run: RunDir, attempt: int, token: str = "") -> di
     return env
 
 
+LOG_DRAIN_S = 2.0  # the longest the launcher waits for the log writer to write the stage's last bytes
+
+
+def wait_log_written(within_s: float = LOG_DRAIN_S) -> None:
+    """When stdout is the log writer's pipe: wait until it has taken every byte the stage wrote (the pipe
+    is empty, and the log's size has stopped moving), so its last lines are in ``stage.log`` before they
+    are read for the failure reason. Bounded: a process the stage left running may write on."""
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+        if not stat.S_ISFIFO(os.fstat(1).st_mode):
+            return
+        deadline = time.monotonic() + within_s
+        pending = array.array("i", [0])
+        while time.monotonic() < deadline:
+            fcntl.ioctl(1, termios.FIONREAD, pending)
+            if pending[0] == 0:
+                break
+            time.sleep(0.01)
+        time.sleep(0.05)  # the writer's last read, on its way to the file
+
+
 def failure_line(log: os.PathLike[str] | str) -> str:
     """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
-    sys.stdout.flush()
+    wait_log_written()
     try:
-        # across a rotation: the line may be in stage.1.log when the supervisor just truncated the log
+        # across a rotation: the line may be in stage.1.log when the log writer just rotated the log
         return last_error_line(read_tail(Path(log), ERROR_TAIL_BYTES).decode(errors="replace"))
     except OSError:
         return ""

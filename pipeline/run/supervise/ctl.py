@@ -28,7 +28,10 @@ line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -100,7 +103,13 @@ def request(
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader went away (`… status | head -1`): quiet, as SIGPIPE would be
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as exc:  # the run dir cannot be written or read here: one line, never a traceback
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"error: cannot use the run directory: {exc.strerror or exc}{where}", file=sys.stderr)

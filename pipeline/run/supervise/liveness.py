@@ -15,8 +15,10 @@ block each other, and a supervisor starting at that instant retries its exclusiv
 ``supervisor.json`` (information only: pid, start time; rewritten by the supervisor if deleted).
 
 **Liveness** (:func:`liveness`) combines the lock with the age of the last snapshot in ``state.json``: a
-supervisor that holds the lock but has written no snapshot for :data:`STALE_S` is *silent* (alive, cannot
-write: the run directory was made read-only, a disk failed), one that holds no lock is *dead*. A heartbeat
+supervisor that holds the lock but has written no snapshot for :data:`STALE_S` is *silent*: it "cannot write"
+when a write is known to have failed (the run directory was made read-only, a disk failed, an alert of a
+failed write), else it is *slow* (a long tick on a loaded host: nothing failed); one that holds no lock is
+*dead*. A heartbeat
 in the run directory could not tell these apart on a read-only directory; the lock can.
 """
 
@@ -33,7 +35,7 @@ from typing import Any
 from pipeline.run.hosts.procs import ProcIdentity
 from pipeline.run.rundir.layout import RunDir, read_json
 
-HEARTBEAT_S = 5.0  # the supervisor rewrites state.json at least this often (its "t" moves)
+HEARTBEAT_S = 2.0  # the supervisor rewrites state.json at least this often (its "t" moves)
 STALE_S = 12.0  # no new snapshot for this long: the supervisor is silent (lock held) or dead (no lock)
 LOCK_RETRY_S = 0.5  # a supervisor starting retries its lock this long (a probe holds it for microseconds)
 
@@ -199,10 +201,17 @@ def liveness(run: RunDir, state: dict[str, Any] | None, now: float | None = None
         if age is not None and age <= STALE_S:
             verdict, text = "running", f"supervisor pid {pid} · last snapshot {ago}"
         else:
-            why = problem or _last_alert(sup) or "see supervisor.log"
             silent = f"silent for {span(age)}" if age is not None else "has written no snapshot yet"
             who = f"pid {pid} alive" if alive else "pid unknown, lock held"
-            verdict, text = "silent", f"supervisor {silent} ({who}, cannot write: {why})"
+            failed = problem or _last_alert(sup, "write_failed")
+            if failed:  # a write failed (or cannot be done): said so, with why
+                verdict, text = "silent", f"supervisor {silent} ({who}, cannot write: {failed})"
+            else:  # nothing failed that we know of: a long tick, a loaded host — slow, not broken
+                slow = f"slow: no snapshot for {age:.0f}s" if age is not None else "slow: no snapshot yet"
+                verdict, text = (
+                    "silent",
+                    f"supervisor {slow} ({who}, no write has failed; see supervisor.log)",
+                )
     elif state.get("done"):
         verdict, text = "finished", f"supervisor exited: the run is finished (last seen {last})"
     else:
@@ -220,6 +229,11 @@ def liveness(run: RunDir, state: dict[str, Any] | None, now: float | None = None
     }
 
 
-def _last_alert(sup: dict[str, Any]) -> str | None:
-    alerts = [a for a in sup.get("alerts") or [] if isinstance(a, dict) and not a.get("resolved")]
+def _last_alert(sup: dict[str, Any], code: str) -> str | None:
+    """The text of the latest open alert of ``code`` in the last snapshot (None: none)."""
+    alerts = [
+        a
+        for a in sup.get("alerts") or []
+        if isinstance(a, dict) and not a.get("resolved") and a.get("code") == code
+    ]
     return str(alerts[-1].get("text")) if alerts else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -38,13 +39,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline.run.hosts.executor import Executor, make_executor
-from pipeline.run.hosts.procs import ProcIdentity
+from pipeline.run.hosts.procs import CannotSignal, ProcIdentity
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.plan.dag import StageSpec
 from pipeline.run.rundir import audit, growth
 from pipeline.run.rundir.events import EventWriter
 from pipeline.run.rundir.files import CorruptFileError
-from pipeline.run.rundir.layout import RunDir, StageDir, read_json, write_json
+from pipeline.run.rundir.layout import RunDir, StageDir, read_json, write_atomic, write_json
 from pipeline.run.rundir.stage_row import SATISFIED, TERMINAL, StageState
 from pipeline.run.rundir.stage_status import StageStatus
 from pipeline.run.rundir.state_file import SnapshotRow, StateSnapshot
@@ -114,8 +115,6 @@ class Supervisor:
         self._beside_logged: dict[
             str, str
         ] = {}  # why a stage is not started beside its last attempt, logged once
-        # copy-truncate any stage.log past its limit (pipeline.run.rundir.growth)
-        self.log_rotator = growth.LogRotator(lambda: ((s, self.sd(s).log) for s in self.order), self.log)
         self.state_backoff = Backoff()  # state.json after a failed write
         self.tick_backoff = Backoff()  # the whole tick after an unexpected error
         self._held_stages: set[str] = (
@@ -123,6 +122,23 @@ class Supervisor:
         )  # stages whose files are damaged: followed, never started or signalled
         self._guessed: dict[str, int] = {}  # stages read with a fallback attempt (attempt.json damaged)
         self._acted: dict[str, tuple[bool, str]] = {}  # requests acted on whose answer is not written yet
+        # What keeps a tick O(stages + changes) (docs/performance.md, "The supervisor at scale"): only the
+        # stages that can change are derived from their files each tick (:meth:`_to_derive`), the rest by a
+        # slow sweep; the schedule pass runs when something changed; state.json is serialised when it did.
+        self._due: set[str] = set(self.order)  # derive these at the next refresh (acted on, launched, new)
+        self._keys: dict[str, tuple[Any, ...]] = {}  # what dependants see of a stage, as last derived
+        self._dependants: dict[str, list[str]] = {s: [] for s in self.order}
+        for sid, spec in self.specs.items():
+            for dep in {*spec.after, *spec.uses}:
+                self._dependants.setdefault(dep, []).append(sid)
+        self._active: set[str] = set()  # running or paused when this tick's refresh began
+        self._sweep_at = 0  # the next stage of the sweep (a file edited by hand is seen within a sweep)
+        self._changed = True  # a row changed since state.json was last written
+        self._sched_dirty = True  # something changed that the schedule pass must look at
+        self._sched_full_t = 0.0  # last schedule pass over every waiting stage (admission checks re-run)
+        self._next_retry_at: float | None = None
+        self._held_now: tuple[int, set[int]] | None = None  # CPU/GPUs held, during one schedule pass
+        self._write_s = 0.0  # how long serialising state.json last took
 
     # ----------------------------------------------------------------------------------- utils
     def log(self, text: str) -> None:
@@ -201,6 +217,7 @@ class Supervisor:
             spec = self._spec(sid)
             if sid not in self._spec_damaged:
                 self.specs[sid] = spec
+                self._touched(sid)
                 self.faults.resolve(f"file:{sid}:spec.json")
 
     def _attempt_fallback(self, sid: str, exc: Exception) -> int:
@@ -263,34 +280,74 @@ class Supervisor:
             prev = StageStatus(id=sid, family=spec.family, dataset=spec.dataset, service=spec.service)
         prev.reason = text
         self.status[sid] = prev
+        self._changed = True
 
     def sd(self, sid: str) -> StageDir:
         return self.run.stage(sid)
 
     # ------------------------------------------------------------------------------ derivation
     def refresh(self) -> None:
-        # Plan order is dependency-consistent, so each stage sees its deps' fresh state.
-        self._held_stages.clear()
-        self._guessed.clear()
+        """Derive the stages that can have changed (:meth:`_to_derive`) from their files; a stage whose
+        state changed has its dependants derived too (plan order is dependency-consistent, so each stage
+        sees its deps' fresh state)."""
         self._recheck_specs()
+        todo = self._to_derive()
         for sid in self.order:
+            if sid not in todo:
+                continue
+            self._held_stages.discard(sid)
+            self._guessed.pop(sid, None)
+            prev = self.status.get(sid)
             try:
-                self.status[sid] = self.deriver.derive(sid, self.status)
+                new = self.status[sid] = self.deriver.derive(sid, self.status)
             except STAGE_FAULTS as exc:
                 self._stage_fault(sid, exc, "reading its state")
                 continue
             keys = [k for k in self.faults.open_keys("corrupt_file", sid) if not k.endswith(":spec.json")]
             if sid in self._guessed:
-                self.status[sid].reason = self.faults.alerts[f"file:{sid}:attempt.json"].text
+                new.reason = self.faults.alerts[f"file:{sid}:attempt.json"].text
             elif keys and stage_file_problem(self.sd(sid).path) is not None:
                 self._held_stages.add(sid)  # a record read only when acting (kill.json…) is still damaged
-                self.status[sid].reason = self.faults.alerts[keys[-1]].text
+                new.reason = self.faults.alerts[keys[-1]].text
             else:
                 for key in keys:
                     self.faults.resolve(key)
-        for sid in self.order:  # not "ready" while a damaged file keeps it from starting
-            if self._blocked(sid) and self.status[sid].state == StageState.READY:
+            seen = (new.state, new.health, new.retry_at, new.attempt)
+            if self._keys.get(sid) != seen:  # what its dependants wait on moved: derive them too
+                self._keys[sid] = seen
+                todo.update(self._dependants.get(sid, ()))
+                self._sched_dirty = True
+            if prev != new:
+                self._changed = True
+                if prev is None or prev.state != new.state:  # e.g. ready again once a damaged file is fixed
+                    self._sched_dirty = True
+        for sid in self._held_stages | set(self._guessed) | self._spec_damaged:  # what _blocked holds
+            if sid in self.status and self.status[sid].state == StageState.READY:
                 self.status[sid].state = StageState.PENDING
+                self._changed = True
+
+    SWEEP_PER_S = 100.0  # stages a second derived besides the active ones: hand edits are seen within a sweep
+
+    def _to_derive(self) -> set[str]:
+        """The stages whose files can have changed since the last refresh: the running and paused ones (their
+        launchers write), those acted on or launched, those with a damaged file (re-read until fixed), plus
+        the next slice of a sweep over every stage (a file edited by hand). A waiting or finished stage's
+        files change only through this supervisor, so it is not read again each tick."""
+        todo, self._due = self._due, set()
+        todo |= self._held_stages | set(self._guessed) | self._spec_damaged
+        self._active = {
+            sid
+            for sid, st in self.status.items()
+            if st.state in (StageState.RUNNING, StageState.PAUSED) or st.pausing
+        }
+        todo |= self._active
+        todo.update(s for s in self.order if s not in self.status)
+        n = max(1, int(self.SWEEP_PER_S * max(self.poll_s, 0.05) + 0.999))
+        if self.order:
+            for i in range(min(n, len(self.order))):
+                todo.add(self.order[(self._sweep_at + i) % len(self.order)])
+            self._sweep_at = (self._sweep_at + n) % len(self.order)
+        return todo
 
     def _blocked(self, sid: str) -> bool:
         """A stage with a damaged file is followed, but nothing is started or signalled for it."""
@@ -298,6 +355,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------- actions
     def do_pause(self, sid: str) -> str:
+        self._touched(sid)
         st = self.status[sid]
         if st.state != StageState.RUNNING:
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to pause")
@@ -308,6 +366,7 @@ class Supervisor:
         )
 
     def do_resume(self, sid: str) -> str:
+        self._touched(sid)
         sd = self.sd(sid)
         st = self.status[sid]
         if not sd.pause_flag.exists() and st.state != StageState.PAUSED:
@@ -318,6 +377,7 @@ class Supervisor:
         return f"{sid}: resumed"
 
     def do_kill(self, sid: str, reason: str = "operator") -> str:
+        self._touched(sid)
         st = self.status[sid]
         if st.state not in (StageState.RUNNING, StageState.PAUSED):
             raise SupervisorError(f"{sid} is {st.state}, not running: nothing to kill")
@@ -325,9 +385,14 @@ class Supervisor:
         write_json(sd.kill_marker, {"attempt": st.attempt, "t": time.time(), "reason": reason})
         flag = read_json(sd.pause_flag) or {}
         sd.pause_flag.unlink(missing_ok=True)
-        return self.executor.terminate(sid, frozen=bool(flag.get("stopped")), reason=reason)
+        try:
+            return self.executor.terminate(sid, frozen=bool(flag.get("stopped")), reason=reason)
+        except CannotSignal as exc:  # nothing was signalled: refused (non-zero exit), no kill pending
+            sd.kill_marker.unlink(missing_ok=True)
+            raise SupervisorError(str(exc)) from None
 
     def do_retry(self, sid: str, fresh: bool = False) -> str:
+        self._touched(sid)
         st = self.status[sid]
         if st.state not in (
             StageState.FAILED,
@@ -350,6 +415,7 @@ class Supervisor:
         return f"{sid}: attempt {st.attempt + 1} queued" + (" (outputs cleared)" if fresh else "")
 
     def do_skip(self, sid: str) -> str:
+        self._touched(sid)
         st = self.status[sid]
         if st.state not in (
             StageState.PENDING,
@@ -365,6 +431,11 @@ class Supervisor:
         write_json(sd.attempt_file, {"attempt": att, "t": time.time()})
         write_json(sd.path / "skip.json", {"attempt": att, "t": time.time()})
         return f"{sid}: skipped"
+
+    def _touched(self, sid: str) -> None:
+        """An action on ``sid``: derived again at the next refresh, and the next schedule pass looks."""
+        self._due.add(sid)
+        self._changed = self._sched_dirty = True
 
     def _log_once(self, sid: str, text: str) -> None:
         if self._beside_logged.get(sid) != text:
@@ -382,6 +453,7 @@ class Supervisor:
 
     def do_force(self, sid: str) -> str:
         """Let a stage past the admission checks (disk budget, GPU guard) once, recorded in its events."""
+        self._touched(sid)
         st = self.status[sid]
         if st.state not in (StageState.PENDING, StageState.READY):
             raise SupervisorError(f"{sid} is {st.state}: --force applies to a stage waiting to start")
@@ -474,6 +546,8 @@ class Supervisor:
             else:
                 raise SupervisorError(f"unknown action {action!r}")
             self.status[sid] = self.deriver.derive(sid, self.status)
+            self._due.add(sid)  # its dependants see the change at the next refresh
+            self._changed = self._sched_dirty = True
         except SupervisorError as exc:
             ok, msg = False, str(exc)
         except OSError:
@@ -496,7 +570,7 @@ class Supervisor:
         return cpu, gpus
 
     def why_not_admitted(self, spec: StageSpec) -> str | None:
-        cpu, gpus = self._held()
+        cpu, gpus = self._held_now if self._held_now is not None else self._held()
         if self.executor.uses_local_slots and cpu + spec.cpu > self.plan.cpu_slots:
             return f"waiting for CPU slots ({cpu}/{self.plan.cpu_slots} in use)"
         busy = gpus & set(spec.gpus)
@@ -539,21 +613,41 @@ class Supervisor:
                 )
         return None
 
+    ADMISSION_RECHECK_S = 5.0  # a full schedule pass at least this often: admission checks read the host
+
     def schedule(self) -> int:
+        """Start what is ready and admitted, in plan order. A pass over every waiting stage runs only when
+        something changed (a state, a request, a launch), a retry is due, or the admission checks are due
+        again; else the refusals stand as they are (10,000 stages held by two slots cost nothing)."""
         now = time.time()
+        due_retry = self._next_retry_at is not None and now >= self._next_retry_at
+        if not (self._sched_dirty or due_retry or now - self._sched_full_t >= self.ADMISSION_RECHECK_S):
+            return 0
+        self._sched_dirty, self._sched_full_t, self._next_retry_at = False, now, None
         launched = 0
-        self._refused = {}
-        for sid in self.order:
-            if self._blocked(sid):
-                continue
-            try:
-                launched += self._schedule_one(sid, now)
-            except STAGE_FAULTS as exc:  # this stage waits (a failed write is retried next tick)
-                self._stage_fault(sid, exc, "starting it")
+        refused_before, self._refused = self._refused, {}
+        self._held_now = self._held()
+        try:
+            for sid in self.order:
+                st = self.status.get(sid)
+                if st is None or self._blocked(sid):
+                    continue
+                if st.state == StageState.PENDING and refused_before.get(sid) == st.reason:
+                    st.state = StageState.READY  # what it was derived as: ready, waiting for admission
+                if st.state != StageState.READY and st.retry_at is None:
+                    continue
+                try:
+                    launched += self._schedule_one(sid, now)
+                except STAGE_FAULTS as exc:  # this stage waits (a failed write is retried next tick)
+                    self._stage_fault(sid, exc, "starting it")
+        finally:
+            self._held_now = None
         return launched
 
     def _schedule_one(self, sid: str, now: float) -> int:
         st = self.status[sid]
+        if st.state == StageState.FAILED and st.retry_at is not None and now < st.retry_at:
+            self._next_retry_at = min(self._next_retry_at or st.retry_at, st.retry_at)
         if st.state == StageState.FAILED and st.retry_at is not None and now >= st.retry_at:
             self.log(
                 f"{sid}: automatic retry (attempt {st.attempt + 1} of {self.specs[sid].retry.max_attempts})"
@@ -564,6 +658,8 @@ class Supervisor:
                 self._log_once(sid, f"automatic retry postponed: {exc}")
                 return 0
             self.status[sid] = self.deriver.derive(sid, self.status)
+            self._due.add(sid)
+            self._changed = True
             st = self.status[sid]
         if st.state != StageState.READY:
             return 0
@@ -571,18 +667,26 @@ class Supervisor:
         if not why:
             why = self.launch(sid)  # None when started; why not, beside a live earlier attempt
         if why:
+            if st.reason != why:
+                self._changed = True
             st.state, st.reason = StageState.PENDING, why
             self._refused[sid] = why
             return 0
         self.status[sid] = self.deriver.derive(sid, self.status)
+        self._due.add(sid)
+        self._changed = self._sched_dirty = True
+        if self._held_now is not None and self.executor.uses_local_slots:  # what it holds from now on
+            spec = self.specs[sid]
+            self._held_now = (self._held_now[0] + spec.cpu, self._held_now[1] | set(spec.gpus))
         return 1
 
     def enforce(self) -> None:
         """Pause and kill grace periods; stop services nobody needs any more."""
         now = time.time()
-        for sid in list(self.status):
-            if self._blocked(sid):
-                continue
+        for sid in [s for s in self.order if s in self._active]:  # running or paused as this tick began
+            st = self.status[sid]
+            if self._blocked(sid) or st.state not in (StageState.RUNNING, StageState.PAUSED):
+                continue  # grace periods and services concern a running or paused attempt only
             try:
                 self._enforce_one(sid, now)
             except STAGE_FAULTS as exc:
@@ -665,19 +769,22 @@ class Supervisor:
         now = time.time()
         if not now_or_never and not self.state_backoff.ready(now):
             return False
-        snap = self.snapshot()
-        body = repr(
-            (snap["stages"], [(a["code"], a["text"], a["resolved"]) for a in snap["supervisor"]["alerts"]])
-        )
-        if force or body != self._last_written or now - self._last_write_t > HEARTBEAT_S:
+        alerts = repr([(a["code"], a["text"], a["resolved"]) for a in self.faults.section()])
+        changed = self._changed or alerts != self._last_written
+        # A huge run's changes are written at most every 10 serialisations' time (60 ms at 10,000 stages).
+        soon = now - self._last_write_t < min(1.0, 10 * self._write_s)
+        if force or now - self._last_write_t > HEARTBEAT_S or (changed and not soon):
+            t0 = time.monotonic()
             try:
-                write_json(self.run.state_path, snap)
+                snap = self.snapshot()
+                write_atomic(self.run.state_path, json.dumps(snap, separators=(",", ":")) + "\n")
             except OSError as exc:
                 self.state_backoff.failed(now)
                 self.write_failed(exc, self.run.state_path)
                 return False
+            self._write_s = time.monotonic() - t0
             self.state_backoff.ok()
-            self._last_written, self._last_write_t = body, now
+            self._last_written, self._last_write_t, self._changed = alerts, now, False
             self._resolve_writes()
         return True
 
@@ -703,8 +810,8 @@ class Supervisor:
             for sid, why in self._refused.items():
                 if self.status[sid].state == StageState.READY:  # keep showing why it is not admitted
                     self.status[sid].state, self.status[sid].reason = StageState.PENDING, why
-        self.write_state()
-        self.log_rotator.tick()
+                    self._sched_dirty = True
+        self.write_state()  # stage logs rotate in their own writers (pipeline.run.stage_side.log_writer)
 
     def run_forever(self, exit_when_done: bool = True) -> int:
         if not self.acquire_lock():

@@ -47,12 +47,22 @@ def job_name(sid: str, attempt: int, token: str) -> str:
 def batch_script(run: RunDir, sid: str, attempt: int, python: str) -> str:
     pkg_root = package_root()  # the folder holding pipeline/, shared with the nodes
     q = shlex.quote
+    sd = run.stage(sid)
+    rc = q(str(sd.path / f".rc-{attempt}"))
+    # The launcher's output goes through the stage's log writer, as under the local executor (stage.log
+    # rotated by rename, bounded); Slurm's --output keeps only what comes before it (a job that never ran).
+    # The shell ignores SIGTERM as the launcher does, so the stage's exit status is still the job's.
     return (
         "#!/bin/sh\n"
         f"# Aerie: stage {sid}, attempt {attempt} of run {run.root}\n"
         f"export PYTHONPATH={q(pkg_root)}${{PYTHONPATH:+:$PYTHONPATH}}\n"
         "export AERIE_EXECUTOR=slurm\n"
-        f"exec {q(python)} -m pipeline.run.stage_side.launcher {q(str(run.root))} {q(sid)} {attempt}\n"
+        "trap '' TERM INT\n"
+        f"{{ {q(python)} -m pipeline.run.stage_side.launcher {q(str(run.root))} {q(sid)} {attempt} 2>&1; "
+        f"echo $? > {rc}; }} | {q(python)} -S -m pipeline.run.stage_side.log_writer {q(str(sd.log))}\n"
+        f"status=$(cat {rc} 2>/dev/null || echo 1)\n"
+        f"rm -f {rc}\n"
+        'exit "$status"\n'
     )
 
 
