@@ -48,7 +48,7 @@ METHOD = DraftMethod(
     export=export,
     drafter=drafter,
     describe=lambda s: f"toy draft, TTT {s.ttt_steps}, {ToySettings.of(s).toy_label}",
-    serve_flags=lambda s: "--speculative-algorithm TOY",
+    serve_flags=lambda s, d: ("--speculative-algorithm", "TOY"),
     manifest=lambda s: {"block_size": None, "loss": "toy"},
     shape_keys=("ttt_steps",),
 )

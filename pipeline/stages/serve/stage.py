@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO, NoReturn
 
 from pipeline.eagle3 import provenance
@@ -25,9 +26,9 @@ from pipeline.run.plan.dag import PlanError
 from pipeline.run.rundir.layout import RunDir, write_json
 from pipeline.run.rundir.stage_row import HealthState
 from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
-from pipeline.serving.sglang_args import MODES, ServerSettings, settings_from_plan
+from pipeline.serving.sglang_args import MODES, ServerSettings, draft_path, settings_from_plan
 from pipeline.serving.sglang_log import ServerStats, parse_line
-from pipeline.stages.serve import backends, preflight
+from pipeline.stages.serve import backends, draft_flags, preflight
 from pipeline.stages.serve.health import HealthTracker, probe
 
 METRIC_INTERVAL_S = 1.0  # at most one metric set per batch kind per second
@@ -325,7 +326,12 @@ class ServeStage:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.serve", description=__doc__.split("\n")[0])
     add_common_args(ap)
-    ap.add_argument("--mode", choices=MODES, default="plain", help="eagle3: serve with the [deploy] draft")
+    ap.add_argument(
+        "--mode",
+        choices=MODES,
+        default="plain",
+        help="eagle3: serve with the [deploy] draft, launched with its own method's flags (EAGLE-3, DFlash, ...)",
+    )
     ap.add_argument(
         "--draft", default=None, help="EAGLE-3 draft checkpoint (overrides [deploy] draft_model_path)"
     )
@@ -339,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             gpus, kill_grace, cpu = spec.gpus, spec.kill_grace_s, spec.cpu
         except KeyError:
             gpus, kill_grace, cpu = (), 10.0, 1
-        settings = settings_from_plan(plan, args.mode, gpus=gpus, draft=args.draft, cpu=cpu)
+        method, flags = None, None
+        if args.mode == "eagle3":  # the draft's own method's flags (its provenance says which method)
+            method, flags = draft_flags.serve_flags(plan, Path(draft_path(plan, args.draft)))
+        settings = settings_from_plan(plan, args.mode, gpus=gpus, draft=args.draft, cpu=cpu, flags=flags)
     except PlanError as exc:
         ctx.health(HealthState.UNHEALTHY, detail="bad plan")
         fail(ctx, str(exc), 2)
@@ -350,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             fail(ctx, verdict.detail, 2)
         ctx.message(
             verdict.detail, level="warning" if verdict.level == "warn" else "info", code="draft_provenance"
+        )
+        ctx.message(
+            f"serving the {method} draft: {' '.join(settings.speculative.flags)}", code="draft_method"
         )
     stage = ServeStage(ctx, settings, kill_grace)
     stage.install_signals()

@@ -175,7 +175,14 @@ def train(
         if ctx:
             end = last_saved if stopped else s.steps
             ctx.progress(end, end, unit="steps", force=True)
-            ctx.message(finished_message(final, checkpointer.best, last_saved, method.serve_flags(s)))
+            ctx.message(
+                finished_message(
+                    final,
+                    checkpointer.best,
+                    last_saved,
+                    " ".join(method.serve_flags(s, plan.settings.deploy)),
+                )
+            )
     return 0
 
 
