@@ -35,7 +35,8 @@ def trained_with(plan: Plan, draft_dir: Path) -> tuple[str, TrainSection]:
     train = plan.settings.train
     if not isinstance(name, str) or name not in draft_names.known():
         return train.draft, train
-    values = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
+    values = recipe.get("train")
+    values = values if isinstance(values, dict) else {}
     settings = draft_names.settings_class(name)
     own = {f.name for f in fields(settings)} if settings is not None else set()
     table = {k: v for k, v in values.items() if k in own and v is not None}

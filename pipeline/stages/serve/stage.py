@@ -323,6 +323,21 @@ class ServeStage:
         return killed.get("reason") if killed else None
 
 
+def resolve(ctx: StageContext, mode: str, draft: str | None) -> tuple[str | None, ServerSettings, float]:
+    """The server this stage launches, the draft's method (``--mode eagle3``) and the stage's kill grace."""
+    plan = ctx.plan
+    try:
+        spec = plan.stage(ctx.stage_id)
+        gpus, kill_grace, cpu = spec.gpus, spec.kill_grace_s, spec.cpu
+    except KeyError:
+        gpus, kill_grace, cpu = (), 10.0, 1
+    method, flags = None, None
+    if mode == "eagle3":  # the draft's own method's flags (its provenance says which method)
+        method, flags = draft_flags.serve_flags(plan, Path(draft_path(plan, draft)))
+    settings = settings_from_plan(plan, mode, gpus=gpus, draft=draft, cpu=cpu, flags=flags)
+    return method, settings, kill_grace
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.serve", description=__doc__.split("\n")[0])
     add_common_args(ap)
@@ -339,16 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
     try:
-        plan = ctx.plan
-        try:
-            spec = plan.stage(ctx.stage_id)
-            gpus, kill_grace, cpu = spec.gpus, spec.kill_grace_s, spec.cpu
-        except KeyError:
-            gpus, kill_grace, cpu = (), 10.0, 1
-        method, flags = None, None
-        if args.mode == "eagle3":  # the draft's own method's flags (its provenance says which method)
-            method, flags = draft_flags.serve_flags(plan, Path(draft_path(plan, args.draft)))
-        settings = settings_from_plan(plan, args.mode, gpus=gpus, draft=args.draft, cpu=cpu, flags=flags)
+        method, settings, kill_grace = resolve(ctx, args.mode, args.draft)
     except PlanError as exc:
         ctx.health(HealthState.UNHEALTHY, detail="bad plan")
         fail(ctx, str(exc), 2)

@@ -175,14 +175,8 @@ def train(
         if ctx:
             end = last_saved if stopped else s.steps
             ctx.progress(end, end, unit="steps", force=True)
-            ctx.message(
-                finished_message(
-                    final,
-                    checkpointer.best,
-                    last_saved,
-                    " ".join(method.serve_flags(s, plan.settings.deploy)),
-                )
-            )
+            flags = method.serve_flags(s, plan.settings.deploy)
+            ctx.message(finished_message(final, checkpointer.best, last_saved, flags))
     return 0
 
 
