@@ -339,10 +339,10 @@ async def test_polls_cancelled_mid_connect_do_not_leak_channels(ssh_plan, fast_c
 
 
 async def test_a_misspelt_executor_option_is_named_not_ignored(ssh_plan):
-    plan = plan_mod.load(ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n', options='know_hosts = "/x"'))
-    rep = await preflight(plan)
-    assert not rep.ok and [c.name for c in rep.checks] == ["plan"]
-    assert f"{plan.path}: executor.options.know_hosts: unknown key" in rep.checks[0].detail
+    path = ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n', options='know_hosts = "/x"')
+    with pytest.raises(plan_mod.PlanError) as exc:  # when the plan loads (aerie plan check), not on connect
+        plan_mod.load(path)
+    assert f"{path}: executor.options.know_hosts: unknown key" in str(exc.value)
 
 
 async def test_preflight_runs_the_deep_chain_check_on_the_host(ssh_plan, tmp_path):
