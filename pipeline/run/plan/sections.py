@@ -60,6 +60,11 @@ class TargetSection(Section):
         "experts stay packed; offline extraction on GPUs only)",
         choices=ENGINES,
     )
+    allow_untested_sglang: bool = setting(
+        False,
+        "capture through an SGLang release newer than the last one in pipeline/tested_versions.py's table; "
+        "off: such a release is refused for capture (Aerie drives its batch API, which changes between releases)",
+    )
 
     @property
     def row_length(self) -> int:

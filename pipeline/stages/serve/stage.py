@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import IO, NoReturn
 
+from pipeline import tested_versions
 from pipeline.eagle3 import provenance
 from pipeline.run.hosts.procs import ProcIdentity, read_stat
 from pipeline.run.plan.dag import PlanError
@@ -358,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as exc:
         ctx.health(HealthState.UNHEALTHY, detail="bad plan")
         fail(ctx, str(exc), 2)
+    if settings.backend == "sglang":  # in seconds, with the table's line, before the server loads a model
+        refusal = tested_versions.stage_refusal(ctx.plan, "serve")
+        if refusal:
+            ctx.health(HealthState.UNHEALTHY, detail="SGLang")
+            fail(ctx, f'{ctx.plan.path}: serve.backend = "sglang": {refusal}', 2)
     if settings.speculative is not None:  # the draft must be one trained for the target served here
         verdict = provenance.check(settings.speculative.draft_model_path, settings.model)
         if not verdict.ok:
