@@ -359,11 +359,6 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as exc:
         ctx.health(HealthState.UNHEALTHY, detail="bad plan")
         fail(ctx, str(exc), 2)
-    if settings.backend == "sglang":  # in seconds, with the table's line, before the server loads a model
-        refusal = tested_versions.stage_refusal(ctx.plan, "serve")
-        if refusal:
-            ctx.health(HealthState.UNHEALTHY, detail="SGLang")
-            fail(ctx, f'{ctx.plan.path}: serve.backend = "sglang": {refusal}', 2)
     if settings.speculative is not None:  # the draft must be one trained for the target served here
         verdict = provenance.check(settings.speculative.draft_model_path, settings.model)
         if not verdict.ok:
@@ -375,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx.message(
             f"serving the {method} draft: {' '.join(settings.speculative.flags)}", code="draft_method"
         )
+    if settings.backend == "sglang":  # in seconds, with the table's line, before the server loads a model
+        refusal = tested_versions.stage_refusal(ctx.plan, "serve")
+        if refusal:
+            ctx.health(HealthState.UNHEALTHY, detail="SGLang")
+            fail(ctx, f'{ctx.plan.path}: serve.backend = "sglang": {refusal}', 2)
     stage = ServeStage(ctx, settings, kill_grace)
     stage.install_signals()
     become_subreaper()
