@@ -25,9 +25,9 @@ class KindTraits:
     gpus_beside_supervisor: bool  # the supervisor's GPU samples are of the stages' GPUs
 
 
-LOCAL = KindTraits(False, False, None, (), True)
+LOCAL = KindTraits(False, False, "pipeline.serving.local_preflight", (), True)
 TRAITS: dict[str, KindTraits] = {
-    "local": LOCAL,
+    "local": LOCAL,  # the stages run with this interpreter: SGLang is checked here
     "ssh": KindTraits(True, True, None, (), True),
     # Slurm: from this login node, or from one reached over ssh; the stages' GPUs are on compute nodes.
     "slurm": KindTraits(False, True, "pipeline.run.hosts.slurm.preflight", ("slurm",), False),

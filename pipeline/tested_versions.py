@@ -22,6 +22,8 @@ is this one (a test compares them).
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -146,30 +148,80 @@ def tested_sglang() -> list[str]:
     return [s.sglang for s in SGLANG_STACKS if s.status == TESTED_STATUS]
 
 
+ALLOW_UNTESTED_KEY = "target.allow_untested_sglang"
+INSTALL = "pip install -c constraints-gpu.txt '.[pipeline,gpu]'"
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``"0.5.23.post1"`` -> ``(0, 5, 23)``: the release numbers, for "newer than" (standard library only)."""
+    nums = []
+    for part in base(version).split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        nums.append(int(digits))
+        if digits != part:
+            break
+    return tuple(nums)
+
+
+def newest_tested() -> str:
+    return max(tested_sglang(), key=release)
+
+
+def gpu_extra_requirement() -> str:
+    """The ``gpu`` extra's SGLang requirement the table implies: from the oldest to the newest tested release,
+    every known-broken release between them excluded (pyproject.toml carries it; a test compares them)."""
+    tested = sorted(tested_sglang(), key=release)
+    spec = [f">={tested[0]}", f"<={tested[-1]}"]
+    lo, hi = release(tested[0]), release(tested[-1])
+    spec += [
+        f"!={s.sglang}" for s in SGLANG_STACKS if s.status == KNOWN_BROKEN and lo < release(s.sglang) < hi
+    ]
+    return "sglang" + ",".join(spec)
+
+
+def _unknown(sg: str, used: list[str], allow_untested: bool) -> Verdict:
+    """A release the table does not hold: newer than the last tested one refuses capture unless the plan allows it."""
+    tested, newest = ", ".join(tested_sglang()), newest_tested()
+    if "capture" in used and release(sg) > release(newest) and not allow_untested:
+        return Verdict(
+            "refuse",
+            f"SGLang {sg} is newer than the last release Aerie was tested with ({newest}): Aerie's capture drives "
+            f"its batch API, which changes between releases; install a tested release ({tested}: {INSTALL}), or "
+            f"set {ALLOW_UNTESTED_KEY} = true in the plan to try it",
+            sg,
+        )
+    allowed = f" (allowed by {ALLOW_UNTESTED_KEY})" if allow_untested and "capture" in used else ""
+    return Verdict(
+        "warn",
+        f"SGLang {sg} is not a release Aerie was tested with (tested: {tested}){allowed}; Aerie's capture "
+        f"drives its batch API, which changes between releases ({INSTALL})",
+        sg,
+    )
+
+
 def classify_sglang(
-    uses: Iterable[str] = USES, version_of: Callable[[str], str | None] | None = None
+    uses: Iterable[str] = USES,
+    version_of: Callable[[str], str | None] | None = None,
+    allow_untested: bool = False,
 ) -> Verdict:
     """The installed SGLang stack against the table, for a plan that ``uses`` SGLang so.
 
     ``version_of`` maps a distribution name to its installed version (default: this interpreter's);
-    tests and remote reports pass their own.
+    tests and remote reports pass their own. ``allow_untested``: the plan's ``[target] allow_untested_sglang``.
     """
     get = version_of or installed
     used = sorted(set(uses))
     have = {key: get(dist) for key, dist in SGLANG_PACKAGES.items()}
     tested = ", ".join(tested_sglang())
-    install = "pip install -c constraints-gpu.txt '.[pipeline,gpu]'"
+    install = INSTALL
     sg = have["sglang"]
     if sg is None:
         return Verdict("absent", f"SGLang is not installed here (tested: {tested}; {install})")
     row = stack_of(sg)
     if row is None:
-        return Verdict(
-            "warn",
-            f"SGLang {sg} is not a release Aerie was tested with (tested: {tested}); Aerie's capture drives "
-            f"its batch API, which changes between releases ({install})",
-            sg,
-        )
+        return _unknown(sg, used, allow_untested)
     if row.status == KNOWN_BROKEN:
         hit = [u for u in used if u in row.broken_for]
         if hit:
@@ -211,6 +263,46 @@ def sglang_uses(plan: object) -> set[str]:
     ):
         uses.add("serve")
     return uses
+
+
+def allows_untested(plan: object) -> bool:
+    """The plan's ``[target] allow_untested_sglang``."""
+    target = getattr(getattr(plan, "settings", None), "target", None)
+    return bool(getattr(target, "allow_untested_sglang", False))
+
+
+def plan_sglang(plan: object, version_of: Callable[[str], str | None] | None = None) -> Verdict | None:
+    """The installed SGLang against the table for what ``plan`` asks of it; ``None`` when it runs no SGLang."""
+    uses = sglang_uses(plan)
+    return classify_sglang(uses, version_of, allows_untested(plan)) if uses else None
+
+
+def stage_refusal(
+    plan: object, use: str, version_of: Callable[[str], str | None] | None = None
+) -> str | None:
+    """The line a stage about to run SGLang (``use``: serve or capture) fails with at its start, before any
+    model loads: SGLang absent, or the table refuses it; ``None`` when it may go on (a warning is not a refusal)."""
+    v = classify_sglang([use], version_of, allows_untested(plan))
+    if v.level == "absent":
+        return f"{v.detail}: this stage runs SGLang ({use}) with this interpreter ({sys.executable})"
+    return v.detail if v.level == "refuse" else None
+
+
+# constraints-gpu.txt resolves on CPython 3.12 only (sglang 0.5.14 ships cp312 wheels)
+GPU_LOCK_PYTHON = (3, 12)
+
+
+def gpu_python_problem(version: tuple[int, ...], implementation: str = "cpython") -> str | None:
+    """Why the GPU lock cannot install on this interpreter (one line), or ``None``: it needs CPython 3.12; on
+    3.11 or 3.13 pip fails after minutes blaming scipy or outlines-core rather than the Python."""
+    if implementation == "cpython" and tuple(version[:2]) == GPU_LOCK_PYTHON:
+        return None
+    want = ".".join(map(str, GPU_LOCK_PYTHON))
+    have = f"{implementation} {'.'.join(map(str, version[:3]))}"
+    return (
+        f"the GPU lock (constraints-gpu.txt) installs on CPython {want} only, this is {have}: create the "
+        f"environment with python{want} (e.g. `python{want} -m venv .venv`) before `{INSTALL}`"
+    )
 
 
 def markdown_table() -> str:

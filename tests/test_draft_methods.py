@@ -48,7 +48,7 @@ METHOD = DraftMethod(
     export=export,
     drafter=drafter,
     describe=lambda s: f"toy draft, TTT {s.ttt_steps}, {ToySettings.of(s).toy_label}",
-    serve_flags=lambda s: "--speculative-algorithm TOY",
+    serve_flags=lambda s, d: ("--speculative-algorithm", "TOY"),
     manifest=lambda s: {"block_size": None, "loss": "toy"},
     shape_keys=("ttt_steps",),
 )
@@ -113,16 +113,20 @@ def test_a_method_declares_its_own_typed_train_keys_in_its_folder(tmp_path: Path
         ({"draft": "toy", "toy_label": "odd"}, "train.toy_label", "plain, fancy"),
         ({"draft": "toy", "toy_label": 3}, "train.toy_label", "expected a string"),
         ({"draft": "toy", "toy_size": 3}, "train.toy_size", "unknown key"),
-        ({"draft": "toy", "dflash_block_size": 1}, "train.dflash_block_size", "between 2 and 64"),
+        (
+            {"draft": "toy", "dflash_block_size": 8},
+            "train.dflash_block_size",
+            "a key of the dflash draft method",
+        ),
     ):
         with pytest.raises(PlanError) as exc:
             TrainSection.parse(table, "p.toml")
         msg = str(exc.value)
         assert msg.startswith("p.toml: ") and key in msg and words in msg, msg
-    # a plan switched to another method keeps the toy's key: still checked, otherwise ignored
-    assert not hasattr(TrainSection.parse({"toy_label": "fancy"}, "p.toml"), "toy_label")
-    with pytest.raises(PlanError, match=r"p\.toml: train\.toy_label"):
-        TrainSection.parse({"toy_label": "odd"}, "p.toml")
+    # a plan switched to another method (or that forgot draft) keeps the toy's key: refused, naming the toy
+    for table in ({"toy_label": "fancy"}, {"draft": "dflash", "toy_label": "fancy"}):
+        with pytest.raises(PlanError, match=r"p\.toml: train\.toy_label: a key of the toy draft method"):
+            TrainSection.parse(table, "p.toml")
 
 
 def test_the_deep_check_asks_the_plans_method_and_no_other(tmp_path: Path, monkeypatch) -> None:

@@ -109,7 +109,7 @@ PLANS = {
 # name -> (over ssh, the ssh host, the module `aerie preflight` runs here, checks the kind adds to the ssh
 # preflight (run only where there is a host), the supervisor's GPU samples are the stages')
 EXPECTED = {
-    "local": (False, None, None, (), True),
+    "local": (False, None, "pipeline.serving.local_preflight", (), True),
     "ssh": (True, "gpu-box", None, (), True),
     "slurm here": (False, None, "pipeline.run.hosts.slurm.preflight", ("slurm",), False),
     "slurm over ssh": (True, "login", None, ("slurm",), False),

@@ -327,3 +327,91 @@ def test_a_multiline_stage_command_and_retry_are_typed(tmp_path: Path) -> None:
     assert "stage[0].retry.backof_s:" in error(
         tmp_path, '[[stage]]\nid = "a"\ncommand = "true"\nretry = { backof_s = 3 }\n'
     )
+
+
+def test_a_key_of_a_method_the_plan_does_not_train_is_refused_naming_its_method(tmp_path):
+    """`dflash_block_size = 8` without `draft = "dflash"`: plan check used to say ok and the run trained EAGLE-3."""
+    demo = (ROOT / "pipeline" / "plans" / "demo.toml").read_text()
+    assert "\n[train]\n" in demo
+    p = tmp_path / "demo.toml"
+    p.write_text(demo.replace("\n[train]\n", "\n[train]\ndflash_block_size = 8\n", 1))
+    with pytest.raises(plan_mod.PlanError) as exc:
+        plan_mod.load(p)
+    msg = str(exc.value)
+    assert f"{p}: train.dflash_block_size: a key of the dflash draft method" in msg
+    assert "train.draft is 'eagle3'" in msg and 'set train.draft = "dflash"' in msg
+    r = subprocess.run(
+        [sys.executable, "-m", "console.cli", "plan", "check", str(p)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and "a key of the dflash draft method" in r.stderr
+    p.write_text(demo.replace("\n[train]\n", '\n[train]\ndraft = "dflash"\ndflash_block_size = 8\n', 1))
+    assert plan_mod.load(p).settings.train.draft == "dflash"
+    r = subprocess.run(
+        [sys.executable, "-m", "console.cli", "plan", "check", str(p)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "executor,key,words",
+    [
+        (
+            'kind = "local"\noptions = { keepalive_s = 1.0 }',
+            "executor.options.keepalive_s",
+            "reads no options",
+        ),
+        (
+            'kind = "ssh"\nhost = "h"\nremote_dir = "/r"\noptions = { know_hosts = "/x" }',
+            "executor.options.know_hosts",
+            "unknown key",
+        ),
+        (
+            'kind = "ssh"\nhost = "h"\nremote_dir = "/r"\noptions = { max_sessions = 0 }',
+            "executor.options.max_sessions",
+            "must be 1 or more",
+        ),
+        (
+            'kind = "slurm"\noptions = { pipeline = "copy" }',
+            "executor.options.pipeline",
+            "must be one of auto, upload, installed",
+        ),
+        (
+            'kind = "ssh"\nhost = "h"\nremote_dir = "/r"\noptions = { keepalive_s = "5" }',
+            "executor.options.keepalive_s",
+            "expected a number",
+        ),
+    ],
+)
+def test_executor_options_are_typed_per_kind_by_plan_check(tmp_path, executor, key, words):
+    """Each kind's options are checked when the plan loads (aerie plan check), not first when the console
+    connects: a misspelt or mistyped one is named with the file and the key."""
+    p = write_plan(tmp_path, f"[executor]\n{executor}\n" + BASE + '[[stage]]\nid = "a"\ncommand = "true"\n')
+    with pytest.raises(plan_mod.PlanError) as exc:
+        plan_mod.load(p)
+    msg = str(exc.value)
+    assert f"{p}: {key}: " in msg and words in msg, msg
+    r = subprocess.run(
+        [sys.executable, "-m", "console.cli", "plan", "check", str(p)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and key in r.stderr
+
+
+def test_valid_ssh_options_load_typed(tmp_path):
+    p = write_plan(
+        tmp_path,
+        '[executor]\nkind = "ssh"\nhost = "h"\nremote_dir = "/r"\n'
+        'options = { keepalive_s = 2, max_sessions = 4, pipeline = "upload" }\n'
+        + BASE
+        + '[[stage]]\nid = "a"\ncommand = "true"\n',
+    )
+    o = plan_mod.load(p).executor.ssh_options()
+    assert (o.keepalive_s, o.max_sessions, o.pipeline, o.connect_timeout_s) == (2.0, 4, "upload", 15.0)

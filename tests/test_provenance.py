@@ -92,7 +92,7 @@ def test_the_guard_refuses_another_target_or_tokenizer_naming_both(
             doc["target"]["config_sha256"][:12] in v.detail and served_cfg["config_sha256"][:12] in v.detail
         )
         assert doc["target"]["config_file"] in v.detail and str(other / "config.json") in v.detail
-        assert "tokenizer:" not in v.detail
+        assert "tokenizer differs" not in v.detail and "num_hidden_layers: " in v.detail
     else:
         assert doc["tokenizer"]["sha256"][:12] in v.detail and served_tok["sha256"][:12] in v.detail
         assert (
@@ -159,7 +159,73 @@ def test_the_deep_check_refuses_a_deploy_draft_for_another_target(draft: Path, t
     plan = plan_mod.load(_plan(tmp_path, other, draft))
     line = next(c for c in chain_check.check(plan, free_bytes=10**12).checks if c.name == "draft provenance")
     assert not line.ok and line.detail.startswith(f"{plan.path}: deploy.draft_model_path: ")
-    assert "tokenizer:" in line.detail
+    assert "tokenizer differs" in line.detail
     plan = plan_mod.load(_plan(tmp_path, Path(tiny_llama()), draft))
     line = next(c for c in chain_check.check(plan, free_bytes=10**12).checks if c.name == "draft provenance")
     assert line.ok and not line.warning
+
+
+def _served_copy(tmp: Path, name: str) -> Path:
+    dst = tmp / name
+    shutil.copytree(Path(tiny_llama()), dst, symlinks=True)
+    return dst
+
+
+def test_a_refusal_names_the_config_field_that_differs_with_both_fingerprints(
+    draft: Path, tmp_path: Path
+) -> None:
+    other = other_target(tmp_path, "config")
+    v = provenance.check(draft, str(other))
+    layers = provenance.target_fingerprint(other)["num_hidden_layers"]
+    assert f"target config differs (num_hidden_layers: {layers - 1} -> {layers})" in v.detail
+    assert "tokenizer differs" not in v.detail and "chat template" not in v.detail
+
+
+def test_the_chat_template_is_compared_wherever_it_lives_under_one_name(draft: Path, tmp_path: Path) -> None:
+    """Edited in chat_template.jinja or in tokenizer_config.json: the same refusal, "chat template differs"; the
+    same template moved from one to the other passes."""
+    trained = (Path(tiny_llama()) / provenance.CHAT_TEMPLATE_FILE).read_text()
+    moved = _served_copy(tmp_path, "moved")
+    (moved / provenance.CHAT_TEMPLATE_FILE).unlink()
+    tc = json.loads((moved / "tokenizer_config.json").read_text())
+    (moved / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": trained}))
+    assert provenance.check(draft, str(moved)).level == "ok"
+    in_config = _served_copy(tmp_path, "in-config")
+    (in_config / provenance.CHAT_TEMPLATE_FILE).unlink()
+    edited = trained.replace("<|im_start|>", "<|im_start|> ", 1)
+    assert edited != trained
+    (in_config / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": edited}))
+    in_jinja = _served_copy(tmp_path, "in-jinja")
+    (in_jinja / provenance.CHAT_TEMPLATE_FILE).write_text(edited)
+    for served, where in (
+        (in_config, "tokenizer_config.json: chat_template"),
+        (in_jinja, "chat_template.jinja"),
+    ):
+        v = provenance.check(draft, str(served))
+        assert v.level == "refuse", v.detail
+        assert "chat template differs" in v.detail and f"({where} in {served})" in v.detail
+        assert "tokenizer differs" not in v.detail and "target config" not in v.detail
+
+
+@pytest.mark.parametrize("text", ["[]", "{not json", '"a string"'])
+def test_a_malformed_provenance_file_is_malformed_not_missing(draft: Path, tmp_path: Path, text: str) -> None:
+    bad = tmp_path / "bad-draft"
+    shutil.copytree(draft, bad)
+    (bad / provenance.PROVENANCE_FILE).write_text(text)
+    v = provenance.check(bad, tiny_llama())
+    assert v.level == "refuse" and "malformed" in v.detail and "missing" not in v.detail
+    assert str(bad / provenance.PROVENANCE_FILE) in v.detail
+
+
+def test_aerie_status_shows_the_whole_refusal(draft: Path, tmp_path: Path) -> None:
+    """The line status shows for a failed stage is the whole refusal: both fingerprints and the served model's
+    details, not cut before them."""
+    from pipeline.run.rundir.logscan import last_error_line
+
+    other = other_target(tmp_path, "config")
+    v = provenance.check(draft, str(other))
+    line = last_error_line(f"===== aerie: attempt 1\nerror: {v.detail}\n")
+    assert line == f"error: {v.detail}"
+    served = provenance.target_fingerprint(other)
+    assert served["config_sha256"][:12] in line and f"{served['config_file']}: " in line
+    assert f"{served['num_hidden_layers']} layers, hidden {served['hidden_size']}" in line

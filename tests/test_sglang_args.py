@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import pytest
 
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.plan.dag import PlanError
-from pipeline.serving.sglang_args import settings_from_plan, sglang_argv
+from pipeline.serving.sglang_args import draft_path, settings_from_plan, sglang_argv
+from pipeline.stages.serve import draft_flags
 from pipeline.stages.serve.backends import launch
 
 BASE = """
@@ -107,14 +109,14 @@ def test_eagle3_argv_from_plan(tmp_path):
         "4096",
         "--speculative-algorithm",
         "EAGLE3",
-        "--speculative-draft-model-path",
-        "/ckpt/epoch_3_step_9000",
         "--speculative-num-steps",
         "5",
         "--speculative-eagle-topk",
         "2",
         "--speculative-num-draft-tokens",
         "8",
+        "--speculative-draft-model-path",
+        "/ckpt/epoch_3_step_9000",
     ]
 
 
@@ -259,3 +261,82 @@ def test_local_backend_runs_transformers_serve_with_the_stage_cpu_slots_as_threa
     assert env["OMP_WAIT_POLICY"] == "PASSIVE", "its threads sleep between parallel regions, never spin"
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # an operator's own setting wins
     assert "OMP_NUM_THREADS" not in launch(settings_from_plan(plan, cpu=2), "py")[1]
+
+
+def _draft_with_recipe(folder: Path, recipe: dict | None) -> Path:
+    """A draft export as the train stage leaves it: its provenance's recipe names the method it was trained with."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    if recipe is not None:
+        (folder / "aerie_provenance.json").write_text(json.dumps({"format": 1, "recipe": recipe}))
+    return folder
+
+
+DEPLOY = """
+[deploy]
+draft_model_path = "draft"
+speculative_num_steps = 5
+speculative_eagle_topk = 1
+speculative_num_draft_tokens = 6
+"""
+
+
+def _deploy_argv(plan: plan_mod.Plan) -> tuple[str, list[str]]:
+    method, flags = draft_flags.serve_flags(plan, Path(draft_path(plan)))
+    return method, sglang_argv(settings_from_plan(plan, mode="eagle3", flags=flags))
+
+
+def test_a_dflash_draft_is_served_as_dflash_with_its_block(tmp_path):
+    """The plan trains DFlash (blocks of 8): the deploy launches SGLang's DFLASH with 8 draft tokens, not
+    EAGLE-3's chain settings of [deploy] (the method's spec is the one source of the flags)."""
+    _draft_with_recipe(tmp_path / "draft", None)
+    plan = load(tmp_path, '[train]\ndraft = "dflash"\ndflash_block_size = 8\n' + DEPLOY)
+    method, argv = _deploy_argv(plan)
+    assert method == "dflash"
+    tail = argv[argv.index("--speculative-algorithm") :]
+    assert tail == [
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-num-draft-tokens",
+        "8",
+        "--speculative-draft-model-path",
+        str(tmp_path / "draft"),
+    ]
+    assert "--speculative-num-steps" not in argv and "EAGLE3" not in argv
+
+
+def test_the_drafts_own_provenance_names_its_method(tmp_path):
+    """A plan that says nothing of DFlash deploys a DFlash export as DFlash (block 6, from the export's recipe);
+    an EAGLE-3 export under a DFlash plan is served as EAGLE-3 with [deploy]'s chain."""
+    _draft_with_recipe(tmp_path / "draft", {"draft": "dflash", "train": {"dflash_block_size": 6, "steps": 9}})
+    method, argv = _deploy_argv(load(tmp_path, DEPLOY))
+    assert method == "dflash" and argv[argv.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "6"
+    other = tmp_path / "other"
+    other.mkdir()
+    _draft_with_recipe(other / "draft", {"draft": "eagle3", "train": {"ttt_steps": 7}})
+    plan = load(other, '[train]\ndraft = "dflash"\ndflash_block_size = 8\n' + DEPLOY)
+    method, argv = _deploy_argv(plan)
+    assert method == "eagle3"
+    assert argv[argv.index("--speculative-algorithm") :][:8] == [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-num-steps",
+        "5",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "6",
+    ]
+
+
+@pytest.mark.slow
+def test_sglang_own_parser_reads_each_methods_deploy(tmp_path):
+    """SGLang's parser reads the DFlash deploy as DFLASH with the draft's block as its draft tokens."""
+    prepare_server_args = _sglang_parser()
+    _draft_with_recipe(tmp_path / "draft", None)
+    plan = load(tmp_path, '[train]\ndraft = "dflash"\ndflash_block_size = 8\n' + DEPLOY)
+    _, argv = _deploy_argv(plan)
+    a = prepare_server_args(argv[3:])
+    assert a.speculative_algorithm == "DFLASH" and a.speculative_num_draft_tokens == 8
+    assert a.speculative_draft_model_path == str(tmp_path / "draft")

@@ -72,3 +72,22 @@ def test_preflight_names_what_the_cluster_cannot_give(slurm_cluster: SlurmCluste
     assert "FAIL  partition 'debug': 0 GPU(s) per node; train asks 1 per node" in p.stdout
     p = preflight(write_plan(tmp_path, plan_text("nosuch", "")))
     assert p.returncode == 2 and "FAIL  partition 'nosuch' does not exist" in p.stdout
+
+
+@pytest.mark.slow
+def test_preflight_checks_sglang_on_the_compute_node(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A plan that captures through SGLang: the node's interpreter's SGLang against the tested-versions table,
+    the same verdict the local and SSH preflights give (this interpreter is the node's here)."""
+    from pipeline import tested_versions as tv
+
+    text = plan_text(cluster_mod.PARTITION, "cpu = 1").replace(
+        "[executor]", '[target]\nengine = "sglang"\n[executor]'
+    )
+    p = preflight(write_plan(tmp_path, text))
+    v = tv.classify_sglang(["capture"])
+    line = next((ln for ln in p.stdout.splitlines() if " sglang " in ln and "compute node" in ln), "")
+    assert v.detail in line, p.stdout + p.stderr
+    assert line.lstrip().startswith(
+        "FAIL" if v.level in ("absent", "refuse") else ("warn" if v.warning else "ok")
+    )
+    assert p.returncode == (2 if v.level in ("absent", "refuse") else 0)

@@ -340,10 +340,10 @@ async def test_polls_cancelled_mid_connect_do_not_leak_channels(ssh_plan, fast_c
 
 
 async def test_a_misspelt_executor_option_is_named_not_ignored(ssh_plan):
-    plan = plan_mod.load(ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n', options='know_hosts = "/x"'))
-    rep = await preflight(plan)
-    assert not rep.ok and [c.name for c in rep.checks] == ["plan"]
-    assert f"{plan.path}: executor.options.know_hosts: unknown key" in rep.checks[0].detail
+    path = ssh_plan('[[stage]]\nid = "a"\ncommand = "true"\n', options='know_hosts = "/x"')
+    with pytest.raises(plan_mod.PlanError) as exc:  # when the plan loads (aerie plan check), not on connect
+        plan_mod.load(path)
+    assert f"{path}: executor.options.know_hosts: unknown key" in str(exc.value)
 
 
 async def test_preflight_runs_the_deep_chain_check_on_the_host(ssh_plan, tmp_path):
@@ -421,3 +421,27 @@ async def test_preflight_weighs_the_hosts_sglang_against_the_tested_versions(ssh
     assert f"SGLang {installed} is known broken for capture" in detail and "fill_len" in detail
     assert "0.5.14" in detail and "constraints-gpu.txt" in detail
     assert not any(c.name.startswith("chain") for c in rep.checks)
+
+
+async def test_executor_python_is_used_as_given_not_the_interpreter_it_reports(ssh_plan, tmp_path):
+    """A wrapper script as [executor] python (it sets the environment the stages need): preflight keeps it, so
+    the supervisor and the stages run through it, rather than the bare interpreter the probe reports."""
+    wrapper = tmp_path / "py-wrap"
+    wrapper.write_text(f'#!/bin/sh\nexport AERIE_WRAPPED=via-wrapper\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    plan = plan_mod.load(
+        ssh_plan(
+            '[[stage]]\nid = "env"\ncommand = "printf %s \\"$AERIE_WRAPPED\\" > wrapped.txt"\n',
+            python=str(wrapper),
+        )
+    )
+    conn = HostConnection(SshTarget.from_executor(plan.executor))
+    async with conn:
+        transport = await bootstrap(plan.path, conn)
+        assert transport.layout.python == str(wrapper)
+        model = RunModel(transport)
+        await poll_until(model, lambda: model.done)
+        assert model.stages["env"].state == "succeeded"
+        await transport.close()
+    out = Path(plan.executor.remote_dir) / "stages" / "env" / "out" / "wrapped.txt"
+    assert out.read_text() == "via-wrapper"

@@ -47,7 +47,7 @@ def test_a_tested_sglang_beside_another_torch_or_transformers_warns_naming_both(
 
 
 def test_an_unknown_release_warns_and_a_known_broken_one_refuses_what_it_breaks() -> None:
-    v = tv.classify_sglang(("capture",), host("0.6.0"))
+    v = tv.classify_sglang(("serve",), host("0.6.0"))
     assert v.level == "warn" and "SGLang 0.6.0 is not a release Aerie was tested with" in v.detail
     assert TESTED.sglang in v.detail
     refused = tv.classify_sglang(("capture", "serve"), host(BROKEN.sglang))
@@ -130,3 +130,58 @@ def test_the_docs_carry_the_table_as_the_module_has_it() -> None:
         "docs/operating.md's tested-versions table differs from pipeline/tested_versions.py; paste "
         "`python -c 'from pipeline.tested_versions import markdown_table; print(markdown_table())'`"
     )
+
+
+@pytest.mark.parametrize("release", ["0.5.23.post1", "0.5.24", "0.6.0"])
+def test_a_release_newer_than_the_last_tested_is_refused_for_capture_unless_the_plan_allows_it(
+    tmp_path: Path, release: str
+) -> None:
+    v = tv.classify_sglang(("capture",), host(release))
+    assert v.level == "refuse" and not v.ok
+    assert (
+        f"SGLang {release} is newer than the last release Aerie was tested with ({TESTED.sglang})" in v.detail
+    )
+    assert "target.allow_untested_sglang = true" in v.detail  # the refusal names the key that allows it
+    allowed = tv.classify_sglang(("capture",), host(release), allow_untested=True)
+    assert allowed.level == "warn" and "allowed by target.allow_untested_sglang" in allowed.detail
+    assert tv.classify_sglang(("serve",), host(release)).level == "warn"  # serving only: a warning
+    p = _plan(tmp_path, "sglang", EXTRACT)
+    assert tv.plan_sglang(p, host(release)).level == "refuse"
+    assert f"{tv.ALLOW_UNTESTED_KEY} = true" in (tv.stage_refusal(p, "capture", host(release)) or "")
+    p.path.write_text(
+        p.path.read_text().replace('engine = "sglang"', 'engine = "sglang"\nallow_untested_sglang = true')
+    )
+    allowing = plan_mod.load(p.path)
+    assert tv.plan_sglang(allowing, host(release)).level == "warn"
+    assert tv.stage_refusal(allowing, "capture", host(release)) is None
+
+
+def test_the_gpu_extra_admits_only_tested_releases() -> None:
+    """An install without the lock cannot land on a release the table does not call tested: the extra's range is
+    the table's (oldest to newest tested), so 0.5.23 (known broken) and anything newer are out."""
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (req,) = [Requirement(r) for r in extras["gpu"] if r.startswith("sglang")]
+    assert req.specifier == Requirement(tv.gpu_extra_requirement()).specifier, (
+        "the gpu extra is not the table's range"
+    )
+    assert req.specifier.contains(TESTED.sglang)
+    for other in (BROKEN.sglang, "0.5.23.post1", "0.5.24", "0.6.0", "0.5.13"):
+        assert not req.specifier.contains(other), other
+
+
+@pytest.mark.parametrize(
+    "version,impl,ok",
+    [
+        ((3, 12, 1), "cpython", True),
+        ((3, 11, 7), "cpython", False),
+        ((3, 13, 0), "cpython", False),
+        ((3, 12, 1), "pypy", False),
+    ],
+)
+def test_the_gpu_lock_names_the_python_it_needs(version, impl, ok) -> None:
+    problem = tv.gpu_python_problem(version, impl)
+    assert (problem is None) == ok
+    if not ok:
+        assert "CPython 3.12 only" in problem and f"this is {impl} {'.'.join(map(str, version))}" in problem

@@ -225,12 +225,24 @@ lr = {args.lr}
 checkpoint_every = {max(1, args.steps // 2)}
 keep_checkpoints = 1
 log_every = {max(1, args.steps // 20)}
+[serve]
+backend = "sglang"
+port = 30013
+mem_fraction_static = {args.mem_fraction}
+context_length = {args.context_length}
+startup_timeout_s = {args.start_timeout}
+extra_args = {json.dumps(list(settings(model, 0, args).extra_args))}
+[deploy]
+draft_model_path = "{w / "train" / "draft"}"
+port = 30014
 [bench]
 holdout = 0.05
 prompts = {args.heldout}
 max_new_tokens = {args.max_new}
 steps = {args.block - 1}
 check_lossless = true
+batches = {json.dumps(args.batches)}
+requests_per_stream = {args.per_stream}
 [[datasets]]
 name = "self"
 source = "ultrachat"
@@ -338,6 +350,57 @@ def phase_serve(args: argparse.Namespace) -> None:
     save()
 
 
+def deploy_argv(plan: Path) -> list[str]:
+    """The argv the serve stage's ``--mode eagle3`` launches for this plan's draft: its method's flags from the
+    registry (:mod:`pipeline.stages.serve.draft_flags`), what the CPU smoke run checks without SGLang."""
+    from pipeline.run.plan import dag as plan_mod
+    from pipeline.serving.sglang_args import draft_path, settings_from_plan, sglang_argv
+    from pipeline.stages.serve import draft_flags
+
+    p = plan_mod.load(plan)
+    method, flags = draft_flags.serve_flags(p, Path(draft_path(p)))
+    return [method, *sglang_argv(settings_from_plan(p, "eagle3", flags=flags))]
+
+
+def phase_stages(args: argparse.Namespace) -> None:
+    """Aerie's own serve and online bench stages by their command lines: the plain server and the online bench
+    (``--label plain``), then the serve stage's ``--mode eagle3`` (the draft's method, DFlash, picks its flags)
+    and the online bench against the plain one (``--baseline bench-plain``)."""
+    w = work(args)
+    plan = w / "plan.toml"
+    res: dict[str, Any] = RES.setdefault("stages", {})
+    res["deploy_argv"] = deploy_argv(plan)
+    log(f"stages: the deploy launches {' '.join(res['deploy_argv'])}")
+    save()
+    if not with_sglang():
+        res["skipped"] = "no SGLang or no GPU: the deploy argv only"
+        save()
+        return
+    from bench.gpu.sglang_stages import _events, _run, _start, _stop, _wait_ready
+
+    (OUT / "stages").mkdir(parents=True, exist_ok=True)
+    for label, mode, port_dir, extra in (
+        ("plain", "plain", "serve-plain", ()),
+        ("dflash", "eagle3", "serve-dflash", ("--baseline", "bench-plain")),
+    ):
+        serve = _start("pipeline.stages.serve", plan, w / port_dir, "--mode", mode, site=True)
+        t = time.monotonic()
+        try:
+            url = _wait_ready(w / port_dir, serve, args.start_timeout + 30)
+            res[f"{port_dir}_ready_s"] = round(time.monotonic() - t, 1)
+            out = w / f"bench-{label}" / "out"
+            inputs = [w / "bench-plain" / "out"] if label != "plain" else [w / "train"]
+            argv = ["--mode", "online", "--label", label, "--url", url, *extra]
+            for i in inputs:
+                argv += ["--input", str(i)]
+            res[f"bench_{label}_s"] = round(_run("pipeline.stages.bench", plan, out, *argv), 1)
+            res[f"bench_{label}"] = json.loads((out / "results.json").read_text())
+        finally:
+            res[f"{port_dir}_stop"] = _stop(serve, port_dir)
+            res[f"{port_dir}_events"] = _events(w / port_dir)
+            save()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage-from", action="append", default=[], type=Path, help="a carried chunk folder")
@@ -366,7 +429,10 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=0)
     # sglang_setup.settings() reads these
-    ap.add_argument("--batches", default="1,16", help="CUDA graphs up to the largest")
+    ap.add_argument(
+        "--batches", default="1,16", help="CUDA graphs up to the largest; the stages' online batches"
+    )
+    ap.add_argument("--per-stream", type=int, default=2, help="stages: [bench] requests_per_stream")
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument(
@@ -399,6 +465,8 @@ def main() -> int:
             phase_train(args)
         if "serve" in phases:
             phase_serve(args)
+        if "stages" in phases:
+            phase_stages(args)
     except Exception as e:  # noqa: BLE001 - report, keep what was measured
         RES.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
         log(f"FAILED: {type(e).__name__}: {e}")

@@ -168,6 +168,8 @@ def online_phase(model: Path, tok_dir: Path, work: Path, args: argparse.Namespac
     res["vocab_s"] = run_stage(
         "pipeline.stages.vocab", plans["transformers"], voc, [rows], "transformers", "online_vocab"
     )
+    res["rows"] = row_counts(rows, ext)
+    log(f"online: rows {res['rows']}")
     save()
     for engine in engines:
         out = work / f"train-{engine}"
@@ -186,6 +188,20 @@ def online_phase(model: Path, tok_dir: Path, work: Path, args: argparse.Namespac
     save()
     log(f"online: pass={res['pass']}")
     return bool(res["pass"])
+
+
+def row_counts(rows: Path, ext: Path) -> dict[str, Any]:
+    """What each step kept: rows written, the extraction's training rows and held-out rows (where a short count
+    comes from when training refuses too few sequences)."""
+    written = json.loads((rows / "manifest.json").read_text())
+    man = json.loads((ext / "manifest.json").read_text())
+    return {
+        "written": sum(s["rows"] for s in written["shards"]),
+        "written_tokens": written["tokens"],
+        "extract_train_rows": len(man.get("row_ids") or ()),
+        "extract_eval_rows": man.get("eval_rows"),
+        "extract_tokens": man.get("tokens"),
+    }
 
 
 PYTEST_ARGS = [

@@ -43,8 +43,10 @@ def write_rows(tok_dir: Path, out: Path, n: int, max_length: int) -> int:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    if (out / "manifest.json").exists():
-        return int(json.loads((out / "manifest.json").read_text())["tokens"])
+    if (out / "manifest.json").exists():  # a warm machine's earlier call: reused only for the same request
+        old = json.loads((out / "manifest.json").read_text())
+        if old.get("asked") == {"rows": n, "max_length": max_length}:
+            return int(old["tokens"])
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids, masks, names = [], [], []
     for i, (q, a) in enumerate(chats(n)):
@@ -71,7 +73,8 @@ def write_rows(tok_dir: Path, out: Path, n: int, max_length: int) -> int:
         "kind": "tokenized",
         "shards": [{"file": "rows-00000.parquet", "rows": len(ids), "tokens": total}],
     }
-    (out / "manifest.json").write_text(json.dumps({**manifest, "tokens": total}))
+    asked = {"rows": n, "max_length": max_length}
+    (out / "manifest.json").write_text(json.dumps({**manifest, "tokens": total, "asked": asked}))
     return total
 
 

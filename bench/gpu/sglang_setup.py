@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from bench.gpu.runner import BASE
-from pipeline.serving.sglang_args import ServerSettings, Speculative
+from pipeline.serving.sglang_args import ServerSettings, Speculative, eagle3_flags
 
 
 def target_name(args: argparse.Namespace) -> str:
@@ -88,5 +88,5 @@ def settings(
         mem_fraction_static=args.mem_fraction,
         context_length=args.context_length,
         extra_args=tuple(extra),
-        speculative=Speculative(str(draft), *spec) if draft else None,
+        speculative=Speculative(str(draft), eagle3_flags(*spec)) if draft else None,
     )

@@ -34,18 +34,9 @@ import asyncssh
 
 from console import executors
 from console.transport import ConnectionStatus
-from pipeline.run.plan.dag import Executor
+from pipeline.run.plan.dag import Executor, PlanError
 
 DEFAULT_MAX_SESSIONS = 10  # OpenSSH's MaxSessions default
-EXECUTOR_OPTIONS = {
-    "known_hosts",
-    "ssh_config",
-    "max_sessions",
-    "keepalive_s",
-    "keepalive_count",
-    "connect_timeout_s",
-    "pipeline",
-}  # [executor] options this executor reads
 CHANNEL_OPEN_TRIES = 6  # ~0.6 s of retries when the server refuses a channel (see _open_retrying)
 
 
@@ -91,36 +82,21 @@ class SshTarget:
         host = executors.ssh_host(ex)  # slurm too: its login node is reached over ssh
         if host is None:
             raise SshError(f"{file}: executor: {ex.kind!r} is not an ssh executor with a host")
-        o = ex.options
-        for k in o:
-            if k not in EXECUTOR_OPTIONS:
-                raise SshError(
-                    f"{file}: executor.options.{k}: unknown key (known: {', '.join(sorted(EXECUTOR_OPTIONS))})"
-                )
-
-        def path(key: str) -> str | None:
-            v = o.get(key)
-            if v is not None and not isinstance(v, str):
-                raise SshError(f"{file}: executor.options.{key}: expected a path, got {v!r}")
-            return str(Path(v).expanduser()) if v else None
-
-        def num(key: str, default: float, kind: type) -> Any:
-            v = o.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-                raise SshError(f"{file}: executor.options.{key}: expected a positive number, got {v!r}")
-            return kind(v)
-
+        try:
+            o = ex.ssh_options()  # typed when the plan loaded (aerie plan check); a plan built in code too
+        except PlanError as exc:
+            raise SshError(str(exc).replace("plan: ", f"{file}: ", 1)) from None
         return cls(
             host=host,
             user=ex.user,
             port=ex.port,
             identity=str(Path(ex.identity).expanduser()) if ex.identity else None,
-            known_hosts=path("known_hosts"),
-            ssh_config=path("ssh_config"),
-            max_sessions=num("max_sessions", DEFAULT_MAX_SESSIONS, int),
-            keepalive_s=num("keepalive_s", 5.0, float),
-            keepalive_count=num("keepalive_count", 3, int),
-            connect_timeout_s=num("connect_timeout_s", 15.0, float),
+            known_hosts=str(Path(o.known_hosts).expanduser()) if o.known_hosts else None,
+            ssh_config=str(Path(o.ssh_config).expanduser()) if o.ssh_config else None,
+            max_sessions=o.max_sessions,
+            keepalive_s=o.keepalive_s,
+            keepalive_count=o.keepalive_count,
+            connect_timeout_s=o.connect_timeout_s,
         )
 
     @property

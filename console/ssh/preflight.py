@@ -98,8 +98,10 @@ if a.get("verify"):
             from pipeline import tested_versions as tv
             uses = sorted(tv.sglang_uses(loaded))
             if uses:
-                v = tv.classify_sglang(uses)
+                v = tv.plan_sglang(loaded) if hasattr(tv, "plan_sglang") else tv.classify_sglang(uses)
                 r["sglang"] = {"level": v.level, "detail": v.detail, "uses": uses}
+                if v.level == "absent" and hasattr(tv, "gpu_python_problem"):
+                    r["sglang"]["python"] = tv.gpu_python_problem(sys.version_info[:3], sys.implementation.name)
         except Exception as e:
             r["sglang"] = {"level": "warn", "detail": "the host's pipeline cannot classify its SGLang (%s: %s)"
                            % (type(e).__name__, e)}
@@ -152,7 +154,10 @@ def _sglang(rep: PreflightReport, sg: dict) -> bool:
     none at all on the host that runs its SGLang stages, refuses; an untested one warns."""
     level, detail = str(sg.get("level")), str(sg.get("detail"))
     if level == "absent":
-        return rep.add("sglang", False, f"{detail} — the plan runs SGLang ({', '.join(sg.get('uses', []))})")
+        rep.add("sglang", False, f"{detail} — the plan runs SGLang ({', '.join(sg.get('uses', []))})")
+        if sg.get("python"):  # this Python cannot install the GPU lock at all: say so before pip runs
+            rep.add("python", False, str(sg["python"]))
+        return False
     return rep.add("sglang", level != "refuse", detail, warning=level == "warn")
 
 
@@ -293,7 +298,9 @@ async def _run_checks(plan: Plan, conn: HostConnection, rep: PreflightReport) ->
     info = await _check_python(conn, plan, rep)  # 2. python (first probe, the host's own environment)
     if info is None:
         return
-    python, root = str(info["executable"]), str(info["root"])
+    # [executor] python as given (a wrapper script that sets up an environment stays the one that runs),
+    # never the interpreter path the probe reports
+    python, root = plan.executor.python, str(info["root"])
     text = plan.path.read_bytes()
     if not _run_dir_free(info, text, conn.target.label, rep):  # 3. run dir
         return

@@ -29,7 +29,7 @@ from pipeline.drafts.batch import Batch
 from pipeline.eagle3.draft_vocab import VocabMap
 from pipeline.eagle3.spec_decode import Drafter
 from pipeline.run.plan import draft_names
-from pipeline.run.plan.sections import TrainSection
+from pipeline.run.plan.sections import DeploySection, TrainSection
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,9 @@ class DraftMethod:
     export: Callable[[Any, Path], None]  # the SGLang-loadable folder of a draft
     drafter: Callable[[DrafterInputs], Drafter]  # the offline bench's drafter of a saved draft
     describe: Callable[[TrainSection], str]  # the trainer's start line: the recipe in a few words
-    serve_flags: Callable[[TrainSection], str]  # SGLang's flags for the finished draft
+    # SGLang's launch flags for the finished draft, all but its path (the one source: the serve stage's
+    # --mode eagle3 launches with them, the train stage's last line names them)
+    serve_flags: Callable[[TrainSection, DeploySection], tuple[str, ...]]
     manifest: Callable[[TrainSection], dict[str, Any]]  # the train manifest's method keys (block_size, loss)
     shape_keys: tuple[
         str, ...

@@ -1,7 +1,9 @@
 """The inference server's settings from the plan, and the SGLang launch command built from them.
 
-``[serve]`` configures the server that regeneration uses; ``[deploy]`` adds the EAGLE-3 draft for
-the deploy stage (``python -m pipeline.stages.serve --mode eagle3``)::
+``[serve]`` configures the server that regeneration uses; ``[deploy]`` adds the trained draft for
+the deploy stage (``python -m pipeline.stages.serve --mode eagle3``), launched with its own method's flags
+(:attr:`pipeline.drafts.registry.DraftMethod.serve_flags`, which the stage passes in: EAGLE-3's use
+``[deploy]``'s steps, top-k and draft tokens; DFlash's its block size)::
 
     [serve]
     backend = "sglang"              # or "local": transformers serve on the CPU (demo, CI)
@@ -29,17 +31,32 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.run.plan.dag import Plan, PlanError
-from pipeline.run.plan.sections import DeploySection, ServeSection
+from pipeline.run.plan.sections import ServeSection
 
 MODES = ("plain", "eagle3")
 
 
 @dataclass(frozen=True)
 class Speculative:
+    """The draft a speculative server loads, and its method's launch flags (all but the path)."""
+
     draft_model_path: str
-    num_steps: int = DeploySection.speculative_num_steps
-    eagle_topk: int = DeploySection.speculative_eagle_topk
-    num_draft_tokens: int = DeploySection.speculative_num_draft_tokens
+    flags: tuple[str, ...]
+
+
+def eagle3_flags(num_steps: int, eagle_topk: int, num_draft_tokens: int) -> tuple[str, ...]:
+    """EAGLE-3's launch flags for a chain of ``num_steps`` (the bench scripts' spec sweep; the stages take a
+    draft's flags from its method's spec)."""
+    return (
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-num-steps",
+        str(num_steps),
+        "--speculative-eagle-topk",
+        str(eagle_topk),
+        "--speculative-num-draft-tokens",
+        str(num_draft_tokens),
+    )
 
 
 @dataclass(frozen=True)
@@ -71,10 +88,17 @@ class ServerSettings:
 
 
 def settings_from_plan(
-    plan: Plan, mode: str = "plain", gpus: tuple[int, ...] = (), draft: str | None = None, cpu: int = 1
+    plan: Plan,
+    mode: str = "plain",
+    gpus: tuple[int, ...] = (),
+    draft: str | None = None,
+    cpu: int = 1,
+    flags: tuple[str, ...] | None = None,
 ) -> ServerSettings:
     """``[serve]`` (and ``[deploy]`` for ``mode="eagle3"``), checked when the plan loaded, resolved for a
-    stage with these GPUs into :class:`ServerSettings`."""
+    stage with these GPUs into :class:`ServerSettings`. ``flags``: the draft method's launch flags
+    (:func:`draft_path` says which draft; its method's ``serve_flags`` says them); unset, EAGLE-3's from
+    ``[deploy]``."""
     if mode not in MODES:
         raise PlanError(plan.path, "serve", f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     sec = plan.settings.serve
@@ -106,21 +130,25 @@ def settings_from_plan(
         cpu_threads=max(1, cpu),
     )
     if mode == "eagle3":
-        s = _with_speculative(plan, s, draft)
+        dep = plan.settings.deploy
+        if flags is None:
+            flags = eagle3_flags(
+                dep.speculative_num_steps, dep.speculative_eagle_topk, dep.speculative_num_draft_tokens
+            )
+        spec = Speculative(draft_path(plan, draft), tuple(flags))
+        s = replace(s, speculative=spec, port=dep.port if dep.port is not None else s.port)
     return s
 
 
-def _with_speculative(plan: Plan, s: ServerSettings, draft: str | None) -> ServerSettings:
-    dep = plan.settings.deploy
-    path = draft or dep.draft_model_path
+def draft_path(plan: Plan, draft: str | None = None) -> str:
+    """The draft the deploy serves: ``draft`` (the stage's ``--draft``) or ``[deploy] draft_model_path``,
+    relative to the plan's folder."""
+    path = draft or plan.settings.deploy.draft_model_path
     if not path:
         raise PlanError(plan.path, "deploy.draft_model_path", "--mode eagle3 needs the draft checkpoint path")
     if not Path(path).expanduser().is_absolute():
         path = str(plan.path.parent.absolute() / path)
-    spec = Speculative(
-        path, dep.speculative_num_steps, dep.speculative_eagle_topk, dep.speculative_num_draft_tokens
-    )
-    return replace(s, speculative=spec, port=dep.port if dep.port is not None else s.port)
+    return path
 
 
 def sglang_argv(s: ServerSettings, python: str = "python3") -> list[str]:
@@ -147,17 +175,5 @@ def sglang_argv(s: ServerSettings, python: str = "python3") -> list[str]:
     if s.dtype:
         argv += ["--dtype", s.dtype]
     if s.speculative is not None:
-        sp = s.speculative
-        argv += [
-            "--speculative-algorithm",
-            "EAGLE3",
-            "--speculative-draft-model-path",
-            sp.draft_model_path,
-            "--speculative-num-steps",
-            str(sp.num_steps),
-            "--speculative-eagle-topk",
-            str(sp.eagle_topk),
-            "--speculative-num-draft-tokens",
-            str(sp.num_draft_tokens),
-        ]
+        argv += [*s.speculative.flags, "--speculative-draft-model-path", s.speculative.draft_model_path]
     return argv + list(s.extra_args)

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline import tested_versions
 from pipeline.data.shards import Row, ShardError, holdout_fraction, iter_rows, training_order
 from pipeline.eagle3 import hidden_store as hs
 from pipeline.eagle3.draft_config import (
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
+    if ctx.plan.target.engine == "sglang":  # in seconds, before a target of hundreds of GB loads
+        refusal = tested_versions.stage_refusal(ctx.plan, "capture")
+        if refusal:
+            fail(ctx, f'{ctx.plan.path}: target.engine = "sglang": {refusal}', 2)
     dist = Dist()
     finished = False
     try:

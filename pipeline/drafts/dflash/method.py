@@ -10,7 +10,7 @@ from pipeline.drafts.dflash.loss import BlockLoss
 from pipeline.drafts.dflash.model import save_dflash
 from pipeline.drafts.dflash.settings import DFlashSettings
 from pipeline.drafts.registry import BuildInputs, BuiltDraft, DraftMethod
-from pipeline.run.plan.sections import TrainSection
+from pipeline.run.plan.sections import DeploySection, TrainSection
 
 
 def build(inp: BuildInputs) -> BuiltDraft:
@@ -24,8 +24,10 @@ def describe(s: TrainSection) -> str:
     return f"DFlash: {d.dflash_layers} layer(s), blocks of {d.dflash_block_size}, {d.dflash_anchors} anchors per row"
 
 
-def serve_flags(s: TrainSection) -> str:
-    return f"--speculative-algorithm DFLASH --speculative-num-draft-tokens {DFlashSettings.of(s).dflash_block_size}"
+def serve_flags(s: TrainSection, d: DeploySection) -> tuple[str, ...]:
+    """One block per verification: its size is the draft's, not [deploy]'s chain settings (which it ignores)."""
+    block = DFlashSettings.of(s).dflash_block_size
+    return ("--speculative-algorithm", "DFLASH", "--speculative-num-draft-tokens", str(block))
 
 
 def manifest(s: TrainSection) -> dict[str, Any]:

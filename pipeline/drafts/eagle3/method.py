@@ -10,7 +10,7 @@ from pipeline.drafts.registry import BuildInputs, BuiltDraft, DrafterInputs, Dra
 from pipeline.eagle3.draft_model import load_draft, save_draft
 from pipeline.eagle3.spec_decode import Eagle3Drafter
 from pipeline.eagle3.trainer_inputs import build_draft
-from pipeline.run.plan.sections import TrainSection
+from pipeline.run.plan.sections import DeploySection, TrainSection
 
 
 def build(inp: BuildInputs) -> BuiltDraft:
@@ -40,6 +40,20 @@ def manifest(s: TrainSection) -> dict[str, Any]:
     return {"block_size": None, "loss": s.loss}
 
 
+def serve_flags(s: TrainSection, d: DeploySection) -> tuple[str, ...]:
+    """A chain drafter: [deploy]'s steps, top-k and draft tokens per verification."""
+    return (
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-num-steps",
+        str(d.speculative_num_steps),
+        "--speculative-eagle-topk",
+        str(d.speculative_eagle_topk),
+        "--speculative-num-draft-tokens",
+        str(d.speculative_num_draft_tokens),
+    )
+
+
 def export(draft: Any, path: Path) -> None:
     save_draft(draft, path)
 
@@ -51,7 +65,7 @@ METHOD = DraftMethod(
     export=export,
     drafter=drafter,
     describe=describe,
-    serve_flags=lambda s: "--speculative-algorithm EAGLE3",
+    serve_flags=serve_flags,
     manifest=manifest,
     shape_keys=("draft_fc_norm", "draft_norm_output"),
 )

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from pipeline.run.plan import draft_names
-from pipeline.run.plan.schema import PlanError, Section, check_text, check_type, setting
+from pipeline.run.plan.schema import PlanError, Section, check_text, check_type, key_name, setting
 
 STORAGE_MODES = ("offline", "online")
 ENGINES = ("transformers", "sglang")
@@ -59,6 +59,11 @@ class TargetSection(Section):
         'or "sglang" (SGLang\'s model runner in-process, its own tensor parallelism and quantized kernels: INT4 '
         "experts stay packed; offline extraction on GPUs only)",
         choices=ENGINES,
+    )
+    allow_untested_sglang: bool = setting(
+        False,
+        "capture through an SGLang release newer than the last one in pipeline/tested_versions.py's table; "
+        "off: such a release is refused for capture (Aerie drives its batch API, which changes between releases)",
     )
 
     @property
@@ -345,24 +350,24 @@ class TrainSection(Section):
     def parse(cls, table: Any, file: Path | str, name: str | None = None) -> TrainSection:
         """``[train]`` with the keys of the method ``draft`` names (:class:`DraftSettings`): those go through
         the same checks, into a ``TrainSection`` that holds them as its own fields (``asdict`` and ``getattr``
-        see the flat keys, as a checkpoint and a resume compare them). Another registered method's keys (a plan
-        switched from it) are checked by that method's settings and otherwise ignored, as they always were."""
+        see the flat keys, as a checkpoint and a resume compare them). Another registered method's key (a plan
+        switched from it, or one that forgot ``draft``) is refused, naming the method that owns it: ignoring it
+        silently trained a method the plan did not ask for."""
         name = name or cls.NAME
         check_type(file, name, table, dict, "a table")
         own = cls._for_table(table, file, name)
         keys = {f.name for f in fields(own)}
-        foreign: dict[str, dict[str, Any]] = {}
+        draft = table.get("draft", cls.__dataclass_fields__["draft"].default)
         for k in table:
-            owner = None if k in keys else _owner_of(k, table.get("draft"))
+            owner = None if k in keys else _owner_of(k, draft)
             if owner is not None:
-                foreign.setdefault(owner, {})[k] = table[k]
-        for owner, values in foreign.items():  # its own settings check them: types, ranges, its own rules
-            other = _checked_settings(draft_names.settings_class(owner), file, name, owner)
-            assert other is not None  # _owner_of found the key among its fields
-            other.parse(values, file, name)
-        theirs = {k for values in foreign.values() for k in values}
-        mine = {k: v for k, v in table.items() if k not in theirs}
-        return super(TrainSection, own).parse(mine, file, name)
+                raise PlanError(
+                    file,
+                    key_name(name, k),
+                    f"a key of the {owner} draft method, but {name}.draft is {draft!r}: it would be ignored "
+                    f'(set {name}.draft = "{owner}" to train {owner}, or remove the key)',
+                )
+        return super(TrainSection, own).parse(table, file, name)
 
     @classmethod
     def _for_table(cls, table: dict[str, Any], file: Path | str, name: str) -> type[TrainSection]:

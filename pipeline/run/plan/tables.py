@@ -7,7 +7,7 @@ key in a dataset's ``options`` (:class:`DatasetOptions`). Every error is a :clas
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -86,6 +86,37 @@ class Dataset(Section):
             _text(file, f"{name}.path", self.path, "a path", empty=False)
 
 
+PIPELINE_MODES = ("auto", "upload", "installed")
+
+
+@dataclass(frozen=True)
+class SshOptions(Section):
+    """``[executor] options`` of an executor reached over ssh (``ssh``, and ``slurm`` through its login node):
+    the console's connection settings, typed here so ``aerie plan check`` refuses a misspelt one."""
+
+    NAME: ClassVar[str] = "executor.options"
+
+    known_hosts: str | None = setting(None, "a known_hosts file (unset: ssh's own)")
+    ssh_config: str | None = setting(None, "an ssh client config (unset: ~/.ssh/config)")
+    max_sessions: int = setting(10, "channels at once on the connection (OpenSSH's MaxSessions)", lo=1)
+    keepalive_s: float = setting(5.0, "seconds between keepalives", positive=True)
+    keepalive_count: int = setting(3, "unanswered keepalives before the link is down", lo=1)
+    connect_timeout_s: float = setting(15.0, "seconds a connection may take", positive=True)
+    pipeline: str = setting(
+        "auto", "the host's pipeline: auto, upload (this checkout's) or installed", choices=PIPELINE_MODES
+    )
+
+
+@dataclass(frozen=True)
+class NoOptions(Section):
+    """``[executor] options`` of a kind that reads none (``local``)."""
+
+    NAME: ClassVar[str] = "executor.options"
+
+
+OPTIONS_BY_KIND: dict[str, type[Section]] = {"local": NoOptions, "ssh": SshOptions, "slurm": SshOptions}
+
+
 @dataclass(frozen=True)
 class Executor(Section):
     """``[executor]``: where the run executes (``options``: the console's ssh settings, see console/ssh)."""
@@ -99,9 +130,10 @@ class Executor(Section):
     identity: str | None = setting(None, "the ssh key file")
     remote_dir: str | None = setting(None, "the run directory on the host")
     python: str = setting("python3", "the host's Python")
-    options: dict[str, Any] = setting({}, "the console's ssh options (checked by the console)")
+    options: dict[str, Any] = setting({}, "the kind's options: ssh and slurm, SshOptions; local, none")
 
     def check(self, file: Path | str, name: str) -> None:
+        self.check_options(file, name)
         if self.kind == "ssh" and not self.host:
             self.bad(file, f"{name}.host", "an ssh executor needs a host (an alias from ~/.ssh/config works)")
         if self.kind == "ssh" and not self.remote_dir:
@@ -128,6 +160,22 @@ class Executor(Section):
             # Paths on the host: kept verbatim and always passed quoted (shlex) or as one argv word.
             if getattr(self, k) is not None:
                 _text(file, f"{name}.{k}", getattr(self, k), "a path", empty=False)
+
+    def check_options(self, file: Path | str, name: str) -> None:
+        """``options`` typed by the kind (:data:`OPTIONS_BY_KIND`): a key the kind does not read is refused."""
+        typed = OPTIONS_BY_KIND[self.kind]
+        if not fields(typed) and self.options:
+            key = sorted(self.options)[0]
+            self.bad(
+                file,
+                f"{name}.options.{key}",
+                f"a {self.kind} executor reads no options (the ssh settings are for kind ssh or slurm)",
+            )
+        typed.parse(self.options, file, f"{name}.options")
+
+    def ssh_options(self) -> SshOptions:
+        """The typed ssh settings (defaults filled in) of an executor reached over ssh."""
+        return SshOptions.parse(self.options, "plan", "executor.options")
 
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")

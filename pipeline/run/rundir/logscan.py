@@ -258,7 +258,7 @@ _EXC_LINE = re.compile(
 _ERROR_WORD = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|^error:", re.IGNORECASE)
 _BANNER = re.compile(r"^===== aerie: ")
 ERROR_TAIL_BYTES = 16 << 10  # how much of a log's end :func:`last_error_line` needs
-ERROR_LINE_MAX = 300
+ERROR_LINE_MAX = 2000  # whole refusals (a provenance one names two fingerprints and the fields that differ)
 
 
 def last_error_line(tail: str) -> str:

@@ -6,6 +6,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from pipeline import tested_versions
 from pipeline.manifests import shards as shards_manifest
 from pipeline.manifests.base import MANIFEST_FILE, ManifestError, kind_of
 from pipeline.run.plan.dag import Plan
@@ -82,11 +83,16 @@ def read_prompts(d: Path, limit: int | None = None) -> list[tuple[str, list[dict
 
 def server_urls(ctx: StageContext, plan: Plan, s: RegenSection, override: str | None) -> list[str]:
     """Every server to send requests to: the override, ``[regen] server_url``, else the ``endpoint.json``
-    of each service this stage uses (several with ``replicas = N`` under Slurm), else ``[serve]``'s."""
+    of each service this stage uses (several with ``replicas = N`` under Slurm), else ``[serve]``'s. The plan's
+    own SGLang server is checked against the tested-versions table first (refused: :class:`InputError`)."""
     if override:
         return [override]
     if s.server_url:
         return [s.server_url]
+    if plan.settings.serve.backend == "sglang":  # the plan's own SGLang server, on this host: the table first
+        refusal = tested_versions.stage_refusal(plan, "serve")
+        if refusal:
+            raise InputError(f'{plan.path}: serve.backend = "sglang": {refusal}')
     uses: tuple[str, ...] = ()
     with contextlib.suppress(KeyError):
         uses = plan.stage(ctx.stage_id).uses

@@ -17,17 +17,19 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO, NoReturn
 
+from pipeline import tested_versions
 from pipeline.eagle3 import provenance
 from pipeline.run.hosts.procs import ProcIdentity, read_stat
 from pipeline.run.plan.dag import PlanError
 from pipeline.run.rundir.layout import RunDir, write_json
 from pipeline.run.rundir.stage_row import HealthState
 from pipeline.run.stage_side.runtime import StageContext, add_common_args, fail
-from pipeline.serving.sglang_args import MODES, ServerSettings, settings_from_plan
+from pipeline.serving.sglang_args import MODES, ServerSettings, draft_path, settings_from_plan
 from pipeline.serving.sglang_log import ServerStats, parse_line
-from pipeline.stages.serve import backends, preflight
+from pipeline.stages.serve import backends, draft_flags, preflight
 from pipeline.stages.serve.health import HealthTracker, probe
 
 METRIC_INTERVAL_S = 1.0  # at most one metric set per batch kind per second
@@ -322,10 +324,30 @@ class ServeStage:
         return killed.get("reason") if killed else None
 
 
+def resolve(ctx: StageContext, mode: str, draft: str | None) -> tuple[str | None, ServerSettings, float]:
+    """The server this stage launches, the draft's method (``--mode eagle3``) and the stage's kill grace."""
+    plan = ctx.plan
+    try:
+        spec = plan.stage(ctx.stage_id)
+        gpus, kill_grace, cpu = spec.gpus, spec.kill_grace_s, spec.cpu
+    except KeyError:
+        gpus, kill_grace, cpu = (), 10.0, 1
+    method, flags = None, None
+    if mode == "eagle3":  # the draft's own method's flags (its provenance says which method)
+        method, flags = draft_flags.serve_flags(plan, Path(draft_path(plan, draft)))
+    settings = settings_from_plan(plan, mode, gpus=gpus, draft=draft, cpu=cpu, flags=flags)
+    return method, settings, kill_grace
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.stages.serve", description=__doc__.split("\n")[0])
     add_common_args(ap)
-    ap.add_argument("--mode", choices=MODES, default="plain", help="eagle3: serve with the [deploy] draft")
+    ap.add_argument(
+        "--mode",
+        choices=MODES,
+        default="plain",
+        help="eagle3: serve with the [deploy] draft, launched with its own method's flags (EAGLE-3, DFlash, ...)",
+    )
     ap.add_argument(
         "--draft", default=None, help="EAGLE-3 draft checkpoint (overrides [deploy] draft_model_path)"
     )
@@ -333,13 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ctx = StageContext.from_cli(args)
     try:
-        plan = ctx.plan
-        try:
-            spec = plan.stage(ctx.stage_id)
-            gpus, kill_grace, cpu = spec.gpus, spec.kill_grace_s, spec.cpu
-        except KeyError:
-            gpus, kill_grace, cpu = (), 10.0, 1
-        settings = settings_from_plan(plan, args.mode, gpus=gpus, draft=args.draft, cpu=cpu)
+        method, settings, kill_grace = resolve(ctx, args.mode, args.draft)
     except PlanError as exc:
         ctx.health(HealthState.UNHEALTHY, detail="bad plan")
         fail(ctx, str(exc), 2)
@@ -351,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         ctx.message(
             verdict.detail, level="warning" if verdict.level == "warn" else "info", code="draft_provenance"
         )
+        ctx.message(
+            f"serving the {method} draft: {' '.join(settings.speculative.flags)}", code="draft_method"
+        )
+    if settings.backend == "sglang":  # in seconds, with the table's line, before the server loads a model
+        refusal = tested_versions.stage_refusal(ctx.plan, "serve")
+        if refusal:
+            ctx.health(HealthState.UNHEALTHY, detail="SGLang")
+            fail(ctx, f'{ctx.plan.path}: serve.backend = "sglang": {refusal}', 2)
     stage = ServeStage(ctx, settings, kill_grace)
     stage.install_signals()
     become_subreaper()

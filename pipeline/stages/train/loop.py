@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import pipeline.stages.train as train_pkg
+from pipeline import tested_versions
 from pipeline.drafts.registry import BuildInputs, DraftLoss, DraftMethod, TrainedDraft, draft_method
 from pipeline.eagle3 import draft_vocab
 from pipeline.eagle3 import hidden_store as hs
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ctx = StageContext.from_cli(args) if dist.main else None
     plan_ctx = ctx or StageContext.from_cli(args)  # non-zero ranks read the plan, never emit
     s = plan_ctx.plan.settings.train
+    plan = plan_ctx.plan
+    if plan.target.engine == "sglang" and plan.settings.storage_mode == "online":  # capture while training
+        refusal = tested_versions.stage_refusal(plan, "capture")
+        if refusal:
+            fail(ctx, f'{plan.path}: target.engine = "sglang": {refusal}', 2)
     if (s.nproc > 1 or s.target == "online-tp") and "LOCAL_RANK" not in os.environ:
         if ctx is not None:
             ctx.message(f"starting {s.nproc} processes under torchrun")
@@ -175,7 +181,8 @@ def train(
         if ctx:
             end = last_saved if stopped else s.steps
             ctx.progress(end, end, unit="steps", force=True)
-            ctx.message(finished_message(final, checkpointer.best, last_saved, method.serve_flags(s)))
+            flags = method.serve_flags(s, plan.settings.deploy)
+            ctx.message(finished_message(final, checkpointer.best, last_saved, flags))
     return 0
 
 

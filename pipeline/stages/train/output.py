@@ -100,10 +100,13 @@ def write_manifest(
     )
 
 
-def finished_message(final: Path, best: dict[str, Any] | None, last_saved: int, serve_flags: str) -> str:
+def finished_message(
+    final: Path, best: dict[str, Any] | None, last_saved: int, serve_flags: tuple[str, ...]
+) -> str:
     which = (
         f"the step-{best['step']} checkpoint, best simulated accept length {best['accept_length']:.3f}"
         if best
         else f"step {last_saved}"
     )
-    return f"draft written to {final} ({which}; SGLang: {serve_flags} --speculative-draft-model-path {final})"
+    flags = " ".join(serve_flags)
+    return f"draft written to {final} ({which}; SGLang: {flags} --speculative-draft-model-path {final})"

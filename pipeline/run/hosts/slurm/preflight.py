@@ -8,7 +8,8 @@ Before any job is submitted it checks, and says in one line each, what would mak
 * a tiny probe job on a compute node (``srun``) sees the run directory (it reads a file written here and
   writes one back: the shared filesystem works both ways), and runs the supervisor's Python with the
   ``pipeline`` package and the stages' imports (torch, transformers) — the same interpreter the stages'
-  batch scripts use.
+  batch scripts use — and, for a plan that serves or captures through SGLang, that interpreter's SGLang against
+  the tested-versions table (absent or refused: FAIL, as the local and SSH preflights say).
 
 Exit 0 when every check passed, 2 otherwise (as ``aerie preflight`` for ssh plans). Standard library only.
 """
@@ -59,6 +60,14 @@ for m in ["pipeline.run.stage_side.launcher", *mods]:
         out.setdefault("imports", {})[m] = getattr(mod, "__version__", "ok")
     except Exception as exc:
         out.setdefault("import_errors", {})[m] = f"{type(exc).__name__}: {exc}"
+sg = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+if sg.get("uses"):
+    try:
+        from pipeline import tested_versions as tv
+        v = tv.classify_sglang(sg["uses"], None, bool(sg.get("allow")))
+        out["sglang"] = {"level": v.level, "detail": v.detail}
+    except Exception as exc:
+        out["sglang"] = {"level": "warn", "detail": "cannot classify SGLang here: %s: %s" % (type(exc).__name__, exc)}
 with open(reply, "w") as fh:
     json.dump(out, fh)
 print(json.dumps(out))
@@ -198,7 +207,18 @@ def probe_argv(plan: Plan, python: str, token: Path, reply: Path) -> list[str]:
         str(token),
         str(reply),
         ",".join(mods),
+        json.dumps(sglang_ask(plan)),
     ]
+
+
+def sglang_ask(plan: Plan) -> dict[str, Any]:
+    """What the plan runs through SGLang (``pipeline.tested_versions.sglang_uses``' rule, which this standard-library
+    module does not import) and whether it allows an untested release: the probe classifies the node's SGLang."""
+    s = plan.settings
+    uses = ["capture"] if s.target.engine == "sglang" else []
+    if s.serve.backend == "sglang" and any(st.run == "serve" for st in plan.stages):
+        uses.append("serve")
+    return {"uses": uses, "allow": bool(getattr(s.target, "allow_untested_sglang", False))}
 
 
 def run_probe(
@@ -244,6 +264,17 @@ def report_probe_reply(got: dict[str, Any], report: CheckReport, root: Path, tok
     ]
     if "pipeline.run.stage_side.launcher" in (got.get("imports") or {}):
         report.add("", True, f"compute node {where}: pipeline imports" + (f"; {', '.join(ok)}" if ok else ""))
+    sg = got.get("sglang")
+    if isinstance(
+        sg, dict
+    ):  # the engine the stages will run, on the node they run on (tested-versions table)
+        level = sg.get("level")
+        report.add(
+            "sglang",
+            level in ("ok", "warn"),
+            f"compute node {where}: {sg.get('detail')}",
+            warning=level == "warn",
+        )
 
 
 def check_compute_node(plan: Plan, report: CheckReport, python: str, timeout_s: float) -> None:
