@@ -13,7 +13,7 @@ from pathlib import Path
 from console.app import AerieApp
 from console.headless import follow
 from console.transport import LocalTransport
-from pipeline.run.rundir.logscan import last_error_line
+from pipeline.run.rundir.logscan import ERROR_LINE_MAX, last_error_line
 from tests.runs import ROOT, kill_run_stages, make_run, start_supervisor, stop
 from tests.test_console import until
 
@@ -39,7 +39,7 @@ def test_the_line_that_says_why() -> None:
     )
     assert last_error_line("rsync: connection closed\n\n  \n") == "rsync: connection closed"
     assert last_error_line("===== aerie: x attempt 2 started =====\n") == ""  # this attempt said nothing
-    assert len(last_error_line("E" * 5000)) == 300
+    assert len(last_error_line("E" * 5000)) == ERROR_LINE_MAX  # one line, cut (with "…") at the cap
 
 
 FAILING_PLAN = """

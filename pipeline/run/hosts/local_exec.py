@@ -216,6 +216,7 @@ class LocalProcesses:
             child = subprocess.Popen(
                 [
                     self.python,
+                    "-S",  # stdlib only (its stage starts with site); a launch costs ~30 ms less
                     "-m",
                     "pipeline.run.stage_side.launcher",
                     str(self.run.root),

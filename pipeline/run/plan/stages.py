@@ -21,7 +21,6 @@ from pipeline.run.plan.schema import (
     setting,
 )
 from pipeline.run.plan.schema import key_name as _key
-from pipeline.run.plan.sections import SlurmSection
 from pipeline.run.plan.tables import Dataset, check_name
 
 _type, _text, _int, _name = check_type, check_text, check_int, check_name
@@ -284,6 +283,8 @@ def _base_spec(ctx: _Context, key: str, e: StageEntry) -> StageSpec:
             f'nodes = {e.nodes} needs executor.kind = "slurm" '
             f"(a {ctx.executor_kind} executor runs every stage on one host)",
         )
+    from pipeline.run.plan.sections import SlurmSection  # here: a launcher reads a StageSpec without them
+
     SlurmSection.parse(e.slurm, path, f"{key}.slurm")  # checked as [slurm] is; the keys it sets override
     if e.replicas > 1 and not (slurm and e.service):
         raise PlanError(

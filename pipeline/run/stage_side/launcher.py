@@ -38,14 +38,14 @@ from pathlib import Path
 
 from pipeline.run.hosts import nospace, oom
 from pipeline.run.hosts.procs import ENV_TOKEN, ProcIdentity, env_with_pipeline, new_token
-from pipeline.run.plan.dag import StageSpec, stage_module
+from pipeline.run.plan.stages import StageSpec, stage_module
 from pipeline.run.rundir.events import EventWriter
 from pipeline.run.rundir.files import private_dir
 from pipeline.run.rundir.growth import read_tail
 from pipeline.run.rundir.layout import RunDir, StageDir, read_json, write_json
 from pipeline.run.rundir.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.rundir.stage_row import ExitStatus
-from pipeline.run.stage_side.runtime import (
+from pipeline.run.stage_side.env_names import (
     ENV_ATTEMPT,
     ENV_INPUTS,
     ENV_OUT,

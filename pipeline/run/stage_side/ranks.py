@@ -16,7 +16,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from pipeline.run.stage_side.runtime import ENV_THREADS
+from pipeline.run.stage_side.env_names import ENV_THREADS
 
 DEFAULT_TIMEOUT_S = 600.0
 

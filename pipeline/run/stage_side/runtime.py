@@ -34,15 +34,15 @@ from pipeline.run.plan.sections import WandbSection
 from pipeline.run.rundir.events import EventWriter, make
 from pipeline.run.rundir.layout import RunDir
 from pipeline.run.rundir.stage_row import HealthState
+from pipeline.run.stage_side.env_names import (  # re-exported: stages and tests import them from here
+    ENV_ATTEMPT,
+    ENV_INPUTS,
+    ENV_OUT,
+    ENV_PLAN,
+    ENV_RUN,
+    ENV_STAGE,
+)
 from pipeline.run.stage_side.metric_sinks import MetricSinks
-
-ENV_RUN = "AERIE_RUN_DIR"
-ENV_STAGE = "AERIE_STAGE_ID"
-ENV_ATTEMPT = "AERIE_ATTEMPT"
-ENV_OUT = "AERIE_OUT"
-ENV_INPUTS = "AERIE_INPUTS"
-ENV_PLAN = "AERIE_PLAN"
-ENV_THREADS = "AERIE_CPU_THREADS"  # set when Aerie chose OMP_NUM_THREADS from the stage's CPU slots
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
