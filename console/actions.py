@@ -190,11 +190,29 @@ ACTIONS: tuple[ConsoleAction, ...] = (
         "alert_stage",
         "a",
         "Alerts",
-        "the alerts of this console with their evidence (failures, disk, a stalled stage, a NaN loss, idle "
-        "GPUs ...); Enter selects the alert's stage",
+        "the run's alerts with their evidence (failures, disk, a stalled stage, a NaN loss, idle "
+        "GPUs ...), open ones first; Enter selects the alert's stage",
         "Alerts",
-        "the alerts of this console, with evidence; Enter selects the stage",
+        "the run's alerts, with evidence; Enter selects the stage",
         show=False,
+    ),
+    ConsoleAction(
+        "ack_alert",
+        "K",
+        "Ack",
+        "acknowledge the selected stage's newest open alert (else the run's): every console and aerie status "
+        "show who and when",
+        "Acknowledge alert",
+        "the selected stage's newest alert not yet acknowledged (the run's, if it has none)",
+        show=False,
+        sends=("ack",),
+    ),
+    ConsoleAction(
+        "silence_alert",
+        None,
+        palette="Silence alert",
+        palette_help="acknowledge it, and run no hook for later alerts of its kind on its stage",
+        sends=("silence",),
     ),
     ConsoleAction(
         "help", "question_mark", "Help", "every key of this screen", "Help", "every key of this screen"

@@ -2,6 +2,7 @@
 
     aerie demo [--headless]                 the embedded demo run (bundled data, no GPU, no SSH)
     aerie run PLAN [--headless]             create/attach the plan's run, start its supervisor, watch it
+                                            --detach: start it with no front end (print the run dir)
     aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
                                             --read-only: watch only; every control key is refused
                                             --compare DIR[,DIR]: overlay those runs' metrics (m)
@@ -12,6 +13,8 @@
                                             --read-only, or a view-only token: --view-token-file
     aerie status RUN [--json]               one line (or JSON object) per stage, then the audit log's last entries
     aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
+    aerie ack|silence RUN ALERT_ID          acknowledge an alert (silence: no hook for its kind on its stage)
+    aerie watch RUN                         headless notifier: run your own hooks for the run's alerts
     aerie plan check PLAN                   validate a plan and print its DAG (--show-defaults: every setting)
 
 Exit codes: 0 ok (headless: every stage succeeded); 1 the run finished with stages not succeeded;
@@ -155,6 +158,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = _start(Path(args.plan), Path(args.run_dir) if args.run_dir else None)
     if isinstance(started, int):
         return started
+    if args.detach:  # no front end: the supervisor alone watches the run and runs the plan's hooks
+        where = (
+            str(started) if isinstance(started, Path) else f"ssh://{started.status.host}{started.run_root}"
+        )
+        print(where)
+        print(
+            f"started with no front end: the supervisor runs every stage, alert rule and [alerts] command.\n"
+            f"  watch:   aerie attach {where}      (or --headless; aerie status {where})\n"
+            f"  notify:  aerie watch {where}       (runs your own alert hooks here)",
+            file=sys.stderr,
+        )
+        return EXIT_OK
     return _watch(started, args.headless, args.theme, args.poll)
 
 
@@ -280,6 +295,11 @@ def _add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p = sub.add_parser("run", help="start (or re-attach to) the run a plan describes")
     p.add_argument("plan")
     p.add_argument("--run-dir", help="override the plan's [run] dir")
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="start the run with no front end (its supervisor only), print the run dir and how to attach",
+    )
     _add_watch_options(p)
     p.set_defaults(fn=cmd_run)
 
@@ -366,9 +386,10 @@ def _add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     p.set_defaults(fn=cmd_status)
 
     for verb in CTL_VERBS:  # the console's action table: the same verbs, flags and words
-        p = sub.add_parser(verb, help=f"{verb} one stage")
+        on_alert = verb in ("ack", "silence")  # an alert of the run (aerie status lists their ids)
+        p = sub.add_parser(verb, help=f"{verb} one {'alert' if on_alert else 'stage'}")
         p.add_argument("run")
-        p.add_argument("stage")
+        p.add_argument("stage", metavar="ALERT_ID" if on_alert else "STAGE")
         for flag, flag_help in CTL_FLAGS[verb]:
             p.add_argument(flag, action="store_true", help=flag_help)
         p.set_defaults(fn=cmd_control, action=verb)

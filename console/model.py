@@ -16,8 +16,8 @@ what it has already seen); none is lost or applied twice (:func:`console.streams
 covers the current generation only.
 
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
-:meth:`poll` reports that something changed. Listeners (``RunModel.listeners``, e.g. the anomaly rules of
-:mod:`console.anomalies`) see each event as it is applied, so they work incrementally.
+:meth:`poll` reports that something changed. Listeners (``RunModel.listeners``) see each event as it is
+applied, so they work incrementally. The run's alerts come from its records (:mod:`console.alert_feed`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from console.alert_feed import AlertFeed
 from console.series import StageHistory
 from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
@@ -150,6 +151,7 @@ class RunModel:
         self.telemetry = TelemetryModel()
         self.telemetry_stage: str | None = None
         self.listeners: list[Callable[[StageView, Event], None]] = []  # called with each applied event
+        self.alerts = AlertFeed()  # RUN/alerts.jsonl: raised on the executing host, read by every front end
 
     # ------------------------------------------------------------------------------------------
     def watch_log(self, stage_id: str | None) -> None:
@@ -201,6 +203,7 @@ class RunModel:
         with_telemetry = self.telemetry_stage is not None  # fixed now: state.json below may change it
         if with_telemetry:
             reqs.append(self.telemetry.read_request())
+        reqs.append(self.alerts.read_request())  # the run's alert records, last (console.alert_feed)
         try:
             results = await self.transport.read_many(reqs, max_bytes=READ_WINDOW)
             state: ReadResult | None = results[0]
@@ -225,6 +228,9 @@ class RunModel:
             r = results[base + len(log_ids)]
             if self.telemetry.ingest(r.data, r.size, r.ino):
                 changed.add("telemetry")
+        r = results[-1]
+        if self.alerts.ingest(r.data, r.size, r.ino):
+            changed.add("alerts")
         # Streams for stages that just appeared in state.json start on the next poll.
         if self.backfill:
             changed |= await self._backfill_step()

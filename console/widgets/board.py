@@ -109,6 +109,7 @@ class StageBoard(ScrollView, can_focus=True):
         self._width_cache: tuple[tuple, list[int]] = ((), [])
         self._frame_style: Style | None = None  # the widget's own style, looked up once per frame
         self.empty_note = ""  # shown while there is no stage (the app: what it waits for)
+        self._alerted: dict[str, list[str]] = {}  # stage -> kinds of its open alerts (the run's records)
         self.room = 0  # stage rows the board may show (0: no limit); the app sets it from the terminal
         self.folds: dict[str, bool] = {}  # families the operator folded (True) or unfolded (False)
         self.auto_folded: set[str] = set()  # families folded because the rows did not fit the room
@@ -176,6 +177,7 @@ class StageBoard(ScrollView, can_focus=True):
     def sync(self, model: RunModel) -> None:
         now = time.time()
         selected = self.selected_key
+        self._alerted = {sid: sorted({r.kind for r in rs}) for sid, rs in model.alerts.open_stages().items()}
         new = [_Row(key, self._cells(key, st, members, now)) for key, st, members in self._visible(model)]
         old = self._rows
         if [r.sig for r in new] == [r.sig for r in old]:
@@ -270,7 +272,16 @@ class StageBoard(ScrollView, can_focus=True):
             done_text,
             fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
             fmt.duration(eta) if eta is not None else "",
-            note_for(st),
+            self._note(st),
+        )
+
+    def _note(self, st: StageView) -> str | Text:
+        """The note; a stage with an open alert (the run's records) says so first: ``⚠ stalled · …``."""
+        kinds = self._alerted.get(st.id)
+        if not kinds:
+            return note_for(st)
+        return Text(f"⚠ {', '.join(kinds)}", style="bold " + self._style("failed")) + Text(
+            f" · {note_for(st)}" if note_for(st) else ""
         )
 
     # ------------------------------------------------------------------------------ rendering
