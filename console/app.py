@@ -591,7 +591,8 @@ class AerieApp(App[int]):
             r for r in self.model.alerts.ordered() if (r.acked_at is None if not silence else not r.silenced)
         ]
         mine = [r for r in todo if st is not None and r.stage == st.id]
-        return (mine or todo or [None])[0]
+        pick = mine or todo
+        return pick[0] if pick else None
 
     def _send_ack(self, name: str, silence: bool) -> None:
         if self.refuse_read_only(name):
