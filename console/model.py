@@ -36,7 +36,7 @@ from console.telemetry_model import TelemetryModel, find_telemetry_stage, teleme
 from console.transport import ReadResult, Transport, read_whole
 from pipeline.run.rundir.event_lines import LineSkipper
 from pipeline.run.rundir.events import Event, parse_lines
-from pipeline.run.rundir.stage_row import TERMINAL, DisplayState, StageRow, StageState
+from pipeline.run.rundir.stage_row import TERMINAL, StageRow, StageState
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10
@@ -106,24 +106,6 @@ class StageView(StageRow):
             return None
         end = self.finished_at if self.state in TERMINAL and self.finished_at else (now or time.time())
         return max(0.0, end - self.started_at)
-
-    @property
-    def queued(self) -> bool:
-        """A Slurm stage whose job waits in Slurm's queue (or is being submitted): launched, not running yet."""
-        return self.state == StageState.RUNNING and (
-            self.reason.startswith("queued:") or self.reason == "submitting to Slurm"
-        )
-
-    @property
-    def display_state(self) -> DisplayState | str:
-        """What the board shows (:class:`DisplayState`); a state a newer supervisor wrote, as it is."""
-        if self.state == StageState.RUNNING and self.pausing:
-            return DisplayState.PAUSING
-        if self.state == StageState.RUNNING and self.service and self.health:
-            return _display(self.health)
-        if self.state == StageState.RUNNING and (self.reason == "starting" or self.queued):
-            return DisplayState.STARTING
-        return _display(self.state)
 
 
 class RunModel:
@@ -310,12 +292,12 @@ class RunModel:
             st = self.stages.get(sid)
             if st is None:
                 st = self.stages[sid] = StageView(id=sid, family=d.get("family", sid))
-            before = (st.state, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at)
+            before = (st.state, st.display, st.queued, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at)
             st.update_from(d)
             prog = d.get("progress")
             if prog and prog.get("t", 0) > st.progress.t:
                 st.progress.add(prog["t"], prog.get("done") or 0, prog.get("total"), prog.get("unit") or "")
-            if before != (st.state, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at):
+            if before != (st.state, st.display, st.queued, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at):
                 changed.add(sid)
         self.order = order
         tel = find_telemetry_stage(snap.get("stages", []))
@@ -392,14 +374,6 @@ class _Backfill:
     done: bool = False
     history: StageHistory = field(default_factory=StageHistory)
     skip: LineSkipper = field(default_factory=LineSkipper)
-
-
-def _display(state: str) -> DisplayState | str:
-    """``state`` as a display state; a word this version does not know, as it is."""
-    try:
-        return DisplayState(state)
-    except ValueError:
-        return state
 
 
 def _add_metric(history: StageHistory, attempt: int, ev: Event) -> None:

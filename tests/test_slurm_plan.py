@@ -168,7 +168,11 @@ def test_the_board_shows_a_job_waiting_in_slurms_queue_as_starting_with_slurms_r
     from console.widgets.board import note_for
 
     st = StageView(id="train", family="train")
-    st.state, st.reason = "running", "queued: Slurm job 12 pending (Resources)"
+    # the rows as the supervisor writes them to state.json: the display state is a field, not the reason's words
+    reason = "queued: Slurm job 12 pending (Resources)"
+    st.update_from({"state": "running", "reason": reason, "queued": True, "display": "starting"})
     assert st.display_state == "starting" and note_for(st) == "queued: Slurm job 12 pending (Resources)"
-    st.reason = "Slurm job 12 on n[1-2]"
+    st.update_from(
+        {"state": "running", "reason": "Slurm job 12 on n[1-2]", "queued": False, "display": "running"}
+    )
     assert st.display_state == "running" and not st.queued

@@ -46,7 +46,7 @@ from pipeline.run.hosts.procs import (
 from pipeline.run.plan.dag import StageSpec
 from pipeline.run.rundir.files import open_private_append
 from pipeline.run.rundir.layout import RunDir, StageDir, read_json
-from pipeline.run.rundir.stage_row import StageState
+from pipeline.run.rundir.stage_row import DisplayState, StageState
 from pipeline.run.rundir.stage_status import StageStatus, finish, record_lost
 
 LAUNCH_TIMEOUT_S = 30.0  # a launch intent whose launcher never wrote proc.json (no child to ask) is lost
@@ -202,7 +202,7 @@ class LocalProcesses:
         if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
             ex = record_lost(sd, attempt, "the launcher never reported its pid", self.log)
             return finish(st, sd, ex, attempt, self.specs[sd.id])
-        st.state, st.reason = StageState.RUNNING, "starting"
+        st.state, st.reason, st.display = StageState.RUNNING, "starting", DisplayState.STARTING
         return st
 
     @staticmethod

@@ -116,7 +116,8 @@ def validate(ev: Event) -> None:
 
 
 def decode(line: str | bytes) -> Event:
-    """Decode one line; raises :class:`EventError` for anything malformed."""
+    """Decode one line; raises :class:`EventError` for anything malformed. A kind not in :data:`EVENT_TYPES`
+    (a newer writer's) is returned as it is; :mod:`pipeline.run.rundir.protocol` types each line."""
     try:
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -125,7 +126,8 @@ def decode(line: str | bytes) -> Event:
         raise EventError("event is not an object")
     type_ = obj.pop("type", None)
     t = obj.pop("t", None)
-    if type_ not in EVENT_TYPES or not isinstance(t, int | float):
+    # a kind this version does not know is kept (pipeline.run.rundir.protocol.Unknown), never dropped
+    if not isinstance(type_, str) or not type_ or not isinstance(t, int | float):
         raise EventError(f"bad event type/time: {type_!r}")
     ev = Event(type_, float(t), obj)
     validate(ev)

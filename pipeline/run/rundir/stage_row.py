@@ -106,6 +106,9 @@ class StageRow:
     uses: list[str] = field(default_factory=list)
     run: str | None = None  # the built-in stage's short name, None for an operator command
     job: str | None = None  # the Slurm executor: the attempt's Slurm job id
+    # what front ends show, decided by the supervisor (display_of): never parsed from ``reason``'s prose
+    display: DisplayState | str = ""
+    queued: bool = False  # launched, waiting in the batch system's queue (or being submitted to it)
 
     def update_from(self, d: dict[str, Any]) -> None:
         """Take every row field ``d`` (a ``state.json`` row) has; a state this version does not know is
@@ -123,6 +126,39 @@ class StageRow:
                 self.health = HealthState(d["health"])
             except ValueError:
                 self.health = d["health"]
+        if d.get("display"):
+            try:
+                self.display = DisplayState(d["display"])
+            except ValueError:
+                self.display = d["display"]
+
+    @property
+    def display_state(self) -> DisplayState | str:
+        """What front ends show: the snapshot's ``display`` field; for a row from a snapshot older than it
+        (:data:`pipeline.run.rundir.state_file.SNAPSHOT_VERSION` 1), :func:`display_of` its state."""
+        return self.display or display_of(self)
 
 
 ROW_FIELDS = tuple(f.name for f in fields(StageRow))
+
+
+def display_of(row: StageRow, starting: bool = False) -> DisplayState | str:
+    """The display state of ``row`` (the supervisor's word, written to ``state.json``'s ``display``): for a
+    running stage pausing, a service's health, or starting (``starting``: the executor says its process or
+    job has not begun its work; ``row.queued``: waiting in Slurm's queue); else its state. A state this
+    version does not know, as it is."""
+    if row.state == StageState.RUNNING:
+        if row.pausing:
+            return DisplayState.PAUSING
+        if row.service and row.health:
+            return _display(row.health)
+        if starting or row.queued:
+            return DisplayState.STARTING
+    return _display(row.state)
+
+
+def _display(word: str) -> DisplayState | str:
+    try:
+        return DisplayState(word)
+    except ValueError:
+        return word

@@ -14,13 +14,23 @@ the stage's own processes, :mod:`pipeline.run.hosts.local_exec`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pipeline.run.plan.dag import StageSpec
 from pipeline.run.rundir.events import EventTail
 from pipeline.run.rundir.layout import RunDir
-from pipeline.run.rundir.stage_row import BROKEN, SATISFIED, TERMINAL, HealthState, StageState
+from pipeline.run.rundir.protocol import decode_all
+from pipeline.run.rundir.stage_reducer import StageFacts
+from pipeline.run.rundir.stage_row import (
+    BROKEN,
+    SATISFIED,
+    TERMINAL,
+    DisplayState,
+    HealthState,
+    StageState,
+    display_of,
+)
 from pipeline.run.rundir.stage_status import StageStatus
 
 if TYPE_CHECKING:
@@ -32,13 +42,10 @@ READ_TO_END_CALLS = 64
 
 @dataclass
 class EventMemory:
-    """What is remembered from a stage's event stream (current attempt only)."""
+    """What is remembered from a stage's event stream: its tail and the reduced facts (current attempt)."""
 
     tail: EventTail
-    attempt_seen: int = 0
-    health: HealthState | None = None
-    progress: dict[str, Any] | None = None
-    paused_ack_t: float = 0.0
+    facts: StageFacts = field(default_factory=StageFacts)
     drained_attempt: int = 0  # an ended attempt whose events were read to their end
 
 
@@ -66,23 +73,7 @@ class StateDeriver:
             self.log(
                 f"{sid}: warning: events.jsonl: {len(chunk.bad_lines) - 5} more lines that are not events"
             )
-        for ev in chunk.events:
-            if ev.type == "started":
-                tr.attempt_seen = int(ev.get("attempt", 0))
-                tr.health, tr.progress, tr.paused_ack_t = None, None, 0.0
-            elif ev.type == "progress":
-                tr.progress = {
-                    "done": ev.get("done"),
-                    "total": ev.get("total"),
-                    "unit": ev.get("unit"),
-                    "t": ev.t,
-                }
-            elif ev.type == "health":
-                tr.health = _health(ev.get("state"))
-            elif ev.type == "message" and ev.get("code") == "paused":
-                tr.paused_ack_t = ev.t
-            elif ev.type == "message" and ev.get("code") == "resumed":
-                tr.paused_ack_t = 0.0
+        tr.facts.apply_all(decode_all(chunk.events))
 
     def _read_to_end(self, sid: str) -> None:
         """Every event of an attempt that has ended (it writes no more): reads until the offset stops."""
@@ -94,7 +85,13 @@ class StateDeriver:
                 return
 
     def derive(self, sid: str, status: dict[str, StageStatus]) -> StageStatus:
-        """The state of ``sid`` now; ``status`` holds its upstream stages' fresh states."""
+        """The state of ``sid`` now, with its display state (an executor marks a process or job that has
+        not begun its work ``starting``); ``status`` holds its upstream stages' fresh states."""
+        st = self._derive(sid, status)
+        st.display = display_of(st, starting=st.display == DisplayState.STARTING)
+        return st
+
+    def _derive(self, sid: str, status: dict[str, StageStatus]) -> StageStatus:
         spec = self.specs[sid]
         sd = self.run.stage(sid)
         attempt = sd.attempt()
@@ -111,19 +108,19 @@ class StateDeriver:
             uses=list(spec.uses),
             run=spec.run,
         )
-        current = tr.attempt_seen == attempt
-        st.health = tr.health if current else None
-        st.progress = tr.progress if current else None
-        done = self.executor.derive(st, sd, attempt, acked=current and tr.paused_ack_t > 0)
+        current = tr.facts.attempt == attempt
+        st.health = tr.facts.health if current else None
+        st.progress = tr.facts.progress_row() if current else None
+        done = self.executor.derive(st, sd, attempt, acked=current and tr.facts.paused_ack_t > 0)
         if done is not None and done.state in TERMINAL and tr.drained_attempt != attempt:
             # The events were read before the executor saw the attempt end: what it wrote in between
             # (its last progress, read slowly past an over-long line) is read now, all of it, so the
             # final snapshot (the one a finished run's supervisor exits on) is its last word.
             self._read_to_end(sid)
             tr.drained_attempt = attempt
-            current = tr.attempt_seen == attempt
-            done.health = tr.health if current else None
-            done.progress = tr.progress if current else None
+            current = tr.facts.attempt == attempt
+            done.health = tr.facts.health if current else None
+            done.progress = tr.facts.progress_row() if current else None
         if done is not None:
             return done
         # Not started in this attempt.
@@ -157,11 +154,3 @@ class StateDeriver:
                 return st
         st.state = StageState.READY
         return st
-
-
-def _health(word: Any) -> HealthState | None:
-    """A ``health`` event's state (the event reader has refused any other word)."""
-    try:
-        return HealthState(word)
-    except ValueError:
-        return None

@@ -34,7 +34,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -49,6 +48,7 @@ from pipeline.run.rundir.files import CorruptFileError
 from pipeline.run.rundir.layout import RunDir, StageDir, read_json, write_json
 from pipeline.run.rundir.stage_row import SATISFIED, TERMINAL, StageState
 from pipeline.run.rundir.stage_status import StageStatus
+from pipeline.run.rundir.state_file import SnapshotRow, StateSnapshot
 from pipeline.run.supervise.faults import (
     STAGE_RECORDS,
     Backoff,
@@ -636,14 +636,15 @@ class Supervisor:
 
     # ---------------------------------------------------------------------------------- loop
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "run": self.plan.name,
-            "run_dir": str(self.run.root),
-            "executor": self.plan.executor.kind,
-            "supervisor": {"pid": os.getpid(), "t": time.time(), "alerts": self.faults.section()},
-            "stages": [asdict(self.status[s]) for s in self.order],
-            "done": self.finished(),
-        }
+        # the typed, versioned snapshot (pipeline.run.rundir.state_file): each row with its display state
+        return StateSnapshot(
+            run=self.plan.name,
+            run_dir=str(self.run.root),
+            executor=self.plan.executor.kind,
+            supervisor={"pid": os.getpid(), "t": time.time(), "alerts": self.faults.section()},
+            stages=[SnapshotRow(self.status[s], self.status[s].progress) for s in self.order],
+            done=self.finished(),
+        ).to_dict()
 
     def write_state(self, force: bool = False, now_or_never: bool = False) -> bool:
         """state.json when something changed, and at least every HEARTBEAT_S (its ``supervisor.t`` is the

@@ -192,7 +192,7 @@ class SlurmJobs:
             if job is None and ex is None:
                 if self.record(sd, attempt) is None:
                     return None  # never reached Slurm: the attempt is submitted again
-                st.state, st.reason = StageState.RUNNING, "submitting to Slurm"
+                st.state, st.reason, st.queued = StageState.RUNNING, "submitting to Slurm", True
                 return st
         st.job = job
         if ex:
@@ -215,6 +215,7 @@ class SlurmJobs:
                 f"queued: Slurm job {job} {info.state.lower()} ({info.reason})",
             )
             st.pausing = sd.pause_flag.exists()  # nothing to freeze yet: Slurm will say so
+            st.queued = True
             return st
         if info.active:
             self._ended_seen.pop(job, None)

@@ -1,0 +1,145 @@
+"""The typed run protocol (pipeline/run/rundir/protocol.py), the reducer from events to a stage's facts
+(stage_reducer.py) and the typed, versioned ``state.json`` snapshot (state_file.py): an unknown event kind is
+kept and shown, a NaN metric is kept as NaN, a new attempt starts the facts over, and a snapshot row carries
+every row field and its display state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from pathlib import Path
+
+from pipeline.run.rundir import protocol as p
+from pipeline.run.rundir.events import EventWriter, make, parse_lines, read_all
+from pipeline.run.rundir.stage_reducer import StageFacts
+from pipeline.run.rundir.stage_row import (
+    ROW_FIELDS,
+    DisplayState,
+    HealthState,
+    StageRow,
+    StageState,
+    display_of,
+)
+from pipeline.run.rundir.state_file import SNAPSHOT_VERSION, SnapshotRow, StateSnapshot
+
+
+def test_each_kind_decodes_to_its_class_with_its_fields(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventWriter(path) as w:
+        w.emit("started", attempt=2, pid=41)
+        w.emit("progress", done=3, total=10, unit="rows", key="a", rejects=1)
+        w.emit("metric", name="loss", value=2.5, step=7, label="val")
+        w.emit("message", level="warning", text="slow disk", code="paused")
+        w.emit("health", state="ready")
+        w.emit("finished", status="failed", returncode=3, error="boom")
+    evs = p.decode_all(read_all(path))
+    started, prog, metric, msg, health, fin = evs
+    assert isinstance(started, p.Started) and (started.attempt, started.pid) == (2, 41)
+    assert isinstance(prog, p.Progress) and (prog.done, prog.total, prog.unit, prog.key, prog.bad) == (
+        3,
+        10,
+        "rows",
+        "a",
+        1,
+    )
+    assert isinstance(metric, p.Metric) and (metric.series, metric.step, metric.value) == ("loss/val", 7, 2.5)
+    assert isinstance(msg, p.Message) and (msg.level, msg.code, msg.text) == (
+        "warning",
+        "paused",
+        "slow disk",
+    )
+    assert isinstance(health, p.Health) and health.state == "ready"
+    assert isinstance(fin, p.Finished) and (fin.status, fin.returncode, fin.error) == ("failed", 3, "boom")
+    assert [p.kind_of(e) for e in evs] == ["started", "progress", "metric", "message", "health", "finished"]
+    assert p.describe(fin) == "finished: failed (rc 3): boom"
+
+
+def test_an_unknown_kind_is_kept_and_shown_never_dropped() -> None:
+    lines = [
+        b'{"type":"started","t":1,"attempt":1,"pid":5}',
+        b'{"type":"checkpoint","t":2,"path":"/ck/step-100","step":100}',
+        b'{"type":"metric","t":3,"name":"loss","value":1.5}',
+    ]
+    events, bad = parse_lines(lines)
+    assert bad == [] and len(events) == 3  # a newer writer's kind is not a bad line
+    typed = p.decode_all(events)
+    unknown = typed[1]
+    assert isinstance(unknown, p.Unknown) and unknown.kind == "checkpoint" and unknown.data["step"] == 100
+    shown = p.describe(unknown)
+    assert "checkpoint" in shown and "/ck/step-100" in shown and "does not know" in shown
+    facts = StageFacts().apply_all(typed)  # the reducer passes over it
+    assert facts.attempt == 1 and facts.metrics == {"loss": 1.5}
+
+
+def test_a_nan_metric_stays_nan_through_the_wire_and_the_reducer(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventWriter(path) as w:
+        w.emit("metric", name="loss", value=2.3, step=1)
+        w.emit("metric", name="loss", value=float("nan"), step=2)
+        w.emit("metric", name="grad_norm", value=float("inf"), step=2)
+    typed = p.decode_all(read_all(path))
+    facts = StageFacts().apply_all(typed)
+    assert math.isnan(facts.metrics["loss"]) and facts.metrics["grad_norm"] == math.inf
+    assert [p.describe(e) for e in typed] == ["loss = 2.3", "loss = nan", "grad_norm = inf"]
+
+
+def test_the_reducer_follows_the_current_attempt() -> None:
+    evs = [
+        make("started", t=10, attempt=1, pid=1),
+        make("progress", t=11, done=5, total=10, unit="steps"),
+        make("health", t=11, state="ready"),
+        make("message", t=12, level="info", text="paused", code="paused"),
+        make("progress", t=13, done=4, total=10, unit="steps"),  # an older key reported later: latest wins
+    ]
+    facts = StageFacts().apply_all(p.decode_all(evs))
+    assert facts.attempt == 1 and facts.health == HealthState.READY and facts.paused_ack_t == 12
+    assert facts.progress_row() == {"done": 4, "total": 10, "unit": "steps", "t": 13}
+    facts.apply(p.decode(make("message", t=14, level="info", text="resumed", code="resumed")))
+    assert facts.paused_ack_t == 0
+    facts.apply(p.decode(make("started", t=20, attempt=2, pid=2)))  # a retry: nothing of attempt 1 holds
+    assert (facts.attempt, facts.health, facts.progress, facts.pid) == (2, None, None, 2)
+    facts.apply(p.decode(make("finished", t=30, status="succeeded", returncode=0)))
+    assert facts.finished is not None and facts.finished.status == "succeeded"
+
+
+def test_the_display_state_is_decided_from_fields_never_from_the_reason() -> None:
+    row = StageRow(id="train", family="train", state=StageState.RUNNING)
+    row.reason = "queued: Slurm job 12 pending (Resources)"  # prose alone says nothing
+    assert display_of(row) == DisplayState.RUNNING
+    row.queued = True
+    assert display_of(row) == DisplayState.STARTING
+    row.pausing = True
+    assert display_of(row) == DisplayState.PAUSING
+    row = StageRow(id="serve", family="serve", state=StageState.RUNNING, service=True)
+    row.health = HealthState.UNHEALTHY
+    assert display_of(row, starting=True) == DisplayState.UNHEALTHY
+    assert display_of(StageRow(id="x", family="x", state="rebalancing")) == "rebalancing"  # a newer word
+
+
+def test_the_snapshot_is_versioned_and_carries_every_row_field() -> None:
+    row = StageRow(id="prep.a", family="prep", state=StageState.RUNNING, queued=True, gpus=[0, 1])
+    row.display = display_of(row)
+    snap = StateSnapshot(
+        run="r", stages=[SnapshotRow(row, {"done": 1, "total": 2, "unit": "rows", "t": 5.0})]
+    )
+    d = snap.to_dict()
+    assert d["version"] == SNAPSHOT_VERSION == 2
+    assert set(d["stages"][0]) == {f.name for f in fields(StageRow)} | {"progress"}
+    assert d["stages"][0]["display"] == "starting" and d["stages"][0]["queued"] is True
+    back = StateSnapshot.from_dict(d)
+    assert back.stages[0].row == row and back.stages[0].progress == d["stages"][0]["progress"]
+    # a version-1 snapshot (no display field): the state as it is; never the reason's words
+    old = StateSnapshot.from_dict(
+        {"stages": [{"id": "t", "family": "t", "state": "running", "reason": "starting"}]}
+    )
+    assert old.version == 1 and old.stages[0].row.display_state == "running"
+    assert set(ROW_FIELDS) >= {"retry_at", "pausing", "gpus", "service", "display", "queued"}
+
+
+def test_a_snapshot_row_without_an_id_is_refused_naming_it() -> None:
+    try:
+        StateSnapshot.from_dict({"stages": [{"id": "a"}, {"state": "running"}]})
+    except ValueError as exc:
+        assert "stages[1]" in str(exc)
+    else:
+        raise AssertionError("a row without an id was accepted")
