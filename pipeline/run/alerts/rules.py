@@ -18,7 +18,8 @@ thresholds are the plan's ``[alerts]`` keys (:class:`~pipeline.run.plan.sections
   lighter load is not a collapse). **server-unhealthy**: a running server whose health turned unhealthy.
 
 The rules of a stage's clock and state (stalled, failed, forced start, idle GPUs, disk, the train-versus-serve
-gap) are :mod:`pipeline.run.alerts.stage_rules`. Constant work per event (a median of at most
+gap) are :mod:`pipeline.run.alerts.stage_rules`. Each is fed the typed events of the run protocol
+(:mod:`pipeline.run.rundir.protocol`), never a ``type`` string. Constant work per event (a median of at most
 ``throughput_window`` numbers per throughput sample). An alert's key names its episode by data every reader
 sees alike (the step, or the time it began), so a restarted watcher that reads the events again finds the
 episodes it already recorded. Pure: no files, no processes.
@@ -33,7 +34,7 @@ from collections import deque
 
 from pipeline.run.alerts.record import Alert
 from pipeline.run.plan.sections import AlertsSection
-from pipeline.run.rundir.events import Event
+from pipeline.run.rundir.protocol import Health, Metric
 from pipeline.run.rundir.stage_row import HealthState
 
 # The train stage's metric names (pipeline/stages/train), the serve stage's (pipeline/serving/sglang_log.py).
@@ -48,10 +49,10 @@ def _num(v: float) -> str:
     return f"{v:.4g}"
 
 
-def _at(ev: Event) -> tuple[str, str]:
+def _at(ev: Metric) -> tuple[str, str]:
     """(the episode part of a key, the words for where) of a metric event: its step, else its time."""
-    step = ev.get("step")
-    if isinstance(step, int | float) and not isinstance(step, bool):
+    step = ev.step
+    if step is not None:
         return f"step{int(step)}", f"step {int(step)}"
     return f"t{ev.t:.3f}", time.strftime("%H:%M:%S", time.localtime(ev.t))
 
@@ -65,7 +66,7 @@ class LossRule:
         self.nonfinite = False  # in a NaN episode (re-armed by the next finite loss)
         self.diverging = False  # in a divergence episode (re-armed once the loss is back under the line)
 
-    def feed(self, value: float, ev: Event, rules: AlertsSection, sid: str, attempt: int) -> Alert | None:
+    def feed(self, value: float, ev: Metric, rules: AlertsSection, sid: str, attempt: int) -> Alert | None:
         key_at, where = _at(ev)
         if not math.isfinite(value):
             if self.nonfinite:
@@ -132,7 +133,7 @@ class AcceptRule:
         if math.isfinite(value):
             self.loss = value
 
-    def feed(self, value: float, ev: Event, rules: AlertsSection, sid: str, attempt: int) -> Alert | None:
+    def feed(self, value: float, ev: Metric, rules: AlertsSection, sid: str, attempt: int) -> Alert | None:
         w = rules.accept_window
         if w < 2 or not math.isfinite(value):
             return None
@@ -182,7 +183,7 @@ class ServerRule:
         self.collapsed = False
         self.unhealthy = False
 
-    def feed(self, value: float, ev: Event, rules: AlertsSection, sid: str, attempt: int) -> Alert | None:
+    def feed(self, value: float, ev: Metric, rules: AlertsSection, sid: str, attempt: int) -> Alert | None:
         run, frac = self.running, rules.throughput_fraction
         if frac <= 0 or not run or run < 1 or not math.isfinite(value):
             return None  # no request running: a throughput of 0 means nothing
@@ -218,15 +219,15 @@ class ServerRule:
         self.loads.append(run)
         return None
 
-    def health(self, ev: Event, sid: str, attempt: int) -> Alert | None:
-        state = str(ev.get("state"))
+    def health(self, ev: Health, sid: str, attempt: int) -> Alert | None:
+        state = ev.state
         if state != HealthState.UNHEALTHY:
             self.unhealthy = False
             return None
         if self.unhealthy:
             return None
         self.unhealthy = True
-        detail = str(ev.get("detail") or "failed health probes in a row")
+        detail = str(ev.data.get("detail") or "failed health probes in a row")
         return Alert(
             f"server-unhealthy:{sid}:{attempt}:t{ev.t:.3f}",
             "server-unhealthy",

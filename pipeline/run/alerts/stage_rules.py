@@ -28,7 +28,9 @@ from pipeline.run.alerts.record import Alert
 from pipeline.run.alerts.rules import ACCEPT, LOSS, RUNNING_REQ, THROUGHPUT, AcceptRule, LossRule, ServerRule
 from pipeline.run.plan.sections import AlertsSection
 from pipeline.run.projection.text import duration, size
-from pipeline.run.rundir.events import Event
+from pipeline.run.rundir.protocol import FORCED as FORCED_CODE
+from pipeline.run.rundir.protocol import Health, Message, Metric, RunEvent
+from pipeline.run.rundir.stage_reducer import StageFacts
 from pipeline.run.rundir.stage_row import StageRow, StageState
 
 FORCED = "forced-start"
@@ -43,7 +45,7 @@ class StageWatch:
     """What the rules keep about one attempt of one stage."""
 
     attempt: int
-    progress: tuple[float, float, float | None, str] | None = None  # (t, done, total, unit) of the latest
+    facts: StageFacts = field(default_factory=StageFacts)  # the run's reducer over this attempt's events
     metric: tuple[float, str, float] | None = None  # (t, name, value) of the latest metric
     loss: LossRule = field(default_factory=LossRule)
     accept: AcceptRule = field(default_factory=AcceptRule)
@@ -55,34 +57,33 @@ class StageWatch:
     forced: list[Alert] = field(default_factory=list)
 
 
-def on_event(sw: StageWatch, ev: Event, rules: AlertsSection, sid: str, service: bool) -> Alert | None:
-    """One event of the stage's current attempt: what it tells the rules (an episode found, or None)."""
-    if ev.type == "progress":
-        done, total = ev.get("done"), ev.get("total")
-        if isinstance(done, int | float) and not isinstance(done, bool):
-            tot = float(total) if isinstance(total, int | float) and not isinstance(total, bool) else None
-            sw.progress = (ev.t, float(done), tot, str(ev.get("unit") or ""))
-        return None
-    if ev.type == "message" and ev.get("code") == "forced":
-        return forced_alert(sid, sw.attempt, ev)
-    if ev.type == "health" and service:
-        return sw.server.health(ev, sid, sw.attempt)
-    if ev.type != "metric":
-        return None
-    name, raw = str(ev.get("name")), ev.get("value")
+def on_event(sw: StageWatch, ev: RunEvent, rules: AlertsSection, sid: str, service: bool) -> Alert | None:
+    """One typed event of the stage's current attempt (:mod:`pipeline.run.rundir.protocol`, already folded into
+    ``sw.facts`` by the run's reducer): what it tells the rules (an episode found, or None)."""
+    match ev:
+        case Message(code=code) if code == FORCED_CODE:
+            return forced_alert(sid, sw.attempt, ev)
+        case Health() if service:
+            return sw.server.health(ev, sid, sw.attempt)
+        case Metric():
+            return _metric(sw, ev, rules, sid)
+    return None
+
+
+def _metric(sw: StageWatch, ev: Metric, rules: AlertsSection, sid: str) -> Alert | None:
+    raw = ev.data.get("value")
     if not isinstance(raw, int | float) or isinstance(raw, bool):
-        return None
-    value = float(raw)
-    sw.metric = (ev.t, name, value)
-    if name == LOSS:
-        sw.accept.feed_loss(value)
-        return sw.loss.feed(value, ev, rules, sid, sw.attempt)
-    if name == ACCEPT:
-        return sw.accept.feed(value, ev, rules, sid, sw.attempt)
-    if name == RUNNING_REQ:
-        sw.server.running = value
-    elif name == THROUGHPUT and ev.get("batch", "decode") == "decode":
-        return sw.server.feed(value, ev, rules, sid, sw.attempt)
+        return None  # not a number at all (the decoder made it NaN): no rule's business
+    sw.metric = (ev.t, ev.name, ev.value)
+    if ev.name == LOSS:
+        sw.accept.feed_loss(ev.value)
+        return sw.loss.feed(ev.value, ev, rules, sid, sw.attempt)
+    if ev.name == ACCEPT:
+        return sw.accept.feed(ev.value, ev, rules, sid, sw.attempt)
+    if ev.name == RUNNING_REQ:
+        sw.server.running = ev.value
+    elif ev.name == THROUGHPUT and ev.data.get("batch", "decode") == "decode":
+        return sw.server.feed(ev.value, ev, rules, sid, sw.attempt)
     return None
 
 
@@ -127,9 +128,9 @@ def failed(row: StageRow) -> Alert | None:
     )
 
 
-def forced_alert(sid: str, attempt: int, ev: Event) -> Alert:
+def forced_alert(sid: str, attempt: int, ev: Message) -> Alert:
     """A stage started with ``--force`` (``Supervisor.launch``'s ``forced`` message)."""
-    raw = ev.get("attempt")
+    raw = ev.data.get("attempt")
     n = raw if isinstance(raw, int) and not isinstance(raw, bool) else attempt
     return Alert(
         f"{FORCED}:{sid}:{n}",
@@ -138,7 +139,7 @@ def forced_alert(sid: str, attempt: int, ev: Event) -> Alert:
         f"{sid} attempt {n} started without the disk-budget and GPU-guard checks (aerie force)",
         sid,
         n,
-        (str(ev.get("text", "")),),
+        (ev.text,),
     )
 
 
@@ -149,7 +150,8 @@ def stall(
     if rules.stall_minutes <= 0 or row.service:
         return None
     metric_t = sw.metric[0] if sw.metric else 0.0
-    progress_t = sw.progress[0] if sw.progress else 0.0
+    p = sw.facts.progress
+    progress_t = p.t if p else 0.0
     if row.run is None and not (progress_t or metric_t):
         return None  # an operator command that never reports: silence is its normal
     last = max(row.started_at or 0.0, progress_t, metric_t, sw.resumed_at or 0.0)
@@ -161,10 +163,9 @@ def stall(
         return None
     sw.stall_key = key
     evidence = [f"rule: no progress and no metric for {rules.stall_minutes:g} min"]
-    if sw.progress:
-        t, done, total, unit = sw.progress
-        tot = f"/{total:g}" if total else ""
-        evidence.append(f"last progress {done:g}{tot} {unit} {duration(now - t)} ago")
+    if p:
+        tot = f"/{p.total:g}" if p.total else ""
+        evidence.append(f"last progress {p.done:g}{tot} {p.unit} {duration(now - p.t)} ago")
     else:
         evidence.append("no progress reported in this attempt")
     if sw.metric:

@@ -32,7 +32,7 @@ from pipeline.run.alerts.hooks import HookSpawner
 from pipeline.run.alerts.record import Alert, AlertRecord
 from pipeline.run.alerts.stage_rules import GpuSeen, StageWatch
 from pipeline.run.plan.sections import AlertsSection
-from pipeline.run.rundir import growth
+from pipeline.run.rundir import growth, protocol
 from pipeline.run.rundir.events import EventTail
 from pipeline.run.rundir.layout import RunDir
 from pipeline.run.rundir.stage_row import StageRow, StageState
@@ -49,7 +49,7 @@ class StageFeed:
 
     tail: EventTail
     watch: StageWatch
-    ev_attempt: int | None = None  # the attempt of the events being read (from ``started``)
+    ev_attempt: int | None = None  # the attempt of the events being read (from the latest ``Started``)
     live: bool = False  # read in the last cycle (a stage that stops running is read once more)
 
 
@@ -158,13 +158,16 @@ class RunWatcher:
         except OSError as exc:
             self.log(f"alerts: cannot read {sid}'s events: {exc}")
             return out
-        for ev in chunk.events:
-            if ev.type == "started":
-                a = ev.get("attempt")
-                feed.ev_attempt = a if isinstance(a, int) and not isinstance(a, bool) else None
-                continue
+        for raw in chunk.events:
+            ev = protocol.decode(raw)  # the run protocol: typed events, one decoder
+            started = isinstance(ev, protocol.Started)
+            if isinstance(ev, protocol.Started):
+                feed.ev_attempt = ev.attempt
             if feed.ev_attempt is not None and feed.ev_attempt != row.attempt:
                 continue  # an earlier attempt's events (none seen: a file whose head was rotated away)
+            feed.watch.facts.apply(ev)  # the one reducer (pipeline.run.rundir.stage_reducer)
+            if started:
+                continue
             alert = stage_rules.on_event(feed.watch, ev, self.rules, sid, row.service)
             if alert is not None:
                 out.append(alert)
