@@ -26,7 +26,6 @@ on the host (the action was not queued); 130 interrupted (stages keep running).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from importlib import resources
@@ -34,18 +33,15 @@ from pathlib import Path
 
 from console import executors
 from console.actions import CONTROL_WORDS, CTL_FLAGS, CTL_VERBS
-from console.cli_common import err, open_run, remote, run_ctl
+from console.cli_common import aerie_home, err, open_run, remote, run_ctl
 from console.cli_status import cmd_status
+from console.cli_watch import add_watch_command
 from console.transport import LocalTransport, Transport, start_local_run
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.plan.sections import render_settings
 from pipeline.run.rundir import audit
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
-
-
-def aerie_home() -> Path:
-    return Path(os.environ.get("AERIE_HOME", Path.home() / ".local" / "share" / "aerie")).expanduser()
 
 
 def demo_plan_path() -> Path:
@@ -272,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_watch_commands(sub)
     _add_serve_command(sub)
     _add_control_commands(sub)
+    add_watch_command(sub)
     _add_plan_commands(sub)
     return ap
 

@@ -292,12 +292,32 @@ class RunModel:
             st = self.stages.get(sid)
             if st is None:
                 st = self.stages[sid] = StageView(id=sid, family=d.get("family", sid))
-            before = (st.state, st.display, st.queued, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at)
+            before = (
+                st.state,
+                st.display,
+                st.queued,
+                st.attempt,
+                st.pid,
+                st.reason,
+                st.health,
+                st.pausing,
+                st.finished_at,
+            )
             st.update_from(d)
             prog = d.get("progress")
             if prog and prog.get("t", 0) > st.progress.t:
                 st.progress.add(prog["t"], prog.get("done") or 0, prog.get("total"), prog.get("unit") or "")
-            if before != (st.state, st.display, st.queued, st.attempt, st.pid, st.reason, st.health, st.pausing, st.finished_at):
+            if before != (
+                st.state,
+                st.display,
+                st.queued,
+                st.attempt,
+                st.pid,
+                st.reason,
+                st.health,
+                st.pausing,
+                st.finished_at,
+            ):
                 changed.add(sid)
         self.order = order
         tel = find_telemetry_stage(snap.get("stages", []))
