@@ -170,7 +170,9 @@ def test_aerie_watch_over_ssh_delivers_each_alert_once_across_a_dropped_connecti
         '[[stage]]\nid = "late"\ncommand = "sleep 10; exit 4"\n'
     )
     # the host runs this checkout's pipeline (uploaded), whatever the machine has installed
-    plan.write_text(plan.read_text().replace("[resources]", 'options = { pipeline = "upload" }\n\n[resources]'))
+    plan.write_text(
+        plan.read_text().replace("[resources]", 'options = { pipeline = "upload" }\n\n[resources]')
+    )
     p = aerie("run", str(plan), "--detach")
     assert p.returncode == 0, p.stderr
     assert "aerie watch" in p.stderr
