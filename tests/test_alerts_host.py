@@ -298,3 +298,82 @@ def test_ack_and_silence_are_audited_control_actions_on_the_records(
         ("ack", "refused"),
     ]
     assert all(e["via"] == "cli" for e in entries)
+
+
+CONSOLE_PLAN = """
+    [run]
+    name = "three"
+    dir = "run"
+    [alerts]
+    stall_minutes = {stall}
+    [[stage]]
+    id = "bad"
+    command = "sleep 2; echo about to fail; exit 3"
+    [[stage]]
+    id = "quiet"
+    command = "{py} {script}"
+    kill_grace_s = 1
+"""
+
+
+def _alert_list(app: object) -> list[tuple[int, str, str, bool, str | None]]:
+    from console.app import AerieApp
+
+    assert isinstance(app, AerieApp)
+    return [(r.id, r.kind, r.stage, r.open, r.acked_by) for r in app.model.alerts.ordered()]
+
+
+@pytest.mark.slow
+async def test_three_consoles_attached_at_different_times_list_the_same_alerts(tmp_path: Path) -> None:
+    """Each console reads the run's records: the one attached first, one attached after the failure, one after
+    the stall; an acknowledgement from the last shows in all three, and the board marks the alerted stages."""
+    from console.app import AerieApp
+    from console.screens.alerts import AlertsScreen
+    from console.transport import LocalTransport
+    from console.widgets.board import StageBoard
+    from tests.screen_text import svg_rows
+    from tests.test_console import until
+
+    (tmp_path / "stall.py").write_text(STALL_STAGE)
+    run = make_run(
+        tmp_path, CONSOLE_PLAN.format(stall=4 / 60, py=sys.executable, script=tmp_path / "stall.py")
+    )
+    sup = start_supervisor(run, poll=POLL)
+    apps = [AerieApp(LocalTransport(str(run.root)), poll_s=0.2, user_config={}) for _ in range(3)]
+    try:
+        async with apps[0].run_test(size=(120, 30)) as p1:
+            await until(p1, lambda: len(_alert_list(apps[0])) >= 1, 30, "the failure's alert in console 1")
+            async with apps[1].run_test(size=(120, 30)) as p2:
+                await until(p2, lambda: len(_alert_list(apps[1])) >= 2, 30, "the stall's alert in console 2")
+                async with apps[2].run_test(size=(100, 30)) as p3:
+                    await until(p3, lambda: len(_alert_list(apps[2])) >= 2, 20, "both in console 3")
+                    board = apps[2].query_one(StageBoard)
+                    await until(p3, lambda: board.selected_key is not None, what="a stage selected")
+                    while board.selected_key != "quiet":
+                        await p3.press("down")
+                    await p3.press("K")  # acknowledge the selected stage's alert: a control action
+                    await until(p3, lambda: any(a[4] for a in _alert_list(apps[0])), 20, "the ack everywhere")
+                    lists = [_alert_list(a) for a in apps]
+                    assert lists[0] == lists[1] == lists[2], lists
+                    assert {(k, s) for _, k, s, *_ in lists[0]} == {
+                        ("stage-failed", "bad"),
+                        ("stalled", "quiet"),
+                    }
+                    assert [a[4] is not None for a in lists[0] if a[1] == "stalled"] == [True]
+                    rows = "\n".join(svg_rows(apps[2].export_screenshot()))
+                    assert "⚠ stage-failed" in rows and "⚠ stalled" in rows, rows
+                    await p3.press("a")
+                    await until(p3, lambda: isinstance(apps[2].screen, AlertsScreen), what="the alert list")
+                    text = "\n".join(svg_rows(apps[2].export_screenshot()))
+                    assert "2 open" in text and "acknowledged by" in text, text
+        assert apps[0].alerts.announced == 2, "console 1 was there for both: a toast each"
+        assert apps[1].alerts.announced == 1 and apps[2].alerts.announced == 0, (
+            "old news is listed, not toasted"
+        )
+        entries = [json.loads(x) for x in (run.root / "audit.jsonl").read_text().splitlines()]
+        assert [(e["action"], e["stage"], e["outcome"], e["via"]) for e in entries] == [
+            ("ack", "quiet", "done", "console")
+        ]
+    finally:
+        stop(sup)
+        kill_run_stages(run)
