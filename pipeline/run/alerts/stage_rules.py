@@ -251,20 +251,29 @@ def gpu_idle(row: StageRow, sw: StageWatch, gpus: dict[int, GpuSeen], rules: Ale
     )
 
 
-def disk_level(r: dict[str, Any]) -> tuple[str, str]:
-    """(level, words) of one telemetry ``disk`` record: ``ok``, ``warning`` (the outputs still to write do
-    not fit) or ``error`` (free space below the plan's reserve)."""
+def disk_level(r: dict[str, Any]) -> str:
+    """The level of one telemetry ``disk`` record: ``ok``, ``warning`` (the outputs still to write do not
+    fit) or ``error`` (free space below the plan's reserve). Cheap: one per sample."""
     avail, reserve, need = r.get("avail"), r.get("reserve") or 0, r.get("projected_remaining")
     if not isinstance(avail, int | float) or not isinstance(reserve, int | float):
-        return "ok", ""
+        return "ok"
     room = avail - reserve
-    where = str(r.get("mount") or r.get("path") or "disk")
-    words = f"{where}: {size(avail)} free (reserve {size(reserve)})"
     if room <= 0:
-        return "error", words + ": below the reserve"
+        return "error"
     if isinstance(need, int | float) and need > room:
-        return "warning", words + f": {size(need)} still to write, {size(need - room)} short"
-    return "ok", words
+        return "warning"
+    return "ok"
+
+
+def disk_words(r: dict[str, Any]) -> str:
+    """What a disk alert says of the record that raised it."""
+    avail, reserve, need = r.get("avail") or 0, r.get("reserve") or 0, r.get("projected_remaining")
+    words = f"{r.get('mount') or r.get('path') or 'disk'}: {size(avail)} free (reserve {size(reserve)})"
+    if avail - reserve <= 0:
+        return words + ": below the reserve"
+    if isinstance(need, int | float):
+        return words + f": {size(need)} still to write, {size(need - (avail - reserve))} short"
+    return words
 
 
 def disk_alert(level: str, words: str, t: float) -> Alert:

@@ -194,11 +194,9 @@ class RunWatcher:
             if kind == "gpu" and isinstance(rec.get("index"), int):
                 tel.gpus.setdefault(rec["index"], GpuSeen()).apply(rec, self.rules.gpu_idle_util)
             elif kind == "disk":
-                level, words = stage_rules.disk_level(rec)
-                prev = tel.disk[0]
-                t = float(rec.get("t") or 0.0)
-                if level != prev:
-                    tel.disk = (level, words, t)
+                level = stage_rules.disk_level(rec)
+                if level != tel.disk[0]:
+                    tel.disk = (level, stage_rules.disk_words(rec), float(rec.get("t") or 0.0))
         level, words, t = tel.disk
         return [stage_rules.disk_alert(level, words, t)] if level != "ok" else []
 
