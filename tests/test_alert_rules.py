@@ -343,3 +343,33 @@ async def test_an_anomaly_raised_on_the_host_reaches_the_hook_the_toast_and_the_
     finally:
         stop(sup)
         kill_run_stages(run)
+
+
+async def test_a_served_accept_length_well_below_the_simulated_one_raises_accept_gap_with_both_sources(
+    tmp_path: Path,
+) -> None:
+    """Issue 44 item 10, with the figures the lent H100 gave: simulated 2.72 at step 200, served 2.19."""
+    from pipeline.manifests.train import DraftManifest
+    from pipeline.stages.bench.gap import gap_record, report_gap
+
+    man = DraftManifest(kind="draft", aux_layer_ids=(1, 2, 3), step=200, accept_length=2.72)
+    train_dir = tmp_path / "stages" / "train" / "out"
+    run = Run(tmp_path, accept_gap=0.15, stall_minutes=0)  # (the stages started an hour ago)
+    close = run.stage("bench-close", run="bench")
+    report_gap(close, gap_record(man, train_dir, 2.60, "bench-close results.json: batches[0]"))  # 4.4 %: fine
+    far = run.stage("bench-eagle3", run="bench")
+    report_gap(far, gap_record(man, train_dir, 2.19, "bench-eagle3 results.json: batches[0] (batch 1)"))
+    (a,) = await run.alerts()
+    assert (a.kind, a.stage) == ("accept-gap", "bench-eagle3")
+    assert "2.19" in a.text and "2.72" in a.text and "19.5%" in a.text
+    assert a.evidence[0] == "served 2.19: bench-eagle3 results.json: batches[0] (batch 1)"
+    assert (
+        a.evidence[1]
+        == f"simulated 2.72: {train_dir / 'manifest.json'}: accept_length at step 200 (held-out rows)"
+    )
+    run.rows["bench-eagle3"]["state"] = "succeeded"  # the bench ended: the gap stays open for its attempt
+    assert await run.alerts() == [] and record.read(tmp_path)[a.id].open
+    lines = record.status_lines(list(record.read(tmp_path).values()), time.time())
+    assert any("accept-gap" in ln and "bench-eagle3" in ln for ln in lines), lines
+    assert gap_record(man, train_dir, None, "x") is None, "no served figure: nothing to compare"
+    assert gap_record(DraftManifest(kind="draft", aux_layer_ids=(1,)), train_dir, 2.0, "x") is None

@@ -12,7 +12,8 @@ train-versus-serve gap — each given what the watcher (:mod:`pipeline.run.alert
 * **disk** : the telemetry agent's disk record says the outputs still to write do not fit (``warning``) or
   the free space is below the plan's reserve (``error``); re-armed once it fits again.
 * **accept-gap** (``accept_gap``): the bench stage's served accept length below the train stage's simulated
-  one for the same draft by more than that fraction (:func:`accept_gap`).
+  one for the same draft by more than that fraction (:func:`accept_gap`), read from the bench stage's message
+  coded ``accept-gap`` that carries both numbers and where each came from (``pipeline/stages/bench/gap.py``).
 
 Pure: the caller reads the files; these look at what it read.
 """
@@ -34,6 +35,7 @@ from pipeline.run.rundir.stage_reducer import StageFacts
 from pipeline.run.rundir.stage_row import StageRow, StageState
 
 FORCED = "forced-start"
+GAP_CODE = "accept-gap"  # the bench stage's message (pipeline/stages/bench/gap.py; a stage is not imported here)
 
 
 def _num(v: float) -> str:
@@ -63,6 +65,8 @@ def on_event(sw: StageWatch, ev: RunEvent, rules: AlertsSection, sid: str, servi
     match ev:
         case Message(code=code) if code == FORCED_CODE:
             return forced_alert(sid, sw.attempt, ev)
+        case Message(code=code) if code == GAP_CODE:  # the bench stage's served-vs-simulated record
+            return accept_gap(sid, sw.attempt, dict(ev.data), rules)
         case Health() if service:
             return sw.server.health(ev, sid, sw.attempt)
         case Metric():
