@@ -1,8 +1,9 @@
 """``aerie status``: every stage's row, the supervisor's liveness and alerts, then the run's projection, the
 run's alert records (raised on the executing host, :mod:`pipeline.run.alerts`; open ones first, with their
-evidence and hook deliveries), then the audit log's last entries (``--json``: a line per stage, then
-``{"projection": …, "supervisor": …}``, ``{"alerts": […]}``, ``{"anomalies": […]}`` (the open anomaly
-records), ``{"audit": …}``), made by ``ctl status`` on the executing host, locally or over SSH. A truncated or corrupt ``state.json`` is one warning line naming it
+evidence and hook deliveries), then the audit log's last entries (``--json``: a line per stage — its whole row,
+every field of the typed snapshot's rows — then ``{"projection": …, "supervisor": …}``, ``{"alerts": […]}``,
+``{"anomalies": […]}`` (the open anomaly records), ``{"audit": …}``), made by ``ctl status`` on the executing
+host, locally or over SSH. A truncated or corrupt ``state.json`` is one warning line naming it
 (``--json``: a first line ``{"error": …}``) above the stages as their own files show them, never a traceback.
 
 The supervisor line is the host's verdict (:mod:`pipeline.run.supervise.liveness`, judged by the run's lock and the
@@ -24,7 +25,7 @@ from pipeline.run.projection.compute import RunProjection
 from pipeline.run.projection.text import status_lines
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir
-from pipeline.run.rundir.state_file import read_state
+from pipeline.run.rundir.state_file import SnapshotRow, StateSnapshot, read_state
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -55,30 +56,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"aerie: warning: {problem}", file=sys.stderr)
     alerts = _alerts(state)
     if args.json:
-        for st in stages:
-            print(
-                json.dumps(
-                    {
-                        **{
-                            k: st.get(k)
-                            for k in (
-                                "id",
-                                "state",
-                                "attempt",
-                                "pid",
-                                "pgid",
-                                "started_at",
-                                "finished_at",
-                                "returncode",
-                                "reason",
-                                "health",
-                                "progress",
-                            )
-                        },
-                        **({"job": st["job"]} if st.get("job") else {}),
-                    }
-                )
-            )  # a Slurm stage's job id
+        for row in snapshot_rows(stages):
+            print(json.dumps(row.to_dict()))  # every row field (StageRow), its display state and progress
         run_line: dict[str, Any] = {"projection": projection} if isinstance(projection, dict) else {}
         sup = supervisor_section(state)
         if sup is not None:
@@ -107,6 +86,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("\n".join(alert_lines(alerts, time.time())))
     _print_audit(state.get("audit"))
     return EXIT_OK
+
+
+def snapshot_rows(stages: list[dict]) -> list[SnapshotRow]:
+    """The stage rows as the typed snapshot decodes them (:class:`StateSnapshot`): each with every field of
+    :class:`~pipeline.run.rundir.stage_row.StageRow` (a field added there is in ``--json`` at once)."""
+    return StateSnapshot.from_dict({"stages": [st for st in stages if isinstance(st.get("id"), str)]}).stages
 
 
 def _hms(t: object) -> str:

@@ -21,6 +21,7 @@ from console import fmt
 from console.model import RunModel, StageView, describe_event
 from console.sup_watch import SupervisorWatch, open_alerts
 from console.transport import Transport
+from pipeline.run.rundir.protocol import Message
 from pipeline.run.rundir.stage_row import StageState
 
 MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
@@ -110,12 +111,12 @@ class _Printer:
         for ev in st.events:
             if (
                 ev.t > self.seen_events.get(sid, 0.0)
-                and ev.type == "message"
-                and ev.get("level") in ("warning", "error")
+                and isinstance(ev, Message)
+                and ev.level in ("warning", "error")
             ):
                 n = self.warned.get((sid, st.attempt), 0)
                 self.warned[(sid, st.attempt)] = n + 1
-                if ev.get("level") == "error" or n < MAX_WARNINGS:
+                if ev.level == "error" or n < MAX_WARNINGS:
                     self.emit(f"{sid:<28} {describe_event(ev)}")
                 elif n == MAX_WARNINGS:
                     self.emit(f"{sid:<28} (more warnings: see stages/{sid}/events.jsonl)")

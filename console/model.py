@@ -2,8 +2,15 @@
 
 Each :meth:`RunModel.poll` asks the transport for what was appended since the last poll:
 ``state.json`` (the supervisor's snapshot of every stage), each stage's ``events.jsonl`` from its
-byte offset, and the log tail of the stages being watched. Memory is bounded whatever the run's
-length: per stage the latest state, the latest value of each metric, each metric's history for the
+byte offset, and the log tail of the stages being watched.
+
+One route for each fact: a stage's row — its state, display state (queued, starting … a field, never read
+from the reason's words) and progress — is the snapshot's (:class:`~pipeline.run.rundir.state_file.StateSnapshot`);
+the events, decoded once into typed events (:mod:`pipeline.run.rundir.protocol`) and reduced
+(:mod:`pipeline.run.rundir.stage_reducer`), give only what the snapshot does not carry: metrics and their
+curves, the rate's samples, the event list.
+
+Memory is bounded whatever the run's length: per stage the latest state, the latest value of each metric, each metric's history for the
 curves (downsampled, see :mod:`console.series`), a bounded window of progress samples (for rate and
 ETA), the last events and the last log lines. On attach the model starts
 near the end of long event files instead of replaying days of history; the curves then read the
@@ -23,7 +30,6 @@ applied, so they work incrementally. The run's alerts come from its records (:mo
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,9 +40,14 @@ from console.series import StageHistory
 from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
 from console.transport import ReadResult, Transport, read_whole
+from pipeline.run.projection.compute import stall_decayed
+from pipeline.run.rundir import protocol as proto
 from pipeline.run.rundir.event_lines import LineSkipper
 from pipeline.run.rundir.events import Event, parse_lines
-from pipeline.run.rundir.stage_row import TERMINAL, StageRow, StageState
+from pipeline.run.rundir.protocol import RunEvent, decode, decode_all
+from pipeline.run.rundir.stage_reducer import StageFacts
+from pipeline.run.rundir.stage_row import ROW_FIELDS, TERMINAL, StageRow, StageState
+from pipeline.run.rundir.state_file import StateSnapshot
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
 LOG_TAIL_BYTES = 64 << 10
@@ -51,6 +62,9 @@ RATE_WINDOW_S = 120.0
 
 @dataclass
 class Progress:
+    """A stage's progress: the fact (``done``/``total``/``unit`` as of ``t``) from ``state.json``'s row, and
+    the samples the rate is measured over (a curve: the stage's progress events, and the row's report)."""
+
     done: float = 0.0
     total: float | None = None
     unit: str = ""
@@ -58,10 +72,18 @@ class Progress:
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
     def add(self, t: float, done: float, total: float | None, unit: str) -> None:
-        if self.samples and done < self.samples[-1][1]:
-            self.samples.clear()  # a new attempt restarted the count
+        """The row's report (the one route for the fact), and a sample."""
         self.done, self.total, self.unit, self.t = done, total, unit or self.unit, t
-        self.samples.append((t, done))
+        self.sample(t, done)
+
+    def sample(self, t: float, done: float) -> None:
+        """One point of the rate's curve; an older one than the last is not (the window is in time order)."""
+        if self.samples and done < self.samples[-1][1] and t >= self.samples[-1][0]:
+            self.samples.clear()  # a new attempt restarted the count
+        if self.samples and t == self.samples[-1][0]:
+            self.samples[-1] = (t, done)  # the same instant reported twice: the later word
+        elif not self.samples or t > self.samples[-1][0]:
+            self.samples.append((t, done))
 
     @property
     def fraction(self) -> float | None:
@@ -69,8 +91,9 @@ class Progress:
             return None
         return max(0.0, min(1.0, self.done / self.total))
 
-    def rate(self) -> float | None:
-        """Units per second over the recent window (None until two samples exist)."""
+    def rate(self, now: float | None = None) -> float | None:
+        """Units per second over the recent window (None until two samples exist); with ``now``, decayed by
+        a silence since the last sample (:func:`~pipeline.run.projection.compute.stall_decayed`)."""
         if len(self.samples) < 2:
             return None
         t1, d1 = self.samples[-1]
@@ -78,10 +101,12 @@ class Progress:
         t0, d0 = next(((t, d) for t, d in self.samples if t >= horizon), self.samples[0])
         if t1 <= t0:
             return None
-        return (d1 - d0) / (t1 - t0)
+        rate = (d1 - d0) / (t1 - t0)
+        return rate if now is None else stall_decayed(rate, t1 - t0, now - t1)
 
-    def eta_s(self) -> float | None:
-        r = self.rate()
+    def eta_s(self, now: float | None = None) -> float | None:
+        """Seconds left at :meth:`rate` (decayed by a silence when ``now`` is given)."""
+        r = self.rate(now)
         if not r or r <= 0 or self.total is None:
             return None
         return max(0.0, (self.total - self.done) / r)
@@ -93,13 +118,15 @@ class StageView(StageRow):
     the console keeps beside it (progress rates, metrics, log tail, history)."""
 
     progress: Progress = field(default_factory=Progress)
-    metrics: dict[str, float] = field(default_factory=dict)
-    events: deque[Event] = field(default_factory=lambda: deque(maxlen=50))
+    metrics: dict[str, float] = field(default_factory=dict)  # the reducer's latest value per name (facts)
+    events: deque[RunEvent] = field(default_factory=lambda: deque(maxlen=50))
     log: deque[str] = field(default_factory=lambda: deque(maxlen=1000))
     log_total: int = 0  # lines ever appended to ``log`` (it is bounded; this is not)
     rejects: int = 0
     history: StageHistory = field(default_factory=StageHistory)  # every metric over steps/time, bounded
     ev_attempt: int | None = None  # the attempt the events being read belong to (from `started`)
+    # the events reduced (pipeline.run.rundir.stage_reducer): metrics, rejects
+    facts: StageFacts = field(default_factory=StageFacts)
 
     def elapsed_s(self, now: float | None = None) -> float | None:
         if self.started_at is None:
@@ -253,11 +280,12 @@ class RunModel:
         wanted = [ln for ln in lines if b'"metric"' in ln or b'"started"' in ln]
         events, _bad = parse_lines(wanted)
         st = self.stages[sid]
-        for ev in events:
-            if ev.type == "started" and isinstance(ev.get("attempt"), int):
-                b.attempt = ev.get("attempt")
-            elif ev.type == "metric":
-                _add_metric(b.history, b.attempt or 1, ev)
+        for ev in decode_all(events):
+            match ev:
+                case proto.Started(attempt=int()):
+                    b.attempt = ev.attempt
+                case proto.Metric():
+                    _add_metric(b.history, b.attempt or 1, ev)
         if b.pos >= b.end or not used:
             b.done = True
             b.history.merge_after(st.history)
@@ -266,10 +294,10 @@ class RunModel:
         return set()
 
     def _apply_state(self, raw: bytes) -> set[str]:
+        """The supervisor's snapshot (:class:`StateSnapshot`): each stage's row, taken as it is — its state,
+        display state and progress come from here and nowhere else."""
         try:
-            snap = json.loads(raw)
-            if not isinstance(snap, dict) or not isinstance(snap.get("stages", []), list):
-                raise ValueError("not a state snapshot")
+            snap = StateSnapshot.from_dict(json.loads(raw))
         except (
             ValueError
         ) as exc:  # never torn by the supervisor (atomic rename), but a disk, a copy or a hand can
@@ -278,49 +306,28 @@ class RunModel:
             self.state_problem = STATE_PROBLEM.format(at=at, doing=doing)
             return {"*"}
         self.state_problem = None
-        self.run_name = snap.get("run", self.run_name)
-        self.executor = snap.get("executor", self.executor)
-        sup = snap.get("supervisor") or {}
+        self.run_name = snap.run or self.run_name
+        self.executor = snap.executor
+        sup = snap.supervisor
         self.supervisor_pid, self.supervisor_t = sup.get("pid"), sup.get("t")
         self.supervisor_alerts = [a for a in sup.get("alerts") or [] if isinstance(a, dict)]
-        self.done = bool(snap.get("done"))
+        self.done = snap.done
         changed = {"*"}
         order = []
-        for d in snap.get("stages", []):
-            sid = d["id"]
+        for r in snap.stages:
+            sid = r.row.id
             order.append(sid)
             st = self.stages.get(sid)
             if st is None:
-                st = self.stages[sid] = StageView(id=sid, family=d.get("family", sid))
-            before = (
-                st.state,
-                st.display,
-                st.queued,
-                st.attempt,
-                st.pid,
-                st.reason,
-                st.health,
-                st.pausing,
-                st.finished_at,
-            )
-            st.update_from(d)
-            prog = d.get("progress")
-            if prog and prog.get("t", 0) > st.progress.t:
-                st.progress.add(prog["t"], prog.get("done") or 0, prog.get("total"), prog.get("unit") or "")
-            if before != (
-                st.state,
-                st.display,
-                st.queued,
-                st.attempt,
-                st.pid,
-                st.reason,
-                st.health,
-                st.pausing,
-                st.finished_at,
-            ):
+                st = self.stages[sid] = StageView(id=sid, family=r.row.family)
+            before = _row_key(st)
+            for f in ROW_FIELDS:
+                setattr(st, f, getattr(r.row, f))
+            _take_progress(st.progress, r.progress)
+            if before != _row_key(st):
                 changed.add(sid)
         self.order = order
-        tel = find_telemetry_stage(snap.get("stages", []))
+        tel = find_telemetry_stage([r.to_dict() for r in snap.stages])
         if tel != self.telemetry_stage:
             self.telemetry_stage = tel
             self.telemetry.path = telemetry_path(tel or "telemetry")
@@ -342,36 +349,30 @@ class RunModel:
         if stream.next_skip:
             stream.skip_carried, stream.next_skip = True, False
         for note in notes:  # an over-long line skipped: a warning in the stage's events, not a frozen stage
-            st.events.append(
-                Event("message", time.time(), {"level": "warning", "code": "skipped-line", "text": note})
-            )
+            st.events.append(proto.Message(time.time(), note, "warning", proto.SKIPPED_LINE))
         for ev in events:
             self._apply_event(st, ev)
         return bool(events or notes)
 
-    def _apply_event(self, st: StageView, ev: Event) -> None:
-        if ev.type == "progress":
-            if ev.t >= st.progress.t:
-                st.progress.add(ev.t, float(ev.get("done", 0)), ev.get("total"), ev.get("unit", ""))
-            # Rows a prep rejected / requests a regeneration gave up on (the dataset panel's column).
-            bad = ev.get("rejects", ev.get("failed"))
-            if isinstance(bad, int | float) and not isinstance(bad, bool):
-                st.rejects = int(bad)
-        elif ev.type == "metric":
-            name = str(ev.get("name"))
-            st.metrics[name] = float(ev.get("value", 0.0))
-            if name == "rejects":
-                st.rejects = int(ev.get("value", 0))
-            _add_metric(st.history, st.ev_attempt or st.attempt, ev)
-        elif ev.type == "started":
-            st.metrics.clear()
-            st.progress = Progress()
-            if isinstance(ev.get("attempt"), int):
-                st.ev_attempt = ev.get("attempt")
-        if ev.type != "progress":
+    def _apply_event(self, st: StageView, wire: Event) -> None:
+        """One event: the reducer's facts (metrics, rejects), the curves, the progress samples (the rate's
+        curve) and the event list. A stage's state and progress are the snapshot's (:meth:`_apply_state`)."""
+        ev = decode(wire)
+        st.facts.apply(ev)
+        st.metrics, st.rejects = st.facts.metrics, st.facts.bad
+        match ev:
+            case proto.Progress():
+                st.progress.sample(ev.t, ev.done)
+            case proto.Metric():
+                _add_metric(st.history, st.ev_attempt or st.attempt, ev)
+            case proto.Started():
+                st.progress.samples.clear()
+                if ev.attempt is not None:
+                    st.ev_attempt = ev.attempt
+        if not isinstance(ev, proto.Progress):
             st.events.append(ev)
         for listener in self.listeners:
-            listener(st, ev)
+            listener(st, wire)
 
     def _apply_log(self, sid: str, stream: Stream, data: bytes, size: int, ino: int) -> bool:
         lines, notes = consume(stream, data, size, ino, LOG_TAIL_BYTES, READ_WINDOW)
@@ -396,45 +397,46 @@ class _Backfill:
     skip: LineSkipper = field(default_factory=LineSkipper)
 
 
-def _add_metric(history: StageHistory, attempt: int, ev: Event) -> None:
-    """A metric event as a point of its series (``name`` or ``name/label``; finite values only)."""
-    try:
-        value = float(ev.get("value", 0.0))
-    except (TypeError, ValueError):
-        return
-    if not math.isfinite(value):
-        return
-    name, label, step = str(ev.get("name")), ev.get("label"), ev.get("step")
-    history.add(
-        attempt,
-        f"{name}/{label}" if isinstance(label, str) and label else name,
-        value,
-        step if isinstance(step, int | float) and not isinstance(step, bool) else None,
-        ev.t,
+def _row_key(st: StageView) -> tuple:
+    return (
+        st.state,
+        st.display,
+        st.queued,
+        st.attempt,
+        st.pid,
+        st.reason,
+        st.health,
+        st.pausing,
+        st.finished_at,
     )
 
 
-def describe_event(ev: Event) -> str:
+def _take_progress(progress: Progress, reported: dict | None) -> None:
+    """The row's progress report into the view; none (a new attempt, not started): the view's starts over."""
+    if not reported:
+        if progress.t:
+            progress.done, progress.total, progress.t = 0.0, None, 0.0
+            progress.samples.clear()
+        return
+    t, done = reported.get("t"), reported.get("done")
+    if not isinstance(t, int | float) or not isinstance(done, int | float):
+        return
+    total = reported.get("total")
+    unit = reported.get("unit")
+    progress.add(
+        float(t),
+        float(done),
+        total if isinstance(total, int | float) else None,
+        unit if isinstance(unit, str) else "",
+    )
+
+
+def _add_metric(history: StageHistory, attempt: int, ev: proto.Metric) -> None:
+    """A metric event as a point of its series (``name`` or ``name/label``); a NaN or inf value is a
+    point too, which the curves mark at its step."""
+    history.add(attempt, ev.series, ev.value, ev.step, ev.t)
+
+
+def describe_event(ev: RunEvent) -> str:
     """One human line for an event (detail pane, headless output)."""
-    d = ev.data
-    if ev.type == "started":
-        return f"started attempt {d.get('attempt')} (pid {d.get('pid')})"
-    if ev.type == "finished":
-        rc = d.get("returncode")
-        return (
-            f"finished: {d.get('status')}"
-            + (f" (rc {rc})" if rc not in (None, 0) else "")
-            + (f" {d['detail']}" if d.get("detail") else "")
-            + (f": {d['error']}" if d.get("error") else "")
-        )
-    if ev.type == "metric":
-        v = d.get("value")
-        return f"{d.get('name')} = {v:.4g}" if isinstance(v, float) else f"{d.get('name')} = {v}"
-    if ev.type == "message":
-        lvl = d.get("level", "info")
-        return (f"{lvl}: " if lvl != "info" else "") + str(d.get("text", ""))
-    if ev.type == "health":
-        return f"health: {d.get('state')}"
-    if ev.type == "progress":
-        return f"{d.get('done')}/{d.get('total')} {d.get('unit', '')}"
-    return ev.to_json()
+    return proto.describe(ev)

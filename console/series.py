@@ -8,13 +8,19 @@ neighbouring points in pairs. So a week-long run still draws its whole curve, ev
 first step to its last, in fixed memory (512 points x 2 floats per series); the latest value is kept
 exactly for the labels. Per stage at most :data:`MAX_SERIES` names and the last
 :data:`MAX_ATTEMPTS` attempts are kept.
+
+A NaN or infinite sample (a diverged loss) is no point of the mean — it would poison every point it is
+averaged into — but it is kept: as the series' ``last`` (the legend says ``nan``) and in ``nonfinite``, the
+steps where the value was not finite (the last :data:`MAX_NONFINITE`), which the curves mark.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_POINTS = 512
+MAX_NONFINITE = 64  # the non-finite samples kept per series (each marked on its curve)
 MAX_SERIES = 48  # metric names per stage
 MAX_ATTEMPTS = 3
 
@@ -28,6 +34,7 @@ class Series:
     stride: int = 1  # samples per point
     last: float | None = None  # the latest sample, exactly
     last_x: float | None = None
+    nonfinite: list[tuple[float, float]] = field(default_factory=list)  # (x, nan or ±inf)
     _sx: float = 0.0
     _sy: float = 0.0
     _n: int = 0
@@ -36,6 +43,9 @@ class Series:
         if self.last_x is not None and x < self.last_x:
             self._restart(x)
         self.last, self.last_x = y, x
+        if not math.isfinite(y):
+            self.nonfinite = [*self.nonfinite[-(MAX_NONFINITE - 1) :], (x, y)]
+            return
         self._sx += x
         self._sy += y
         self._n += 1
@@ -57,6 +67,7 @@ class Series:
         """A resumed training went back to its checkpoint step: the curve continues from there."""
         keep = next((i for i in range(len(self.points_x) - 1, -1, -1) if self.points_x[i] < x), -1) + 1
         del self.points_x[keep:], self.points_y[keep:]
+        self.nonfinite = [(nx, ny) for nx, ny in self.nonfinite if nx < x]
         self._sx = self._sy = 0.0
         self._n = 0
 
@@ -70,6 +81,11 @@ class Series:
 
     def __len__(self) -> int:
         return len(self.points_x) + (1 if self._n else 0)
+
+    @property
+    def drawable(self) -> bool:
+        """Anything to draw: a finite point, or a non-finite one to mark."""
+        return bool(len(self) or self.nonfinite)
 
 
 class StageHistory:
@@ -119,8 +135,12 @@ class StageHistory:
                     lt0 = later.t0(attempt)
                     if lt0 is not None:
                         shift = lt0 - self._t0.setdefault(attempt, lt0)
-                for x, y in zip(s.xs, s.ys, strict=True):
+                points = sorted([*zip(s.xs, s.ys, strict=True), *s.nonfinite], key=lambda p: p[0])
+                for x, y in points:
                     self.add(attempt, name, y, x if later.uses_steps(name) else None, 0.0, x_time=x + shift)
+                mine = self.get(name, attempt)
+                if mine is not None and s.last is not None and not math.isfinite(s.last):
+                    mine.last = s.last  # the latest sample, exactly, even when it is the NaN
 
     def names(self, attempt: int | None = None) -> list[str]:
         """Metric names of an attempt (default: the latest), in the order they first appeared."""

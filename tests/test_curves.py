@@ -368,3 +368,44 @@ async def test_a_new_metric_reaches_the_detail_plot_at_the_next_poll(tmp_path: P
         ctx.metric("acc_0", 0.8, step=20)
         text = await shown_after_a_poll()
         assert "⢕⢕ loss 0.123" in text and "⢕⢕ acc_0 0.8" in text, text
+
+
+async def test_after_a_nan_loss_the_metrics_view_says_nan_and_marks_its_step(tmp_path: Path) -> None:
+    """A training whose loss went NaN at step 20 (the ``loss-nonfinite`` alert's case): the metrics view's
+    legend says ``loss  nan`` — not the last finite value — and the plot marks the NaN at its step; the
+    finite steps before it are still drawn, and a later finite value is the legend again."""
+    import json
+    import time
+
+    from console.widgets.curves import CurvePlot
+    from pipeline.run.stage_side.runtime import StageContext
+
+    root = tmp_path / "run"
+    root.mkdir()
+    row = {"id": "train", "family": "train", "state": "running", "attempt": 1, "started_at": time.time() - 60}
+    (root / "state.json").write_text(json.dumps({"run": "r", "executor": "local", "stages": [row]}))
+    sd = root / "stages" / "train"
+    ctx = StageContext("train", sd / "out", sd / "events.jsonl", None)
+    for step in range(20):
+        ctx.metric("loss", 2.3 + 0.01 * (20 - step), step=step)
+    ctx.metric("loss", float("nan"), step=20)
+    app = AerieApp(LocalTransport(str(root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: "train" in app.model.stages, what="the stage")
+        await until(pilot, lambda: app.model.stages["train"].history.get("loss") is not None, what="its loss")
+        await pilot.press("m")
+        await until(pilot, lambda: isinstance(app.screen, MetricsScreen), what="the metrics view")
+        await pilot.pause(0.4)
+        text = "\n".join(svg_rows(app.export_screenshot()))
+        assert "loss  nan" in text and "loss  2.3" not in text, text
+        plot = app.screen.query_one(CurvePlot)
+        drawn = plot.render().plain  # the plot as the terminal shows it
+        assert "nan" in drawn, drawn  # the mark at step 20, labelled
+        loss = app.model.stages["train"].history.get("loss")
+        assert loss is not None and loss.nonfinite[0][0] == 20 and len(loss) == 20  # the finite steps drawn
+        ctx.metric("loss", float("inf"), step=21)
+        await until(pilot, lambda: "loss  inf" in "\n".join(svg_rows(app.export_screenshot())), what="inf")
+        ctx.metric("loss", 2.0, step=22)
+        await until(
+            pilot, lambda: "loss  2" in "\n".join(svg_rows(app.export_screenshot())), what="finite again"
+        )

@@ -21,6 +21,8 @@ CONSOLE_ALLOWED = {
     "pipeline.run.rundir.layout",
     "pipeline.run.rundir.logscan",
     "pipeline.run.rundir.stage_row",  # a stage's state.json row and its states: one definition
+    "pipeline.run.rundir.protocol",  # the typed events and their one decoder
+    "pipeline.run.rundir.stage_reducer",  # the one reducer from a stage's events to its facts
     "pipeline.run.hosts.checks",  # the SSH preflight's report is the one every preflight prints
     "pipeline.run.projection.compute",  # the run's finish, GPU-hours and disk at finish: one computation
     "pipeline.run.projection.text",  # … and its words, the same in the header and in aerie status

@@ -176,19 +176,20 @@ def test_a_server_runs_until_its_last_user_ends_and_what_is_after_it_waits(tmp_p
         + '[[stage]]\nid = "copy"\ncommand = "true"\nafter = ["serve"]\n'
     )
     plan = plan_mod.load(path)
-    p = project(
-        plan,
-        {
-            "prep.a": StageProgress("succeeded", NOW - 300, NOW - 200, 1000, 1000, "rows", NOW - 200),
-            "prep.b": StageProgress("succeeded", NOW - 300, NOW - 200, 4000, 4000, "rows", NOW - 200),
-            "serve": StageProgress("running", NOW - 100),
-            "regen.b": running(1000, 4000, "records", NOW - 100, rate=10.0),  # 300 s left
-        },
-        NOW,
-    )
+    prog = {
+        "prep.a": StageProgress("succeeded", NOW - 300, NOW - 200, 1000, 1000, "rows", NOW - 200),
+        "prep.b": StageProgress("succeeded", NOW - 300, NOW - 200, 4000, 4000, "rows", NOW - 200),
+        "serve": StageProgress("running", NOW - 100),
+        "regen.b": running(1000, 4000, "records", NOW - 100, rate=10.0),  # 300 s left
+    }
+    p = project(plan, prog, NOW)
     assert by_id(p, "serve").end == pytest.approx(NOW + 300), "the server stops when regen.b ends"
     assert by_id(p, "copy").start == pytest.approx(NOW + 300) and p.unknown == ["copy"]
     assert p.gpu_hours_used == pytest.approx(100 * 2 / 3600)
+    # copy (a command of no size) has still to run: the finish is unknown, and so what the run will use
+    assert p.unknown_open == ["copy"] and p.gpu_hours_projected is None
+    prog["copy"] = StageProgress("skipped")  # nothing of unknown size left to run: the figure again
+    p = project(plan, prog, NOW)
     assert p.gpu_hours_projected == pytest.approx((100 * 2 + 300 * 2 + 2 * TRAIN_S + BENCH_S) / 3600)
 
 
@@ -319,3 +320,94 @@ def test_the_disk_at_finish_names_its_filesystem(plan: plan_mod.Plan) -> None:
     old = p.to_dict()
     del old["disk_mount"], old["unknown_open"]  # from a host whose Aerie predates them
     assert RunProjection.from_dict(old).disk_mount is None
+
+
+MIXED = """
+[run]
+name = "mixed"
+dir = "run"
+[resources]
+cpu_slots = 4
+gpus = [0]
+[[datasets]]
+name = "a"
+source = "x"
+kind = "target-native"
+quota = 1000
+[[stage]]
+id = "prep"
+run = "prep"
+for_each = "dataset"
+[[stage]]
+id = "a"
+command = "true"
+gpus = [0]
+[[stage]]
+id = "b"
+command = "true"
+"""
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> plan_mod.Plan:
+    path = tmp_path / "plan.toml"
+    path.write_text(MIXED)
+    return plan_mod.load(path)
+
+
+def test_a_failure_never_hides_a_stage_of_unknown_size(mixed: plan_mod.Plan) -> None:
+    """Before the fix, once a stage had failed the size-less ones were ignored: "100% 1/2 · won't finish:
+    retry b" and "5s more if retried now" while the commands ran on."""
+    done = StageProgress("succeeded", NOW - 600, NOW - 300)
+    # a size-less command failed, the rest done: how long its retry takes nobody knows
+    p = project(mixed, {"prep.a": done, "a": done, "b": StageProgress("failed", NOW - 200, NOW - 100)}, NOW)
+    line = compact_line(p, 200)
+    assert line.startswith("2/3 stages · finish unknown: retry b; b reports no size"), line
+    assert "100%" not in line and "more if retried now" not in line and p.gpu_hours_projected is None
+    # a sized stage failed while a size-less command is still running: the finish is unknown, not "retry prep.a"
+    failed = StageProgress("failed", NOW - 200, NOW - 100, 400, 1000, "rows", NOW - 100)
+    p = project(mixed, {"prep.a": failed, "a": StageProgress("running", NOW - 36), "b": done}, NOW)
+    line = compact_line(p, 200)
+    assert "finish unknown: retry prep.a; a reports no size" in line and "more if retried now" not in line, (
+        line
+    )
+    text = "\n".join(status_lines(p))
+    assert "finish: unknown — will not finish without a retry of prep.a; a report no progress" in text, text
+    # its GPU-hours: what was used is known, what the run will use is not (the finish is unknown)
+    assert "0.0/? GPU-h" in line
+    assert "GPU-hours: 0.01 used, projected unknown (the finish is)" in text
+    # once the command reports its size, a failure alone says "won't finish" with the retry's time again
+    a = StageProgress("running", NOW - 36, None, 1, 2, "files", NOW)
+    line = compact_line(project(mixed, {"prep.a": failed, "a": a, "b": done}, NOW), 200)
+    assert "won't finish: retry prep.a" in line and "more if retried now" in line, line
+
+
+def test_a_stalled_stage_does_not_keep_its_last_rate(mixed: plan_mod.Plan) -> None:
+    """A command reported 1/10 a second after its start, then nothing: before the fix "9s left" for good."""
+    started = NOW - 900
+    stalled = StageProgress("running", started, None, 1, 10, "files", started + 1)
+    done = StageProgress("succeeded", NOW - 600, NOW - 300)
+
+    def left(now: float, p: StageProgress = stalled) -> float:
+        return by_id(project(mixed, {"prep.a": done, "a": p, "b": done}, now), "a").remaining_s
+
+    assert left(started + 30) == pytest.approx(9.0), "a stage reporting on time keeps its rate"
+    assert left(NOW) > 3600, "silent for 15 minutes: its rate has decayed"
+    assert left(NOW + 3600) > left(NOW), "and goes on decaying while it stays silent"
+    line = compact_line(project(mixed, {"prep.a": done, "a": stalled, "b": done}, NOW), 200)
+    assert "(9s left)" not in line and "left)" in line, line
+    # the console's windowed rate decays the same way
+    windowed = StageProgress("running", started, None, 1, 10, "files", started + 1, rate=1.0)
+    assert left(started + 30, windowed) == pytest.approx(9.0)
+    assert left(NOW, windowed) > 60 and left(NOW + 3600, windowed) > left(NOW, windowed)
+
+
+def test_the_boards_eta_of_a_stalled_stage_grows_while_it_stays_silent() -> None:
+    """The board's Rate and ETA columns (console.model.Progress): 1/10 a second after its start, then silence."""
+    from console.model import Progress
+
+    p = Progress()
+    p.add(NOW - 900, 0, 10, "files")
+    p.add(NOW - 899, 1, 10, "files")
+    assert p.eta_s(NOW - 899 + 30) == pytest.approx(9.0), "on time: its measured rate"
+    assert p.eta_s(NOW) > 3600 and p.eta_s(NOW + 3600) > p.eta_s(NOW), "silent: the ETA grows with wall time"

@@ -80,6 +80,7 @@ def test_a_nan_metric_stays_nan_through_the_wire_and_the_reducer(tmp_path: Path)
     typed = p.decode_all(read_all(path))
     facts = StageFacts().apply_all(typed)
     assert math.isnan(facts.metrics["loss"]) and facts.metrics["grad_norm"] == math.inf
+    assert facts.metric_t == typed[-1].t
     assert [p.describe(e) for e in typed] == ["loss = 2.3", "loss = nan", "grad_norm = inf"]
 
 
@@ -89,11 +90,11 @@ def test_the_reducer_follows_the_current_attempt() -> None:
         make("progress", t=11, done=5, total=10, unit="steps"),
         make("health", t=11, state="ready"),
         make("message", t=12, level="info", text="paused", code="paused"),
-        make("progress", t=13, done=4, total=10, unit="steps"),  # an older key reported later: latest wins
+        make("progress", t=11.5, done=6, total=10, unit="steps"),  # the latest in file order, whatever its t
     ]
     facts = StageFacts().apply_all(p.decode_all(evs))
     assert facts.attempt == 1 and facts.health == HealthState.READY and facts.paused_ack_t == 12
-    assert facts.progress_row() == {"done": 4, "total": 10, "unit": "steps", "t": 13}
+    assert facts.progress_row() == {"done": 6, "total": 10, "unit": "steps", "t": 11.5}
     facts.apply(p.decode(make("message", t=14, level="info", text="resumed", code="resumed")))
     assert facts.paused_ack_t == 0
     facts.apply(p.decode(make("started", t=20, attempt=2, pid=2)))  # a retry: nothing of attempt 1 holds
@@ -143,3 +144,85 @@ def test_a_snapshot_row_without_an_id_is_refused_naming_it() -> None:
         assert "stages[1]" in str(exc)
     else:
         raise AssertionError("a row without an id was accepted")
+
+
+# ------------------------------------------------------------------------------ real run directories
+STATUS_PLAN = """
+[run]
+name = "rows"
+[resources]
+cpu_slots = 4
+gpus = [0, 1]
+[[stage]]
+id = "flaky"
+command = "exit 3"
+retry = {max_attempts = 2, backoff_s = 600}
+[[stage]]
+id = "svc"
+command = "sleep 60"
+service = true
+gpus = [1]
+[[stage]]
+id = "work"
+command = "sleep 60"
+"""
+
+
+def test_status_json_serialises_every_row_field(tmp_path: Path) -> None:
+    """A real supervisor: ``aerie status --json`` prints each stage's whole row — before, a hand list left out
+    retry_at, pausing, gpus and service — with its display state, so a script sees what the board sees."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.runs import kill_run_stages, make_run, stage_state, start_supervisor, stop, wait_for
+
+    run = make_run(tmp_path, STATUS_PLAN)
+    sup = start_supervisor(run)
+    try:
+        wait_for(lambda: stage_state(run, "flaky").get("retry_at"), 30, "flaky failed, its retry scheduled")
+        for sid in ("svc", "work"):  # launched, then its process reported (display: starting, then running)
+            wait_for(lambda sid=sid: stage_state(run, sid).get("display") == "running", 30, f"{sid} running")
+        out = subprocess.run(
+            [sys.executable, "-m", "console.cli", "status", str(run.root), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+    finally:
+        stop(sup)
+        kill_run_stages(run)
+    rows = {d["id"]: d for d in map(json.loads, out) if "id" in d}
+    every = set(ROW_FIELDS) | {"progress"}
+    assert set(rows["flaky"]) == every and set(rows["svc"]) == every
+    assert rows["flaky"]["state"] == "failed" and rows["flaky"]["retry_at"] > rows["flaky"]["finished_at"]
+    assert rows["flaky"]["display"] == "failed" and rows["flaky"]["pausing"] is False
+    assert rows["svc"]["service"] is True and rows["svc"]["gpus"] == [1]
+    assert rows["svc"]["display"] == "running" and rows["work"]["display"] == "running"
+
+
+async def test_the_board_shows_starting_from_the_snapshots_field(tmp_path: Path) -> None:
+    """A local stage launched whose launcher has not reported its process yet: the supervisor's snapshot says
+    ``display: starting`` and the console's board shows it from that field (the reason is no longer read)."""
+    import time
+
+    from console.model import RunModel
+    from console.transport import LocalTransport
+    from pipeline.run.rundir.layout import read_json, write_json
+    from pipeline.run.supervise.supervisor import Supervisor
+    from tests.runs import make_run
+
+    run = make_run(tmp_path, STATUS_PLAN)
+    write_json(run.stage("flaky").launch, {"attempt": 1, "t": time.time()})  # launched, no proc.json yet
+    sup = Supervisor(run)
+    sup.refresh()
+    sup.write_state(force=True)
+    row = next(r for r in (read_json(run.state_path) or {})["stages"] if r["id"] == "flaky")
+    assert (row["state"], row["display"]) == ("running", "starting")
+    model = RunModel(LocalTransport(str(run.root)), backfill=False)
+    await model.poll()
+    st = model.stages["flaky"]
+    assert st.display_state == "starting"
+    st.reason = "anything at all"  # prose changes nothing: the field decides
+    assert st.display_state == "starting"
+    assert model.stages["svc"].display_state == "ready"  # a stage whose turn has come, not started

@@ -8,6 +8,7 @@ with Slurm's message; a job cancelled outside Aerie says so; pause falls back to
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -20,6 +21,9 @@ import pytest
 import slurm_cluster as cluster_mod
 from slurm_cluster import SlurmCluster
 
+from console.model import RunModel
+from console.transport import LocalTransport
+from console.widgets.board import note_for
 from pipeline.run.hosts.slurm import commands as slurm
 from pipeline.run.hosts.slurm.jobs import batch_script
 from pipeline.run.rundir.layout import RunDir, read_json, write_json
@@ -399,6 +403,15 @@ pause_grace_s = 1
             ),
             60,
             "waiter queued behind hog",
+        )
+        # the snapshot says so in fields (the board shows it as starting, never from the reason's words)
+        row = stage_state(run, "waiter")
+        assert row["queued"] is True and row["display"] == "starting", row
+        board = RunModel(LocalTransport(str(run.root)), backfill=False)
+        asyncio.run(board.poll())
+        waiter_view = board.stages["waiter"]
+        assert waiter_view.display_state == "starting" and note_for(waiter_view).startswith(
+            "queued: Slurm job"
         )
         assert ctl(run, "pause", "waiter").returncode == 0
         msg = wait_for(

@@ -22,6 +22,7 @@ from console.ssh.transport import SshTransport, load_layout, start_remote_run
 from pipeline.run.hosts.procs import group_members, read_stat
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.rundir.events import read_all
+from pipeline.run.rundir.protocol import to_event
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -156,7 +157,7 @@ async def test_drop_mid_stage_stage_keeps_running_and_every_event_is_seen_once(
         await model.poll()
         assert conn.drops == 1 and transport.status.state == "connected"
         assert ticks() == [f"tick {i}" for i in range(n)]  # every one, once, in order
-        shown = [e.to_json() for e in model.stages["tick"].events]
+        shown = [to_event(e).to_json() for e in model.stages["tick"].events]
         on_disk = [e.to_json() for e in read_all(events_file)]
         assert shown == on_disk
         await transport.close()

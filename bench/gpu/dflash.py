@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.results import RESULTS, write_out
+from bench.gpu.results import RESULTS, stage_metrics, write_out
 from bench.gpu.runner import BASE, OUT, SITE, kill_leftover, kill_started, log, run_stage
 from bench.gpu.server import Server
 from bench.gpu.sglang_client import chat_prompts, throughput
@@ -263,21 +263,13 @@ def phase_train(args: argparse.Namespace) -> None:
         t[name] = round(run_stage(module, plan, w / out, [w / i for i in inputs], *extra), 1)
         save()
     man = json.loads((w / "train" / "manifest.json").read_text())
-    ev = [json.loads(x) for x in (w / "train" / "events.jsonl").read_text().splitlines() if x.strip()]
-    metric = {e.get("name"): e for e in ev if e.get("type") == "metric"}  # the last of each
+    met = stage_metrics(w / "train")
+    last = {e.name: e.value for e in met}  # the last of each
     t.update(
         kept_step=man["step"],
-        sim_accept_by_step={
-            e["step"]: e["value"]
-            for e in ev
-            if e.get("type") == "metric" and e.get("name") == "accept_length"
-        },
-        loss_by_step={
-            e["step"]: round(e["value"], 4)
-            for e in ev
-            if e.get("type") == "metric" and e.get("name") == "loss"
-        },
-        tokens_per_s_last=metric.get("tokens_per_s", {}).get("value"),
+        sim_accept_by_step={e.step: e.value for e in met if e.name == "accept_length"},
+        loss_by_step={e.step: round(e.value, 4) for e in met if e.name == "loss"},
+        tokens_per_s_last=last.get("tokens_per_s"),
         extract_tokens=json.loads((w / "ext" / "manifest.json").read_text())["tokens"],
         draft_config=json.loads((w / "train" / "draft" / "config.json").read_text()),
     )

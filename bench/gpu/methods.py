@@ -58,6 +58,7 @@ from bench.gpu.methods_data import (
 )
 from bench.gpu.methods_gen import log
 from bench.gpu.methods_stages import EXTRA, bench_manifest, plan_text, run_logged, stage
+from bench.gpu.results import stage_metrics
 from bench.gpu.runner import ROOT
 
 MODEL = gen.MODEL
@@ -210,10 +211,9 @@ def train_one(
         plan.write_text(plan_text(args, work, {**mr.train_keys(spec), "seed": seed}, 3, quotas(work)))
         dt = stage("pipeline.stages.train", plan, out, [work / "ext", work / "voc"])
         man = json.loads((out / "manifest.json").read_text())
-        ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
-        met = [e for e in ev if e.get("type") == "metric"]
-        tps = sorted(e["value"] for e in met if e.get("name") == "tokens_per_s")
-        peak = [e["value"] for e in met if e.get("name") == "peak_memory_gib"]  # how many --jobs fit
+        met = stage_metrics(out)
+        tps = sorted(e.value for e in met if e.name == "tokens_per_s")
+        peak = [e.value for e in met if e.name == "peak_memory_gib"]  # how many --jobs fit
         rec = {
             "train_s": round(dt, 1),
             "kept_step": man.get("step"),

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.gpu.common import llama_config
-from bench.gpu.results import write_out
+from bench.gpu.results import stage_messages, stage_metrics, write_out
 from bench.gpu.runner import ROOT
+from pipeline.run.rundir.protocol import Metric
 
 
 def make_model(path: Path, shape: str, layers: int) -> None:
@@ -85,12 +86,8 @@ def stage(module: str, plan: Path, out: Path, inputs: list[Path], torchrun: int 
     return dt
 
 
-def events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
-
-
-def metric(out: Path, name: str) -> list[dict]:
-    return [e for e in events(out) if e.get("type") == "metric" and e.get("name") == name]
+def metric(out: Path, name: str) -> list[Metric]:
+    return stage_metrics(out, name)
 
 
 def parse_args() -> argparse.Namespace:
@@ -153,11 +150,11 @@ def main() -> int:
         "pipeline.stages.train", plan, work / "train", [work / "ext", work / "voc"], torchrun=args.nproc
     )
     times["bench_s"] = stage("pipeline.stages.bench", plan, work / "bench", [work / "train"])
-    ext_tps = [e["value"] for e in metric(work / "ext", "tokens_per_s") if e.get("overall")]
-    train_tps = sorted(e["value"] for e in metric(work / "train", "tokens_per_s"))
+    ext_tps = [e.value for e in metric(work / "ext", "tokens_per_s") if e.data.get("overall")]
+    train_tps = sorted(e.value for e in metric(work / "train", "tokens_per_s"))
     man = json.loads((work / "ext" / "manifest.json").read_text())
     bench = json.loads((work / "bench" / "results.json").read_text())
-    msgs = [e.get("text", "") for e in events(work / "bench") if e.get("type") == "message"]
+    msgs = [e.text for e in stage_messages(work / "bench")]
     res = {
         "bench": "gpu_pipeline",
         "shape": args.shape,

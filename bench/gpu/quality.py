@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gpu.results import write_out
+from bench.gpu.results import stage_metrics, write_out
 from bench.gpu.runner import ROOT
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -221,11 +221,9 @@ def main() -> int:
     res.update(times)
     write_out("gpu_quality.json", res)
     times["train_s"] = stage("pipeline.stages.train", plan, work / "train", [work / "ext", work / "voc"])
-    ev = events(work / "train")
-    curve = {
-        e["step"]: e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "accept_length"
-    }
-    tps = sorted(e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s")
+    met = stage_metrics(work / "train")
+    curve = {e.step: e.value for e in met if e.name == "accept_length"}
+    tps = sorted(e.value for e in met if e.name == "tokens_per_s")
     man = json.loads((work / "train" / "manifest.json").read_text())
     res.update(
         times,

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.runner import BASE, OUT
+from pipeline.run.rundir.events import read_all
+from pipeline.run.rundir.protocol import Message, Metric, RunEvent, decode_all
 
 RESULTS: dict[str, Any] = {"bench": "gpu_sglang"}
 MERGED = BASE / "results.json"
@@ -32,3 +34,17 @@ def save_results() -> None:
     doc.update(RESULTS)
     MERGED.write_text(json.dumps(doc, indent=1))
     (OUT / "gpu_sglang.json").write_text(json.dumps(doc, indent=1))
+
+
+def stage_events(out: Path) -> list[RunEvent]:
+    """The events of a stage's out dir (``events.jsonl``, every generation), typed (``pipeline.run.rundir.protocol``)."""
+    return decode_all(read_all(out / "events.jsonl"))
+
+
+def stage_metrics(out: Path, name: str | None = None) -> list[Metric]:
+    """A stage's metric events, in order: all of them, or one name's."""
+    return [e for e in stage_events(out) if isinstance(e, Metric) and (name is None or e.name == name)]
+
+
+def stage_messages(out: Path) -> list[Message]:
+    return [e for e in stage_events(out) if isinstance(e, Message)]

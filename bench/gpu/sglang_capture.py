@@ -51,11 +51,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.gpu.results import stage_events
 from bench.gpu.runner import BASE, OUT, ROOT, SITE, log
 from bench.gpu.sglang_capture_online import finish_pytest, online_phase, start_pytest
 from bench.gpu.sglang_capture_rows import RESULTS, save, write_rows
 from bench.gpu.sglang_models import build_models
 from bench.gpu.staging import stage
+from pipeline.run.rundir.protocol import Metric, Progress, RunEvent
 
 TOL = {"rel_err": 0.05, "cos_mean": 0.999, "cos_min": 0.99}
 REF_SLACK = 1.5  # --reference fp32: SGLang's error against float32 may be this times transformers bf16's
@@ -109,25 +111,23 @@ def run_extract(
     )
     if p.returncode != 0:
         raise RuntimeError(f"extract ({label}) failed ({p.returncode}): {p.stderr[-1500:]}")
-    ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
-    overall = [
-        e for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s" and e.get("overall")
-    ]
+    ev = stage_events(out)
+    overall = [e for e in ev if isinstance(e, Metric) and e.name == "tokens_per_s" and e.data.get("overall")]
     log(f"extract {model.name} {label}: {wall:.0f} s")
     return {
         "out": str(out),
         "wall_s": round(wall, 1),
-        "tokens_per_s": overall[-1]["value"] if overall else None,
+        "tokens_per_s": overall[-1].value if overall else None,
         "tokens_per_s_steady": steady_rate(ev),
     }
 
 
-def steady_rate(events: list[dict[str, Any]]) -> float | None:
+def steady_rate(events: list[RunEvent]) -> float | None:
     """Tokens/s from the first batch's end to the last one's: the rate a long capture runs at."""
-    prog = [e for e in events if e.get("type") == "progress" and e.get("unit") == "tokens" and e.get("done")]
-    if len(prog) < 2 or prog[-1]["t"] <= prog[0]["t"]:
+    prog = [e for e in events if isinstance(e, Progress) and e.unit == "tokens" and e.done]
+    if len(prog) < 2 or prog[-1].t <= prog[0].t:
         return None
-    return (prog[-1]["done"] - prog[0]["done"]) / (prog[-1]["t"] - prog[0]["t"])
+    return (prog[-1].done - prog[0].done) / (prog[-1].t - prog[0].t)
 
 
 def against_reference(ref: dict[str, Any], sg: dict[str, Any]) -> dict[str, Any]:

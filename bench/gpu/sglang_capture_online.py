@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.gpu.results import stage_metrics
 from bench.gpu.runner import BASE, OUT, ROOT, SITE, log
 from bench.gpu.sglang_capture_rows import RESULTS, save, write_rows
 
@@ -84,12 +84,10 @@ def run_stage(module: str, plan: Path, out: Path, inputs: list[Path], engine: st
 
 def train_curve(out: Path) -> dict[str, Any]:
     """The train stage's own metrics: loss per logged step, its tokens/s (median after the first step)."""
-    ev = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.strip()]
-    loss = {
-        int(e["step"]): float(e["value"]) for e in ev if e.get("type") == "metric" and e.get("name") == "loss"
-    }
-    tps = [e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "tokens_per_s"][1:]
-    acc = [e for e in ev if e.get("type") == "metric" and "accept" in str(e.get("name"))]
+    met = stage_metrics(out)
+    loss = {int(e.step or 0): e.value for e in met if e.name == "loss"}
+    tps = [e.value for e in met if e.name == "tokens_per_s"][1:]
+    acc = [e for e in met if "accept" in e.name]
     steps = sorted(loss)
     return {
         "loss": [loss[k] for k in steps],

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu import sglang_ab, sglang_stages
-from bench.gpu.results import MERGED, RESULTS, save_results
+from bench.gpu.results import MERGED, RESULTS, save_results, stage_metrics
 from bench.gpu.runner import BASE, OUT, SITE, kill_leftover, kill_started, log, run_stage
 from bench.gpu.server import Server, http_post
 from bench.gpu.sglang_client import chat_prompts, sample_questions, throughput
@@ -208,10 +208,7 @@ quota = {n}
     t["vocab_s"] = run_stage("pipeline.stages.vocab", plan, work / "voc", [work / "tok"])
     t["train_s"] = run_stage("pipeline.stages.train", plan, work / "train", [work / "ext", work / "voc"])
     man = json.loads((work / "train" / "manifest.json").read_text())
-    ev = [json.loads(x) for x in (work / "train" / "events.jsonl").read_text().splitlines() if x.strip()]
-    curve = {
-        e["step"]: e["value"] for e in ev if e.get("type") == "metric" and e.get("name") == "accept_length"
-    }
+    curve = {e.step: e.value for e in stage_metrics(work / "train", "accept_length")}
     t.update(
         kept_step=man["step"],
         sim_accept_by_step=curve,

@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.results import MERGED, RESULTS, save_results
+from bench.gpu.results import MERGED, RESULTS, save_results, stage_events
 from bench.gpu.runner import BASE, OUT, ROOT, SITE, log, track
 from bench.gpu.server import metrics_at
 from bench.gpu.sglang_models import build_models
 from bench.gpu.sglang_setup import training_sections
+from pipeline.run.rundir.protocol import Health, Metric, kind_of
 
 
 def _plan(w: Path, model: Path, n: int, args: Any) -> Path:
@@ -122,15 +123,12 @@ def _events(out: Path) -> dict[str, Any]:
     f = out / "events.jsonl"
     if not f.exists():
         return {"missing": str(f)}
-    ev = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    ev = stage_events(out)
     shutil.copy2(f, OUT / "stages" / f"{out.name}.events.jsonl")
-    kinds = collections.Counter(e.get("type") for e in ev)
-    metrics = collections.Counter(e.get("name") for e in ev if e.get("type") == "metric")
-    health = [e.get("state") for e in ev if e.get("type") == "health"]
-    last = {}
-    for e in ev:
-        if e.get("type") == "metric":
-            last[e.get("name")] = e.get("value")
+    kinds = collections.Counter(kind_of(e) for e in ev)
+    metrics = collections.Counter(e.name for e in ev if isinstance(e, Metric))
+    health = [e.state for e in ev if isinstance(e, Health)]
+    last = {e.name: e.value for e in ev if isinstance(e, Metric)}
     return {"types": dict(kinds), "metrics": dict(metrics), "health": health, "last_metric": last}
 
 

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.quality import events, log, stage
-from bench.gpu.results import write_out
+from bench.gpu.quality import log, stage
+from bench.gpu.results import stage_metrics, write_out
 from bench.gpu.runner import ROOT
 
 SF_SITE = ROOT / ".gpu-stage" / "sf"
@@ -87,9 +87,7 @@ def aerie_side(work: Path, seed: int) -> dict[str, Any]:
         train, bench = work / f"train_seed{seed}", work / f"bench_seed{seed}"
         res = {"train_s": stage("pipeline.stages.train", plan, train, [work / "ext", work / "voc"])}
         res["bench_s"] = stage("pipeline.stages.bench", plan, bench, [train])
-    tps = sorted(
-        e["value"] for e in events(train) if e.get("type") == "metric" and e.get("name") == "tokens_per_s"
-    )
+    tps = sorted(e.value for e in stage_metrics(train, "tokens_per_s"))
     man = json.loads((train / "manifest.json").read_text())
     res.update(
         bench_result(bench), kept_step=man["step"], train_tok_s_median=statistics.median(tps) if tps else None

@@ -231,10 +231,13 @@ class StageBoard(ScrollView, can_focus=True):
                 if i:
                     summary.append(" · ")
                 summary.append(f"{n} {state}", style=self._style(state))
-            rate = sum((m.progress.rate() or 0) for m in members if m.state == StageState.RUNNING) or None
+            rate = sum((m.progress.rate(now) or 0) for m in members if m.state == StageState.RUNNING) or None
             unit = next((m.progress.unit for m in members if m.progress.unit), "")
             eta = (
-                max((m.progress.eta_s() or 0 for m in members if m.state == StageState.RUNNING), default=None)
+                max(
+                    (m.progress.eta_s(now) or 0 for m in members if m.state == StageState.RUNNING),
+                    default=None,
+                )
                 or None
             )
             spans = [(m.started_at, m.started_at + (m.elapsed_s(now) or 0)) for m in members if m.started_at]
@@ -262,7 +265,7 @@ class StageBoard(ScrollView, can_focus=True):
             else (fmt.count(st.progress.done) if st.progress.t else "")
         )
         running = st.state == StageState.RUNNING
-        eta = st.progress.eta_s() if running else None
+        eta = st.progress.eta_s(now) if running else None  # decayed by a silence
         return (
             label,
             Text(state, style=self._style(state)),
@@ -270,7 +273,7 @@ class StageBoard(ScrollView, can_focus=True):
             fmt.duration(st.elapsed_s(now)),
             _Bar(frac),
             done_text,
-            fmt.rate(st.progress.rate(), st.progress.unit) if running and st.progress.t else "",
+            fmt.rate(st.progress.rate(now), st.progress.unit) if running and st.progress.t else "",
             fmt.duration(eta) if eta is not None else "",
             self._note(st),
         )

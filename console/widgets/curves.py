@@ -4,11 +4,15 @@
 or one panel with a metric's curves of several attempts. :func:`mini_curves` picks what the detail
 pane shows for a stage (loss and acc_0 for training). The plot follows the app's theme (textual-plotext
 derives its background and foreground from it); line colours are Plotext's defaults.
+
+A NaN or infinite value (a diverged loss) is no point of the line: it is marked at its step, a vertical line
+labelled ``nan`` (``inf``, ``-inf``), and the legend shows the latest value as it is, ``loss nan``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from textual_plotext import PlotextPlot
 
@@ -50,7 +54,7 @@ def mini_curves(history: StageHistory) -> list[Curve]:
     out = []
     for i, name in enumerate(MINI_METRICS):
         s = history.get(name)
-        if s is not None and len(s):
+        if s is not None and s.drawable:
             out.append(Curve(f"{name} {short(s.last)}", s, right=i > 0))
     return out if out and out[0].label.startswith("loss") else []
 
@@ -81,7 +85,7 @@ class CurvePlot(PlotextPlot):
         self._key = key
         p = self.plt
         p.clear_figure()
-        panels = [(t, c) for t, c in panels if any(len(cv.series) for cv in c)]
+        panels = [(t, c) for t, c in panels if any(cv.series.drawable for cv in c)]
         if not panels:
             p.title(self.empty_text)
             self.refresh()
@@ -99,8 +103,19 @@ class CurvePlot(PlotextPlot):
                     yside="right" if c.right else "left",
                     marker="braille",
                 )
+                mark_nonfinite(fig, c, xscale)
             if title:
                 fig.title(title)
             if not compact and i == len(panels):
                 fig.xlabel(xlabel)
         self.refresh()
+
+
+def mark_nonfinite(fig: Any, curve: Curve, xscale: float) -> None:
+    """Each non-finite value of ``curve`` at its step: a vertical line, and the value's word at its top."""
+    ys = curve.series.ys
+    top = max(ys) if ys else 1.0
+    side = "right" if curve.right else "left"
+    for x, v in curve.series.nonfinite:
+        fig.vline(x / xscale, "red")
+        fig.text(short(v), x / xscale, top, color="red", yside=side)

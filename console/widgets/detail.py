@@ -24,6 +24,7 @@ from console import fmt
 from console.model import StageView, describe_event
 from console.widgets.board import server_line
 from console.widgets.curves import CurvePlot, mini_curves
+from pipeline.run.rundir.protocol import Message
 
 
 class EventTail(Widget):
@@ -174,11 +175,11 @@ class StageDetail(Horizontal):
             facts.update(t, layout=lines_now != self._facts_lines)
         self._facts_lines = lines_now
         self._plot(st)
-        evs = [ev for ev in st.events if ev.type != "progress"][-EventTail.MAX :]
+        evs = list(st.events)[-EventTail.MAX :]  # progress events are the board's bar, not listed
         lines = [
             Text(
                 f"{time.strftime('%H:%M:%S', time.localtime(ev.t))} {describe_event(ev)}",
-                style=style("failed") if ev.get("level") == "error" else "",
+                style=style("failed") if isinstance(ev, Message) and ev.level == "error" else "",
             )
             for ev in evs
         ]

@@ -35,7 +35,9 @@ from pipeline.run.rundir.stage_reducer import StageFacts
 from pipeline.run.rundir.stage_row import StageRow, StageState
 
 FORCED = "forced-start"
-GAP_CODE = "accept-gap"  # the bench stage's message (pipeline/stages/bench/gap.py; a stage is not imported here)
+GAP_CODE = (
+    "accept-gap"  # the bench stage's message (pipeline/stages/bench/gap.py; a stage is not imported here)
+)
 
 
 def _num(v: float) -> str:
@@ -153,7 +155,7 @@ def stall(
     """A running stage silent (no progress, no metric) for ``stall_minutes``."""
     if rules.stall_minutes <= 0 or row.service:
         return None
-    metric_t = sw.metric[0] if sw.metric else 0.0
+    metric_t = sw.facts.metric_t  # the run's reducer: when the latest metric came
     p = sw.facts.progress
     progress_t = p.t if p else 0.0
     if row.run is None and not (progress_t or metric_t):

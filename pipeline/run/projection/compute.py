@@ -8,14 +8,18 @@ How each stage is estimated (its :attr:`StageEstimate.basis`):
 
 * ``done``      it finished (succeeded, skipped); its wall time is what it took.
 * ``measured``  its own progress: what is left (``total - done``) at its rate (the console's window of
-  recent samples; else the average since the attempt started). A stage that has not started (or has not
+  recent samples; else the average since the attempt started). A running stage silent for longer than
+  :data:`STALL_GRACE_S` since its last report is taken to have made no progress since: its rate decays with
+  wall time (:meth:`StageProgress.measured_rate`), so a stage that reported 1/10 and stalled does not keep
+  "5s left" for good; its remaining time grows while it stays silent. A stage that has not started (or has not
   reported a rate yet) whose kind (``run = "prep"`` …) has a measured rate in this run — an earlier or
   parallel stage of the same kind, same unit — is its planned size at that rate: also ``measured``.
 * ``assumed``   no rate of its kind measured yet: its planned size at :data:`DEFAULT_RATES`.
 * ``unknown``   no size to go by (an operator ``command`` that reports no progress with a total): while
-  such a stage has still to run (pending or running) the run's progress and finish are unknown
-  (:attr:`RunProjection.progress` is ``None``, :attr:`RunProjection.unknown_open` names them), never
-  "100 %, finish now". A command that reports ``done``/``total`` progress (``StageContext.progress``, or
+  such a stage is unfinished (pending, ready, running, paused, or failed or killed and to be retried,
+  whatever else failed) the run's progress, finish and projected GPU-hours are unknown
+  (:attr:`RunProjection.progress` and :attr:`RunProjection.gpu_hours_projected` are ``None``,
+  :attr:`RunProjection.unknown_open` names them), never "100 %, finish now". A command that reports ``done``/``total`` progress (``StageContext.progress``, or
   ``progress`` events it appends to ``$AERIE_EVENTS``) is ``measured`` by its own rate like any stage.
 * ``service``   a server runs until the last stage that uses it ends (a service nothing uses — the
   telemetry agent — until the run ends).
@@ -34,7 +38,7 @@ finish moves later while it stays paused (and its GPUs, held while paused, keep 
 
 GPU-hours: wall time × the GPUs a stage holds (its ``gpus`` × ``nodes``), over the current attempt of
 every stage that started (``state.json`` keeps the current attempt, so earlier attempts are not counted),
-and projected: that plus each stage's remaining wall time × its GPUs.
+and projected: that plus each stage's remaining wall time × its GPUs (unknown while the finish is).
 """
 
 from __future__ import annotations
@@ -58,8 +62,18 @@ DEFAULT_RATES: dict[str, tuple[float, str]] = {
     "bench": (0.5, "prompts"),
 }
 ROW_FILL = 0.5  # extract: a row is assumed to hold half the row length in tokens (rows are cut there)
+STALL_GRACE_S = 60.0  # a running stage silent longer than this since its last report is stalling
+RATE_SPAN_S = 120.0  # what a windowed rate is measured over (the console's RATE_WINDOW_S)
 DONE = frozenset({StageState.SUCCEEDED, StageState.SKIPPED})
 NEEDS_RETRY = frozenset({StageState.FAILED, StageState.KILLED})
+
+
+def stall_decayed(rate: float, span: float, silent_s: float) -> float:
+    """``rate`` (measured over ``span`` seconds up to the last report) once the stage has been silent for
+    ``silent_s``: the silence past :data:`STALL_GRACE_S` counts as time with no progress, so the rate falls
+    with wall time while the stage stays silent (the board's ETA and the projection alike)."""
+    stalled = silent_s - STALL_GRACE_S
+    return rate * span / (span + stalled) if stalled > 0 and span > 0 else rate
 
 
 @dataclass(frozen=True)
@@ -92,14 +106,22 @@ class StageProgress:
         )
 
     def measured_rate(self, now: float) -> float | None:
-        """Units per second: the windowed rate if given, else the average over the attempt so far."""
+        """Units per second: the windowed rate if given, else the average over the attempt so far; for a
+        running stage silent past :data:`STALL_GRACE_S`, decayed by the silence (no progress since its last
+        report: the rate falls with wall time while it stays silent)."""
         if self.rate is not None and self.rate > 0:
-            return self.rate
-        # No rate over the recent window (a stage that reports rarely): the average since it started.
-        if self.done is None or self.done <= 0 or self.started_at is None:
-            return None
-        end = self.finished_at if self.state in DONE and self.finished_at else (self.t or now)
-        return self.done / (end - self.started_at) if end > self.started_at else None
+            rate, span = self.rate, RATE_SPAN_S
+        else:
+            # No rate over the recent window (a stage that reports rarely): the average since it started.
+            if self.done is None or self.done <= 0 or self.started_at is None:
+                return None
+            end = self.finished_at if self.state in DONE and self.finished_at else (self.t or now)
+            if end <= self.started_at:
+                return None
+            rate, span = self.done / (end - self.started_at), end - self.started_at
+        if self.state == StageState.RUNNING and self.t is not None:
+            rate = stall_decayed(rate, span, now - self.t)
+        return rate
 
 
 @dataclass(frozen=True)
@@ -144,7 +166,7 @@ class RunProjection:
     blocked: list[str]  # failed/killed stages that need a retry for the run to finish
     paused: list[str]
     gpu_hours_used: float
-    gpu_hours_projected: float
+    gpu_hours_projected: float | None  # None: unknown, as the finish is (unknown_open)
     disk_at_finish: int | None  # bytes used on the run dir's filesystem at the finish
     disk_total: int | None
     disk_mount: str | None  # the filesystem the disk figures are about (its mount point, device)
@@ -326,8 +348,8 @@ def project(
     complete = finished and not blocked  # over: nothing more will run, and nothing needs to
     if complete:
         finish = max((p.finished_at or 0.0 for p in progress.values()), default=now)
-    open_states = (StageState.PENDING, StageState.RUNNING, StageState.PAUSED)
-    unknown_open = [e.id for e in work if e.basis == "unknown" and e.state in open_states]
+    # unfinished: anything but succeeded/skipped, a failed stage to be retried included (whatever else failed)
+    unknown_open = [] if complete else [e.id for e in work if e.basis == "unknown" and e.state not in DONE]
     used = sum(_elapsed(progress.get(sid), now) * gpus_held(specs[sid]) for sid in specs) / 3600
     to_come = sum(e.remaining_s * e.gpus for e in est.values()) / 3600
     took = sum(_elapsed(progress.get(e.id), now) for e in work if e.state != StageState.SKIPPED)
@@ -348,14 +370,14 @@ def project(
         blocked=blocked,
         paused=[sid for sid in order if states[sid] == StageState.PAUSED],
         gpu_hours_used=used,
-        gpu_hours_projected=used + (0.0 if complete else to_come),
+        gpu_hours_projected=None if unknown_open else used + (0.0 if complete else to_come),
         disk_at_finish=disk.used + disk.to_write if disk else None,
         disk_total=disk.total if disk else None,
         disk_mount=(disk.mount or None) if disk else None,
         assumed=[e.id for e in est.values() if e.basis == "assumed"],
         unknown=[e.id for e in est.values() if e.basis == "unknown"],
         stages=[est[sid] for sid in plan.order()],
-        unknown_open=[] if complete else unknown_open,
+        unknown_open=unknown_open,
     )
 
 

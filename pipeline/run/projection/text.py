@@ -53,15 +53,21 @@ def _more(ids: list[str]) -> str:
 
 
 def finish_text(p: RunProjection) -> str:
-    """When the run ends, or why it will not."""
+    """When the run ends, or why it will not; "finish unknown" while a stage with no size is unfinished,
+    whatever else failed."""
+    no_size = (
+        f"{_more(p.unknown_open)} report{'' if len(p.unknown_open) > 1 else 's'} no size"
+        if p.unknown_open
+        else ""
+    )
+    if p.unknown_open and p.blocked:
+        return f"finish unknown: retry {_more(p.blocked)}; {no_size}"
     if p.blocked:
         return f"won't finish: retry {_more(p.blocked)}"
+    if p.unknown_open:
+        return f"finish unknown: {no_size}"
     if p.finished:
         return "ended" + (f", took {duration(p.finish_at - p.started_at)}" if p.started_at else "")
-    if p.unknown_open:
-        return (
-            f"finish unknown: {_more(p.unknown_open)} report{'' if len(p.unknown_open) > 1 else 's'} no size"
-        )
     if p.remaining_s < 1:
         return "finishing: the last stages are ending"
     when = f"finish {clock(p.finish_at, p.now)} ({duration(p.remaining_s)} left)"
@@ -76,7 +82,10 @@ def parts(p: RunProjection) -> list[str]:
         else f"{p.stages_done}/{p.stages_total} stages"  # no per cent to give: a stage's size is unknown
     )
     out = [head, finish_text(p)]
-    if p.gpu_hours_projected > 0:
+    if p.gpu_hours_projected is None:  # the finish is unknown: so is what the rest will use
+        if p.gpu_hours_used > 0:
+            out.append(f"{p.gpu_hours_used:.1f}/? GPU-h")
+    elif p.gpu_hours_projected > 0:
         done = p.finished and not p.blocked
         out.append(
             f"{p.gpu_hours_used:.1f} GPU-h"
@@ -87,7 +96,7 @@ def parts(p: RunProjection) -> list[str]:
         of = f"/{size(p.disk_total)}" if p.disk_total else ""
         on = f" on {p.disk_mount.split(' ')[0]}" if p.disk_mount else ""  # the mount point, as the meter
         out.append(f"disk {size(p.disk_at_finish)}{of} at end{on}")
-    if p.blocked:
+    if p.blocked and not p.unknown_open:  # with a size-less stage to run, nobody knows how much more
         out.append(f"{duration(p.remaining_s)} more if retried now")
     if p.assumed and not p.finished:
         out.append(f"{len(p.assumed)} assumed")
@@ -113,18 +122,19 @@ def status_lines(p: RunProjection) -> list[str]:
         if p.progress is not None
         else f"run: progress unknown ({', '.join(p.unknown_open)}: no size known), {done}"
     ]
-    if p.blocked:
+    if p.unknown_open:
+        retry = f"will not finish without a retry of {', '.join(p.blocked)}; " if p.blocked else ""
+        lines.append(
+            f"finish: unknown — {retry}{', '.join(p.unknown_open)} report no progress with a total (an "
+            f"operator command can: StageContext.progress); the rest alone would take {duration(p.remaining_s)}"
+        )
+    elif p.blocked:
         lines.append(
             f"finish: will not finish without a retry of {', '.join(p.blocked)}; retried now: "
             f"{clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now"
         )
     elif p.finished:
         lines.append(f"finish: {finish_text(p)}")
-    elif p.unknown_open:
-        lines.append(
-            f"finish: unknown — {', '.join(p.unknown_open)} report no progress with a total (an operator "
-            f"command can: StageContext.progress); the rest alone would take {duration(p.remaining_s)}"
-        )
     else:
         lines.append(
             f"finish: {clock(p.finish_at, p.now)}, {duration(p.remaining_s)} from now (critical path)"
@@ -133,7 +143,12 @@ def status_lines(p: RunProjection) -> list[str]:
             lines.append(
                 f"paused: {', '.join(p.paused)} (projected as if resumed now: the finish moves later)"
             )
-    lines.append(f"GPU-hours: {p.gpu_hours_used:.2f} used, {p.gpu_hours_projected:.2f} projected")
+    projected = (
+        "projected unknown (the finish is)"
+        if p.gpu_hours_projected is None
+        else f"{p.gpu_hours_projected:.2f} projected"
+    )
+    lines.append(f"GPU-hours: {p.gpu_hours_used:.2f} used, {projected}")
     if p.disk_at_finish is not None:
         lines.append(
             f"disk at finish: {size(p.disk_at_finish)} used"

@@ -31,6 +31,10 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
+def _step(v: Any) -> int | float | None:
+    return v if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
@@ -72,7 +76,7 @@ class Metric:
     t: float
     name: str
     value: float
-    step: float | None = None
+    step: int | float | None = None  # as written (an int stays an int)
     label: str | None = None
     carried: bool = False
     data: Mapping[str, Any] = field(default_factory=dict, repr=False)
@@ -169,7 +173,7 @@ def decode(ev: Event) -> RunEvent:
                 t,
                 str(d.get("name")),
                 math.nan if value is None else value,
-                _num(d.get("step")),
+                _step(d.get("step")),
                 _str(d.get("label")) or None,
                 carried,
                 d,

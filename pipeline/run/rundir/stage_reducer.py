@@ -40,7 +40,8 @@ class StageFacts:
     progress: Progress | None = None  # the latest progress event (any key)
     paused_ack_t: float = 0.0  # when the stage acknowledged a pause (0: not paused)
     finished: Finished | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # latest value per series, NaN/inf kept
+    metrics: dict[str, float] = field(default_factory=dict)  # latest value per name (any label), NaN/inf kept
+    metric_t: float = 0.0  # when the latest metric was reported (0: none in this attempt)
     bad: int = 0  # rows a prep rejected / requests a regeneration gave up on
     last_t: float = 0.0  # the time of the latest event applied
 
@@ -53,12 +54,12 @@ class StageFacts:
                 fresh = StageFacts(attempt=ev.attempt or 0, pid=ev.pid, started_t=ev.t, last_t=ev.t)
                 self.__dict__.update(fresh.__dict__)
             case Progress():
-                if self.progress is None or ev.t >= self.progress.t:
-                    self.progress = ev
+                self.progress = ev  # the latest in file order (the stream is append-only), whatever its t
                 if ev.bad is not None:
                     self.bad = ev.bad
             case Metric():
-                self.metrics[ev.series] = ev.value
+                self.metrics[ev.name] = ev.value
+                self.metric_t = max(self.metric_t, ev.t)
                 if ev.name == "rejects" and ev.finite:
                     self.bad = int(ev.value)
             case Health():

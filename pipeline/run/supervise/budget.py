@@ -36,7 +36,9 @@ from pipeline.manifests import shards as shards_manifest
 from pipeline.manifests.base import ManifestError, of_kind
 from pipeline.run.hosts.gpus import FOREIGN, GpuProbe
 from pipeline.run.plan.dag import Plan, StageSpec
+from pipeline.run.rundir.events import parse_lines
 from pipeline.run.rundir.layout import RunDir
+from pipeline.run.rundir.protocol import Metric, decode_all
 from pipeline.run.rundir.stage_row import TERMINAL, StageState
 
 
@@ -142,19 +144,10 @@ def emitted_projection(run: RunDir, sid: str, scan_bytes: int = 256 << 10) -> in
     except OSError:
         return None
     found = None
-    for line in head.splitlines():
-        if b'"projected_bytes"' not in line:
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if (
-            ev.get("type") == "metric"
-            and ev.get("name") == "projected_bytes"
-            and isinstance(ev.get("value"), int | float)
-        ):
-            found = int(ev["value"])
+    events, _bad = parse_lines([line for line in head.splitlines() if b'"projected_bytes"' in line])
+    for ev in decode_all(events):
+        if isinstance(ev, Metric) and ev.name == "projected_bytes" and ev.finite:
+            found = int(ev.value)
     return found
 
 
