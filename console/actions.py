@@ -248,7 +248,7 @@ CTL_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
 # What ``--read-only`` refuses, in words: "pause, kill, retry, skip, force".
 CONTROL_WORDS = ", ".join(dict.fromkeys(a.sends[0] for a in CONTROLS))
 READ_ONLY_NOTE = (
-    f"read-only console: the control keys ({' '.join(str(a.key) for a in CONTROLS)}) are refused and "
+    f"read-only console: the control keys ({' '.join(str(a.key) for a in CONTROLS if a.key)}) are refused and "
     "nothing is sent"
 )
 
@@ -277,7 +277,9 @@ def bindings() -> BindingList:
         Binding(a.key, a.name, a.label, show=a.show, tooltip=a.help) for a in ACTIONS if a.key is not None
     ]
     out += [
-        Binding(str(a.key), f"read_only('{a.name}')", show=False, tooltip=READ_ONLY_NOTE) for a in CONTROLS
+        Binding(str(a.key), f"read_only('{a.name}')", show=False, tooltip=READ_ONLY_NOTE)
+        for a in CONTROLS
+        if a.key is not None  # a palette-only control (silence) is refused by its action method
     ]
     return out
 

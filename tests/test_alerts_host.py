@@ -5,6 +5,7 @@ Real supervisors, real stage processes, real hooks (``/bin/sh``)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from console.cli import main as cli_main
+from console.headless import run_headless
+from console.transport import LocalTransport
 from pipeline.run.alerts import record
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir, read_json
@@ -83,6 +86,9 @@ def test_a_stage_failing_after_its_front_end_is_gone_fires_the_hook_once_and_sta
     assert cli_main(["status", str(run.root)]) == 0
     text = capsys.readouterr().out
     assert "alerts: 1 open, 0 cleared" in text and "stage-failed" in text, text
+    out_h = io.StringIO()  # headless mode prints the same record
+    assert run_headless(LocalTransport(str(run.root)), out=out_h, poll_s=0.2) == 1
+    assert "alert #1 stage-failed bad: bad attempt 1 failed: exit 3" in out_h.getvalue()
 
 
 STALL_STAGE = (

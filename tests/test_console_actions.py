@@ -28,7 +28,16 @@ def test_every_action_has_a_way_in_and_a_method() -> None:
             f"{a.name}: the app has no action_{a.name}"
         )
         assert not a.key or a.help, f"{a.name}: a key without a help line"
-    assert {a.name for a in CONTROLS} == {"pause", "kill", "retry", "retry_fresh", "skip", "force"}
+    assert {a.name for a in CONTROLS} == {
+        "pause",
+        "kill",
+        "retry",
+        "retry_fresh",
+        "skip",
+        "force",
+        "ack_alert",  # an alert of the run (issue 44): a control action too, audited
+        "silence_alert",
+    }
 
 
 async def test_bindings_help_and_palette_are_the_table(tmp_path: Path) -> None:
@@ -55,7 +64,7 @@ async def test_bindings_help_and_palette_are_the_table(tmp_path: Path) -> None:
             assert cmd is not None, f"{a.name}: no palette entry {a.palette!r}"
             assert cmd.help == a.palette_help and cmd.callback == getattr(app, f"action_{a.name}"), a.name
     control = help_text.split("[Control the selected stage]\n")[1].split("\n[")[0]
-    assert [row.split("  ")[0] for row in control.splitlines()] == [str(a.key) for a in CONTROLS]
+    assert [row.split("  ")[0] for row in control.splitlines()] == [str(a.key) for a in CONTROLS if a.key]
     assert READ_ONLY_NOTE not in help_text, "a console with control lists no refusal"
 
 
@@ -70,7 +79,8 @@ async def test_a_read_only_console_refuses_each_control_action_with_the_tables_w
         assert st is not None
         commands = {c.title: c.callback for c in app.get_system_commands(app.screen)}
         for a in CONTROLS:
-            for how, act in (("key", lambda a=a: pilot.press(str(a.key))), ("palette", commands[a.palette])):
+            ways = (("key", lambda a=a: pilot.press(str(a.key))), ("palette", commands[a.palette]))
+            for how, act in ways if a.key else ways[1:]:  # silence: the palette only
                 app.clear_notifications()
                 res = act()
                 if res is not None:
@@ -82,7 +92,7 @@ async def test_a_read_only_console_refuses_each_control_action_with_the_tables_w
         help_keys = [
             b.binding for b in app.screen.active_bindings.values() if b.binding.tooltip == READ_ONLY_NOTE
         ]
-        assert sorted(b.key for b in help_keys) == sorted(str(a.key) for a in CONTROLS)
+        assert sorted(b.key for b in help_keys) == sorted(str(a.key) for a in CONTROLS if a.key)
     assert transport.sent == [], "a read-only console sends nothing"
     assert refusal("retry_fresh", "x").startswith(
         "read-only: this console only watches; retry --fresh x was not"
@@ -93,7 +103,7 @@ def test_the_cli_control_verbs_are_the_tables() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "cmd")
     choices = getattr(sub, "choices", {})
-    assert set(CTL_VERBS) == {"pause", "resume", "kill", "retry", "skip", "force"}
+    assert set(CTL_VERBS) == {"pause", "resume", "kill", "retry", "skip", "force", "ack", "silence"}
     for verb in CTL_VERBS:
         args = choices[verb].parse_args(["RUN", "STAGE", *(f for f, _ in CTL_FLAGS[verb])])
         assert args.action == verb
