@@ -42,7 +42,7 @@ def user_config_path() -> Path:
 
 
 def state_dir() -> Path:
-    """Where the console keeps its own small state (fired alerts): the user's state directory."""
+    """Where the console keeps its own small state (aerie serve's tokens): the user's state directory."""
     if os.environ.get("AERIE_STATE_DIR"):
         return Path(os.environ["AERIE_STATE_DIR"]).expanduser()
     if os.environ.get("AERIE_HOME"):

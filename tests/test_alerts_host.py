@@ -358,7 +358,12 @@ async def test_three_consoles_attached_at_different_times_list_the_same_alerts(t
                     while board.selected_key != "quiet":
                         await p3.press("down")
                     await p3.press("K")  # acknowledge the selected stage's alert: a control action
-                    await until(p3, lambda: any(a[4] for a in _alert_list(apps[0])), 20, "the ack everywhere")
+                    await until(
+                        p3,
+                        lambda: all(any(a[4] for a in _alert_list(x)) for x in apps),
+                        20,
+                        "the ack in every console",
+                    )
                     lists = [_alert_list(a) for a in apps]
                     assert lists[0] == lists[1] == lists[2], lists
                     assert {(k, s) for _, k, s, *_ in lists[0]} == {
