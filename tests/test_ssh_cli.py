@@ -176,7 +176,8 @@ def test_aerie_watch_over_ssh_delivers_each_alert_once_across_a_dropped_connecti
     p = aerie("run", str(plan), "--detach")
     assert p.returncode == 0, p.stderr
     assert "aerie watch" in p.stderr
-    url = f"ssh://aerie-box{remote}"
+    url = p.stdout.splitlines()[0]  # what --detach prints: the run, for attach and watch
+    assert url == f"ssh://aerie-box{remote}"
     out = tmp_path / "paged"
     env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_HOME=str(tmp_path / "aerie-home"))
     argv = [sys.executable, "-m", "console.cli", "watch", url, "--until-done", "--poll", "0.3"]
