@@ -107,10 +107,17 @@ async def test_a_nan_or_inf_loss_alerts_once_per_episode_with_the_last_finite_va
     restarted = Run(tmp_path)  # a supervisor started after this one died: nothing raised twice
     restarted.rows = run.rows
     assert await restarted.alerts() == []
-    (tmp_path / "alerts.jsonl").unlink()  # no record at all: the latest episode once, with the same key
+    for step in range(350, 350 + 16_000):  # the episode goes on past the MiB a restarted watcher reads
+        ctx.metric("loss", float("inf"), step=step)
+    assert (tmp_path / "stages" / "train" / "events.jsonl").stat().st_size > 1 << 20
+    assert await run.alerts() == [], "the same episode"
+    tail_only = Run(tmp_path)  # restarted: it reads the last MiB, where the episode looks younger
+    tail_only.rows = run.rows
+    assert await tail_only.alerts() == [], "the open episode is not raised again"
+    (tmp_path / "alerts.jsonl").unlink()  # no record at all: the latest episode once
     fresh = Run(tmp_path)
     fresh.rows = run.rows
-    assert [x.key for x in await fresh.alerts()] == [b.key]
+    assert [x.kind for x in await fresh.alerts()] == ["loss-nonfinite"]
 
 
 async def test_divergence_fires_after_two_points_over_k_times_the_window_minimum_and_rearms(

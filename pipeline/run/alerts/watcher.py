@@ -11,9 +11,10 @@ is written *before* its hook is started, and the hook's deliverer is a child rea
 (:class:`~pipeline.run.alerts.hooks.HookSpawner`), so the loop never blocks on a hook.
 
 Restart: a new supervisor (the old one SIGKILLed mid-episode) reads the record file first — the episodes already
-raised, by key, and the records whose hook never started (those get their deliverer now) — then the events from
-their start, and on its first cycle proposes only the latest episode of each rule per stage. So an episode is
-neither raised twice nor lost, and a hook runs once (:mod:`pipeline.run.alerts.deliver`).
+raised, by key, and the records whose hook never started (those get their deliverer now) — then the last MiB of
+each running stage's events, and on its first cycle proposes only the latest episode of each rule per stage; an
+episode of a rule still open for the same stage and attempt is the same episode. So an episode is neither raised
+twice nor lost, and a hook runs once (:mod:`pipeline.run.alerts.deliver`).
 
 Cost: a ``stat`` per running stage and cycle, plus work per new event; stages that are not running cost nothing
 (``bench/alerts_cost.py`` measures it; docs/performance.md).
@@ -40,6 +41,7 @@ from pipeline.run.rundir.stage_row import StageRow, StageState
 LIVE = (StageState.RUNNING, StageState.PAUSED)
 TELEMETRY_FILE = "telemetry.jsonl"
 DISK_RANK = {"ok": 0, "warning": 1, "error": 2}
+START_TAIL_BYTES = 1 << 20  # of a stage's events read when the watcher starts on it (a restart)
 TELEMETRY_READ_MAX = 1 << 20  # bytes of the telemetry file read per cycle at most (the rest: next cycle)
 
 
@@ -92,14 +94,15 @@ class RunWatcher:
         found = self._telemetry(rows)  # first: the GPU rule of this cycle sees this cycle's samples
         for sid, row in rows.items():
             found += self._stage(sid, row, now)
-        if self.first:  # replayed history: the latest episode of each rule per stage only
+        replay = self.first
+        if replay:  # replayed history: the latest episode of each rule per stage only
             found = list({(a.stage, a.kind): a for a in found}.values())
             if self.hooks is not None:
                 for alert_id in self.undelivered:
                     self.hooks.spawn(alert_id)
             self.undelivered = []
         self.first = False
-        lines = self._raise(found, now) + self._clear(rows, now)
+        lines = self._raise(found, now, replay) + self._clear(rows, now)
         if lines:
             record.append(self.run.root, lines)
             for line in lines:
@@ -117,7 +120,8 @@ class RunWatcher:
     def _feed(self, sid: str, row: StageRow) -> StageFeed:
         feed = self.feeds.get(sid)
         if feed is None:
-            feed = self.feeds[sid] = StageFeed(EventTail(self.run.stage(sid).events), StageWatch(row.attempt))
+            path = self.run.stage(sid).events
+            feed = self.feeds[sid] = StageFeed(EventTail(path, _tail_start(path)), StageWatch(row.attempt))
         if feed.watch.attempt != row.attempt:
             feed.watch = StageWatch(row.attempt)
         return feed
@@ -226,11 +230,18 @@ class RunWatcher:
         return out
 
     # ---------------------------------------------------------------------------------- records
-    def _raise(self, found: list[Alert], now: float) -> list[dict[str, Any]]:
+    def _raise(self, found: list[Alert], now: float, replay: bool) -> list[dict[str, Any]]:
         lines = []
         for a in found:
             if a.key in self.keys:
                 continue
+            same = self._same_open(a)
+            if replay and same:
+                continue  # the episode already recorded, seen younger in the events' tail
+            for old in same:  # the rule fired again: the episode before ended (it re-armed in between)
+                old.cleared_at = now
+                del self.open[old.id]
+                lines.append(record.cleared_line(old.id, now))
             if a.kind == "disk" and self._disk_open() >= DISK_RANK[_disk_level(a.key)]:
                 continue  # the disk episode goes on at this level or a worse one
             rec = AlertRecord(
@@ -271,8 +282,31 @@ class RunWatcher:
             return feed.watch.idle_key == rec.key
         return True
 
+    def _same_open(self, a: Alert) -> list[AlertRecord]:
+        """The open records of the same rule, stage and attempt (the disk has its own levels)."""
+        if a.kind == "disk":
+            return []
+        return [r for r in self.open.values() if (r.kind, r.stage, r.attempt) == (a.kind, a.stage, a.attempt)]
+
     def _disk_open(self) -> int:
         return max((DISK_RANK[_disk_level(r.key)] for r in self.open.values() if r.kind == "disk"), default=0)
+
+
+def _tail_start(path: Path) -> int:
+    """Where a watcher starting on a stage reads its events from: the last :data:`START_TAIL_BYTES` (whole
+    lines: the first, cut, is skipped), so a restarted supervisor on a week-old run reads a few MiB, not the
+    stage's whole history, and its first cycles stay short. The rules' windows (50 losses, 30 samples) and
+    clocks need far less."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return 0
+    if size <= START_TAIL_BYTES:
+        return 0
+    with open(path, "rb") as fh:
+        fh.seek(size - START_TAIL_BYTES)
+        skip = fh.readline()  # the cut line
+    return size - START_TAIL_BYTES + len(skip)
 
 
 def _disk_level(key: str) -> str:
