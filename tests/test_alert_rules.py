@@ -380,3 +380,18 @@ async def test_a_served_accept_length_well_below_the_simulated_one_raises_accept
     assert any("accept-gap" in ln and "bench-eagle3" in ln for ln in lines), lines
     assert gap_record(man, train_dir, None, "x") is None, "no served figure: nothing to compare"
     assert gap_record(DraftManifest(kind="draft", aux_layer_ids=(1,)), train_dir, 2.0, "x") is None
+
+
+async def test_an_alert_that_cannot_be_written_is_written_at_the_next_cycle(tmp_path: Path) -> None:
+    """A full or unwritable run dir (here: alerts.jsonl is a directory) loses no alert: the cycle raises, the
+    supervisor reports it, and the next cycle writes what was found."""
+    run = Run(tmp_path, stall_minutes=0)
+    ctx = run.stage("train", run="train")
+    ctx.metric("loss", float("nan"), step=3)
+    (tmp_path / "alerts.jsonl").mkdir()
+    with pytest.raises(OSError):
+        await run.alerts()
+    (tmp_path / "alerts.jsonl").rmdir()
+    (a,) = await run.alerts()
+    assert (a.kind, a.key) == ("loss-nonfinite", "loss-nonfinite:train:1:step3")
+    assert await run.alerts() == []

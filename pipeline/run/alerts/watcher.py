@@ -87,6 +87,7 @@ class RunWatcher:
         self.next_id = max(book, default=0) + 1
         self.undelivered = [r.id for r in sorted(book.values(), key=lambda r: r.id) if not r.delivered()]
         self.raised = 0  # alerts this watcher raised (tests and the benchmark read it)
+        self.unwritten: list[dict[str, Any]] = []  # lines a failed append left, written first next cycle
 
     # ------------------------------------------------------------------------------------ cycle
     def tick(self, rows: dict[str, StageRow], now: float) -> None:
@@ -102,14 +103,20 @@ class RunWatcher:
                     self.hooks.spawn(alert_id)
             self.undelivered = []
         self.first = False
-        lines = self._raise(found, now, replay) + self._clear(rows, now)
-        if lines:
-            record.append(self.run.root, lines)
-            for line in lines:
-                if line["op"] == "raised" and self.hooks is not None:
-                    self.hooks.spawn(int(line["id"]))
+        lines = self.unwritten + self._raise(found, now, replay) + self._clear(rows, now)
         if self.hooks is not None:
             self.hooks.reap()
+        if not lines:
+            return
+        try:
+            record.append(self.run.root, lines)
+        except OSError:
+            self.unwritten = lines  # a full or read-only disk: written at the next cycle, none lost
+            raise  # the supervisor says so (an alert in state.json) and goes on
+        self.unwritten = []
+        for line in lines:  # a hook only for a record on disk
+            if line["op"] == "raised" and self.hooks is not None:
+                self.hooks.spawn(int(line["id"]))
 
     def close(self) -> None:
         """The supervisor exits: let running deliverers finish (bounded by the hook's timeout)."""
