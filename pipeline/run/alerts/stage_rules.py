@@ -298,17 +298,18 @@ def accept_gap(sid: str, attempt: int, bench: dict[str, Any], rules: AlertsSecti
     gap = (sim - served) / sim
     if gap <= rules.accept_gap:
         return None
+    how = str(bench.get("how") or "served")  # served by an engine, or measured offline by the bench stage
     return Alert(
         f"accept-gap:{sid}:{attempt}",
         "accept-gap",
-        f"{sid}: served accept length {_num(served)} vs {_num(sim)} in training",
-        f"{sid}: the served accept length {_num(served)} is {gap * 100:.1f}% below the train stage's simulated "
+        f"{sid}: {how} accept length {_num(served)} vs {_num(sim)} in training",
+        f"{sid}: the {how} accept length {_num(served)} is {gap * 100:.1f}% below the train stage's simulated "
         f"{_num(sim)} for the same draft (threshold {rules.accept_gap * 100:g}%)",
         sid,
         attempt,
         (
-            f"served {_num(served)}: {bench.get('served_from', '?')}",
+            f"{how} {_num(served)}: {bench.get('served_from', '?')}",
             f"simulated {_num(sim)}: {bench.get('simulated_from', '?')}",
-            f"rule: served below simulated by more than {rules.accept_gap * 100:g}%",
+            f"rule: {how} below simulated by more than {rules.accept_gap * 100:g}%",
         ),
     )

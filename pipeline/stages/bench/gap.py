@@ -22,9 +22,10 @@ CODE = "accept-gap"  # the message code the alert rule reads
 
 
 def gap_record(
-    man: DraftManifest, train_dir: Path, served: float | None, served_from: str
+    man: DraftManifest, train_dir: Path, served: float | None, served_from: str, how: str = "served"
 ) -> dict[str, Any] | None:
-    """Both numbers and where they came from; None when either is missing."""
+    """Both numbers and where they came from (``how``: ``served`` by SGLang, or ``measured`` offline); None
+    when either is missing."""
     sim = man.accept_length
     if served is None or sim is None or sim <= 0:
         return None
@@ -36,6 +37,7 @@ def gap_record(
         "served": served,
         "served_from": served_from,
         "gap": (sim - served) / sim,
+        "how": how,
     }
 
 

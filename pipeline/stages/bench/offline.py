@@ -216,6 +216,7 @@ def write_results(
         accept_len,
         f"{ctx.out / 'results.json'}: accept_len over {len(accepted)} verify steps of "
         f"{len(run.per_prompt)} held-out prompts (per_prompt)",
+        how="measured",  # speculative decoding here, not an engine's
     )
     summary = BenchManifest(
         kind=bench_manifest.KIND,
