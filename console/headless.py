@@ -100,10 +100,11 @@ class _Printer:
         ):
             self.last_progress[sid] = now
             p = st.progress
-            eta = p.eta_s()
+            eta = p.eta_s(now)  # a stage silent past a minute: its rate decays, its ETA grows
             self.emit(
                 f"{sid:<28} {fmt.count(p.done)}/{fmt.count(p.total)} {p.unit}"
-                f"  {fmt.rate(p.rate(), p.unit)}" + (f"  ETA {fmt.duration(eta)}" if eta is not None else "")
+                f"  {fmt.rate(p.rate(now), p.unit)}"
+                + (f"  ETA {fmt.duration(eta)}" if eta is not None else "")
             )
 
     def messages(self, sid: str, st: StageView) -> None:

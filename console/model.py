@@ -46,7 +46,7 @@ from pipeline.run.rundir.event_lines import LineSkipper
 from pipeline.run.rundir.events import Event, parse_lines
 from pipeline.run.rundir.protocol import RunEvent, decode, decode_all
 from pipeline.run.rundir.stage_reducer import StageFacts
-from pipeline.run.rundir.stage_row import ROW_FIELDS, TERMINAL, StageRow, StageState
+from pipeline.run.rundir.stage_row import TERMINAL, StageRow, StageState
 from pipeline.run.rundir.state_file import StateSnapshot
 
 ATTACH_TAIL_BYTES = 256 << 10  # on attach, read at most this much of an events file's end
@@ -297,7 +297,8 @@ class RunModel:
         """The supervisor's snapshot (:class:`StateSnapshot`): each stage's row, taken as it is — its state,
         display state and progress come from here and nowhere else."""
         try:
-            snap = StateSnapshot.from_dict(json.loads(raw))
+            doc = json.loads(raw)
+            snap = StateSnapshot.from_dict(doc)
         except (
             ValueError
         ) as exc:  # never torn by the supervisor (atomic rename), but a disk, a copy or a hand can
@@ -321,13 +322,12 @@ class RunModel:
             if st is None:
                 st = self.stages[sid] = StageView(id=sid, family=r.row.family)
             before = _row_key(st)
-            for f in ROW_FIELDS:
-                setattr(st, f, getattr(r.row, f))
+            st.__dict__.update(r.row.__dict__)  # every row field (StageRow), as the snapshot has it
             _take_progress(st.progress, r.progress)
             if before != _row_key(st):
                 changed.add(sid)
         self.order = order
-        tel = find_telemetry_stage([r.to_dict() for r in snap.stages])
+        tel = find_telemetry_stage(doc["stages"] if isinstance(doc.get("stages"), list) else [])
         if tel != self.telemetry_stage:
             self.telemetry_stage = tel
             self.telemetry.path = telemetry_path(tel or "telemetry")

@@ -72,7 +72,7 @@ async def test_over_ssh_a_5mib_line_is_skipped_and_a_10000_stage_state_fills_the
                 model, lambda: "big" in model.stages and model.stages["big"].progress.done == 1, "p1"
             )
             go.touch()  # attached and reading when the 5 MiB line lands
-            texts = lambda: [e.get("text") for e in model.stages["big"].events]  # noqa: E731
+            texts = lambda: [getattr(e, "text", None) for e in model.stages["big"].events]  # noqa: E731
             await poll_until(model, lambda: "after the long line" in texts(), "the event after the long line")
             assert any(f"{READ_WINDOW:,}-byte window" in str(t) for t in texts())
 

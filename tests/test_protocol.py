@@ -226,3 +226,27 @@ async def test_the_board_shows_starting_from_the_snapshots_field(tmp_path: Path)
     st.reason = "anything at all"  # prose changes nothing: the field decides
     assert st.display_state == "starting"
     assert model.stages["svc"].display_state == "ready"  # a stage whose turn has come, not started
+
+
+async def test_the_console_lists_an_unknown_kind_as_written(tmp_path: Path) -> None:
+    """A newer stage writes a kind this console does not know: its event list (the detail pane) shows it."""
+    import json
+
+    from console.model import RunModel, describe_event
+    from console.transport import LocalTransport
+
+    row = {"id": "train", "family": "train", "state": "running", "attempt": 1}
+    (tmp_path / "state.json").write_text(json.dumps({"run": "r", "executor": "local", "stages": [row]}))
+    events = tmp_path / "stages" / "train" / "events.jsonl"
+    events.parent.mkdir(parents=True)
+    events.write_text(
+        '{"type":"started","t":1,"attempt":1,"pid":5}\n'
+        '{"type":"checkpoint","t":2,"path":"/ck/step-100"}\n'
+        '{"type":"metric","t":3,"name":"loss","value":1.5,"step":100}\n'
+    )
+    model = RunModel(LocalTransport(str(tmp_path)), backfill=False)
+    for _ in range(2):  # the stage appears, then its events are read
+        await model.poll()
+    shown = [describe_event(e) for e in model.stages["train"].events]
+    assert len(shown) == 3 and "checkpoint" in shown[1] and "/ck/step-100" in shown[1], shown
+    assert shown[2] == "loss = 1.5" and model.stages["train"].metrics == {"loss": 1.5}

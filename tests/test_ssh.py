@@ -22,7 +22,7 @@ from console.ssh.transport import SshTransport, load_layout, start_remote_run
 from pipeline.run.hosts.procs import group_members, read_stat
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.rundir.events import read_all
-from pipeline.run.rundir.protocol import to_event
+from pipeline.run.rundir.protocol import Message, kind_of, to_event
 
 pytest_plugins = ["conftest_ssh"]
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -112,7 +112,7 @@ async def test_two_stage_plan_runs_to_completion_over_ssh(sshd, known_hosts, ssh
         m2 = RunModel(t2)
         await poll_until(m2, lambda: m2.loaded and len(m2.stages["use"].events) >= 2)
         assert m2.stages["use"].state == "succeeded"
-        assert [e.type for e in m2.stages["use"].events] == ["started", "finished"]
+        assert [kind_of(e) for e in m2.stages["use"].events] == ["started", "finished"]
         await t2.close()
 
 
@@ -138,7 +138,7 @@ async def test_drop_mid_stage_stage_keeps_running_and_every_event_is_seen_once(
 
         def ticks() -> list[str]:
             st = model.stages.get("tick")
-            return [e.get("text") for e in st.events if e.type == "message"] if st else []
+            return [e.text for e in st.events if isinstance(e, Message)] if st else []
 
         await poll_until(model, lambda: len(ticks()) >= 5)
         before = len(read_all(events_file))

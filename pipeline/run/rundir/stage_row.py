@@ -113,9 +113,8 @@ class StageRow:
     def update_from(self, d: dict[str, Any]) -> None:
         """Take every row field ``d`` (a ``state.json`` row) has; a state this version does not know is
         kept as the string it is (a newer supervisor may have more)."""
-        for f in ROW_FIELDS:
-            if f in d and f not in ("id", "family"):
-                setattr(self, f, d[f])
+        for f in _SETTABLE.intersection(d):
+            setattr(self, f, d[f])
         if "state" in d:
             try:
                 self.state = StageState(d["state"])
@@ -140,6 +139,7 @@ class StageRow:
 
 
 ROW_FIELDS = tuple(f.name for f in fields(StageRow))
+_SETTABLE = frozenset(ROW_FIELDS) - {"id", "family"}  # what a state.json row may set (its id is its key)
 
 
 def display_of(row: StageRow, starting: bool = False) -> DisplayState | str:

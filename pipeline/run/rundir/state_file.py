@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeline.run.rundir.layout import RunDir, RunDirError, read_json
-from pipeline.run.rundir.stage_row import ROW_FIELDS, ExitStatus, StageRow, StageState
+from pipeline.run.rundir.stage_row import ExitStatus, StageRow, StageState
 
 # 1: rows without a version or a display state (the console derived "starting" from the reason's words);
 # 2: "version", and each row's "display" and "queued" fields
@@ -73,7 +73,7 @@ class StateSnapshot:
             if not isinstance(r, dict) or not isinstance(r.get("id"), str):
                 raise ValueError(f"stages[{i}]: a stage row without an id")
             row = StageRow(id=r["id"], family=str(r.get("family") or r["id"]))
-            row.update_from({k: v for k, v in r.items() if k in ROW_FIELDS})
+            row.update_from(r)  # every row field it has (the rest keep their defaults)
             prog = r.get("progress")
             rows.append(SnapshotRow(row, prog if isinstance(prog, dict) else None))
         sup = d.get("supervisor")
