@@ -14,7 +14,8 @@ WORSE any that moved the wrong way by more than the spread (``bench/record_store
 
 A run that appends to the repo's own record also rewrites the table at the top of docs/performance.md.
 
-Benchmarks: console (bench/console_idle.py: attached to 12 live stages and to a finished run), log_ingest,
+Benchmarks: console (bench/console_idle.py: attached to 12 live stages and to a finished run), alerts
+(bench/alerts_cost.py: the supervisor's alert rules on the reference plan), log_ingest,
 plot_render, prep, event_rotation (a raw 100 MiB event line), supervisor_scale (1K and 10K stages),
 shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
 ``aerie demo --headless``: wall time and the draft's accept length).
@@ -238,6 +239,22 @@ BENCHES = (
             ),
         ),
         "a real supervisor on 1,000 and 10,000 ready stages held by 2 CPU slots: CPU, snapshots, control, launches",
+    ),
+    Bench(
+        "alerts",
+        script("alerts_cost.py", "--scales", "1,10", "--cycles", "200"),
+        (
+            Spec(
+                "alerts_busy_pct", "% of a core", "lower", lambda j: j["busy"]["1"]["pct_of_core"], floor=0.02
+            ),
+            Spec(
+                "alerts_idle_pct", "% of a core", "lower", lambda j: j["idle"]["1"]["pct_of_core"], floor=0.02
+            ),
+            Spec(
+                "alerts_us_per_stage_280", "µs", "lower", lambda j: j["busy"]["10"]["us_per_stage"], floor=5
+            ),
+        ),
+        "the alert rules in the supervisor on the 28-stage reference plan (every stage writing), and per stage at ×10",
     ),
     Bench(
         "demo",

@@ -204,11 +204,29 @@ ACTIONS: tuple[ConsoleAction, ...] = (
         "alert_stage",
         "a",
         "Alerts",
-        "the alerts of this console with their evidence (failures, disk, a stalled stage, a NaN loss, idle "
-        "GPUs ...); Enter selects the alert's stage",
+        "the run's alerts with their evidence (failures, disk, a stalled stage, a NaN loss, idle "
+        "GPUs ...), open ones first; Enter selects the alert's stage",
         "Alerts",
-        "the alerts of this console, with evidence; Enter selects the stage",
+        "the run's alerts, with evidence; Enter selects the stage",
         show=False,
+    ),
+    ConsoleAction(
+        "ack_alert",
+        "K",
+        "Ack",
+        "acknowledge the selected stage's newest open alert (else the run's): every console and aerie status "
+        "show who and when",
+        "Acknowledge alert",
+        "the selected stage's newest alert not yet acknowledged (the run's, if it has none)",
+        show=False,
+        sends=("ack",),
+    ),
+    ConsoleAction(
+        "silence_alert",
+        None,
+        palette="Silence alert",
+        palette_help="acknowledge it, and run no hook for later alerts of its kind on its stage",
+        sends=("silence",),
     ),
     ConsoleAction(
         "help", "question_mark", "Help", "every key of this screen", "Help", "every key of this screen"
@@ -244,7 +262,7 @@ CTL_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
 # What ``--read-only`` refuses, in words: "pause, kill, retry, skip, force".
 CONTROL_WORDS = ", ".join(dict.fromkeys(a.sends[0] for a in CONTROLS))
 READ_ONLY_NOTE = (
-    f"read-only console: the control keys ({' '.join(a.key for a in CONTROLS if a.key)}) are refused and "
+    f"read-only console: the control keys ({' '.join(str(a.key) for a in CONTROLS if a.key)}) are refused and "
     "nothing is sent"
 )
 
@@ -273,9 +291,9 @@ def bindings() -> BindingList:
         Binding(a.key, a.name, a.label, show=a.show, tooltip=a.help) for a in ACTIONS if a.key is not None
     ]
     out += [
-        Binding(a.key, f"read_only('{a.name}')", show=False, tooltip=READ_ONLY_NOTE)
+        Binding(str(a.key), f"read_only('{a.name}')", show=False, tooltip=READ_ONLY_NOTE)
         for a in CONTROLS
-        if a.key is not None
+        if a.key is not None  # a palette-only control (silence) is refused by its action method
     ]
     return out
 

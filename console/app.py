@@ -9,9 +9,9 @@ never stops a stage: ``aerie attach RUN`` shows the same run, live.
 Around the board: the full log of any stage (``l``; the inference server's with ``L``) in the log
 viewer, the per-dataset progress screen (``d``), the metrics' curves (``m``; a compact loss/acc_0
 plot in the detail pane of a training stage), themes from ``themes/`` (``--theme``, the user's
-config, the plan's ``[ui]``, or the command palette), failure alerts (notification, bell, the
-plan's ``[alerts] command``; see :mod:`console.alerts`) and anomaly alerts (:mod:`console.anomalies`;
-``a`` lists them, Enter selects the alerted stage), every action in the command palette
+config, the plan's ``[ui]``, or the command palette), the run's alerts, raised on the executing host and
+read from its records (a toast and the bell for each one raised while attached, :mod:`console.alert_dispatch`;
+``a`` lists them all, Enter selects the alerted stage; ``ctrl+p`` acknowledges or silences one), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
 Every action is sent with the front end (``via``: console, or browser under ``aerie serve``) and the
@@ -66,7 +66,6 @@ from console.actions import (
     wrong_state,
 )
 from console.alert_dispatch import AlertDispatcher
-from console.alerts import AlertBook
 from console.audit_trail import AuditTrail
 from console.compare import OtherRun
 from console.header import ProjectionLine, header_text, plan_of, status_text
@@ -79,13 +78,14 @@ from console.screens.datasets import DatasetsScreen
 from console.screens.dialogs import ConfirmScreen, HelpScreen, binding_rows, help_sections
 from console.screens.logview import LogScreen
 from console.screens.metrics import MetricsScreen
-from console.settings import Settings, read_user_config, resolve, state_dir, user_config_path
+from console.settings import Settings, read_user_config, resolve, user_config_path
 from console.states import look
 from console.sup_watch import SupervisorWatch, open_alerts, rows_without_supervisor
 from console.transport import Transport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
+from pipeline.run.alerts.record import AlertRecord
 from pipeline.run.plan.dag import Plan
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.stage_row import SATISFIED, TERMINAL, HealthState, StageState
@@ -215,10 +215,7 @@ class AerieApp(App[int]):
         self.settings: Settings = self._resolve({})
         self.settings.problems[:0] = problems
         self.alerts_enabled = alerts
-        where = f"{transport.status.host}:{transport.run_root}"
-        self.alerts = AlertDispatcher(self, AlertBook(state_dir() / "alerts.json", where), where)
-        if alerts:
-            self.alerts.attach(self.model)
+        self.alerts = AlertDispatcher(self)  # the run's alert records, announced (console.alert_dispatch)
         self._styles: dict[str, str] = {}
         self._shown: dict[str, object] = {}
         self.sup_watch = SupervisorWatch(read_only)
@@ -232,11 +229,6 @@ class AerieApp(App[int]):
         # first snapshot on: a run whose stages all wait still selects the next to run).
         self._auto_select = True
         self._auto_key: str | None = None  # what it selected last (another selection: the operator moved)
-
-    @property
-    def hooks_run(self) -> int:
-        """Alert hook commands completed in this console."""
-        return self.alerts.hooks_run
 
     def _resolve(self, plan_raw: dict) -> Settings:
         return resolve(
@@ -643,6 +635,31 @@ class AerieApp(App[int]):
             return
         self.run_ctl(action, st.id)
 
+    def _alert_to_ack(self, silence: bool) -> AlertRecord | None:
+        """The selected stage's newest alert not yet acknowledged (silenced), else the run's newest."""
+        st = self._selected()
+        todo = [
+            r for r in self.model.alerts.ordered() if (r.acked_at is None if not silence else not r.silenced)
+        ]
+        mine = [r for r in todo if st is not None and r.stage == st.id]
+        pick = mine or todo
+        return pick[0] if pick else None
+
+    def _send_ack(self, name: str, silence: bool) -> None:
+        if self.refuse_read_only(name):
+            return
+        alert = self._alert_to_ack(silence)
+        if alert is None:
+            self.notify("no alert left to acknowledge (a: the run's alerts)", severity="information")
+            return
+        self.run_ctl(ACTION[name], str(alert.id))
+
+    def action_ack_alert(self) -> None:
+        self._send_ack("ack_alert", silence=False)
+
+    def action_silence_alert(self) -> None:
+        self._send_ack("silence_alert", silence=True)
+
     def action_log(self) -> None:
         st = self._selected()
         if st is not None:
@@ -688,7 +705,7 @@ class AerieApp(App[int]):
             if sid is not None:
                 self.go_to_stage(sid)
 
-        self.push_screen(AlertsScreen(list(self.alerts.history)), chosen)
+        self.push_screen(AlertsScreen(self.model.alerts.ordered()), chosen)
 
     def go_to_stage(self, sid: str) -> None:
         """Back to the board with ``sid`` selected (the filter cleared if it hid it)."""

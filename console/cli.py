@@ -2,6 +2,7 @@
 
     aerie demo [--headless]                 the embedded demo run (bundled data, no GPU, no SSH)
     aerie run PLAN [--headless]             create/attach the plan's run, start its supervisor, watch it
+                                            --detach: start it with no front end (print the run dir)
     aerie attach RUN [--headless]           watch an existing run (stages keep running either way)
                                             --read-only: watch only; every control key is refused
                                             --compare DIR[,DIR]: overlay those runs' metrics (m)
@@ -12,6 +13,8 @@
                                             --read-only, or a view-only token: --view-token-file
     aerie status RUN [--json]               one line (or JSON object) per stage, then the audit log's last entries
     aerie pause|resume|kill|retry|skip|force RUN STAGE   control one stage (retry --fresh clears outputs)
+    aerie ack|silence RUN ALERT_ID          acknowledge an alert (silence: no hook for its kind on its stage)
+    aerie watch RUN                         headless notifier: run your own hooks for the run's alerts
     aerie plan check PLAN                   validate a plan and print its DAG (--show-defaults: every setting)
 
 Exit codes: 0 ok (headless: every stage succeeded); 1 the run finished with stages not succeeded;
@@ -23,7 +26,6 @@ on the host (the action was not queued); 130 interrupted (stages keep running).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from importlib import resources
@@ -31,18 +33,24 @@ from pathlib import Path
 
 from console import executors
 from console.actions import CONTROL_WORDS, CTL_FLAGS, CTL_VERBS
-from console.cli_common import closed_pipe_exit, err, open_run, remote, run_ctl, stdout_closed
+from console.cli_common import (
+    aerie_home,
+    closed_pipe_exit,
+    err,
+    open_run,
+    remote,
+    run_ctl,
+    stdout_closed,
+)
+from console.cli_serve import add_serve_command, bad_theme
 from console.cli_status import cmd_status
+from console.cli_watch import add_watch_command
 from console.transport import LocalTransport, Transport, start_local_run
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.plan.sections import render_settings
 from pipeline.run.rundir import audit
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
-
-
-def aerie_home() -> Path:
-    return Path(os.environ.get("AERIE_HOME", Path.home() / ".local" / "share" / "aerie")).expanduser()
 
 
 def demo_plan_path() -> Path:
@@ -65,7 +73,7 @@ def _watch(
         return run_headless(transport, read_only=read_only)
     from console.app import AerieApp
 
-    if theme and _bad_theme(theme):
+    if theme and bad_theme(theme):
         return EXIT_USAGE
     from console.compare import CompareError, open_other
 
@@ -77,45 +85,6 @@ def _watch(
     app = AerieApp(transport, poll_s=poll_s, theme=theme, read_only=read_only, via=via, compare=others)
     rc = app.run()
     return rc or 0
-
-
-def _bad_theme(theme: str) -> bool:
-    from textual.theme import BUILTIN_THEMES
-
-    from themes import load_themes
-
-    known = [*load_themes(), *BUILTIN_THEMES]
-    if theme in known:
-        return False
-    err(f"--theme {theme}: unknown theme (known: {', '.join(known)})")
-    return True
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from console.browser import ServeError, serve
-
-    if not remote(args.run) and open_run(args.run) is None:
-        return EXIT_USAGE
-    if args.theme and _bad_theme(args.theme):
-        return EXIT_USAGE
-    try:
-        return serve(
-            args.run,
-            args.host,
-            args.port,
-            args.theme,
-            args.poll,
-            allow_remote=args.allow_remote,
-            token_file=args.token_file,
-            read_only=args.read_only,
-            view_token_file=args.view_token_file,
-            no_token=args.no_token,
-            allow_origins=tuple(args.allow_origin),
-            max_sessions=args.max_sessions,
-        )
-    except ServeError as exc:
-        err(str(exc))
-        return EXIT_USAGE
 
 
 def _start(plan_path: Path, run_dir: Path | None) -> Path | Transport | int:
@@ -155,6 +124,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = _start(Path(args.plan), Path(args.run_dir) if args.run_dir else None)
     if isinstance(started, int):
         return started
+    if args.detach:  # no front end: the supervisor alone watches the run and runs the plan's hooks
+        where = (
+            str(started) if isinstance(started, Path) else f"ssh://{started.status.host}{started.run_root}"
+        )
+        print(where)
+        print(
+            f"started with no front end: the supervisor runs every stage, alert rule and [alerts] command.\n"
+            f"  watch:   aerie attach {where}      (or --headless; aerie status {where})\n"
+            f"  notify:  aerie watch {where}       (runs your own alert hooks here)",
+            file=sys.stderr,
+        )
+        return EXIT_OK
     return _watch(started, args.headless, args.theme, args.poll)
 
 
@@ -255,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_watch_commands(sub)
-    _add_serve_command(sub)
+    add_serve_command(sub)
     _add_control_commands(sub)
+    add_watch_command(sub)
     _add_plan_commands(sub)
     return ap
 
@@ -280,6 +262,11 @@ def _add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p = sub.add_parser("run", help="start (or re-attach to) the run a plan describes")
     p.add_argument("plan")
     p.add_argument("--run-dir", help="override the plan's [run] dir")
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="start the run with no front end (its supervisor only), print the run dir and how to attach",
+    )
     _add_watch_options(p)
     p.set_defaults(fn=cmd_run)
 
@@ -302,62 +289,6 @@ def _add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.set_defaults(fn=cmd_attach)
 
 
-def _add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """serve: the console in a web browser, and who may drive it."""
-    p = sub.add_parser(
-        "serve", help="serve the console to a web browser on 127.0.0.1 (use an SSH port-forward)"
-    )
-    p.add_argument("run")
-    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--theme", default=None, help="console theme")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between reads of the run directory")
-    p.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow a non-loopback --host; every request then needs the token",
-    )
-    p.add_argument(
-        "--token-file",
-        default=None,
-        help="file holding the token a console needs, pasted into the page once: no cookie, never in a URL "
-        "(else $AERIE_SERVE_TOKEN, else a random one, written to a 0600 file whose path is printed)",
-    )
-    p.add_argument(
-        "--no-token",
-        action="store_true",
-        help="loopback only: no token; every local account can then drive the console (says what it risks)",
-    )
-    p.add_argument(
-        "--allow-origin",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="also accept pages and Host of this origin, e.g. http://localhost:9000 for an SSH forward "
-        "to another local port (repeatable)",
-    )
-    p.add_argument(
-        "--max-sessions",
-        type=int,
-        default=4,
-        metavar="N",
-        help="browser consoles at once (each a process); past it a clear refusal (default 4); view-token "
-        "watchers get all but one: the last is the control token's",
-    )
-    p.add_argument(
-        "--read-only",
-        action="store_true",
-        help="every browser console only watches: control actions are refused",
-    )
-    p.add_argument(
-        "--view-token-file",
-        default=None,
-        help="file holding a second, view-only token (else $AERIE_SERVE_VIEW_TOKEN): its holders get a "
-        "read-only console, holders of the control token a full one; every request then needs a token",
-    )
-    p.set_defaults(fn=cmd_serve)
-
-
 def _add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """status and the control verbs (pause, resume, kill, retry, skip, force) on one run's stages."""
     p = sub.add_parser(
@@ -378,9 +309,10 @@ def _add_control_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     p.set_defaults(fn=cmd_status)
 
     for verb in CTL_VERBS:  # the console's action table: the same verbs, flags and words
-        p = sub.add_parser(verb, help=f"{verb} one stage")
+        on_alert = verb in ("ack", "silence")  # an alert of the run (aerie status lists their ids)
+        p = sub.add_parser(verb, help=f"{verb} one {'alert' if on_alert else 'stage'}")
         p.add_argument("run")
-        p.add_argument("stage")
+        p.add_argument("stage", metavar="ALERT_ID" if on_alert else "STAGE")
         for flag, flag_help in CTL_FLAGS[verb]:
             p.add_argument(flag, action="store_true", help=flag_help)
         p.set_defaults(fn=cmd_control, action=verb)

@@ -1,5 +1,5 @@
 """What the ``aerie`` commands share: naming a run (a local directory or a remote one), opening it, and
-running ``pipeline.run.supervise.ctl`` on it locally; and the error line every command prints."""
+running ``pipeline.run.supervise.ctl`` on it locally; the error line every command prints; ``AERIE_HOME``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ from pathlib import Path
 
 from console.transport import LocalTransport
 from pipeline.run.rundir.layout import RunDir
+
+EXIT_USAGE = 2
+
+
+def aerie_home() -> Path:
+    """Where Aerie keeps its own files on this machine (demo runs, ``aerie watch``'s delivered ids)."""
+    return Path(os.environ.get("AERIE_HOME", Path.home() / ".local" / "share" / "aerie")).expanduser()
 
 
 def err(text: str) -> None:

@@ -1,8 +1,9 @@
 """``aerie status``: every stage's row, the supervisor's liveness and alerts, then the run's projection, the
-anomalies going on now with their evidence (:mod:`console.anomaly_scan`), then the audit log's last entries
-(``--json``: a line per stage — its whole row, every field of the typed snapshot's rows — then ``{"projection": …, "supervisor": …}``, ``{"anomalies": […]}``,
-``{"audit": …}``), made by ``ctl status`` on the executing host, locally or over SSH (the anomalies: read here,
-through the console's transport). A truncated or corrupt ``state.json`` is one warning line naming it
+run's alert records (raised on the executing host, :mod:`pipeline.run.alerts`; open ones first, with their
+evidence and hook deliveries), then the audit log's last entries (``--json``: a line per stage — its whole row,
+every field of the typed snapshot's rows — then ``{"projection": …, "supervisor": …}``, ``{"alerts": […]}``,
+``{"anomalies": […]}`` (the open anomaly records), ``{"audit": …}``), made by ``ctl status`` on the executing
+host, locally or over SSH. A truncated or corrupt ``state.json`` is one warning line naming it
 (``--json``: a first line ``{"error": …}``) above the stages as their own files show them, never a traceback.
 
 The supervisor line is the host's verdict (:mod:`pipeline.run.supervise.liveness`, judged by the run's lock and the
@@ -12,16 +13,14 @@ snapshot's age): running, silent (alive but not writing, and why) or dead (and w
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
 from typing import Any
 
-from console.alerts import Alert
-from console.anomaly_scan import active_anomalies, alert_json, alert_lines
 from console.cli_common import open_run, remote, run_ctl
-from console.transport import LocalTransport, Transport
+from pipeline.run.alerts.record import ANOMALY_KINDS, AlertRecord
+from pipeline.run.alerts.record import status_lines as alert_lines
 from pipeline.run.projection.compute import RunProjection
 from pipeline.run.projection.text import status_lines
 from pipeline.run.rundir import audit
@@ -55,7 +54,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps({"error": problem}))  # the first line, before the stages
         else:
             print(f"aerie: warning: {problem}", file=sys.stderr)
-    anomalies = _anomalies(args.run)
+    alerts = _alerts(state)
     if args.json:
         for row in snapshot_rows(stages):
             print(json.dumps(row.to_dict()))  # every row field (StageRow), its display state and progress
@@ -65,8 +64,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             run_line["supervisor"] = sup
         if run_line:
             print(json.dumps(run_line))  # after the stages: the run as a whole
-        if anomalies is not None:
-            print(json.dumps({"anomalies": [alert_json(a) for a in anomalies]}))
+        _print_alerts_json(alerts)
         _print_audit(state.get("audit"), as_json=True)
         return EXIT_OK
     for st in stages:
@@ -83,9 +81,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if isinstance(projection, dict):
         print()
         print("\n".join(projection_report(projection)))
-    if anomalies is not None:
+    if alerts is not None:
         print()
-        print("\n".join(anomaly_lines(anomalies)))
+        print("\n".join(alert_section(alerts)))
     _print_audit(state.get("audit"))
     return EXIT_OK
 
@@ -103,15 +101,17 @@ def snapshot_rows(stages: list[dict]) -> list[SnapshotRow]:
     return StateSnapshot.from_dict({"stages": [st for st in stages if isinstance(st.get("id"), str)]}).stages
 
 
-ANOMALIES_SHOWN = 20  # anomaly entries printed before "… and N more"
+ALERTS_SHOWN = 20  # alert records printed before "… and N more"
 
 
-def anomaly_lines(anomalies: list[Alert]) -> list[str]:
-    """The anomalies section; for a huge plan the first few, then how many more (``--json`` has them all)."""
-    shown = alert_lines(anomalies[:ANOMALIES_SHOWN])
-    if len(anomalies) > ANOMALIES_SHOWN:
-        shown[0] = f"anomalies: {len(anomalies):,} now"
-        shown.append(f"  … and {len(anomalies) - ANOMALIES_SHOWN:,} more (aerie status --json has them all)")
+def alert_section(alerts: list[AlertRecord]) -> list[str]:
+    """The alerts section (open ones first); for a huge run the first few, then how many more (``--json`` has
+    them all)."""
+    shown = alert_lines(alerts[:ALERTS_SHOWN], time.time())
+    if len(alerts) > ALERTS_SHOWN:
+        opened = sum(1 for r in alerts if r.open)
+        shown[0] = f"alerts: {opened:,} open, {len(alerts) - opened:,} cleared"
+        shown.append(f"  … and {len(alerts) - ALERTS_SHOWN:,} more (aerie status --json has them all)")
     return shown
 
 
@@ -148,32 +148,25 @@ def supervisor_lines(state: dict) -> list[str]:
     return out
 
 
-def _anomalies(arg: str) -> list[Alert] | None:
-    """The anomalies going on in the run now (None, with a warning, when its files cannot be read)."""
-    if remote(arg):
-        from console.ssh.commands import attach_transport
+def _print_alerts_json(alerts: list[AlertRecord] | None) -> None:
+    """The run's alert records, open first (``{"alerts": …}``); the open anomalies as before."""
+    if alerts is not None:
+        print(json.dumps({"alerts": [a.to_dict() for a in alerts]}))
+        print(json.dumps({"anomalies": [a.to_dict() for a in alerts if a.open and a.kind in ANOMALY_KINDS]}))
 
-        t = attach_transport(arg)
-        if isinstance(t, int):
-            return None
-        transport: Transport = t
-    else:
-        run = open_run(arg)
-        if run is None:
-            return None
-        transport = LocalTransport(str(run.root))
 
-    async def scan() -> list[Alert]:
-        try:
-            return await active_anomalies(transport)
-        finally:
-            await transport.close()
-
-    try:
-        return asyncio.run(scan())
-    except Exception as exc:  # noqa: BLE001 - the stages' rows are printed anyway
-        print(f"aerie: warning: anomalies not checked: {type(exc).__name__}: {exc}", file=sys.stderr)
+def _alerts(state: dict) -> list[AlertRecord] | None:
+    """The run's alert records as ``ctl status`` sent them (None: a host whose pipeline predates them)."""
+    raw = state.get("alerts")
+    if not isinstance(raw, list):
         return None
+    out = []
+    for d in raw:
+        try:
+            out.append(AlertRecord.from_dict(d))
+        except (TypeError, ValueError, KeyError):
+            continue
+    return out
 
 
 def _local_state(run: RunDir) -> dict:

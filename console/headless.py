@@ -5,7 +5,9 @@ seconds; returns 0 only when the run finished with every stage succeeded (or ski
 Ctrl-C detaches: the stages keep running under their supervisor.
 
 It watches the supervisor as the console does (:mod:`console.sup_watch`): a line when it falls silent, dies
-and is restarted (a read-only watcher restarts nothing and says so), and a line for each alert it raises.
+and is restarted (a read-only watcher restarts nothing and says so), and a line for each alert it raises; and
+a line for each of the run's alert records (raised on the executing host, :mod:`pipeline.run.alerts`) and when
+it clears.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import time
 from typing import TextIO
 
 from console import fmt
-from console.model import RunModel, StageView, describe_event
+from console.model import RunModel, StageView
 from console.sup_watch import SupervisorWatch, open_alerts, rows_without_supervisor
 from console.transport import Transport
-from pipeline.run.rundir.protocol import Message
+from pipeline.run.rundir.protocol import Message, describe
 from pipeline.run.rundir.stage_row import StageState
 
 MAX_WARNINGS = 5  # per stage and attempt; errors are always printed
@@ -36,6 +38,7 @@ class _Printer:
         self.warned: dict[tuple[str, int], int] = {}
         self.said: str | None = None  # the supervisor verdict last printed
         self.alerts_seen: set[tuple[str, float]] = set()
+        self.records_seen: dict[int, bool] = {}  # the run's alert records printed: id -> printed as cleared
 
     def emit(self, text: str) -> None:
         self.out.write(f"{time.strftime('%H:%M:%S')} {text}\n")
@@ -60,6 +63,19 @@ class _Printer:
             if key not in self.alerts_seen:
                 self.alerts_seen.add(key)
                 self.emit(f"supervisor alert: {a.get('text')}")
+
+    def alerts(self, model: RunModel) -> None:
+        """A line per alert record raised on the executing host, and one when it clears."""
+        for rid in sorted(model.alerts.book):
+            r = model.alerts.book[rid]
+            if rid not in self.records_seen:
+                self.emit(f"alert #{rid} {r.kind} {r.stage or ''}: {r.text}".replace("  ", " "))
+                for line in r.evidence:
+                    self.emit(f"    {line}")
+                self.records_seen[rid] = False
+            if not r.open and not self.records_seen[rid]:
+                self.records_seen[rid] = True
+                self.emit(f"alert #{rid} {r.kind} cleared")
 
     def stage(self, sid: str, st: StageView, now: float) -> None:
         """One stage's new state, its new warnings and errors, and (running) its progress every ``every_s``."""
@@ -102,7 +118,7 @@ class _Printer:
                 n = self.warned.get((sid, st.attempt), 0)
                 self.warned[(sid, st.attempt)] = n + 1
                 if ev.level == "error" or n < MAX_WARNINGS:
-                    self.emit(f"{sid:<28} {describe_event(ev)}")
+                    self.emit(f"{sid:<28} {describe(ev)}")
                 elif n == MAX_WARNINGS:
                     self.emit(f"{sid:<28} (more warnings: see stages/{sid}/events.jsonl)")
         if st.events:
@@ -147,6 +163,7 @@ async def follow(
             await rows_without_supervisor(model, transport)  # no snapshot, no supervisor: the stages' files
         for sid in model.order:
             printer.stage(sid, model.stages[sid], now)
+        printer.alerts(model)
         if model.loaded and model.done:
             return printer.summary(model)
         if timeout_s is not None and time.monotonic() - start > timeout_s:

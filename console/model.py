@@ -23,8 +23,8 @@ what it has already seen); none is lost or applied twice (:func:`console.streams
 covers the current generation only.
 
 Widgets never see the transport: they read :class:`StageView` objects and redraw when
-:meth:`poll` reports that something changed. Listeners (``RunModel.listeners``, e.g. the anomaly rules of
-:mod:`console.anomalies`) see each event as it is applied, so they work incrementally.
+:meth:`poll` reports that something changed. Listeners (``RunModel.listeners``) see each event as it is
+applied, so they work incrementally. The run's alerts come from its records (:mod:`console.alert_feed`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from console.alert_feed import AlertFeed
 from console.series import StageHistory
 from console.streams import Stream, consume, drop_carried, follow_rotation
 from console.telemetry_model import TelemetryModel, find_telemetry_stage, telemetry_path
@@ -160,6 +161,7 @@ class RunModel:
         self.telemetry = TelemetryModel()
         self.telemetry_stage: str | None = None
         self.listeners: list[Callable[[StageView, Event], None]] = []  # called with each applied event
+        self.alerts = AlertFeed()  # RUN/alerts.jsonl: raised on the executing host, read by every front end
 
     # ------------------------------------------------------------------------------------------
     def watch_log(self, stage_id: str | None) -> None:
@@ -211,6 +213,7 @@ class RunModel:
         with_telemetry = self.telemetry_stage is not None  # fixed now: state.json below may change it
         if with_telemetry:
             reqs.append(self.telemetry.read_request())
+        reqs.append(self.alerts.read_request())  # the run's alert records, last (console.alert_feed)
         try:
             results = await self.transport.read_many(reqs, max_bytes=READ_WINDOW)
             state: ReadResult | None = results[0]
@@ -235,6 +238,9 @@ class RunModel:
             r = results[base + len(log_ids)]
             if self.telemetry.ingest(r.data, r.size, r.ino):
                 changed.add("telemetry")
+        r = results[-1]
+        if self.alerts.ingest(r.data, r.size, r.ino):
+            changed.add("alerts")
         # Streams for stages that just appeared in state.json start on the next poll.
         if self.backfill:
             changed |= await self._backfill_step()
@@ -439,8 +445,3 @@ def _add_metric(history: StageHistory, attempt: int, ev: proto.Metric) -> None:
     """A metric event as a point of its series (``name`` or ``name/label``); a NaN or inf value is a
     point too, which the curves mark at its step."""
     history.add(attempt, ev.series, ev.value, ev.step, ev.t)
-
-
-def describe_event(ev: RunEvent) -> str:
-    """One human line for an event (detail pane, headless output)."""
-    return proto.describe(ev)

@@ -4,11 +4,12 @@ Where each comes from, strongest first:
 
 * theme: ``--theme``, then the user's config ``[ui] theme``, then the plan's ``[ui] theme``, then
   ``aerie-dark``. (A personal choice, e.g. the colour-blind-safe theme, beats the team's plan.)
-* alerts: ``[alerts] bell`` / ``notify`` from the user's config, else the plan's, else on;
-  ``[alerts] command`` hooks from both the plan (the team's webhook) and the user's config (a
-  personal one) run, plan's first; ``timeout_s`` (default 30) bounds each hook run.
-* anomaly rules (``stall_minutes``, ``diverge_factor`` ... :data:`RULE_KEYS`): the user's config, else the
-  plan's, else the defaults in ``pipeline/run/plan/sections.py``; each value is checked as the plan check does.
+* alerts: ``[alerts] bell`` / ``notify`` from the user's config, else the plan's, else on. No hook runs in
+  the console: the plan's ``[alerts] command`` runs on the executing host where the alert is raised, the user's
+  config's one under ``aerie watch`` (:attr:`Settings.hooks` lists both, plan's first; ``timeout_s``, default 30).
+* alert rules (``stall_minutes``, ``diverge_factor`` ... :data:`RULE_KEYS`) are evaluated on the executing host
+  with the plan's values (:attr:`Settings.rules` shows them); the same keys in the user's config change nothing
+  there, so each is a problem line saying to set it in the plan.
 
 The user's config is ``$AERIE_CONFIG``, else ``$XDG_CONFIG_HOME/aerie/config.toml``, else
 ``~/.config/aerie/config.toml``; it may hold ``[ui]`` and ``[alerts]``. A bad key or value never
@@ -41,7 +42,7 @@ def user_config_path() -> Path:
 
 
 def state_dir() -> Path:
-    """Where the console keeps its own small state (fired alerts): the user's state directory."""
+    """Where the console keeps its own small state (aerie serve's tokens): the user's state directory."""
     if os.environ.get("AERIE_STATE_DIR"):
         return Path(os.environ["AERIE_STATE_DIR"]).expanduser()
     if os.environ.get("AERIE_HOME"):
@@ -143,7 +144,14 @@ def resolve(
                 s.hook_timeout_s = float(t)
             else:
                 p.append(f"{where}: alerts.timeout_s: must be > 0, got {t!r}")
-        s.rules = _rules(s.rules, al, where, p)
+        if raw is user:
+            p += [
+                f"{where}: alerts.{k}: the rules run on the executing host: set it in the plan"
+                for k in al
+                if k in RULE_KEYS
+            ]
+        else:
+            s.rules = _rules(s.rules, al, where, p)
     if cli_theme:
         s.theme, s.theme_from = cli_theme, "--theme"
     return s

@@ -101,6 +101,16 @@ def test_bench_stage_reports_accept_length_on_held_out_prompts(tmp_path_factory,
         acc[0].get("value") == pytest.approx(sum(steps) / len(steps) + 1) == pytest.approx(res["accept_len"])
     )
     assert res["prompts"] == 2 and res["lossless_checked"] is True
+    # the train-versus-serve gap: this bench's accept length beside the train stage's simulated one (issue 44)
+    trained = json.loads((train / "manifest.json").read_text())
+    gap = res["accept_gap"]
+    assert gap["simulated"] == trained["accept_length"] and gap["simulated_step"] == trained["step"]
+    assert (
+        gap["served"] == pytest.approx(res["accept_len"])
+        and str(train / "manifest.json") in gap["simulated_from"]
+    )
+    (ev,) = [e for e in events(tmp_path / "bench") if e.type == "message" and e.get("code") == "accept-gap"]
+    assert ev.get("served") == pytest.approx(res["accept_len"])
     assert metrics(tmp_path / "bench", "accept_rate")[0].get("value") == pytest.approx(
         sum(steps) / (3 * len(steps))
     )

@@ -28,7 +28,17 @@ def test_every_action_has_a_way_in_and_a_method() -> None:
             f"{a.name}: the app has no action_{a.name}"
         )
         assert not a.key or a.help, f"{a.name}: a key without a help line"
-    assert {a.name for a in CONTROLS} == {"pause", "kill", "retry", "retry_fresh", "skip", "force", "unforce"}
+    assert {a.name for a in CONTROLS} == {
+        "pause",
+        "kill",
+        "retry",
+        "retry_fresh",
+        "skip",
+        "force",
+        "unforce",
+        "ack_alert",  # an alert of the run (issue 44): a control action too, audited
+        "silence_alert",
+    }
 
 
 async def test_bindings_help_and_palette_are_the_table(tmp_path: Path) -> None:
@@ -71,7 +81,9 @@ async def test_a_read_only_console_refuses_each_control_action_with_the_tables_w
         commands = {c.title: c.callback for c in app.get_system_commands(app.screen)}
         for a in CONTROLS:
             ways = (("key", lambda a=a: pilot.press(str(a.key))), ("palette", commands[a.palette]))
-            for how, act in ways if a.key else ways[1:]:  # ``unforce``: the palette, or F on a forced stage
+            for how, act in (
+                ways if a.key else ways[1:]
+            ):  # unforce and silence: the palette (F again on a forced stage)
                 app.clear_notifications()
                 res = act()
                 if res is not None:
@@ -95,7 +107,7 @@ def test_the_cli_control_verbs_are_the_tables() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "cmd")
     choices = getattr(sub, "choices", {})
-    assert set(CTL_VERBS) == {"pause", "resume", "kill", "retry", "skip", "force"}
+    assert set(CTL_VERBS) == {"pause", "resume", "kill", "retry", "skip", "force", "ack", "silence"}
     for verb in CTL_VERBS:
         args = choices[verb].parse_args(["RUN", "STAGE", *(f for f, _ in CTL_FLAGS[verb])])
         assert args.action == verb

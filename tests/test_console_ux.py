@@ -1,4 +1,4 @@
-"""Operator experience around the board: themes, settings, failure alerts, the dataset panel, help,
+"""Operator experience around the board: themes, settings, the dataset panel, help,
 the command palette and browser mode — on real runs through the real console (Pilot) and processes.
 """
 
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from console.alerts import Alert, AlertBook, AlertWatcher, run_hook
 from console.app import AerieApp
 from console.cli import main as cli_main
 from console.datasets import dataset_rows
@@ -29,7 +28,7 @@ from console.screens.metrics import MetricsScreen
 from console.settings import resolve
 from console.transport import LocalTransport
 from console.widgets.logview import LogView
-from tests.runs import ROOT, finished_run, kill_run_stages, make_run, start_supervisor, stop
+from tests.runs import ROOT, finished_run
 from tests.test_console import until
 from themes import STATES, ThemeError, load_themes, parse_theme
 
@@ -123,179 +122,6 @@ def test_cli_refuses_an_unknown_theme(tmp_path: Path, capsys: pytest.CaptureFixt
     run = finished_run(tmp_path / "r")
     assert cli_main(["attach", str(run.root), "--theme", "neon"]) == 2
     assert "--theme neon: unknown theme (known: aerie-dark" in capsys.readouterr().err
-
-
-# ------------------------------------------------------------------------------ alerts
-ALERT_PLAN = """
-    [run]
-    name = "alerting"
-    dir = "run"
-    [ui]
-    theme = "aerie-light"
-    [alerts]
-    command = "echo \\"$AERIE_ALERT_KEY|$AERIE_ALERT_TEXT\\" >> {hook_log}"
-    [[stage]]
-    id = "bad"
-    command = "echo about to fail; exit 3"
-"""
-
-
-async def attach_once(run_root: Path, seconds: float) -> tuple[AerieApp, list[str], list[int]]:
-    app = AerieApp(LocalTransport(str(run_root)), poll_s=0.2, user_config={})
-    notes: list[str] = []
-    bells: list[int] = []
-    orig = app.notify
-    app.notify = lambda message, **kw: (notes.append(str(message)), orig(message, **kw))[1]  # type: ignore[method-assign]
-    app.bell = lambda: bells.append(1)  # type: ignore[method-assign]
-    async with app.run_test(size=(120, 30)) as pilot:
-        await until(pilot, lambda: app.model.loaded and app.model.done, what="the run finished")
-        await pilot.pause(seconds)
-        await until(
-            pilot,
-            lambda: not any(w.group == "alert-hooks" and w.is_running for w in app.workers),
-            what="hooks done",
-        )
-    return app, notes, bells
-
-
-async def test_a_failure_alerts_once_with_bell_and_hook_and_not_again_on_reattach(tmp_path: Path) -> None:
-    hook_log = tmp_path / "hook.log"
-    run = make_run(tmp_path, ALERT_PLAN.format(hook_log=hook_log))
-    sup = start_supervisor(run)
-    try:
-        app, notes, bells = await attach_once(run.root, 1.0)
-        assert app.theme == "aerie-light", "the plan's [ui] theme applies"
-        assert app.hooks_run == 1 and bells == [1]
-        assert any("bad attempt 1 failed: exit 3: about to fail" in n for n in notes), "the alert says why"
-        assert hook_log.read_text().splitlines() == [
-            "failed:bad:1|bad attempt 1 failed: exit 3: about to fail"
-        ]
-        app2, notes2, bells2 = await attach_once(run.root, 1.0)  # re-attach: the same failure is old news
-        assert app2.hooks_run == 0 and bells2 == [] and not any("failed" in n for n in notes2)
-        assert hook_log.read_text().count("\n") == 1
-    finally:
-        stop(sup)
-        kill_run_stages(run)
-
-
-def disk_model(avail: int, need: int) -> RunModel:
-    model = RunModel(LocalTransport("/nonexistent"))
-    model.run_name = "r"
-    model.telemetry.feed(
-        [
-            f'{{"kind": "disk", "t": 1, "total": {10 << 40}, "used": 1, "avail": {avail}, '
-            f'"projected_remaining": {need}}}'
-        ]
-    )
-    return model
-
-
-def test_disk_alert_fires_when_the_projection_turns_red_and_rearms_when_it_fits(tmp_path: Path) -> None:
-    book = AlertBook(tmp_path / "alerts.json", "local:/run")
-    watcher = AlertWatcher()
-    fits, short = disk_model(5 << 40, 1 << 40), disk_model(1 << 40, 3 << 40)
-    fired = []
-    for model in (fits, short, short, fits, short):
-        _fails, level = watcher.check(model)
-        if level is not None:
-            _new, fire = book.claim([], level)
-            if fire:
-                fired.append(AlertWatcher.disk_alert(model, level))
-    assert len(fired) == 2, "red once, back to fitting, red again: two alerts"
-    assert "short" in fired[0].text and fired[0].title == "disk projection does not fit"
-    again = AlertWatcher()  # a re-attached console while it is still red
-    _f, level = again.check(short)
-    assert book.claim([], level) == ([], False)
-
-
-def test_alert_book_claims_each_event_once_across_consoles(tmp_path: Path) -> None:
-    a, b = (
-        AlertBook(tmp_path / "s" / "alerts.json", "h:/run"),
-        AlertBook(tmp_path / "s" / "alerts.json", "h:/run"),
-    )
-    other = AlertBook(tmp_path / "s" / "alerts.json", "h:/other-run")
-    assert a.claim(["failed:x:1"]) == (["failed:x:1"], False)
-    assert b.claim(["failed:x:1", "failed:x:2"]) == (["failed:x:2"], False)
-    assert other.claim(["failed:x:1"]) == (["failed:x:1"], False)
-
-
-async def test_a_hook_that_hangs_is_killed_after_its_timeout(tmp_path: Path) -> None:
-    pidfile = tmp_path / "pid"
-    alert = Alert("failed:s:1", "stage-failed", "s failed", "s attempt 1 failed", "s", 1)
-    rc, out = await run_hook(f"echo $$ > {pidfile}; sleep 60", alert, "local:/run", 3)
-    assert rc is None and "killed" in out
-    pid = int(pidfile.read_text())
-    assert await asyncio.to_thread(gone, [pid]), "the timed-out hook is still running"
-    rc, out = await run_hook("echo $AERIE_ALERT_STAGE $AERIE_ALERT_ATTEMPT; exit 4", alert, "local:/run", 5)
-    assert (rc, out) == (4, "s 1")
-
-
-def hook_pids(pidfile: Path, deadline_s: float = 20) -> list[int]:
-    """The hook shell's pid and its child's (written by the hook as ``$$ $!``)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        text = pidfile.read_text() if pidfile.exists() else ""
-        if text.endswith("\n"):
-            return [int(x) for x in text.split()]
-        time.sleep(0.05)
-    raise AssertionError("the hook never started")
-
-
-def gone(pids: list[int], within_s: float = 10) -> bool:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-HANGING_HOOK = (
-    "sleep 300 & echo $$ $! > {pidfile}; wait"  # a shell with a child, as curl under sh -c would be
-)
-
-
-async def test_a_hook_running_when_the_console_closes_is_killed_with_its_children(tmp_path: Path) -> None:
-    pidfile = tmp_path / "pids"
-    alert = Alert("failed:s:1", "stage-failed", "s failed", "s attempt 1 failed", "s", 1)
-    task = asyncio.create_task(run_hook(HANGING_HOOK.format(pidfile=pidfile), alert, "local:/run", 600))
-    pids = await asyncio.to_thread(hook_pids, pidfile)
-    task.cancel()  # what closing the console does to the worker awaiting the hook
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert await asyncio.to_thread(gone, pids), "the hook (or its child) outlived the closed console"
-
-
-@pytest.mark.slow
-def test_a_hook_does_not_outlive_a_sigkilled_console(tmp_path: Path) -> None:
-    """Issue 18 item 6: the console process SIGKILLed mid-hook; the hook and its child go too."""
-    import signal
-    import subprocess
-    import sys
-
-    pidfile = tmp_path / "pids"
-    script = (
-        "import asyncio, sys\n"
-        "from console.alerts import Alert, run_hook\n"
-        "a = Alert('failed:s:1', 'stage-failed', 's failed', 'x', 's', 1)\n"
-        f"asyncio.run(run_hook({HANGING_HOOK.format(pidfile=pidfile)!r}, a, 'local:/run', 600))\n"
-    )
-    console = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent)
-    try:
-        pids = hook_pids(pidfile)
-        os.kill(console.pid, signal.SIGKILL)
-        console.wait(10)
-        assert gone(pids), "the hook (or its child) outlived the SIGKILLed console"
-    finally:
-        if console.poll() is None:
-            console.kill()
 
 
 # ------------------------------------------------------------------------------ datasets

@@ -60,6 +60,14 @@ def test_demo_headless_runs_every_stage_to_success(tmp_path: Path) -> None:
     rows = [ln for ln in lines if "id" in ln]
     assert len(rows) == len(states)
     projection = next(ln for ln in lines if "projection" in ln)["projection"]
-    assert next(ln for ln in lines if "anomalies" in ln)["anomalies"] == []  # a healthy demo raises none
+    # The demo's only alert, when it comes, is the train-versus-measured gap (issue 44 item 10): its draft's
+    # simulated accept length (the best of its evaluations, teacher-forced on held-out rows) is above what the
+    # bench measures decoding freely — 2.13 vs 1.67 on the dev VM, 21 %. The alert carries both numbers.
+    anomalies = next(ln for ln in lines if "anomalies" in ln)["anomalies"]
+    assert {a["kind"] for a in anomalies} <= {"accept-gap"}, anomalies
+    trained = json.loads((run_dir / "stages" / "train" / "out" / "manifest.json").read_text())
+    for a in anomalies:
+        assert f"measured {bench['accept_len']:.4g}" in a["evidence"][0]
+        assert f"simulated {trained['accept_length']:.4g}" in a["evidence"][1]
     assert lines[-1]["audit"]["total"] == 0  # nobody paused, killed or retried anything
     assert projection["finished"] and projection["will_finish"] and projection["progress"] == 1.0

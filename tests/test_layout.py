@@ -30,6 +30,8 @@ CONSOLE_ALLOWED = {
     "pipeline.run.supervise.force_text",  # what `force` will do and when: the supervisor's answer, the console's question
     "pipeline.run.rundir.state_file",  # state.json or, when corrupt, one line and rows from the stages' files
     "pipeline.run.rundir.growth",  # the rotated generations' names and how many are kept: one definition
+    "pipeline.run.alerts.record",  # the run's alert records: raised on the host, read by every front end
+    "pipeline.run.alerts.hooks",  # aerie watch runs the user's hooks with the host's runner (none in console/)
     "pipeline.run.rundir.event_lines",  # whole lines, over-long and torn lines: the supervisor's reader's rules
     "pipeline.serving.sglang_log",
 }
@@ -124,6 +126,70 @@ def test_console_imports_only_the_run_model_from_pipeline() -> None:
     assert not bad, sorted(bad)
 
 
+# The alert rules' thresholds (pipeline/run/plan/sections.py AlertsSection): read only where a rule is evaluated.
+RULE_THRESHOLDS = {
+    "stall_minutes",
+    "diverge_factor",
+    "diverge_window",
+    "accept_window",
+    "accept_drop",
+    "gpu_idle_minutes",
+    "gpu_idle_util",
+    "throughput_fraction",
+    "throughput_window",
+    "accept_gap",
+}
+# What running a hook takes: its AERIE_ALERT_* environment, a shell, a wait bounded by a timeout.
+HOOK_MARKS = ("AERIE_ALERT_", "/bin/sh")
+
+
+def rules_or_hooks_in(source: str) -> list[str]:
+    """What in ``source`` evaluates an alert rule or runs a hook: a threshold read, a ``*Rule`` class, a
+    function that builds a hook's environment or starts a shell."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in RULE_THRESHOLDS
+            and isinstance(node.ctx, ast.Load)
+        ):
+            found.append(f"line {node.lineno}: reads the rule threshold {node.attr}")
+        elif (
+            isinstance(node, ast.ClassDef)
+            and node.name.endswith(("Rule", "Watcher"))
+            and "Alert" in ast.unparse(node)
+        ):
+            found.append(f"line {node.lineno}: class {node.name}")
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith(HOOK_MARKS)
+        ):
+            found.append(f"line {node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Name) and node.id in ("create_subprocess_shell",):
+            found.append(f"line {node.lineno}: {node.id}")
+    return found
+
+
+def test_the_rule_and_hook_finder_finds_them() -> None:
+    assert rules_or_hooks_in("def f(r):\n    return r.stall_minutes * 60\n")
+    assert rules_or_hooks_in("env = {'AERIE_ALERT_KIND': 'x'}\n")
+    assert rules_or_hooks_in("import subprocess\nsubprocess.run(['/bin/sh', '-c', cmd])\n")
+    assert rules_or_hooks_in("class LossRule:\n    def feed(self) -> Alert: ...\n")
+    assert not rules_or_hooks_in("from pipeline.run.alerts.hooks import run_hook\nrun_hook(c, env, 5)\n")
+
+
+def test_no_alert_rule_or_hook_runner_lives_in_the_console() -> None:
+    """Issue 44: the executing host evaluates every rule and runs the plan's hooks (pipeline/run/alerts/); the
+    console only displays the records and sends ack/silence (``aerie watch`` calls pipeline's runner)."""
+    allowed = {"console/browser_server.py": "create_subprocess_shell"}  # starts the console's own pty shell
+    bad = []
+    for p in sorted((ROOT / "console").rglob("*.py")):
+        rel = p.relative_to(ROOT).as_posix()
+        bad += [f"{rel} {hit}" for hit in rules_or_hooks_in(p.read_text()) if allowed.get(rel) not in hit]
+    assert not bad, bad
+
+
 def test_pipeline_never_imports_the_console() -> None:
     g = graph()
     bad = {
@@ -216,7 +282,8 @@ RUN_LAYERS: dict[str, int] = {
     "pipeline.run.hosts": 2,
     "pipeline.run.projection": 2,
     "pipeline.run.stage_side": 3,
-    "pipeline.run.supervise": 3,
+    "pipeline.run.alerts": 3,  # the alert rules, records and hooks: run by the supervisor
+    "pipeline.run.supervise": 4,
 }
 
 

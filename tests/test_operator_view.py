@@ -379,7 +379,7 @@ NAN_STAGE = (
 )
 
 
-def test_aerie_status_lists_the_anomalies_going_on_with_evidence(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_aerie_status_lists_the_alerts_going_on_with_evidence(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """A real supervisor runs a training whose loss turns NaN; ``aerie status`` (text and --json) names it."""
     import sys
 
@@ -406,9 +406,13 @@ def test_aerie_status_lists_the_anomalies_going_on_with_evidence(tmp_path: Path,
             lambda: ev.exists() and ev.read_bytes().count(b'"metric"') >= 9, what="the NaN loss in the events"
         )
         wait_for(lambda: states(run).get("trainer") == "running", what="trainer running")
+        alerts = run.root / "alerts.jsonl"  # raised by the supervisor, no front end needed
+        wait_for(
+            lambda: alerts.exists() and b"loss-nonfinite" in alerts.read_bytes(), what="the alert record"
+        )
         assert main(["status", str(run.root)]) == 0
         out = capsys.readouterr().out
-        assert "anomalies: 1 now" in out, out
+        assert "alerts: 1 open, 0 cleared" in out, out
         assert "loss-nonfinite" in out and "loss = nan at step 8" in out
         assert main(["status", str(run.root), "--json"]) == 0
         lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]

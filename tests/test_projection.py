@@ -237,11 +237,11 @@ def test_aerie_status_json_carries_the_projection(tmp_path: Path) -> None:
         text=True,
         check=True,
     ).stdout.splitlines()
-    lines = [json.loads(line) for line in out]  # a line per stage, then the projection, then the audit log
+    lines = [json.loads(line) for line in out]  # a line per stage, the projection, the alerts, the audit log
     stages = [d for d in lines if "id" in d]
     (proj,) = [d["projection"] for d in lines if "projection" in d]
-    assert list(lines[-1]) == ["audit"] and "projection" in lines[-3]
-    assert lines[-2] == {"anomalies": []}, "a finished run has no anomaly going on"
+    assert list(lines[-1]) == ["audit"] and "projection" in lines[-4]
+    assert lines[-3] == {"alerts": []} and lines[-2] == {"anomalies": []}, "no alert was raised in this run"
     assert len(stages) == 12
     assert proj["blocked"] == ["prep.sharegpt", "prep.codefeedback"] and proj["will_finish"] is False
     assert proj["stages_done"] == 8 and proj["stages_total"] == 12 and proj["disk_at_finish"] > 0

@@ -232,8 +232,9 @@ async def test_the_console_lists_an_unknown_kind_as_written(tmp_path: Path) -> N
     """A newer stage writes a kind this console does not know: its event list (the detail pane) shows it."""
     import json
 
-    from console.model import RunModel, describe_event
+    from console.model import RunModel
     from console.transport import LocalTransport
+    from pipeline.run.rundir.protocol import describe as describe_event
 
     row = {"id": "train", "family": "train", "state": "running", "attempt": 1}
     (tmp_path / "state.json").write_text(json.dumps({"run": "r", "executor": "local", "stages": [row]}))

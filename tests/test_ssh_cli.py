@@ -210,3 +210,58 @@ async def _until(pilot, pred, timeout: float = 20.0) -> None:  # noqa: ANN001
             return
         await pilot.pause(0.1)
     raise AssertionError(f"timed out: {getattr(pilot, 'describe', lambda: '')()}")
+
+
+def test_aerie_watch_over_ssh_delivers_each_alert_once_across_a_dropped_connection(
+    alias_plan, sshd, tmp_path
+):
+    """Issue 44: ``aerie run --detach`` on the host, ``aerie watch ssh://…`` here running the user's own hook; the
+    connection is killed (sshd and every session it serves) while a second stage fails; after it comes back the
+    second alert is delivered, the first is not delivered again, and a restarted watch delivers nothing twice."""
+    plan, remote = alias_plan(
+        '[[stage]]\nid = "early"\ncommand = "sleep 1; exit 3"\n\n'
+        '[[stage]]\nid = "late"\ncommand = "sleep 10; exit 4"\n'
+    )
+    # the host runs this checkout's pipeline (uploaded), whatever the machine has installed
+    plan.write_text(
+        plan.read_text().replace("[resources]", 'options = { pipeline = "upload" }\n\n[resources]')
+    )
+    p = aerie("run", str(plan), "--detach")
+    assert p.returncode == 0, p.stderr
+    assert "aerie watch" in p.stderr
+    url = p.stdout.splitlines()[0]  # what --detach prints: the run, for attach and watch
+    assert url == f"ssh://aerie-box{remote}"
+    out = tmp_path / "paged"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_HOME=str(tmp_path / "aerie-home"))
+    argv = [sys.executable, "-m", "console.cli", "watch", url, "--until-done", "--poll", "0.3"]
+    argv += ["--command", f'echo "$AERIE_ALERT_ID $AERIE_ALERT_KIND $AERIE_ALERT_STAGE" >> {out}']
+    log = (tmp_path / "watch.log").open("w")
+    watcher = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _wait(lambda: out.exists() and "early" in out.read_text(), 60, "the first alert delivered")
+        sshd.drop()  # the connection dies, as a network cut would
+        alerts = remote / "alerts.jsonl"
+        _wait(lambda: b'"late"' in alerts.read_bytes(), 60, "the second alert raised while disconnected")
+        assert "late" not in out.read_text()
+        sshd.start()
+        assert watcher.wait(120) == 0, (tmp_path / "watch.log").read_text()
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+        log.close()
+    assert out.read_text().splitlines() == ["1 stage-failed early", "2 stage-failed late"]
+    said = (tmp_path / "watch.log").read_text()
+    assert "cannot read the run" in said and "reading the run again" in said, said
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "alerts after #2" in again.stdout
+    assert out.read_text().splitlines() == ["1 stage-failed early", "2 stage-failed late"], "nothing twice"
+
+
+def _wait(pred: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

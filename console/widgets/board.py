@@ -17,6 +17,9 @@ the operator folded or unfolded keeps that choice; a filter shows every match, f
 It renders through Textual's line API with one cached strip per row, so a board at rest costs
 nothing and a tick repaints only the lines of the rows whose text changed (a DataTable re-renders
 every cell of every row on any update: measured 3x the CPU, see docs/performance.md).
+
+Over 450 lines: one widget whose rows, line rendering, folding and cursor share the row cache; what a cell
+or a note says already lives in ``board_cells``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from console.widgets.board_cells import (
     _fit,
     _plain_len,
     _Row,
+    alerted_note,
     auto_folds,
     note_for,
     server_line,
@@ -109,6 +113,7 @@ class StageBoard(ScrollView, can_focus=True):
         self._width_cache: tuple[tuple, list[int]] = ((), [])
         self._frame_style: Style | None = None  # the widget's own style, looked up once per frame
         self.empty_note = ""  # shown while there is no stage (the app: what it waits for)
+        self._alerted: dict[str, list[str]] = {}  # stage -> kinds of its open alerts (the run's records)
         self.room = 0  # stage rows the board may show (0: no limit); the app sets it from the terminal
         self.folds: dict[str, bool] = {}  # families the operator folded (True) or unfolded (False)
         self.auto_folded: set[str] = set()  # families folded because the rows did not fit the room
@@ -176,6 +181,7 @@ class StageBoard(ScrollView, can_focus=True):
     def sync(self, model: RunModel) -> None:
         now = time.time()
         selected = self.selected_key
+        self._alerted = {sid: sorted({r.kind for r in rs}) for sid, rs in model.alerts.open_stages().items()}
         new = [_Row(key, self._cells(key, st, members, now)) for key, st, members in self._visible(model)]
         old = self._rows
         if [r.sig for r in new] == [r.sig for r in old]:
@@ -273,8 +279,11 @@ class StageBoard(ScrollView, can_focus=True):
             done_text,
             fmt.rate(st.progress.rate(now), st.progress.unit) if running and st.progress.t else "",
             fmt.duration(eta) if eta is not None else "",
-            note_for(st),
+            self._note(st),
         )
+
+    def _note(self, st: StageView) -> str | Text:
+        return alerted_note(st, self._alerted.get(st.id), self._style("failed"))
 
     # ------------------------------------------------------------------------------ rendering
     def _widths(self, total: int) -> list[int]:

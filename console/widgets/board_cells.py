@@ -84,6 +84,14 @@ def note_for(st: StageView) -> str:
     return ""
 
 
+def alerted_note(st: StageView, kinds: list[str] | None, style: str) -> str | Text:
+    """The note; a stage with an open alert (the run's records) says so first: ``⚠ stalled · …``."""
+    note = note_for(st)
+    if not kinds:
+        return note
+    return Text(f"⚠ {', '.join(kinds)}", style="bold " + style) + Text(f" · {note}" if note else "")
+
+
 def last_warning(st: StageView) -> str | None:
     """The text of the last warning the stage's current attempt wrote (a ``message`` event of level warning)."""
     for ev in reversed(st.events):

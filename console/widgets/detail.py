@@ -22,10 +22,10 @@ from textual.widget import Widget
 from textual.widgets import Log, Static
 
 from console import fmt
-from console.model import StageView, describe_event
+from console.model import StageView
 from console.widgets.board import server_line
 from console.widgets.curves import CurvePlot, mini_curves
-from pipeline.run.rundir.protocol import Message
+from pipeline.run.rundir.protocol import Message, describe
 from pipeline.run.rundir.stage_row import StageState
 from pipeline.run.supervise.force_text import CHECKS
 
@@ -222,7 +222,7 @@ class StageDetail(Horizontal):
         evs = list(st.events)[-EventTail.MAX :]  # progress events are the board's bar, not listed
         lines = [
             Text(
-                f"{time.strftime('%H:%M:%S', time.localtime(ev.t))} {describe_event(ev)}",
+                f"{time.strftime('%H:%M:%S', time.localtime(ev.t))} {describe(ev)}",
                 style=style("failed") if isinstance(ev, Message) and ev.level == "error" else "",
             )
             for ev in evs

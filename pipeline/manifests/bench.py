@@ -1,7 +1,8 @@
 """The ``bench`` manifest: the summary the bench stage writes (``results.json`` beside it holds every prompt's
 or batch's line), offline (speculative decoding here: accept length and its histogram) or online (a running
-SGLang server: tok/s and accept length per batch). Nothing in the pipeline reads it yet; the console and people
-do, so it is typed like every other manifest.
+SGLang server: tok/s and accept length per batch), and beside it the train stage's simulated accept length for
+the same draft (``accept_gap``; the supervisor's ``accept-gap`` alert reads the stage's matching event). The
+console and people read it, so it is typed like every other manifest.
 
 Required: ``kind``, ``mode`` and ``accept_len`` (null online when the server reports no verify steps). The keys
 of either mode are typed and optional; unknown keys stay in ``extra`` and are written back.
@@ -51,6 +52,8 @@ class BenchManifest:
     requests: int | None = field(default=None, metadata=OMIT)
     completion_tokens: int | None = field(default=None, metadata=OMIT)
     speedup: float | None = field(default=None, metadata=OMIT)
+    # the train-versus-serve gap (pipeline/stages/bench/gap.py): simulated, served, where each came from
+    accept_gap: dict[str, Any] | None = field(default=None, metadata=OMIT)
     extra: dict[str, Any] = field(default_factory=dict, metadata=EXTRA)
 
     def _check(self, file: Path | str, prefix: str) -> None:

@@ -652,11 +652,13 @@ class TelemetrySection(Section):
 class AlertsSection(Section):
     NAME: ClassVar[str] = "alerts"
 
-    command: str | None = setting(None, "a shell command run for every alert (the team's webhook)")
+    command: str | None = setting(
+        None, "a shell command run on the executing host for every alert (the team's webhook)"
+    )
     bell: bool = setting(True, "ring the terminal bell on an alert")
     notify: bool = setting(True, "show a desktop notification on an alert")
     timeout_s: float = setting(30.0, "seconds each alert command may run", positive=True, hi=86400)
-    # Anomaly rules (console/anomalies.py; docs/operating.md, "On day four"). A 0 turns a rule off.
+    # Alert rules (pipeline/run/alerts/, run by the supervisor; docs/operating.md, "On day four"). A 0 turns a rule off.
     stall_minutes: float = setting(
         30.0,
         "alert when a running stage reports no progress and no metric for this long (0: off)",
@@ -697,6 +699,13 @@ class AlertsSection(Section):
     )
     throughput_window: int = setting(
         30, "gen-throughput samples the server's recent median spans", lo=3, hi=10**5
+    )
+    accept_gap: float = setting(
+        0.15,
+        "alert when the bench stage's served accept length is below the train stage's simulated one for the "
+        "same draft by more than this fraction (0: off)",
+        lo=0,
+        hi=1,
     )
 
     def check(self, file: Path | str, name: str) -> None:

@@ -44,7 +44,7 @@ from pipeline.run.rundir.files import append_line, fsync_dir
 
 AUDIT_FILE = "audit.jsonl"
 FRONT_ENDS = ("console", "cli", "browser", "ctl")  # ctl: pipeline.run.supervise.ctl run by hand
-ACTIONS = ("pause", "resume", "kill", "retry", "skip", "force")
+ACTIONS = ("pause", "resume", "kill", "retry", "skip", "force", "ack", "silence")  # ack/silence: an alert
 OUTCOMES = ("done", "refused", "timed out")
 TAIL_BYTES = 256 << 10  # what a reader of the last entries reads at most
 

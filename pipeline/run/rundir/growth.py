@@ -54,6 +54,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "log": (256 * MiB, 2),
     "audit": (16 * MiB, 4),
     "supervisor": (16 * MiB, 2),
+    "alerts": (4 * MiB, 2),  # RUN/alerts.jsonl (pipeline.run.alerts.record): its head carries the open ones
 }
 ENV_PREFIX = "AERIE_ROTATE_BYTES_"
 LOCK_WAIT_S = 5.0  # the longest an appender waits for a rotation (or a rotator for appenders) to finish

@@ -12,7 +12,10 @@ does a run with no snapshot yet, without the line),
 supervisor if none holds the lock; one line, or with ``--json`` the liveness report and ``started``),
 ``pause``, ``resume``, ``kill``, ``retry [--fresh]``, ``skip``, ``force`` (start past the
 admission checks: disk budget, GPU guard; recorded in the stage's events), ``force --cancel`` (disarm an armed
-``force`` before the stage starts; queued and audited as ``unforce``).
+``force`` before the stage starts; queued and audited as ``unforce``), ``ack ALERT_ID`` and ``silence
+ALERT_ID`` (acknowledge an alert of ``RUN/alerts.jsonl``; silence also keeps the hook from running for later
+alerts of the same kind on the same stage: :mod:`pipeline.run.alerts.record`, :func:`acknowledge`), written here
+under the alert file's lock — the supervisor is not needed for them.
 
 Every control action is recorded in ``RUN/audit.jsonl`` (:mod:`pipeline.run.rundir.audit`): the front end
 says which it is (``--via console|cli|browser``) and who its operator is (``--who user@host``, default
@@ -37,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.run.alerts import record as alert_record
+from pipeline.run.alerts.record import AlertRecord
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir, read_json
 from pipeline.run.rundir.state_file import read_state, rows_from_files
@@ -45,7 +50,21 @@ from pipeline.run.supervise.run_projection import run_projection
 from pipeline.run.supervise.run_setup import spawn_detached, supervisor_alive
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_TIMEOUT, EXIT_HOST = 0, 2, 3, 4, 5
-ACTIONS = ("status", "liveness", "ensure", "pause", "resume", "kill", "retry", "skip", "force", "unforce")
+ACTIONS = (
+    "status",
+    "liveness",
+    "ensure",
+    "pause",
+    "resume",
+    "kill",
+    "retry",
+    "skip",
+    "force",
+    "unforce",
+    "ack",
+    "silence",
+)
+ALERT_ACTIONS = ("ack", "silence")  # on an alert record (its id in place of the stage)
 
 
 def ensure_supervisor(run: RunDir) -> bool:
@@ -101,6 +120,41 @@ def request(
     )
 
 
+def acknowledge(run: RunDir, action: str, alert_id: str, *, via: str, who: str, account: str) -> int:
+    """``ack``/``silence`` an alert: an ``ack`` line in ``alerts.jsonl`` (every front end shows who and when),
+    and the audit log's entry. Refused (3) when it was acknowledged before; 2 for an id the run has not."""
+    found: list[AlertRecord | None] = [None]
+
+    def decide(book: dict[int, AlertRecord]) -> list[dict[str, Any]]:
+        rec = book.get(int(alert_id)) if alert_id.isdigit() else None
+        found[0] = rec
+        if rec is None or (rec.acked_at is not None and (rec.silenced or action == "ack")):
+            return []
+        return [alert_record.ack_line(rec.id, who, time.time(), silence=action == "silence")]
+
+    alert_record.append_if(run.root, decide)
+    rec = found[0]
+    if rec is None:
+        msg = f"{run.root}: no alert {alert_id!r} (aerie status lists the run's alerts)"
+        audit.append(run.root, audit.entry(action, "", "refused", msg, via=via, who=who, account=account))
+        print(f"error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    what = f"alert #{rec.id} ({rec.kind}{' on ' + rec.stage if rec.stage else ''})"
+    if rec.acked_at is not None and (rec.silenced or action == "ack"):
+        msg = f"{what} was acknowledged by {rec.acked_by} before"
+        audit.append(
+            run.root, audit.entry(action, rec.stage, "refused", msg, via=via, who=who, account=account)
+        )
+        print(f"error: {msg}", file=sys.stderr)
+        return EXIT_REFUSED
+    msg = f"{what} acknowledged" + (
+        f"; its hook stays quiet for {rec.kind} on {rec.stage or 'the run'}" if action == "silence" else ""
+    )
+    audit.append(run.root, audit.entry(action, rec.stage, "done", msg, via=via, who=who, account=account))
+    print(msg)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(argv)
@@ -152,6 +206,7 @@ def _main(argv: list[str] | None = None) -> int:
             {"error": "state.json unreadable"} if problem else run_projection(run, state, time.time())
         )
         state["audit"] = audit.status_section(run.root)
+        state["alerts"] = alert_record.status_section(run.root)  # the run's alert records, open first
         print(json.dumps(state))
         return EXIT_OK
     if args.action == "liveness":
@@ -162,11 +217,16 @@ def _main(argv: list[str] | None = None) -> int:
         print(json.dumps(rep) if args.json else rep["line"])
         return EXIT_OK
     if not args.stage:
-        print(f"error: {args.action} needs a stage id", file=sys.stderr)
+        print(
+            f"error: {args.action} needs a {'alert' if args.action in ALERT_ACTIONS else 'stage'} id",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.action == "force" and args.cancel:
         args.action = "unforce"  # ``force --cancel``: its own action in the requests and the audit log
     who, account = (args.who or audit.identity())[:200], audit.identity()
+    if args.action in ALERT_ACTIONS:
+        return acknowledge(run, args.action, args.stage, via=args.via, who=who, account=account)
     fresh = bool(args.fresh and args.action == "retry")
 
     def record(outcome: str, message: str) -> None:

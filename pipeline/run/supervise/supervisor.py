@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from pipeline.run.alerts import watcher as alert_watcher
 from pipeline.run.hosts.executor import Executor, make_executor
 from pipeline.run.hosts.procs import CannotSignal, ProcIdentity
 from pipeline.run.plan import dag as plan_mod
@@ -139,6 +140,10 @@ class Supervisor:
         self._next_retry_at: float | None = None
         self._held_now: tuple[int, set[int]] | None = None  # CPU/GPUs held, during one schedule pass
         self._write_s = 0.0  # how long serialising state.json last took
+        # every alert rule, once per cycle, from the run's files (pipeline.run.alerts): no front end needed
+        self.alerts = alert_watcher.for_plan(
+            run, self.plan.settings.alerts, self.plan.executor.kind, self.log
+        )
 
     # ----------------------------------------------------------------------------------- utils
     def log(self, text: str) -> None:
@@ -811,7 +816,16 @@ class Supervisor:
                 if self.status[sid].state == StageState.READY:  # keep showing why it is not admitted
                     self.status[sid].state, self.status[sid].reason = StageState.PENDING, why
                     self._sched_dirty = True
+        self._watch_alerts()  # before state.json: whoever sees a stage failed finds its alert recorded
         self.write_state()  # stage logs rotate in their own writers (pipeline.run.stage_side.log_writer)
+
+    def _watch_alerts(self) -> None:
+        """The alert rules' cycle (pipeline.run.alerts.watcher); its faults are said, never end the tick."""
+        try:
+            self.alerts.tick(dict(self.status), time.time())
+            self.faults.resolve("alerts")
+        except Exception as exc:  # noqa: BLE001 - a rule's bug must not stop supervision
+            self.faults.report("tick_failed", "alerts", f"alert rules failed ({type(exc).__name__}: {exc})")
 
     def run_forever(self, exit_when_done: bool = True) -> int:
         if not self.acquire_lock():
@@ -841,6 +855,7 @@ class Supervisor:
                 break
             time.sleep(self.poll_s)
         self.write_state(force=True, now_or_never=True)
+        self.alerts.close()  # the hooks still running: bounded by their timeout
         return 0
 
     def _pending(self) -> bool:

@@ -23,6 +23,7 @@ from pipeline.manifests.train import DraftManifest
 from pipeline.run.rundir.layout import write_json
 from pipeline.run.stage_side.ranks import Dist, tp_device
 from pipeline.run.stage_side.runtime import StageContext, fail
+from pipeline.stages.bench.gap import gap_record, report_gap
 from pipeline.stages.bench.inputs import find_draft, heldout_prompts
 
 
@@ -85,7 +86,7 @@ def run_offline(ctx: StageContext, inputs: list[Path], dist: Dist | None = None)
     elapsed = time.monotonic() - t0
     if dist is not None and not dist.main:
         return 0
-    write_results(ctx, run, steps, elapsed, man.draft_path(train_dir), man, sec.check_lossless)
+    write_results(ctx, run, steps, elapsed, (man, train_dir), sec.check_lossless)
     return 0
 
 
@@ -198,8 +199,7 @@ def write_results(
     run: DecodeRun,
     steps: int,
     elapsed: float,
-    draft_path: Path,
-    man: DraftManifest,
+    draft: tuple[DraftManifest, Path],
     check: bool,
 ) -> None:
     """``results.json`` (with every prompt's line), ``manifest.json`` (the summary) and the metrics."""
@@ -209,6 +209,15 @@ def write_results(
     accept_len = sum(accepted) / len(accepted) + 1
     accept_rate = sum(accepted) / (steps * len(accepted))
     hist = [accepted.count(n) for n in range(steps + 1)]
+    man, train_dir = draft
+    gap = gap_record(
+        man,
+        train_dir,
+        accept_len,
+        f"{ctx.out / 'results.json'}: accept_len over {len(accepted)} verify steps of "
+        f"{len(run.per_prompt)} held-out prompts (per_prompt)",
+        how="measured",  # speculative decoding here, not an engine's
+    )
     summary = BenchManifest(
         kind=bench_manifest.KIND,
         mode="offline",
@@ -221,16 +230,18 @@ def write_results(
         new_tokens=run.gen_tokens,
         accepted_histogram=tuple(hist),
         elapsed_s=elapsed,
-        draft=str(draft_path),
+        draft=str(man.draft_path(train_dir)),
         draft_kind=man.method_name,
         lossless_checked=check,
         lossless_mismatches=run.mismatches if check else None,
+        accept_gap=gap,
     )
     write_json(ctx.out / "results.json", {**summary.to_dict(), "per_prompt": run.per_prompt})
     bench_manifest.write(ctx.out / "manifest.json", summary)
     ctx.metric("accept_rate", accept_rate)
     ctx.metric("verify_steps", len(accepted))
     ctx.metric("accept_len", accept_len, max=steps + 1)
+    report_gap(ctx, gap)
     ctx.message(
         f"accept length {accept_len:.2f} of at most {steps + 1} ({accept_rate:.1%} of draft tokens accepted) "
         f"over {len(accepted)} verify steps; histogram of accepted drafts 0..{steps}: {hist}"

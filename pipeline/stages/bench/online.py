@@ -36,6 +36,7 @@ from pipeline.manifests import bench as bench_manifest
 from pipeline.manifests.bench import BenchManifest
 from pipeline.run.rundir.layout import RunDir, write_json
 from pipeline.run.stage_side.runtime import StageContext, fail
+from pipeline.stages.bench.gap import gap_record, report_gap, train_draft
 
 GEN_TOKENS = "sglang:generation_tokens_total"  # SGLang's counters (--enable-metrics), as 0.5.x names them
 VERIFY_CALLS = "sglang:spec_verify_calls_total"
@@ -289,6 +290,9 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
         "requests": sum(r["requests"] for r in rows),
         "completion_tokens": sum(r["completion_tokens"] for r in rows),
     }
+    gap = served_gap(ctx, inputs, label, first)
+    if gap is not None:
+        res["accept_gap"] = gap
     if base is not None:
         res["baseline"] = {"label": base.get("label"), "output_tok_s": base.get("output_tok_s")}
         if "speedup" in first:
@@ -306,4 +310,20 @@ def run_online(ctx: StageContext, inputs: list[Path], args: argparse.Namespace) 
             ctx.metric("speedup", r["speedup"], label=label, batch=r["batch"])
     for line in table_lines(label, rows, args.baseline):
         ctx.message(line)
+    report_gap(ctx, gap)
     return 0
+
+
+def served_gap(
+    ctx: StageContext, inputs: list[Path], label: str, first: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The served accept length (the first batch's) beside the train stage's simulated one for the same draft;
+    None for the plain server (no draft) or when either is missing."""
+    if label == "plain" or first.get("accept_len") is None:
+        return None
+    found = train_draft(ctx, inputs)
+    if found is None:
+        return None
+    how = "SGLang's counters" if first.get("accept_len_counters") is not None else "the responses"
+    where = f"{ctx.out / 'results.json'}: batches[0] (batch {first.get('batch')}, {how})"
+    return gap_record(found[0], found[1], float(first["accept_len"]), where)

@@ -1,7 +1,8 @@
-"""Anomaly alerts (console/anomalies.py): each rule fires once with its evidence on a bad sequence, stays
-quiet on a healthy one, and re-arms once its condition clears. The metric events are written by the
-stages' own writers (``StageContext``, the serve stage's ``LogFollower`` on SGLang log lines, the telemetry
-agent on the FAKE NVML replaying the H200 recording) and read back by the console's ``RunModel``."""
+"""Alert rules on the executing host (pipeline/run/alerts/): each rule fires once with its evidence on a bad
+sequence, stays quiet on a healthy one, and re-arms once its condition clears. The metric events are written by
+the stages' own writers (``StageContext``, the serve stage's ``LogFollower`` on SGLang log lines, the telemetry
+agent on the FAKE NVML replaying the H200 recording) and read back by the supervisor's ``RunWatcher``, which
+records each episode in ``RUN/alerts.jsonl``; the console shows those records."""
 
 from __future__ import annotations
 
@@ -15,24 +16,23 @@ from typing import Any
 
 import pytest
 
-from console.alerts import Alert
-from console.anomalies import AnomalyWatcher
 from console.app import AerieApp
-from console.model import RunModel
 from console.screens.alerts import AlertsScreen
 from console.settings import resolve
 from console.transport import LocalTransport
 from console.widgets.board import StageBoard
+from pipeline.run.alerts import record
+from pipeline.run.alerts.record import AlertRecord as Alert
+from pipeline.run.alerts.watcher import RunWatcher
 from pipeline.run.hosts.gpus import FakeNvmlReplay
 from pipeline.run.plan.sections import AlertsSection
-from pipeline.run.rundir.events import read_all
-from pipeline.run.rundir.protocol import decode_all
-from pipeline.run.rundir.stage_reducer import StageFacts
+from pipeline.run.rundir.layout import RunDir
+from pipeline.run.rundir.stage_row import StageRow
 from pipeline.run.stage_side.runtime import StageContext
 from pipeline.serving.sglang_log import ServerStats
 from pipeline.stages.serve import stage as serve_stage
 from pipeline.stages.telemetry import Agent
-from tests.runs import kill_run_stages, make_run, start_supervisor, stop
+from tests.runs import kill_run_stages, make_run, start_supervisor, stop, wait_for
 from tests.screen_text import svg_rows
 from tests.test_console import until
 
@@ -42,38 +42,35 @@ FIXTURE = Path(__file__).parent / "fixtures" / "telemetry" / "h200-2026-12-02.js
 
 # ------------------------------------------------------------------------------ a run the model reads
 class Run:
-    """A run directory as the supervisor and the stages leave it: state.json and each stage's events."""
+    """A run directory as the supervisor and the stages leave it: the stages' rows and events, watched by the
+    supervisor's :class:`RunWatcher` (what it raises lands in ``alerts.jsonl``)."""
 
     def __init__(self, root: Path, **rules: Any) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.rows: dict[str, dict[str, Any]] = {}
-        self.model = RunModel(LocalTransport(str(root)), backfill=False)
-        self.watcher = AnomalyWatcher(AlertsSection(**rules))
-        self.model.listeners.append(self.watcher.on_event)
+        self.watcher = RunWatcher(RunDir(root), AlertsSection(**rules), lambda _text: None)
 
     def stage(self, sid: str, **row: Any) -> StageContext:
         self.rows[sid] = {"id": sid, "family": sid, "state": "running", "attempt": 1, "started_at": T0, **row}
-        self.write_state()
         return StageContext(
             sid, self.root / "stages" / sid / "out", self.root / "stages" / sid / "events.jsonl", None
         )
 
-    def write_state(self) -> None:
-        """state.json as the supervisor writes it: each row with its progress, reduced from its events."""
-        rows = [dict(r, progress=self.progress(r["id"])) for r in self.rows.values()]
-        state = {"run": "r", "executor": "local", "stages": rows}
-        (self.root / "state.json").write_text(json.dumps(state))
-
-    def progress(self, sid: str) -> dict | None:
-        path = self.root / "stages" / sid / "events.jsonl"
-        return StageFacts().apply_all(decode_all(read_all(path))).progress_row() if path.exists() else None
+    def status(self) -> dict[str, StageRow]:
+        out = {}
+        for sid, d in self.rows.items():
+            row = StageRow(id=sid, family=sid)
+            row.update_from(d)
+            out[sid] = row
+        return out
 
     async def alerts(self, now: float | None = None) -> list[Alert]:
-        self.write_state()  # the supervisor's next snapshot
-        await self.model.poll()
-        await self.model.poll()  # a stage's events are read from the poll after it appears
-        return self.watcher.check(self.model, time.time() if now is None else now)
+        """The alerts one supervisor cycle raises (read back from the run's record file)."""
+        before = set(record.read(self.root))
+        self.watcher.tick(self.status(), time.time() if now is None else now)
+        book = record.read(self.root)
+        return [book[i] for i in sorted(set(book) - before)]
 
 
 def losses(n: int, start: int = 0) -> list[float]:
@@ -107,9 +104,20 @@ async def test_a_nan_or_inf_loss_alerts_once_per_episode_with_the_last_finite_va
     ctx.metric("loss", float("inf"), step=340)
     (b,) = await run.alerts()
     assert b.key == "loss-nonfinite:train:1:step340" and b.evidence[0] == "loss = inf at step 340"
-    attached = Run(tmp_path)  # another console attaching: the latest episode once, with the same key
-    attached.rows = run.rows
-    assert [x.key for x in await attached.alerts()] == [b.key]
+    restarted = Run(tmp_path)  # a supervisor started after this one died: nothing raised twice
+    restarted.rows = run.rows
+    assert await restarted.alerts() == []
+    for step in range(350, 350 + 16_000):  # the episode goes on past the MiB a restarted watcher reads
+        ctx.metric("loss", float("inf"), step=step)
+    assert (tmp_path / "stages" / "train" / "events.jsonl").stat().st_size > 1 << 20
+    assert await run.alerts() == [], "the same episode"
+    tail_only = Run(tmp_path)  # restarted: it reads the last MiB, where the episode looks younger
+    tail_only.rows = run.rows
+    assert await tail_only.alerts() == [], "the open episode is not raised again"
+    (tmp_path / "alerts.jsonl").unlink()  # no record at all: the latest episode once
+    fresh = Run(tmp_path)
+    fresh.rows = run.rows
+    assert [x.kind for x in await fresh.alerts()] == ["loss-nonfinite"]
 
 
 async def test_divergence_fires_after_two_points_over_k_times_the_window_minimum_and_rearms(
@@ -221,12 +229,12 @@ async def test_a_silent_running_stage_alerts_after_stall_minutes_and_rearms_on_n
     assert await run.alerts(now=last + 29 * 60) == []
     (a,) = await run.alerts(now=last + 31 * 60)
     assert a.kind == "stalled" and a.stage == "train" and a.key == f"stalled:train:1:t{int(last)}"
-    assert a.title == "train: no progress for 31m 00s"
-    assert a.evidence == (
+    assert a.title == "train: no progress for 31m"
+    assert a.evidence == [
         "rule: no progress and no metric for 30 min",
-        "last progress 6/100 steps 31m 30s ago",
-        "last metric loss = 3.25 31m 00s ago",
-    )
+        "last progress 6/100 steps 31m ago",
+        "last metric loss = 3.25 31m ago",
+    ]
     assert await run.alerts(now=last + 40 * 60) == [], "once per silence"
     train.emit("progress", done=7, total=100, unit="steps", t=last + 41 * 60)  # news: re-armed
     assert await run.alerts(now=last + 42 * 60) == []
@@ -241,12 +249,15 @@ async def test_idle_gpus_of_a_running_stage_alert_from_fake_nvml_samples(tmp_pat
     run.stage("gpuwork", run="train", gpus=[0], started_at=T0)
     run.stage("serve", run="serve", service=True, gpus=[0], started_at=T0)  # a server may idle
     agent = Agent(FakeNvmlReplay(FIXTURE), tmp_path / "agent", message=lambda text, **kw: None)
-    await run.model.poll()
+    run.stage("telemetry", run="telemetry", service=True, started_at=T0)
+    out = tmp_path / "stages" / "telemetry" / "out" / "telemetry.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fired: list[tuple[int, Alert]] = []
     for i in range(1, 43):  # two passes over the 21 samples, 2 s apart
         recs = [dict(r, t=T0 + 2 * i) for r in agent.sample() if r["kind"] == "gpu"]
-        run.model.telemetry.feed([json.dumps(r) for r in recs])
-        fired += [(i, a) for a in run.watcher.check(run.model, T0 + 2 * i)]
+        with out.open("a") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in recs))
+        fired += [(i, a) for a in await run.alerts(T0 + 2 * i)]
     agent.close()
     assert [i for i, _ in fired] == [7, 28], "12 s into each idle stretch, once each"
     a = fired[0][1]
@@ -269,7 +280,12 @@ def test_thresholds_are_plan_keys_with_defaults_and_bad_values_name_file_and_key
     plan = {"alerts": {"stall_minutes": 45, "diverge_factor": 1, "gpu_idle_util": 150}}
     user = {"alerts": {"accept_window": 5, "stall_minutes": 60}}
     s = resolve(None, user, "cfg.toml", plan, "RUN/plan.toml", ["aerie-dark"])
-    assert (s.rules.stall_minutes, s.rules.accept_window, s.rules.diverge_factor) == (60.0, 5, 3.0)
+    # The rules run on the executing host with the plan's values: the user's config cannot change them there.
+    assert (s.rules.stall_minutes, s.rules.accept_window, s.rules.diverge_factor) == (45.0, 3, 3.0)
+    assert (
+        "cfg.toml: alerts.stall_minutes: the rules run on the executing host: set it in the plan"
+        in s.problems
+    )
     assert "RUN/plan.toml: alerts.diverge_factor: must be 0 (off) or above 1, got 1.0" in s.problems
     assert any(p.startswith("RUN/plan.toml: alerts.gpu_idle_util: 150 is out of range") for p in s.problems)
 
@@ -277,12 +293,14 @@ def test_thresholds_are_plan_keys_with_defaults_and_bad_values_name_file_and_key
 # ------------------------------------------------------------------------------ through the console
 NAN_STAGE = (
     "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
-    "for i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
+    "time.sleep(3)\nfor i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
     "ctx.metric('loss', float('nan'), step=8)\ntime.sleep(60)\n"
 )
 
 
-async def test_an_anomaly_reaches_the_toast_the_bell_and_the_hook_with_its_stage(tmp_path: Path) -> None:
+async def test_an_anomaly_raised_on_the_host_reaches_the_hook_the_toast_and_the_bell_with_its_stage(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "nan.py").write_text(NAN_STAGE)
     hook_log = tmp_path / "hook.log"
     run = make_run(
@@ -311,7 +329,7 @@ async def test_an_anomaly_reaches_the_toast_the_bell_and_the_hook_with_its_stage
         app.notify = lambda message, **kw: (notes.append(str(message)), orig(message, **kw))[1]  # type: ignore[method-assign]
         app.bell = lambda: bells.append(1)  # type: ignore[method-assign]
         async with app.run_test(size=(120, 30)) as pilot:
-            await until(pilot, lambda: app.hooks_run >= 1, what="the alert hook")
+            await until(pilot, lambda: app.alerts.announced >= 1, what="the alert's toast")
             note = next(n for n in notes if "loss became nan" in n)
             assert "loss = nan at step 8" in note and "[a: alerts, Enter: go to trainer]" in note
             assert bells == [1]
@@ -324,8 +342,56 @@ async def test_an_anomaly_reaches_the_toast_the_bell_and_the_hook_with_its_stage
             assert "trainer: loss is nan" in text or "loss = nan at step 8" in text, text
             await pilot.press("enter")
             await until(pilot, lambda: board.selected_key == "trainer", what="the alerted stage selected")
+        wait_for(
+            lambda: hook_log.exists() and hook_log.read_text().endswith("\n"), 20, "the hook, on the host"
+        )
         kind, stage, evidence = hook_log.read_text().split("|", 2)
         assert (kind, stage) == ("loss-nonfinite", "trainer") and "loss = nan at step 8" in evidence
     finally:
         stop(sup)
         kill_run_stages(run)
+
+
+async def test_a_served_accept_length_well_below_the_simulated_one_raises_accept_gap_with_both_sources(
+    tmp_path: Path,
+) -> None:
+    """Issue 44 item 10, with the figures the lent H100 gave: simulated 2.72 at step 200, served 2.19."""
+    from pipeline.manifests.train import DraftManifest
+    from pipeline.stages.bench.gap import gap_record, report_gap
+
+    man = DraftManifest(kind="draft", aux_layer_ids=(1, 2, 3), step=200, accept_length=2.72)
+    train_dir = tmp_path / "stages" / "train" / "out"
+    run = Run(tmp_path, accept_gap=0.15, stall_minutes=0)  # (the stages started an hour ago)
+    close = run.stage("bench-close", run="bench")
+    report_gap(close, gap_record(man, train_dir, 2.60, "bench-close results.json: batches[0]"))  # 4.4 %: fine
+    far = run.stage("bench-eagle3", run="bench")
+    report_gap(far, gap_record(man, train_dir, 2.19, "bench-eagle3 results.json: batches[0] (batch 1)"))
+    (a,) = await run.alerts()
+    assert (a.kind, a.stage) == ("accept-gap", "bench-eagle3")
+    assert "2.19" in a.text and "2.72" in a.text and "19.5%" in a.text
+    assert a.evidence[0] == "served 2.19: bench-eagle3 results.json: batches[0] (batch 1)"
+    assert (
+        a.evidence[1]
+        == f"simulated 2.72: {train_dir / 'manifest.json'}: accept_length at step 200 (held-out rows)"
+    )
+    run.rows["bench-eagle3"]["state"] = "succeeded"  # the bench ended: the gap stays open for its attempt
+    assert await run.alerts() == [] and record.read(tmp_path)[a.id].open
+    lines = record.status_lines(list(record.read(tmp_path).values()), time.time())
+    assert any("accept-gap" in ln and "bench-eagle3" in ln for ln in lines), lines
+    assert gap_record(man, train_dir, None, "x") is None, "no served figure: nothing to compare"
+    assert gap_record(DraftManifest(kind="draft", aux_layer_ids=(1,)), train_dir, 2.0, "x") is None
+
+
+async def test_an_alert_that_cannot_be_written_is_written_at_the_next_cycle(tmp_path: Path) -> None:
+    """A full or unwritable run dir (here: alerts.jsonl is a directory) loses no alert: the cycle raises, the
+    supervisor reports it, and the next cycle writes what was found."""
+    run = Run(tmp_path, stall_minutes=0)
+    ctx = run.stage("train", run="train")
+    ctx.metric("loss", float("nan"), step=3)
+    (tmp_path / "alerts.jsonl").mkdir()
+    with pytest.raises(OSError):
+        await run.alerts()
+    (tmp_path / "alerts.jsonl").rmdir()
+    (a,) = await run.alerts()
+    assert (a.kind, a.key) == ("loss-nonfinite", "loss-nonfinite:train:1:step3")
+    assert await run.alerts() == []
