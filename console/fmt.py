@@ -6,22 +6,14 @@ import math
 
 import humanize
 
+from pipeline.run.projection.text import span
+
 
 def duration(seconds: float | None) -> str:
-    """``3h 05m``, ``4m 12s``, ``9s`` — compact enough for a table column."""
+    """``3h 05m``, ``4m 12s``, ``9s`` — compact enough for a table column (:func:`span`; ``—`` for none)."""
     if seconds is None or math.isinf(seconds) or math.isnan(seconds):
         return "—"
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    m, s = divmod(s, 60)
-    if m < 60:
-        return f"{m}m {s:02d}s"
-    h, m = divmod(m, 60)
-    if h < 48:
-        return f"{h}h {m:02d}m"
-    d, h = divmod(h, 24)
-    return f"{d}d {h:02d}h"
+    return span(seconds)
 
 
 def rate(value: float | None, unit: str) -> str:

@@ -15,10 +15,10 @@ from console.screens.dialogs import HelpScreen
 from console.transport import LocalTransport
 from console.widgets.board import note_for
 from pipeline.run.projection.compute import RunProjection
-from pipeline.run.projection.text import status_lines
+from pipeline.run.projection.text import span, status_lines
 from pipeline.run.rundir.events import make
 from pipeline.run.rundir.protocol import decode
-from pipeline.run.supervise.liveness import liveness, span
+from pipeline.run.supervise.liveness import liveness
 from tests.runs import make_run, mixed_run
 from tests.screen_text import svg_rows
 from tests.test_console import until

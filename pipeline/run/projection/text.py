@@ -34,6 +34,21 @@ def duration(s: float) -> str:
     return f"{d}d{h:02d}h"
 
 
+def span(seconds: float) -> str:
+    """A time span as people say it: ``45s``, ``12m 05s``, ``5h 03m``, ``4d 19h`` (never ``415833s``)."""
+    sec = max(0, int(seconds))
+    if sec < 60:
+        return f"{sec}s"
+    m, sec = divmod(sec, 60)
+    if m < 60:
+        return f"{m}m {sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h}h {m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d {h:02d}h"
+
+
 def clock(t: float, now: float) -> str:
     """A time near ``now`` as people plan by: 14:05 today, Tue 14:05 this week, else 2026-12-03 14:05."""
     lt, ln = time.localtime(t), time.localtime(now)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.run.hosts.procs import ProcIdentity
+from pipeline.run.projection.text import span
 from pipeline.run.rundir.layout import RunDir, read_json
 
 HEARTBEAT_S = 2.0  # the supervisor rewrites state.json at least this often (its "t" moves)
@@ -157,21 +158,6 @@ def _pid_alive(rec: dict[str, Any]) -> bool:
         return ProcIdentity.from_dict(rec).is_alive()
     except (KeyError, TypeError, ValueError):
         return False
-
-
-def span(seconds: float) -> str:
-    """A time span as people say it: ``45s``, ``12m 05s``, ``5h 03m``, ``4d 19h`` (never ``415833s``)."""
-    sec = max(0, int(seconds))
-    if sec < 60:
-        return f"{sec}s"
-    m, sec = divmod(sec, 60)
-    if m < 60:
-        return f"{m}m {sec:02d}s"
-    h, m = divmod(m, 60)
-    if h < 48:
-        return f"{h}h {m:02d}m"
-    d, h = divmod(h, 24)
-    return f"{d}d {h:02d}h"
 
 
 def liveness(run: RunDir, state: dict[str, Any] | None, now: float | None = None) -> dict[str, Any]:
