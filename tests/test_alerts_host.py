@@ -372,7 +372,8 @@ async def test_three_consoles_attached_at_different_times_list_the_same_alerts(t
                     }
                     assert [a[4] is not None for a in lists[0] if a[1] == "stalled"] == [True]
                     rows = "\n".join(svg_rows(apps[2].export_screenshot()))
-                    assert "⚠ stage-failed" in rows and "⚠ stalled" in rows, rows
+                    failed_row = next(r for r in rows.splitlines() if "bad" in r and "failed" in r)
+                    assert "⚠ exit 3" in failed_row and "⚠ stalled" in rows, rows  # the mark, then why
                     await p3.press("a")
                     await until(p3, lambda: isinstance(apps[2].screen, AlertsScreen), what="the alert list")
                     text = "\n".join(svg_rows(apps[2].export_screenshot()))

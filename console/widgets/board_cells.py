@@ -85,11 +85,15 @@ def note_for(st: StageView) -> str:
 
 
 def alerted_note(st: StageView, kinds: list[str] | None, style: str) -> str | Text:
-    """The note; a stage with an open alert (the run's records) says so first: ``⚠ stalled · …``."""
+    """The note; a stage with an open alert (the run's records) says so first: ``⚠ stalled · …``. A kind the
+    State column already says (``stage-failed`` on a failed row) is left to the mark alone, so the row's
+    room goes to why it failed: ``⚠ exit 1: KeyError …``."""
     note = note_for(st)
     if not kinds:
         return note
-    return Text(f"⚠ {', '.join(kinds)}", style="bold " + style) + Text(f" · {note}" if note else "")
+    said = [k for k in kinds if not (k == "stage-failed" and st.state == StageState.FAILED)]
+    mark = Text(f"⚠ {', '.join(said)}" if said else "⚠", style="bold " + style)
+    return mark + Text((" · " if said else " ") + note if note else "")
 
 
 def last_warning(st: StageView) -> str | None:
