@@ -39,6 +39,7 @@ from pipeline.run.rundir.layout import RunDir
 from pipeline.run.rundir.stage_row import StageRow, StageState
 
 LIVE = (StageState.RUNNING, StageState.PAUSED)
+QUIET = frozenset(StageState) - {*LIVE, StageState.FAILED}  # states in which only a stage's events speak
 TELEMETRY_FILE = "telemetry.jsonl"
 DISK_RANK = {"ok": 0, "warning": 1, "error": 2}
 START_TAIL_BYTES = 1 << 20  # of a stage's events read when the watcher starts on it (a restart)
@@ -94,6 +95,8 @@ class RunWatcher:
         """One supervisor cycle: read what is new, evaluate every rule, record and deliver."""
         found = self._telemetry(rows)  # first: the GPU rule of this cycle sees this cycle's samples
         for sid, row in rows.items():
+            if row.state in QUIET and not row.pausing and sid not in self.feeds:
+                continue  # waiting or done, never followed: no stage rule reads it (10,000 held stages cost ~0)
             found += self._stage(sid, row, now)
         replay = self.first
         if replay:  # replayed history: the latest episode of each rule per stage only

@@ -317,7 +317,15 @@ class Supervisor:
             else:
                 for key in keys:
                     self.faults.resolve(key)
-            seen = (new.state, new.health, new.retry_at, new.attempt)
+            if prev is not None and self._refused.get(sid) == prev.reason and new.state == StageState.READY:
+                # derived ready again, but the last schedule pass refused it: that answer stands until the next
+                # pass (a change elsewhere, or ADMISSION_RECHECK_S), so a swept held stage dirties nothing
+                new.state, new.reason = StageState.PENDING, prev.reason
+            waits = new.state in (
+                StageState.PENDING,
+                StageState.READY,
+            )  # the same to a dependant: not satisfied
+            seen = (StageState.PENDING if waits else new.state, new.health, new.retry_at, new.attempt)
             if self._keys.get(sid) != seen:  # what its dependants wait on moved: derive them too
                 self._keys[sid] = seen
                 todo.update(self._dependants.get(sid, ()))
@@ -778,7 +786,9 @@ class Supervisor:
         changed = self._changed or alerts != self._last_written
         # A huge run's changes are written at most every 10 serialisations' time (60 ms at 10,000 stages).
         soon = now - self._last_write_t < min(1.0, 10 * self._write_s)
-        if force or now - self._last_write_t > HEARTBEAT_S or (changed and not soon):
+        # the heartbeat is checked once a tick: one poll early, so no two snapshots are more than HEARTBEAT_S apart
+        beat = now - self._last_write_t >= HEARTBEAT_S - self.poll_s
+        if force or beat or (changed and not soon):
             t0 = time.monotonic()
             try:
                 snap = self.snapshot()
