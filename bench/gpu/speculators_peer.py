@@ -11,7 +11,8 @@ eager and its ``sdpa`` attention (dense float mask; PyTorch's FlexAttention has 
 
 ```
 python -m bench.gpu.speculators_peer                                 # CPU smoke: tiny config, 2 x 128, TTT 7
-python -m bench.gpu.speculators_peer --device cuda --shape llama8b --batch 4 --seq 2048 --ttt 7 --reps 6
+python -m bench.gpu.speculators_peer --device cuda --shape llama8b --batch 4 --seq 2048 --ttt 7 --reps 6 \
+    --site .gpu-stage/spx/site
 ```
 
 Conventions (timing only: no oracle equality is claimed, unlike SpecForge's, see docs/eagle3.md):
@@ -27,8 +28,9 @@ Conventions (timing only: no oracle equality is claimed, unlike SpecForge's, see
   head trained, the work the other two do.
 
 Not installed here by default: ``bash bench/gpu/stage_speculators.sh`` puts it (and what it imports that the GPU
-image lacks, and SpecForge) in ``.gpu-stage/spx/site``; ``--site`` (default that folder when present) goes first on
-``sys.path``.
+image lacks, and SpecForge) in ``.gpu-stage/spx/site``, for Python 3.12 (the GPU image's); ``--site`` puts a staged
+folder first on ``sys.path``. The CPU smoke needs ``pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0``
+here (its other imports are in the venv already).
 """
 
 from __future__ import annotations
@@ -238,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--train-lm-head", action="store_true", help="train speculators' lm_head too (it freezes it)"
     )
-    ap.add_argument("--site", default=str(SITE) if SITE.is_dir() else None, help="a staged site folder")
+    ap.add_argument(
+        "--site", default=None, help=f"a staged py3.12 site folder, first on sys.path (the GPU's: {SITE})"
+    )
     args = ap.parse_args(argv)
     if args.site:
         sys.path.insert(0, args.site)
