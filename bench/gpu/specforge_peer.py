@@ -142,6 +142,13 @@ def build_pair(
     ttt: int = 7,
 ) -> tuple[Eagle3Draft, Any]:
     """(Aerie's draft, SpecForge's ``OnlineEagle3Model`` around its draft), same random weights and vocab map."""
+    aerie = random_aerie(cfg, seed)
+    sf = wrap_specforge(aerie, ttt, attention_backend)
+    return aerie.to(device), sf.to(device)
+
+
+def random_aerie(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
+    """Aerie's draft with seeded random weights (norms not all ones) and a random draft vocabulary, on the CPU."""
     torch.manual_seed(seed)
     aerie = Eagle3Draft(cfg)
     for name, p in aerie.named_parameters():
@@ -153,8 +160,7 @@ def build_pair(
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     aerie.set_vocab(ids - torch.arange(cfg.draft_vocab_size), t2d)
-    sf = wrap_specforge(aerie, ttt, attention_backend)
-    return aerie.to(device), sf.to(device)
+    return aerie
 
 
 def wrap_specforge(aerie: Eagle3Draft, ttt: int, attention_backend: str = "sdpa") -> Any:
