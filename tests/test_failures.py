@@ -83,8 +83,8 @@ async def test_headless_board_and_status_show_the_error_line(tmp_path: Path) -> 
             await pilot.pause(0.3)
             notes = {k: str(board.get_row(k)[-1]) for k in ("shard", "quiet")}
             assert notes == {  # the failure's open alert (the run's records), then why
-                "shard": "⚠ stage-failed · exit 1: ValueError: shard 7 has no rows",
-                "quiet": "⚠ stage-failed · exit 4: giving up on host b",
+                "shard": "⚠ exit 1: ValueError: shard 7 has no rows",
+                "quiet": "⚠ exit 4: giving up on host b",
             }
     finally:
         stop(sup)

@@ -120,8 +120,10 @@ class MetricsScreen(Screen[None]):
         return self._picked[self.selected_stage_id]
 
     def sync(self, model: RunModel) -> None:
-        st = self.stage
-        lst = self.query_one(SelectionList)
+        found = self.query(SelectionList)
+        if not found:  # a model update before compose or during teardown: nothing to show it in
+            return
+        st, lst = self.stage, found.first()
         names = st.history.names() if st else []
         picked = self.picked()
         if names != self._names:
@@ -147,6 +149,8 @@ class MetricsScreen(Screen[None]):
         self.query_one("#metrics-title", Static).update(t)
 
     def _draw(self) -> None:
+        if not self.query(CurvePlot):  # not composed yet, or torn down
+            return
         st = self.stage
         self._title(st)
         plot = self.query_one(CurvePlot)
@@ -210,8 +214,9 @@ class MetricsScreen(Screen[None]):
         return panels, missing
 
     def _highlighted(self) -> str | None:
-        lst = self.query_one(SelectionList)
-        if lst.highlighted is None or not self._names:
+        found = self.query(SelectionList)
+        lst = found.first() if found else None
+        if lst is None or lst.highlighted is None or not self._names:
             return None
         return self._names[min(lst.highlighted, len(self._names) - 1)]
 
