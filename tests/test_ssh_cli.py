@@ -195,7 +195,9 @@ async def test_console_header_shows_host_rtt_and_a_drop(alias_plan, tmp_path, ss
         await _until(pilot, lambda: "rtt" in header())
         assert "aerie-box" in header()
         sshd.drop()
-        await _until(pilot, lambda: "disconnected — retrying" in header())
+        await _until(
+            pilot, lambda: "disconnected — retrying" in header(), timeout=40
+        )  # loaded CI: slow to notice
         sshd.start()
         await _until(pilot, lambda: "rtt" in header() and "disconnected" not in header())
         await _until(pilot, lambda: app.model.stages["slow"].state == "succeeded", timeout=30)
