@@ -172,10 +172,14 @@ def test_preflight_refusal_exits_2_with_the_failed_check(alias_plan):
 
 
 async def test_console_header_shows_host_rtt_and_a_drop(alias_plan, tmp_path, sshd):
+    # The stage holds at 50/100 until the test releases it, so a loaded machine cannot let it finish before
+    # the console has seen it running (CI once saw "1 succeeded" before the first poll).
+    release = tmp_path / "release"
     script = tmp_path / "slow.py"
     script.write_text(
-        "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nc = StageContext.from_env()\n"
+        "import os, time\nfrom pipeline.run.stage_side.runtime import StageContext\nc = StageContext.from_env()\n"
         "for i in range(100):\n    c.progress(i + 1, 100, force=True)\n    time.sleep(0.05)\n"
+        f"    while i == 49 and not os.path.exists({str(release)!r}):\n        time.sleep(0.1)\n"
     )
     plan, _remote = alias_plan(f'[[stage]]\nid = "slow"\ncommand = "{sys.executable} {script}"\n')
     transport = await asyncio.to_thread(start_remote, plan_mod.load(plan))  # preflight, bootstrap, supervisor
@@ -200,6 +204,8 @@ async def test_console_header_shows_host_rtt_and_a_drop(alias_plan, tmp_path, ss
         )  # loaded CI: slow to notice
         sshd.start()
         await _until(pilot, lambda: "rtt" in header() and "disconnected" not in header())
+        assert app.model.stages["slow"].state == "running"
+        release.touch()
         await _until(pilot, lambda: app.model.stages["slow"].state == "succeeded", timeout=30)
         assert app.model.stages["slow"].progress.done == 100
     await transport.close()
