@@ -16,8 +16,8 @@ A run that appends to the repo's own record also rewrites the table at the top o
 
 Benchmarks: console (bench/console_idle.py: attached to 12 live stages and to a finished run), alerts
 (bench/alerts_cost.py: the supervisor's alert rules on the reference plan), log_ingest,
-plot_render, prep, event_rotation (a raw 100 MiB event line), supervisor_scale (1K and 10K stages),
-shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
+plot_render, prep, event_rotation (a raw 100 MiB event line), supervisor_scale (1K and 10K stages), launches
+(the CPU of one launch), shard_write (into /dev/shm when it exists: the writer, not the disk), demo (the README's
 ``aerie demo --headless``: wall time and the draft's accept length).
 """
 
@@ -239,6 +239,16 @@ BENCHES = (
             ),
         ),
         "a real supervisor on 1,000 and 10,000 ready stages held by 2 CPU slots: CPU, snapshots, control, launches",
+    ),
+    Bench(
+        "launches",
+        script("launch_cost.py", "--repeat", "40", "--json"),
+        (
+            Spec("launch_cpu_ms", "ms", "lower", lambda j: j["launch_ms"], floor=5),
+            Spec("launch_launcher_ms", "ms", "lower", lambda j: j["launcher_ms"], floor=5),
+            Spec("launch_log_writer_ms", "ms", "lower", lambda j: j["log_writer_ms"], floor=3),
+        ),
+        "the CPU one stage launch costs: its launcher's whole attempt of `true` and its log writer (min of 40)",
     ),
     Bench(
         "alerts",

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.run.hosts.procs import (
     ENV_RUN_MARK,
@@ -57,10 +58,15 @@ from pipeline.run.rundir.layout import RunDir, StageDir, read_json
 from pipeline.run.rundir.stage_row import DisplayState, StageState
 from pipeline.run.rundir.stage_status import StageStatus, finish, record_lost
 
+# The launcher and the log writer run as scripts, by path (``pipeline`` itself comes from ``PYTHONPATH``, as
+# ``env_with_pipeline`` sets it): ``-m`` first imports ``runpy`` and ``importlib.util``, ~4 ms of CPU each a launch
+# (bench/launch_cost.py; docs/performance.md, "Launches"). Neither's folder holds a name of the standard library.
+LAUNCHER_SCRIPT = str(Path(__file__).resolve().parent.parent / "stage_side" / "launcher.py")
+LOG_WRITER_SCRIPT = str(Path(__file__).resolve().parent.parent / "stage_side" / "log_writer.py")
 LAUNCH_TIMEOUT_S = 30.0  # a launch intent whose launcher never wrote proc.json (no child to ask) is lost
 LAUNCH_THREADS = 4  # launches forking at once (each waits for its child's exec)
 TABLE_TTL_S = 0.3  # one process table serves the stages derived within this long (one tick)
-LOST_LAUNCHER = "launcher was killed; the stage's processes ended, exit status unknown"
+LOSTLAUNCHER_SCRIPT = "launcher was killed; the stage's processes ended, exit status unknown"
 REBOOTED = "the host restarted during the attempt (a new boot): exit status unknown"
 
 
@@ -199,13 +205,7 @@ class LocalProcesses:
         try:
             with open_private_append(sd.log) as errfh:  # the writer's own traceback, if it ever fails
                 writer = subprocess.Popen(
-                    [
-                        self.python,
-                        "-S",
-                        "-m",
-                        "pipeline.run.stage_side.log_writer",
-                        str(sd.log),
-                    ],  # -S: stdlib only
+                    [self.python, "-S", LOG_WRITER_SCRIPT, str(sd.log)],  # -S: stdlib only
                     stdin=read_end,
                     stdout=subprocess.DEVNULL,
                     stderr=errfh,
@@ -214,15 +214,8 @@ class LocalProcesses:
                     env=env,
                 )
             child = subprocess.Popen(
-                [
-                    self.python,
-                    "-S",  # stdlib only (its stage starts with site); a launch costs ~30 ms less
-                    "-m",
-                    "pipeline.run.stage_side.launcher",
-                    str(self.run.root),
-                    sd.id,
-                    str(attempt),
-                ],
+                # -S: stdlib only (its stage starts with site); a launch costs ~30 ms less
+                [self.python, "-S", LAUNCHER_SCRIPT, str(self.run.root), sd.id, str(attempt)],
                 stdin=subprocess.DEVNULL,
                 stdout=write_end,
                 stderr=subprocess.STDOUT,
@@ -271,7 +264,7 @@ class LocalProcesses:
                 self._leftovers.pop(sd.id, None)
             if ex is None:
                 rebooted = ident.boot_id and ident.boot_id != boot_id()
-                ex = record_lost(sd, attempt, REBOOTED if rebooted else LOST_LAUNCHER, self.log)
+                ex = record_lost(sd, attempt, REBOOTED if rebooted else LOSTLAUNCHER_SCRIPT, self.log)
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         launch = sd.record_for(sd.launch, attempt)
         if not launch:

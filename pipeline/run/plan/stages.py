@@ -156,6 +156,12 @@ class StageSpec:
             "slurm": dict(self.slurm),
         }
 
+    def launch_fields(self) -> dict[str, Any]:
+        """What the launcher starts, written into ``launch.json``: no launcher imports the plan (docs/design.md)."""
+        module = stage_module(self.run) if self.run else None
+        fields = {"id": self.id, "module": module, "args": list(self.args), "command": self.command}
+        return fields | {"after": list(self.after), "cpu": self.cpu, "gpus": list(self.gpus), "env": self.env}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StageSpec:
         r = d.get("retry") or {}

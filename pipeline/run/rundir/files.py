@@ -15,21 +15,23 @@ The one place these are done (standard library only), for the run machinery and 
   ``chmod``/``fchmod`` after (a umask can only remove bits, and a file left by an older version or a
   looser umask is tightened when opened again). Logs, events and the audit trail hold prompts, paths
   and who did what: on a shared login node they are nobody else's business (Jupyter's runtime files,
-  ``~/.ssh``). :func:`write_atomic`'s temp file is ``mkstemp``'s, 0600 already.
+  ``~/.ssh``). :func:`write_atomic`'s temp file is created 0600, exclusively.
+
+It imports little (``hashlib`` and ``shutil`` only where used, no ``tempfile``): every launcher imports it at
+start, and a burst of launches pays that import once per process (docs/performance.md, "Launches").
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-PRIVATE_FILE = 0o600
+from pipeline.run.rundir.private_fd import PRIVATE_FILE, open_private
+from pipeline.run.rundir.private_fd import tighten as tighten
+
 PRIVATE_DIR = 0o700
 
 
@@ -48,25 +50,6 @@ def private_dir(path: Path | str) -> Path:
         return path
     os.chmod(path, PRIVATE_DIR)  # the umask may have removed bits we asked for; it never adds any
     return path
-
-
-def tighten(fd: int, mode: int = PRIVATE_FILE) -> None:
-    """``fchmod`` an open file of ours to ``mode`` when it allows more (group/other bits)."""
-    st = os.fstat(fd)
-    if st.st_mode & 0o777 != mode and st.st_uid == os.geteuid():
-        with contextlib.suppress(OSError):  # a filesystem without modes (some FUSE, vfat): nothing to do
-            os.fchmod(fd, mode)
-
-
-def open_private(path: Path | str, flags: int, mode: int = PRIVATE_FILE) -> int:
-    """``os.open(path, flags | O_CREAT, mode)``, then :func:`tighten`: a file only its owner can read."""
-    fd = os.open(path, flags | os.O_CREAT, mode)
-    try:
-        tighten(fd, mode)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
 
 
 def open_private_append(path: Path | str, text: bool = False) -> IO[Any]:
@@ -99,7 +82,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     path = Path(path)
     private_dir(path.parent)
     raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(raw)
@@ -110,6 +93,17 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A new 0600 file beside ``path`` (``.NAME.PID.RANDOM.partial``), created exclusively: ``mkstemp``'s
+    guarantee without importing ``tempfile`` (and ``random``, ``shutil``) into every launcher."""
+    while True:
+        tmp = str(path.parent / f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.partial")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE), tmp
+        except FileExistsError:
+            continue
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -140,6 +134,8 @@ def swap_dir(tmp: Path, final: Path) -> None:
     """Replace the directory ``final`` with the finished ``tmp``. The old one is first renamed aside
     (``final.old``), so at every moment ``final`` is whole: the old, the new, or — only between the two
     renames — absent with the old one intact beside it; it is removed once the new one is in place."""
+    import shutil
+
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
@@ -170,6 +166,8 @@ def append_line(fd: int, data: bytes) -> None:
 
 
 def sha256_file(path: Path) -> str:
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):

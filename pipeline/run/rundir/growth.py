@@ -46,36 +46,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.run.rundir.files import append_line, open_private, open_private_append
+from pipeline.run.rundir.rotation_limits import ENV_PREFIX as ENV_PREFIX
+from pipeline.run.rundir.rotation_limits import LIMITS as LIMITS
+from pipeline.run.rundir.rotation_limits import RETRY_BYTES as RETRY_BYTES
+from pipeline.run.rundir.rotation_limits import MiB as MiB
+from pipeline.run.rundir.rotation_limits import keep, limit
 
-MiB = 1 << 20
-#: kind -> (bytes at which the file rotates, rotated generations kept)
-LIMITS: dict[str, tuple[int, int]] = {
-    "events": (64 * MiB, 3),
-    "log": (256 * MiB, 2),
-    "audit": (16 * MiB, 4),
-    "supervisor": (16 * MiB, 2),
-    "alerts": (4 * MiB, 2),  # RUN/alerts.jsonl (pipeline.run.alerts.record): its head carries the open ones
-}
-ENV_PREFIX = "AERIE_ROTATE_BYTES_"
 LOCK_WAIT_S = 5.0  # the longest an appender waits for a rotation (or a rotator for appenders) to finish
-RETRY_BYTES = 1 * MiB  # a rotation that failed is tried again after this much more was appended
-
-
-def limit(kind: str) -> int:
-    """Bytes at which a file of ``kind`` rotates (``AERIE_ROTATE_BYTES_<KIND>`` overrides; 0: never)."""
-    default, _keep = LIMITS[kind]
-    raw = os.environ.get(ENV_PREFIX + kind.upper(), "").strip()
-    if not raw:
-        return default
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        return default
-
-
-def keep(kind: str) -> int:
-    """Rotated generations kept for ``kind``."""
-    return LIMITS[kind][1]
 
 
 def bound(kind: str) -> int:

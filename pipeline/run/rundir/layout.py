@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,5 +170,7 @@ class StageDir:
         if self.out.is_symlink():
             self.out.unlink()
         elif self.out.exists():
+            import shutil  # rarely: not imported by every launcher
+
             shutil.rmtree(self.out)
         private_dir(self.out)

@@ -1,4 +1,5 @@
-"""The launcher wrapper: ``python -m pipeline.run.stage_side.launcher RUN STAGE ATTEMPT``.
+"""The launcher wrapper: ``python -m pipeline.run.stage_side.launcher RUN STAGE ATTEMPT`` (the local executor
+runs this file by path, ``python -S …/launcher.py``, to spare every launch ``runpy``'s imports).
 
 The supervisor starts this in a new session (so it leads a fresh process group), detached, with
 stdin from /dev/null and stdout/stderr a pipe to the stage's log writer
@@ -23,27 +24,23 @@ the supervisor then follows the attempt's processes and records the exit when th
 
 from __future__ import annotations
 
-import array
 import contextlib
 import fcntl
 import json
 import os
 import signal
 import stat
-import subprocess
 import sys
-import termios
 import time
 from pathlib import Path
+from typing import Any
 
-from pipeline.run.hosts import nospace, oom
+from pipeline.run.hosts import oom
 from pipeline.run.hosts.procs import ENV_TOKEN, ProcIdentity, env_with_pipeline, new_token
-from pipeline.run.plan.stages import StageSpec, stage_module
 from pipeline.run.rundir.events import EventWriter
 from pipeline.run.rundir.files import private_dir
 from pipeline.run.rundir.growth import read_tail
 from pipeline.run.rundir.layout import RunDir, StageDir, read_json, write_json
-from pipeline.run.rundir.logscan import ERROR_TAIL_BYTES, last_error_line
 from pipeline.run.rundir.stage_row import ExitStatus
 from pipeline.run.stage_side.env_names import (
     ENV_ATTEMPT,
@@ -56,46 +53,57 @@ from pipeline.run.stage_side.env_names import (
 )
 
 
-def stage_argv(spec: StageSpec, run: RunDir, python: str) -> list[str]:
-    if spec.run:
+def stage_argv(stage: dict[str, Any], run: RunDir, python: str) -> list[str]:
+    """The stage's command line, from its launch fields (:meth:`StageSpec.launch_fields`)."""
+    if stage.get("module"):
         return [
             python,
             "-m",
-            stage_module(spec.run),
+            stage["module"],
             "--plan",
             str(run.plan_path),
             "--stage",
-            spec.id,
-            *spec.args,
+            stage["id"],
+            *stage["args"],
         ]
-    assert spec.command is not None
-    return ["/bin/sh", "-c", spec.command]
+    return ["/bin/sh", "-c", str(stage["command"])]
+
+
+def launch_fields(sd: StageDir, attempt: int) -> dict[str, Any]:
+    """What to start: the fields the supervisor wrote into this attempt's ``launch.json``; from ``spec.json``
+    when that record predates them (a launch by an older supervisor, during an upgrade)."""
+    rec = read_json(sd.launch)
+    if isinstance(rec, dict) and rec.get("attempt") == attempt and isinstance(rec.get("stage"), dict):
+        return rec["stage"]
+    from pipeline.run.plan.stages import StageSpec  # the plan's modules, only on this path
+
+    return StageSpec.from_dict(read_json(sd.spec)).launch_fields()
 
 
 def under_slurm() -> bool:
     return os.environ.get("AERIE_EXECUTOR") == "slurm"
 
 
-def stage_env(spec: StageSpec, run: RunDir, attempt: int, token: str = "") -> dict[str, str]:
-    sd = run.stage(spec.id)
-    inputs = {dep: str(run.stage(dep).out) for dep in spec.after}
+def stage_env(stage: dict[str, Any], run: RunDir, attempt: int, token: str = "") -> dict[str, str]:
+    sd = run.stage(stage["id"])
+    inputs = {dep: str(run.stage(dep).out) for dep in stage["after"]}
     env = dict(os.environ)
-    if spec.cpu > 0 and not spec.gpus and "OMP_NUM_THREADS" not in env and not under_slurm():
+    if stage["cpu"] > 0 and not stage["gpus"] and "OMP_NUM_THREADS" not in env and not under_slurm():
         # A CPU stage computes on the slots it holds, not on every core: torch's default (one thread per
         # core) beside other stages oversubscribes the cores, and OpenMP threads then spin waiting for
         # each other (measured: docs/performance.md, "CPU threads of a stage"). Under Slurm the job's
         # cgroup already holds it to its cpus-per-task, which torch's default follows.
-        env["OMP_NUM_THREADS"] = env[ENV_THREADS] = str(spec.cpu)
+        env["OMP_NUM_THREADS"] = env[ENV_THREADS] = str(stage["cpu"])
         # Threads that wait sleep instead of spinning: libgomp's spinning threads, beside another busy
         # process, took 4-5x the CPU for the same decoding (docs/performance.md, "OpenMP threads that wait").
-        if "OMP_NUM_THREADS" not in spec.env:  # the plan's own thread count keeps libgomp's own policy
+        if "OMP_NUM_THREADS" not in stage["env"]:  # the plan's own thread count keeps libgomp's own policy
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env.update(spec.env)
+    env.update(stage["env"])
     env = env_with_pipeline(env)  # built-in stages import `pipeline` from wherever the launcher did
     env.update(
         {
             ENV_RUN: str(run.root),
-            ENV_STAGE: spec.id,
+            ENV_STAGE: stage["id"],
             ENV_ATTEMPT: str(attempt),
             ENV_OUT: str(sd.out),
             ENV_INPUTS: json.dumps(inputs),
@@ -115,6 +123,9 @@ def wait_log_written(within_s: float = LOG_DRAIN_S) -> None:
     """When stdout is the log writer's pipe: wait until it has taken every byte the stage wrote (the pipe
     is empty, and the log's size has stopped moving), so its last lines are in ``stage.log`` before they
     are read for the failure reason. Bounded: a process the stage left running may write on."""
+    import array  # a failed stage's path only: not imported by every launch
+    import termios
+
     with contextlib.suppress(OSError):
         sys.stdout.flush()
         if not stat.S_ISFIFO(os.fstat(1).st_mode):
@@ -131,6 +142,8 @@ def wait_log_written(within_s: float = LOG_DRAIN_S) -> None:
 
 def failure_line(log: os.PathLike[str] | str) -> str:
     """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
+    from pipeline.run.rundir.logscan import ERROR_TAIL_BYTES, last_error_line  # a failure's path only
+
     wait_log_written()
     try:
         # across a rotation: the line may be in stage.1.log when the log writer just rotated the log
@@ -141,6 +154,8 @@ def failure_line(log: os.PathLike[str] | str) -> str:
 
 def _ran_out_of_space(sd: StageDir) -> bool:
     """Did the stage die of a full disk? Its filesystem is (nearly) full, or its log's tail says so."""
+    from pipeline.run.hosts import nospace  # a failure's path only
+
     try:
         st = os.statvfs(sd.out)
         if st.f_bavail * st.f_frsize < 64 * 1024:
@@ -205,14 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # what the stage and its libraries create (out/, checkpoints) is private too
     run, stage_id, attempt = RunDir(argv[0]), argv[1], int(argv[2])
     sd = run.stage(stage_id)
-    spec = StageSpec.from_dict(read_json(sd.spec))
+    stage = launch_fields(sd, attempt)
     ident = ProcIdentity.of_self(token=new_token())
     _write_record(sd.proc, {"attempt": attempt, **ident.to_dict(), "t": time.time()}, PROC_WRITE_S)
     private_dir(sd.out)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     events = _Events(sd.events)
-    argv_child = stage_argv(spec, run, sys.executable)
+    argv_child = stage_argv(stage, run, sys.executable)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with contextlib.suppress(OSError):  # the log's banner, best effort like the events
         print(f"===== aerie: {stage_id} attempt {attempt} started {stamp} pid {ident.pid} =====", flush=True)
@@ -220,16 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     events.emit("started", attempt=attempt, pid=ident.pid, pgid=ident.pgid)
     oom_before = oom.reading()  # to tell an OOM kill from any other SIGKILL when the child dies
     try:
-        child = subprocess.Popen(
-            argv_child,
-            stdin=subprocess.DEVNULL,
-            env=stage_env(spec, run, attempt, ident.token),
-            cwd=str(sd.out),
-            preexec_fn=lambda: (
-                signal.signal(signal.SIGTERM, signal.SIG_DFL),
-                signal.signal(signal.SIGINT, signal.SIG_DFL),
-            ),
-        )
+        child = start_stage(argv_child, stage_env(stage, run, attempt, ident.token), str(sd.out))
     except OSError as exc:
         print(f"aerie: cannot start stage: {exc}", flush=True)
         _write_record(
@@ -250,13 +256,57 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _wait(child: subprocess.Popen[bytes]) -> int:
+def start_stage(argv: list[str], env: dict[str, str], cwd: str) -> int:
+    """Start the stage as a child in the launcher's process group (stdin from /dev/null, SIGTERM and SIGINT
+    back to their defaults, output to the log writer's pipe the launcher holds) and return its pid; an
+    ``OSError`` when it cannot be started (what ``exec`` said). ``fork`` + ``execve`` by hand, as
+    ``subprocess`` does, without importing it into every launcher (~5 ms a launch: docs/performance.md,
+    "Launches"); the launcher has one thread, and every descriptor Python opened is close-on-exec."""
+    rd, wr = os.pipe()  # close-on-exec: end of file when the exec succeeded, else why it failed
+    pid = os.fork()
+    if pid == 0:  # the child: only async-signal-safe steps, then exec or _exit
+        try:
+            os.close(rd)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            os.chdir(cwd)
+            os.execve(argv[0], argv, env)
+        except BaseException as exc:  # noqa: BLE001 (whatever it is, the parent is told and the child ends)
+            with contextlib.suppress(BaseException):
+                errno_ = getattr(exc, "errno", None) or 0
+                why = (
+                    f"{errno_}\0{getattr(exc, 'strerror', None) or exc}\0{getattr(exc, 'filename', '') or ''}"
+                )
+                os.write(wr, why.encode(errors="replace"))
+        finally:
+            os._exit(127)
+    os.close(wr)
+    try:
+        said = b""
+        while chunk := os.read(rd, 4096):
+            said += chunk
+    finally:
+        os.close(rd)
+    if said:
+        os.waitpid(pid, 0)  # the child that could not exec: reaped here, never a zombie
+        code, text, filename = (said.decode(errors="replace").split("\0") + ["", ""])[:3]
+        if filename:
+            raise OSError(int(code) if code.isdigit() else 0, text, filename)
+        raise OSError(int(code) if code.isdigit() else 0, text)
+    return pid
+
+
+def _wait(pid: int) -> int:
     """The child's return code (negative: the signal that ended it), however often a signal interrupts."""
     while True:
         try:
-            return child.wait()
+            _, status = os.waitpid(pid, 0)
         except InterruptedError:
             continue
+        return os.waitstatus_to_exitcode(status)
 
 
 def _finish(
@@ -283,6 +333,8 @@ def _finish(
     }
     if rc > 0 and _ran_out_of_space(sd):
         # "exit 1: no space left on device /dev/sdb1 (ext4 at /data, 0 B free of 2.0 TiB)"
+        from pipeline.run.hosts import nospace
+
         record["detail"] = f"exit {rc}: {nospace.describe(sd.out)}"
     if sig:
         # "killed by signal 9 (SIGKILL): out of memory — the kernel's OOM killer, at the memory limit of ..."

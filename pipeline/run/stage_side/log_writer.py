@@ -1,4 +1,5 @@
-"""The stage log writer: ``python -m pipeline.run.stage_side.log_writer LOG`` copies its stdin to ``LOG``.
+"""The stage log writer: ``python -m pipeline.run.stage_side.log_writer LOG`` copies its stdin to ``LOG`` (the
+local executor runs this file by path, ``python -S …/log_writer.py``).
 
 A stage's stdout and stderr are a pipe to this small process, the shape of daemontools' ``multilog`` and
 Apache's ``rotatelogs``: it appends what it reads to ``stage.log`` and, when the next bytes would take the
@@ -22,17 +23,15 @@ generations shift; the oldest is dropped) and goes on in a new ``stage.log``. So
 
 from __future__ import annotations
 
-import contextlib
+import _signal  # signal's C core: the ``signal`` module imports ``enum`` (~7 ms a launch) for names only
 import errno
 import fcntl
 import os
-import signal
 import sys
 import time
-from pathlib import Path
 
-from pipeline.run.rundir import growth
-from pipeline.run.rundir.files import open_private
+from pipeline.run.rundir import rotation_limits
+from pipeline.run.rundir.private_fd import open_private
 
 READ_BYTES = 1 << 16  # one read of the pipe
 PIPE_BYTES = 1 << 20  # the pipe's buffer, asked for (Linux caps it at /proc/sys/fs/pipe-max-size)
@@ -41,10 +40,12 @@ PIPE_BYTES = 1 << 20  # the pipe's buffer, asked for (Linux caps it at /proc/sys
 class StageLog:
     """``stage.log`` and its generations, appended to by one writer that rotates it by rename."""
 
-    def __init__(self, path: Path, limit: int | None = None, keep: int | None = None) -> None:
-        self.path = Path(path)
-        self.limit = growth.limit("log") if limit is None else limit
-        self.keep = growth.keep("log") if keep is None else keep
+    def __init__(
+        self, path: os.PathLike[str] | str, limit: int | None = None, keep: int | None = None
+    ) -> None:
+        self.path = os.fspath(path)
+        self.limit = rotation_limits.limit("log") if limit is None else limit
+        self.keep = rotation_limits.keep("log") if keep is None else keep
         self.lost = 0  # bytes a failed write lost since the last successful one
         self.fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
         self.size = os.fstat(self.fd).st_size
@@ -92,18 +93,23 @@ class StageLog:
 
     def rotate(self) -> None:
         """``stage.log`` -> ``stage.1.log`` (renamed, never copied) and a new ``stage.log`` that says so."""
+        from pathlib import Path  # the first rotation, not every launch, pays these imports
+
+        from pipeline.run.rundir import growth
+
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        path = Path(self.path)
         head = (
-            f"----- aerie: {self.path.name} rotated {stamp}: the {self.size:,} bytes before are in "
-            f"{growth.generation(self.path, 1).name} -----\n"
+            f"----- aerie: {path.name} rotated {stamp}: the {self.size:,} bytes before are in "
+            f"{growth.generation(path, 1).name} -----\n"
         ).encode()
         try:
-            growth.rotate_file(self.path, self.keep, head)
+            growth.rotate_file(path, self.keep, head)
             fd = open_private(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:  # a full disk: go on in the file we have; tried again past RETRY_BYTES
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
                 raise
-            self.size = self.limit - growth.RETRY_BYTES
+            self.size = self.limit - rotation_limits.RETRY_BYTES
             return
         os.close(self.fd)
         self.fd = fd
@@ -117,8 +123,10 @@ class StageLog:
 
 def pump(fd_in: int, log: StageLog) -> None:
     """Copy ``fd_in`` to ``log`` until end of file (every writer of the pipe has closed it)."""
-    with contextlib.suppress(OSError):
+    try:  # noqa: SIM105 (contextlib costs every launch an import)
         fcntl.fcntl(fd_in, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except OSError:
+        pass
     while True:
         try:
             data = os.read(fd_in, READ_BYTES)
@@ -136,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             "usage: python -m pipeline.run.stage_side.log_writer LOG  (copies stdin to LOG)", file=sys.stderr
         )
         return 2
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # it ends at end of file, after the stage's last words
+    for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
+        _signal.signal(sig, _signal.SIG_IGN)  # it ends at end of file, after the stage's last words
     os.umask(0o077)
-    log = StageLog(Path(argv[0]))
+    log = StageLog(argv[0])
     try:
         pump(0, log)
     finally:

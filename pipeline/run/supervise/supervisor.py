@@ -613,7 +613,15 @@ class Supervisor:
             self._log_once(sid, str(exc))
             return str(exc)
         sd.pause_flag.unlink(missing_ok=True)
-        write_json(sd.launch, {"attempt": attempt, "t": time.time(), "supervisor": os.getpid()})
+        write_json(
+            sd.launch,
+            {
+                "attempt": attempt,
+                "t": time.time(),
+                "supervisor": os.getpid(),
+                "stage": self.specs[sid].launch_fields(),
+            },
+        )
         self.executor.launch(sid, attempt)
         if self.forced(sid):
             with EventWriter(sd.events) as w:
