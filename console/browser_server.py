@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import aiohttp_jinja2
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 from rich.console import Console
 from textual_serve.app_service import AppService
 from textual_serve.server import Server
@@ -170,6 +170,7 @@ class GuardedServer(Server):
         self.groups = groups
         self.view_command = view_command
         self.by_key: dict[str, tuple[web.WebSocketResponse, asyncio.Event]] = {}  # the console of each key
+        self.open_sockets: set[web.WebSocketResponse] = set()  # every session's, closed when the server stops
 
     def initialize_logging(self) -> None:
         # Plain lines on stderr, each through the token filter; no rich tracebacks (they show locals).
@@ -187,8 +188,16 @@ class GuardedServer(Server):
         app.router.add_get("/ws/{key}", self.handle_websocket)
         app.middlewares.append(serve_guard.middleware(self.guard))
         app.on_response_prepare.append(serve_guard.safe_headers)
-        app.on_shutdown.append(lambda _app: asyncio.to_thread(self.groups.stop_all))
+        app.on_shutdown.append(self._stop_sessions)
         return app
+
+    async def _stop_sessions(self, _app: web.Application) -> None:
+        """On shutdown: stop every console this server started and close every session's socket ("going
+        away"), so no session handler is left for aiohttp to wait out (its ``shutdown_timeout``: 60 s)."""
+        closing = [
+            ws.close(code=WSCloseCode.GOING_AWAY, message=b"aerie serve stopped") for ws in self.open_sockets
+        ]
+        await asyncio.gather(asyncio.to_thread(self.groups.stop_all), *closing, return_exceptions=True)
 
     async def handle_index(self, request: web.Request) -> web.StreamResponse:
         # The same page for everyone, holding no secret: its script logs in and points the terminal at
@@ -220,9 +229,11 @@ class GuardedServer(Server):
         ended = asyncio.Event()
         if key is not None:
             self.by_key[key] = (websocket, ended)
+        self.open_sockets.add(websocket)
         try:
             return await self._session(request, websocket)
         finally:
+            self.open_sockets.discard(websocket)
             self.guard.slots.give_back(role)
             ended.set()
             if key is not None and self.by_key.get(key, (None,))[0] is websocket:
@@ -296,6 +307,7 @@ class GuardedServer(Server):
             self._make_app(),
             sock=socks,
             handle_signals=False,
+            shutdown_timeout=10.0,  # sessions are closed on shutdown (_stop_sessions): no handler needs 60 s
             loop=loop,
             print=None,
             access_log_class=access_logger_class(self.guard.tokens),

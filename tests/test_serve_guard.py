@@ -755,3 +755,45 @@ async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_th
     assert not [u for u in urls if TOKEN in u or key in u or "token" in u]  # ... and holds no token
     assert profile_files_holding(tmp_path / "profile", TOKEN) == []  # nor any file of the profile (no cache)
     assert TOKEN not in logs(tmp_path)
+
+
+def _close_code(sock: socket.socket, within_s: float) -> int | None:
+    """Read server frames (unmasked) until a close frame; its status code, or None at end of stream."""
+    sock.settimeout(within_s)
+    buf = b""
+    while True:
+        while len(buf) >= 2:
+            op, n, at = buf[0] & 0x0F, buf[1] & 0x7F, 2
+            if n == 126:
+                n, at = int.from_bytes(buf[2:4], "big"), 4
+            elif n == 127:
+                n, at = int.from_bytes(buf[2:10], "big"), 10
+            if len(buf) < at + n:
+                break
+            if op == 0x8:
+                return int.from_bytes(buf[at : at + 2], "big") if n >= 2 else 1005
+            buf = buf[at + n :]
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+
+
+def test_stopping_aerie_serve_tells_each_open_session_it_went_away(tmp_path: Path) -> None:
+    """A browser tab holding a console when the server is stopped (systemd, Ctrl-C) is told at once, with the
+    WebSocket's "going away", and the server ends without waiting out its open sessions."""
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    server = start(tmp_path, run.root, port)
+    token = (
+        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
+    )
+    sock = ws_open("127.0.0.1", port, f"/ws/{log_in(port, token)}?width=80&height=24")
+    try:
+        time.sleep(1.0)  # the console is starting behind the session
+        os.killpg(server.pid, signal.SIGTERM)
+        assert _close_code(sock, 60) == 1001  # WSCloseCode.GOING_AWAY
+        assert server.wait(60) == 0
+    finally:
+        sock.close()
+        reap(server, {})
