@@ -44,7 +44,7 @@ and projected: that plus each stage's remaining wall time × its GPUs (unknown w
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pipeline.run.plan.dag import Plan, StageSpec
@@ -153,6 +153,13 @@ class StageEstimate:
     rate_from: str = ""  # "own", "by prep.a", "mean of 3 prep stages", "default"
 
 
+def _copied(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+_ESTIMATE_FIELDS = fields(StageEstimate)
+
+
 @dataclass
 class RunProjection:
     now: float
@@ -185,7 +192,10 @@ class RunProjection:
         return not self.unknown_open
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Field by field, not ``asdict``'s recursive deep copy (0.5 s at 10,000 stages): every field is a
+        # scalar or a list of scalars, and a stage estimate a flat record.
+        d = {f.name: _copied(getattr(self, f.name)) for f in fields(self) if f.name != "stages"}
+        d["stages"] = [{f.name: getattr(s, f.name) for f in _ESTIMATE_FIELDS} for s in self.stages]
         d["will_finish"] = self.will_finish
         d["measured"] = [s.id for s in self.stages if s.basis == "measured"]
         return d
@@ -299,7 +309,8 @@ def _order(plan: Plan) -> tuple[list[str], dict[str, list[str]]]:
             waiting[c] -= 1
             if waiting[c] == 0:
                 ready.append(c)
-    order += [s.id for s in plan.stages if s.id not in order]  # a cycle through a service: keep going
+    placed = set(order)  # a set: a list's `in` made this O(stages²), 0.6 s of `aerie status` at 10,000
+    order += [s.id for s in plan.stages if s.id not in placed]  # a cycle through a service: keep going
     return order, users
 
 
