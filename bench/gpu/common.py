@@ -50,6 +50,27 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def pinned_problem(dist: str, pinned: str, modules: tuple[str, ...], install: str, wrong: str) -> str | None:
+    """None when distribution ``dist`` is installed at ``pinned`` and ``modules`` import; else why not (a
+    skip reason): not installed (``install`` says how), another version (``wrong`` says what is pinned), or
+    the import error."""
+    import importlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version(dist)
+    except PackageNotFoundError:
+        return f"{dist} is not installed ({install})"
+    if v != pinned:
+        return f"{dist} {v} is installed; {wrong} {pinned}"
+    try:
+        for m in modules:
+            importlib.import_module(m)
+    except ImportError as exc:
+        return f"{dist} does not import: {exc}"
+    return None
+
+
 def llama_config(shape: str, layers: int) -> Any:
     from transformers import LlamaConfig
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu.common import time_ms
+from bench.gpu.common import pinned_problem, time_ms
 from pipeline.drafts.batch import Batch
 from pipeline.drafts.eagle3.loss import ttt_sums
 from pipeline.eagle3.draft_config import DraftConfig
@@ -51,20 +51,13 @@ DECAY = 0.8  # per-step loss weight of both trainers' defaults
 
 def specforge_available() -> str | None:
     """None when the pinned SpecForge imports here; else why not (for a skip reason)."""
-    try:
-        from importlib.metadata import version
-
-        v = version("specforge")
-    except Exception:  # noqa: BLE001 - not installed at all
-        return "specforge is not installed (pip install --no-deps -r .ci/specforge-requirements.txt)"
-    if v != SPECFORGE_VERSION:
-        return f"specforge {v} is installed; the oracle is pinned to {SPECFORGE_VERSION}"
-    try:
-        import specforge.algorithms.eagle3.model  # noqa: F401
-        import specforge.modeling.draft.llama3_eagle  # noqa: F401
-    except ImportError as exc:
-        return f"specforge does not import: {exc}"
-    return None
+    return pinned_problem(
+        "specforge",
+        SPECFORGE_VERSION,
+        ("specforge.algorithms.eagle3.model", "specforge.modeling.draft.llama3_eagle"),
+        "pip install --no-deps -r .ci/specforge-requirements.txt",
+        "the oracle is pinned to",
+    )
 
 
 def specforge_config(cfg: DraftConfig) -> Any:

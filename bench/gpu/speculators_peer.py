@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu.common import time_ms
+from bench.gpu.common import pinned_problem, time_ms
 from bench.gpu.specforge_peer import DECAY, PeerBatch, make_batch, random_aerie, tiny_config
 from pipeline.eagle3.draft_config import DraftConfig
 from pipeline.eagle3.draft_model import Eagle3Draft
@@ -56,19 +56,13 @@ SITE = Path(__file__).resolve().parents[2] / ".gpu-stage" / "spx" / "site"
 
 def speculators_available() -> str | None:
     """None when the pinned speculators imports here; else why not."""
-    try:
-        from importlib.metadata import version
-
-        v = version("speculators")
-    except Exception:  # noqa: BLE001 - not installed at all
-        return "speculators is not installed (bash bench/gpu/stage_speculators.sh, then --site)"
-    if v != SPECULATORS_VERSION:
-        return f"speculators {v} is installed; this harness is written against {SPECULATORS_VERSION}"
-    try:
-        import speculators.models.eagle3  # noqa: F401
-    except ImportError as exc:
-        return f"speculators does not import: {exc}"
-    return None
+    return pinned_problem(
+        "speculators",
+        SPECULATORS_VERSION,
+        ("speculators.models.eagle3",),
+        "bash bench/gpu/stage_speculators.sh, then --site",
+        "this harness is written against",
+    )
 
 
 def speculators_config(cfg: DraftConfig, ttt: int, attn_impl: str) -> Any:
