@@ -14,11 +14,16 @@ The page is public and the same for everyone: it holds no secret. Its script, ru
 
 A tab opened by another page's script (``window.opener`` is set: a popup) does not start a console by itself:
 it asks for a click first, so another site cannot fill the session slots with popups of the operator's key.
+
+The page loads nothing from another origin: textual-serve's template asks Google Fonts for Roboto Mono, which
+tells Google who opened a console and when, and stalls the page on an air-gapped cluster; that link is
+removed, and the terminal uses the browser's own monospace font.
 """
 
 from __future__ import annotations
 
 import html
+import re
 
 KEY_NAME = "aerie-session"
 
@@ -105,8 +110,13 @@ _BOX = """
 """
 
 
+_EXTERNAL_LINK = re.compile(r"<link\b[^>]*\bhref\s*=\s*[\"']?(?:https?:)?//[^>]*>", re.IGNORECASE)
+
+
 def with_login(page: str) -> str:
-    """textual-serve's rendered page with the login box and the session-key script before ``</body>``."""
+    """textual-serve's rendered page with the login box and the session-key script before ``</body>``, and
+    without its links to other origins (a web font)."""
+    page = _EXTERNAL_LINK.sub("", page)
     tail = f"<style>{_STYLE}</style>{_BOX}<script>{_SCRIPT % {'key': html.escape(KEY_NAME)}}</script>"
     head, sep, rest = page.rpartition("</body>")
     if not sep:

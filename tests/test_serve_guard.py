@@ -17,6 +17,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -170,6 +171,9 @@ def test_a_token_is_required_by_default_and_never_shown_or_logged(tmp_path: Path
         assert status == 200 and 'id="aerie-token"' in page and token not in page
         assert headers["cache-control"] == "no-store" and headers["referrer-policy"] == "no-referrer"
         assert "set-cookie" not in headers
+        # nothing from another origin (textual-serve's page asks Google Fonts): no one learns who opened a
+        # console, and an air-gapped cluster's page does not stall
+        assert not re.findall(r"(?:src|href)\s*=\s*[\"']?(?:https?:)?//", page), page[:400]
         assert get(port, "/session")[0] == 401  # no key: the page shows its box, naming where the token is
         assert f"cat {path}" in get(port, "/session")[2]
         assert get(port, "/ws", **UPGRADE)[0] == 401
