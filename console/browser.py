@@ -316,8 +316,14 @@ def serve(
             view_command=console_command(run, theme, poll_s, read_only=True),
         )
         announce(run, host, port, read_only, no_token, hint, view, view_token_file)
+
+        def last_words() -> None:  # a stop that took too long (GuardedServer.serve_on): as `finally` below
+            groups.stop_all(grace_s=1.0)
+            if generated is not None and control is not None:
+                serve_guard.remove_token(generated, control)
+
         try:
-            server.serve_on(socks)
+            server.serve_on(socks, last_words)
         finally:
             groups.stop_all()  # whatever ended the server: no console outlives it
     finally:

@@ -27,7 +27,9 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp_jinja2
@@ -87,6 +89,37 @@ class ConsoleGroups:
             ):
                 time.sleep(0.05)
         self.procs.clear()
+
+
+STOP_BOUND_S = 20.0  # the longest ``aerie serve`` takes to end once asked to stop
+
+
+def _stop_bound(loop: asyncio.AbstractEventLoop, last_words: Callable[[], None]) -> None:
+    """Armed by the first stop signal: if the process is still here after :data:`STOP_BOUND_S`, log what its
+    tasks still wait on, run ``last_words`` and exit (as a service manager's stop timeout would, but with the
+    token file removed)."""
+    time.sleep(STOP_BOUND_S)
+    log = logging.getLogger("aerie.serve")
+    with contextlib.suppress(Exception):  # best effort, from another thread: the loop is stuck in a wait
+        waits = [_awaiting(t.get_coro()) for t in asyncio.all_tasks(loop)]
+        log.warning(
+            "a session did not end within %gs of the stop (waiting: %s): exiting", STOP_BOUND_S, waits
+        )
+    with contextlib.suppress(Exception):
+        last_words()
+    os._exit(0)
+
+
+def _awaiting(coro: Any) -> str:
+    """'handler:12 > _session:40 > close:7' — the chain of coroutines a stuck task is suspended in."""
+    names: list[str] = []
+    while coro is not None and len(names) < 12:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        names.append(
+            f"{getattr(coro, '__qualname__', type(coro).__name__)}:{frame.f_lineno if frame else '?'}"
+        )
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(names)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -289,16 +322,25 @@ class GuardedServer(Server):
                 await app_service.stop()
         return websocket
 
-    def serve_on(self, socks: list[socket.socket]) -> None:
-        """textual-serve's ``serve``, on sockets already bound, with the redacting access log."""
+    def serve_on(self, socks: list[socket.socket], last_words: Callable[[], None] = lambda: None) -> None:
+        """textual-serve's ``serve``, on sockets already bound, with the redacting access log.
+
+        A stop (SIGINT, SIGTERM, SIGHUP) ends it within :data:`STOP_BOUND_S`: past that, whatever a session
+        is still waiting for (aiohttp's last cancellation of tasks was seen to wait forever on a session under
+        load), ``last_words`` runs (the consoles stopped, the token file removed) and the process exits 0."""
         from aiohttp.web_runner import GracefulExit
 
         self.initialize_logging()
         sys.stdout = EscapingStream(sys.stdout, self.guard.tokens)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
+        bound = threading.Thread(
+            target=_stop_bound, args=(loop, last_words), name="aerie-stop-bound", daemon=True
+        )
 
         def request_exit() -> None:
+            if not bound.is_alive():
+                bound.start()
             raise GracefulExit()
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # each ends it cleanly: no token file left

@@ -28,6 +28,13 @@ from tests.runs import ctl, make_run, start_supervisor, stop, wait_done, wait_fo
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _retry_done(run: RunDir, attempt: int) -> bool:
+    """Attempt ``attempt`` of stage ``bad`` has ended and the snapshot says the run is done with it."""
+    state = read_json(run.state_path) or {}
+    row = next((r for r in state.get("stages", []) if r.get("id") == "bad"), {})
+    return bool(state.get("done")) and row.get("attempt") == attempt and row.get("state") == "failed"
+
+
 def _done(events: list[Event]) -> list[object]:
     return [e.get("done") for e in events if e.type == "progress"]
 
@@ -283,9 +290,10 @@ def test_real_run_private_and_rotated(tmp_path: Path, monkeypatch: pytest.Monkey
             assert wait_done(run, timeout=120) == {"work": "succeeded", "bad": "failed"}
         finally:
             stop(sup)
-        for _ in range(2):  # control actions: requests/, audit.jsonl (ctl starts a supervisor again)
+        for attempt in (2, 3):  # control actions: requests/, audit.jsonl (ctl starts a supervisor again)
             assert ctl(run, "retry", "bad").returncode == 0
-            wait_for(lambda: (read_json(run.state_path) or {}).get("done"), 60, "the retry to finish")
+            # this retry's own end: the last run's "done" snapshot is still there until it starts
+            wait_for(lambda a=attempt: _retry_done(run, a), 60, f"attempt {attempt} of bad to finish")
     finally:
         os.umask(old)
     _assert_private(run)
