@@ -66,7 +66,7 @@ LOG_WRITER_SCRIPT = str(Path(__file__).resolve().parent.parent / "stage_side" / 
 LAUNCH_TIMEOUT_S = 30.0  # a launch intent whose launcher never wrote proc.json (no child to ask) is lost
 LAUNCH_THREADS = 4  # launches forking at once (each waits for its child's exec)
 TABLE_TTL_S = 0.3  # one process table serves the stages derived within this long (one tick)
-LOSTLAUNCHER_SCRIPT = "launcher was killed; the stage's processes ended, exit status unknown"
+LOST_LAUNCHER = "launcher was killed; the stage's processes ended, exit status unknown"
 REBOOTED = "the host restarted during the attempt (a new boot): exit status unknown"
 
 
@@ -264,7 +264,7 @@ class LocalProcesses:
                 self._leftovers.pop(sd.id, None)
             if ex is None:
                 rebooted = ident.boot_id and ident.boot_id != boot_id()
-                ex = record_lost(sd, attempt, REBOOTED if rebooted else LOSTLAUNCHER_SCRIPT, self.log)
+                ex = record_lost(sd, attempt, REBOOTED if rebooted else LOST_LAUNCHER, self.log)
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         launch = sd.record_for(sd.launch, attempt)
         if not launch:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.run.rundir.private_fd import PRIVATE_FILE, open_private
-from pipeline.run.rundir.private_fd import tighten as tighten
 
 PRIVATE_DIR = 0o700
 

@@ -46,11 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.run.rundir.files import append_line, open_private, open_private_append
-from pipeline.run.rundir.rotation_limits import ENV_PREFIX as ENV_PREFIX
-from pipeline.run.rundir.rotation_limits import LIMITS as LIMITS
-from pipeline.run.rundir.rotation_limits import RETRY_BYTES as RETRY_BYTES
-from pipeline.run.rundir.rotation_limits import MiB as MiB
-from pipeline.run.rundir.rotation_limits import keep, limit
+from pipeline.run.rundir.rotation_limits import RETRY_BYTES, keep, limit
 
 LOCK_WAIT_S = 5.0  # the longest an appender waits for a rotation (or a rotator for appenders) to finish
 
