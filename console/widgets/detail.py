@@ -16,6 +16,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.events import Blur, Focus, Resize
 from textual.geometry import Size
 from textual.widget import Widget
@@ -138,7 +139,10 @@ class StageDetail(Horizontal):
         wide = self.app.has_class("-wide")
         if not wide and self.app.has_class("-short"):
             curves = []  # under the facts it would get 3 rows: the events are more use there (m has the curves)
-        col, inner = self.query_one("#plot-col", CurvePlot), self.query_one("#plot-in", CurvePlot)
+        try:
+            col, inner = self.query_one("#plot-col", CurvePlot), self.query_one("#plot-in", CurvePlot)
+        except NoMatches:  # a poll that came before the pane was composed: the next refresh draws it
+            return
         target = (col if wide else inner) if curves else None
         for plot in (col, inner):
             if plot.display != (plot is target):
