@@ -39,6 +39,8 @@ def test_the_line_that_says_why() -> None:
     )
     assert last_error_line("rsync: connection closed\n\n  \n") == "rsync: connection closed"
     assert last_error_line("===== aerie: x attempt 2 started =====\n") == ""  # this attempt said nothing
+    silent = "===== aerie: x attempt 1 started =====\n===== $ /bin/sh -c sleep 12; exit 3\n"
+    assert last_error_line(silent) == ""  # the launcher's echo of the command is not why it failed
     assert len(last_error_line("E" * 5000)) == ERROR_LINE_MAX  # one line, cut (with "…") at the cap
 
 

@@ -257,6 +257,7 @@ _EXC_LINE = re.compile(
 )
 _ERROR_WORD = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|^error:", re.IGNORECASE)
 _BANNER = re.compile(r"^===== aerie: ")
+_COMMAND_ECHO = re.compile(r"^===== \$ ")  # the launcher's echo of what it started, never a reason
 ERROR_TAIL_BYTES = 16 << 10  # how much of a log's end :func:`last_error_line` needs
 ERROR_LINE_MAX = 2000  # whole refusals (a provenance one names two fingerprints and the fields that differ)
 
@@ -273,7 +274,7 @@ def last_error_line(tail: str) -> str:
         if _BANNER.match(lines[i]):
             lines = lines[i + 1 :]
             break
-    lines = [ln for ln in lines if ln.strip()]
+    lines = [ln for ln in lines if ln.strip() and not _COMMAND_ECHO.match(ln)]
     if not lines:
         return ""
     pick = ""
