@@ -23,7 +23,7 @@ from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from pipeline.run.alerts import record
 from pipeline.run.alerts.record import AlertRecord as Alert
-from pipeline.run.alerts.watcher import RunWatcher
+from pipeline.run.alerts.watcher import RunWatcher, for_plan
 from pipeline.run.hosts.gpus import FakeNvmlReplay
 from pipeline.run.plan.sections import AlertsSection
 from pipeline.run.rundir.layout import RunDir
@@ -242,10 +242,16 @@ async def test_a_silent_running_stage_alerts_after_stall_minutes_and_rearms_on_n
     assert b.key == f"stalled:train:1:t{int(last + 41 * 60)}"
 
 
-async def test_idle_gpus_of_a_running_stage_alert_from_fake_nvml_samples(tmp_path: Path) -> None:
+@pytest.mark.parametrize("executor", ["local", "ssh", "slurm"])
+async def test_idle_gpus_of_a_running_stage_alert_from_fake_nvml_samples(
+    tmp_path: Path, executor: str
+) -> None:
     """FAKE NVML (pipeline.run.hosts.gpus.FakeNvmlReplay) replays the real H200 recording through the telemetry
-    agent: GPU 0 idle for samples 1–13 (26 s), then 99–100 % busy; the replay cycles."""
+    agent: GPU 0 idle for samples 1–13 (26 s), then 99–100 % busy; the replay cycles. Local and SSH runs sample
+    their stages' own GPUs (the supervisor's host); a Slurm run's stages hold GPUs on other nodes."""
     run = Run(tmp_path, gpu_idle_minutes=0.2, gpu_idle_util=5)  # 12 s
+    rules = AlertsSection(gpu_idle_minutes=0.2, gpu_idle_util=5)
+    run.watcher = for_plan(RunDir(tmp_path), rules, executor, lambda _text: None)
     run.stage("gpuwork", run="train", gpus=[0], started_at=T0)
     run.stage("serve", run="serve", service=True, gpus=[0], started_at=T0)  # a server may idle
     agent = Agent(FakeNvmlReplay(FIXTURE), tmp_path / "agent", message=lambda text, **kw: None)
@@ -259,6 +265,9 @@ async def test_idle_gpus_of_a_running_stage_alert_from_fake_nvml_samples(tmp_pat
             fh.write("".join(json.dumps(r) + "\n" for r in recs))
         fired += [(i, a) for a in await run.alerts(T0 + 2 * i)]
     agent.close()
+    if executor == "slurm":
+        assert fired == [], "this host's GPUs are not the Slurm stage's"
+        return
     assert [i for i, _ in fired] == [7, 28], "12 s into each idle stretch, once each"
     a = fired[0][1]
     assert a.kind == "gpu-idle" and a.stage == "gpuwork" and a.title == "gpuwork: GPU 0 idle"
@@ -380,6 +389,37 @@ async def test_a_served_accept_length_well_below_the_simulated_one_raises_accept
     assert any("accept-gap" in ln and "bench-eagle3" in ln for ln in lines), lines
     assert gap_record(man, train_dir, None, "x") is None, "no served figure: nothing to compare"
     assert gap_record(DraftManifest(kind="draft", aux_layer_ids=(1,)), train_dir, 2.0, "x") is None
+
+
+async def test_a_restarted_supervisor_keeps_an_open_gap_and_raises_one_that_came_while_none_ran(
+    tmp_path: Path,
+) -> None:
+    """A restart (``aerie retry`` after the run ended, a SIGKILL and an attach) neither clears the accept-gap of
+    a bench that ended nor misses the gap of a bench that ended while no supervisor ran."""
+    from pipeline.manifests.train import DraftManifest
+    from pipeline.stages.bench.gap import gap_record, report_gap
+
+    man = DraftManifest(kind="draft", aux_layer_ids=(1, 2, 3), step=200, accept_length=2.72)
+    run = Run(tmp_path, accept_gap=0.15, stall_minutes=0)
+    report_gap(run.stage("bench-a", run="bench"), gap_record(man, tmp_path, 2.19, "bench-a: batches[0]"))
+    (a,) = await run.alerts()
+    run.rows["bench-a"].update(state="succeeded", finished_at=time.time())
+    assert await run.alerts() == []
+    (tmp_path / "state.json").write_text("{}")  # the old supervisor's last snapshot, then it is gone
+    snapshot_t = (tmp_path / "state.json").stat().st_mtime
+    late = run.stage("bench-b", run="bench", state="succeeded", finished_at=snapshot_t + 5)
+    report_gap(late, gap_record(man, tmp_path, 2.05, "bench-b: batches[0]"))
+
+    run.watcher = RunWatcher(
+        RunDir(tmp_path), AlertsSection(accept_gap=0.15, stall_minutes=0), lambda _t: None
+    )
+    (b,) = await run.alerts()
+    assert (b.kind, b.stage, b.open) == ("accept-gap", "bench-b", True)
+    assert "2.05" in b.text and "2.72" in b.text
+    assert await run.alerts() == []
+    book = record.read(tmp_path)
+    assert book[a.id].open, "the ended bench's gap was cleared by the restart"
+    assert [r.id for r in book.values() if r.kind == "accept-gap"] == [a.id, b.id]
 
 
 async def test_an_alert_that_cannot_be_written_is_written_at_the_next_cycle(tmp_path: Path) -> None:

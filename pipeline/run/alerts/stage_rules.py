@@ -8,7 +8,7 @@ train-versus-serve gap — each given what the watcher (:mod:`pipeline.run.alert
 * **forced-start**: a stage started with ``aerie force`` (the supervisor's ``forced`` message): its disk-budget
   and GPU-guard checks were skipped — said when it happens, which may be long after the force was armed.
 * **gpu-idle** (``gpu_idle_minutes``, ``gpu_idle_util``): a GPU allocated to a running non-service stage
-  at or below ``gpu_idle_util`` % for that long, by the telemetry samples' own clock (local executor).
+  at or below ``gpu_idle_util`` % for that long, by the telemetry samples' own clock (local and SSH executors: the supervisor's own host).
 * **disk** : the telemetry agent's disk record says the outputs still to write do not fit (``warning``) or
   the free space is below the plan's reserve (``error``); re-armed once it fits again.
 * **accept-gap** (``accept_gap``): the bench stage's served accept length below the train stage's simulated
@@ -35,6 +35,10 @@ from pipeline.run.rundir.stage_reducer import StageFacts
 from pipeline.run.rundir.stage_row import StageRow, StageState
 
 FORCED = "forced-start"
+FROM_EVENTS = frozenset(
+    {"loss-nonfinite", "loss-diverging", "accept-falling", "server-throughput", "server-unhealthy"}
+    | {"stalled", "gpu-idle", FORCED}
+)
 GAP_CODE = (
     "accept-gap"  # the bench stage's message (pipeline/stages/bench/gap.py; a stage is not imported here)
 )
@@ -94,11 +98,14 @@ def _metric(sw: StageWatch, ev: Metric, rules: AlertsSection, sid: str) -> Alert
 
 
 def still_on(sw: StageWatch | None, kind: str, row: StageRow | None) -> bool:
-    """Whether an open episode of ``kind`` on this stage goes on (False: clear it)."""
-    if row is None or sw is None:
+    """Whether an open episode of ``kind`` on this stage goes on (False: clear it). ``sw`` None: the watcher
+    follows none of its events (a restarted supervisor, the stage ended): only what needs no events is known."""
+    if row is None:
         return False
     if kind == "stage-failed":
-        return row.state == StageState.FAILED and row.attempt == sw.attempt
+        return row.state == StageState.FAILED and (sw is None or row.attempt == sw.attempt)
+    if sw is None:  # the flags below come from events; an ended stage's episodes of them have ended
+        return kind not in FROM_EVENTS or kind == GAP_CODE
     flags = {
         "loss-nonfinite": sw.loss.nonfinite,
         "loss-diverging": sw.loss.diverging,

@@ -87,6 +87,9 @@ class RunWatcher:
         self.open: dict[int, AlertRecord] = {r.id: r for r in book.values() if r.open}
         self.next_id = max(book, default=0) + 1
         self.undelivered = [r.id for r in sorted(book.values(), key=lambda r: r.id) if not r.delivered()]
+        # when the previous supervisor last wrote its snapshot: a stage that finished after it finished while no
+        # supervisor ran, and its last events (a bench stage's accept-gap) are read once on the first cycle
+        self.resumed_from = _mtime(run.state_path)
         self.raised = 0  # alerts this watcher raised (tests and the benchmark read it)
         self.unwritten: list[dict[str, Any]] = []  # lines a failed append left, written first next cycle
 
@@ -94,6 +97,8 @@ class RunWatcher:
     def tick(self, rows: dict[str, StageRow], now: float) -> None:
         """One supervisor cycle: read what is new, evaluate every rule, record and deliver."""
         found = self._telemetry(rows)  # first: the GPU rule of this cycle sees this cycle's samples
+        if self.first:
+            self._catch_up(rows)
         for sid, row in rows.items():
             if row.state in QUIET and not row.pausing and sid not in self.feeds:
                 continue  # waiting or done, never followed: no stage rule reads it (10,000 held stages cost ~0)
@@ -127,6 +132,15 @@ class RunWatcher:
             self.hooks.drain(self.rules.timeout_s + 5)
 
     # ----------------------------------------------------------------------------------- stages
+    def _catch_up(self, rows: dict[str, StageRow]) -> None:
+        """A restart: the stages that ended while no supervisor ran are read once, as if seen ending. Only those
+        (ended after the previous snapshot), so a restart of a 10,000-stage run reads a handful of files; a fresh
+        run (no snapshot yet) has none ended."""
+        since = self.resumed_from if self.resumed_from is not None else 0.0  # no snapshot: every ended stage
+        for sid, row in rows.items():
+            if row.state not in LIVE and row.finished_at is not None and row.finished_at >= since - 1.0:
+                self._feed(sid, row).live = True
+
     def _feed(self, sid: str, row: StageRow) -> StageFeed:
         feed = self.feeds.get(sid)
         if feed is None:
@@ -284,12 +298,14 @@ class RunWatcher:
         if rec.kind == "stage-failed":
             return row.state == StageState.FAILED
         feed = self.feeds.get(rec.stage)
-        if feed is None or not stage_rules.still_on(feed.watch, rec.kind, row):
-            return False
+        if not stage_rules.still_on(feed.watch if feed else None, rec.kind, row):
+            return (
+                False  # (no feed: a restart on an ended stage; only what its events alone decide stays open)
+            )
         if rec.kind == "stalled":
-            return feed.watch.stall_key == rec.key
+            return feed is not None and feed.watch.stall_key == rec.key
         if rec.kind == "gpu-idle":
-            return feed.watch.idle_key == rec.key
+            return feed is not None and feed.watch.idle_key == rec.key
         return True
 
     def _same_open(self, a: Alert) -> list[AlertRecord]:
@@ -319,6 +335,13 @@ def _tail_start(path: Path) -> int:
     return size - START_TAIL_BYTES + len(skip)
 
 
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
 def _disk_level(key: str) -> str:
     """``disk:warning:t…`` -> ``warning``."""
     level = key.split(":")[1] if key.count(":") >= 1 else "ok"
@@ -329,5 +352,5 @@ def for_plan(
     run: RunDir, alerts: AlertsSection, executor_kind: str, log: Callable[[str], None]
 ) -> RunWatcher:
     """The supervisor's watcher for a run (GPU-idle only where the telemetry samples the stages' own GPUs: the
-    local executor)."""
-    return RunWatcher(run, alerts, log, gpu_rules=executor_kind == "local")
+    supervisor's own host, local or over SSH; a Slurm job's GPUs are on its nodes)."""
+    return RunWatcher(run, alerts, log, gpu_rules=executor_kind != "slurm")
