@@ -166,9 +166,39 @@ def rules_or_hooks_in(source: str) -> list[str]:
             and node.value.startswith(HOOK_MARKS)
         ):
             found.append(f"line {node.lineno}: {node.value!r}")
-        elif isinstance(node, ast.Name) and node.id in ("create_subprocess_shell",):
-            found.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, ast.Name | ast.Attribute) and _name_of(node) in SHELL_STARTERS:
+            found.append(f"line {node.lineno}: {_name_of(node)}")
+        elif isinstance(node, ast.Attribute) and ast.unparse(node) in ("os.system", "os.popen"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.keyword) and node.arg == "shell" and ast.unparse(node.value) != "False":
+            found.append(f"line {node.value.lineno}: shell={ast.unparse(node.value)}")
+        elif (
+            isinstance(node, ast.Subscript)
+            and _string_key(node) in RULE_THRESHOLDS
+            and isinstance(node.ctx, ast.Load)
+        ):
+            found.append(f"line {node.lineno}: reads the rule threshold [{_string_key(node)!r}]")
+        elif (
+            isinstance(node, ast.Call)
+            and _name_of(node.func) == "get"
+            and node.args
+            and _string_key(node) in RULE_THRESHOLDS
+        ):
+            found.append(f"line {node.lineno}: reads the rule threshold get({_string_key(node)!r})")
     return found
+
+
+# What starts a shell or another program without a fixed argv: a hook runner's tools.
+SHELL_STARTERS = frozenset({"create_subprocess_shell", "create_subprocess_exec", "Popen"})
+
+
+def _name_of(node: ast.AST) -> str:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def _string_key(node: ast.Subscript | ast.Call) -> str:
+    key = node.slice if isinstance(node, ast.Subscript) else node.args[0]
+    return key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else ""
 
 
 def test_the_rule_and_hook_finder_finds_them() -> None:
@@ -176,13 +206,22 @@ def test_the_rule_and_hook_finder_finds_them() -> None:
     assert rules_or_hooks_in("env = {'AERIE_ALERT_KIND': 'x'}\n")
     assert rules_or_hooks_in("import subprocess\nsubprocess.run(['/bin/sh', '-c', cmd])\n")
     assert rules_or_hooks_in("class LossRule:\n    def feed(self) -> Alert: ...\n")
+    assert rules_or_hooks_in("import subprocess\nsubprocess.run(cmd, shell=True)\n")
+    assert rules_or_hooks_in("import os\nos.system(cmd)\n")
+    assert rules_or_hooks_in("async def f(c):\n    await asyncio.create_subprocess_exec('sh', '-c', c)\n")
+    assert rules_or_hooks_in("def late(cfg):\n    return cfg['stall_minutes']\n")
+    assert rules_or_hooks_in("def idle(cfg):\n    return cfg.get('gpu_idle_util', 5)\n")
     assert not rules_or_hooks_in("from pipeline.run.alerts.hooks import run_hook\nrun_hook(c, env, 5)\n")
+    assert not rules_or_hooks_in("def hide(b):\n    return b.system\n")
 
 
 def test_no_alert_rule_or_hook_runner_lives_in_the_console() -> None:
     """Issue 44: the executing host evaluates every rule and runs the plan's hooks (pipeline/run/alerts/); the
     console only displays the records and sends ack/silence (``aerie watch`` calls pipeline's runner)."""
-    allowed = {"console/browser_server.py": "create_subprocess_shell"}  # starts the console's own pty shell
+    allowed = {
+        "console/browser_server.py": "create_subprocess_shell",  # starts the console's own pty shell
+        "console/transport.py": "create_subprocess_exec",  # runs pipeline's ctl with a fixed argv
+    }
     bad = []
     for p in sorted((ROOT / "console").rglob("*.py")):
         rel = p.relative_to(ROOT).as_posix()
