@@ -174,3 +174,33 @@ def test_a_bench_after_only_its_baseline_sends_the_baselines_prompts(tmp_path: P
     sent = json.loads((out / "prompts.json").read_text())
     assert sent and sent == json.loads((tmp_path / "plain" / "out" / "prompts.json").read_text())
     assert json.loads((out / "results.json").read_text())["batches"][0]["speedup"] > 0
+
+
+def test_a_served_accept_length_below_the_trained_one_is_recorded_with_both_sources(tmp_path: Path) -> None:
+    """Issue 44 item 10 on the online path: the bench puts SGLang's accept length beside the train stage's
+    simulated one for the draft it serves, in results.json and as the ``accept-gap`` message the rule reads."""
+    from pipeline.manifests import train as train_manifest
+    from pipeline.manifests.train import DraftManifest
+
+    plain, eagle = FakeSGLang(accept=None, metrics=False), FakeSGLang(accept=2.0)
+    train_out = tmp_path / "train" / "out"
+    train_out.mkdir(parents=True)
+    man = DraftManifest(kind="draft", aux_layer_ids=(1, 2, 3), step=200, accept_length=2.72)
+    train_manifest.write(train_out / "manifest.json", man)
+    try:
+        base = _bench(tmp_path, "plain", plain.url, batches=[1])
+        assert "accept_gap" not in base, "the plain server serves no draft"
+        out = tmp_path / "eagle3" / "out"
+        ctx = StageContext("eagle3", out, out / "events.jsonl", tmp_path / "plan.toml")
+        args = argparse.Namespace(label="eagle3", url=eagle.url, baseline="plain")
+        assert run_online(ctx, [tmp_path / "plain" / "out", train_out], args) == 0
+    finally:
+        plain.close()
+        eagle.close()
+    gap = json.loads((out / "results.json").read_text())["accept_gap"]
+    assert gap["served"] == pytest.approx(2.0) and gap["simulated"] == pytest.approx(2.72)
+    assert gap["gap"] == pytest.approx((2.72 - 2.0) / 2.72, abs=1e-3)
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    (said,) = [e for e in events if e.get("code") == "accept-gap"]
+    assert "2.000 here vs 2.720 simulated" in said["text"]
+    assert str(out / "results.json") in json.dumps(said) and str(train_out) in json.dumps(said)
