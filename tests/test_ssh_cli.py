@@ -8,6 +8,7 @@ only the alias — exactly what an operator writes.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -142,6 +143,10 @@ def test_ssh_url_reaches_a_run_started_on_the_host_itself(home: Path, tmp_path: 
                 await other.model.transport.close()
 
         assert asyncio.run(read_other()) == {"make", "use"}
+        p = aerie("retry", url, "use")  # a control verb reaches it too: the host's run answers, and audits it
+        assert p.returncode == 3 and "use is succeeded: only failed, killed or skipped" in p.stderr, p.stderr
+        audit_lines = [json.loads(ln) for ln in (hosted / "audit.jsonl").read_text().splitlines()]
+        assert any(a.get("action") == "retry" and a.get("stage") == "use" for a in audit_lines), audit_lines
     finally:
         stop_remote_run(hosted)
 
