@@ -11,7 +11,8 @@ viewer, the per-dataset progress screen (``d``), the metrics' curves (``m``; a c
 plot in the detail pane of a training stage), themes from ``themes/`` (``--theme``, the user's
 config, the plan's ``[ui]``, or the command palette), the run's alerts, raised on the executing host and
 read from its records (a toast and the bell for each one raised while attached, :mod:`console.alert_dispatch`;
-``a`` lists them all, Enter selects the alerted stage; ``ctrl+p`` acknowledges or silences one), every action in the command palette
+``a`` lists them all, Enter selects the alerted stage; ``K`` acknowledges and ``S`` silences one, on the board
+the selected stage's, in the list the highlighted one), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
 Every action is sent with the front end (``via``: console, or browser under ``aerie serve``) and the
@@ -401,6 +402,8 @@ class AerieApp(App[int]):
         screen = self.screen
         if isinstance(screen, DatasetsScreen | MetricsScreen):
             screen.sync(self.model)
+        elif isinstance(screen, AlertsScreen) and "alerts" in changed:
+            screen.sync(self.model.alerts.ordered())
         if self.alerts_enabled and self.model.loaded:
             self.alerts.check(self.model)
 
@@ -651,6 +654,14 @@ class AerieApp(App[int]):
         alert = self._alert_to_ack(silence)
         if alert is None:
             self.notify("no alert left to acknowledge (a: the run's alerts)", severity="information")
+            return
+        self.run_ctl(ACTION[name], str(alert.id))
+
+    def act_on_alert(self, name: str, alert: AlertRecord) -> None:
+        """``ack_alert`` / ``silence_alert`` for ``alert`` (the alert list's highlighted one): the same control
+        path as ``K`` on the board (``ctl ack|silence ID``, audited), refused by a read-only console."""
+        if self.read_only:
+            self.notify(refusal(name, f"alert #{alert.id}"), title="read-only", severity="warning")
             return
         self.run_ctl(ACTION[name], str(alert.id))
 
