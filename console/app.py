@@ -40,7 +40,7 @@ import contextlib
 import functools
 import gc
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.text import Text
@@ -141,6 +141,19 @@ def most_relevant_of(stages: list[StageView]) -> str | None:
         return max(ended, key=lambda s: s.finished_at or 0.0).id
     waiting = [s for s in stages if s.state not in TERMINAL]  # nothing started yet: the next to run
     return (waiting or stages)[0].id if stages else None
+
+
+def force_plan(st: StageView, stages: Mapping[str, StageView]) -> str:
+    """What ``F`` on ``st`` will do and when, as the supervisor will answer (pipeline/run/supervise/force_text.py),
+    from typed data: the dependencies in the row's ``after`` whose snapshot state is not done yet. While there
+    are some, the row's ``reason`` says no more than they do; once there are none, it is what else holds the
+    stage (a service, CPU/GPU slots, an admission check) and is quoted."""
+    waiting = [
+        (d, str(ds.state) if ds else "unknown")
+        for d in st.after
+        if (ds := stages.get(d)) is None or ds.state not in SATISFIED
+    ]
+    return force_message(st.id, st.attempt, waiting, "" if waiting else st.reason, armed="will be armed")
 
 
 class AerieApp(App[int]):
@@ -618,15 +631,7 @@ class AerieApp(App[int]):
         if st.state != StageState.PENDING:
             self._wrong_state(action, st)
             return
-        # Say what it will do and when (pipeline/run/supervise/force_text.py, as the supervisor will answer).
-        waiting = [
-            (d, str(ds.state) if ds else "unknown")
-            for d in st.after
-            if (ds := self.model.stages.get(d)) is None or ds.state not in SATISFIED
-        ]
-        reason = "" if waiting or st.reason.startswith("after ") else st.reason
-        plan = force_message(st.id, st.attempt, waiting, reason, armed="will be armed")
-        self._confirm_then_send(action, st, plan=plan)
+        self._confirm_then_send(action, st, plan=force_plan(st, self.model.stages))
 
     def action_unforce(self) -> None:
         action = ACTION["unforce"]
