@@ -446,6 +446,81 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
         wait_for(lambda: not supervisor_alive(run), 30, "the run's supervisor to exit (every stage finished)")
 
 
+async def _type(browser, *keys: tuple[str, str, int]) -> None:  # noqa: ANN001
+    """Keys typed into the page's terminal as a keyboard does: (key, code, virtual key code) each."""
+    for key, code, vk in keys:
+        shift = 8 if key.isupper() else 0
+        await browser.send(
+            "Input.dispatchKeyEvent",
+            type="keyDown",
+            key=key,
+            code=code,
+            text=key,
+            windowsVirtualKeyCode=vk,
+            modifiers=shift,
+        )
+        await browser.send(
+            "Input.dispatchKeyEvent",
+            type="keyUp",
+            key=key,
+            code=code,
+            windowsVirtualKeyCode=vk,
+            modifiers=shift,
+        )
+        await asyncio.sleep(0.3)
+
+
+@pytest.mark.slow  # a browser, a server and a console, each started cold
+async def test_an_alert_acknowledged_in_a_real_browser_is_recorded_and_audited_as_the_browsers(
+    tmp_path: Path,
+) -> None:
+    """In a real headless Chromium on ``aerie serve``, the operator opens the alert list (a) and presses K: the
+    run's alert record says who acknowledged it and when, the audit line says it came via the browser, and the
+    list in the browser shows it acknowledged."""
+    from tests.chromium import Chromium, chromium_path
+    from tests.test_console_ux import free_port
+    from tests.test_serve_guard import RECORD_WEBSOCKETS, browser_log_in, reap, start
+
+    chromium_path()
+    run = settled(tmp_path / "r")
+    (alert,) = alert_record.read(run.root).values()
+    assert (alert.kind, alert.stage, alert.acked_by) == ("stage-failed", "prep.sharegpt", None)
+    port = free_port()
+    server = start(tmp_path, run.root, port)
+    token = (
+        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
+    )
+    browser = await Chromium(tmp_path / "profile").start()
+    try:
+        await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
+        await browser_log_in(browser, port, token)
+        await browser.wait_eval("window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board")
+        await browser.eval("document.querySelector('.xterm-helper-textarea').focus(); true")
+        await _type(browser, ("a", "KeyA", 65))
+        await browser.wait_eval("window.__rx.includes('Alerts of this run')", 60, "the alert list")
+        await _type(browser, ("K", "KeyK", 75))
+        wait_for(
+            lambda: alert_record.read(run.root)[alert.id].acked_by is not None,
+            60,
+            "the browser's ack in alerts.jsonl",
+        )
+        await browser.wait_eval("window.__rx.includes('acknowledged by')", 60, "the list showing the ack")
+    finally:
+        await browser.close()
+        reap(server, {})
+        wait_for(lambda: not supervisor_alive(run), 30, "the run's supervisor to exit (every stage finished)")
+    acked = alert_record.read(run.root)[alert.id]
+    assert acked.acked_by == ME and acked.acked_at and not acked.silenced
+    (line,) = entries(run)
+    assert (line["action"], line["stage"], line["outcome"], line["via"], line["who"]) == (
+        "ack",
+        "prep.sharegpt",
+        "done",
+        "browser",
+        ME,
+    )
+
+
 def test_serve_refuses_contradictory_or_weak_watcher_tokens(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
