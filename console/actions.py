@@ -223,9 +223,13 @@ ACTIONS: tuple[ConsoleAction, ...] = (
     ),
     ConsoleAction(
         "silence_alert",
-        None,
-        palette="Silence alert",
-        palette_help="acknowledge it, and run no hook for later alerts of its kind on its stage",
+        "S",
+        "Silence",
+        "silence the selected stage's newest alert not yet silenced (else the run's): acknowledged, and no hook "
+        "runs for later alerts of its kind on its stage",
+        "Silence alert",
+        "acknowledge it, and run no hook for later alerts of its kind on its stage",
+        show=False,
         sends=("silence",),
     ),
     ConsoleAction(
@@ -293,7 +297,7 @@ def bindings() -> BindingList:
     out += [
         Binding(str(a.key), f"read_only('{a.name}')", show=False, tooltip=READ_ONLY_NOTE)
         for a in CONTROLS
-        if a.key is not None  # a palette-only control (silence) is refused by its action method
+        if a.key is not None  # a palette-only control is refused by its action method
     ]
     return out
 

@@ -11,7 +11,8 @@ viewer, the per-dataset progress screen (``d``), the metrics' curves (``m``; a c
 plot in the detail pane of a training stage), themes from ``themes/`` (``--theme``, the user's
 config, the plan's ``[ui]``, or the command palette), the run's alerts, raised on the executing host and
 read from its records (a toast and the bell for each one raised while attached, :mod:`console.alert_dispatch`;
-``a`` lists them all, Enter selects the alerted stage; ``ctrl+p`` acknowledges or silences one), every action in the command palette
+``a`` lists them all, Enter selects the alerted stage; ``K`` acknowledges and ``S`` silences one, on the board
+the selected stage's, in the list the highlighted one), every action in the command palette
 (``ctrl+p``) and ``?`` listing every key of the screen it is pressed on.
 
 Every action is sent with the front end (``via``: console, or browser under ``aerie serve``) and the
@@ -39,7 +40,7 @@ import contextlib
 import functools
 import gc
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.text import Text
@@ -140,6 +141,19 @@ def most_relevant_of(stages: list[StageView]) -> str | None:
         return max(ended, key=lambda s: s.finished_at or 0.0).id
     waiting = [s for s in stages if s.state not in TERMINAL]  # nothing started yet: the next to run
     return (waiting or stages)[0].id if stages else None
+
+
+def force_plan(st: StageView, stages: Mapping[str, StageView]) -> str:
+    """What ``F`` on ``st`` will do and when, as the supervisor will answer (pipeline/run/supervise/force_text.py),
+    from typed data: the dependencies in the row's ``after`` whose snapshot state is not done yet. While there
+    are some, the row's ``reason`` says no more than they do; once there are none, it is what else holds the
+    stage (a service, CPU/GPU slots, an admission check) and is quoted."""
+    waiting = [
+        (d, str(ds.state) if ds else "unknown")
+        for d in st.after
+        if (ds := stages.get(d)) is None or ds.state not in SATISFIED
+    ]
+    return force_message(st.id, st.attempt, waiting, "" if waiting else st.reason, armed="will be armed")
 
 
 class AerieApp(App[int]):
@@ -401,6 +415,8 @@ class AerieApp(App[int]):
         screen = self.screen
         if isinstance(screen, DatasetsScreen | MetricsScreen):
             screen.sync(self.model)
+        elif isinstance(screen, AlertsScreen) and "alerts" in changed:
+            screen.sync(self.model.alerts.ordered())
         if self.alerts_enabled and self.model.loaded:
             self.alerts.check(self.model)
 
@@ -615,15 +631,7 @@ class AerieApp(App[int]):
         if st.state != StageState.PENDING:
             self._wrong_state(action, st)
             return
-        # Say what it will do and when (pipeline/run/supervise/force_text.py, as the supervisor will answer).
-        waiting = [
-            (d, str(ds.state) if ds else "unknown")
-            for d in st.after
-            if (ds := self.model.stages.get(d)) is None or ds.state not in SATISFIED
-        ]
-        reason = "" if waiting or st.reason.startswith("after ") else st.reason
-        plan = force_message(st.id, st.attempt, waiting, reason, armed="will be armed")
-        self._confirm_then_send(action, st, plan=plan)
+        self._confirm_then_send(action, st, plan=force_plan(st, self.model.stages))
 
     def action_unforce(self) -> None:
         action = ACTION["unforce"]
@@ -651,6 +659,14 @@ class AerieApp(App[int]):
         alert = self._alert_to_ack(silence)
         if alert is None:
             self.notify("no alert left to acknowledge (a: the run's alerts)", severity="information")
+            return
+        self.run_ctl(ACTION[name], str(alert.id))
+
+    def act_on_alert(self, name: str, alert: AlertRecord) -> None:
+        """``ack_alert`` / ``silence_alert`` for ``alert`` (the alert list's highlighted one): the same control
+        path as ``K`` on the board (``ctl ack|silence ID``, audited), refused by a read-only console."""
+        if self.read_only:
+            self.notify(refusal(name, f"alert #{alert.id}"), title="read-only", severity="warning")
             return
         self.run_ctl(ACTION[name], str(alert.id))
 

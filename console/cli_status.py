@@ -1,4 +1,5 @@
-"""``aerie status``: every stage's row, the supervisor's liveness and alerts, then the run's projection, the
+"""``aerie status``: every stage's row (its display state, as the board shows it: a queued job is
+``starting``), the supervisor's liveness and alerts, then the run's projection, the
 run's alert records (raised on the executing host, :mod:`pipeline.run.alerts`; open ones first, with their
 evidence and hook deliveries), then the audit log's last entries (``--json``: a line per stage — its whole row,
 every field of the typed snapshot's rows — then ``{"projection": …, "supervisor": …}``, ``{"alerts": […]}``,
@@ -25,6 +26,7 @@ from pipeline.run.projection.compute import RunProjection
 from pipeline.run.projection.text import status_lines
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir
+from pipeline.run.rundir.stage_row import StageRow, StageState
 from pipeline.run.rundir.state_file import SnapshotRow, StateSnapshot, read_state
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -67,12 +69,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print_alerts_json(alerts)
         _print_audit(state.get("audit"), as_json=True)
         return EXIT_OK
-    for st in stages:
-        prog = st.get("progress") or {}
+    for sr in snapshot_rows(stages):  # each stage as the board shows it: its display state (queued: starting)
+        st, prog = sr.row, sr.progress or {}
         p = f"{prog.get('done')}/{prog.get('total')} {prog.get('unit') or ''}" if prog else ""
         print(
-            f"{st.get('id')!s:<30} {st.get('state')!s:<16} try {st.get('attempt')!s:<3} {p:<24} "
-            f"{_forced_mark(st)}{st.get('reason') or ''}".rstrip()
+            f"{st.id:<30} {st.display_state!s:<16} try {st.attempt!s:<3} {p:<24} "
+            f"{_forced_mark(st)}{st.reason or ''}".rstrip()
         )
     sup_lines = supervisor_lines(state)
     if sup_lines:  # its own block: the stage table above stays a table
@@ -88,9 +90,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _forced_mark(st: dict) -> str:
+def _forced_mark(row: StageRow) -> str:
     """``aerie force`` armed on a stage not started yet: said before its reason, with how to disarm it."""
-    if st.get("forced") and st.get("state") in ("pending", "ready"):
+    if row.forced and row.state in (StageState.PENDING, StageState.READY):
         return "⚑ force armed (aerie force --cancel RUN STAGE disarms it) · "
     return ""
 

@@ -213,8 +213,9 @@ class RunModel:
         with_telemetry = self.telemetry_stage is not None  # fixed now: state.json below may change it
         if with_telemetry:
             reqs.append(self.telemetry.read_request())
-        reqs.append(self.alerts.read_request())  # the run's alert records, last (console.alert_feed)
         try:
+            changed |= await self.alerts.load(self.transport)  # once, with its rotated generations
+            reqs.append(self.alerts.read_request())  # the run's alert records, last (console.alert_feed)
             results = await self.transport.read_many(reqs, max_bytes=READ_WINDOW)
             state: ReadResult | None = results[0]
             if state is not None and state.size > len(state.data):  # a big plan's state: read all of it

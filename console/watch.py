@@ -84,6 +84,7 @@ class Watch:
     async def poll(self) -> bool:
         """Read what is new; False when the run could not be read (said once per outage)."""
         try:
+            await self.feed.load(self.transport)  # once: the first read takes the rotated generations too
             res = await self.transport.read_many(
                 [self.feed.read_request(), ("state.json", 0)], max_bytes=4 << 20
             )

@@ -18,8 +18,10 @@ from console.app import AerieApp
 from console.audit_trail import AuditTrail
 from console.cli import main as cli_main
 from console.headless import follow
+from console.screens.alerts import AlertsScreen
 from console.screens.audit import AuditScreen
 from console.transport import CtlResult, LocalTransport
+from pipeline.run.alerts import record as alert_record
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir
 from pipeline.run.supervise import ctl
@@ -230,7 +232,7 @@ async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(t
         assert header.startswith("READ-ONLY ")
         footer_actions = {b.binding.action for b in app.screen.active_bindings.values() if b.binding.show}
         assert not footer_actions & {"pause", "kill", "retry"}, "the footer offers no control"
-        for key in ("p", "k", "r", "R", "s", "F"):
+        for key in ("p", "k", "r", "R", "s", "F", "K", "S"):
             app.clear_notifications()
             await pilot.press(key)
             await pilot.pause(0.1)
@@ -262,6 +264,80 @@ async def test_a_read_only_console_refuses_every_control_key_and_sends_nothing(t
     assert await follow(headless, out=out, poll_s=0.1, timeout_s=20, read_only=True) == 1
     assert "prep.sharegpt" in out.getvalue() and "failed" in out.getvalue()
     assert headless.sent == [], "headless and read-only: nothing sent either"
+
+
+def raise_alerts(run: RunDir) -> None:
+    """Beside the run's own alert (#1: prep.sharegpt failed, raised by its supervisor), #2: a stall of
+    prep.deepswe-kimi, cleared, as the supervisor's watcher writes them."""
+    assert [(r.id, r.kind, r.stage) for r in alert_record.read(run.root).values()] == [
+        (1, "stage-failed", "prep.sharegpt")
+    ]
+    sid = "prep.deepswe-kimi"
+    rec = alert_record.AlertRecord(
+        2, f"stalled:{sid}:1:t2", "stalled", sid, 1, f"{sid} stalled", "x", [], 2.0
+    )
+    alert_record.append(run.root, [alert_record.raised_line(rec), alert_record.cleared_line(2, 3.0)])
+
+
+async def _alert_list(app: AerieApp, pilot) -> AlertsScreen:  # noqa: ANN001
+    await until(pilot, lambda: app.model.alerts.loaded and len(app.model.alerts.book) == 2, what="the alerts")
+    await pilot.press("a")
+    await until(pilot, lambda: isinstance(app.screen, AlertsScreen), what="the alert list")
+    assert isinstance(app.screen, AlertsScreen)
+    return app.screen
+
+
+async def test_k_and_s_in_the_alert_list_act_on_the_highlighted_alert_audited_and_seen_by_another_console(
+    tmp_path: Path,
+) -> None:
+    """The alert list's K acknowledges, and S silences, the highlighted alert (not the board's selection):
+    the ack line lands in RUN/alerts.jsonl and an audit line says who, from the console; a second console,
+    attached before, lists it acknowledged. A read-only console refuses both and writes nothing."""
+    run = settled(tmp_path / "r")
+    raise_alerts(run)
+    watcher = AerieApp(
+        LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={}, read_only=True
+    )
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
+    try:
+        async with watcher.run_test(size=(120, 30)) as wp:
+            listed = await _alert_list(watcher, wp)
+            assert [a.id for a in listed.alerts] == [1, 2], "open first"
+            for key in ("K", "S"):
+                watcher.clear_notifications()
+                await wp.press(key)
+                await wp.pause(0.1)
+                notes = [n.message for n in watcher._notifications]
+                assert len(notes) == 1 and "alert #1 was not sent" in notes[0], notes
+            assert not (run.root / audit.AUDIT_FILE).exists(), "the read-only console sent nothing"
+            async with app.run_test(size=(120, 30)) as pilot:
+                screen = await _alert_list(app, pilot)
+                await pilot.press("down", "K")  # #2, on prep.deepswe-kimi: not the board's selected stage
+                await until(
+                    pilot, lambda: alert_record.read(run.root)[2].acked_by is not None, what="the ack"
+                )
+                await until(
+                    pilot,
+                    lambda: "acknowledged by" in str(screen._entry(screen.alerts[1])),
+                    what="the list to show the ack",
+                )
+                assert [a.id for a in screen.alerts] == [1, 2], "the list keeps its order"
+                await pilot.press("up", "S")  # #1: silenced
+                await until(pilot, lambda: alert_record.read(run.root)[1].silenced, what="the silence")
+                await until(
+                    wp, lambda: watcher.model.alerts.book[1].silenced, what="the silence in console 2"
+                )
+        book = alert_record.read(run.root)
+        assert (book[2].acked_by, book[2].silenced, book[1].acked_by) == (ME, False, ME)
+        assert watcher.model.alerts.book[2].acked_by == ME, "the other console sees it acknowledged"
+        got = [(e["action"], e["stage"], e["outcome"], e["via"], e["who"]) for e in entries(run)]
+        assert got == [
+            ("ack", "prep.deepswe-kimi", "done", "console", ME),
+            ("silence", "prep.sharegpt", "done", "console", ME),
+        ]
+        assert entries(run)[0]["message"] == "alert #2 (stalled on prep.deepswe-kimi) acknowledged"
+    finally:
+        wait_for(lambda: not supervisor_alive(run), 30, "the supervisor the console ensured to exit")
 
 
 async def _screen_until(ws, want: str, timeout: float = 60.0) -> str:  # noqa: ANN001
@@ -368,6 +444,81 @@ async def test_serve_gives_the_view_token_a_read_only_console_and_the_control_to
         os.killpg(server.pid, signal.SIGTERM)  # the server we started, in its own session
         server.wait(20)
         wait_for(lambda: not supervisor_alive(run), 30, "the run's supervisor to exit (every stage finished)")
+
+
+async def _type(browser, *keys: tuple[str, str, int]) -> None:  # noqa: ANN001
+    """Keys typed into the page's terminal as a keyboard does: (key, code, virtual key code) each."""
+    for key, code, vk in keys:
+        shift = 8 if key.isupper() else 0
+        await browser.send(
+            "Input.dispatchKeyEvent",
+            type="keyDown",
+            key=key,
+            code=code,
+            text=key,
+            windowsVirtualKeyCode=vk,
+            modifiers=shift,
+        )
+        await browser.send(
+            "Input.dispatchKeyEvent",
+            type="keyUp",
+            key=key,
+            code=code,
+            windowsVirtualKeyCode=vk,
+            modifiers=shift,
+        )
+        await asyncio.sleep(0.3)
+
+
+@pytest.mark.slow  # a browser, a server and a console, each started cold
+async def test_an_alert_acknowledged_in_a_real_browser_is_recorded_and_audited_as_the_browsers(
+    tmp_path: Path,
+) -> None:
+    """In a real headless Chromium on ``aerie serve``, the operator opens the alert list (a) and presses K: the
+    run's alert record says who acknowledged it and when, the audit line says it came via the browser, and the
+    list in the browser shows it acknowledged."""
+    from tests.chromium import Chromium, chromium_path
+    from tests.test_console_ux import free_port
+    from tests.test_serve_guard import RECORD_WEBSOCKETS, browser_log_in, reap, start
+
+    chromium_path()
+    run = settled(tmp_path / "r")
+    (alert,) = alert_record.read(run.root).values()
+    assert (alert.kind, alert.stage, alert.acked_by) == ("stage-failed", "prep.sharegpt", None)
+    port = free_port()
+    server = start(tmp_path, run.root, port)
+    token = (
+        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
+    )
+    browser = await Chromium(tmp_path / "profile").start()
+    try:
+        await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
+        await browser_log_in(browser, port, token)
+        await browser.wait_eval("window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the board")
+        await browser.eval("document.querySelector('.xterm-helper-textarea').focus(); true")
+        await _type(browser, ("a", "KeyA", 65))
+        await browser.wait_eval("window.__rx.includes('Alerts of this run')", 60, "the alert list")
+        await _type(browser, ("K", "KeyK", 75))
+        wait_for(
+            lambda: alert_record.read(run.root)[alert.id].acked_by is not None,
+            60,
+            "the browser's ack in alerts.jsonl",
+        )
+        await browser.wait_eval("window.__rx.includes('acknowledged by')", 60, "the list showing the ack")
+    finally:
+        await browser.close()
+        reap(server, {})
+        wait_for(lambda: not supervisor_alive(run), 30, "the run's supervisor to exit (every stage finished)")
+    acked = alert_record.read(run.root)[alert.id]
+    assert acked.acked_by == ME and acked.acked_at and not acked.silenced
+    (line,) = entries(run)
+    assert (line["action"], line["stage"], line["outcome"], line["via"], line["who"]) == (
+        "ack",
+        "prep.sharegpt",
+        "done",
+        "browser",
+        ME,
+    )
 
 
 def test_serve_refuses_contradictory_or_weak_watcher_tokens(

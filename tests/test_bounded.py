@@ -508,6 +508,31 @@ async def test_the_console_asks_before_forcing_and_alerts_when_the_forced_stage_
         kill_run_stages(run)
 
 
+def test_the_force_question_is_built_from_the_rows_dependencies_never_from_the_reasons_words() -> None:
+    """Which dependencies prep still waits for is read from its row's ``after`` and their states in the
+    snapshot; its ``reason`` is quoted only once none is left (then it is what else holds it)."""
+    from console.app import force_plan
+    from console.model import StageView
+
+    extract = StageView(id="extract", family="extract", state="running")
+    lint = StageView(id="lint", family="lint", state="skipped")
+    # Words the console must not read: a dependency-waiting reason phrased otherwise than "after …".
+    prep = StageView(id="prep", family="prep", after=["extract", "lint", "gone"], reason="held until extract")
+    stages = {s.id: s for s in (extract, lint, prep)}
+    question = force_plan(prep, stages)
+    assert "prep is waiting for extract (running), gone (unknown)" in question, question
+    assert "held until" not in question and "when its dependencies finish" in question
+    extract.state, prep.after = "succeeded", ["extract", "lint"]
+    prep.reason = "waiting for GPUs 0,1 (held by train)"
+    question = force_plan(prep, stages)
+    assert question.startswith("prep is waiting for GPUs 0,1 (held by train): --force will be armed"), (
+        question
+    )
+    assert "when they are free" in question
+    prep.reason = "disk budget: 12 GiB needed, 3 GiB free"
+    assert "(held by: disk budget: 12 GiB needed, 3 GiB free)" in force_plan(prep, stages)
+
+
 async def test_an_armed_force_is_shown_everywhere_and_disarmed_by_a_key_or_the_cli(tmp_path: Path) -> None:
     """Armed on a waiting stage, ``force`` is marked on the board (⚑), said in the detail pane and by ``aerie
     status``; F on the stage disarms it, ``aerie force --cancel`` too, and both land in the audit log."""

@@ -81,9 +81,7 @@ async def test_a_read_only_console_refuses_each_control_action_with_the_tables_w
         commands = {c.title: c.callback for c in app.get_system_commands(app.screen)}
         for a in CONTROLS:
             ways = (("key", lambda a=a: pilot.press(str(a.key))), ("palette", commands[a.palette]))
-            for how, act in (
-                ways if a.key else ways[1:]
-            ):  # unforce and silence: the palette (F again on a forced stage)
+            for how, act in ways if a.key else ways[1:]:  # unforce: the palette (F again on a forced stage)
                 app.clear_notifications()
                 res = act()
                 if res is not None:

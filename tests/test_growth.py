@@ -509,3 +509,40 @@ def test_the_carried_head_read_before_the_lock_equals_one_read_under_it(tmp_path
             assert [e["type"] for e in head] == ["started", "metric", "progress", "health"]
             assert head[2]["done"] == 60
     assert [e["type"] for e in head] == ["started", "metric"] and head[0]["attempt"] == 2
+
+
+async def test_a_console_and_aerie_watch_attached_after_alerts_rotated_list_what_aerie_status_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alert #1 was raised, cleared and acknowledged; then alerts.jsonl rotated (a limit of 1 byte here), and
+    its new file's head carries only what is open or unacknowledged (#2). A console model and ``aerie watch``
+    started after that read the kept generation too: they list #1 as ``aerie status`` (record.read) does."""
+    import io
+
+    from console.watch import Delivered, Watch
+    from pipeline.run.alerts import record
+
+    run = make_run(tmp_path, '[run]\nname = "r"\ndir = "run"\n[[stage]]\nid = "a"\ncommand = "true"\n')
+    one = record.AlertRecord(1, "stalled:a:1:t1", "stalled", "a", 1, "a stalled", "no progress", [], 1.0)
+    monkeypatch.setenv("AERIE_ROTATE_BYTES_ALERTS", "0")  # no rotation while #1 is written
+    record.append(
+        run.root,
+        [record.raised_line(one), record.cleared_line(1, 2.0), record.ack_line(1, "ana@laptop", 3.0)],
+    )
+    monkeypatch.setenv("AERIE_ROTATE_BYTES_ALERTS", "1")  # past the limit: this append rotates the file
+    two = record.AlertRecord(2, "disk:-:0:t4", "disk", "", 0, "disk", "the disk fills", [], 4.0)
+    record.append(run.root, [record.raised_line(two)])
+    current = (run.root / "alerts.jsonl").read_text()
+    assert '"id": 1' not in current and (run.root / "alerts.1.jsonl").exists(), "#1 lives only in .1"
+    status = {r.id: (r.open, r.acked_by) for r in record.read(run.root).values()}
+    assert status == {1: (False, "ana@laptop"), 2: (True, None)}
+
+    model = RunModel(LocalTransport(str(run.root)), backfill=False)
+    assert "alerts" in await model.poll()
+    assert {r.id: (r.open, r.acked_by) for r in model.alerts.ordered()} == status
+    assert [r.id for r in model.alerts.ordered()] == [2, 1], "open first, as aerie status lists them"
+
+    out = io.StringIO()
+    w = Watch(LocalTransport(str(run.root)), Delivered(tmp_path / "home", str(run.root)), [], 5.0, out=out)
+    assert await w.poll() and await w.deliver_new() == 2
+    assert "alert #1 stalled a: no progress" in out.getvalue() and "alert #2 disk" in out.getvalue()

@@ -203,7 +203,8 @@ def test_status_json_serialises_every_row_field(tmp_path: Path) -> None:
 
 async def test_the_board_shows_starting_from_the_snapshots_field(tmp_path: Path) -> None:
     """A local stage launched whose launcher has not reported its process yet: the supervisor's snapshot says
-    ``display: starting`` and the console's board shows it from that field (the reason is no longer read)."""
+    ``display: starting`` and the console's board shows it from that field (the reason is no longer read);
+    ``aerie status`` prints that display state too, not the raw ``running``."""
     import time
 
     from console.model import RunModel
@@ -226,6 +227,17 @@ async def test_the_board_shows_starting_from_the_snapshots_field(tmp_path: Path)
     st.reason = "anything at all"  # prose changes nothing: the field decides
     assert st.display_state == "starting"
     assert model.stages["svc"].display_state == "ready"  # a stage whose turn has come, not started
+    import subprocess
+    import sys
+
+    status = subprocess.run(
+        [sys.executable, "-m", "console.cli", "status", str(run.root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = {ln.split()[0]: ln.split()[1] for ln in status.stdout.splitlines() if ln.startswith("flaky ")}
+    assert rows == {"flaky": "starting"}, status.stdout + status.stderr  # as the board says, not "running"
 
 
 async def test_the_console_lists_an_unknown_kind_as_written(tmp_path: Path) -> None:
