@@ -737,12 +737,12 @@ async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_th
         popups = [t for t in targets if t["url"] == f"http://127.0.0.1:{port}/" and t.get("openerId")]
         assert len(popups) == 4, targets
         assert not consoles(server.pid)
-        # Popups that cut their opener first start the key's one console at most: each replaces the last.
+        # Popups that cut their opener first still start nothing: another page sent them there.
         for _ in range(4):
             url = f"http://127.0.0.1:{other}/launder?to=http://127.0.0.1:{port}/"
             await browser.eval(f"!!window.open({json.dumps(url)}, '_blank')", user_gesture=True)
         await asyncio.sleep(15)
-        assert len(consoles(server.pid)) <= 1
+        assert not consoles(server.pid)  # another page navigated them there: each waits for a click
         # ... and the operator, back in the tab, gets the console at once, without logging in again
         await browser.navigate(f"http://127.0.0.1:{port}/")
         await browser.wait_eval(
@@ -759,6 +759,59 @@ async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_th
     assert not [u for u in urls if TOKEN in u or key in u or "token" in u]  # ... and holds no token
     assert profile_files_holding(tmp_path / "profile", TOKEN) == []  # nor any file of the profile (no cache)
     assert TOKEN not in logs(tmp_path)
+
+
+OPEN_FROM_THIS_PAGE = """((url, how) => {  // what a page does on a click: a popup without opener, or a link
+  if (how === "noopener") return (window.open(url, "_blank", "noopener"), true);
+  const a = Object.assign(document.createElement("a"), {href: url, target: "_blank"});
+  document.body.append(a);
+  a.click();
+  return true;
+})"""
+
+
+@pytest.mark.slow  # a browser, a server and a console, each started cold
+async def test_chromium_no_token_tabs_opened_by_another_port_never_lock_the_operator_out(
+    tmp_path: Path,
+) -> None:
+    """Issue 47 item 3 under ``--no-token``: a page on another loopback port opens the console in four tabs
+    (noopener popups and ``target=_blank`` links, each on a click): none creates a session key or a
+    console by itself, so the operator's own typed address still gets the board."""
+    chromium_path()
+    run = finished_run(tmp_path / "r")
+    port, other = free_port(), free_port()
+    server = start(tmp_path, run.root, port, "--no-token")
+    runner = await listener(other, [])
+    browser = await Chromium(tmp_path / "profile").start()
+    console = f"http://127.0.0.1:{port}/"
+    try:
+        await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
+        await browser.navigate(f"http://127.0.0.1:{other}/")
+        await browser.wait_eval("window.__done === true", 60, "the other port's page")
+        for how in ("noopener", "link", "noopener", "link"):  # four clicks, four tabs of the console
+            opened = f"{OPEN_FROM_THIS_PAGE}({json.dumps(console)}, {json.dumps(how)})"
+            assert await browser.eval(opened, user_gesture=True)
+
+        async def tabs() -> list[dict[str, Any]]:
+            targets = (await browser.send("Target.getTargets"))["targetInfos"]
+            return [t for t in targets if t["type"] == "page" and t["url"] == console]
+
+        deadline = time.monotonic() + 60
+        while len(await tabs()) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert len(await tabs()) == 4, await tabs()
+        await asyncio.sleep(15)  # a tab that went on by itself has its console by now (it did before)
+        assert not consoles(server.pid)
+        # The operator types the console's address: the board, at once.
+        await browser.navigate(console)
+        await browser.wait_eval(
+            "window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the operator's board"
+        )
+        assert get(port, "/session", X_Aerie_Session=log_in(port, ""))[0] == 200  # and a slot to spare
+    finally:
+        await browser.close()
+        await runner.cleanup()
+        reap(server, {})
 
 
 def _close_code(sock: socket.socket, within_s: float) -> int | None:
