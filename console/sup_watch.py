@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from console.transport import Transport
+from pipeline.run.projection.text import span
 
 if TYPE_CHECKING:
     from console.model import RunModel
@@ -81,7 +82,7 @@ class SupervisorWatch:
             return None  # (a host that said "dead" is said at once: a read-only watcher asks it on attach)
         rep = self.report
         if rep is None:
-            return f"supervisor silent for {self.silent_for():.0f}s — checking…", "warning"
+            return f"supervisor silent for {span(self.silent_for())} — checking…", "warning"
         verdict, text = rep.get("verdict"), str(rep.get("text", ""))
         if verdict == "running":
             return None

@@ -5,13 +5,17 @@ that finished having skipped its work on purpose; the help sheet saying that it 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import time
 from pathlib import Path
 
 from console.app import AerieApp
 from console.cli import build_parser
-from console.model import StageView
+from console.header import status_text
+from console.model import RunModel, StageView
 from console.screens.dialogs import HelpScreen
+from console.sup_watch import SupervisorWatch
 from console.transport import LocalTransport
 from console.widgets.board import note_for
 from pipeline.run.projection.compute import RunProjection
@@ -31,6 +35,30 @@ def test_a_long_silence_reads_in_days_and_hours(tmp_path: Path) -> None:
     rep = liveness(run, {"stages": [], "supervisor": {"pid": 1, "t": now - 415833}}, now=now)
     assert rep["verdict"] == "dead" and "4d 19h ago" in rep["text"] and "415833s" not in rep["text"], rep
     assert time.strftime("%Y-%m-%d", time.localtime(now - 415833)) in rep["text"], "another day: its date"
+
+
+def test_every_silence_line_reads_in_days_and_hours(tmp_path: Path) -> None:
+    """The supervisor's silence, said on each line that says it (the console's watch, the status line without
+    a watch, the host's "slow" verdict), for a snapshot 415833 s old: ``4d 19h``, never ``415833s``."""
+    old = 415833
+    watch = SupervisorWatch(read_only=False, clock=lambda: 1000.0 + old)
+    watch.moved_at = 1000.0  # the snapshot last moved 415833 s ago; the host not asked yet
+    said = watch.line(done=False)
+    assert said == ("supervisor silent for 4d 19h — checking…", "warning"), said
+    run = make_run(tmp_path, '[run]\ndir = "run"\n[[stage]]\nid = "a"\ncommand = "true"\n')
+    model = RunModel(LocalTransport(str(run.root)))
+    model.order, model.supervisor_t = ["a"], 1000.0
+    line = status_text(model, 1.0, lambda _state: "", now=1000.0 + old).plain
+    assert line == "supervisor silent for 4d 19h", line
+    lock = os.open(run.root, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # a supervisor that holds the run's lock but wrote nothing for days, no write failed: "slow"
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        rep = liveness(run, {"stages": [], "supervisor": {"pid": 1, "t": now - old}}, now=now)
+    finally:
+        os.close(lock)
+    assert rep["verdict"] == "silent" and "slow: no snapshot for 4d 19h" in rep["text"], rep
+    assert "415833" not in rep["text"], rep
 
 
 def _projection(unknown: list[str]) -> RunProjection:
