@@ -309,7 +309,9 @@ async def test_a_read_only_watcher_with_no_supervisor_shows_every_stage_from_its
         assert {sid: str(st.state) for sid, st in app.model.stages.items()} == rows
         assert "first snapshot" not in text
         assert "supervisor dead" in text and "not restarting it" in text, text
-        assert "to start it: aerie attach RUN without --read-only" in text, text
+        said = app.sup_watch.line(app.model.done)  # the status line, whole (the screen may cut it)
+        assert said and f"to start it: aerie attach {run.root} without --read-only" in said[0], said
+        assert "to start it: aerie attach" in text, text
         assert "from its files" in text, "the detail pane says where the row comes from"
         assert app.query_one(StageBoard).selected_key == "b", "the failure is the stage most worth a look"
         await pilot.press("q")
@@ -330,6 +332,23 @@ def test_the_re_attach_hint_keeps_read_only(tmp_path: Path) -> None:
     app.exit = lambda *_a, message="", **_k: exits.append(str(message))  # type: ignore[method-assign]
     app.action_quit_console()
     assert exits and exits[0].endswith(f"aerie attach {root} --read-only"), exits
+
+
+def test_the_start_it_hint_names_the_run_as_attach_takes_it(tmp_path: Path) -> None:
+    """A read-only watcher's "to start it" names the run itself — its path here, ``ssh://user@host:port/path``
+    on another host, quoted for a shell — not a placeholder (issue 47 item 6)."""
+    from console.ssh.connection import HostConnection, parse_ssh_url
+    from console.ssh.transport import RemoteLayout, SshTransport
+
+    dead = {"verdict": "dead", "text": "supervisor dead (last seen 10:01:02, 20s ago)"}
+    root = tmp_path / "my run"
+    watch = sup_watch.SupervisorWatch(read_only=True)
+    watch.run, watch.report = sup_watch.run_address(LocalTransport(str(root))), dead
+    said = watch.line(done=False)
+    assert said and f"to start it: aerie attach '{root}' without --read-only" in said[0], said
+    target, remote = parse_ssh_url("ssh://ops@gpu1:2222/runs/x")
+    transport = SshTransport(HostConnection(target), RemoteLayout(root=remote, python="python3"))
+    assert sup_watch.run_address(transport) == "ssh://ops@gpu1:2222/runs/x"  # nothing connects
 
 
 async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
