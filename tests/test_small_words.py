@@ -10,6 +10,8 @@ import os
 import time
 from pathlib import Path
 
+from textual.app import App, ComposeResult
+
 from console.app import AerieApp
 from console.cli import build_parser
 from console.header import status_text
@@ -17,7 +19,7 @@ from console.model import RunModel, StageView
 from console.screens.dialogs import HelpScreen
 from console.sup_watch import SupervisorWatch
 from console.transport import LocalTransport
-from console.widgets.board import note_for
+from console.widgets.board import StageBoard, note_for
 from pipeline.run.projection.compute import RunProjection
 from pipeline.run.projection.text import span, status_lines
 from pipeline.run.rundir.events import make
@@ -107,6 +109,48 @@ def test_a_stage_done_that_skipped_its_work_on_purpose_says_why_on_the_board() -
     st.events.append(decode(make("message", level="warning", code="prompts-too-long", text=text)))
     st.events.append(decode(make("progress", done=0, total=0, unit="rows")))
     assert note_for(st) == f"⚠ {text}"
+
+
+class BoardApp(App[None]):
+    """The board alone, synced with a model built here (a folded family, nothing else around it)."""
+
+    def compose(self) -> ComposeResult:
+        yield StageBoard()
+
+
+def _family_with_a_warned_and_a_forced_member(root: Path) -> RunModel:
+    model = RunModel(LocalTransport(str(root)))
+    for i, state in enumerate(["succeeded"] * 4 + ["pending"]):
+        st = StageView(id=f"regen.d{i}", family="regen", state=state)
+        model.stages[st.id], model.order = st, [*model.order, st.id]
+    warned = model.stages["regen.d1"]  # the demo's swe-agent regen: every prompt skipped on purpose
+    warned.events.append(decode(make("message", level="warning", code="prompts-too-long", text=SKIPPED)))
+    model.stages["regen.d4"].forced = True  # aerie force armed on it, not started yet
+    return model
+
+
+SKIPPED = "16 of 16 prompts are 547-591 tokens, not shorter than target.max_length 512: not sent"
+
+
+async def test_a_folded_family_keeps_a_warned_and_a_forced_member_listed(tmp_path: Path) -> None:
+    """A member done with a warning (its ⚠ reason) and one with a force armed (⚑) stay listed under their
+    family when it folds — by the operator (``z``) or by itself to fit the board — while the plain
+    succeeded members hide (issue 47 items 5 and 9)."""
+    model = _family_with_a_warned_and_a_forced_member(tmp_path)
+    app = BoardApp()
+    async with app.run_test(size=(160, 20)) as pilot:
+        board = app.query_one(StageBoard)
+        for fold in ("operator", "room"):
+            board.folds = {"regen": True} if fold == "operator" else {}
+            board.room = 0 if fold == "operator" else 3  # 6 rows unfolded do not fit 3: it folds itself
+            board.sync(model)
+            await pilot.pause()
+            assert board.is_folded("regen"), fold
+            keys = [r.key for r in board._rows]
+            assert keys == ["group:regen", "regen.d1", "regen.d4"], (fold, keys)
+            rows = "\n".join(svg_rows(app.export_screenshot()))
+            assert f"⚠ {SKIPPED}"[:60] in rows and "⚑ force armed" in rows, rows
+            assert "regen.d0" not in rows and "regen.d2" not in rows, "the plain done members fold away"
 
 
 async def _help_sheet(root: Path) -> tuple[str, str, str]:
