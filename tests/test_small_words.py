@@ -126,6 +126,9 @@ def _family_with_a_warned_and_a_forced_member(root: Path) -> RunModel:
     warned = model.stages["regen.d1"]  # the demo's swe-agent regen: every prompt skipped on purpose
     warned.events.append(decode(make("message", level="warning", code="prompts-too-long", text=SKIPPED)))
     model.stages["regen.d4"].forced = True  # aerie force armed on it, not started yet
+    routine = model.stages["regen.d2"]  # did its work and warned on the way (a rejected row): folds away
+    routine.events.append(decode(make("message", level="warning", code="reject", text="row 23: no answer")))
+    routine.progress.done, routine.progress.total = 24, 24
     return model
 
 
@@ -133,9 +136,9 @@ SKIPPED = "16 of 16 prompts are 547-591 tokens, not shorter than target.max_leng
 
 
 async def test_a_folded_family_keeps_a_warned_and_a_forced_member_listed(tmp_path: Path) -> None:
-    """A member done with a warning (its ⚠ reason) and one with a force armed (⚑) stay listed under their
-    family when it folds — by the operator (``z``) or by itself to fit the board — while the plain
-    succeeded members hide (issue 47 items 5 and 9)."""
+    """A member done having skipped all its work, with a warning (its ⚠ reason), and one with a force armed
+    (⚑) stay listed under their family when it folds — by the operator (``z``) or by itself to fit the
+    board — while the members that did their work hide, a routine warning or not (issue 47 items 5, 9)."""
     model = _family_with_a_warned_and_a_forced_member(tmp_path)
     app = BoardApp()
     async with app.run_test(size=(160, 20)) as pilot:
@@ -150,7 +153,7 @@ async def test_a_folded_family_keeps_a_warned_and_a_forced_member_listed(tmp_pat
             assert keys == ["group:regen", "regen.d1", "regen.d4"], (fold, keys)
             rows = "\n".join(svg_rows(app.export_screenshot()))
             assert f"⚠ {SKIPPED}"[:60] in rows and "⚑ force armed" in rows, rows
-            assert "regen.d0" not in rows and "regen.d2" not in rows, "the plain done members fold away"
+            assert "regen.d0" not in rows and "regen.d2" not in rows, "the members that did their work fold"
 
 
 async def _help_sheet(root: Path) -> tuple[str, str, str]:

@@ -8,9 +8,10 @@ aggregate progress and state counts, then its members indented below it. State c
 the app's theme (``App.state_style``), never from this widget.
 
 A family folds to its header row (``z`` on any of its rows, ``Z`` every family): its members that need the
-operator (running, paused, failed, killed, unhealthy — :data:`console.states.ATTENTION`; a force armed, ⚑; done
-with a warning whose ⚠ reason must show: ``board_cells.needs_a_look``) stay listed under it, the rest hide. When the rows do not fit the board's room (:attr:`StageBoard.room`, set by the app from the terminal
-height) families fold by themselves — first those with no member needing attention, then all — so at 80×24
+operator (running, paused, failed, killed, unhealthy — :data:`console.states.ATTENTION`; a force armed, ⚑;
+done having skipped all its work, with a warning whose ⚠ reason must show: ``board_cells.needs_a_look``)
+stay listed under it, the rest hide. When the rows do not fit the board's room (:attr:`StageBoard.room`, set
+by the app from the terminal height) families fold by themselves — first those with no member needing attention, then all — so at 80×24
 the running and failed stages stay on screen, and the selected row is always scrolled into view. A family
 the operator folded or unfolded keeps that choice; a filter shows every match, folded or not.
 

@@ -143,13 +143,15 @@ def _plain_len(cell: Cell) -> int:
 
 def needs_a_look(st: StageView) -> bool:
     """Whether a member stays listed under its folded family: its state needs attention (:data:`ATTENTION`:
-    failed, running …), a force is armed on it (⚑, to be seen and disarmed), or it succeeded with a warning
-    whose ⚠ reason the board must show (the demo's swe-agent regen skipped every prompt on purpose)."""
+    failed, running …), a force is armed on it (⚑, to be seen and disarmed), or it succeeded having done none
+    of its work, with a warning saying why — its ⚠ reason must show (the demo's swe-agent regen skipped every
+    prompt on purpose). A member that did its work and warned on the way (a prep that rejected a row: every
+    prep of the demo does) folds away like the others; its note shows when the family is unfolded."""
     if st.display_state in ATTENTION:
         return True
     if st.forced and st.state in (StageState.PENDING, StageState.READY):
         return True
-    return st.state == StageState.SUCCEEDED and last_warning(st) is not None
+    return st.state == StageState.SUCCEEDED and not st.progress.done and last_warning(st) is not None
 
 
 def auto_folds(families: list[tuple[str, list[StageView]]], folds: dict[str, bool], room: int) -> set[str]:
