@@ -788,6 +788,11 @@ async def test_chromium_no_token_tabs_opened_by_another_port_never_lock_the_oper
         await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
         await browser.navigate(f"http://127.0.0.1:{other}/")
         await browser.wait_eval("window.__done === true", 60, "the other port's page")
+        main = next(
+            t["targetId"]
+            for t in (await browser.send("Target.getTargets"))["targetInfos"]
+            if t["type"] == "page"
+        )
         for how in ("noopener", "link", "noopener", "link"):  # four clicks, four tabs of the console
             opened = f"{OPEN_FROM_THIS_PAGE}({json.dumps(console)}, {json.dumps(how)})"
             assert await browser.eval(opened, user_gesture=True)
@@ -808,10 +813,58 @@ async def test_chromium_no_token_tabs_opened_by_another_port_never_lock_the_oper
             "window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the operator's board"
         )
         assert get(port, "/session", X_Aerie_Session=log_in(port, ""))[0] == 200  # and a slot to spare
+        # A tab another page opened is not dead: the user's own click on its button opens the console there.
+        assert len(consoles(server.pid)) == 1
+        popup = next(t for t in await tabs() if t["targetId"] != main)
+        await click_in_tab(browser, popup["targetId"], "aerie-open")
+        wait_for(
+            lambda: len(consoles(server.pid)) == 2, 60, "the console of the tab whose button was clicked"
+        )
     finally:
         await browser.close()
         await runner.cleanup()
         reap(server, {})
+
+
+async def click_in_tab(browser: Chromium, target: str, element: str) -> None:
+    """A user's click (trusted input, through the tab's own DevTools connection) on ``element`` in the tab
+    ``target``, once the element is enabled."""
+    import aiohttp
+
+    port = int((browser.profile / "DevToolsActivePort").read_text().splitlines()[0])
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/json/list") as resp:
+            page = next(t for t in await resp.json() if t["id"] == target)
+        async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+            sent = 0
+
+            async def send(method: str, **params: Any) -> dict[str, Any]:
+                nonlocal sent
+                sent += 1
+                await ws.send_json({"id": sent, "method": method, "params": params})
+                while True:
+                    msg = json.loads((await ws.receive(timeout=60)).data)
+                    if msg.get("id") == sent:
+                        return dict(msg.get("result", {}))
+
+            async def click(x: float, y: float) -> None:
+                for kind in ("mousePressed", "mouseReleased"):
+                    await send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+            await click(2, 2)  # the tab takes the input (a focus re-arms the button's one-second delay)
+            where = (
+                f"(b => !b.hidden && !b.disabled && (r => [r.x + r.width / 2, r.y + r.height / 2])"
+                f"(b.getBoundingClientRect()))(document.getElementById({json.dumps(element)}))"
+            )
+            deadline = time.monotonic() + 30
+            while not (
+                value := (await send("Runtime.evaluate", expression=where, returnByValue=True))["result"].get(
+                    "value"
+                )
+            ):
+                assert time.monotonic() < deadline, f"#{element} never enabled in the tab"
+                await asyncio.sleep(0.25)
+            await click(*value)
 
 
 def _close_code(sock: socket.socket, within_s: float) -> int | None:
