@@ -2,7 +2,9 @@
 
 :class:`GuardedServer` is textual-serve's Server with ``console/serve_guard.py`` in front of every request (Host,
 Origin, token or the page's session key), the session slots checked before a WebSocket upgrade is served (one
-console per session key: a newer page with the key replaces the older console), the login at ``/session``, and
+console per session key: a newer page with the key replaces the older console), the login at ``/session``, the
+page told whether the user opened its tab (``Sec-Fetch-Site``: a tab another page opened waits for a click,
+``console/serve_page.py``), and
 every log line (its own and aiohttp's access log) through the filter of ``console/serve_log.py``. Each
 WebSocket session runs one console process through :class:`RecordedAppService`: the token variables are dropped
 from its environment, the control or the read-only console is picked by the credential the session presented,
@@ -41,7 +43,7 @@ from textual_serve.server import Server
 from console import serve_guard
 from console.serve_guard import ROLE_KEY, TOKEN_ENV, VIEW_TOKEN_ENV, Guard, Role
 from console.serve_log import EscapingStream, RedactingFilter, access_logger_class
-from console.serve_page import with_login
+from console.serve_page import opened_directly, with_login
 
 _PR_SET_PDEATHSIG = 1
 
@@ -234,7 +236,8 @@ class GuardedServer(Server):
 
     async def handle_index(self, request: web.Request) -> web.StreamResponse:
         # The same page for everyone, holding no secret: its script logs in and points the terminal at
-        # /ws/<session key> (serve_page.py). The title names the run only once logged in.
+        # /ws/<session key> (serve_page.py). The title names the run only once logged in. Only whether the
+        # user opened the tab (Sec-Fetch-Site) varies: a tab another page opened waits for a click.
         context = {
             "font_size": _to_int(request.query.get("fontsize", "16"), 16),
             "app_websocket_url": "",
@@ -242,7 +245,8 @@ class GuardedServer(Server):
             "application": {"name": "Aerie"},
         }
         page = aiohttp_jinja2.render_string("app_index.html", request, context)
-        return web.Response(text=with_login(page), content_type="text/html")
+        direct = opened_directly(request.headers.get("Sec-Fetch-Site"))  # typed, or a reload: no click needed
+        return web.Response(text=with_login(page, direct), content_type="text/html")
 
     async def handle_session(self, request: web.Request) -> web.StreamResponse:
         if request.method not in ("GET", "POST"):

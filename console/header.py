@@ -17,7 +17,7 @@ from console.model import RunModel, StageView
 from console.sup_watch import STALE_S, SupervisorWatch, alerts_line
 from pipeline.run.plan import dag as plan_mod
 from pipeline.run.projection.compute import DiskNow, StageProgress, project
-from pipeline.run.projection.text import compact_line
+from pipeline.run.projection.text import compact_line, span
 
 PROJECTION_EVERY_S = 5.0  # the projection line is recomputed at least this often (sooner on a state change)
 STALE_SUPERVISOR_S = STALE_S  # no new snapshot for this long: the console asks the host (restarts a dead one)
@@ -70,7 +70,7 @@ def status_text(
             style=style("succeeded" if ok else "failed"),
         )
     elif watch is None and model.supervisor_t and now - model.supervisor_t > STALE_SUPERVISOR_S:
-        line.append(f"supervisor silent for {now - model.supervisor_t:.0f}s", style=style("paused"))
+        line.append(f"supervisor silent for {span(now - model.supervisor_t)}", style=style("paused"))
     else:
         line.append(f"supervisor pid {model.supervisor_pid} · polling every {poll_s:g}s")
     return line
@@ -110,8 +110,9 @@ def projection_text(
         return Text(f"no projection: {plan}", style="dim")
     d = model.telemetry.disk
     disk = None
-    if d is not None and d.taken is not None and d.total is not None:  # the meter's figures, the meter's disk
-        disk = DiskNow(d.taken, d.total, d.projected_remaining or 0, d.where)
+    if d is not None and d.avail is not None and d.total is not None:  # the meter's figures, the meter's disk
+        used = d.used if d.used is not None else d.total - d.avail  # an agent that sent no ``used``
+        disk = DiskNow(used, d.total, d.projected_remaining or 0, d.where, d.avail)
     progress = {sid: stage_progress(st) for sid, st in model.stages.items()}
     try:
         p = project(plan, progress, time.time() if now is None else now, disk)

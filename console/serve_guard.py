@@ -28,7 +28,7 @@ The browser console can kill stages, so every request passes, in this order (as 
 
    The token is required by default, on loopback too (a loopback port is open to every account on the
    machine). ``--no-token`` (loopback only) lets ``POST /session`` hand out keys without one, and says what
-   that risks.
+   that risks; the page asks for it only in a tab the user opened or clicked (see the session slots).
 
 Failures are 403 (Host, Origin) or 401 (token, session key) with a plain sentence saying what to do. Every
 response forbids framing (no clickjacking of the console by another page), sends no ``Referer`` and, but the
@@ -37,10 +37,16 @@ name a path of this origin.
 
 **Session slots** (:class:`Slots`): at most ``--max-sessions`` consoles run at once, and the view token's
 watchers may hold all but one of them: the last slot is always free for the control token, so watchers
-cannot lock the operator out. Pages opened by another page (a popup, which copies its opener's
-``sessionStorage``) do not start a console on their own (``serve_page.py``), and a session key holds one
-console at a time — a newer page with it replaces the older console (``browser_server.py``) — so another
-site cannot fill the slots with the operator's key either.
+cannot lock the operator out. Other pages cannot either, with or without a token: a tab that another page
+opened or navigated (a popup, ``noopener`` or not, a ``target=_blank`` link; the browser's ``Sec-Fetch-Site``
+says so) starts no console and — under ``--no-token`` — creates no session key until the user clicks "Open
+the console here" on it, a click no other origin can make for them (``serve_page.py``); and a session key
+holds one console at a time — a newer page with it replaces the older console (``browser_server.py``) — so a
+page that copied the operator's key cannot fill the slots with it either. Why a click rather than evicting an
+idle console when the slots are full: an operator who watches without typing is idle too, and eviction would
+let any page close the operator's console; the click keeps every console one the user asked for, and the
+tabs that hold them are in the operator's own browser to close. (A local account can still fill the slots
+with plain WebSocket clients under ``--no-token``, which already lets it kill stages: that flag's stated risk.)
 
 A generated token is written to ``<state dir>/serve/<host>-<port>.token`` (``~/.local/state/aerie/serve``
 unless ``$AERIE_STATE_DIR``, ``$AERIE_HOME`` or ``$XDG_STATE_HOME`` say otherwise): the directory 0700,

@@ -12,8 +12,18 @@ The page is public and the same for everyone: it holds no secret. Its script, ru
 * points the terminal at ``/ws/<key>`` and starts it. No request the browser makes on its own — a
   navigation, a link, a popup, a request to another port — carries the key: only this script sends it.
 
-A tab opened by another page's script (``window.opener`` is set: a popup) does not start a console by itself:
-it asks for a click first, so another site cannot fill the session slots with popups of the operator's key.
+**A console starts by itself only in a tab the user opened directly**: a typed address, a bookmark, a link
+from the terminal, or a reload of the console's own page — the browser says so in ``Sec-Fetch-Site`` (``none``
+or ``same-origin``), a header no page can set, and the server writes the answer into the page it serves
+(:func:`with_login`'s ``direct``). A tab that another page opened or navigated (``window.open``, with or
+without ``noopener``, ``<a target=_blank>``, a redirect: ``same-site`` or ``cross-site``), or one with an opener,
+or a browser that sends no such header, shows "Open the console here" and starts nothing — above all it
+creates no session key under ``--no-token`` — until the user clicks that button. Only a real click on our own
+page counts: another origin cannot script this page (nor frame it: ``X-Frame-Options: DENY``), the handler
+takes only trusted events, and the button stays disabled for a second after the page is shown or regains
+focus, so a click aimed at another page (a "double-click" trick that opens this tab under the pointer) lands
+on a disabled button. So another page on this host cannot fill the session slots (``--max-sessions``) and
+lock the operator out, with or without a token; the operator's own typed address always gets a console.
 
 The page loads nothing from another origin: textual-serve's template asks Google Fonts for Roboto Mono, which
 tells Google who opened a console and when, and stalls the page on an air-gapped cluster; that link is
@@ -46,6 +56,7 @@ _STYLE = """
 _SCRIPT = """
 (() => {
   const KEY = "%(key)s";
+  const DIRECT = %(direct)s;  // the user opened this tab (Sec-Fetch-Site: none or same-origin)
   const start = window.onload;  // textual-serve's: starts the terminal; run once a console may start
   window.onload = null;
   const box = document.getElementById("aerie-login");
@@ -87,13 +98,27 @@ _SCRIPT = """
     login(token);
   });
   const go = () => open(sessionStorage.getItem(KEY) || "-");
+  const button = document.getElementById("aerie-open");
+  const arm = () => {  // a click meant for another page (the tab opened under the pointer) finds it disabled
+    button.disabled = true;
+    clearTimeout(arm.timer);
+    arm.timer = setTimeout(() => { button.disabled = false; }, 1000);
+  };
   window.addEventListener("load", () => {
-    if (!window.opener) return go();
-    say("Another page opened this tab: no console starts here by itself.");
+    if (DIRECT && !window.opener) return go();
+    say("This tab was opened by another page (or a link): no console starts here without your click.");
     form.hidden = true;
-    const button = document.getElementById("aerie-open");
     button.hidden = false;
-    button.addEventListener("click", () => { window.opener = null; button.hidden = true; go(); });
+    box.hidden = false;
+    arm();
+    document.addEventListener("visibilitychange", arm);
+    window.addEventListener("focus", arm);
+    button.addEventListener("click", (e) => {
+      if (!e.isTrusted || button.disabled) return;
+      window.opener = null;
+      button.hidden = true;
+      go();
+    });
   });
 })();
 """
@@ -113,11 +138,20 @@ _BOX = """
 _EXTERNAL_LINK = re.compile(r"<link\b[^>]*\bhref\s*=\s*[\"']?(?:https?:)?//[^>]*>", re.IGNORECASE)
 
 
-def with_login(page: str) -> str:
+def opened_directly(sec_fetch_site: str | None) -> bool:
+    """Whether the browser says the user opened this page: ``Sec-Fetch-Site`` is ``none`` (a typed address, a
+    bookmark) or ``same-origin`` (a reload, a link of the console's own page). Absent (an old browser) or
+    ``same-site``/``cross-site`` (another page opened or navigated the tab): no."""
+    return (sec_fetch_site or "").strip().lower() in ("none", "same-origin")
+
+
+def with_login(page: str, direct: bool = False) -> str:
     """textual-serve's rendered page with the login box and the session-key script before ``</body>``, and
-    without its links to other origins (a web font)."""
+    without its links to other origins (a web font). Unless ``direct`` (:func:`opened_directly`), the page
+    starts nothing until the user clicks "Open the console here"."""
     page = _EXTERNAL_LINK.sub("", page)
-    tail = f"<style>{_STYLE}</style>{_BOX}<script>{_SCRIPT % {'key': html.escape(KEY_NAME)}}</script>"
+    script = _SCRIPT % {"key": html.escape(KEY_NAME), "direct": "true" if direct else "false"}
+    tail = f"<style>{_STYLE}</style>{_BOX}<script>{script}</script>"
     head, sep, rest = page.rpartition("</body>")
     if not sep:
         raise ValueError("textual-serve's page has no </body>: cannot add the login")

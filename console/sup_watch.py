@@ -10,7 +10,8 @@ the holder's pid, why the run directory cannot be written) is what the status li
 
 * ``supervisor silent for 40s (pid 812 alive, cannot write: EROFS Read-only file system)``
 * ``supervisor dead (last seen 10:01:02, 20s ago) — restarting it``
-* ``supervisor dead (…) — read-only watcher, not restarting it; to start it: aerie attach RUN without --read-only …``
+* ``supervisor dead (…) — read-only watcher, not restarting it; to start it: aerie attach /runs/x without --read-only …``
+  (the run named as ``aerie attach`` takes it: its path here, or ``ssh://host/path``)
 
 Widgets never talk to the host: the app (or headless mode) runs :meth:`SupervisorWatch.check` in a worker.
 """
@@ -18,11 +19,13 @@ Widgets never talk to the host: the app (or headless mode) runs :meth:`Superviso
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from console.transport import Transport
+from console.transport import LocalTransport, Transport
+from pipeline.run.projection.text import span
 
 if TYPE_CHECKING:
     from console.model import RunModel
@@ -43,6 +46,7 @@ class SupervisorWatch:
         self.checking = False
         self.next_check = 0.0
         self.restarts = 0
+        self.run = "RUN"  # the run as ``aerie attach`` takes it (a path, ssh://host/path): known once checked
 
     def observe(self, supervisor_t: float | None) -> None:
         """A snapshot was read; a moved ``t`` is a live supervisor (any old verdict is dropped)."""
@@ -62,6 +66,7 @@ class SupervisorWatch:
     async def check(self, transport: Transport) -> dict[str, Any]:
         """Ask the host: ``ctl ensure --json`` (restarts a dead supervisor) or, read-only, ``ctl liveness``."""
         self.checking = True
+        self.run = run_address(transport)
         try:
             res = await transport.ctl(*(("liveness",) if self.read_only else ("ensure", "--json")))
             rep = _parse(res.returncode, res.stdout, res.message)
@@ -81,7 +86,7 @@ class SupervisorWatch:
             return None  # (a host that said "dead" is said at once: a read-only watcher asks it on attach)
         rep = self.report
         if rep is None:
-            return f"supervisor silent for {self.silent_for():.0f}s — checking…", "warning"
+            return f"supervisor silent for {span(self.silent_for())} — checking…", "warning"
         verdict, text = rep.get("verdict"), str(rep.get("text", ""))
         if verdict == "running":
             return None
@@ -90,12 +95,23 @@ class SupervisorWatch:
         if verdict in ("dead", "finished"):
             if self.read_only:
                 return (
-                    f"{text} — read-only watcher, not restarting it; to start it: aerie attach RUN without "
-                    "--read-only (or any control action)",
+                    f"{text} — read-only watcher, not restarting it; to start it: aerie attach {self.run} "
+                    "without --read-only (or any control action)",
                     "error",
                 )
             return f"{text} — restarting it", "error"
         return text, "error"
+
+
+def run_address(transport: Transport) -> str:
+    """The run as ``aerie attach`` takes it: its directory here, or ``ssh://host/path`` on another host
+    (quoted for a shell when it needs to be)."""
+    where = (
+        transport.run_root
+        if isinstance(transport, LocalTransport)
+        else f"ssh://{transport.status.host}{transport.run_root}"
+    )
+    return shlex.quote(where)
 
 
 def _down(rep: dict[str, Any] | None) -> bool:

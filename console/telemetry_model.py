@@ -14,12 +14,14 @@ Every buffer is bounded, whatever the run's length or the number of GPUs.
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from console import fmt
+from pipeline.run.projection.text import use_percent
 
 TELEMETRY_FILE = "telemetry.jsonl"
 
@@ -128,14 +130,6 @@ class DiskView:
         return self.mount or self.path or "?"
 
     @property
-    def taken(self) -> int | None:
-        """Bytes of the filesystem not available to the run (used, and root's reserved blocks), as ``df`` and
-        the meter's percentage count them; the projection's disk at finish adds to this same figure."""
-        if self.total is None or self.avail is None:
-            return None
-        return self.total - self.avail
-
-    @property
     def used_fraction(self) -> float | None:
         """``df``'s Use%: used / (used + available), ``used`` being the blocks in use (total − free). Root's
         reserved blocks are in neither, so this is not (total − available) / total: on a disk whose size
@@ -145,6 +139,14 @@ class DiskView:
         if self.total is None or self.avail is None or not self.total:
             return None
         return (self.total - self.avail) / self.total  # an agent that sent no ``used``
+
+    @property
+    def use_percent(self) -> int | None:
+        """:attr:`used_fraction` in whole per cent as ``df`` prints it: rounded up (29.2 % is 30 %)."""
+        if self.used is not None and self.avail is not None:
+            return use_percent(self.used, self.avail)
+        frac = self.used_fraction
+        return None if frac is None else math.ceil(round(100 * frac, 6))
 
     @property
     def rate_bps(self) -> float | None:

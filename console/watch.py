@@ -28,6 +28,7 @@ from console.alert_feed import AlertFeed
 from console.transport import Transport
 from pipeline.run.alerts.hooks import hook_env, run_hook
 from pipeline.run.alerts.record import AlertRecord
+from pipeline.run.projection.text import span
 from pipeline.run.rundir.layout import write_atomic
 
 RETRY_S = (
@@ -94,7 +95,7 @@ class Watch:
                 self.say(f"cannot read the run ({type(exc).__name__}: {exc}); retrying")
             return False
         if self.down_since is not None:
-            self.say(f"reading the run again after {time.monotonic() - self.down_since:.0f}s")
+            self.say(f"reading the run again after {span(time.monotonic() - self.down_since)}")
             self.down_since = None
         alerts, state = res
         self.feed.ingest(alerts.data, alerts.size, alerts.ino)

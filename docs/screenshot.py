@@ -3,7 +3,8 @@
 ``python docs/screenshot.py [OUT.svg] [--size 120x36] [--timeout 240]`` starts the demo run (``aerie demo``'s
 plan, the real pipeline on the bundled data) in a temporary directory, waits until it has something to show —
 its regenerations running against the inference server, or the timeout — opens the console on it headless (Textual's
-``run_test``), lets it select the stage most worth a look, and saves ``app.save_screenshot()``'s SVG. Then it
+``run_test``), lets it select the stage most worth a look, and saves ``app.save_screenshot()``'s SVG — or fails
+(exit 1, nothing written) when the console selected no stage ("Select a stage" on screen). Then it
 stops what it started: the supervisor and each stage's recorded attempt (never by name), and removes the run.
 
 ``tests/test_docs_screenshot.py`` regenerates it and compares its structure and words (the board's columns and
@@ -28,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 from console.app import AerieApp  # noqa: E402
 from console.cli import demo_plan_path  # noqa: E402
 from console.transport import LocalTransport, start_local_run  # noqa: E402
+from console.widgets.board import StageBoard  # noqa: E402
+from console.widgets.detail import StageDetail  # noqa: E402
 from pipeline.run.hosts.procs import ProcIdentity, StrangerError, signal_attempt, signal_group  # noqa: E402
 from pipeline.run.rundir.layout import RunDir, read_json  # noqa: E402
 
@@ -56,7 +59,27 @@ async def shoot(run: RunDir, out: Path, size: tuple[int, int]) -> None:
         while time.monotonic() < deadline and not (app.model.loaded and app.model.telemetry.disk is not None):
             await pilot.pause(0.2)
         await pilot.pause(3.0)  # a few polls: rates, the selected stage's log tail
+        problem = no_selection(app)
+        if problem:
+            raise NoPicture(problem)
         app.save_screenshot(filename=out.name, path=str(out.parent))
+
+
+class NoPicture(RuntimeError):
+    """The console is not worth a picture (it selected no stage): the README would show an empty pane."""
+
+
+def no_selection(app: AerieApp) -> str | None:
+    """Why the screen is no picture of the console at work: no stage selected on the board, or the detail
+    pane's "Select a stage" (issue 47 item 8: the demo's first screen selected nothing for minutes)."""
+    board, detail = app.query_one(StageBoard), app.query_one(StageDetail)
+    shown = app.export_screenshot().replace("&#160;", " ")
+    if board.selected_key is None or detail.stage_id is None or "Select a stage" in shown:
+        return (
+            "the console selected no stage (its detail pane says 'Select a stage'): a first screen that "
+            "selects nothing is a bug, not a picture; no screenshot written"
+        )
+    return None
 
 
 def stop(run: RunDir) -> None:
@@ -92,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_a_picture(run, args.timeout)
         asyncio.run(shoot(run, args.out.resolve(), (cols, rows)))
         shown = states(run)
+    except NoPicture as exc:
+        print(f"screenshot: {exc}", file=sys.stderr)
+        return 1
     finally:
         stop(run)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -75,3 +75,30 @@ def test_the_readme_picture_is_the_console_as_it_is(tmp_path: Path) -> None:
     for key in ("size", "meters", "footer"):
         assert fresh[key] == committed[key], f"{key}: regenerate with `python docs/screenshot.py`"
     assert fresh["labels"] <= demo_names() and {"prep", "serve", "regen"} <= fresh["labels"], fresh["labels"]
+
+
+async def test_the_screenshot_refuses_a_console_that_selected_nothing(tmp_path: Path) -> None:
+    """``docs/screenshot.py`` writes no picture of a console whose board selected no stage ("Select a stage"
+    in the detail pane, issue 47 item 8): such a first screen is a bug to fix, not the README's picture."""
+    import importlib.util
+
+    from console.app import AerieApp
+    from console.transport import LocalTransport
+    from tests.runs import mixed_run
+    from tests.test_console import until
+
+    spec = importlib.util.spec_from_file_location("screenshot", ROOT / "docs" / "screenshot.py")
+    assert spec is not None and spec.loader is not None
+    shot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shot)
+    empty = AerieApp(LocalTransport(str(tmp_path / "none")), poll_s=0.2, alerts=False, user_config={})
+    empty.ensure_supervisor = lambda: None  # type: ignore[method-assign]
+    async with empty.run_test(size=(120, 36)) as pilot:
+        await pilot.pause(0.5)  # no run there: nothing loads, nothing is selected
+        said = shot.no_selection(empty)
+        assert said and "selected no stage" in said, said
+    run = mixed_run(tmp_path / "r")
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={})
+    app.ensure_supervisor = lambda: None  # type: ignore[method-assign]
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: shot.no_selection(app) is None, what="a stage selected")

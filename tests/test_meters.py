@@ -176,7 +176,8 @@ async def test_the_disk_meter_warns_when_the_projected_output_does_not_fit() -> 
 
 async def test_the_disk_meter_says_dfs_use_percent() -> None:
     """``df`` of a thin virtual disk: 264 GiB size, 28.7 GiB used, 77.7 GiB available: Use% 27 %. The meter
-    says 27 % used (df's used / (used + avail)), not the 71 % that (size − avail) / size gives."""
+    says 27 % used (df's used / (used + avail)), not the 71 % that (size − avail) / size gives; and it rounds
+    up as ``df`` does (29.2 % reads 30 %)."""
     gib = 1 << 30
     m = TelemetryModel()
     m.feed(
@@ -200,3 +201,14 @@ async def test_the_disk_meter_says_dfs_use_percent() -> None:
         text = app.query_one(DiskMeter).render().plain
         assert " 27% used" in text and "71%" not in text, text
         assert "77.7 GiB free of 264.0 GiB" in text, text
+        # df rounds Use% up: 29.2 GiB used, 70.8 GiB available is 29.2 %, which df prints 30 % (not 29)
+        record = {"kind": "disk", "t": 2.0, "seq": 2, "path": "/runs/x", "total": 264 * gib}
+        m.feed([json.dumps(record | {"used": int(29.2 * gib), "avail": int(70.8 * gib)})])
+        app.query_one(DiskMeter).refresh()
+        await pilot.pause()
+        text = app.query_one(DiskMeter).render().plain
+        assert " 30% used" in text and "29%" not in text, text
+        # ... and an exact 27 % (27 of 100 GiB) stays 27, as in df (integer arithmetic, no 27.000001)
+        m.feed([json.dumps(record | {"t": 3.0, "seq": 3, "used": 27 * gib, "avail": 73 * gib})])
+        await pilot.pause()
+        assert " 27% used" in app.query_one(DiskMeter).render().plain

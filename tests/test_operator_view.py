@@ -309,7 +309,9 @@ async def test_a_read_only_watcher_with_no_supervisor_shows_every_stage_from_its
         assert {sid: str(st.state) for sid, st in app.model.stages.items()} == rows
         assert "first snapshot" not in text
         assert "supervisor dead" in text and "not restarting it" in text, text
-        assert "to start it: aerie attach RUN without --read-only" in text, text
+        said = app.sup_watch.line(app.model.done)  # the status line, whole (the screen may cut it)
+        assert said and f"to start it: aerie attach {run.root} without --read-only" in said[0], said
+        assert "to start it: aerie attach" in text, text
         assert "from its files" in text, "the detail pane says where the row comes from"
         assert app.query_one(StageBoard).selected_key == "b", "the failure is the stage most worth a look"
         await pilot.press("q")
@@ -332,6 +334,23 @@ def test_the_re_attach_hint_keeps_read_only(tmp_path: Path) -> None:
     assert exits and exits[0].endswith(f"aerie attach {root} --read-only"), exits
 
 
+def test_the_start_it_hint_names_the_run_as_attach_takes_it(tmp_path: Path) -> None:
+    """A read-only watcher's "to start it" names the run itself — its path here, ``ssh://user@host:port/path``
+    on another host, quoted for a shell — not a placeholder (issue 47 item 6)."""
+    from console.ssh.connection import HostConnection, parse_ssh_url
+    from console.ssh.transport import RemoteLayout, SshTransport
+
+    dead = {"verdict": "dead", "text": "supervisor dead (last seen 10:01:02, 20s ago)"}
+    root = tmp_path / "my run"
+    watch = sup_watch.SupervisorWatch(read_only=True)
+    watch.run, watch.report = sup_watch.run_address(LocalTransport(str(root))), dead
+    said = watch.line(done=False)
+    assert said and f"to start it: aerie attach '{root}' without --read-only" in said[0], said
+    target, remote = parse_ssh_url("ssh://ops@gpu1:2222/runs/x")
+    transport = SshTransport(HostConnection(target), RemoteLayout(root=remote, python="python3"))
+    assert sup_watch.run_address(transport) == "ssh://ops@gpu1:2222/runs/x"  # nothing connects
+
+
 async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
     tmp_path: Path, frozen: None
 ) -> None:
@@ -342,12 +361,18 @@ async def test_the_disk_meter_and_the_projection_name_the_same_filesystem(
         disk = app.model.telemetry.disk
         assert disk is not None and disk.mount == "/data (/dev/nvme1n1)"
         meter = next(r for r in rows if r.lstrip().startswith("disk "))
-        # The meter's percentage is df's Use%: used / (used + avail), not (total - avail) / total (75 % here).
-        use = round(100 * disk.used / (disk.used + disk.avail))
+        # The meter's percentage is df's Use%: used / (used + avail) rounded up, not (total - avail) / total
+        # (75 % here).
+        assert disk.used is not None and disk.avail is not None and disk.total is not None
+        use = -(-100 * disk.used // (disk.used + disk.avail))
         assert "/data (/dev/nvme1n1)" in meter and f"{use}% used" in meter and "75%" not in meter, meter
-        # The projection counts what the run cannot write into (total - avail), plus what is still to write.
-        at_end = (disk.total - disk.avail) / (1 << 30)
-        assert f"disk {at_end:.1f} GiB/{disk.total / (1 << 30):.1f} GiB at end on /data" in rows[1], rows[1]
+        # The projection, on the same screen, in the same terms: df's used + still to write, of used + avail;
+        # its free space is the meter's less what is still to write (the two never contradict).
+        to_write = disk.projected_remaining or 0
+        end = -(-100 * (disk.used + to_write) // (disk.used + disk.avail))
+        free = (disk.avail - to_write) / (1 << 30)
+        assert f"disk at end on /data: {end}% used, {free:.1f} GiB free" in rows[1], rows[1]
+        assert end >= use, "the disk fills, never empties, by the end"
 
 
 def test_the_agent_and_aerie_status_name_the_run_dirs_filesystem(tmp_path: Path) -> None:
@@ -367,9 +392,10 @@ def test_the_agent_and_aerie_status_name_the_run_dirs_filesystem(tmp_path: Path)
     rec = agent._disk(time.time())
     assert rec["mount"] == mount
     proj = run_projection(run, {"stages": []}, time.time())
-    total, _used, avail = budget.disk_free(run.root)
+    total, used, avail = budget.disk_free(run.root)
     assert proj["disk_mount"] == mount and proj["disk_total"] == total
-    assert proj["disk_at_finish"] >= total - avail - (1 << 20), "counted as the meter counts (total - avail)"
+    assert proj["disk_at_finish"] >= used - (1 << 20), "counted as the meter counts (df's used)"
+    assert proj["disk_free_at_finish"] <= avail + (1 << 20), "and free as df's avail, less what is to write"
 
 
 NAN_STAGE = (

@@ -204,10 +204,18 @@ def test_a_finished_run_and_its_disk_at_finish(plan: plan_mod.Plan) -> None:
     assert p.finished and p.will_finish and p.progress == 1.0 and p.remaining_s == 0
     assert p.finish_at == NOW - 100 and p.started_at == NOW - 900
     assert p.gpu_hours_used == p.gpu_hours_projected == pytest.approx((360 * 2 + 240) / 3600)
-    assert compact_line(p) == "100% 4/4 · ended, took 13m · 0.3 GPU-h · disk 3.0 TiB/8.0 TiB at end"
+    assert compact_line(p) == "100% 4/4 · ended, took 13m · 0.3 GPU-h · disk at end: 38% used, 5.0 TiB free"
     # Before the end, disk at finish is what is used now plus what the stages have still to write.
     p = project(plan, {}, NOW, DiskNow(used=1 << 40, total=8 << 40, to_write=2 << 40))
-    assert p.disk_at_finish == 3 << 40
+    assert p.disk_at_finish == 3 << 40 and p.disk_free_at_finish == 5 << 40
+    # In df's terms, as the meter: 28.7 GiB used and 77.7 GiB available on a 264 GiB thin disk, 6 GiB to
+    # write: 34.7 / 106.4 = 32.6 %, df rounds up; the free space is the meter's "free" less what is written.
+    gib = 1 << 30
+    p = project(plan, {}, NOW, DiskNow(int(28.7 * gib), 264 * gib, 6 * gib, "/", avail=int(77.7 * gib)))
+    assert "disk at end on /: 33% used, 71.7 GiB free" in compact_line(p, 200), compact_line(p, 200)
+    assert "disk at finish, as df counts: 33% used, 71.7 GiB free of 264.0 GiB on /" in status_lines(p)
+    p = project(plan, {}, NOW, DiskNow(int(28.7 * gib), 264 * gib, 80 * gib, "/", avail=int(77.7 * gib)))
+    assert "disk 2.3 GiB short at end on /" in compact_line(p, 200), compact_line(p, 200)
 
 
 def test_the_compact_line_fits_80_columns_dropping_whole_facts(plan: plan_mod.Plan) -> None:
@@ -313,8 +321,11 @@ def test_the_disk_at_finish_names_its_filesystem(plan: plan_mod.Plan) -> None:
         plan, {}, NOW, DiskNow(used=1 << 40, total=8 << 40, to_write=2 << 40, mount="/data (/dev/sdb1)")
     )
     assert p.disk_mount == "/data (/dev/sdb1)"
-    assert "disk 3.0 TiB/8.0 TiB at end on /data" in compact_line(p, 200)
-    assert "disk at finish: 3.0 TiB used of 8.0 TiB on /data (/dev/sdb1)" in status_lines(p)
+    assert "disk at end on /data: 38% used, 5.0 TiB free" in compact_line(p, 200)
+    assert (
+        "disk at finish, as df counts: 38% used, 5.0 TiB free of 8.0 TiB on /data (/dev/sdb1)"
+        in status_lines(p)
+    )
     from pipeline.run.projection.compute import RunProjection
 
     old = p.to_dict()

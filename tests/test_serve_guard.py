@@ -737,12 +737,12 @@ async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_th
         popups = [t for t in targets if t["url"] == f"http://127.0.0.1:{port}/" and t.get("openerId")]
         assert len(popups) == 4, targets
         assert not consoles(server.pid)
-        # Popups that cut their opener first start the key's one console at most: each replaces the last.
+        # Popups that cut their opener first still start nothing: another page sent them there.
         for _ in range(4):
             url = f"http://127.0.0.1:{other}/launder?to=http://127.0.0.1:{port}/"
             await browser.eval(f"!!window.open({json.dumps(url)}, '_blank')", user_gesture=True)
         await asyncio.sleep(15)
-        assert len(consoles(server.pid)) <= 1
+        assert not consoles(server.pid)  # another page navigated them there: each waits for a click
         # ... and the operator, back in the tab, gets the console at once, without logging in again
         await browser.navigate(f"http://127.0.0.1:{port}/")
         await browser.wait_eval(
@@ -759,6 +759,112 @@ async def test_chromium_another_port_gets_nothing_to_replay_and_history_never_th
     assert not [u for u in urls if TOKEN in u or key in u or "token" in u]  # ... and holds no token
     assert profile_files_holding(tmp_path / "profile", TOKEN) == []  # nor any file of the profile (no cache)
     assert TOKEN not in logs(tmp_path)
+
+
+OPEN_FROM_THIS_PAGE = """((url, how) => {  // what a page does on a click: a popup without opener, or a link
+  if (how === "noopener") return (window.open(url, "_blank", "noopener"), true);
+  const a = Object.assign(document.createElement("a"), {href: url, target: "_blank"});
+  document.body.append(a);
+  a.click();
+  return true;
+})"""
+
+
+@pytest.mark.slow  # a browser, a server and a console, each started cold
+async def test_chromium_no_token_tabs_opened_by_another_port_never_lock_the_operator_out(
+    tmp_path: Path,
+) -> None:
+    """Issue 47 item 3 under ``--no-token``: a page on another loopback port opens the console in four tabs
+    (noopener popups and ``target=_blank`` links, each on a click): none creates a session key or a
+    console by itself, so the operator's own typed address still gets the board."""
+    chromium_path()
+    run = finished_run(tmp_path / "r")
+    port, other = free_port(), free_port()
+    server = start(tmp_path, run.root, port, "--no-token")
+    runner = await listener(other, [])
+    browser = await Chromium(tmp_path / "profile").start()
+    console = f"http://127.0.0.1:{port}/"
+    try:
+        await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)
+        await browser.navigate(f"http://127.0.0.1:{other}/")
+        await browser.wait_eval("window.__done === true", 60, "the other port's page")
+        main = next(
+            t["targetId"]
+            for t in (await browser.send("Target.getTargets"))["targetInfos"]
+            if t["type"] == "page"
+        )
+        for how in ("noopener", "link", "noopener", "link"):  # four clicks, four tabs of the console
+            opened = f"{OPEN_FROM_THIS_PAGE}({json.dumps(console)}, {json.dumps(how)})"
+            assert await browser.eval(opened, user_gesture=True)
+
+        async def tabs() -> list[dict[str, Any]]:
+            targets = (await browser.send("Target.getTargets"))["targetInfos"]
+            return [t for t in targets if t["type"] == "page" and t["url"] == console]
+
+        deadline = time.monotonic() + 60
+        while len(await tabs()) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert len(await tabs()) == 4, await tabs()
+        await asyncio.sleep(15)  # a tab that went on by itself has its console by now (it did before)
+        assert not consoles(server.pid)
+        # The operator types the console's address: the board, at once.
+        await browser.navigate(console)
+        await browser.wait_eval(
+            "window.__rx && window.__rx.includes('prep.sharegpt')", 120, "the operator's board"
+        )
+        assert get(port, "/session", X_Aerie_Session=log_in(port, ""))[0] == 200  # and a slot to spare
+        # A tab another page opened is not dead: the user's own click on its button opens the console there.
+        assert len(consoles(server.pid)) == 1
+        popup = next(t for t in await tabs() if t["targetId"] != main)
+        await click_in_tab(browser, popup["targetId"], "aerie-open")
+        wait_for(
+            lambda: len(consoles(server.pid)) == 2, 60, "the console of the tab whose button was clicked"
+        )
+    finally:
+        await browser.close()
+        await runner.cleanup()
+        reap(server, {})
+
+
+async def click_in_tab(browser: Chromium, target: str, element: str) -> None:
+    """A user's click (trusted input, through the tab's own DevTools connection) on ``element`` in the tab
+    ``target``, once the element is enabled."""
+    import aiohttp
+
+    port = int((browser.profile / "DevToolsActivePort").read_text().splitlines()[0])
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/json/list") as resp:
+            page = next(t for t in await resp.json() if t["id"] == target)
+        async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+            sent = 0
+
+            async def send(method: str, **params: Any) -> dict[str, Any]:
+                nonlocal sent
+                sent += 1
+                await ws.send_json({"id": sent, "method": method, "params": params})
+                while True:
+                    msg = json.loads((await ws.receive(timeout=60)).data)
+                    if msg.get("id") == sent:
+                        return dict(msg.get("result", {}))
+
+            async def click(x: float, y: float) -> None:
+                for kind in ("mousePressed", "mouseReleased"):
+                    await send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+            await click(2, 2)  # the tab takes the input (a focus re-arms the button's one-second delay)
+            where = (
+                f"(b => !b.hidden && !b.disabled && (r => [r.x + r.width / 2, r.y + r.height / 2])"
+                f"(b.getBoundingClientRect()))(document.getElementById({json.dumps(element)}))"
+            )
+            deadline = time.monotonic() + 30
+            while not (
+                value := (await send("Runtime.evaluate", expression=where, returnByValue=True))["result"].get(
+                    "value"
+                )
+            ):
+                assert time.monotonic() < deadline, f"#{element} never enabled in the tab"
+                await asyncio.sleep(0.25)
+            await click(*value)
 
 
 def _close_code(sock: socket.socket, within_s: float) -> int | None:

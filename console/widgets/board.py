@@ -8,9 +8,10 @@ aggregate progress and state counts, then its members indented below it. State c
 the app's theme (``App.state_style``), never from this widget.
 
 A family folds to its header row (``z`` on any of its rows, ``Z`` every family): its members that need the
-operator (running, paused, failed, killed, unhealthy — :data:`console.states.ATTENTION`) stay listed under it, the rest
-hide. When the rows do not fit the board's room (:attr:`StageBoard.room`, set by the app from the terminal
-height) families fold by themselves — first those with no member needing attention, then all — so at 80×24
+operator (running, paused, failed, killed, unhealthy — :data:`console.states.ATTENTION`; a force armed, ⚑;
+done having skipped all its work, with a warning whose ⚠ reason must show: ``board_cells.needs_a_look``)
+stay listed under it, the rest hide. When the rows do not fit the board's room (:attr:`StageBoard.room`, set
+by the app from the terminal height) families fold by themselves — first those with no member needing attention, then all — so at 80×24
 the running and failed stages stay on screen, and the selected row is always scrolled into view. A family
 the operator folded or unfolded keeps that choice; a filter shows every match, folded or not.
 
@@ -38,7 +39,7 @@ from textual.strip import Strip
 
 from console import fmt
 from console.model import RunModel, StageView
-from console.states import ATTENTION, FAMILY_PRECEDENCE
+from console.states import FAMILY_PRECEDENCE
 from console.widgets.board_cells import (
     BAR_NARROW,
     BAR_WIDE,
@@ -50,6 +51,7 @@ from console.widgets.board_cells import (
     _Row,
     alerted_note,
     auto_folds,
+    needs_a_look,
     note_for,
     server_line,
 )
@@ -141,7 +143,7 @@ class StageBoard(ScrollView, can_focus=True):
 
     # ------------------------------------------------------------------------------ model -> rows
     def is_folded(self, fam: str) -> bool:
-        """Whether ``fam`` shows only its header and its members needing attention."""
+        """Whether ``fam`` shows only its header and its members that need a look (``needs_a_look``)."""
         if self.filter_text:
             return False  # a filter lists every match
         return self.folds.get(fam, fam in self.auto_folded)
@@ -162,7 +164,7 @@ class StageBoard(ScrollView, can_focus=True):
             if len(members) > 1:
                 rows.append((GROUP_PREFIX + fam, None, members if self.is_folded(fam) else shown))
                 if self.is_folded(fam):
-                    shown = [m for m in shown if m.display_state in ATTENTION]
+                    shown = [m for m in shown if needs_a_look(m)]
                 rows.extend((m.id, m, []) for m in shown)
                 if shown:
                     self._last_members.add(shown[-1].id)

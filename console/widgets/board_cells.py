@@ -141,10 +141,23 @@ def _plain_len(cell: Cell) -> int:
     return cell.cell_len if isinstance(cell, Text) else len(cell)
 
 
+def needs_a_look(st: StageView) -> bool:
+    """Whether a member stays listed under its folded family: its state needs attention (:data:`ATTENTION`:
+    failed, running …), a force is armed on it (⚑, to be seen and disarmed), or it succeeded having done none
+    of its work, with a warning saying why — its ⚠ reason must show (the demo's swe-agent regen skipped every
+    prompt on purpose). A member that did its work and warned on the way (a prep that rejected a row: every
+    prep of the demo does) folds away like the others; its note shows when the family is unfolded."""
+    if st.display_state in ATTENTION:
+        return True
+    if st.forced and st.state in (StageState.PENDING, StageState.READY):
+        return True
+    return st.state == StageState.SUCCEEDED and not st.progress.done and last_warning(st) is not None
+
+
 def auto_folds(families: list[tuple[str, list[StageView]]], folds: dict[str, bool], room: int) -> set[str]:
     """The families to fold so that the board's rows fit ``room`` (0: no limit), leaving alone those the
-    operator folded or unfolded (``folds``): first the ones with no member needing attention, then all.
-    A folded family is its header row and its members in :data:`ATTENTION`."""
+    operator folded or unfolded (``folds``): first the ones with no member needing a look, then all.
+    A folded family is its header row and its members that need a look (:func:`needs_a_look`)."""
     out: set[str] = set()
     if not room:
         return out
@@ -156,12 +169,12 @@ def auto_folds(families: list[tuple[str, list[StageView]]], folds: dict[str, boo
             if len(ms) == 1:
                 n += 1
             elif folds.get(fam, fam in out):
-                n += 1 + sum(1 for m in ms if m.display_state in ATTENTION)
+                n += 1 + sum(1 for m in ms if needs_a_look(m))
             else:
                 n += 1 + len(ms)
         return n
 
-    quiet = [fam for fam, ms in groups if not any(m.display_state in ATTENTION for m in ms)]
+    quiet = [fam for fam, ms in groups if not any(needs_a_look(m) for m in ms)]
     for batch in (quiet, [fam for fam, _ms in groups]):
         if rows() <= room:
             break

@@ -215,7 +215,9 @@ class DiskMeter(MeterLine):
             "error" if level == "error" else ("warning" if level == "warning" else "bar"),
             width=6 if narrow else BAR_W,
         )
-        t.append(f" {100 * frac:>3.0f}% used" if frac is not None else "   —")  # df's Use%: used/(used+avail)
+        t.append(
+            f" {d.use_percent:>3}% used" if d.use_percent is not None else "   —"
+        )  # df's Use%, rounded up
         # the name gives way to the first fact after it (the free space), never the other way round
         first = len(parts[0]) if parts else 0
         lim = max(12, min(32, self.size.width - t.cell_len - 3 - first))

@@ -9,18 +9,15 @@ How each stage is estimated (its :attr:`StageEstimate.basis`):
 * ``done``      it finished (succeeded, skipped); its wall time is what it took.
 * ``measured``  its own progress: what is left (``total - done``) at its rate (the console's window of
   recent samples; else the average since the attempt started). A running stage silent for longer than
-  :data:`STALL_GRACE_S` since its last report is taken to have made no progress since: its rate decays with
-  wall time (:meth:`StageProgress.measured_rate`), so a stage that reported 1/10 and stalled does not keep
-  "5s left" for good; its remaining time grows while it stays silent. A stage that has not started (or has not
+  :data:`STALL_GRACE_S` made no progress since: its rate decays with wall time
+  (:meth:`StageProgress.measured_rate`): one that reported 1/10 and stalled does not keep "5s left". A stage that has not started (or has not
   reported a rate yet) whose kind (``run = "prep"`` …) has a measured rate in this run — an earlier or
   parallel stage of the same kind, same unit — is its planned size at that rate: also ``measured``.
 * ``assumed``   no rate of its kind measured yet: its planned size at :data:`DEFAULT_RATES`.
-* ``unknown``   no size to go by (an operator ``command`` that reports no progress with a total): while
-  such a stage is unfinished (pending, ready, running, paused, or failed or killed and to be retried,
-  whatever else failed) the run's progress, finish and projected GPU-hours are unknown
-  (:attr:`RunProjection.progress` and :attr:`RunProjection.gpu_hours_projected` are ``None``,
-  :attr:`RunProjection.unknown_open` names them), never "100 %, finish now". A command that reports ``done``/``total`` progress (``StageContext.progress``, or
-  ``progress`` events it appends to ``$AERIE_EVENTS``) is ``measured`` by its own rate like any stage.
+* ``unknown``   no size to go by (a ``command`` that reports no progress with a total): while such a stage
+  is unfinished (even failed, to be retried) the run's progress, finish and projected GPU-hours are ``None``
+  (:attr:`RunProjection.unknown_open` names them), never "100 %, finish now". A command that reports
+  ``done``/``total`` (``StageContext.progress``, ``$AERIE_EVENTS``) is ``measured`` like any stage.
 * ``service``   a server runs until the last stage that uses it ends (a service nothing uses — the
   telemetry agent — until the run ends).
 
@@ -39,7 +36,7 @@ finish moves later while it stays paused (and its GPUs, held while paused, keep 
 GPU-hours: wall time × the GPUs a stage holds (its ``gpus`` × ``nodes``), over the current attempt of
 every stage that started (``state.json`` keeps the current attempt, so earlier attempts are not counted),
 and projected: that plus each stage's remaining wall time × its GPUs (unknown while the finish is).
-"""
+Disk at finish: in ``df``'s terms, as the console's disk meter (:class:`DiskNow`)."""
 
 from __future__ import annotations
 
@@ -129,14 +126,14 @@ class StageProgress:
 class DiskNow:
     """The run directory's filesystem now and what the stages still have to write (``pipeline.run.supervise.budget``).
 
-    ``used`` is what is not available to the run (``total - avail``: used blocks and root's reserved ones, as
-    ``df`` and the console's disk meter count them), so the projection and the meter agree; ``mount`` names
-    the filesystem (its mount point, and device: :func:`pipeline.run.supervise.budget.mount_of`)."""
+    In ``df``'s terms, as the disk meter: ``used`` the blocks in use, ``avail`` what the run may still write
+    (None: ``total - used``); ``mount`` the filesystem (:func:`pipeline.run.supervise.budget.mount_of`)."""
 
     used: int
     total: int
     to_write: int
     mount: str = ""
+    avail: int | None = None
 
 
 @dataclass
@@ -171,13 +168,14 @@ class RunProjection:
     paused: list[str]
     gpu_hours_used: float
     gpu_hours_projected: float | None  # None: unknown, as the finish is (unknown_open)
-    disk_at_finish: int | None  # bytes used on the run dir's filesystem at the finish
-    disk_total: int | None
+    disk_at_finish: int | None  # bytes used (df's Used) on the run dir's filesystem at the finish
+    disk_total: int | None  # the filesystem's size
     disk_mount: str | None  # the filesystem the disk figures are about (its mount point, device)
     assumed: list[str]  # stages estimated from assumed rates
     unknown: list[str]  # stages with no estimate
     stages: list[StageEstimate] = field(default_factory=list)
     unknown_open: list[str] = field(default_factory=list)  # unknown stages still to run: finish unknown
+    disk_free_at_finish: int | None = None  # df's Avail at the finish (negative: that much short)
 
     @property
     def will_finish(self) -> bool:
@@ -379,6 +377,9 @@ def project(
         gpu_hours_used=used,
         gpu_hours_projected=None if unknown_open else used + (0.0 if complete else to_come),
         disk_at_finish=disk.used + disk.to_write if disk else None,
+        disk_free_at_finish=(disk.total - disk.used if disk.avail is None else disk.avail) - disk.to_write
+        if disk
+        else None,
         disk_total=disk.total if disk else None,
         disk_mount=(disk.mount or None) if disk else None,
         assumed=[e.id for e in est.values() if e.basis == "assumed"],

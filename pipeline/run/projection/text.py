@@ -12,6 +12,28 @@ LISTED = 8  # stage ids a line names before "… and N more" (``aerie status --j
 ROWS = 20  # per-stage estimate lines before "… and N more"
 
 
+def use_percent(used: int, avail: int) -> int:
+    """``df``'s ``Use%``: used / (used + avail) in whole per cent, rounded up as ``df`` rounds (29.2 % is
+    30 %), in integers so that an exact 27 % stays 27; 0 for an empty filesystem."""
+    room = used + avail
+    if room <= 0:
+        return 0
+    return -(-max(0, used) * 100 // room)
+
+
+def disk_at_end(p: RunProjection) -> str | None:
+    """The projection's disk in ``df``'s terms, as the disk meter says it now: ``33% used, 71.8 GiB free``
+    at the finish — or how much the stages still to write are short of; None with no disk reading."""
+    if p.disk_at_finish is None:
+        return None
+    if p.disk_free_at_finish is None:  # a host whose Aerie predates it: only the bytes used
+        return f"{size(p.disk_at_finish)} used" + (f" of {size(p.disk_total)}" if p.disk_total else "")
+    free = p.disk_free_at_finish
+    if free < 0:
+        return f"{size(-free)} short: the stages still to run write more than is free"
+    return f"{use_percent(p.disk_at_finish, free)}% used, {size(free)} free"
+
+
 def ids(names: list[str], shown: int = LISTED) -> str:
     """``a, b, c`` — or ``a, b, … and 2,988 more`` for a long list, so one line stays one line."""
     if len(names) <= shown:
@@ -116,10 +138,12 @@ def parts(p: RunProjection) -> list[str]:
             if done
             else f"{p.gpu_hours_used:.1f}/{p.gpu_hours_projected:.1f} GPU-h"
         )
-    if p.disk_at_finish is not None:
-        of = f"/{size(p.disk_total)}" if p.disk_total else ""
+    disk = disk_at_end(p)
+    if disk is not None:
         on = f" on {p.disk_mount.split(' ')[0]}" if p.disk_mount else ""  # the mount point, as the meter
-        out.append(f"disk {size(p.disk_at_finish)}{of} at end{on}")
+        free = p.disk_free_at_finish
+        short = free is not None and free < 0
+        out.append(f"disk {size(-(free or 0))} short at end{on}" if short else f"disk at end{on}: {disk}")
     if p.blocked and not p.unknown_open:  # with a size-less stage to run, nobody knows how much more
         out.append(f"{duration(p.remaining_s)} more if retried now")
     if p.assumed and not p.finished:
@@ -172,12 +196,12 @@ def status_lines(p: RunProjection) -> list[str]:
         else f"{p.gpu_hours_projected:.2f} projected"
     )
     lines.append(f"GPU-hours: {p.gpu_hours_used:.2f} used, {projected}")
-    if p.disk_at_finish is not None:
-        lines.append(
-            f"disk at finish: {size(p.disk_at_finish)} used"
-            + (f" of {size(p.disk_total)}" if p.disk_total else "")
-            + (f" on {p.disk_mount}" if p.disk_mount else "")
-        )
+    disk = disk_at_end(p)
+    if disk is not None:
+        fits = p.disk_free_at_finish is not None and p.disk_free_at_finish >= 0
+        of = f" of {size(p.disk_total)}" if p.disk_total and fits else ""  # "free of SIZE", as the meter
+        on = f" on {p.disk_mount}" if p.disk_mount else ""
+        lines.append(f"disk at finish, as df counts: {disk}{of}{on}")
     if not p.finished or p.blocked:
         shown = [
             e

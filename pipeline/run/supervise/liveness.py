@@ -193,7 +193,7 @@ def liveness(run: RunDir, state: dict[str, Any] | None, now: float | None = None
             if failed:  # a write failed (or cannot be done): said so, with why
                 verdict, text = "silent", f"supervisor {silent} ({who}, cannot write: {failed})"
             else:  # nothing failed that we know of: a long tick, a loaded host — slow, not broken
-                slow = f"slow: no snapshot for {age:.0f}s" if age is not None else "slow: no snapshot yet"
+                slow = f"slow: no snapshot for {span(age)}" if age is not None else "slow: no snapshot yet"
                 verdict, text = (
                     "silent",
                     f"supervisor {slow} ({who}, no write has failed; see supervisor.log)",

@@ -22,10 +22,12 @@ def run_projection(run: RunDir, state: dict[str, Any], now: float) -> dict[str, 
     progress = {r["id"]: StageProgress.from_row(r) for r in rows}
     disk = None
     try:
-        total, _used, avail = budget.disk_free(run.root)
+        total, used, avail = budget.disk_free(run.root)
         states = {sid: p.state for sid, p in progress.items()}
         to_write = budget.remaining_projected_output(plan, run, states)
-        disk = DiskNow(total - avail, total, to_write, budget.mount_of(run.root))  # as the disk meter counts
+        disk = DiskNow(
+            used, total, to_write, budget.mount_of(run.root), avail
+        )  # df's terms, as the disk meter
     except OSError:
         disk = None  # no reading of the filesystem: the projection says nothing of the disk
     return project(plan, progress, now, disk).to_dict()
