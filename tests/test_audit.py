@@ -479,7 +479,7 @@ async def test_an_alert_acknowledged_in_a_real_browser_is_recorded_and_audited_a
     list in the browser shows it acknowledged."""
     from tests.chromium import Chromium, chromium_path
     from tests.test_console_ux import free_port
-    from tests.test_serve_guard import RECORD_WEBSOCKETS, browser_log_in, reap, start
+    from tests.test_serve_guard import RECORD_WEBSOCKETS, browser_log_in, generated_token, reap, start
 
     chromium_path()
     run = settled(tmp_path / "r")
@@ -487,9 +487,7 @@ async def test_an_alert_acknowledged_in_a_real_browser_is_recorded_and_audited_a
     assert (alert.kind, alert.stage, alert.acked_by) == ("stage-failed", "prep.sharegpt", None)
     port = free_port()
     server = start(tmp_path, run.root, port)
-    token = (
-        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
-    )
+    token = generated_token(port)
     browser = await Chromium(tmp_path / "profile").start()
     try:
         await browser.send("Page.addScriptToEvaluateOnNewDocument", source=RECORD_WEBSOCKETS)

@@ -40,6 +40,13 @@ from tests.test_serve_faults import _stat, descendants, free_port, reap, wait_li
 TOKEN = "s3cret-serve-token-0123456789"
 
 
+def generated_token(port: int) -> str:
+    """The token ``aerie serve`` generated for ``port`` (its 0600 file under this test's AERIE_HOME)."""
+    return (
+        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
+    )
+
+
 def start(
     tmp: Path, run: Path, port: int, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
@@ -587,9 +594,7 @@ async def test_chromium_operator_page_loads_the_console_and_shows_the_board(tmp_
     run = finished_run(tmp_path / "r")
     port = free_port()
     server = start(tmp_path, run.root, port)
-    token = (
-        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
-    )
+    token = generated_token(port)
     browser = await Chromium(tmp_path / "profile").start()
     try:
         # What the terminal receives, recorded as the page's own xterm gets it (it draws on a canvas).
@@ -895,9 +900,7 @@ def test_stopping_aerie_serve_tells_each_open_session_it_went_away(tmp_path: Pat
     run = finished_run(tmp_path / "r")
     port = free_port()
     server = start(tmp_path, run.root, port)
-    token = (
-        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
-    )
+    token = generated_token(port)
     sock = ws_open("127.0.0.1", port, f"/ws/{log_in(port, token)}?width=80&height=24")
     try:
         time.sleep(1.0)  # the console is starting behind the session
