@@ -83,7 +83,7 @@ from console.settings import Settings, read_user_config, resolve, user_config_pa
 from console.states import look
 from console.sup_watch import SupervisorWatch, open_alerts, rows_without_supervisor
 from console.transport import Transport
-from console.widgets.board import StageBoard
+from console.widgets.board import GROUP_PREFIX, StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
 from pipeline.run.alerts.record import AlertRecord
@@ -435,13 +435,29 @@ class AerieApp(App[int]):
         return self.model.stages.get(pick) if pick else st
 
     def _follow_most_relevant(self, board: StageBoard) -> None:
-        if self._auto_key is not None and board.selected_key != self._auto_key:
+        if (
+            self._auto_key is not None
+            and board.selected_key != self._auto_key
+            and not self._folded_away(board)
+        ):
             self._auto_select = False  # the operator chose: the board is theirs
             return
         sid = most_relevant(self.model)
         if sid is not None and sid != board.selected_key:
             board.select_key(sid, unfold=False)  # folded away: its family's row, which shows it in the detail
         self._auto_key = board.selected_key
+
+    def _folded_away(self, board: StageBoard) -> bool:
+        """The board itself moved the cursor: the stage the console had selected was folded into its family
+        (its family ended and folded to fit), so the cursor went to the family's row — not the operator's move."""
+        key = self._auto_key
+        fam = board.family_of(key)
+        return (
+            key is not None
+            and not board.shows(key)
+            and fam is not None
+            and board.selected_key == GROUP_PREFIX + fam
+        )
 
     def _update_header(self) -> None:
         style = self.state_style

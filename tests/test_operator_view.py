@@ -205,6 +205,41 @@ async def test_the_first_screen_selects_a_stage_and_follows_the_run_until_the_op
         assert detail.stage_id == "prep.b", "the family row shows its failure, the stage most worth a look"
 
 
+async def test_the_selection_follows_the_run_past_a_family_that_folded_when_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo at 120x40: the console follows a running prep; all preps end and their family folds to fit, which
+    moves the cursor to prep's row. That is the board's move, not the operator's: the console goes on to the
+    regen that runs now (it stayed on a finished prep family for the rest of the run)."""
+    monkeypatch.setattr(AerieApp, "ensure_supervisor", lambda self: None)
+    run = make_run(tmp_path, '[run]\nname = "f"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
+    preps = [f"prep.d{i:02d}" for i in range(12)]
+    regens = [f"regen.r{i:02d}" for i in range(8)]
+
+    def snapshot(states: dict[str, str]) -> None:
+        rows = [
+            {"id": sid, "family": sid.split(".")[0], "state": st, "attempt": 1, "reason": ""}
+            | ({"finished_at": 100.0} if st == "succeeded" else {})
+            for sid, st in states.items()
+        ]
+        run.state_path.write_text(json.dumps({"run": "f", "stages": rows}))
+
+    snapshot({"prep.d00": "running"} | dict.fromkeys(preps[1:] + regens + ["train"], "pending"))
+    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.1, alerts=False, user_config={})
+    async with app.run_test(size=(80, 24)) as pilot:
+        board = app.query_one(StageBoard)
+        await until(pilot, lambda: board.selected_key == "prep.d00", what="the running prep selected")
+        snapshot(
+            dict.fromkeys(preps, "succeeded")
+            | {"regen.r00": "running"}
+            | dict.fromkeys(regens[1:], "pending")
+        )
+        await until(
+            pilot, lambda: board.selected_key == "regen.r00", what="the selection following to the regen"
+        )
+        assert board.is_folded("prep")
+
+
 async def test_at_80x24_the_first_selection_keeps_the_folds_that_fit_the_board(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -135,6 +135,10 @@ class StageBoard(ScrollView, can_focus=True):
             return None
         return self._rows[min(self.cursor_row, len(self._rows) - 1)].key
 
+    def shows(self, key: str) -> bool:
+        """Whether ``key`` has a row now (not folded away, not filtered out)."""
+        return key in self._index
+
     def selected_stage(self, model: RunModel) -> StageView | None:
         key = self.selected_key
         if key is None or key.startswith(GROUP_PREFIX):
