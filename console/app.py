@@ -118,14 +118,17 @@ class KeyFooter(Footer):
 
 
 def most_relevant(model: RunModel) -> str | None:
-    """The stage to show first on attach (lazygit opens on a selection): the latest failure, else a running
-    stage (a work stage before a service), else the stage that finished last, else the first waiting one
-    (a run whose stages have not started yet): never nothing while the run has a stage."""
-    return most_relevant_of([model.stages[sid] for sid in model.order if sid in model.stages])
+    """The stage to show first on attach (lazygit opens on a selection): the latest failure, else a stage with
+    an open alert, else a running stage (a work stage before a service), else the work stage that finished last
+    (a service stopped at the run's end says less), else the first waiting one (a run whose stages have not
+    started yet): never nothing while the run has a stage."""
+    alerted = set(model.alerts.open_stages())
+    return most_relevant_of([model.stages[sid] for sid in model.order if sid in model.stages], alerted)
 
 
-def most_relevant_of(stages: list[StageView]) -> str | None:
-    """:func:`most_relevant` among ``stages`` (a run's, or one family's), in plan order."""
+def most_relevant_of(stages: list[StageView], alerted: set[str] | frozenset[str] = frozenset()) -> str | None:
+    """:func:`most_relevant` among ``stages`` (a run's, or one family's), in plan order; ``alerted``: the stages
+    with an open alert."""
     broken = [
         s
         for s in stages
@@ -133,12 +136,14 @@ def most_relevant_of(stages: list[StageView]) -> str | None:
     ]
     if broken:
         return max(broken, key=lambda s: s.finished_at or 0.0).id
+    if flagged := [s for s in stages if s.id in alerted]:
+        return flagged[0].id
     live = [s for s in stages if s.state in (StageState.RUNNING, StageState.PAUSED) or s.pausing]
     if live:  # a work stage, else a service (the telemetry stage last: its meters are on screen already)
         return min(live, key=lambda s: (s.service, s.run == "telemetry")).id
     ended = [s for s in stages if s.finished_at]
     if ended:
-        return max(ended, key=lambda s: s.finished_at or 0.0).id
+        return max(ended, key=lambda s: (not s.service, s.finished_at or 0.0)).id
     waiting = [s for s in stages if s.state not in TERMINAL]  # nothing started yet: the next to run
     return (waiting or stages)[0].id if stages else None
 
@@ -426,7 +431,7 @@ class AerieApp(App[int]):
         st = board.selected_stage(self.model)
         fam = board.family_of(board.selected_key) if st is None else None
         members = [m for f, ms in self.model.families() if f == fam for m in ms]
-        pick = most_relevant_of(members) if members else None
+        pick = most_relevant_of(members, set(self.model.alerts.open_stages())) if members else None
         detail.family_note = (
             f"family {fam} ({len(members)} stages) — its stage most worth a look; ↓ selects one"
             if pick

@@ -26,6 +26,7 @@ from console.transport import LocalTransport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
+from pipeline.run.alerts import record as alert_record
 from pipeline.run.supervise import budget
 from tests.runs import MIXED_NOW, TELEMETRY_FIXTURE, make_run, mixed_run, start_supervisor, stop, wait_done
 from tests.screen_text import svg_rows
@@ -136,7 +137,7 @@ async def test_toasts_never_cover_the_board(tmp_path: Path, frozen: None) -> Non
             await pilot.pause(0.1)
 
 
-def test_the_most_relevant_stage_is_the_failed_then_running_then_last_finished() -> None:
+def test_the_most_relevant_stage_is_the_failed_then_alerted_then_running_then_last_finished() -> None:
     model = RunModel(LocalTransport("/nonexistent"))
 
     def put(sid: str, state: str, finished: float | None = None, service: bool = False) -> None:
@@ -154,10 +155,17 @@ def test_the_most_relevant_stage_is_the_failed_then_running_then_last_finished()
     put("c", "succeeded", 20.0)
     put("pending", "pending")
     assert most_relevant(model) == "b", "nothing running or failed: the stage that finished last"
+    put("telemetry", "succeeded", 60.0, service=True)
+    assert most_relevant(model) == "b", (
+        "a service stopped at the run's end says less than the last work stage"
+    )
     put("server", "running", service=True)
     assert most_relevant(model) == "server"
     put("work", "running")
     assert most_relevant(model) == "work", "a work stage before a service"
+    gap = alert_record.AlertRecord(1, "accept-gap:c:1", "accept-gap", "c", 1, "c: gap", "x", [], 70.0)
+    alert_record.apply(model.alerts.book, alert_record.raised_line(gap))
+    assert most_relevant(model) == "c", "an open alert before what merely runs"
     put("old-failure", "failed", 40.0)
     put("new-failure", "killed", 50.0)
     assert most_relevant(model) == "new-failure", "the latest failure first"
