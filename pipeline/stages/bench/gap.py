@@ -60,9 +60,10 @@ def report_gap(ctx: StageContext, gap: dict[str, Any] | None) -> None:
     """The event the alert rule reads (and the operator sees in the stage's messages)."""
     if gap is None:
         return
+    pct = gap["gap"] * 100
     ctx.message(
         f"accept length {gap['served']:.3f} here vs {gap['simulated']:.3f} simulated in training for the same "
-        f"draft ({gap['gap'] * 100:+.1f}% lower)",
+        f"draft ({abs(pct):.1f}% {'lower' if pct >= 0 else 'higher'})",
         code=CODE,
         **gap,
     )
