@@ -26,7 +26,7 @@ from pipeline.run.projection.compute import RunProjection
 from pipeline.run.projection.text import status_lines
 from pipeline.run.rundir import audit
 from pipeline.run.rundir.layout import RunDir
-from pipeline.run.rundir.stage_row import StageRow, StageState
+from pipeline.run.rundir.stage_row import StageRow
 from pipeline.run.rundir.state_file import SnapshotRow, StateSnapshot, read_state
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -92,7 +92,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _forced_mark(row: StageRow) -> str:
     """``aerie force`` armed on a stage not started yet: said before its reason, with how to disarm it."""
-    if row.forced and row.state in (StageState.PENDING, StageState.READY):
+    if row.force_armed:
         return "⚑ force armed (aerie force --cancel RUN STAGE disarms it) · "
     return ""
 

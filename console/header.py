@@ -110,8 +110,8 @@ def projection_text(
         return Text(f"no projection: {plan}", style="dim")
     d = model.telemetry.disk
     disk = None
-    if d is not None and d.avail is not None and d.total is not None:  # the meter's figures, the meter's disk
-        used = d.used if d.used is not None else d.total - d.avail  # an agent that sent no ``used``
+    used = d.used_bytes if d is not None else None
+    if d is not None and used is not None and d.avail is not None and d.total is not None:  # the meter's disk
         disk = DiskNow(used, d.total, d.projected_remaining or 0, d.where, d.avail)
     progress = {sid: stage_progress(st) for sid, st in model.stages.items()}
     try:

@@ -14,7 +14,6 @@ Every buffer is bounded, whatever the run's length or the number of GPUs.
 from __future__ import annotations
 
 import json
-import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -130,23 +129,28 @@ class DiskView:
         return self.mount or self.path or "?"
 
     @property
+    def used_bytes(self) -> int | None:
+        """The blocks in use, as ``df``'s Used: the agent's ``used`` (total − free), else total − available (an
+        agent that sent no ``used``: then used + available is the total)."""
+        if self.used is not None:
+            return self.used
+        return None if self.total is None or self.avail is None else self.total - self.avail
+
+    @property
     def used_fraction(self) -> float | None:
         """``df``'s Use%: used / (used + available), ``used`` being the blocks in use (total − free). Root's
         reserved blocks are in neither, so this is not (total − available) / total: on a disk whose size
         counts more than either (a thin-provisioned virtual disk) that read 72 % where df says 27 %."""
-        if self.used is not None and self.avail is not None and self.used + self.avail > 0:
-            return self.used / (self.used + self.avail)
-        if self.total is None or self.avail is None or not self.total:
+        used = self.used_bytes
+        if used is None or self.avail is None or used + self.avail <= 0:
             return None
-        return (self.total - self.avail) / self.total  # an agent that sent no ``used``
+        return used / (used + self.avail)
 
     @property
     def use_percent(self) -> int | None:
         """:attr:`used_fraction` in whole per cent as ``df`` prints it: rounded up (29.2 % is 30 %)."""
-        if self.used is not None and self.avail is not None:
-            return use_percent(self.used, self.avail)
-        frac = self.used_fraction
-        return None if frac is None else math.ceil(round(100 * frac, 6))
+        used = self.used_bytes
+        return None if used is None or self.avail is None else use_percent(used, self.avail)
 
     @property
     def rate_bps(self) -> float | None:

@@ -54,7 +54,7 @@ FORCED_MARK = "⚑ force armed"  # ``aerie force`` armed on a stage that has not
 
 
 def note_for(st: StageView) -> str:
-    if st.forced and st.state in (StageState.PENDING, StageState.READY):
+    if st.force_armed:
         return f"{FORCED_MARK} · {st.reason}" if st.reason else FORCED_MARK
     if st.queued:  # "queued: Slurm job 12 pending (Resources)"
         return st.reason
@@ -149,7 +149,7 @@ def needs_a_look(st: StageView) -> bool:
     prep of the demo does) folds away like the others; its note shows when the family is unfolded."""
     if st.display_state in ATTENTION:
         return True
-    if st.forced and st.state in (StageState.PENDING, StageState.READY):
+    if st.force_armed:
         return True
     return st.state == StageState.SUCCEEDED and not st.progress.done and last_warning(st) is not None
 

@@ -27,7 +27,6 @@ from console.model import StageView
 from console.widgets.board import server_line
 from console.widgets.curves import CurvePlot, mini_curves
 from pipeline.run.rundir.protocol import Message, describe
-from pipeline.run.rundir.stage_row import StageState
 from pipeline.run.supervise.force_text import CHECKS
 
 
@@ -199,7 +198,7 @@ class StageDetail(Horizontal):
             t.append(f" · exit {st.returncode}")
         if st.reason:
             t.append(f"\n{st.reason}", style="italic")
-        if st.forced and st.state in (StageState.PENDING, StageState.READY):
+        if st.force_armed:
             t.append(
                 f"\n⚑ --force armed for attempt {st.attempt}: it starts without {CHECKS} "
                 "(F again disarms it; aerie force --cancel RUN STAGE)",

@@ -135,6 +135,11 @@ class StageRow:
                 self.display = d["display"]
 
     @property
+    def force_armed(self) -> bool:
+        """``aerie force`` armed on a stage that has not started yet (shown, and disarmable, until it starts)."""
+        return self.forced and self.state in (StageState.PENDING, StageState.READY)
+
+    @property
     def display_state(self) -> DisplayState | str:
         """What front ends show: the snapshot's ``display`` field; for a row from a snapshot older than it
         (:data:`pipeline.run.rundir.state_file.SNAPSHOT_VERSION` 1), :func:`display_of` its state."""
