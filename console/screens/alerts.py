@@ -16,6 +16,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
@@ -96,7 +97,11 @@ class AlertsScreen(ModalScreen[str | None]):
     def sync(self, alerts: list[AlertRecord]) -> None:
         """The records changed (an alert raised, cleared, acknowledged): list them again, the same alert kept
         highlighted."""
-        ol = self.query_one(OptionList)
+        try:
+            ol = self.query_one(OptionList)
+        except NoMatches:  # a poll before the list was composed (or after it closed): compose lists these
+            self.alerts = alerts
+            return
         keep = self._highlighted()
         self.alerts = alerts
         self.query_one("#alerts-title", Static).update(self._title(alerts))
