@@ -11,13 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pipeline.run.hosts.procs import ProcIdentity, boot_id, read_stat, signal_attempt
+from pipeline.run.hosts.local_exec import LAUNCHER_SCRIPT
+from pipeline.run.hosts.procs import ProcIdentity, boot_id, env_with_pipeline, read_stat, signal_attempt
+from pipeline.run.rundir.events import read_all
 from pipeline.run.rundir.layout import read_json, write_json
 from tests.runs import ctl, make_run, pid_alive, stage_state, start_supervisor, states, wait_done, wait_for
 from tests.test_proctree import Pids, tree_run
@@ -79,20 +82,53 @@ def test_a_deleted_proc_json_never_leads_to_a_second_attempt(tmp_path: Path, see
     assert (tmp_path / "starts.log").read_text().split() == ["1"]
 
 
-def test_kill_with_no_record_and_no_process_says_it_cannot(tmp_path: Path, seen: Pids) -> None:
-    """An attempt whose launch was recorded but whose proc.json is gone and whose processes cannot be found:
-    `aerie kill` says it cannot, with a non-zero exit, never "SIGTERM sent to process group None"."""
+def test_a_kill_while_the_stage_starts_ends_it_and_never_starts_it(tmp_path: Path, seen: Pids) -> None:
+    """A supervisor SIGKILLed between its launch intent and the launcher's fork leaves an attempt "starting"
+    with no process at all (CI saw it). `aerie kill` then ends it at once, killed, not refused ("its proc.json
+    is missing") nor left starting until the launch timeout, never "SIGTERM sent to process group None";
+    nothing of the stage ever runs and nothing retries it."""
+    run = tree_run(tmp_path, retry="retry = { max_attempts = 3, backoff_s = 0.2 }")
+    sd = run.stage("train")
+    write_json(sd.attempt_file, {"attempt": 1, "t": time.time()})
+    write_json(sd.launch, {"attempt": 1, "t": time.time() + 3600, "supervisor": 1})  # far from its timeout
+    sup = start_supervisor(run)
+    seen.runs.append((run, sup))
+    wait_for(lambda: stage_state(run, "train").get("display") == "starting", 20, "the launch followed")
+    kill = ctl(run, "kill", "train")
+    assert kill.returncode == 0, kill.stderr
+    assert "killed while starting" in kill.stdout and "None" not in kill.stdout + kill.stderr
+    assert wait_done(run, 10) == {"train": "killed"}
+    assert stage_state(run, "train")["attempt"] == 1, "a kill is never retried"
+    assert not (tmp_path / "group.1.pid").exists(), "the stage ran"
+
+
+def test_a_launcher_that_finds_its_attempt_killed_records_it_and_never_starts_the_stage(
+    tmp_path: Path, seen: Pids
+) -> None:
+    """The kill reached the supervisor while the launcher was still starting (before its proc.json, so no
+    signal could find it): the launcher reads the kill marker, records the attempt killed and exits without
+    starting the stage; the supervisor shows it killed."""
     run = tree_run(tmp_path)
     sd = run.stage("train")
     write_json(sd.attempt_file, {"attempt": 1, "t": time.time()})
-    write_json(sd.launch, {"attempt": 1, "t": time.time() + 3600, "supervisor": 1})  # "starting"
+    write_json(sd.launch, {"attempt": 1, "t": time.time(), "supervisor": 1})
+    write_json(sd.kill_marker, {"attempt": 1, "t": time.time(), "reason": "operator"})
+    launched = subprocess.run(
+        [sys.executable, "-S", LAUNCHER_SCRIPT, str(run.root), "train", "1"],
+        env=env_with_pipeline(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,  # as the executor starts it: its recorded group is its own
+    )
+    assert launched.returncode == 0, launched.stderr
+    assert (read_json(sd.proc) or {}).get("attempt") == 1
+    assert read_json(sd.exit)["detail"] == "killed before the stage started"
+    assert [e.data.get("status") for e in read_all(sd.events) if e.type == "finished"] == ["killed"]
+    assert not (tmp_path / "group.1.pid").exists(), "the stage ran"
     sup = start_supervisor(run)
     seen.runs.append((run, sup))
-    wait_for(lambda: stage_state(run, "train").get("state") == "running", 20, "the launch followed")
-    kill = ctl(run, "kill", "train")
-    assert kill.returncode == 3, kill.stdout
-    assert "cannot kill train" in kill.stderr and "None" not in kill.stderr + kill.stdout
-    assert not sd.kill_marker.exists()
+    assert wait_done(run) == {"train": "killed"}
 
 
 LEAVES_AND_FAILS = r"""

@@ -313,7 +313,8 @@ def test_a_sigkilled_supervisor_is_noticed_and_restarted_by_the_front_end(
     run = make_run(tmp_path, TWO_STEPS.format(sleep=60))
     cleanup.append(run)
     sup = start_supervisor(run)
-    wait_for(lambda: states(run).get("a") == "running", 20, "a running")
+    # Started, not only "starting": the stage must outlive the supervisor (its launcher reported its pid).
+    wait_for(lambda: stage_state(run, "a").get("pid"), 20, "a started")
     os.killpg(sup.pid, signal.SIGKILL)
     sup.wait()
 

@@ -273,6 +273,16 @@ class LocalProcesses:
         if ex:
             return finish(st, sd, ex, attempt, self.specs[sd.id])
         child = None if sd.id in self._spawning else self.children.get(sd.id)  # forking: not yet known
+        if (
+            child is None
+            and sd.id not in self._spawning
+            and sd.record_for(sd.kill_marker, attempt)
+            and not stage_processes(self.run.root, sd.id, self.table())
+        ):
+            # Killed while starting, no launcher of this supervisor's coming (a supervisor that died between
+            # the intent and the fork left it) and no process of the stage: no launch timeout to wait out.
+            ex = record_lost(sd, attempt, "killed before its launcher started", self.log)
+            return finish(st, sd, ex, attempt, self.specs[sd.id])
         age = time.time() - float(launch.get("t", 0))
         if (child is not None and child.poll() is not None) or (child is None and age > LAUNCH_TIMEOUT_S):
             found = stage_processes(self.run.root, sd.id, self.table())
@@ -351,6 +361,13 @@ class LocalProcesses:
         reached = self._signal(sid, signal.SIGTERM)
         if pgid is None:
             self._signal(sid, signal.SIGCONT)
+            if not reached and self._launching(sid):
+                # Between the launch intent and the launcher's proc.json: the launcher reads the kill marker
+                # before it starts the stage, and an intent no launcher will take up is recorded killed.
+                self.log(
+                    f"{sid}: kill before its launcher reported ({reason}): the stage will not be started"
+                )
+                return f"{sid}: killed while starting; the stage will not be started"
             if not reached:
                 raise CannotSignal(
                     f"cannot kill {sid}: its proc.json is missing and no process marked as its own was found"
@@ -364,6 +381,16 @@ class LocalProcesses:
         self.log(f"{sid}: SIGTERM to pgid {pgid}{outside} ({reason})")
         grace = self.specs[sid].kill_grace_s
         return f"{sid}: SIGTERM sent to process group {pgid}{outside}; SIGKILL after {grace:g}s"
+
+    def _launching(self, sid: str) -> bool:
+        """The stage's current attempt is launching: its intent recorded, no proc.json, no exit yet."""
+        sd = self.run.stage(sid)
+        attempt = sd.attempt()
+        return bool(
+            sd.record_for(sd.launch, attempt)
+            and not sd.record_for(sd.proc, attempt)
+            and not sd.record_for(sd.exit, attempt)
+        )
 
     def kill(self, sid: str) -> str:
         reached = self._signal(sid, signal.SIGKILL)

@@ -227,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the stage; we record it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     events = _Events(sd.events)
+    if sd.record_for(sd.kill_marker, attempt):  # killed while it started (after proc.json: no signal missed)
+        detail = "killed before the stage started"
+        _write_record(
+            sd.exit,
+            {"attempt": attempt, "returncode": None, "signal": None, "t": time.time(), "detail": detail},
+            EXIT_WRITE_S,
+        )
+        events.emit("finished", status=ExitStatus.KILLED, detail=detail)
+        return 0
     argv_child = stage_argv(stage, run, sys.executable)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with contextlib.suppress(OSError):  # the log's banner, best effort like the events
