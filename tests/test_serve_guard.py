@@ -223,6 +223,31 @@ def test_a_generated_token_file_is_removed_however_the_server_is_stopped(tmp_pat
     assert not path.exists()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_server_starts_is_as_clean_as_one_while_it_serves(tmp_path: Path, sig: int) -> None:
+    """The signal comes as soon as the port listens, before the server has printed its address or taken
+    its signals into its loop (a service manager stopping it at once): exit 0, no token file left."""
+    run = finished_run(tmp_path / "r")
+    port = free_port()
+    full = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
+        env=full,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        wait_listening("127.0.0.1", port, server)
+        os.kill(server.pid, sig)
+        _, err = server.communicate(timeout=30)
+        assert server.returncode == 0, err.decode(errors="replace")
+        assert b"Traceback" not in err, err.decode(errors="replace")
+    finally:
+        reap(server, {})
+    assert not (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").exists()
+
+
 # ------------------------------------------------------------------------ what a request carries in
 def raw_request(port: int, head: bytes) -> bytes:
     """One request exactly as given (bytes a client library would refuse to send); the reply's head."""

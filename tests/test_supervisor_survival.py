@@ -395,6 +395,7 @@ async def test_the_console_restarts_a_supervisor_that_dies_while_it_is_attached(
 
     async with app.run_test(size=(140, 36)) as pilot:
         await until(lambda: app.model.stages.get("a") and app.model.stages["a"].state == "running", 20, "a")
+        await until(lambda: stage_state(run, "a").get("pid"), 20, "a started")  # not only "starting"
         os.killpg(sup.pid, signal.SIGKILL)
         sup.wait()
         # The console notices and restarts it; under load the restart can land between two looks at the status
@@ -444,7 +445,7 @@ async def test_attaching_to_a_run_whose_supervisor_died_says_the_console_restart
     run = make_run(tmp_path, TWO_STEPS.format(sleep=60))
     cleanup.append(run)
     sup = start_supervisor(run)
-    wait_for(lambda: states(run).get("a") == "running", 20, "a running")
+    wait_for(lambda: stage_state(run, "a").get("pid"), 20, "a started")  # not only "starting"
     os.killpg(sup.pid, signal.SIGKILL)
     sup.wait()
     notes = await _attach_and_collect_notes(run, 30)
