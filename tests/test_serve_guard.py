@@ -47,18 +47,25 @@ def generated_token(port: int) -> str:
     )
 
 
-def start(
+def spawn(
     tmp: Path, run: Path, port: int, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
     """``aerie serve`` in its own session; its stdout and stderr (where its log goes) kept in files."""
     full = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp / "none.toml"), **(env or {}))
-    server = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "console.cli", "serve", str(run), "--port", str(port), *extra],
         env=full,
         stdout=open(tmp / "serve.out", "wb"),  # noqa: SIM115
         stderr=open(tmp / "serve.err", "wb"),  # noqa: SIM115
         start_new_session=True,
     )
+
+
+def start(
+    tmp: Path, run: Path, port: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """``aerie serve`` (:func:`spawn`), once it listens and has printed its first lines."""
+    server = spawn(tmp, run, port, *extra, env=env)
     wait_listening("127.0.0.1", port, server)
     # it listens before it speaks (a busy port must end before any URL is printed): wait for its lines
     wait_for(
@@ -229,20 +236,12 @@ def test_a_stop_while_the_server_starts_is_as_clean_as_one_while_it_serves(tmp_p
     its signals into its loop (a service manager stopping it at once): exit 0, no token file left."""
     run = finished_run(tmp_path / "r")
     port = free_port()
-    full = dict(os.environ, PYTHONPATH=str(ROOT), AERIE_CONFIG=str(tmp_path / "none.toml"))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
-        env=full,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    server = spawn(tmp_path, run.root, port)
     try:
         wait_listening("127.0.0.1", port, server)
         os.kill(server.pid, sig)
-        _, err = server.communicate(timeout=30)
-        assert server.returncode == 0, err.decode(errors="replace")
-        assert b"Traceback" not in err, err.decode(errors="replace")
+        assert server.wait(30) == 0, logs(tmp_path)
+        assert "Traceback" not in logs(tmp_path)
     finally:
         reap(server, {})
     assert not (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").exists()
