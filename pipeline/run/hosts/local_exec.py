@@ -383,14 +383,12 @@ class LocalProcesses:
         return f"{sid}: SIGTERM sent to process group {pgid}{outside}; SIGKILL after {grace:g}s"
 
     def _launching(self, sid: str) -> bool:
-        """The stage's current attempt is launching: its intent recorded, no proc.json, no exit yet."""
+        """The stage's current attempt has its launch intent and no exit yet (``terminate`` found no proc.json
+        after it wrote the kill marker, so a launcher still to report reads the marker: proc.json is not read
+        again here, since one written since then belongs to a launcher that will see the marker)."""
         sd = self.run.stage(sid)
         attempt = sd.attempt()
-        return bool(
-            sd.record_for(sd.launch, attempt)
-            and not sd.record_for(sd.proc, attempt)
-            and not sd.record_for(sd.exit, attempt)
-        )
+        return bool(sd.record_for(sd.launch, attempt) and not sd.record_for(sd.exit, attempt))
 
     def kill(self, sid: str) -> str:
         reached = self._signal(sid, signal.SIGKILL)
