@@ -228,13 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     events = _Events(sd.events)
     if sd.record_for(sd.kill_marker, attempt):  # killed while it started (after proc.json: no signal missed)
-        detail = "killed before the stage started"
-        _write_record(
-            sd.exit,
-            {"attempt": attempt, "returncode": None, "signal": None, "t": time.time(), "detail": detail},
-            EXIT_WRITE_S,
-        )
-        events.emit("finished", status=ExitStatus.KILLED, detail=detail)
+        _never_started(sd, attempt, events, None, ExitStatus.KILLED, "killed before the stage started")
         return 0
     argv_child = stage_argv(stage, run, sys.executable)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -247,12 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         child = start_stage(argv_child, stage_env(stage, run, attempt, ident.token), str(sd.out))
     except OSError as exc:
         print(f"aerie: cannot start stage: {exc}", flush=True)
-        _write_record(
-            sd.exit,
-            {"attempt": attempt, "returncode": 127, "signal": None, "t": time.time(), "detail": str(exc)},
-            EXIT_WRITE_S,
-        )
-        events.emit("finished", status=ExitStatus.FAILED, returncode=127, detail=str(exc))
+        _never_started(sd, attempt, events, 127, ExitStatus.FAILED, str(exc))
         return 127
     rc = _wait(child)
     status = _finish(sd, stage_id, attempt, rc, oom_before, events)
@@ -263,6 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         # Slurm's record of the job (sacct, scontrol) carries the stage's own status, as a shell reports it.
         return rc if rc >= 0 else 128 - rc
     return 0
+
+
+def _never_started(
+    sd: StageDir, attempt: int, events: _Events, rc: int | None, status: ExitStatus, detail: str
+) -> None:
+    """Record an attempt whose stage was never started (``exit.json``, the ``finished`` event)."""
+    _write_record(
+        sd.exit,
+        {"attempt": attempt, "returncode": rc, "signal": None, "t": time.time(), "detail": detail},
+        EXIT_WRITE_S,
+    )
+    events.emit("finished", status=status, detail=detail, **({} if rc is None else {"returncode": rc}))
 
 
 def start_stage(argv: list[str], env: dict[str, str], cwd: str) -> int:
