@@ -119,10 +119,11 @@ def stage_env(stage: dict[str, Any], run: RunDir, attempt: int, token: str = "")
 LOG_DRAIN_S = 2.0  # the longest the launcher waits for the log writer to write the stage's last bytes
 
 
-def wait_log_written(within_s: float = LOG_DRAIN_S) -> None:
+def wait_log_written(log: Path, within_s: float = LOG_DRAIN_S) -> None:
     """When stdout is the log writer's pipe: wait until it has taken every byte the stage wrote (the pipe
-    is empty, and the log's size has stopped moving), so its last lines are in ``stage.log`` before they
-    are read for the failure reason. Bounded: a process the stage left running may write on."""
+    is empty, and ``log``'s size and inode have stopped moving: its last read, or a rotation, on its way to
+    the file), so its last lines are in ``stage.log`` before they are read for the failure reason. Bounded:
+    a process the stage left running may write on."""
     import array  # a failed stage's path only: not imported by every launch
     import termios
 
@@ -137,14 +138,24 @@ def wait_log_written(within_s: float = LOG_DRAIN_S) -> None:
             if pending[0] == 0:
                 break
             time.sleep(0.01)
-        time.sleep(0.05)  # the writer's last read, on its way to the file
+        seen = None
+        while time.monotonic() < deadline:  # two looks 50 ms apart that agree (CI: one fixed 50 ms was short)
+            time.sleep(0.05)
+            try:
+                st = os.stat(log)
+                now: tuple[int, int] | None = (st.st_ino, st.st_size)
+            except OSError:
+                now = None
+            if now == seen:
+                break
+            seen = now
 
 
 def failure_line(log: os.PathLike[str] | str) -> str:
     """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
     from pipeline.run.rundir.logscan import ERROR_TAIL_BYTES, last_error_line  # a failure's path only
 
-    wait_log_written()
+    wait_log_written(Path(log))
     try:
         # across a rotation: the line may be in stage.1.log when the log writer just rotated the log
         return last_error_line(read_tail(Path(log), ERROR_TAIL_BYTES).decode(errors="replace"))
