@@ -300,9 +300,12 @@ def test_thresholds_are_plan_keys_with_defaults_and_bad_values_name_file_and_key
 
 
 # ------------------------------------------------------------------------------ through the console
+# The stage holds until the test has seen the console attach (a console toasts only what is raised after it
+# attached; the alert list has the rest), then logs a loss curve that ends in nan.
 NAN_STAGE = (
-    "import time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
-    "time.sleep(3)\nfor i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
+    "import os, sys, time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+    "for i in range(8):\n    ctx.metric('loss', 3.0 - 0.1 * i, step=i)\n"
     "ctx.metric('loss', float('nan'), step=8)\ntime.sleep(60)\n"
 )
 
@@ -325,7 +328,7 @@ async def test_an_anomaly_raised_on_the_host_reaches_the_hook_the_toast_and_the_
         command = "true"
         [[stage]]
         id = "trainer"
-        command = "{sys.executable} {tmp_path / "nan.py"}"
+        command = "{sys.executable} {tmp_path / "nan.py"} {tmp_path / "go"}"
         kill_grace_s = 1
         """,
     )
@@ -338,6 +341,8 @@ async def test_an_anomaly_raised_on_the_host_reaches_the_hook_the_toast_and_the_
         app.notify = lambda message, **kw: (notes.append(str(message)), orig(message, **kw))[1]  # type: ignore[method-assign]
         app.bell = lambda: bells.append(1)  # type: ignore[method-assign]
         async with app.run_test(size=(120, 30)) as pilot:
+            await until(pilot, lambda: app.alerts.seen is not None, what="the console attached to the alerts")
+            (tmp_path / "go").touch()
             await until(pilot, lambda: app.alerts.announced >= 1, what="the alert's toast")
             note = next(n for n in notes if "loss became nan" in n)
             assert "loss = nan at step 8" in note and "[a: alerts, Enter: go to trainer]" in note

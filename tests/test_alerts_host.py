@@ -327,12 +327,19 @@ CONSOLE_PLAN = """
     stall_minutes = {stall}
     [[stage]]
     id = "bad"
-    command = "sleep 2; echo about to fail; exit 3"
+    command = "while [ ! -e {gate}1 ]; do sleep 0.05; done; echo about to fail; exit 3"
     [[stage]]
     id = "quiet"
-    command = "{py} {script}"
+    command = "{py} {script} {gate}2"
     kill_grace_s = 1
 """
+# Reports progress once its gate exists, then falls silent: an operator command is stalled only after a first
+# report, so the test decides which consoles are attached when the stall is raised.
+GATED_STALL_STAGE = (
+    "import os, sys, time\nfrom pipeline.run.stage_side.runtime import StageContext\nctx = StageContext.from_env()\n"
+    "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+    "ctx.progress(1, 10, 'steps')\ntime.sleep(120)\n"
+)
 
 
 def _alert_list(app: object) -> list[tuple[int, str, str, bool, str | None]]:
@@ -353,16 +360,24 @@ async def test_three_consoles_attached_at_different_times_list_the_same_alerts(t
     from tests.screen_text import svg_rows
     from tests.test_console import until
 
-    (tmp_path / "stall.py").write_text(STALL_STAGE)
+    (tmp_path / "stall.py").write_text(GATED_STALL_STAGE)
+    gate = tmp_path / "go"  # go1 lets "bad" fail, go2 lets "quiet" report and then stall
     run = make_run(
-        tmp_path, CONSOLE_PLAN.format(stall=4 / 60, py=sys.executable, script=tmp_path / "stall.py")
+        tmp_path,
+        CONSOLE_PLAN.format(stall=4 / 60, py=sys.executable, script=tmp_path / "stall.py", gate=gate),
     )
     sup = start_supervisor(run, poll=POLL)
     apps = [AerieApp(LocalTransport(str(run.root)), poll_s=0.2, user_config={}) for _ in range(3)]
     try:
         async with apps[0].run_test(size=(120, 30)) as p1:
+            await until(p1, lambda: apps[0].alerts.seen is not None, 30, "console 1 attached to the alerts")
+            Path(f"{gate}1").touch()
             await until(p1, lambda: len(_alert_list(apps[0])) >= 1, 30, "the failure's alert in console 1")
             async with apps[1].run_test(size=(120, 30)) as p2:
+                await until(
+                    p2, lambda: apps[1].alerts.seen is not None, 30, "console 2 attached to the alerts"
+                )
+                Path(f"{gate}2").touch()
                 await until(p2, lambda: len(_alert_list(apps[1])) >= 2, 30, "the stall's alert in console 2")
                 async with apps[2].run_test(size=(100, 30)) as p3:
                     await until(p3, lambda: len(_alert_list(apps[2])) >= 2, 20, "both in console 3")
