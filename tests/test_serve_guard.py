@@ -40,11 +40,15 @@ from tests.test_serve_faults import _stat, descendants, free_port, reap, wait_li
 TOKEN = "s3cret-serve-token-0123456789"
 
 
+def token_path(port: int) -> Path:
+    """Where ``aerie serve`` on 127.0.0.1:``port`` writes the token it generates, as docs/operating.md says
+    (the state directory under this test's AERIE_HOME)."""
+    return Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token"
+
+
 def generated_token(port: int) -> str:
-    """The token ``aerie serve`` generated for ``port`` (its 0600 file under this test's AERIE_HOME)."""
-    return (
-        (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").read_text().strip()
-    )
+    """The token ``aerie serve`` generated for ``port`` (its 0600 file, :func:`token_path`)."""
+    return token_path(port).read_text().strip()
 
 
 def spawn(
@@ -173,8 +177,8 @@ def test_a_token_is_required_by_default_and_never_shown_or_logged(tmp_path: Path
     server = start(tmp_path, run.root, port)
     try:
         err = (tmp_path / "serve.err").read_text()
-        folder = Path(os.environ["AERIE_HOME"]) / "state" / "serve"
-        path = folder / f"127.0.0.1-{port}.token"
+        path = token_path(port)
+        folder = path.parent
         assert f"cat {path}" in err and f"http://127.0.0.1:{port}/ " in err  # the URL, without a token
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(folder.stat().st_mode) == 0o700
         token = path.read_text().strip()
@@ -220,7 +224,7 @@ def test_a_generated_token_file_is_removed_however_the_server_is_stopped(tmp_pat
     run = finished_run(tmp_path / "r")
     port = free_port()
     server = start(tmp_path, run.root, port)
-    path = Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token"
+    path = token_path(port)
     try:
         assert path.exists()
         os.kill(server.pid, sig)  # as a closed terminal (SIGHUP), Ctrl-C or a service manager would
@@ -244,7 +248,7 @@ def test_a_stop_while_the_server_starts_is_as_clean_as_one_while_it_serves(tmp_p
         assert "Traceback" not in logs(tmp_path)
     finally:
         reap(server, {})
-    assert not (Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token").exists()
+    assert not token_path(port).exists()
 
 
 # ------------------------------------------------------------------------ what a request carries in
@@ -487,7 +491,7 @@ def test_a_busy_port_is_one_line_naming_it(tmp_path: Path) -> None:
     port = free_port()
     first = start(tmp_path, run.root, port)
     try:
-        token_file = Path(os.environ["AERIE_HOME"]) / "state" / "serve" / f"127.0.0.1-{port}.token"
+        token_file = token_path(port)
         token = token_file.read_text()
         r = subprocess.run(
             [sys.executable, "-m", "console.cli", "serve", str(run.root), "--port", str(port)],
