@@ -6,6 +6,7 @@ stages, fixed pids and times, ``time.time`` frozen) drawn at 80x24, 120x40 and 2
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
@@ -22,7 +23,7 @@ from console.app import AerieApp, most_relevant
 from console.headless import follow
 from console.model import RunModel, StageView
 from console.screens.dialogs import HelpScreen
-from console.transport import LocalTransport
+from console.transport import CtlResult, LocalTransport
 from console.widgets.board import StageBoard
 from console.widgets.detail import StageDetail
 from console.widgets.meters import MetersPanel
@@ -297,10 +298,21 @@ async def test_focus_is_shown_and_help_lists_the_focused_panes_keys_and_the_boar
         assert board.selected_key != selected, "the arrows move the board again"
 
 
+class HostNotAnswering(LocalTransport):
+    """The run's files read as ever, but no ``ctl`` answer comes (a host slow to run the liveness check): what
+    the console shows from the snapshot alone. Once the host says the supervisor is dead, a read-only watcher
+    shows every stage from its files instead (test_a_read_only_watcher_with_no_supervisor_…)."""
+
+    async def ctl(self, *args: str) -> CtlResult:
+        await asyncio.Event().wait()  # never set
+        raise AssertionError("unreachable")
+
+
 async def test_a_read_only_watcher_on_a_corrupt_state_says_why_it_waits(tmp_path: Path) -> None:
     run = make_run(tmp_path, '[run]\nname = "c"\ndir = "run"\n[[stage]]\nid = "x"\ncommand = "true"\n')
     run.state_path.write_text('{"run": "c", "stages": [{"id": "x", "sta')  # cut short: not valid JSON
-    app = AerieApp(LocalTransport(str(run.root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
+    # (CI: under load the liveness answer and the rows from files came within the test's 0.3 s)
+    app = AerieApp(HostNotAnswering(str(run.root)), poll_s=0.2, alerts=False, user_config={}, read_only=True)
     async with app.run_test(size=(120, 30)) as pilot:
         await until(pilot, lambda: app.model.state_problem is not None, what="the state read")
         await pilot.pause(0.3)
