@@ -22,7 +22,7 @@ from console.transport import LocalTransport
 from pipeline.run.rundir import audit, growth
 from pipeline.run.rundir.events import CARRIED, Event, EventTail, EventWriter, read_all
 from pipeline.run.rundir.layout import RunDir, read_json, write_json
-from pipeline.run.stage_side.launcher import failure_line
+from pipeline.run.stage_side.launcher import attempt_tail, failure_line
 from tests.runs import ctl, make_run, start_supervisor, stop, wait_done, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,6 +188,38 @@ def _log_writer(log: Path, limit: int) -> subprocess.Popen[bytes]:
     )
 
 
+def test_the_failure_line_waits_for_a_writer_behind_and_ends_at_the_attempts_end_banner(
+    tmp_path: Path,
+) -> None:
+    """The stage has exited but its log writer is behind (here stopped, as a writer held off the CPU after a
+    burst is): the launcher's read waits until its end banner is in the log, so the reason is the stage's
+    last words, not a line of the output before them; what a process the stage left running writes after
+    the banner is not the reason either."""
+    import signal
+    import threading
+
+    log = tmp_path / "stages" / "a" / "stage.log"
+    log.parent.mkdir(parents=True)
+    writer = _log_writer(log, 0)
+    assert writer.stdin is not None
+    banner = "===== aerie: a attempt 1 failed (rc 3) 2026-12-07 23:59:01 ====="
+    try:
+        writer.stdin.write(b"===== aerie: a attempt 1 started =====\n" + b"a line of output\n" * 5000)
+        writer.stdin.flush()
+        wait_for(lambda: log.exists() and log.stat().st_size > 80_000, 20, "the output written")
+        os.kill(writer.pid, signal.SIGSTOP)
+        writer.stdin.write(b"RuntimeError: the last words\n" + banner.encode() + b"\nan orphan's line\n")
+        writer.stdin.flush()
+        threading.Timer(0.5, os.kill, (writer.pid, signal.SIGCONT)).start()
+        tail = attempt_tail(log, banner)
+        assert failure_line(tail) == "RuntimeError: the last words"
+        assert "orphan" not in tail and banner not in tail
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+        writer.stdin.close()
+        writer.wait(20)
+
+
 def test_log_writer_rotates_by_rename_log_viewer_and_failure_line(tmp_path: Path) -> None:
     """The stage's output goes through its log writer, which renames stage.log to stage.1.log past the
     limit (never copies): the log viewer notices the new file and re-indexes (no stale line), the failure
@@ -218,7 +250,7 @@ def test_log_writer_rotates_by_rename_log_viewer_and_failure_line(tmp_path: Path
     assert rows[-1] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert index.resets == 1
     assert (tmp_path / "stages" / "a" / "stage.1.log").read_bytes().startswith(b"step 0 ok\n")
-    assert "illegal memory access" in failure_line(log)
+    assert "illegal memory access" in failure_line(attempt_tail(log, ""))  # across the rotation
     sizes = [p.stat().st_size for p in log.parent.glob("stage*.log")]
     assert len(sizes) <= 3 and all(s <= 10_000 for s in sizes), sizes
 

@@ -25,11 +25,9 @@ the supervisor then follows the attempt's processes and records the exit when th
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
-import stat
 import sys
 import time
 from pathlib import Path
@@ -119,52 +117,42 @@ def stage_env(stage: dict[str, Any], run: RunDir, attempt: int, token: str = "")
 LOG_DRAIN_S = 2.0  # the longest the launcher waits for the log writer to write the stage's last bytes
 
 
-def wait_log_written(log: Path, within_s: float = LOG_DRAIN_S) -> None:
-    """When stdout is the log writer's pipe: wait until it has taken every byte the stage wrote (the pipe
-    is empty, and ``log``'s size and inode have stopped moving: its last read, or a rotation, on its way to
-    the file), so its last lines are in ``stage.log`` before they are read for the failure reason. Bounded:
-    a process the stage left running may write on."""
-    import array  # a failed stage's path only: not imported by every launch
-    import termios
+def attempt_tail(log: os.PathLike[str] | str, end_banner: str, within_s: float = LOG_DRAIN_S) -> str:
+    """The end of the attempt's output, up to ``end_banner`` (the line the launcher printed once the stage
+    had exited; "" when it could not: the tail as it is). Its stdout is the log writer's pipe, which hands bytes on in order: once the banner is in
+    ``log`` (or, just rotated, the generation before it) every byte the stage wrote before is too. So this
+    waits for the banner itself, not for the pipe to look empty and the file to look still (CI: after a 4 GiB
+    burst the writer's last write, or a rotation, came later than any fixed pause). Bounded: a writer that
+    is gone, or a process the stage left running that writes on, costs ``within_s`` at most, and then the
+    tail is taken as it is."""
+    from pipeline.run.rundir.logscan import ERROR_TAIL_BYTES  # a failure's path only
 
-    with contextlib.suppress(OSError):
-        sys.stdout.flush()
-        if not stat.S_ISFIFO(os.fstat(1).st_mode):
-            return
-        deadline = time.monotonic() + within_s
-        pending = array.array("i", [0])
-        while time.monotonic() < deadline:
-            fcntl.ioctl(1, termios.FIONREAD, pending)
-            if pending[0] == 0:
-                break
-            time.sleep(0.01)
-        seen = None
-        while time.monotonic() < deadline:  # two looks 50 ms apart that agree (CI: one fixed 50 ms was short)
-            time.sleep(0.05)
-            try:
-                st = os.stat(log)
-                now: tuple[int, int] | None = (st.st_ino, st.st_size)
-            except OSError:
-                now = None
-            if now == seen:
-                break
-            seen = now
+    mark = end_banner.encode()
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            data = read_tail(Path(log), ERROR_TAIL_BYTES + len(mark) + 1)
+        except OSError:
+            data = b""
+        at = data.rfind(mark)
+        if at >= 0:
+            data = data[:at]
+            break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    return data[-ERROR_TAIL_BYTES:].decode(errors="replace")
 
 
-def failure_line(log: os.PathLike[str] | str) -> str:
-    """Why the attempt failed, in one line, from the end of its log (see ``logscan.last_error_line``)."""
-    from pipeline.run.rundir.logscan import ERROR_TAIL_BYTES, last_error_line  # a failure's path only
+def failure_line(tail: str) -> str:
+    """Why the attempt failed, in one line, from the end of its output (see ``logscan.last_error_line``)."""
+    from pipeline.run.rundir.logscan import last_error_line  # a failure's path only
 
-    wait_log_written(Path(log))
-    try:
-        # across a rotation: the line may be in stage.1.log when the log writer just rotated the log
-        return last_error_line(read_tail(Path(log), ERROR_TAIL_BYTES).decode(errors="replace"))
-    except OSError:
-        return ""
+    return last_error_line(tail)
 
 
-def _ran_out_of_space(sd: StageDir) -> bool:
-    """Did the stage die of a full disk? Its filesystem is (nearly) full, or its log's tail says so."""
+def _ran_out_of_space(sd: StageDir, tail: str) -> bool:
+    """Did the stage die of a full disk? Its filesystem is (nearly) full, or its output's tail says so."""
     from pipeline.run.hosts import nospace  # a failure's path only
 
     try:
@@ -173,7 +161,6 @@ def _ran_out_of_space(sd: StageDir) -> bool:
             return True
     except OSError:
         pass
-    tail = read_tail(sd.log, 16384).decode(errors="replace")
     tail = tail.rsplit(f"===== aerie: {sd.id} attempt ", 1)[-1].lower()  # this attempt's lines only
     return any(t.lower() in tail for t in nospace.NOSPACE_TEXT)
 
@@ -255,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         _never_started(sd, attempt, events, 127, ExitStatus.FAILED, str(exc))
         return 127
     rc = _wait(child)
-    status = _finish(sd, stage_id, attempt, rc, oom_before, events)
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    with contextlib.suppress(OSError):
-        print(f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} =====", flush=True)
+    _finish(sd, stage_id, attempt, rc, oom_before, events)
     if os.environ.get("AERIE_EXECUTOR") == "slurm":
         # Slurm's record of the job (sacct, scontrol) carries the stage's own status, as a shell reports it.
         return rc if rc >= 0 else 128 - rc
@@ -344,19 +328,7 @@ def _finish(
         status = ExitStatus.SUCCEEDED if killed.get("reason") == "stop" else ExitStatus.KILLED
     else:
         status = ExitStatus.FAILED
-    why = failure_line(sd.log) if status == ExitStatus.FAILED else ""
-    record = {
-        "attempt": attempt,
-        "returncode": rc,
-        "signal": sig_name,
-        "t": time.time(),
-        **({"error": why} if why else {}),
-    }
-    if rc > 0 and _ran_out_of_space(sd):
-        # "exit 1: no space left on device /dev/sdb1 (ext4 at /data, 0 B free of 2.0 TiB)"
-        from pipeline.run.hosts import nospace
-
-        record["detail"] = f"exit {rc}: {nospace.describe(sd.out)}"
+    record: dict[str, Any] = {"attempt": attempt, "returncode": rc, "signal": sig_name, "t": time.time()}
     if sig:
         # "killed by signal 9 (SIGKILL): out of memory — the kernel's OOM killer, at the memory limit of ..."
         record["detail"] = oom.describe(sig, oom_before, oom.reading(), sent_by_aerie=bool(killed))
@@ -364,6 +336,24 @@ def _finish(
             print(f"aerie: {stage_id} {record['detail']}", flush=True)
         if not killed:
             events.emit("message", level="error", code="signal", signal=sig, text=record["detail"])
+    # The attempt's last line in the log, printed before its output is read: it marks where that output ends.
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    banner = f"===== aerie: {stage_id} attempt {attempt} {status} (rc {rc}) {stamp} ====="
+    try:
+        print(banner, flush=True)
+    except OSError:
+        banner = ""  # nothing to wait for: the tail as it is
+    if status == ExitStatus.FAILED or rc > 0:
+        tail = attempt_tail(sd.log, banner)
+        why = failure_line(tail) if status == ExitStatus.FAILED else ""
+        if why:
+            record["error"] = why
+        if rc > 0 and _ran_out_of_space(sd, tail):
+            # "exit 1: no space left on device /dev/sdb1 (ext4 at /data, 0 B free of 2.0 TiB)"
+            from pipeline.run.hosts import nospace
+
+            record["detail"] = f"exit {rc}: {nospace.describe(sd.out)}"
+    why = record.get("error", "")
     _write_record(sd.exit, record, EXIT_WRITE_S)
     with contextlib.suppress(OSError):  # a full disk: the exit record above is what counts
         events.emit(
